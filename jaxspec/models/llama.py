@@ -1,0 +1,285 @@
+"""Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, SmolLM) as pure functions over a param pytree.
+
+Params (weights in torch `Linear` layout `[out, in]`, contracted on their last dim — the faster
+layout for the small-M matmuls of decode and verify on XLA:CPU, see DESIGN.md):
+
+    {"embed": [V, D],
+     "layers": tuple of L dicts (unrolled)  or  one dict with a leading [L] axis (lax.scan):
+        {"attn_norm": [D], "wq": [N*H, D], "wk": [K*H, D], "wv": [K*H, D], "wo": [D, N*H],
+         "bq"/"bk"/"bv": [N*H]/[K*H]/[K*H] (attention_bias), "q_norm"/"k_norm": [H] (qk_norm),
+         "mlp_norm": [D], "w_gate": [F, D], "w_up": [F, D], "w_down": [D, F]},
+     "final_norm": [D],
+     "lm_head": [V, D] (absent when tie_word_embeddings)}
+
+Dimension letters: B batch, T query tokens, S cache slots, L layers, N query heads, K kv heads,
+G query heads per kv head, H head dim, D model dim, F mlp dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import KVCache
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder. Hashable: passed to jit as a static argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 2048
+    dtype: str = "float32"  # compute dtype; params are cast to it at load time
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+
+def param_axes(cfg: ModelConfig, *, stacked: bool = False) -> Params:
+    """Logical axis names for every param leaf, in the same pytree structure as the params."""
+    layer = {
+        "attn_norm": ("embed",),
+        "wq": ("heads", "embed"),
+        "wk": ("kv_heads", "embed"),
+        "wv": ("kv_heads", "embed"),
+        "wo": ("embed", "heads"),
+        "mlp_norm": ("embed",),
+        "w_gate": ("mlp", "embed"),
+        "w_up": ("mlp", "embed"),
+        "w_down": ("embed", "mlp"),
+    }
+    if cfg.attention_bias:
+        layer |= {"bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",)}
+    if cfg.qk_norm:
+        layer |= {"q_norm": ("head_dim",), "k_norm": ("head_dim",)}
+    axes: Params = {"embed": ("vocab", "embed"), "final_norm": ("embed",)}
+    if stacked:
+        axes["layers"] = {k: ("layers", *v) for k, v in layer.items()}
+    else:
+        axes["layers"] = tuple(dict(layer) for _ in range(cfg.num_layers))
+    if not cfg.tie_word_embeddings:
+        axes["lm_head"] = ("vocab", "embed")
+    return axes
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """Shape of every leaf of unstacked params (used by random init and by loaders to check)."""
+    d, h = cfg.hidden_size, cfg.head_dim
+    nh, kh = cfg.num_heads * h, cfg.num_kv_heads * h
+    layer = {
+        "attn_norm": (d,),
+        "wq": (nh, d),
+        "wk": (kh, d),
+        "wv": (kh, d),
+        "wo": (d, nh),
+        "mlp_norm": (d,),
+        "w_gate": (cfg.intermediate_size, d),
+        "w_up": (cfg.intermediate_size, d),
+        "w_down": (d, cfg.intermediate_size),
+    }
+    if cfg.attention_bias:
+        layer |= {"bq": (nh,), "bk": (kh,), "bv": (kh,)}
+    if cfg.qk_norm:
+        layer |= {"q_norm": (h,), "k_norm": (h,)}
+    shapes: Params = {
+        "embed": (cfg.vocab_size, d),
+        "final_norm": (d,),
+        "layers": tuple(dict(layer) for _ in range(cfg.num_layers)),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random params (tests, and initialising small draft models)."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for shape, k in zip(leaves, keys):
+        if len(shape) == 1:  # norms start at one, biases small
+            out.append(jnp.ones(shape, cfg.compute_dtype))
+        else:
+            out.append((scale * jax.random.normal(k, shape)).astype(cfg.compute_dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def stack_layers(params: Params) -> Params:
+    """Per-layer tuple -> one dict of `[L, ...]` arrays (the lax.scan layout, usual on TPU)."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    return params | {"layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:  # f32[H/2]
+    h = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths divided by `factor`, short kept, a smooth ramp between.
+    wavelen = 2 * jnp.pi / inv_freq
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    ramped = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(is_mid, ramped, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x: [B, T, N, H]; positions: int[B, T]. Half-split (rotate_half) convention of HF Llama."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x: [..., in] @ w: [out, in] -> [..., out]."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _attention(q, k, v, mask):
+    """q: [B, T, N, H]; k, v: [B, S, K, H]; mask: bool[B, T, S] -> [B, T, N*H]."""
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", weights, v)
+    return out.reshape(b, t, n * h)
+
+
+def _layer(cfg, lp, x, k_all, v_all, layer_idx, positions, mask, inv_freq):
+    """One decoder layer. Writes this step's k/v into the cache at `positions` of `layer_idx`."""
+    b, t, _ = x.shape
+    h = cfg.head_dim
+    y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = _linear(y, lp["wq"]), _linear(y, lp["wk"]), _linear(y, lp["wv"])
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(b, t, cfg.num_heads, h)
+    k = k.reshape(b, t, cfg.num_kv_heads, h)
+    v = v.reshape(b, t, cfg.num_kv_heads, h)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    rows = jnp.arange(b)[:, None]  # [B, 1]
+    k_all = k_all.at[layer_idx, rows, positions].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[layer_idx, rows, positions].set(v.astype(v_all.dtype), mode="drop")
+    attn = _attention(q, k_all[layer_idx].astype(q.dtype), v_all[layer_idx].astype(q.dtype), mask)
+    x = x + _linear(attn, lp["wo"])
+    y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    y = jax.nn.silu(_linear(y, lp["w_gate"])) * _linear(y, lp["w_up"])
+    return x + _linear(y, lp["w_down"]), k_all, v_all
+
+
+class ForwardOutput(NamedTuple):
+    hidden: jax.Array  # [B, T, D] after the final norm (feed to `lm_head`)
+    cache: KVCache  # k/v written at lengths..lengths+T-1; lengths NOT advanced (see KVCache.commit)
+    layer_hidden: jax.Array | None  # [len(hidden_layers), B, T, D], HF `hidden_states` indexing
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    cache: KVCache,
+    cfg: ModelConfig,
+    hidden_layers: tuple[int, ...] = (),
+) -> ForwardOutput:
+    """Run `tokens: int[B, T]` at positions `cache.lengths[:, None] + arange(T)`.
+
+    `hidden_layers` picks HF-style hidden states: 0 = embeddings, i = output of layer i
+    (num_layers = after the final norm). Works on the unrolled (tuple) and stacked (scan) layouts.
+    """
+    b, t = tokens.shape
+    positions = cache.positions(t)  # [B, T]
+    mask = cache.mask(t)  # [B, T, S]
+    inv_freq = rope_frequencies(cfg)
+    x = params["embed"][tokens].astype(cfg.compute_dtype)  # [B, T, D]
+    collected = {0: x}
+    k_all, v_all = cache.k, cache.v
+    layers = params["layers"]
+    if isinstance(layers, dict):  # stacked: scan over layers, carrying the whole cache
+
+        def body(carry, lp):
+            x, k_all, v_all, i = carry
+            x, k_all, v_all = _layer(cfg, lp, x, k_all, v_all, i, positions, mask, inv_freq)
+            return (x, k_all, v_all, i + 1), x
+
+        (x, k_all, v_all, _), per_layer = jax.lax.scan(body, (x, k_all, v_all, 0), layers)
+        for i in hidden_layers:
+            if 0 < i < cfg.num_layers:
+                collected[i] = per_layer[i - 1]
+    else:
+        for i, lp in enumerate(layers):
+            x, k_all, v_all = _layer(cfg, lp, x, k_all, v_all, i, positions, mask, inv_freq)
+            collected[i + 1] = x
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    collected[cfg.num_layers] = x
+    layer_hidden = jnp.stack([collected[i] for i in hidden_layers]) if hidden_layers else None
+    return ForwardOutput(x, dataclasses.replace(cache, k=k_all, v=v_all), layer_hidden)
+
+
+def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden: [..., D] -> f32 logits [..., V]."""
+    w = params.get("lm_head", params["embed"])
+    return _linear(hidden, w.astype(hidden.dtype)).astype(jnp.float32)
+
+
+def forward_logits(params, tokens, cache, cfg) -> tuple[jax.Array, KVCache]:
+    """Convenience: logits for every query position, and the written cache."""
+    out = forward(params, tokens, cache, cfg)
+    return lm_head(params, out.hidden), out.cache
