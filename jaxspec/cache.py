@@ -18,13 +18,15 @@ CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    # Per-layer tuple of [B, S, K, H] (unrolled layout; in-place writes on XLA:CPU), or one
+    # [L, B, S, K, H] array (stacked layout, scanned with the stacked params).
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
     lengths: jax.Array  # int32[B], committed tokens per row
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1] if isinstance(self.k, tuple) else self.k.shape[2]
 
     def positions(self, num_queries: int) -> jax.Array:  # int32[B, T]
         return self.lengths[:, None] + jnp.arange(num_queries, dtype=jnp.int32)
@@ -47,13 +49,21 @@ def init_cache(
     num_kv_heads: int,
     head_dim: int,
     dtype=jnp.float32,
+    stacked: bool = False,
 ) -> KVCache:
-    shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
-    return KVCache(
-        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32)
-    )
+    lengths = jnp.zeros((batch,), jnp.int32)
+    if stacked:
+        shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=lengths)
+    shape = (batch, capacity, num_kv_heads, head_dim)
+    k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    return KVCache(k=k, v=v, lengths=lengths)
 
 
-def cache_axes() -> KVCache:
+def cache_axes(num_layers: int, stacked: bool = False) -> KVCache:
     """Logical axis names of every cache leaf (same pytree structure as a KVCache)."""
-    return KVCache(k=CACHE_AXES, v=CACHE_AXES, lengths=("batch",))
+    if stacked:
+        return KVCache(k=CACHE_AXES, v=CACHE_AXES, lengths=("batch",))
+    per_layer = tuple(CACHE_AXES[1:] for _ in range(num_layers))
+    return KVCache(k=per_layer, v=per_layer, lengths=("batch",))

@@ -200,8 +200,8 @@ def _attention(q, k, v, mask):
     return out.reshape(b, t, n * h)
 
 
-def _layer(cfg, lp, x, k_all, v_all, layer_idx, positions, mask, inv_freq):
-    """One decoder layer. Writes this step's k/v into the cache at `positions` of `layer_idx`."""
+def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq):
+    """One decoder layer. Writes this step's k/v into its cache `[B, S, K, H]` at `positions`."""
     b, t, _ = x.shape
     h = cfg.head_dim
     y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -217,13 +217,13 @@ def _layer(cfg, lp, x, k_all, v_all, layer_idx, positions, mask, inv_freq):
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     rows = jnp.arange(b)[:, None]  # [B, 1]
-    k_all = k_all.at[layer_idx, rows, positions].set(k.astype(k_all.dtype), mode="drop")
-    v_all = v_all.at[layer_idx, rows, positions].set(v.astype(v_all.dtype), mode="drop")
-    attn = _attention(q, k_all[layer_idx].astype(q.dtype), v_all[layer_idx].astype(q.dtype), mask)
+    k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+    attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     x = x + _linear(attn, lp["wo"])
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     y = jax.nn.silu(_linear(y, lp["w_gate"])) * _linear(y, lp["w_up"])
-    return x + _linear(y, lp["w_down"]), k_all, v_all
+    return x + _linear(y, lp["w_down"]), k_cache, v_cache
 
 
 class ForwardOutput(NamedTuple):
@@ -250,27 +250,34 @@ def forward(
     inv_freq = rope_frequencies(cfg)
     x = params["embed"][tokens].astype(cfg.compute_dtype)  # [B, T, D]
     collected = {0: x}
-    k_all, v_all = cache.k, cache.v
     layers = params["layers"]
-    if isinstance(layers, dict):  # stacked: scan over layers, carrying the whole cache
+    if isinstance(layers, dict):  # stacked: scan over layers and the [L, ...] cache together
+        if isinstance(cache.k, tuple):
+            raise ValueError("stacked params need a stacked cache: init_cache(..., stacked=True)")
 
-        def body(carry, lp):
-            x, k_all, v_all, i = carry
-            x, k_all, v_all = _layer(cfg, lp, x, k_all, v_all, i, positions, mask, inv_freq)
-            return (x, k_all, v_all, i + 1), x
+        def body(x, xs):
+            lp, k_l, v_l = xs
+            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq)
+            return x, (k_l, v_l, x)
 
-        (x, k_all, v_all, _), per_layer = jax.lax.scan(body, (x, k_all, v_all, 0), layers)
+        x, (k_new, v_new, per_layer) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
         for i in hidden_layers:
             if 0 < i < cfg.num_layers:
                 collected[i] = per_layer[i - 1]
     else:
-        for i, lp in enumerate(layers):
-            x, k_all, v_all = _layer(cfg, lp, x, k_all, v_all, i, positions, mask, inv_freq)
-            collected[i + 1] = x
+        if not isinstance(cache.k, tuple):
+            raise ValueError("per-layer params need a per-layer cache: init_cache(..., stacked=False)")
+        k_new, v_new = [], []
+        for lp, k_l, v_l in zip(layers, cache.k, cache.v):
+            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq)
+            k_new.append(k_l)
+            v_new.append(v_l)
+            collected[len(k_new)] = x
+        k_new, v_new = tuple(k_new), tuple(v_new)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     collected[cfg.num_layers] = x
     layer_hidden = jnp.stack([collected[i] for i in hidden_layers]) if hidden_layers else None
-    return ForwardOutput(x, dataclasses.replace(cache, k=k_all, v=v_all), layer_hidden)
+    return ForwardOutput(x, dataclasses.replace(cache, k=k_new, v=v_new), layer_hidden)
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:

@@ -1,0 +1,248 @@
+"""Host side of generation: tokenise, bucket, batch, run the jitted programs, time, report.
+
+    engine = Engine(model)                          # plain decoding
+    engine = Engine(model, drafter, num_speculative_tokens=4)
+    results = engine.generate(["Hi!"], max_new_tokens=64)
+    for piece in engine.stream("Tell me a story"): print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import speculate
+from jaxspec.errors import JaxspecError
+from jaxspec.sampling import SamplingParams
+
+MIN_PROMPT_BUCKET = 32
+MAX_SPECULATIVE_TOKENS = 16  # γ above this costs more verify than it can win back
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    prompt: str
+    text: str
+    token_ids: list[int]  # generated tokens only
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+    metrics: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
+    """Round up to a power of two (at least `minimum`): few shapes, so few compilations."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+class Engine:
+    def __init__(
+        self,
+        model,  # jaxspec.loading.LoadedModel
+        drafter=None,
+        drafter_params: Any = None,
+        *,
+        num_speculative_tokens: int = 0,
+        chat_template: bool = True,
+        system_prompt: str | None = None,
+    ):
+        if drafter is None:
+            num_speculative_tokens = 0
+        elif not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise JaxspecError(
+                f"num_speculative_tokens={num_speculative_tokens} is out of range: "
+                f"use 1..{MAX_SPECULATIVE_TOKENS}"
+            )
+        self.model = model
+        self.drafter = drafter
+        self.drafter_params = drafter_params
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        self.spec = speculate.LoopSpec(
+            cfg=model.cfg,
+            drafter=drafter,
+            num_speculative_tokens=num_speculative_tokens,
+            eos_ids=tuple(model.eos_token_ids),
+            windows=(1, 2, 4, 8),
+        )
+
+    @property
+    def method(self) -> str:
+        return "plain" if self.drafter is None else self.drafter.name
+
+    # ---- prompts -------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        tok = self.model.tokenizer
+        if self.chat_template and getattr(tok, "chat_template", None):
+            messages = [{"role": "user", "content": prompt}]
+            if self.system_prompt:
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return [int(t) for t in tok.encode(prompt)]
+
+    def _capacity(self, prompt_bucket: int, max_new_tokens: int) -> int:
+        return prompt_bucket + bucket(max_new_tokens) + self.spec.num_speculative_tokens + 1
+
+    def _check_fits(self, ids: list[int], max_new_tokens: int) -> None:
+        limit = self.model.cfg.max_position_embeddings
+        if not ids:
+            raise JaxspecError("empty prompt: give at least one token")
+        if len(ids) + max_new_tokens > limit:
+            raise JaxspecError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"model's context of {limit} tokens: shorten the prompt or lower max_new_tokens"
+            )
+
+    # ---- running -------------------------------------------------------------------------
+    def _prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
+        b = max(batch_size, len(batch_ids))
+        p = bucket(max(len(ids) for ids in batch_ids))
+        prompt = np.zeros((b, p), np.int32)
+        lengths = np.ones((b,), np.int32)
+        for i, ids in enumerate(batch_ids):
+            prompt[i, : len(ids)] = ids
+            lengths[i] = len(ids)
+        max_new = np.full((b,), max_new_tokens, np.int32)
+        max_new[len(batch_ids) :] = 1  # padding rows finish at once
+        rows = np.zeros((b,), np.int32)
+        rows[: len(row_ids)] = row_ids
+        return speculate.prefill_jit(
+            self.spec,
+            self.model.params,
+            self.drafter_params,
+            jnp.asarray(prompt),
+            jnp.asarray(lengths),
+            jnp.asarray(max_new),
+            sp,
+            jax.random.key(seed),
+            jnp.asarray(rows),
+            capacity=self._capacity(p, max_new_tokens),
+        )
+
+    def _decode(self, state, sp, max_steps: int):
+        return speculate.decode_jit(
+            self.spec, self.model.params, self.drafter_params, state, sp, jnp.int32(max_steps)
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        batch_size: int = 1,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt, `batch_size` rows at a time (the last batch is padded)."""
+        if max_new_tokens < 1:
+            raise JaxspecError(f"max_new_tokens={max_new_tokens} must be at least 1")
+        if batch_size < 1:
+            raise JaxspecError(f"batch_size={batch_size} must be at least 1")
+        sp = sampling if sampling is not None else SamplingParams.make()
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:
+            self._check_fits(ids, max_new_tokens)
+        results: list[GenerationResult] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = list(range(start, min(start + batch_size, len(prompts))))
+            results += self._run_batch(
+                [prompts[i] for i in chunk], [encoded[i] for i in chunk], chunk,
+                max_new_tokens, sp, seed, batch_size,
+            )
+        return results
+
+    def _run_batch(self, prompts, batch_ids, row_ids, max_new_tokens, sp, seed, batch_size):
+        t0 = time.perf_counter()
+        state = self._prefill(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size)
+        jax.block_until_ready(state.tokens)
+        t1 = time.perf_counter()
+        state = self._decode(state, sp, 1 << 30)
+        jax.block_until_ready(state.tokens)
+        t2 = time.perf_counter()
+        return self._results(prompts, batch_ids, jax.device_get(state), t1 - t0, t2 - t1)
+
+    def _results(self, prompts, batch_ids, state, ttft, decode_s) -> list[GenerationResult]:
+        out = []
+        for i, (prompt, ids) in enumerate(zip(prompts, batch_ids)):
+            gen = state.tokens[i, len(ids) : state.lengths[i]].tolist()
+            text = self._decode_text(gen)
+            n = len(gen)
+            out.append(
+                GenerationResult(
+                    prompt=prompt if isinstance(prompt, str) else "",
+                    text=text,
+                    token_ids=gen,
+                    num_prompt_tokens=len(ids),
+                    num_generated_tokens=n,
+                    time_to_first_token_s=ttft,
+                    decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                    metrics=self._metrics(state, i, n),
+                )
+            )
+        return out
+
+    def _decode_text(self, token_ids: list[int]) -> str:
+        if self.model.tokenizer is None:  # raw token-id use (tests, research code)
+            return ""
+        kept = [t for t in token_ids if t not in self.model.eos_token_ids]
+        return self.model.tokenizer.decode(kept, skip_special_tokens=True)
+
+    def _metrics(self, state, row: int, num_generated: int) -> dict[str, Any]:
+        g = self.spec.num_speculative_tokens
+        steps = int(state.row_steps[row]) - 1  # decode forwards (prefill excluded)
+        drafted = int(state.num_draft[row])
+        accepted = int(state.num_accepted[row])
+        per_pos = state.accepted_per_position[row, :g].tolist() if g else []
+        return {
+            "method": self.method,
+            "num_speculative_tokens": g,
+            "num_steps": steps,
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": (num_generated - 1) / steps if steps else 1.0,
+            "accepted_per_position": [c / steps if steps else 0.0 for c in per_pos],
+        }
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        steps_per_chunk: int = 4,
+    ) -> Iterator[str]:
+        """Yield text pieces as they are generated (the jitted loop runs a few steps per chunk)."""
+        sp = sampling if sampling is not None else SamplingParams.make()
+        ids = self.encode(prompt)
+        self._check_fits(ids, max_new_tokens)
+        state = self._prefill([ids], max_new_tokens, sp, seed, [0], 1)
+        shown = ""
+        while True:
+            tokens, length, done = jax.device_get((state.tokens[0], state.lengths[0], state.done[0]))
+            text = self._decode_text(tokens[len(ids) : length].tolist())
+            if (done or not text.endswith("\ufffd")) and len(text) > len(shown):  # hold back split UTF-8
+                yield text[len(shown) :]
+                shown = text
+            if done:
+                return
+            state = self._decode(state, sp, steps_per_chunk)
