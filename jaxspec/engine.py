@@ -102,13 +102,17 @@ class Engine:
         return prompt_bucket + bucket(max_new_tokens) + self.spec.num_speculative_tokens + 1
 
     def _check_fits(self, ids: list[int], max_new_tokens: int) -> None:
-        limit = self.model.cfg.max_position_embeddings
+        limit, whose = self.model.cfg.max_position_embeddings, "model's"
+        draft_limit = getattr(self.drafter, "max_context", None)
+        if draft_limit is not None and draft_limit < limit:
+            limit, whose = draft_limit, "draft model's"
         if not ids:
             raise JaxspecError("empty prompt: give at least one token")
-        if len(ids) + max_new_tokens > limit:
+        need = len(ids) + max_new_tokens + self.spec.num_speculative_tokens
+        if need > limit:
             raise JaxspecError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"model's context of {limit} tokens: shorten the prompt or lower max_new_tokens"
+                f"{whose} context of {limit} tokens: shorten the prompt or lower max_new_tokens"
             )
 
     # ---- running -------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""Model drafters: a separate small Llama-family model (`draft_model`), or the target's own first
+N layers + final norm + LM head (`layer_skip`, self-speculation sharing the target's weights).
+
+The drafter keeps its own KV cache; its validity is implied by the committed length L, so commit
+has nothing to do: every proposal starts with a 2-token window [tokens[L-2], tokens[L-1]] that
+(re)writes the two newest committed slots — enough to catch up after any accepted count, bonus
+included — then γ-1 single-token steps on its own samples (lax.scan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import sampling
+from jaxspec.cache import KVCache, init_cache
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.errors import JaxspecError
+from jaxspec.models import llama
+
+
+def check_vocab(draft_vocab: int, target_vocab: int, draft_tokenizer=None, target_tokenizer=None):
+    """A draft may use a prefix of the target's vocabulary (padding rows aside); anything else
+    would propose tokens the target reads differently."""
+    if draft_tokenizer is not None and target_tokenizer is not None:
+        d, t = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+        small, large = (d, t) if len(d) <= len(t) else (t, d)
+        if any(large.get(piece) != idx for piece, idx in small.items()):
+            raise JaxspecError(
+                f"draft vocabulary ({draft_vocab} tokens) does not match the target's "
+                f"({target_vocab} tokens): use a draft model with the target's tokenizer"
+            )
+    elif draft_vocab != target_vocab:
+        raise JaxspecError(
+            f"draft vocabulary has {draft_vocab} tokens but the target has {target_vocab}: "
+            "use a draft model with the target's tokenizer"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    cfg: llama.ModelConfig  # the draft network's architecture
+    target_vocab: int
+    name: str = "draft_model"
+    shared_layers: int = 0  # > 0: layer_skip, the draft IS the target's first `shared_layers` layers
+    hidden_layers: tuple[int, ...] = ()
+    variable_length: bool = False
+
+    @property
+    def max_context(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def params(self, dparams, tparams):
+        if not self.shared_layers:
+            return dparams
+        layers = tparams["layers"]
+        n = self.shared_layers
+        layers = layers[:n] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[:n], layers)
+        return tparams | {"layers": layers}
+
+    def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
+        params = self.params(dparams, tparams)
+        c = self.cfg
+        stacked = isinstance(params["layers"], dict)
+        b = prompt_tokens.shape[0]
+        cache = init_cache(
+            c.num_layers, b, capacity, c.num_kv_heads, c.head_dim, c.compute_dtype, stacked
+        )
+        return llama.forward(params, prompt_tokens, cache, c).cache
+
+    def _probs(self, params, hidden, sp):  # [B, D] -> f32[B, V_target]
+        logits = llama.lm_head(params, hidden)
+        v, vd = self.target_vocab, logits.shape[-1]
+        if vd > v:  # draft padding rows: never proposed
+            logits = logits[:, :v]
+        elif vd < v:  # draft vocab is a prefix of the target's
+            logits = jnp.pad(logits, [(0, 0), (0, v - vd)], constant_values=-jnp.inf)
+        return sampling.logits_to_probs(logits, sp)
+
+    def propose(self, dparams, tparams, state: KVCache, ctx: DraftContext, num_tokens, sp, keys):
+        params = self.params(dparams, tparams)
+        b = ctx.lengths.shape[0]
+        start = jnp.maximum(ctx.lengths - 2, 0)  # [B]
+        pos = start[:, None] + jnp.arange(2)[None]  # [B, 2]
+        window = jnp.take_along_axis(ctx.tokens, pos, axis=1)
+        out = llama.forward(params, window, state.with_lengths(start), self.cfg)
+        last = jnp.take_along_axis(out.hidden, (ctx.lengths - 1 - start)[:, None, None], axis=1)
+        step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
+        probs = self._probs(params, last[:, 0], sp)
+        token = sampling.sample_rows(step_keys[:, 0], probs)
+
+        def step(carry, key_col):
+            cache, token, position = carry
+            out = llama.forward(params, token[:, None], cache.with_lengths(position), self.cfg)
+            probs = self._probs(params, out.hidden[:, 0], sp)
+            nxt = sampling.sample_rows(key_col, probs)
+            return (out.cache, nxt, position + 1), (nxt, probs)
+
+        carry = (out.cache, token, ctx.lengths)
+        (cache, _, _), (tokens, all_probs) = jax.lax.scan(
+            step, carry, jnp.swapaxes(step_keys[:, 1:], 0, 1)
+        )
+        drafts = jnp.concatenate([token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)  # [B, G]
+        q = jnp.concatenate([probs[:, None], jnp.swapaxes(all_probs, 0, 1)], axis=1)  # [B, G, V]
+        num = jnp.full((b,), num_tokens, jnp.int32)
+        return Proposal(drafts, q, num), cache
+
+    def commit(self, dparams, tparams, state, ctx: CommitContext):
+        return state
+
+
+def layer_skip_drafter(target_cfg: llama.ModelConfig, num_layers: int) -> ModelDrafter:
+    if not 1 <= num_layers < target_cfg.num_layers:
+        raise JaxspecError(
+            f"layer_skip_layers={num_layers} is out of range: the target has "
+            f"{target_cfg.num_layers} layers, use 1..{target_cfg.num_layers - 1}"
+        )
+    cfg = dataclasses.replace(target_cfg, num_layers=num_layers)
+    return ModelDrafter(
+        cfg=cfg, target_vocab=target_cfg.vocab_size, name="layer_skip", shared_layers=num_layers
+    )
+
+
+def draft_model_drafter(draft, target) -> ModelDrafter:
+    """draft, target: LoadedModel. Checks the vocabularies and the draft's context length."""
+    check_vocab(draft.cfg.vocab_size, target.cfg.vocab_size, draft.tokenizer, target.tokenizer)
+    # A shorter draft context is not fatal: the engine checks each request against `max_context`.
+    return ModelDrafter(cfg=draft.cfg, target_vocab=target.cfg.vocab_size)
