@@ -1,0 +1,44 @@
+"""Config -> Engine: load the target, build its drafter through the registry, set the prompt format.
+
+    config = load_config("configs/smollm2-135m-ngram.yaml")
+    engine = build_engine(config)
+    results = engine.generate(prompts, max_new_tokens=config.generation.max_new_tokens,
+                              sampling=sampling_params(config), seed=config.sampling.seed)
+"""
+
+from __future__ import annotations
+
+from jaxspec import drafters
+from jaxspec.config import Config
+from jaxspec.engine import Engine
+from jaxspec.sampling import SamplingParams
+
+
+def build_engine(config: Config, target=None) -> Engine:
+    """Load `config.model` (or reuse an already loaded `target`) and build its drafter.
+
+    The speculative method is checked before the (slow) model load, so a method that is not
+    available fails at once.
+    """
+    from jaxspec.loading import load_model  # heavy (transformers, gguf): only when building
+
+    spec = config.speculative
+    drafters.check_method(spec.method)
+    if target is None:
+        target = load_model(config.model.name, dtype=config.model.dtype, layout=config.model.layout)
+    drafter, drafter_params = drafters.build_drafter(spec, target)
+    return Engine(
+        target,
+        drafter,
+        drafter_params,
+        num_speculative_tokens=spec.num_speculative_tokens if drafter is not None else 0,
+        chat_template=config.generation.chat_template,
+        system_prompt=config.generation.system_prompt,
+    )
+
+
+def sampling_params(config: Config) -> SamplingParams:
+    s = config.sampling
+    return SamplingParams.make(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p
+    )

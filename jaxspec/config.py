@@ -1,0 +1,289 @@
+"""Run configuration: frozen keyword-only dataclasses; YAML files and dotted overrides fill them.
+
+    cfg = load_config("configs/smollm2-135m-ngram.yaml", ["sampling.temperature=0.7"])
+    cfg = Config(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+
+Every field is type-checked and range-checked on construction, so a Config built in Python is as
+valid as one read from YAML. Every mistake is a one-line `JaxspecError` naming `section.key`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+
+from jaxspec.engine import MAX_SPECULATIVE_TOKENS
+from jaxspec.errors import JaxspecError
+
+MAX_NGRAM = 16  # same bound as jaxspec.drafters.ngram
+METHODS = ("none", "ngram", "draft_model", "layer_skip", "eagle", "medusa")
+Method = Literal["none", "ngram", "draft_model", "layer_skip", "eagle", "medusa"]
+
+
+class _Section:
+    """Shared checks. Subclasses set SECTION (the YAML key) and may add `_validate`."""
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _coerce(f"{self.SECTION}.{f.name}", getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)  # frozen: normalise int -> float in place
+        self._validate()
+
+    def _validate(self) -> None:
+        pass
+
+    def _fail(self, key: str, why: str) -> None:
+        raise JaxspecError(f"{self.SECTION}.{key}={getattr(self, key)!r} is invalid: {why}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelLoadConfig(_Section):
+    SECTION: ClassVar[str] = "model"
+    name: str = "smollm2-135m"  # short name, HF safetensors dir, or .gguf file
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    layout: Literal["unrolled", "stacked"] = "unrolled"  # per-layer arrays vs [L, ...] for scan
+
+    def _validate(self):
+        if not self.name.strip():
+            self._fail("name", "give a short name (smollm2-135m), an HF dir or a .gguf file")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig(_Section):
+    SECTION: ClassVar[str] = "sampling"
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    seed: int = 0
+
+    def _validate(self):
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            self._fail("temperature", "use a finite value >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            self._fail("top_k", "use an integer >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            self._fail("top_p", "use a value in (0, 1] (1.0 = off)")
+        if not 0.0 <= self.min_p < 1.0:
+            self._fail("min_p", "use a value in [0, 1) (0.0 = off)")
+        if not 0 <= self.seed < 2**32:
+            self._fail("seed", "use an integer in 0..2**32-1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationConfig(_Section):
+    SECTION: ClassVar[str] = "generation"
+    max_new_tokens: int = 128
+    batch_size: int = 1  # rows per jitted batch; the last batch is padded
+    chat_template: bool = True  # wrap each prompt as a user turn of the model's chat template
+    system_prompt: str | None = None
+
+    def _validate(self):
+        if self.max_new_tokens < 1:
+            self._fail("max_new_tokens", "use an integer >= 1")
+        if self.batch_size < 1:
+            self._fail("batch_size", "use an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig(_Section):
+    SECTION: ClassVar[str] = "speculative"
+    method: Method = "none"
+    num_speculative_tokens: int = 4  # γ: draft tokens verified per target forward
+    min_ngram: int = 1  # ngram: shortest suffix to look up
+    max_ngram: int = 3  # ngram: longest suffix to look up
+    draft_model: str | None = None  # draft_model: short name, HF dir or .gguf of the drafter
+    layer_skip_layers: int = 8  # layer_skip: how many target layers the self-draft keeps
+    checkpoint: str | None = None  # eagle/medusa: trained drafter checkpoint dir
+
+    def _validate(self):
+        if self.method != "none" and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            self._fail("num_speculative_tokens", f"use 1..{MAX_SPECULATIVE_TOKENS}")
+        if not 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM:
+            raise JaxspecError(
+                f"speculative.min_ngram={self.min_ngram}, max_ngram={self.max_ngram} are invalid: "
+                f"need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}"
+            )
+        if self.layer_skip_layers < 1:
+            self._fail("layer_skip_layers", "use an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelLoadConfig = dataclasses.field(default_factory=ModelLoadConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    f.name: f.default_factory for f in dataclasses.fields(Config)  # type: ignore[misc]
+}
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML file (None: all defaults), apply `section.key=value` overrides, validate.
+
+    Override values are parsed as YAML scalars (`0.7`, `true`, `null`); a field typed `str` keeps
+    the raw text when the parsed value is not a string (`model.name=2024`).
+    """
+    values: dict[str, dict[str, tuple[Any, str | None]]] = {s: {} for s in SECTIONS}
+    if path is not None:
+        for section, body in _read_yaml(Path(path)).items():
+            for key, value in body.items():
+                values[section][key] = (value, None)
+    for item in overrides:
+        section, key, raw = _split_override(item)
+        values[section][key] = (_parse_scalar(raw), raw)
+    sections = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, (value, raw) in values[section].items():
+            if raw is not None and not _matches(value, hints[key]) and _accepts_str(hints[key]):
+                value = raw
+            kwargs[key] = value
+        sections[section] = cls(**kwargs)
+    return Config(**sections)
+
+
+def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise JaxspecError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise JaxspecError(f"cannot read config file {path}: {_one_line(e)}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise JaxspecError(f"config file {path} is not valid YAML: {_one_line(e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise JaxspecError(
+            f"config file {path} must be a mapping of sections ({_names(SECTIONS)}), "
+            f"not a {type(data).__name__}"
+        )
+    out = {}
+    for section, body in data.items():
+        _check_section(section, where=f"config file {path}")
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise JaxspecError(
+                f"config file {path}: section '{section}' must be a mapping of keys, "
+                f"not a {type(body).__name__}"
+            )
+        for key in body:
+            _check_key(section, key, where=f"config file {path}")
+        out[section] = body
+    return out
+
+
+def _split_override(item: str) -> tuple[str, str, str]:
+    name, sep, raw = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not key:
+        raise JaxspecError(
+            f"override {item!r} is not of the form section.key=value "
+            f"(e.g. sampling.temperature=0.7)"
+        )
+    _check_section(section, where=f"override {item!r}")
+    _check_key(section, key, where=f"override {item!r}")
+    return section, key, raw.strip()
+
+
+def _check_section(section: Any, where: str) -> None:
+    if section not in SECTIONS:
+        raise JaxspecError(
+            f"{where}: unknown section '{section}': valid sections are {_names(SECTIONS)}"
+        )
+
+
+def _check_key(section: str, key: Any, where: str) -> None:
+    keys = [f.name for f in dataclasses.fields(SECTIONS[section])]
+    if key not in keys:
+        raise JaxspecError(f"{where}: unknown key '{section}.{key}': valid keys are {_names(keys)}")
+
+
+def _parse_scalar(raw: str) -> Any:
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw
+    return value if value is None or isinstance(value, (str, int, float, bool)) else raw
+
+
+# ---- type checks ---------------------------------------------------------------------------
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Return `value` converted to `hint` (int -> float, numeric strings -> float) or raise."""
+    options = _options(hint)
+    for t in options:
+        if t is float and isinstance(value, str):
+            try:
+                value = float(value)  # PyYAML reads 1e-3 as a string
+            except ValueError:
+                continue
+        if _matches(value, t):
+            return float(value) if t is float else value
+    if isinstance(value, str) and any(typing.get_origin(o) is Literal for o in options):
+        raise JaxspecError(f"{name}={value!r} is invalid: use {_describe(options)}")
+    raise JaxspecError(f"{name}={value!r} has the wrong type: expected {_describe(options)}")
+
+
+def _options(hint: Any) -> list[Any]:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return [o for a in typing.get_args(hint) for o in _options(a)]
+    return [hint]
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    if any(o is not hint for o in _options(hint)):
+        return any(_matches(value, o) for o in _options(hint))
+    if hint is type(None):
+        return value is None
+    if typing.get_origin(hint) is Literal:
+        return isinstance(value, str) and value in typing.get_args(hint)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _accepts_str(hint: Any) -> bool:
+    return str in _options(hint)
+
+
+def _describe(options: list[Any]) -> str:
+    words = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+    out = []
+    for o in options:
+        if o is type(None):
+            out.append("null")
+        elif typing.get_origin(o) is Literal:
+            out.append(f"one of {_names(typing.get_args(o))}")
+        else:
+            out.append(words.get(o, getattr(o, "__name__", str(o))))
+    return " or ".join(out)
+
+
+def _names(items) -> str:
+    return ", ".join(str(i) for i in items)
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())

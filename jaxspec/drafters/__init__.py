@@ -1,0 +1,81 @@
+"""Drafters, and the registry that builds one from a `SpeculativeConfig`.
+
+A factory takes `(spec: SpeculativeConfig, target: LoadedModel)` and returns
+`(drafter, drafter_params)`: a hashable drafter following `jaxspec.drafters.base.Drafter` and the
+pytree of arrays it reads (`()` when it has none). A method named in the config but not registered
+here is refused with the list of available ones.
+
+    drafter, dparams = build_drafter(config.speculative, target)
+    register_drafter("my_method", lambda spec, target: (MyDrafter(...), my_params))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
+from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.errors import JaxspecError
+
+if TYPE_CHECKING:  # jaxspec.config imports the engine, which imports drafters.base
+    from jaxspec.config import SpeculativeConfig
+    from jaxspec.loading import LoadedModel
+
+DrafterFactory = Callable[["SpeculativeConfig", "LoadedModel"], tuple[Any, Any]]
+
+DRAFTERS: dict[str, DrafterFactory] = {}
+
+__all__ = [
+    "DRAFTERS",
+    "CommitContext",
+    "DraftContext",
+    "Drafter",
+    "DrafterFactory",
+    "NgramDrafter",
+    "Proposal",
+    "available_methods",
+    "build_drafter",
+    "check_method",
+    "register_drafter",
+]
+
+
+def register_drafter(name: str, factory: DrafterFactory) -> None:
+    """Make `speculative.method: name` build its drafter with `factory`."""
+    if name == "none":
+        raise ValueError("'none' means plain decoding and cannot name a drafter")
+    if DRAFTERS.get(name, factory) is not factory:
+        raise ValueError(f"drafter method '{name}' is already registered")
+    DRAFTERS[name] = factory
+
+
+def available_methods() -> list[str]:
+    return ["none", *DRAFTERS]
+
+
+def check_method(method: str) -> None:
+    """Refuse a method with no registered factory (cheap: call before loading any model)."""
+    if method != "none" and method not in DRAFTERS:
+        raise JaxspecError(
+            f"speculative method '{method}' is not available in this version of jaxspec: "
+            f"available methods are {', '.join(available_methods())}"
+        )
+
+
+def build_drafter(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any]:
+    """(drafter, drafter_params) for `spec.method`; (None, None) for plain decoding."""
+    check_method(spec.method)
+    if spec.method == "none":
+        return None, None
+    return DRAFTERS[spec.method](spec, target)
+
+
+def _ngram(spec: SpeculativeConfig, target: LoadedModel) -> tuple[NgramDrafter, tuple]:
+    drafter = NgramDrafter(
+        vocab_size=target.cfg.vocab_size, min_ngram=spec.min_ngram, max_ngram=spec.max_ngram
+    )
+    return drafter, ()
+
+
+register_drafter("ngram", _ngram)

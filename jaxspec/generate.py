@@ -1,0 +1,209 @@
+"""Command line: generate text with a config, streaming to the terminal or as JSON lines.
+
+    python -m jaxspec.generate --config configs/smollm2-135m-ngram.yaml --prompt "Hi!"
+    python -m jaxspec.generate --config configs/smollm2-135m.yaml --prompts-file q.jsonl --json \\
+        sampling.temperature=0.7 speculative.method=ngram
+
+Settings are layered: dataclass defaults < the --config YAML < positional `section.key=value`
+overrides < the shorthand flags (--temperature, --max-new-tokens, ...). Every mistake in the input
+prints one line `error: ...` on stderr and exits with status 2.
+
+Compiled programs are kept in a persistent XLA cache (`xla/` under $JAXSPEC_CACHE_DIR, default
+~/.cache/jaxspec; JAXSPEC_XLA_CACHE=0 turns it off), so a second run of the same config and shapes
+starts without recompiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from jaxspec.errors import JaxspecError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print usage + exit; keep the one-line contract
+        raise JaxspecError(f"{message} (see --help)")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m jaxspec.generate",
+        description="Speculative decoding with JAX: generate text for one or more prompts.",
+        epilog="Overrides: section.key=value, e.g. sampling.temperature=0.7 "
+        "speculative.method=ngram speculative.num_speculative_tokens=4 model.name=/path/to.gguf",
+    )
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML config (default: all defaults)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="repeatable")
+    p.add_argument(
+        "--prompts-file",
+        metavar="FILE.jsonl",
+        help='JSON lines: Spec-Bench {"turns": [...]} (first turn is used) or {"prompt": ...}',
+    )
+    p.add_argument("--model", metavar="NAME_OR_PATH", help="= model.name")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="= generation.max_new_tokens")
+    p.add_argument("--batch-size", type=int, metavar="B", help="= generation.batch_size")
+    p.add_argument("--temperature", type=float, metavar="T", help="= sampling.temperature")
+    p.add_argument("--top-k", type=int, metavar="K", help="= sampling.top_k (0 = off)")
+    p.add_argument("--top-p", type=float, metavar="P", help="= sampling.top_p (1.0 = off)")
+    p.add_argument("--min-p", type=float, metavar="P", help="= sampling.min_p (0.0 = off)")
+    p.add_argument("--seed", type=int, metavar="S", help="= sampling.seed")
+    p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="= generation.chat_template=false (feed prompts as raw text)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return p
+
+
+_FLAGS = {
+    "model": "model.name",
+    "max_new_tokens": "generation.max_new_tokens",
+    "batch_size": "generation.batch_size",
+    "temperature": "sampling.temperature",
+    "top_k": "sampling.top_k",
+    "top_p": "sampling.top_p",
+    "min_p": "sampling.min_p",
+    "seed": "sampling.seed",
+}
+
+
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    out = [f"{key}={v}" for flag, key in _FLAGS.items() if (v := getattr(args, flag)) is not None]
+    if args.no_chat_template:
+        out.append("generation.chat_template=false")
+    return out
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """Spec-Bench lines ({"turns": [first, ...]}) or {"prompt": text}; blank lines are skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise JaxspecError(f"prompts file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise JaxspecError(f"cannot read prompts file {path}: {' '.join(str(e).split())}") from None
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise JaxspecError(f"prompts file {path} line {n}: invalid JSON ({e.msg})") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if isinstance(turns, list) and turns and isinstance(turns[0], str):
+            prompts.append(turns[0])
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"])
+        else:
+            raise JaxspecError(
+                f"prompts file {path} line {n}: expected an object with \"turns\" (a list of "
+                f'strings) or "prompt" (a string)'
+            )
+    if not prompts:
+        raise JaxspecError(f"prompts file {path} has no prompts")
+    return prompts
+
+
+def compilation_cache_dir() -> str | None:
+    """<jaxspec cache>/xla: $JAXSPEC_CACHE_DIR, else $XDG_CACHE_HOME/jaxspec, else ~/.cache/jaxspec
+    (the root the tokenizer cache uses too). None when JAXSPEC_XLA_CACHE=0 turns it off."""
+    if os.environ.get("JAXSPEC_XLA_CACHE", "").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    root = os.environ.get("JAXSPEC_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "jaxspec"
+    )
+    return str(Path(root, "xla"))
+
+
+def enable_compilation_cache() -> str | None:
+    """Persist compiled XLA programs so the next run with the same shapes skips compilation."""
+    path = compilation_cache_dir()
+    if path is None:
+        return None
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default 1 s
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
+    return path
+
+
+def parse(argv: list[str] | None = None):
+    """argv -> (args, Config, prompts); everything checked that can be without loading a model."""
+    from jaxspec.config import load_config
+
+    args = make_parser().parse_intermixed_args(argv)
+    config = load_config(args.config, [*args.overrides, *flag_overrides(args)])
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += read_prompts_file(args.prompts_file)
+    if not prompts:
+        raise JaxspecError("no prompt given: pass --prompt TEXT or --prompts-file FILE.jsonl")
+    return args, config, prompts
+
+
+def run(argv: list[str] | None = None) -> int:
+    from jaxspec.build import build_engine, sampling_params
+
+    args, config, prompts = parse(argv)
+    enable_compilation_cache()
+    sp = sampling_params(config)  # validated before the model load
+    engine = build_engine(config)
+    gen = config.generation
+    seed = config.sampling.seed
+
+    if len(prompts) == 1 and not args.json:
+        n = gen.max_new_tokens
+        for piece in engine.stream(prompts[0], max_new_tokens=n, sampling=sp, seed=seed):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+
+    results = engine.generate(
+        prompts,
+        max_new_tokens=gen.max_new_tokens,
+        sampling=sp,
+        seed=seed,
+        batch_size=gen.batch_size,
+    )
+    for r in results:
+        if args.json:
+            print(json.dumps(r.to_json()), flush=True)
+        else:
+            print(r.text + "\n", flush=True)
+            m = r.metrics
+            print(
+                f"[{r.num_generated_tokens} tokens, {r.decode_tokens_per_s:.1f} tok/s, "
+                f"{m['method']}: acceptance {m['acceptance_rate']:.2f}, "
+                f"{m['mean_accepted_length']:.2f} tokens/step]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no tokenizer chatter on stderr
+    try:
+        return run(argv)
+    except JaxspecError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
