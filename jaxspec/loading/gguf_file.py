@@ -1,0 +1,177 @@
+"""llama.cpp GGUF files: hyperparameters from metadata, tensors dequantized with `gguf.quants`.
+
+Shape order: GGUF lists dims fastest-first (`ne = [in, out]`); the reader's numpy view, and what
+`dequantize` returns, is the reverse (`[out, in]`), which is already our torch-`Linear` layout.
+
+llama.cpp's converter permutes the q/k projection rows of `llama`-arch models so that each head's
+rotary pairs sit interleaved (its rope kernel rotates adjacent pairs), where HF rotates the two
+halves of the head (`rotate_half`). `unpermute_qk` undoes that; `qwen2`/`qwen3` files use the
+half-split ("NEOX") rope in llama.cpp and are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from jaxspec.errors import JaxspecError
+from jaxspec.models.llama import ModelConfig
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_TYPES = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.F64, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1}
+    | {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+)
+
+GLOBAL_NAMES = {
+    "token_embd.weight": "embed",
+    "output_norm.weight": "final_norm",
+    "output.weight": "lm_head",
+}
+LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "wq",
+    "attn_k.weight": "wk",
+    "attn_v.weight": "wv",
+    "attn_output.weight": "wo",
+    "attn_q.bias": "bq",
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "ffn_norm.weight": "mlp_norm",
+    "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+}
+_MISSING = object()
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except FileNotFoundError as e:
+        raise JaxspecError(f"no such file: {path} — check the path") from e
+    except Exception as e:  # gguf raises ValueError/struct.error/... on a damaged file
+        raise JaxspecError(f"{path} is not a readable GGUF file ({e}): re-download it") from e
+
+
+def metadata(reader: GGUFReader, key: str, default=_MISSING):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise JaxspecError(
+                f"GGUF metadata lacks {key}: the file is incomplete or not a decoder model"
+            )
+        return default
+    if hasattr(field, "contents"):
+        return field.contents()
+    # gguf < 0.11: scalars and strings by hand
+    part = field.parts[field.data[0]]
+    return bytes(part).decode("utf-8") if part.dtype == np.uint8 else part[0].item()
+
+
+def architecture(reader: GGUFReader, source: str) -> str:
+    arch = metadata(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise JaxspecError(
+            f"{source}: GGUF architecture {arch!r} is not supported: use one of {', '.join(ARCHITECTURES)}"
+        )
+    return arch
+
+
+def config_from_gguf(reader: GGUFReader, *, dtype: str, source: str) -> ModelConfig:
+    arch = architecture(reader, source)
+
+    def get(key, default=_MISSING):
+        value = metadata(reader, f"{arch}.{key}", default)
+        if isinstance(value, list):
+            raise JaxspecError(f"{source}: per-layer {arch}.{key} is not supported")
+        return value
+
+    scaling = get("rope.scaling.type", "none")
+    names = {t.name for t in reader.tensors}
+    if scaling not in ("none", None) or "rope_freqs.weight" in names:
+        raise JaxspecError(
+            f"{source}: GGUF rope scaling ({scaling if scaling != 'none' else 'rope_freqs'}) is not "
+            f"supported: load the HF safetensors checkpoint instead"
+        )
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rot = int(get("rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise JaxspecError(
+            f"{source}: partial rotary (rope dims {rot} of {head_dim}) is not supported"
+        )
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise JaxspecError(f"{source} has no token_embd.weight: the file is incomplete")
+    return ModelConfig(
+        vocab_size=int(embed.shape[-1]),  # ne = [D, V]
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        max_position_embeddings=int(get("context_length", 2048)),
+        dtype=dtype,
+    )
+
+
+def load_gguf_tensors(
+    reader: GGUFReader, cfg: ModelConfig, *, source: str
+) -> dict[str, np.ndarray]:
+    """Every tensor dequantized, under our flat names, q/k rows un-permuted, cast to cfg.dtype
+    one tensor at a time (a big model never sits in host memory as float32 all at once)."""
+    arch = architecture(reader, source)
+    out_dtype = np.dtype(cfg.compute_dtype)
+    flat: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        ours = _our_name(t.name)
+        if ours is None:
+            raise JaxspecError(
+                f"{source}: unexpected tensor {t.name}: this model variant is not supported"
+            )
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise JaxspecError(
+                f"{source}: tensor {t.name} is {t.tensor_type.name}, which jaxspec cannot dequantize: "
+                f"use a GGUF quantized as {', '.join(sorted(q.name for q in SUPPORTED_TYPES))}"
+            )
+        w = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        if arch == "llama" and ours.endswith((".wq", ".bq")):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif arch == "llama" and ours.endswith((".wk", ".bk")):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        flat[ours] = w.astype(out_dtype, copy=False)
+    return flat
+
+
+def _our_name(name: str) -> str | None:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF -> llama.cpp: per head, rows [first half | second half] -> interleaved pairs."""
+    h = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, h // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp -> HF: per head, row 2i+j (pair i, member j) goes back to row j*h/2 + i."""
+    h = w.shape[0] // n_heads
+    return w.reshape(n_heads, h // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

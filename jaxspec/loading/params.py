@@ -1,0 +1,90 @@
+"""Flat tensors from any checkpoint format -> the param pytree of `jaxspec.models.llama`.
+
+Format readers hand over `{"embed": a, "final_norm": a, "layers.3.wq": a, ...}` (numpy or jax
+arrays in `[out, in]` layout). This module checks the set of names and every shape against
+`param_shapes(cfg)`, casts to the compute dtype and puts each leaf on the default device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+from jaxspec.errors import JaxspecError
+from jaxspec.models.llama import ModelConfig, Params, param_shapes, stack_layers
+
+DTYPES = ("float32", "bfloat16", "float16")
+LAYOUTS = ("unrolled", "stacked")
+
+
+def check_options(dtype: str, layout: str) -> None:
+    if dtype not in DTYPES:
+        raise JaxspecError(f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if layout not in LAYOUTS:
+        raise JaxspecError(
+            f"unsupported layout {layout!r}: use 'unrolled' (per-layer arrays, fastest on CPU) "
+            f"or 'stacked' ([L, ...] arrays for lax.scan, usual on TPU)"
+        )
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = param_shapes(cfg)
+    flat = {k: v for k, v in shapes.items() if k != "layers"}
+    for i, layer in enumerate(shapes["layers"]):
+        flat |= {f"layers.{i}.{k}": v for k, v in layer.items()}
+    return flat
+
+
+def assemble(cfg: ModelConfig, flat: Mapping[str, object], *, source: str) -> Params:
+    """Check names and shapes, then nest: `layers.3.wq` -> params["layers"][3]["wq"]."""
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(flat), key=_natural)
+    extra = sorted(set(flat) - set(want), key=_natural)
+    if missing:
+        raise JaxspecError(
+            f"{source} lacks tensors {_short(missing)}: the checkpoint is incomplete or does not "
+            f"match its config — re-download or re-convert it"
+        )
+    if extra:
+        raise JaxspecError(
+            f"{source} has tensors {_short(extra)} that this architecture does not use: "
+            f"the model variant is not supported"
+        )
+    for key, shape in want.items():
+        got = tuple(flat[key].shape)
+        if got != tuple(shape):
+            raise JaxspecError(
+                f"{source}: tensor {key} has shape {got}, config implies {tuple(shape)}: "
+                f"the checkpoint does not match its config"
+            )
+    layers = tuple(
+        {k.split(".", 2)[2]: flat[k] for k in want if k.startswith(f"layers.{i}.")}
+        for i in range(cfg.num_layers)
+    )
+    params: Params = {k: flat[k] for k in want if not k.startswith("layers.")}
+    params["layers"] = layers
+    return params
+
+
+def place(params: Params, dtype: str, layout: str) -> Params:
+    """Cast every leaf to `dtype` (on the host for numpy inputs) and put it on the device."""
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+
+    def put(x):
+        if isinstance(x, np.ndarray):
+            x = np.ascontiguousarray(x, dtype=np_dtype)
+        return jax.device_put(x).astype(np_dtype)
+
+    params = jax.tree.map(put, params)
+    return stack_layers(params) if layout == "stacked" else params
+
+
+def _natural(key: str):
+    return [int(p) if p.isdigit() else p for p in key.split(".")]
+
+
+def _short(names: list[str], n: int = 4) -> str:
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more

