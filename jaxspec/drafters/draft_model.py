@@ -71,6 +71,11 @@ class ModelDrafter:
         return llama.forward(params, prompt_tokens, cache, c).cache
 
     def _probs(self, params, hidden, sp):  # [B, D] -> f32[B, V_target]
+        if "draft_head" in params:  # reduced draft vocabulary (distilled drafts): N head rows + ids
+            logits = llama._linear(hidden, params["draft_head"]).astype(jnp.float32)  # [B, N]
+            probs = sampling.logits_to_probs(logits, sp)
+            full = jnp.zeros((hidden.shape[0], self.target_vocab), jnp.float32)
+            return full.at[:, params["draft_ids"]].set(probs)  # zeros elsewhere: never drawn
         logits = llama.lm_head(params, hidden)
         v, vd = self.target_vocab, logits.shape[-1]
         if vd > v:  # draft padding rows: never proposed

@@ -1,0 +1,176 @@
+"""EAGLE-3 style feature-level drafter: one decoder layer over the target's own features.
+
+Network (params `dparams`, torch `[out, in]` layout like `jaxspec.models.llama`):
+  fuse     [D, 3D]   low/mid/high target features (each RMS-normalised) -> one feature f
+  in_proj  [D, 2D]   [rms(embed(token)), rms(feature)] -> the layer input
+  layer    one Llama decoder layer (attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down)
+  norm     [D]       final RMS norm before the head
+  head     [N, D]    the target's frozen LM-head rows for the draft vocabulary (not shipped:
+                     gathered from the target at load time)
+  d2t      int32[N]  draft index -> target token id (the N most frequent target tokens)
+
+Sequence pairing: drafter position j takes (feature f_{j-1}, token x_j) and its output h_j predicts
+x_{j+1}; position 0 takes a zero feature. While drafting, step 1 at position L-1 uses the target
+feature f_{L-2}; step i > 1 feeds the drafter's own output h as the next feature (EAGLE-3's
+"training-time test" trains exactly this). The drafter keeps a one-layer KV cache: step 1 writes
+a real entry; later steps write provisional entries that commit() overwrites with real ones from
+the verify window's target features (positions past the accepted count are masked garbage, the
+same masked rollback as the target cache).
+
+Lossless over the full vocabulary: draft probs come from `logits_to_probs` over the N draft logits
+and are scattered to the target vocabulary (zeros elsewhere); the draft token is sampled from
+exactly that distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import sampling
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.models import llama
+
+
+def rms(x, eps=1e-6):  # weightless RMS normalisation in f32
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def fuse(dparams, feats):  # [nl, ..., D] target features -> [..., D]
+    x = jnp.concatenate([rms(f) for f in feats], axis=-1)
+    return llama._linear(x, dparams["fuse"])
+
+
+def layer_input(dparams, tparams, tokens, feature):  # int[...], [..., D] -> [..., D]
+    emb = tparams["embed"][tokens]
+    return llama._linear(jnp.concatenate([rms(emb), rms(feature)], axis=-1), dparams["in_proj"])
+
+
+def _qkv(cfg, lp, x, positions, inv_freq):
+    b, t, _ = x.shape
+    y = llama.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q = llama._linear(y, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = llama._linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = llama._linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def apply_rope(x, positions, inv_freq):
+    return llama.apply_rope(x, positions, inv_freq)
+
+
+def _finish(cfg, lp, x, attn):
+    x = x + llama._linear(attn, lp["wo"])
+    y = llama.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    y = jax.nn.silu(llama._linear(y, lp["w_gate"])) * llama._linear(y, lp["w_up"])
+    return x + llama._linear(y, lp["w_down"])
+
+
+def head_logits(dparams, h):  # [..., D] -> f32[..., N] draft-vocabulary logits
+    return llama._linear(rms(h) * dparams["norm"], dparams["head"]).astype(jnp.float32)
+
+
+class EagleState(NamedTuple):
+    k: jax.Array  # [B, S, K, H] the drafter layer's cache
+    v: jax.Array  # [B, S, K, H]
+    feature: jax.Array  # [B, D] fused target feature f_{L-2} for the next proposal
+
+
+def train_layer(cfg, lp, x, positions, mask, k_ctx=None, v_ctx=None, ctx_mask=None):
+    """Training form: x [B, T, D] at positions [B, T]; attends its own keys under `mask`
+    [B, T, T] plus optional extra keys `k_ctx/v_ctx` [B, S, K, H] under `ctx_mask` [B, T, S].
+    Returns (h, k, v) with this call's keys/values (for later TTT steps)."""
+    inv_freq = llama.rope_frequencies(cfg)
+    q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
+    ks, vs, m = k, v, mask
+    if k_ctx is not None:
+        ks = jnp.concatenate([k_ctx, k], axis=1)
+        vs = jnp.concatenate([v_ctx, v], axis=1)
+        m = jnp.concatenate([ctx_mask, mask], axis=2)
+    return _finish(cfg, lp, x, llama._attention(q, ks, vs, m)), k, v
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+    cfg: llama.ModelConfig  # the drafter layer's shape (num_layers=1), dims of the target
+    target_vocab: int
+    hidden_layers: tuple[int, ...] = (2, 15, 27)
+    name: str = "eagle"
+    variable_length: bool = False
+
+    def _step(self, dparams, x, k_cache, v_cache, positions):
+        """x [B, T, D] at positions [B, T]: write k/v there, attend to slots <= position."""
+        cfg = self.cfg
+        inv_freq = llama.rope_frequencies(cfg)
+        q, k, v = _qkv(cfg, dparams["layer"], x, positions, inv_freq)
+        rows = jnp.arange(x.shape[0])[:, None]
+        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+        mask = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[..., None]
+        attn = llama._attention(q, k_cache, v_cache, mask)
+        return _finish(cfg, dparams["layer"], x, attn), k_cache, v_cache
+
+    def _run(self, dparams, tparams, tokens, features, k_cache, v_cache, start):
+        """Real (step-0) entries: tokens [B, T] with features [B, T, D] at start[B] + arange(T)."""
+        positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        x = layer_input(dparams, tparams, tokens, features).astype(self.cfg.compute_dtype)
+        return self._step(dparams, x, k_cache, v_cache, positions)
+
+    def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
+        c = self.cfg
+        b, p = prompt_tokens.shape
+        shape = (b, capacity, c.num_kv_heads, c.head_dim)
+        k = jnp.zeros(shape, c.compute_dtype)
+        v = jnp.zeros(shape, c.compute_dtype)
+        f = fuse(dparams, prompt_hidden)  # [B, P, D]; f_t follows token t
+        prev = jnp.pad(f, [(0, 0), (1, 0), (0, 0)])[:, :p]  # position j gets f_{j-1}, zeros at 0
+        _, k, v = self._run(dparams, tparams, prompt_tokens, prev, k, v, jnp.zeros((b,), jnp.int32))
+        last = jnp.take_along_axis(f, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+        return EagleState(k, v, last)
+
+    def _probs(self, dparams, h, sp, keys):
+        """h [B, D] -> (target token [B], full-vocab probs [B, V]) sampled from the draft vocab."""
+        probs_n = sampling.logits_to_probs(head_logits(dparams, h), sp)  # [B, N]
+        idx = sampling.sample_rows(keys, probs_n)
+        probs = jnp.zeros((h.shape[0], self.target_vocab), jnp.float32)
+        probs = probs.at[:, dparams["d2t"]].set(probs_n)
+        return dparams["d2t"][idx], probs
+
+    def propose(self, dparams, tparams, state: EagleState, ctx: DraftContext, num_tokens, sp, keys):
+        b = ctx.lengths.shape[0]
+        step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
+        last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)  # [B, 1]
+        h, k, v = self._run(
+            dparams, tparams, last, state.feature[:, None], state.k, state.v, ctx.lengths - 1
+        )
+        token, probs = self._probs(dparams, h[:, 0], sp, step_keys[:, 0])
+
+        def step(carry, key_col):
+            k, v, token, h, pos = carry
+            x = layer_input(dparams, tparams, token[:, None], h).astype(self.cfg.compute_dtype)
+            h, k, v = self._step(dparams, x, k, v, pos[:, None])
+            nxt, p = self._probs(dparams, h[:, 0], sp, key_col)
+            return (k, v, nxt, h, pos + 1), (nxt, p)
+
+        carry = (k, v, token, h, ctx.lengths)
+        (k, v, _, _, _), (tokens, all_probs) = jax.lax.scan(
+            step, carry, jnp.swapaxes(step_keys[:, 1:], 0, 1)
+        )
+        drafts = jnp.concatenate([token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)  # [B, G]
+        q = jnp.concatenate([probs[:, None], jnp.swapaxes(all_probs, 0, 1)], axis=1)  # [B, G, V]
+        num = jnp.full((b,), num_tokens, jnp.int32)
+        return Proposal(drafts, q, num), state._replace(k=k, v=v)
+
+    def commit(self, dparams, tparams, state: EagleState, ctx: CommitContext):
+        """Real entries for window positions 1..G (x_L.. with target features f_{L-1}..); entries
+        past the accepted count are garbage beyond the committed length, overwritten later."""
+        f = fuse(dparams, ctx.hidden)  # [B, G+1, D]; f[:, i] follows window token i
+        _, k, v = self._run(
+            dparams, tparams, ctx.window[:, 1:], f[:, :-1], state.k, state.v, ctx.prev_lengths
+        )
+        feature = jnp.take_along_axis(f, ctx.num_accepted[:, None, None], axis=1)[:, 0]
+        return EagleState(k, v, feature)

@@ -1,0 +1,71 @@
+"""Medusa heads: K residual blocks on the target's last (final-normed) hidden state, chain drafts.
+
+Head k (1..K) reads h_t, the target's hidden state at the position whose output was the newest
+committed token x_{t+1}, and predicts x_{t+k+1}:  logits_k = head · (h_t + silu(W_k h_t + b_k)),
+through the target's frozen LM-head rows for the draft vocabulary (`head` [N, D], `d2t` int32[N]).
+The γ drafts are the first γ heads' samples (a chain; trees are another issue). Draft probs are
+`logits_to_probs` over the N draft logits scattered into the full vocabulary, so the acceptance
+rule stays lossless.
+
+Params: {"w": [K, D, D] ([out, in] per head), "b": [K, D], "head": [N, D], "d2t": int32[N]}.
+State: the target hidden state h_t [B, D] (from the prompt at init, from the verify window at
+the accepted position in commit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import sampling
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.errors import JaxspecError
+from jaxspec.models import llama
+
+
+def head_logits(dparams, h):
+    """h [..., D] -> f32[K, ..., N]: every head's draft-vocabulary logits."""
+
+    def one(w, b):
+        return llama._linear(h + jax.nn.silu(llama._linear(h, w) + b), dparams["head"])
+
+    return jax.vmap(one)(dparams["w"], dparams["b"]).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter:
+    num_heads: int  # K
+    target_vocab: int
+    final_layer: int  # the target's num_layers: HF index of the final-normed hidden state
+    name: str = "medusa"
+    variable_length: bool = False
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return (self.final_layer,)
+
+    def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
+        h = prompt_hidden[0]  # [B, P, D]
+        return jnp.take_along_axis(h, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+
+    def propose(self, dparams, tparams, state, ctx: DraftContext, num_tokens, sp, keys):
+        if num_tokens > self.num_heads:
+            raise JaxspecError(
+                f"num_speculative_tokens={num_tokens} exceeds the {self.num_heads} Medusa heads "
+                f"of this checkpoint: use num_speculative_tokens <= {self.num_heads}"
+            )
+        b = state.shape[0]
+        sub = {**dparams, "w": dparams["w"][:num_tokens], "b": dparams["b"][:num_tokens]}
+        probs_n = sampling.logits_to_probs(head_logits(sub, state), sp)  # [G, B, N]
+        step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
+        idx = jax.vmap(sampling.sample_rows, in_axes=(1, 0), out_axes=1)(step_keys, probs_n)
+        probs = jnp.zeros((b, num_tokens, self.target_vocab), jnp.float32)
+        probs = probs.at[:, :, dparams["d2t"]].set(jnp.swapaxes(probs_n, 0, 1))
+        num = jnp.full((b,), num_tokens, jnp.int32)
+        return Proposal(dparams["d2t"][idx], probs, num), state
+
+    def commit(self, dparams, tparams, state, ctx: CommitContext):
+        h = ctx.hidden[0]  # [B, G+1, D]; window position n produced the newest committed token
+        return jnp.take_along_axis(h, ctx.num_accepted[:, None, None], axis=1)[:, 0]

@@ -1,0 +1,217 @@
+"""Distillation data: run the target over prompts and record what drafters learn from.
+
+Two sources, both written as shards `shard_00000.npz ...` under `out_dir` (resumable: a finished
+shard is skipped; a shard is written to a temp name and renamed, so a kill never leaves half a one):
+
+  gen  self-distillation: the target's own greedy responses to prompts (GSM8K train questions and
+       the hand-written set in `prompts.COMPOSED`). Prompt positions are recorded too.
+  tf   teacher-forced text: chat-templated GSM8K question + reference answer, one forward each.
+
+Per shard (N rows, T positions, right-padded; row n valid below `lengths[n]`):
+  tokens      int32[N, T]
+  lengths     int32[N]
+  hidden      f16[len(layers), N, T, D]   target hidden states (HF indexing) AFTER token t
+  topk_ids    int32[N, T, K]              target's next-token distribution at t (predicts t+1),
+  topk_probs  f16[N, T, K]                temperature 1, top-K of it
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import init_cache
+from jaxspec.models import llama
+from jaxspec.train import prompts as prompt_sets
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    out_dir: str = "out/distill/smollm2-135m"
+    model: str = "smollm2-135m"
+    gsm8k_path: str = "../shared/data/gsm8k_train.jsonl"
+    layers: tuple[int, ...] = (2, 15, 27, 30)  # low / mid / high for EAGLE-3, final-normed for Medusa
+    top_k: int = 8
+    gen_composed: int = 64  # hand-written prompts answered by the target
+    gen_gsm8k: int = 64  # GSM8K questions answered by the target
+    gen_batch: int = 32
+    gen_steps: int = 96  # new tokens per generated response
+    tf_gsm8k: int = 256  # GSM8K question + reference answer, teacher-forced
+    tf_batch: int = 16
+    max_len: int = 256
+
+
+def _bucket(n: int, step: int = 32) -> int:
+    return -(-n // step) * step
+
+
+def _topk(logits, k):  # f32[..., V] -> (int32[..., K], f16[..., K])
+    probs = jax.nn.softmax(logits, axis=-1)
+    vals, ids = jax.lax.top_k(probs, k)
+    return ids.astype(jnp.int32), vals.astype(jnp.float16)
+
+
+def _layers_f16(layer_hidden):
+    return layer_hidden.astype(jnp.float16)
+
+
+def _teacher_forced(params, tokens, cfg, layers, k):
+    """tokens int32[B, T] -> hidden f16[nl, B, T, D], topk ids/probs [B, T, K]."""
+    b, t = tokens.shape
+    cache = init_cache(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)
+    out = llama.forward(params, tokens, cache, cfg, layers)
+    ids, probs = _topk(llama.lm_head(params, out.hidden), k)
+    return _layers_f16(out.layer_hidden), ids, probs
+
+
+def _generate(params, prompt, lengths, cfg, layers, k, steps):
+    """Greedy: prompt int32[B, P] (right-padded, lengths[B]) -> prompt records and `steps` new
+    tokens with their records. Step s runs token g_s and produces g_{s+1}."""
+    b, p = prompt.shape
+    cache = init_cache(cfg.num_layers, b, p + steps, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)
+    out = llama.forward(params, prompt, cache, cfg, layers)
+    logits = llama.lm_head(params, out.hidden)  # [B, P, V]
+    p_ids, p_probs = _topk(logits, k)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    first = jnp.argmax(last, axis=-1).astype(jnp.int32)
+
+    def step(carry, _):
+        cache, tok = carry
+        o = llama.forward(params, tok[:, None], cache, cfg, layers)
+        lg = llama.lm_head(params, o.hidden[:, 0])
+        ids, probs = _topk(lg, k)
+        nxt = jnp.argmax(lg, axis=-1).astype(jnp.int32)
+        rec = (tok, _layers_f16(o.layer_hidden[:, :, 0]), ids, probs)
+        return (o.cache.commit(jnp.ones((b,), jnp.int32)), nxt), rec
+
+    carry = (out.cache.with_lengths(lengths), first)
+    _, (toks, hid, ids, probs) = jax.lax.scan(step, carry, None, length=steps)
+    gen = (toks.T, jnp.moveaxis(hid, 0, 2), jnp.swapaxes(ids, 0, 1), jnp.swapaxes(probs, 0, 1))
+    return (_layers_f16(out.layer_hidden), p_ids, p_probs), gen
+
+
+_teacher_forced_jit = jax.jit(_teacher_forced, static_argnames=("cfg", "layers", "k"))
+_generate_jit = jax.jit(_generate, static_argnames=("cfg", "layers", "k", "steps"))
+
+
+def _jobs(dc: DataConfig, encode, tokenizer, eos: int) -> list[tuple[str, list]]:
+    rows, _ = prompt_sets.split_gsm8k(prompt_sets.read_gsm8k(dc.gsm8k_path))
+    gen_prompts = [encode(p) for p in prompt_sets.COMPOSED[: dc.gen_composed]]
+    gen_prompts += [encode(r["question"]) for r in rows[: dc.gen_gsm8k]]
+    gen_prompts = sorted(gen_prompts, key=len)  # less padding per batch
+    tf_rows = rows[dc.gen_gsm8k : dc.gen_gsm8k + dc.tf_gsm8k]
+    tf_seqs = []
+    for r in tf_rows:
+        ids = encode(r["question"])
+        ids += tokenizer.encode(prompt_sets.clean_answer(r["answer"]), add_special_tokens=False)
+        tf_seqs.append((ids + [eos])[: dc.max_len])
+    tf_seqs = sorted(tf_seqs, key=len)
+    jobs = [("gen", gen_prompts[i : i + dc.gen_batch]) for i in range(0, len(gen_prompts), dc.gen_batch)]
+    jobs += [("tf", tf_seqs[i : i + dc.tf_batch]) for i in range(0, len(tf_seqs), dc.tf_batch)]
+    return jobs
+
+
+def _pad(seqs: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    out = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = s
+    return out, np.array([len(s) for s in seqs], np.int32)
+
+
+def teacher_forced_records(model, seqs, dc):
+    """Records of token-id sequences `seqs` run through the target (one shard's dict)."""
+    tokens, lengths = _pad(seqs, _bucket(max(len(s) for s in seqs)))
+    hid, ids, probs = jax.device_get(
+        _teacher_forced_jit(model.params, jnp.asarray(tokens), model.cfg, dc.layers, dc.top_k)
+    )
+    return dict(tokens=tokens, lengths=lengths, hidden=hid, topk_ids=ids, topk_probs=probs)
+
+
+def generate_records(model, seqs, dc, eos_ids):
+    """Greedy responses to token-id prompts `seqs`, with their records (one shard's dict)."""
+    prompt, plen = _pad(seqs, _bucket(max(len(s) for s in seqs)))
+    s = dc.gen_steps
+    (p_hid, p_ids, p_probs), (g_tok, g_hid, g_ids, g_probs) = jax.device_get(
+        _generate_jit(
+            model.params, jnp.asarray(prompt), jnp.asarray(plen), model.cfg, dc.layers, dc.top_k, s
+        )
+    )
+    n, t = prompt.shape[0], prompt.shape[1] + s
+    nl, d = p_hid.shape[0], p_hid.shape[-1]
+    tokens = np.zeros((n, t), np.int32)
+    hidden = np.zeros((nl, n, t, d), np.float16)
+    ids = np.zeros((n, t, dc.top_k), np.int32)
+    probs = np.zeros((n, t, dc.top_k), np.float16)
+    lengths = np.zeros((n,), np.int32)
+    for i, m in enumerate(plen):
+        tokens[i, :m], tokens[i, m : m + s] = prompt[i, :m], g_tok[i]
+        hidden[:, i, :m], hidden[:, i, m : m + s] = p_hid[:, i, :m], g_hid[:, i]
+        ids[i, :m], ids[i, m : m + s] = p_ids[i, :m], g_ids[i]
+        probs[i, :m], probs[i, m : m + s] = p_probs[i, :m], g_probs[i]
+        is_eos = np.isin(g_tok[i], eos_ids)
+        lengths[i] = m + (int(np.argmax(is_eos)) + 1 if is_eos.any() else s)
+    return dict(tokens=tokens, lengths=lengths, hidden=hidden, topk_ids=ids, topk_probs=probs)
+
+
+def build(dc: DataConfig, model=None) -> Path:
+    """Write every missing shard; returns the output dir. Prints a progress bar with an ETA."""
+    from tqdm import tqdm
+
+    from jaxspec.engine import Engine
+
+    if model is None:
+        from jaxspec.loading import load_model
+
+        model = load_model(dc.model)
+    out = Path(dc.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"config": dataclasses.asdict(dc), "layers": list(dc.layers)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    encode = Engine(model).encode
+    jobs = _jobs(dc, encode, model.tokenizer, model.eos_token_ids[0])
+    todo = [(i, j) for i, j in enumerate(jobs) if not (out / f"shard_{i:05d}.npz").exists()]
+    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo), desc="distill data", unit="shard")
+    ntok = 0
+    t0 = time.time()
+    for i, (kind, seqs) in todo:
+        if kind == "gen":
+            rec = generate_records(model, seqs, dc, np.asarray(model.eos_token_ids))
+        else:
+            rec = teacher_forced_records(model, seqs, dc)
+        tmp = out / f"shard_{i:05d}.tmp.npz"
+        np.savez(tmp, kind=np.array(kind), **rec)
+        os.replace(tmp, out / f"shard_{i:05d}.npz")
+        ntok += int(rec["lengths"].sum())
+        bar.set_postfix(kind=kind, tokens=ntok, tok_s=f"{ntok / (time.time() - t0):.0f}")
+        bar.update(1)
+    bar.close()
+    return out
+
+
+def load_shards(data_dir: str | Path) -> dict[str, np.ndarray]:
+    """All shards flattened to rows of one common width (right-padded)."""
+    files = sorted(Path(data_dir).glob("shard_[0-9]*[0-9].npz"))
+    if not files:
+        raise FileNotFoundError(f"no shards in {data_dir}: run python -m jaxspec.train --config configs/train/data.yaml")
+    shards = [dict(np.load(f)) for f in files]
+    t = max(s["tokens"].shape[1] for s in shards)
+
+    def pad(x, axis):
+        w = [(0, 0)] * x.ndim
+        w[axis] = (0, t - x.shape[axis])
+        return np.pad(x, w)
+
+    return {
+        "tokens": np.concatenate([pad(s["tokens"], 1) for s in shards]),
+        "lengths": np.concatenate([s["lengths"] for s in shards]),
+        "hidden": np.concatenate([pad(s["hidden"], 2) for s in shards], axis=1),
+        "topk_ids": np.concatenate([pad(s["topk_ids"], 1) for s in shards]),
+        "topk_probs": np.concatenate([pad(s["topk_probs"], 1) for s in shards]),
+    }

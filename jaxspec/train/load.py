@@ -1,0 +1,47 @@
+"""Build a runtime drafter from a shipped checkpoint: (drafter, drafter_params) for the engine.
+
+The checkpoint holds only the trained params and the draft-vocabulary map; the frozen pieces (the
+target's embedding and its LM-head rows for the draft vocabulary) come from the target itself,
+after the target fingerprint check.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.errors import JaxspecError
+from jaxspec.train import checkpoint as ckpt
+from jaxspec.train import methods as methods_lib
+
+
+def load_trained_drafter(method: str, path, target):
+    """method: eagle | medusa | draft_model; target: LoadedModel (or anything with cfg/params)."""
+    if path is None:
+        raise JaxspecError(
+            f"speculative.checkpoint is required for method '{method}': point it to a trained "
+            f"drafter, e.g. checkpoints/smollm2-135m-{'draft' if method == 'draft_model' else method}"
+        )
+    meta, stored = ckpt.load_drafter(path, method, target.cfg, target.params)
+    arch = dict(meta["arch"])
+    arch.pop("draft_vocab", None)
+    if method == "eagle":
+        arch.pop("ttt_steps", None)
+        m = methods_lib.Eagle(hidden_layers=tuple(arch["hidden_layers"]))
+    elif method == "medusa":
+        m = methods_lib.Medusa(num_heads=arch["num_heads"])
+    else:
+        m = methods_lib.Draft(layers_from=tuple(arch["layers_from"]))
+    d2t = jnp.asarray(stored.pop("d2t"), jnp.int32)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stored)
+    expected, _ = jax.eval_shape(lambda: m.init(target, d2t, jax.random.key(0)))
+    got = jax.tree.map(lambda x: x.shape, params)
+    want = jax.tree.map(lambda x: x.shape, expected)
+    if got != want:
+        raise JaxspecError(
+            f"drafter checkpoint {path} does not fit this target: param shapes {got} differ "
+            f"from the expected {want}; use a checkpoint trained for this model"
+        )
+    d2t_np = jax.device_get(d2t)
+    frozen = methods_lib._frozen(target, d2t_np)
+    return m.drafter(target.cfg), m.runtime(params, frozen)

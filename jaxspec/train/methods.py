@@ -1,0 +1,258 @@
+"""What each trained drafter learns, from the distillation records (see `jaxspec.train.data`).
+
+A method knows its trainable params, its frozen pieces taken from the target, its loss, and how to
+turn params into a runtime drafter:
+
+  eagle   fuse + in_proj + one decoder layer + norm; EAGLE-3 training-time test (TTT): step 0 runs
+          on the target's features, step s > 0 on the drafter's own outputs of step s-1, with the
+          attention pattern drafting sees (real entries up to j-s, then its own provisional ones).
+  medusa  K residual heads on the final-normed hidden h_t; head k learns the target's
+          distribution for token t+k+1 (recorded at position t+k).
+  draft   a few target layers (initialised from it) + final norm, tied to the target's embedding;
+          learns the target's next-token distribution at every position.
+
+All losses are soft cross-entropies against the target's top-K next-token probabilities over the
+draft vocabulary (the N most frequent target tokens; `d2t` maps back to the target's ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import init_cache
+from jaxspec.drafters import eagle as eagle_lib
+from jaxspec.drafters import medusa as medusa_lib
+from jaxspec.drafters.draft_model import ModelDrafter
+from jaxspec.models import llama
+
+
+def build_vocab(tokens, lengths, topk_ids, size: int, vocab: int) -> np.ndarray:
+    """d2t int32[size]: target ids by frequency in the data (tokens and the target's top-1),
+    ties and never-seen ids filled by lowest id first (BPE puts common pieces first)."""
+    valid = np.arange(tokens.shape[1])[None] < lengths[:, None]
+    counts = np.bincount(tokens[valid], minlength=vocab) + np.bincount(
+        topk_ids[..., 0][valid], minlength=vocab
+    )
+    order = np.lexsort((np.arange(vocab), -counts))  # count desc, then id asc
+    return np.sort(order[: min(size, vocab)]).astype(np.int32)
+
+
+def inverse_vocab(d2t: np.ndarray, vocab: int) -> np.ndarray:
+    t2d = np.full((vocab,), -1, np.int32)
+    t2d[d2t] = np.arange(len(d2t), dtype=np.int32)
+    return t2d
+
+
+def soft_ce(logits, topk_ids, topk_probs, t2d, mask):
+    """logits f32[..., N] (draft vocab); targets: top-K target ids/probs [..., K]; mask [...].
+    Returns (mean loss, mean top-1 agreement with the target) over masked positions."""
+    idx = t2d[topk_ids]  # [..., K], -1 = outside the draft vocab
+    p = jnp.where(idx >= 0, topk_probs.astype(jnp.float32), 0.0)
+    p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-6)
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    ce = -jnp.sum(p * jnp.take_along_axis(logq, jnp.maximum(idx, 0), axis=-1), axis=-1)
+    top1 = (t2d[topk_ids[..., 0]] == jnp.argmax(logits, axis=-1)).astype(jnp.float32)
+    m = mask.astype(jnp.float32)
+    n = jnp.maximum(m.sum(), 1.0)
+    return jnp.sum(ce * m) / n, jnp.sum(top1 * m) / n
+
+
+def _valid(batch):  # bool[B, T] positions with a record
+    t = batch["tokens"].shape[1]
+    return jnp.arange(t)[None] < batch["lengths"][:, None]
+
+
+def _copy_layer(target, index):
+    layers = target.params["layers"]
+    lp = layers[index] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[index], layers)
+    return {k: jnp.asarray(v, jnp.float32) for k, v in lp.items()}
+
+
+def _frozen(target, d2t):
+    return {
+        "embed": jnp.asarray(target.params["embed"], jnp.float32),
+        "head": jnp.asarray(target.params.get("lm_head", target.params["embed"]), jnp.float32)[d2t],
+        "d2t": jnp.asarray(d2t),
+        "t2d": jnp.asarray(inverse_vocab(d2t, target.cfg.vocab_size)),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle:
+    hidden_layers: tuple[int, ...] = (2, 15, 27)
+    ttt_steps: int = 3
+    ttt_decay: float = 0.8
+    init_layer: int = -1  # target layer the drafter layer starts from (-1: the last)
+    input_scale: float = 15.0  # initial layer-input scale (~ the target's residual stream RMS there)
+    name: str = "eagle"
+    feature_slots: tuple[int, ...] = (0, 1, 2)  # which recorded layers are the features
+
+    def layer_cfg(self, target_cfg):
+        return dataclasses.replace(target_cfg, num_layers=1, dtype="float32")
+
+    def init(self, target, d2t, key):
+        d = target.cfg.hidden_size
+        k1, k2 = jax.random.split(key)
+        eye = jnp.eye(d, dtype=jnp.float32)
+        fuse = 0.02 * jax.random.normal(k1, (d, 3 * d))
+        fuse = fuse.at[:, 2 * d :].add(eye)  # start from the high feature
+        in_proj = 0.02 * jax.random.normal(k2, (d, 2 * d))
+        in_proj = in_proj.at[:, :d].add(eye).at[:, d:].add(eye) * self.input_scale
+        init_layer = self.init_layer % target.cfg.num_layers
+        final_norm = jnp.asarray(target.params["final_norm"], jnp.float32)
+        params = {
+            "fuse": fuse,
+            "in_proj": in_proj,
+            "layer": _copy_layer(target, init_layer),
+            "norm": final_norm,
+        }
+        return params, _frozen(target, d2t)
+
+    def runtime(self, params, frozen):
+        return {**params, "head": frozen["head"], "d2t": frozen["d2t"]}
+
+    def drafter(self, target_cfg):
+        return eagle_lib.EagleDrafter(
+            cfg=self.layer_cfg(target_cfg),
+            target_vocab=target_cfg.vocab_size,
+            hidden_layers=self.hidden_layers,
+        )
+
+    def arch(self):
+        return {"hidden_layers": list(self.hidden_layers), "ttt_steps": self.ttt_steps}
+
+    def loss(self, params, frozen, batch, target_cfg):
+        cfg = self.layer_cfg(target_cfg)
+        dp = self.runtime(params, frozen)
+        tok = batch["tokens"]
+        b, t = tok.shape
+        emb = {"embed": frozen["embed"]}
+        feats = batch["hidden"][jnp.asarray(self.feature_slots)].astype(jnp.float32)
+        f = eagle_lib.fuse(dp, feats)  # [B, T, D]
+        shift = lambda x, n: jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2))[:, :t]
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        j = jnp.arange(t)
+        causal = jnp.broadcast_to(j[None, :] <= j[:, None], (b, t, t))
+        valid = _valid(batch)
+        x = eagle_lib.layer_input(dp, emb, tok, shift(f, 1))
+        h, k0, v0 = eagle_lib.train_layer(cfg, params["layer"], x, pos, causal)
+        losses, tops, weights = [], [], []
+        prev_k, prev_v = [], []  # keys/values of steps 1..s-1
+        for s in range(self.ttt_steps):
+            if s > 0:
+                x = eagle_lib.layer_input(dp, emb, tok, shift(h, 1))
+                ctx_k = [k0] + [shift(kk, s - r) for r, kk in enumerate(prev_k, start=1)]
+                ctx_v = [v0] + [shift(vv, s - r) for r, vv in enumerate(prev_v, start=1)]
+                diag = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+                masks = [j[None, :] <= j[:, None] - s] + [
+                    jnp.eye(t, dtype=bool) & (j[:, None] >= s - r)
+                    for r in range(1, s)
+                ]
+                ctx_mask = jnp.concatenate([jnp.broadcast_to(m, (b, t, t)) for m in masks], axis=2)
+                h, ks, vs = eagle_lib.train_layer(
+                    cfg, params["layer"], x, pos, diag,
+                    jnp.concatenate(ctx_k, axis=1), jnp.concatenate(ctx_v, axis=1), ctx_mask,
+                )
+                prev_k.append(ks)
+                prev_v.append(vs)
+            logits = eagle_lib.head_logits(dp, h)
+            mask = valid & (j[None] >= max(s, 1))
+            loss, top1 = soft_ce(logits, batch["topk_ids"], batch["topk_probs"], frozen["t2d"], mask)
+            losses.append(loss)
+            tops.append(top1)
+            weights.append(self.ttt_decay**s)
+        w = jnp.asarray(weights) / sum(weights)
+        metrics = {"top1": tops[0]} | {f"top1_s{s}": a for s, a in enumerate(tops)}
+        return jnp.sum(jnp.stack(losses) * w), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Medusa:
+    num_heads: int = 4
+    name: str = "medusa"
+    feature_slots: tuple[int, ...] = (3,)  # the final-normed hidden in the records
+
+    def init(self, target, d2t, key):
+        d = target.cfg.hidden_size
+        w = 0.001 * jax.random.normal(key, (self.num_heads, d, d))
+        return {"w": w, "b": jnp.zeros((self.num_heads, d))}, _frozen(target, d2t)
+
+    def runtime(self, params, frozen):
+        return {**params, "head": frozen["head"], "d2t": frozen["d2t"]}
+
+    def drafter(self, target_cfg):
+        return medusa_lib.MedusaDrafter(
+            num_heads=self.num_heads,
+            target_vocab=target_cfg.vocab_size,
+            final_layer=target_cfg.num_layers,
+        )
+
+    def arch(self):
+        return {"num_heads": self.num_heads}
+
+    def loss(self, params, frozen, batch, target_cfg):
+        h = batch["hidden"][self.feature_slots[0]].astype(jnp.float32)  # [B, T, D]
+        logits = medusa_lib.head_logits(self.runtime(params, frozen), h)  # [K, B, T, N]
+        t = h.shape[1]
+        valid = _valid(batch)
+        losses, tops = [], []
+        for k in range(1, self.num_heads + 1):
+            shift = lambda x: jnp.pad(x[:, k:], [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2))
+            mask = shift(valid)  # label at position t+k must exist
+            loss, top1 = soft_ce(
+                logits[k - 1], shift(batch["topk_ids"]), shift(batch["topk_probs"]), frozen["t2d"], mask
+            )
+            losses.append(loss)
+            tops.append(top1)
+        del t
+        metrics = {"top1": tops[0]} | {f"top1_h{k + 1}": a for k, a in enumerate(tops)}
+        return jnp.mean(jnp.stack(losses)), metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    layers_from: tuple[int, ...] = (0, 14, 29)  # target layers the draft model starts from
+    name: str = "draft_model"
+    feature_slots: tuple[int, ...] = ()
+
+    def cfg(self, target_cfg):
+        return dataclasses.replace(target_cfg, num_layers=len(self.layers_from), dtype="float32")
+
+    def init(self, target, d2t, key):
+        n = target.cfg.num_layers
+        layers = tuple(_copy_layer(target, i % n) for i in self.layers_from)
+        final_norm = jnp.asarray(target.params["final_norm"], jnp.float32)
+        return {"layers": layers, "final_norm": final_norm}, _frozen(target, d2t)
+
+    def runtime(self, params, frozen):
+        return {
+            "embed": frozen["embed"],
+            "layers": params["layers"],
+            "final_norm": params["final_norm"],
+            "draft_head": frozen["head"],
+            "draft_ids": frozen["d2t"],
+        }
+
+    def drafter(self, target_cfg):
+        return ModelDrafter(cfg=self.cfg(target_cfg), target_vocab=target_cfg.vocab_size)
+
+    def arch(self):
+        return {"layers_from": list(self.layers_from)}
+
+    def loss(self, params, frozen, batch, target_cfg):
+        cfg = self.cfg(target_cfg)
+        tok = batch["tokens"]
+        b, t = tok.shape
+        cache = init_cache(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+        dp = self.runtime(params, frozen)
+        out = llama.forward(dp, tok, cache, cfg)
+        logits = llama._linear(out.hidden, frozen["head"]).astype(jnp.float32)
+        loss, top1 = soft_ce(logits, batch["topk_ids"], batch["topk_probs"], frozen["t2d"], _valid(batch))
+        return loss, {"top1": top1}
+
+
+METHODS = {"eagle": Eagle, "medusa": Medusa, "draft_model": Draft}
