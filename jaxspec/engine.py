@@ -21,7 +21,7 @@ from jaxspec import speculate
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
 
-MIN_PROMPT_BUCKET = 32
+MIN_PROMPT_BUCKET = 16
 MAX_SPECULATIVE_TOKENS = 16  # γ above this costs more verify than it can win back
 
 
@@ -76,7 +76,7 @@ class Engine:
             drafter=drafter,
             num_speculative_tokens=num_speculative_tokens,
             eos_ids=tuple(model.eos_token_ids),
-            windows=(1, 2, 4, 8),
+            windows=(1,),  # prompt lookup with no match anywhere: a plain 1-token step
         )
 
     @property

@@ -1,0 +1,280 @@
+"""The speculative loop end to end on tiny random models: greedy identity, exact distribution,
+EOS, cache contents, batching and recompilation."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec import acceptance, sampling, speculate
+from jaxspec.cache import init_cache
+from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
+from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.engine import Engine
+from jaxspec.errors import JaxspecError
+from jaxspec.models import llama
+from jaxspec.sampling import SamplingParams
+from tiny import tiny_model
+
+PROMPT_LENGTHS = (5, 17, 9, 30)
+
+
+def perturbed(params, seed, noise):
+    """A draft close to the target: accepts often but not always (both branches of the rule)."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(
+        treedef, [w + noise * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)]
+    )
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    out = []
+    for n in PROMPT_LENGTHS:  # half random, half a repeated motif (so prompt lookup finds matches)
+        motif = list(rng.integers(1, 64, size=4))
+        out.append([int(t) for t in (list(rng.integers(1, 64, size=n // 2)) + motif * 4)[:n]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target, prompts):
+    return [r.token_ids for r in Engine(target).generate(prompts, max_new_tokens=40, batch_size=4)]
+
+
+def drafters(target):
+    return {
+        "ngram": (NgramDrafter(vocab_size=64, min_ngram=1, max_ngram=3), None),
+        "layer_skip": (layer_skip_drafter(target.cfg, 3), None),
+        "draft_model": (
+            ModelDrafter(cfg=target.cfg, target_vocab=64),
+            perturbed(target.params, 1, 0.05),
+        ),
+    }
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_speculative_is_token_identical(target, prompts, plain_greedy, method, gamma, batch_size):
+    drafter, dparams = drafters(target)[method]
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=gamma)
+    results = engine.generate(prompts, max_new_tokens=40, batch_size=batch_size)
+    assert [r.token_ids for r in results] == plain_greedy
+    drafted = sum(r.metrics["num_draft_tokens"] for r in results)
+    accepted = sum(r.metrics["num_accepted_tokens"] for r in results)
+    assert 0 < accepted < drafted  # both the accept and the reject path were exercised
+
+
+def test_plain_greedy_matches_a_step_by_step_reference(target, prompts, plain_greedy):
+    """The jitted loop against a host loop of single-token forwards, no bucketing or batching."""
+    step = jax.jit(llama.forward_logits, static_argnames="cfg")
+    for ids, expected in zip(prompts, plain_greedy):
+        cache = init_cache(4, 1, 128, 2, 16)
+        logits, cache = step(target.params, jnp.asarray([ids]), cache, target.cfg)
+        cache = cache.commit(jnp.asarray([len(ids)]))
+        out = [int(jnp.argmax(logits[0, -1]))]
+        while len(out) < 40 and out[-1] != 0:
+            logits, cache = step(target.params, jnp.asarray([[out[-1]]]), cache, target.cfg)
+            cache = cache.commit(jnp.asarray([1]))
+            out.append(int(jnp.argmax(logits[0, -1])))
+        assert out == expected
+
+
+def test_self_draft_accepts_everything(target, prompts):
+    no_eos = dataclasses.replace(target, eos_token_ids=(-1,))
+    engine = Engine(no_eos, ModelDrafter(cfg=target.cfg, target_vocab=64), target.params,
+                    num_speculative_tokens=4)
+    sp = SamplingParams.make(temperature=1.0)
+    for r in engine.generate(prompts, max_new_tokens=30, sampling=sp, batch_size=4):
+        assert r.metrics["acceptance_rate"] == 1.0
+        assert r.metrics["accepted_per_position"] == [1.0] * 4
+
+
+def test_eos_inside_the_window_stops_the_row(target, prompts):
+    no_eos = dataclasses.replace(target, eos_token_ids=(-1,))
+    plain = Engine(no_eos).generate(prompts[:1], max_new_tokens=30)[0].token_ids
+    eos = plain[6]
+    first = plain.index(eos)
+    eos_target = dataclasses.replace(target, eos_token_ids=(eos,))
+    expected = plain[: first + 1]
+    assert Engine(eos_target).generate(prompts[:1], max_new_tokens=30)[0].token_ids == expected
+    engine = Engine(eos_target, ModelDrafter(cfg=target.cfg, target_vocab=64), target.params,
+                    num_speculative_tokens=5)  # α = 1: EOS lands inside an accepted window
+    assert engine.generate(prompts[:1], max_new_tokens=30)[0].token_ids == expected
+
+
+def test_max_new_tokens_is_exact(target, prompts):
+    no_eos = dataclasses.replace(target, eos_token_ids=(-1,))
+    engine = Engine(no_eos, ModelDrafter(cfg=target.cfg, target_vocab=64), target.params,
+                    num_speculative_tokens=5)
+    for r in engine.generate(prompts, max_new_tokens=13, batch_size=4):
+        assert r.num_generated_tokens == 13
+
+
+def test_cache_after_speculation_equals_plain_prefill(target, prompts):
+    """Target k/v below each row's length == a fresh forward over the committed tokens."""
+    drafter, dparams = drafters(target)["draft_model"]
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=3)
+    sp = SamplingParams.make()
+    state = engine._prefill(prompts, 20, sp, 0, list(range(4)), 4)
+    state = engine._decode(state, sp, 3)  # stop mid-generation: rejected drafts sit past lengths
+    committed = np.asarray(state.lengths) - 1
+    fresh = init_cache(4, 4, state.tokens.shape[1], 2, 16)
+    out = llama.forward(target.params, state.tokens, fresh, target.cfg)
+    for layer in range(4):
+        for row in range(4):
+            n = committed[row]
+            np.testing.assert_allclose(
+                state.cache.k[layer][row, :n], out.cache.k[layer][row, :n], rtol=1e-4, atol=1e-5
+            )
+            np.testing.assert_allclose(
+                state.cache.v[layer][row, :n], out.cache.v[layer][row, :n], rtol=1e-4, atol=1e-5
+            )
+
+
+def test_sampled_rows_do_not_depend_on_their_batch(target, prompts):
+    drafter, dparams = drafters(target)["draft_model"]
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=3)
+    sp = SamplingParams.make(temperature=0.8, top_p=0.9)
+    alone = [r.token_ids for r in engine.generate(prompts, max_new_tokens=20, sampling=sp, seed=3)]
+    batched = engine.generate(prompts, max_new_tokens=20, sampling=sp, seed=3, batch_size=4)
+    assert [r.token_ids for r in batched] == alone
+
+
+def test_no_recompilation_across_requests(target):
+    engine = Engine(target, NgramDrafter(vocab_size=64), num_speculative_tokens=3)
+    rng = np.random.default_rng(1)
+    requests = [[int(t) for t in rng.integers(1, 64, size=int(n))] for n in rng.integers(1, 60, 50)]
+    engine.generate(requests[:2], max_new_tokens=16)  # warm up
+    before = speculate.decode_jit._cache_size(), speculate.prefill_jit._cache_size()
+    for ids in requests:
+        engine.generate([ids], max_new_tokens=16, sampling=SamplingParams.make(temperature=0.5))
+    after = speculate.decode_jit._cache_size(), speculate.prefill_jit._cache_size()
+    # prompt lengths 1..59 fall in three buckets (16, 32, 64): one program per bucket at most
+    assert after[0] - before[0] <= 3 and after[1] - before[1] <= 3
+
+
+def test_bad_speculative_settings_are_clear_errors(target):
+    with pytest.raises(JaxspecError, match="num_speculative_tokens"):
+        Engine(target, NgramDrafter(vocab_size=64), num_speculative_tokens=0)
+    with pytest.raises(JaxspecError, match="num_speculative_tokens"):
+        Engine(target, NgramDrafter(vocab_size=64), num_speculative_tokens=99)
+    with pytest.raises(JaxspecError, match="ngram"):
+        NgramDrafter(vocab_size=64, min_ngram=3, max_ngram=2)
+    with pytest.raises(JaxspecError, match="layer_skip_layers"):
+        layer_skip_drafter(target.cfg, 4)
+    short = ModelDrafter(cfg=dataclasses.replace(target.cfg, max_position_embeddings=40),
+                         target_vocab=64)
+    engine = Engine(target, short, target.params, num_speculative_tokens=2)
+    with pytest.raises(JaxspecError, match="draft model's context of 40"):
+        engine.generate([[1] * 30], max_new_tokens=20)
+
+
+# ---- the sampled distribution of the whole loop ------------------------------------------------
+
+V = 6
+NUM_ROWS = 12000
+
+
+def exact_joint(model, prompt, sp, num_tokens):
+    """Exact law of the first `num_tokens` generated tokens, by enumerating every prefix."""
+    prefixes = list(itertools.product(range(V), repeat=num_tokens - 1))
+    ids = jnp.asarray([prompt + list(seq) for seq in prefixes])  # [V^(n-1), P+n-1]
+    cache = init_cache(model.cfg.num_layers, len(prefixes), 64, 2, model.cfg.head_dim)
+    logits, _ = jax.jit(llama.forward_logits, static_argnames="cfg")(
+        model.params, ids, cache, model.cfg
+    )
+    probs = np.asarray(sampling.logits_to_probs(logits, sp))  # [V^(n-1), T, V]
+    joint = np.zeros((V,) * num_tokens)
+    for row, seq in enumerate(prefixes):
+        p_prefix = 1.0
+        for i, t in enumerate(seq):
+            p_prefix *= probs[row, len(prompt) - 1 + i, t]
+        joint[seq] += p_prefix * probs[row, len(prompt) - 1 + len(seq)]
+    return joint
+
+
+def chi_square_pvalue(counts, expected_probs):
+    expected = expected_probs.ravel() * counts.sum()
+    observed = counts.ravel()
+    big = expected >= 5  # pool the sparse cells into one
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+def sampled_counts(target, draft_params, sp, prompt, num_tokens=3, gamma=2):
+    engine = Engine(target, ModelDrafter(cfg=target.cfg, target_vocab=V), draft_params,
+                    num_speculative_tokens=gamma)
+    results = engine.generate([prompt] * NUM_ROWS, max_new_tokens=num_tokens, sampling=sp,
+                              batch_size=NUM_ROWS, seed=11)
+    counts = np.zeros((V,) * num_tokens)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    return counts, results
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    target = tiny_model(seed=5, scale=0.6, vocab=V, layers=2, hidden=32, eos=(-1,))
+    draft_params = perturbed(target.params, 6, 0.3)
+    return target, draft_params
+
+
+SETTINGS = {
+    "temperature": dict(temperature=0.9),
+    "top_k": dict(temperature=1.2, top_k=3),
+    "top_p": dict(temperature=1.0, top_p=0.8),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_sampled_speculation_has_the_target_distribution(small_vocab, setting):
+    target, draft_params = small_vocab
+    sp = SamplingParams.make(**SETTINGS[setting])
+    prompt = [1, 2, 3, 4, 5]
+    counts, results = sampled_counts(target, draft_params, sp, prompt)
+    rate = np.mean([r.metrics["acceptance_rate"] for r in results])
+    assert 0.05 < rate < 0.95  # draft differs from the target: rejections happen
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, sp, 3)) > 1e-3
+
+
+def broken_accept_row(draft_tokens, q, p, num_proposed, key):
+    """Bonus and residual drawn from the draft q instead of the target p: not lossless."""
+    g = draft_tokens.shape[0]
+    k_u, k_r = jax.random.split(key)
+    q_t = jnp.take_along_axis(q, draft_tokens[:, None], -1)[:, 0]
+    p_t = jnp.take_along_axis(p[:g], draft_tokens[:, None], -1)[:, 0]
+    ok = (jax.random.uniform(k_u, (g,)) * q_t < p_t) & (jnp.arange(g) < num_proposed)
+    n = jnp.sum(jnp.cumprod(ok)).astype(jnp.int32)
+    resid = jnp.maximum(p[n] - q[jnp.minimum(n, g - 1)], 0.0) + 1e-3  # not a proper residual
+    return n, jax.random.categorical(k_r, jnp.log(resid)).astype(jnp.int32)
+
+
+def test_distribution_test_catches_a_broken_rule(small_vocab, monkeypatch):
+    target, draft_params = small_vocab
+    sp = SamplingParams.make(**SETTINGS["temperature"])
+    prompt = [1, 2, 3, 4, 5]
+    jax.clear_caches()
+    monkeypatch.setattr(acceptance, "accept", jax.vmap(broken_accept_row))
+    try:
+        counts, _ = sampled_counts(target, draft_params, sp, prompt)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert chi_square_pvalue(counts, exact_joint(target, prompt, sp, 3)) < 1e-6
