@@ -1,0 +1,150 @@
+"""Trained drafters are lossless: the shipped SmolLM2-135M checkpoints give token-identical
+greedy output, and sampled output (with draft-vocabulary reduction on) has the target's exact
+distribution on a tiny model -- a deliberately broken drafter fails the same test."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxspec import sampling
+from jaxspec.cache import init_cache
+from jaxspec.drafters import eagle as eagle_lib
+from jaxspec.engine import Engine
+from jaxspec.models import llama
+from jaxspec.sampling import SamplingParams
+from jaxspec.train import methods
+from jaxspec.train.load import load_trained_drafter
+from tiny import tiny_model
+
+# ---- shipped checkpoints on the real target ------------------------------------------------
+
+PROMPTS = [
+    "A baker makes 24 muffins and sells 3 boxes of 5. How many muffins are left?",
+    "Write two sentences about why people enjoy gardening.",
+]
+SHIPPED = [
+    ("eagle", "checkpoints/smollm2-135m-eagle", 4),
+    ("medusa", "checkpoints/smollm2-135m-medusa", 3),
+    ("draft_model", "checkpoints/smollm2-135m-draft", 3),
+]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2):
+    return Engine(smollm2).generate(PROMPTS, max_new_tokens=32, batch_size=2)
+
+
+@pytest.mark.parametrize("method,path,gamma", SHIPPED, ids=[s[0] for s in SHIPPED])
+def test_shipped_drafter_greedy_is_token_identical(smollm2, plain, method, path, gamma):
+    drafter, dparams = load_trained_drafter(method, path, smollm2)
+    engine = Engine(smollm2, drafter, dparams, num_speculative_tokens=gamma)
+    spec = engine.generate(PROMPTS, max_new_tokens=32, batch_size=2)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+    # the drafter is trained: it gets drafts accepted
+    assert np.mean([r.metrics["mean_accepted_length"] for r in spec]) > 1.2
+
+
+# ---- exact distribution on a tiny target, draft vocabulary reduced ---------------------------
+
+V = 8
+DRAFT_IDS = np.array([0, 2, 3, 5, 6], np.int32)  # 5 of the 8 target tokens
+NUM_ROWS = 16000
+NUM_TOKENS = 3
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def exact_joint(model, prompt, sp, num_tokens):
+    """Exact law of the first `num_tokens` generated tokens, enumerating every prefix."""
+    prefixes = list(itertools.product(range(V), repeat=num_tokens - 1))
+    ids = jnp.asarray([prompt + list(seq) for seq in prefixes])
+    cache = init_cache(model.cfg.num_layers, len(prefixes), 64, 2, 16)
+    logits, _ = jax.jit(llama.forward_logits, static_argnames="cfg")(model.params, ids, cache, model.cfg)
+    probs = np.asarray(sampling.logits_to_probs(logits, sp))
+    joint = np.zeros((V,) * num_tokens)
+    for row, seq in enumerate(prefixes):
+        p_prefix = 1.0
+        for i, t in enumerate(seq):
+            p_prefix *= probs[row, len(prompt) - 1 + i, t]
+        joint[seq] += p_prefix * probs[row, len(prompt) - 1 + len(seq)]
+    return joint
+
+
+def chi_square_pvalue(counts, expected_probs):
+    expected = expected_probs.ravel() * counts.sum()
+    observed = counts.ravel()
+    if observed[expected == 0].sum() > 0:
+        return 0.0  # a zero-probability sequence was emitted
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_model(seed=5, scale=0.6, vocab=V, eos=(-1,))
+
+
+METHODS = {
+    "eagle": methods.Eagle(hidden_layers=(1, 2, 3), input_scale=1.0),
+    "medusa": methods.Medusa(num_heads=2),
+    "draft_model": methods.Draft(layers_from=(0, 3)),
+}
+
+
+def drafter_for(target, name, noise=0.3):
+    m = METHODS[name]
+    params, frozen = m.init(target, DRAFT_IDS, jax.random.key(7))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(8), len(leaves))
+    params = jax.tree.unflatten(
+        treedef, [w + noise * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)]
+    )
+    return m.drafter(target.cfg), m.runtime(params, frozen)
+
+
+def sampled_counts(target, drafter, dparams, sp, gamma=2):
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=gamma)
+    results = engine.generate([PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sp,
+                              batch_size=NUM_ROWS, seed=3)
+    counts = np.zeros((V,) * NUM_TOKENS)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    return counts, np.mean([r.metrics["acceptance_rate"] for r in results])
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_sampled_output_has_the_target_distribution(small, name):
+    sp = SamplingParams.make(temperature=1.0)
+    drafter, dparams = drafter_for(small, name)
+    counts, rate = sampled_counts(small, drafter, dparams, sp)
+    assert 0.05 < rate < 0.95, rate  # both acceptance and rejection happen
+    assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) > 1e-3
+
+
+@jax.tree_util.register_static
+class ArgmaxTokenEagle(eagle_lib.EagleDrafter):
+    """Broken: returns the right q but proposes its argmax instead of a sample from q."""
+
+    def _probs(self, dparams, h, sp, keys):
+        _, probs = super()._probs(dparams, h, sp, keys)
+        idx = jnp.argmax(sampling.logits_to_probs(eagle_lib.head_logits(dparams, h), sp), -1)
+        return dparams["d2t"][idx], probs
+
+
+def test_distribution_test_catches_a_broken_drafter(small):
+    sp = SamplingParams.make(temperature=1.0)
+    good, dparams = drafter_for(small, "eagle")
+    broken = ArgmaxTokenEagle(cfg=good.cfg, target_vocab=good.target_vocab,
+                              hidden_layers=good.hidden_layers)
+    counts, _ = sampled_counts(small, broken, dparams, sp)
+    assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) < 1e-6
