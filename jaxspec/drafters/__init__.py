@@ -79,3 +79,43 @@ def _ngram(spec: SpeculativeConfig, target: LoadedModel) -> tuple[NgramDrafter, 
 
 
 register_drafter("ngram", _ngram)
+
+
+# ---- trained drafters (jaxspec.train): loaded from a shipped checkpoint --------------------------
+
+
+def _trained(method: str) -> DrafterFactory:
+    def factory(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any]:
+        from jaxspec.train.load import load_trained_drafter  # orbax: only when used
+
+        return load_trained_drafter(method, spec.checkpoint, target)
+
+    return factory
+
+
+register_drafter("eagle", _trained("eagle"))
+register_drafter("medusa", _trained("medusa"))
+
+# draft_model: a distilled checkpoint (speculative.checkpoint) if given, else whatever factory is
+# registered above for a separate model (speculative.draft_model).
+_model_draft = DRAFTERS.pop("draft_model", None)
+
+
+def _draft_model(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any]:
+    if spec.checkpoint is not None:
+        return _trained("draft_model")(spec, target)
+    if _model_draft is not None:
+        return _model_draft(spec, target)
+    if spec.draft_model is None:
+        raise JaxspecError(
+            "speculative.method: draft_model needs speculative.checkpoint (a distilled draft, e.g. "
+            "checkpoints/smollm2-135m-draft) or speculative.draft_model (a model name or path)"
+        )
+    from jaxspec.drafters.draft_model import draft_model_drafter
+    from jaxspec.loading import load_model
+
+    draft = load_model(spec.draft_model, dtype=target.cfg.dtype)
+    return draft_model_drafter(draft, target), draft.params
+
+
+register_drafter("draft_model", _draft_model)
