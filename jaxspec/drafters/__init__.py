@@ -81,6 +81,15 @@ def _ngram(spec: SpeculativeConfig, target: LoadedModel) -> tuple[NgramDrafter, 
 register_drafter("ngram", _ngram)
 
 
+def _layer_skip(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any]:
+    from jaxspec.drafters.draft_model import layer_skip_drafter
+
+    return layer_skip_drafter(target.cfg, spec.layer_skip_layers), ()  # reads the target's params
+
+
+register_drafter("layer_skip", _layer_skip)
+
+
 # ---- trained drafters (jaxspec.train): loaded from a shipped checkpoint --------------------------
 
 
