@@ -100,38 +100,85 @@ def make_parser() -> argparse.ArgumentParser:
         description="Spec-Bench-style benchmark of jaxspec configs against plain decoding "
         "(and transformers with --peers hf).",
     )
-    p.add_argument("--config", nargs="+", action="extend", required=True, metavar="C.yaml",
-                   help="one or more configs (same model); plain decoding of that model is always "
-                   "run as the baseline")
-    p.add_argument("--data", default=str(DEFAULT_DATA), metavar="FILE.jsonl",
-                   help="Spec-Bench questions (question_id, category, turns); default: "
-                   "<repo>/../shared/data/spec_bench_dev.jsonl")
+    p.add_argument(
+        "--config",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="C.yaml",
+        help="one or more configs (same model); plain decoding of that model is always "
+        "run as the baseline",
+    )
+    p.add_argument(
+        "--data",
+        default=str(DEFAULT_DATA),
+        metavar="FILE.jsonl",
+        help="Spec-Bench questions (question_id, category, turns); default: "
+        "<repo>/../shared/data/spec_bench_dev.jsonl",
+    )
     p.add_argument("--n-per-category", type=_positive("--n-per-category"), default=5, metavar="N")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=128, metavar="M")
     p.add_argument("--out", required=True, metavar="DIR", help="results.json, summary.md, PNGs")
-    p.add_argument("--peers", choices=["none", "hf"], default="none",
-                   help="hf: transformers (PyTorch, CPU) plain, prompt lookup, assisted")
-    p.add_argument("--hf-threads", type=_threads, default="auto", metavar="T|auto",
-                   help="torch threads for the HF peers; auto (default): time 1 thread and all "
-                   "cores on a short warm-up and keep the faster")
-    p.add_argument("--hf-prompt-lookup-tokens", type=_positive("--hf-prompt-lookup-tokens"),
-                   metavar="G", help="HF prompt_lookup_num_tokens (default: γ of the first ngram "
-                   "config, else 4)")
-    p.add_argument("--gammas", type=_int_list("--gammas", 1, MAX_SPECULATIVE_TOKENS),
-                   metavar="1,2,3,5,8", help="γ sweep of --sweep-config (omit: no γ sweep)")
-    p.add_argument("--batch-sizes", type=_int_list("--batch-sizes", 1, 256),
-                   metavar="1,4,16", help="batch sweep: plain vs --sweep-config (omit: none)")
-    p.add_argument("--sweep-config", metavar="C.yaml",
-                   help="speculative config for the sweeps (default: first speculative --config)")
-    p.add_argument("--sweep-prompts", type=_positive("--sweep-prompts"), default=6, metavar="N",
-                   help="prompts in the γ sweep (default 6)")
-    p.add_argument("--batch-prompts", type=_positive("--batch-prompts"), metavar="N",
-                   help="requests in the batch sweep (default: the largest batch size)")
-    p.add_argument("--batch-max-new-tokens", type=_positive("--batch-max-new-tokens"),
-                   default=64, metavar="M")
-    p.add_argument("--skip-unavailable", action="store_true",
-                   help="skip configs whose method is not registered or whose drafter fails to "
-                   "build (missing checkpoint), instead of stopping")
+    p.add_argument(
+        "--peers",
+        choices=["none", "hf"],
+        default="none",
+        help="hf: transformers (PyTorch, CPU) plain, prompt lookup, assisted",
+    )
+    p.add_argument(
+        "--hf-threads",
+        type=_threads,
+        default="auto",
+        metavar="T|auto",
+        help="torch threads for the HF peers; auto (default): time 1 thread and all "
+        "cores on a short warm-up and keep the faster",
+    )
+    p.add_argument(
+        "--hf-prompt-lookup-tokens",
+        type=_positive("--hf-prompt-lookup-tokens"),
+        metavar="G",
+        help="HF prompt_lookup_num_tokens (default: γ of the first ngram config, else 4)",
+    )
+    p.add_argument(
+        "--gammas",
+        type=_int_list("--gammas", 1, MAX_SPECULATIVE_TOKENS),
+        metavar="1,2,3,5,8",
+        help="γ sweep of --sweep-config (omit: no γ sweep)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=_int_list("--batch-sizes", 1, 256),
+        metavar="1,4,16",
+        help="batch sweep: plain vs --sweep-config (omit: none)",
+    )
+    p.add_argument(
+        "--sweep-config",
+        metavar="C.yaml",
+        help="speculative config for the sweeps (default: first speculative --config)",
+    )
+    p.add_argument(
+        "--sweep-prompts",
+        type=_positive("--sweep-prompts"),
+        default=6,
+        metavar="N",
+        help="prompts in the γ sweep (default 6)",
+    )
+    p.add_argument(
+        "--batch-rounds",
+        type=_positive("--batch-rounds"),
+        default=2,
+        metavar="R",
+        help="batch sweep: full batches timed per batch size (default 2)",
+    )
+    p.add_argument(
+        "--batch-max-new-tokens", type=_positive("--batch-max-new-tokens"), default=64, metavar="M"
+    )
+    p.add_argument(
+        "--skip-unavailable",
+        action="store_true",
+        help="skip configs whose method is not registered or whose drafter fails to "
+        "build (missing checkpoint), instead of stopping",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     return p
 
@@ -156,12 +203,14 @@ def read_questions(path: str | Path) -> list[dict[str, Any]]:
         if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
             raise JaxspecError(f'data file {path} line {n}: expected "turns", a list of strings')
         raw = str(row.get("category", "mt_bench"))
-        rows.append({
-            "question_id": row.get("question_id", n),
-            "category": category_of(raw),
-            "raw_category": raw,
-            "prompt": turns[0],
-        })
+        rows.append(
+            {
+                "question_id": row.get("question_id", n),
+                "category": category_of(raw),
+                "raw_category": raw,
+                "prompt": turns[0],
+            }
+        )
     if not rows:
         raise JaxspecError(f"data file {path} has no questions")
     return rows
@@ -213,6 +262,7 @@ def record(result, wall_s: float) -> dict[str, Any]:
         "num_accepted_tokens": m["num_accepted_tokens"],
         "accepted_per_position": m["accepted_per_position"],
         "token_ids": result.token_ids,
+        "compile_s": m.get("compile_s", 0.0),  # must be 0: compilation happens in the warm-up
     }
 
 
@@ -253,11 +303,13 @@ def aggregate(rows: list[dict], base_rows: list[dict], gamma: int) -> dict[str, 
         "step_cost_ratio": cost,
         "alpha_from_accepted_length": alpha,
         "predicted_speedup": (
-            formula.speedup(alpha, gamma, step_cost=cost) if gamma and alpha is not None and cost
+            formula.speedup(alpha, gamma, step_cost=cost)
+            if gamma and alpha is not None and cost
             else None
         ),
         "outputs_match_baseline": all(matches) if matches else None,
         "match_rate": sum(matches) / len(matches) if matches else None,
+        "compile_s_in_timed_runs": sum(r.get("compile_s", 0.0) for r in rows),
     }
 
 
@@ -341,31 +393,41 @@ class Bench:
         elif a.gammas or a.batch_sizes:
             spec = [l for l, c in self.configs.items() if c.speculative.method != "none"]
             if not spec:
-                raise JaxspecError("--gammas/--batch-sizes need a speculative config: add one to "
-                                   "--config or pass --sweep-config")
+                raise JaxspecError(
+                    "--gammas/--batch-sizes need a speculative config: add one to "
+                    "--config or pass --sweep-config"
+                )
             self.sweep_label, self.sweep_cfg = spec[0], self.configs[spec[0]]
         self.prompts = select(read_questions(a.data), a.n_per_category)
-        self.base_cfg = load_config(None, greedy + [
-            f"model.name={first.model.name}", f"model.dtype={first.model.dtype}",
-            f"model.layout={first.model.layout}",
-            f"generation.chat_template={str(first.generation.chat_template).lower()}",
-        ])
+        self.base_cfg = load_config(
+            None,
+            greedy
+            + [
+                f"model.name={first.model.name}",
+                f"model.dtype={first.model.dtype}",
+                f"model.layout={first.model.layout}",
+                f"generation.chat_template={str(first.generation.chat_template).lower()}",
+            ],
+        )
         if first.generation.system_prompt is not None:
             import dataclasses
 
             self.base_cfg = dataclasses.replace(
                 self.base_cfg,
                 generation=dataclasses.replace(
-                    self.base_cfg.generation, system_prompt=first.generation.system_prompt),
+                    self.base_cfg.generation, system_prompt=first.generation.system_prompt
+                ),
             )
         self.results["settings"] = {
-            "configs": {l: str(p) for l, p in zip(map(label_of, a.config), a.config)
-                        if l in self.configs},
+            "configs": {
+                l: str(p) for l, p in zip(map(label_of, a.config), a.config) if l in self.configs
+            },
             "data": str(a.data),
             "n_per_category": a.n_per_category,
             "num_prompts": len(self.prompts),
-            "categories": sorted({p["category"] for p in self.prompts},
-                                 key=SPEC_BENCH_CATEGORIES.index),
+            "categories": sorted(
+                {p["category"] for p in self.prompts}, key=SPEC_BENCH_CATEGORIES.index
+            ),
             "max_new_tokens": a.max_new_tokens,
             "sampling": "greedy",
             "batch_size": 1,
@@ -404,7 +466,7 @@ class Bench:
                 continue  # a plain config *is* the baseline: reported with its rows
             try:
                 self.engines[label] = build_engine(cfg, target=self.target)
-            except JaxspecError as e:
+            except (JaxspecError, OSError, ValueError) as e:  # e.g. a checkpoint not trained yet
                 if not self.args.skip_unavailable:
                     raise
                 self._skip(label, str(e))
@@ -415,15 +477,26 @@ class Bench:
             from jaxspec.bench_peers import HFPeers
 
             g = self.args.hf_prompt_lookup_tokens or next(
-                (c.speculative.num_speculative_tokens for c in self.configs.values()
-                 if c.speculative.method == "ngram"), 4)
-            self.peers = HFPeers(self.target, self.configs, threads=self.args.hf_threads,
-                                 prompt_lookup_tokens=g, model=self._hf_model)
+                (
+                    c.speculative.num_speculative_tokens
+                    for c in self.configs.values()
+                    if c.speculative.method == "ngram"
+                ),
+                4,
+            )
+            self.peers = HFPeers(
+                self.target,
+                self.configs,
+                threads=self.args.hf_threads,
+                prompt_lookup_tokens=g,
+                model=self._hf_model,
+            )
             self.results["peers"] = {"hf": {"info": self.peers.info}}
 
     def warm_up(self, engine, ids_list: list[list[int]], max_new: int, batch_size: int = 1):
         """Run once per prompt-length bucket (same capacity, fewer tokens): compile untimed."""
         from jaxspec.engine import bucket
+        from jaxspec.sampling import SamplingParams
 
         short = bucket(max_new) // 2 + 1 if max_new > 16 else max_new
         seen = set()
@@ -432,7 +505,10 @@ class Bench:
             b = bucket(max(len(x) for x in chunk))
             if b not in seen:
                 seen.add(b)
-                engine.generate(chunk, max_new_tokens=short, batch_size=batch_size)
+                if hasattr(engine, "_ensure_compiled"):  # prefill + one step: compiles, cheap
+                    engine._ensure_compiled(chunk, max_new, SamplingParams.make(), batch_size)
+                else:
+                    engine.generate(chunk, max_new_tokens=short, batch_size=batch_size)
 
     # -- phase 1: Spec-Bench protocol
     def run_main(self) -> None:
@@ -460,8 +536,11 @@ class Bench:
                 row["question_id"], row["category"] = prompt["question_id"], prompt["category"]
                 self.rows[name].append(row)
             base = self.rows["baseline"][-1]["tokens_per_s"]
-            bar.set_postfix({n: f"{self.rows[n][-1]['tokens_per_s'] / base:.2f}x"
-                             for n in labels[1:]} if base else {})
+            bar.set_postfix(
+                {n: f"{self.rows[n][-1]['tokens_per_s'] / base:.2f}x" for n in labels[1:]}
+                if base
+                else {}
+            )
             self.summarise()
             self.write(plots=False)
 
@@ -480,12 +559,16 @@ class Bench:
         engines = {"baseline": self.engines["baseline"]}
         for g in a.gammas:
             spec = dataclasses.replace(cfg.speculative, num_speculative_tokens=g)
-            engines[g] = build_engine(dataclasses.replace(cfg, speculative=spec),
-                                      target=self.target)
+            engines[g] = build_engine(
+                dataclasses.replace(cfg, speculative=spec), target=self.target
+            )
             self.warm_up(engines[g], ids, a.max_new_tokens)
         rows: dict[Any, list] = {k: [] for k in engines}
-        sweep = self.results["gamma_sweep"] = {"config": self.sweep_label,
-                                               "num_prompts": len(prompts), "points": []}
+        sweep = self.results["gamma_sweep"] = {
+            "config": self.sweep_label,
+            "num_prompts": len(prompts),
+            "points": [],
+        }
         for i in tqdm(range(len(ids)), desc="gamma sweep", unit="prompt", file=sys.stderr):
             for k, engine in engines.items():
                 res = engine.generate([ids[i]], max_new_tokens=a.max_new_tokens)[0]
@@ -498,8 +581,9 @@ class Bench:
 
     def _fit_gamma_curve(self, sweep: dict) -> None:
         pts = [p for p in sweep["points"] if p["step_cost_ratio"]]
-        r0, r1 = formula.fit_step_cost([p["gamma"] for p in pts],
-                                       [p["step_cost_ratio"] for p in pts])
+        r0, r1 = formula.fit_step_cost(
+            [p["gamma"] for p in pts], [p["step_cost_ratio"] for p in pts]
+        )
         tot_steps = sum(p["num_generated_tokens"] for p in pts)
         alphas = [(p["alpha_from_accepted_length"], p["num_generated_tokens"]) for p in pts]
         alpha = sum(x * w for x, w in alphas) / tot_steps if tot_steps else 0.0
@@ -512,7 +596,9 @@ class Bench:
             "curve": {"gamma": grid, "speedup": formula.speedup_curve(alpha, grid, r0, r1)},
             "optimal_gamma": formula.optimal_gamma(alpha, r0, r1, gmax),
             "curve_free_verify": {
-                "gamma": grid, "speedup": formula.speedup_curve(alpha, grid, 1.0, 0.0)},
+                "gamma": grid,
+                "speedup": formula.speedup_curve(alpha, grid, 1.0, 0.0),
+            },
         }
 
     # -- phase 3: batch sweep
@@ -522,16 +608,25 @@ class Bench:
         from jaxspec.build import build_engine
 
         a = self.args
-        n = a.batch_prompts or max(a.batch_sizes)
-        ids = [self.ids[i % len(self.ids)] for i in range(n)]
         m = a.batch_max_new_tokens
-        engines = {"plain": self.engines["baseline"],
-                   self.sweep_label: self.engines.get(self.sweep_label)
-                   or build_engine(self.sweep_cfg, target=self.target)}
+        engines = {
+            "plain": self.engines["baseline"],
+            self.sweep_label: self.engines.get(self.sweep_label)
+            or build_engine(self.sweep_cfg, target=self.target),
+        }
         sweep = self.results["batch_sweep"] = {
-            "config": self.sweep_label, "num_requests": n, "max_new_tokens": m, "points": []}
+            "config": self.sweep_label,
+            "rounds": a.batch_rounds,
+            "max_new_tokens": m,
+            "method": "at batch size b: `rounds` full batches of b distinct requests (prompts "
+            "cycled); throughput = generated tokens / wall time; latency = wall time of the batch "
+            "a request was in",
+            "points": [],
+        }
         for b in tqdm(a.batch_sizes, desc="batch sweep", unit="batch size", file=sys.stderr):
-            point = {"batch_size": b}
+            n = b * a.batch_rounds
+            ids = [self.ids[i % len(self.ids)] for i in range(n)]
+            point = {"batch_size": b, "num_requests": n}
             for name, engine in engines.items():
                 self.warm_up(engine, ids, m, batch_size=b)
                 tokens, wall, lat = 0, 0.0, []
@@ -551,12 +646,20 @@ class Bench:
             po = point.pop("plain_outputs")
             so = point.pop(f"{self.sweep_label}_outputs")
             point["outputs_match"] = po == so
-            point["speedup"] = _ratio(point["speculative_tokens_per_s"],
-                                      point["plain_tokens_per_s"])
+            point["speedup"] = _ratio(
+                point["speculative_tokens_per_s"], point["plain_tokens_per_s"]
+            )
             sweep["points"].append(point)
             self.write(plots=False)
-        faster = [p["batch_size"] for p in sweep["points"] if (p["speedup"] or 0) < 1.0]
-        sweep["crossover_batch_size"] = faster[0] if faster else None
+        faster = [p["batch_size"] for p in sweep["points"] if (p["speedup"] or 0) >= 1.0]
+        sweep["speculative_faster_at"] = faster
+        # the first batch size, after one where speculation won, at which plain decoding wins
+        later = [
+            p["batch_size"]
+            for p in sweep["points"]
+            if faster and p["batch_size"] > faster[0] and (p["speedup"] or 0) < 1.0
+        ]
+        sweep["crossover_batch_size"] = later[0] if later else None
 
     # -- results
     def summarise(self) -> None:
@@ -566,7 +669,9 @@ class Bench:
         cats = [c for c in SPEC_BENCH_CATEGORIES if any(r["category"] == c for r in base)]
         out = {}
         for label, cfg in self.configs.items():
-            gamma = cfg.speculative.num_speculative_tokens if cfg.speculative.method != "none" else 0
+            gamma = (
+                cfg.speculative.num_speculative_tokens if cfg.speculative.method != "none" else 0
+            )
             rows = self.rows.get("baseline" if gamma == 0 else label, [])[: len(base)]
             if len(rows) < len(base):
                 base_n = base[: len(rows)]
@@ -578,22 +683,28 @@ class Bench:
                 "num_speculative_tokens": gamma,
                 "overall": aggregate(rows, base_n, gamma),
                 "categories": {
-                    c: aggregate([r for r in rows if r["category"] == c],
-                                 [r for r in base_n if r["category"] == c], gamma)
+                    c: aggregate(
+                        [r for r in rows if r["category"] == c],
+                        [r for r in base_n if r["category"] == c],
+                        gamma,
+                    )
                     for c in cats
                 },
             }
             out[label] = entry
         self.results["configs"] = out
         spec = {l: e for l, e in out.items() if e["num_speculative_tokens"]}
-        pick = max(spec, key=lambda l: spec[l]["overall"]["speedup"] or 0) if spec else next(
-            iter(out))
+        pick = (
+            max(spec, key=lambda l: spec[l]["overall"]["speedup"] or 0) if spec else next(iter(out))
+        )
         self.results["best_config"] = pick
         self.results["overall"] = {"config": pick, **out[pick]["overall"]}
         self.results["categories"] = out[pick]["categories"]
         if self.peers:
-            ours = {l: self.rows.get("baseline" if e["num_speculative_tokens"] == 0 else l, [])
-                    for l, e in out.items()}
+            ours = {
+                l: self.rows.get("baseline" if e["num_speculative_tokens"] == 0 else l, [])
+                for l, e in out.items()
+            }
             if not any(e["num_speculative_tokens"] == 0 for e in out.values()):
                 ours["plain (baseline)"] = base
             hf = self.results["peers"]["hf"]
@@ -605,28 +716,33 @@ class Bench:
                 methods[name] = {
                     "overall": aggregate_peer(rows, base[:n], ours_n),
                     "categories": {
-                        c: aggregate_peer([r for r in rows if r["category"] == c],
-                                          [r for r in base[:n] if r["category"] == c],
-                                          {l: [r for r in rs if r["category"] == c]
-                                           for l, rs in ours_n.items()})
+                        c: aggregate_peer(
+                            [r for r in rows if r["category"] == c],
+                            [r for r in base[:n] if r["category"] == c],
+                            {l: [r for r in rs if r["category"] == c] for l, rs in ours_n.items()},
+                        )
                         for c in cats
                     },
                 }
             hf["methods"] = methods
             plain = methods["hf_plain"]["overall"]["tokens_per_s"]
-            best_name = max((m for m in methods if m != "hf_plain"),
-                            key=lambda m: methods[m]["overall"]["tokens_per_s"], default=None)
+            best_name = max(
+                (m for m in methods if m != "hf_plain"),
+                key=lambda m: methods[m]["overall"]["tokens_per_s"],
+                default=None,
+            )
             best = methods[best_name]["overall"]["tokens_per_s"] if best_name else None
             our_best = self.results["overall"]
             hf["targets"] = {
                 "our_plain_e2e_over_hf_plain": _ratio(
-                    _mean(r["e2e_tokens_per_s"] for r in base), plain),
+                    _mean(r["e2e_tokens_per_s"] for r in base), plain
+                ),
                 "our_best_e2e_over_hf_plain": _ratio(our_best["e2e_tokens_per_s"], plain),
                 "hf_best_speculative": best_name,
-                "our_best_e2e_over_hf_best_speculative": _ratio(
-                    our_best["e2e_tokens_per_s"], best),
+                "our_best_e2e_over_hf_best_speculative": _ratio(our_best["e2e_tokens_per_s"], best),
                 "our_plain_decode_over_hf_plain": _ratio(
-                    _mean(r["tokens_per_s"] for r in base), plain),
+                    _mean(r["tokens_per_s"] for r in base), plain
+                ),
                 "our_best_decode_over_hf_plain": _ratio(our_best["tokens_per_s"], plain),
                 "our_best_decode_over_hf_best_speculative": _ratio(our_best["tokens_per_s"], best),
             }

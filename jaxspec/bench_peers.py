@@ -3,10 +3,12 @@
     peers = HFPeers(target, configs, threads=2)        # loads the GGUF with transformers
     rows = peers.run(prompt_ids, max_new_tokens=128)    # {"hf_plain": {...}, "hf_prompt_lookup": ...}
 
-Methods: plain greedy `generate`; prompt lookup (`prompt_lookup_num_tokens=γ`); assisted generation
-(`assistant_model=`) when a config's drafter is a separate HF-loadable model (`draft_model` with
-`speculative.draft_model` set and no trained checkpoint). layer_skip, ngram, eagle and medusa
-drafters have no transformers equivalent on the same weights: listed as not applicable.
+Methods: plain greedy `generate`; prompt lookup (`prompt_lookup_num_tokens=γ`); for a layer_skip
+config, transformers' own self-speculation with the same draft (`assistant_early_exit=N`: the first N
+layers + final norm + LM head, γ constant); assisted generation (`assistant_model=`) when a config's
+drafter is a separate HF-loadable model (`draft_model` with `speculative.draft_model` set and no
+trained checkpoint). ngram (its peer is prompt lookup), eagle, medusa and trained draft checkpoints
+have no transformers equivalent on the same weights: listed as not applicable.
 
 HF tokens/s = new tokens / `generate` wall time, so it includes prefill: compare it with our
 end-to-end tokens/s, not our decode-only figure.
@@ -42,7 +44,10 @@ def assisted_source(spec) -> tuple[str | None, str]:
     if spec.method != "draft_model":
         return None, f"{spec.method}: no separate HF-loadable draft model (not applicable)"
     if spec.checkpoint or not spec.draft_model:
-        return None, "draft_model with a jaxspec-trained checkpoint: not HF-loadable (not applicable)"
+        return (
+            None,
+            "draft_model with a jaxspec-trained checkpoint: not HF-loadable (not applicable)",
+        )
     from jaxspec.loading import resolve
 
     try:
@@ -62,7 +67,6 @@ class HFPeers:
         model=None,  # an already loaded transformers twin of `target`
     ):
         import torch
-
         import transformers
 
         self.torch = torch
@@ -80,7 +84,17 @@ class HFPeers:
         }
         self.not_applicable: dict[str, str] = {}
         for label, cfg in configs.items():
-            if cfg.speculative.method == "none":
+            spec = cfg.speculative
+            if spec.method == "none":
+                continue
+            if spec.method == "layer_skip":  # the same self-draft: first N layers + norm + head
+                self.methods[f"hf_early_exit[{label}]"] = {
+                    "kwargs": {
+                        "assistant_early_exit": spec.layer_skip_layers,
+                        "num_assistant_tokens": spec.num_speculative_tokens,
+                        "num_assistant_tokens_schedule": "constant",
+                    },
+                }
                 continue
             src, why = assisted_source(cfg.speculative)
             if src is None:
@@ -108,28 +122,39 @@ class HFPeers:
     def generate(self, name: str, prompt_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
         torch = self.torch
         x = torch.tensor([prompt_ids], dtype=torch.long)
-        kwargs = dict(
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            eos_token_id=self.eos,
-            pad_token_id=self.pad,
-            attention_mask=torch.ones_like(x),
-        )
+        kwargs = {
+            "max_new_tokens": max_new_tokens,
+            "do_sample": False,
+            "temperature": None,
+            "top_p": None,
+            "top_k": None,
+            "eos_token_id": self.eos,
+            "pad_token_id": self.pad,
+            "attention_mask": torch.ones_like(x),
+        }
         kwargs.update(self.methods[name]["kwargs"])
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = self.model.generate(x, **kwargs)
             wall = time.perf_counter() - t0
         gen = out[0, x.shape[1] :].tolist()
-        return {"token_ids": gen, "num_generated_tokens": len(gen), "wall_s": wall,
-                "tokens_per_s": len(gen) / wall if wall > 0 else 0.0}
+        return {
+            "token_ids": gen,
+            "num_generated_tokens": len(gen),
+            "wall_s": wall,
+            "tokens_per_s": len(gen) / wall if wall > 0 else 0.0,
+        }
 
     def warm_up(self, prompt_ids: list[int]) -> None:
-        for name in self.methods:
-            self.generate(name, prompt_ids, 4)
+        for name in list(self.methods):
+            try:
+                self.generate(name, prompt_ids, 4)
+            except Exception as e:
+                if name == "hf_plain":
+                    raise
+                del self.methods[name]
+                self.not_applicable[name] = f"failed in transformers: {' '.join(str(e).split())}"
+        self.info["methods"] = list(self.methods)
         if self.threads == "auto":
             self.pick_threads(prompt_ids)
 

@@ -1,7 +1,7 @@
 """Pictures and the Markdown summary for `jaxspec.bench` results (a results.json dict).
 
-    write_plots(results, out_dir)    -> list of PNG names (matplotlib, Agg backend)
-    write_summary(results, path)     -> summary.md: settings, per-config/category tables, peers, sweeps
+write_plots(results, out_dir)    -> list of PNG names (matplotlib, Agg backend)
+write_summary(results, path)     -> summary.md: settings, per-config/category tables, peers, sweeps
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ def plot_accepted_length_hist(results):
     for i, (label, e) in enumerate(configs.items()):
         dist = accepted_count_distribution(e["overall"]["accepted_per_position"])
         xs = [k + 1 + (i - (len(configs) - 1) / 2) * width for k in range(len(dist))]
-        ax.bar(xs, dist, width,
-               label=f"{label} (mean {e['overall']['mean_accepted_length']:.2f})")
+        ax.bar(xs, dist, width, label=f"{label} (mean {e['overall']['mean_accepted_length']:.2f})")
     ax.set_xlabel("tokens emitted per target forward (accepted drafts + 1)")
     ax.set_ylabel("fraction of steps")
     ax.set_title("Accepted length per step")
@@ -116,15 +115,34 @@ def plot_gamma_sweep(results):
     f = sweep["formula"]
     pts = sweep["points"]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot(f["curve"]["gamma"], f["curve"]["speedup"], "-",
-            label=f"formula, α={f['alpha']:.2f}, measured step cost "
-            f"r(γ)={f['step_cost_fit']['r0']:.2f}+{f['step_cost_fit']['r1']:.2f}γ")
-    ax.plot(f["curve_free_verify"]["gamma"], f["curve_free_verify"]["speedup"], ":", color="gray",
-            label="formula with a free verify (r=1)")
-    ax.plot([p["gamma"] for p in pts], [p["speedup"] or 0 for p in pts], "o", color="C3",
-            label="measured")
-    ax.plot([p["gamma"] for p in pts], [p["predicted_speedup"] or 0 for p in pts], "x",
-            color="C2", label="formula at each point's own α, r")
+    ax.plot(
+        f["curve"]["gamma"],
+        f["curve"]["speedup"],
+        "-",
+        label=f"formula, α={f['alpha']:.2f}, measured step cost "
+        f"r(γ)={f['step_cost_fit']['r0']:.2f}+{f['step_cost_fit']['r1']:.2f}γ",
+    )
+    ax.plot(
+        f["curve_free_verify"]["gamma"],
+        f["curve_free_verify"]["speedup"],
+        ":",
+        color="gray",
+        label="formula with a free verify (r=1)",
+    )
+    ax.plot(
+        [p["gamma"] for p in pts],
+        [p["speedup"] or 0 for p in pts],
+        "o",
+        color="C3",
+        label="measured",
+    )
+    ax.plot(
+        [p["gamma"] for p in pts],
+        [p["predicted_speedup"] or 0 for p in pts],
+        "x",
+        color="C2",
+        label="formula at each point's own α, r",
+    )
     ax.axhline(1.0, color="k", lw=1, ls="--", label="plain (1x)")
     ax.axvline(f["optimal_gamma"], color="C0", lw=0.8, ls="-.")
     ax.set_xlabel("γ (draft tokens per step)")
@@ -148,8 +166,13 @@ def plot_batch_sweep(results):
     a1.set_xlabel("batch size")
     a1.set_ylabel("throughput, generated tokens/s")
     if sweep.get("crossover_batch_size"):
-        a1.axvline(sweep["crossover_batch_size"], color="gray", ls="--", lw=0.8,
-                   label=f"crossover (b={sweep['crossover_batch_size']})")
+        a1.axvline(
+            sweep["crossover_batch_size"],
+            color="gray",
+            ls="--",
+            lw=0.8,
+            label=f"crossover (b={sweep['crossover_batch_size']})",
+        )
     a1.legend(fontsize=8)
     a2.plot(bs, [p["plain_latency_s"] for p in pts], "o-", label="plain")
     a2.plot(bs, [p["speculative_latency_s"] for p in pts], "s-", label=sweep["config"])
@@ -157,8 +180,9 @@ def plot_batch_sweep(results):
     a2.set_xlabel("batch size")
     a2.set_ylabel("latency per request, s")
     a2.legend(fontsize=8)
-    fig.suptitle(f"Batch sweep, {sweep['max_new_tokens']} new tokens, "
-                 f"{sweep['num_requests']} requests")
+    fig.suptitle(
+        f"Batch sweep, {sweep['max_new_tokens']} new tokens, {sweep['rounds']} batches per size"
+    )
     return fig
 
 
@@ -179,15 +203,19 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
         "",
         f"Status: {results.get('status')}. Command: `{results.get('command')}`",
         "",
-        f"Machine: {m.get('cpu')} ({m.get('usable_cpus')} usable CPUs), jax {m.get('jax_version')}"
-        f" on {m.get('backend')} ({', '.join(m.get('devices', []))}); load average at start "
-        f"{m.get('load_average')}.",
+        (
+            f"Machine: {m.get('cpu')} ({m.get('usable_cpus')} usable CPUs), jax {m.get('jax_version')}"
+            f" on {m.get('backend')} ({', '.join(m.get('devices', []))}); load average at start "
+            f"{m.get('load_average')}."
+        ),
         "",
-        f"Protocol: greedy, batch 1, first turn of {s.get('num_prompts')} Spec-Bench questions "
-        f"({s.get('n_per_category')} per category), max_new_tokens={s.get('max_new_tokens')}, "
-        "warm-up excluded, methods interleaved per prompt, baseline = plain decoding of the same "
-        "loaded target. tok/s = decode only (prefill and first token excluded), e2e = including "
-        "prefill; both are means of per-question figures. Speedup = ratio of those means.",
+        (
+            f"Protocol: greedy, batch 1, first turn of {s.get('num_prompts')} Spec-Bench questions "
+            f"({s.get('n_per_category')} per category), max_new_tokens={s.get('max_new_tokens')}, "
+            "warm-up excluded, methods interleaved per prompt, baseline = plain decoding of the same "
+            "loaded target. tok/s = decode only (prefill and first token excluded), e2e = including "
+            "prefill; both are means of per-question figures. Speedup = ratio of those means."
+        ),
         "",
     ]
     configs = results.get("configs", {})
@@ -195,8 +223,10 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
         lines += [
             "## Overall",
             "",
-            "| config | method | γ | tok/s | plain tok/s | speedup | e2e tok/s | e2e speedup "
-            "| mean accepted | acceptance | step cost | output = plain |",
+            (
+                "| config | method | γ | tok/s | plain tok/s | speedup | e2e tok/s | e2e speedup "
+                "| mean accepted | acceptance | step cost | output = plain |"
+            ),
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for label, e in configs.items():
@@ -218,7 +248,9 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
             for c in cats:
                 o = e["categories"].get(c)
                 cells.append(
-                    "–" if not o else f"{_f(o['tokens_per_s'], 1)} ({_f(o['speedup'], 2, 'x')}, "
+                    "–"
+                    if not o
+                    else f"{_f(o['tokens_per_s'], 1)} ({_f(o['speedup'], 2, 'x')}, "
                     f"{_f(o['mean_accepted_length'])})"
                 )
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -229,42 +261,59 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
         lines += [
             "## Hugging Face transformers peers",
             "",
-            f"transformers {info['transformers_version']}, torch {info['torch_version']} "
-            f"({info['torch_threads']} threads), float32, greedy, same GGUF weights, same "
-            "chat-templated prompts and max_new_tokens. HF tok/s = new tokens / generate() wall "
-            "time (includes prefill): compare with our e2e column.",
+            (
+                f"transformers {info['transformers_version']}, torch {info['torch_version']} "
+                f"({info['torch_threads']} threads), float32, greedy, same GGUF weights, same "
+                "chat-templated prompts and max_new_tokens. HF tok/s = new tokens / generate() wall "
+                "time (includes prefill): compare with our e2e column."
+            ),
             "",
-            "| peer | tok/s | same tokens as our plain | " + " | ".join(
-                f"{l} e2e / peer" for l in configs) + " |",
+            "| peer | tok/s | same tokens as our plain | "
+            + " | ".join(f"{l} e2e / peer" for l in configs)
+            + " |",
             "|---|---|---|" + "---|" * len(configs),
         ]
         for name, pm in hf["methods"].items():
             o = pm["overall"]
-            ratios = " | ".join(_f((o["ours_over_this"].get(l) or {}).get("e2e_ratio"), 2, "x")
-                                for l in configs)
-            lines.append(f"| {name} | {_f(o['tokens_per_s'], 1)} | "
-                         f"{_f(o['match_rate_vs_our_baseline'])} | {ratios} |")
+            ratios = " | ".join(
+                _f((o["ours_over_this"].get(l) or {}).get("e2e_ratio"), 2, "x") for l in configs
+            )
+            lines.append(
+                f"| {name} | {_f(o['tokens_per_s'], 1)} | "
+                f"{_f(o['match_rate_vs_our_baseline'])} | {ratios} |"
+            )
         for label, why in info.get("not_applicable", {}).items():
-            lines.append(f"| assisted ({label}) | n/a: {why} | | " + " | " * len(configs))
+            lines.append(f"| assisted ({label}) | n/a: {why} | – | " + "– | " * len(configs))
         t = hf.get("targets", {})
         lines += [
             "",
-            f"Targets (e2e, like for like): our plain / HF plain = "
-            f"{_f(t.get('our_plain_e2e_over_hf_plain'), 2, 'x')} (target ≥ 3x); our best / HF "
-            f"plain = {_f(t.get('our_best_e2e_over_hf_plain'), 2, 'x')} (≥ 5x); our best / HF "
-            f"best speculative ({t.get('hf_best_speculative')}) = "
-            f"{_f(t.get('our_best_e2e_over_hf_best_speculative'), 2, 'x')} (≥ 4x). Decode-only "
-            f"versions: {_f(t.get('our_plain_decode_over_hf_plain'), 2, 'x')}, "
-            f"{_f(t.get('our_best_decode_over_hf_plain'), 2, 'x')}, "
-            f"{_f(t.get('our_best_decode_over_hf_best_speculative'), 2, 'x')}.",
+            (
+                f"Targets (e2e, like for like): our plain / HF plain = "
+                f"{_f(t.get('our_plain_e2e_over_hf_plain'), 2, 'x')} (target ≥ 3x); our best / HF "
+                f"plain = {_f(t.get('our_best_e2e_over_hf_plain'), 2, 'x')} (≥ 5x); our best / HF "
+                f"best speculative ({t.get('hf_best_speculative')}) = "
+                f"{_f(t.get('our_best_e2e_over_hf_best_speculative'), 2, 'x')} (≥ 4x). Decode-only "
+                f"versions: {_f(t.get('our_plain_decode_over_hf_plain'), 2, 'x')}, "
+                f"{_f(t.get('our_best_decode_over_hf_plain'), 2, 'x')}, "
+                f"{_f(t.get('our_best_decode_over_hf_best_speculative'), 2, 'x')}."
+            ),
             "",
         ]
         cats = list(next(iter(hf["methods"].values()))["categories"])
-        lines += ["Per category, tok/s:", "",
-                  "| peer | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+        lines += [
+            "Per category, tok/s:",
+            "",
+            "| peer | " + " | ".join(cats) + " |",
+            "|---|" + "---|" * len(cats),
+        ]
         for name, pm in hf["methods"].items():
-            lines.append(f"| {name} | " + " | ".join(
-                _f((pm["categories"].get(c) or {}).get("tokens_per_s"), 1) for c in cats) + " |")
+            lines.append(
+                f"| {name} | "
+                + " | ".join(
+                    _f((pm["categories"].get(c) or {}).get("tokens_per_s"), 1) for c in cats
+                )
+                + " |"
+            )
         lines.append("")
     g = results.get("gamma_sweep")
     if g and g.get("points"):
@@ -272,14 +321,18 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
         lines += [
             f"## γ sweep ({g['config']}, {g['num_prompts']} prompts)",
             "",
-            f"Formula: speedup ≈ E(α, γ) / r(γ), E = (1 − α^(γ+1)) / (1 − α), α = "
-            f"{_f(f.get('alpha'), 3)} (fitted from mean accepted length), measured step cost "
-            f"r(γ) ≈ {_f(f.get('step_cost_fit', {}).get('r0'))} + "
-            f"{_f(f.get('step_cost_fit', {}).get('r1'), 3)}·γ; optimal γ ≈ "
-            f"{f.get('optimal_gamma')}.",
+            (
+                f"Formula: speedup ≈ E(α, γ) / r(γ), E = (1 − α^(γ+1)) / (1 − α), α = "
+                f"{_f(f.get('alpha'), 3)} (fitted from mean accepted length), measured step cost "
+                f"r(γ) ≈ {_f(f.get('step_cost_fit', {}).get('r0'))} + "
+                f"{_f(f.get('step_cost_fit', {}).get('r1'), 3)}·γ; optimal γ ≈ "
+                f"{f.get('optimal_gamma')}."
+            ),
             "",
-            "| γ | tok/s | plain tok/s | speedup | predicted | mean accepted | acceptance | α fit "
-            "| step cost | output = plain |",
+            (
+                "| γ | tok/s | plain tok/s | speedup | predicted | mean accepted | acceptance | α fit "
+                "| step cost | output = plain |"
+            ),
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for p in g["points"]:
@@ -294,11 +347,15 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
     b = results.get("batch_sweep")
     if b and b.get("points"):
         lines += [
-            f"## Batch sweep (plain vs {b['config']}, {b['num_requests']} requests, "
-            f"{b['max_new_tokens']} new tokens)",
+            (
+                f"## Batch sweep (plain vs {b['config']}, {b['max_new_tokens']} new tokens, "
+                f"{b.get('rounds')} batches per size)"
+            ),
             "",
-            "| batch | plain tok/s | spec tok/s | speedup | plain latency s | spec latency s | "
-            "outputs equal |",
+            (
+                "| batch | plain tok/s | spec tok/s | speedup | plain latency s | spec latency s | "
+                "outputs equal |"
+            ),
             "|---|---|---|---|---|---|---|",
         ]
         for p in b["points"]:
@@ -308,8 +365,15 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
                 f"{_f(p['plain_latency_s'])} | {_f(p['speculative_latency_s'])} | "
                 f"{_f(p['outputs_match'])} |"
             )
-        lines += ["", f"Crossover (first batch size where speculation is slower): "
-                  f"{b.get('crossover_batch_size') or 'none in range'}.", ""]
+        faster = b.get("speculative_faster_at") or []
+        lines += [
+            "",
+            (
+                f"Speculation faster at batch sizes: {faster or 'none'}; crossover (first "
+                f"larger batch size where plain wins): {b.get('crossover_batch_size') or '–'}."
+            ),
+            "",
+        ]
     skipped = results.get("skipped_configs")
     if skipped:
         lines += ["## Skipped configs", ""] + [f"- {l}: {why}" for l, why in skipped.items()] + [""]

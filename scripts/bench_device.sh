@@ -30,7 +30,7 @@ timeout -s INT 450 python -m jaxspec.bench \
            configs/smollm2-135m-layerskip.yaml --skip-unavailable \
   --n-per-category 2 --max-new-tokens 128 \
   --gammas 2,4,8 --sweep-prompts 3 \
-  --batch-sizes 1,8,32 --batch-prompts 32 --batch-max-new-tokens 64 \
+  --batch-sizes 1,8,32 --batch-rounds 2 --batch-max-new-tokens 64 \
   --out "$out" "$@" || status=$?
 echo "bench exit status: ${status:-0}; results in $out"
 ls -l "$out"

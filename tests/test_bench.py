@@ -12,7 +12,9 @@ from jaxspec import bench
 from jaxspec import bench_formula as F
 from jaxspec.bench_plots import accepted_count_distribution
 
-CONFIGS = [str(bench.REPO_ROOT / "configs" / n) for n in ("smollm2-135m.yaml", "smollm2-135m-ngram.yaml")]
+CONFIGS = [
+    str(bench.REPO_ROOT / "configs" / n) for n in ("smollm2-135m.yaml", "smollm2-135m-ngram.yaml")
+]
 PROMPTS = [  # one short prompt per category: one prompt-length bucket, so one compile per engine
     ("writing", "Write one short sentence about cats."),
     ("translation", "Translate to French: good morning, my friend."),
@@ -24,10 +26,12 @@ PROMPTS = [  # one short prompt per category: one prompt-length bucket, so one c
 
 
 def write_jsonl(path, rows=PROMPTS):
-    path.write_text("".join(
-        json.dumps({"question_id": 2 * i + 1, "category": c, "turns": [t, "next turn"]}) + "\n"
-        for i, (c, t) in enumerate(rows)
-    ))
+    path.write_text(
+        "".join(
+            json.dumps({"question_id": 2 * i + 1, "category": c, "turns": [t, "next turn"]}) + "\n"
+            for i, (c, t) in enumerate(rows)
+        )
+    )
     return path
 
 
@@ -71,8 +75,14 @@ def test_category_mapping_and_selection(tmp_path):
     assert rows[0]["prompt"] == PROMPTS[0][1] and rows[0]["raw_category"] == "writing"
     picked = bench.select(rows, 2)
     assert [r["category"] for r in picked] == [
-        "mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag",
-        "mt_bench", "translation",
+        "mt_bench",
+        "translation",
+        "summarization",
+        "qa",
+        "math_reasoning",
+        "rag",
+        "mt_bench",
+        "translation",
     ]
     assert len(bench.select(rows, 1)) == 6
 
@@ -106,18 +116,29 @@ def test_bad_input_is_one_line_exit_2(argv, words, capsys, tmp_path):
 # ---- aggregation, summary, plots, Ctrl-C on synthetic rows (no model) ---------------------------
 def _row(cat, n, tps, steps, drafted=0, accepted=0, per_pos=(), ids=None):
     return {
-        "category": cat, "question_id": 1, "num_prompt_tokens": 40, "num_generated_tokens": n,
-        "ttft_s": 0.1, "decode_s": (n - 1) / tps, "wall_s": 0.0, "tokens_per_s": tps,
-        "e2e_tokens_per_s": n / (0.1 + (n - 1) / tps), "num_steps": steps,
-        "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-        "accepted_per_position": list(per_pos), "token_ids": ids or [1, 2, 3],
+        "category": cat,
+        "question_id": 1,
+        "num_prompt_tokens": 40,
+        "num_generated_tokens": n,
+        "ttft_s": 0.1,
+        "decode_s": (n - 1) / tps,
+        "wall_s": 0.0,
+        "tokens_per_s": tps,
+        "e2e_tokens_per_s": n / (0.1 + (n - 1) / tps),
+        "num_steps": steps,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "accepted_per_position": list(per_pos),
+        "token_ids": ids or [1, 2, 3],
     }
 
 
 def test_aggregate_figures():
     base = [_row("qa", 9, 10.0, 8), _row("rag", 9, 20.0, 8)]
-    spec = [_row("qa", 9, 20.0, 4, 8, 4, (0.5, 0.5)), _row("rag", 9, 20.0, 4, 8, 4, (1.0, 0.0),
-                                                           ids=[9])]
+    spec = [
+        _row("qa", 9, 20.0, 4, 8, 4, (0.5, 0.5)),
+        _row("rag", 9, 20.0, 4, 8, 4, (1.0, 0.0), ids=[9]),
+    ]
     o = bench.aggregate(spec, base, 2)
     assert o["tokens_per_s"] == 20.0 and o["baseline_tokens_per_s"] == 15.0
     assert o["speedup"] == pytest.approx(20 / 15)
@@ -142,15 +163,17 @@ def test_interrupt_writes_partial_results(tmp_path, monkeypatch, capsys):
         for p in self.prompts[:3]:
             self.rows.setdefault("baseline", []).append(_row(p["category"], 9, 10.0, 8))
             self.rows.setdefault("smollm2-135m-ngram", []).append(
-                _row(p["category"], 9, 15.0, 4, 12, 4, (0.6, 0.3, 0.1, 0.0)))
+                _row(p["category"], 9, 15.0, 4, 12, 4, (0.6, 0.3, 0.1, 0.0))
+            )
             self.summarise()
             self.write(plots=False)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(bench.Bench, "load", fake_load)
     monkeypatch.setattr(bench.Bench, "run_main", fake_main)
-    code = bench.main(["--config", *CONFIGS, "--data", str(data), "--n-per-category", "1",
-                       "--out", str(out)])
+    code = bench.main(
+        ["--config", *CONFIGS, "--data", str(data), "--n-per-category", "1", "--out", str(out)]
+    )
     assert code == 130
     r = json.loads((out / "results.json").read_text())
     assert r["status"] == "interrupted"
@@ -165,18 +188,46 @@ def test_interrupt_writes_partial_results(tmp_path, monkeypatch, capsys):
 def test_bench_cli_end_to_end(tmp_path, smollm2, smollm2_hf):
     data = write_jsonl(tmp_path / "q.jsonl")
     out = tmp_path / "out"
-    argv = ["--config", *CONFIGS, "--data", str(data), "--n-per-category", "1",
-            "--max-new-tokens", "8", "--peers", "hf", "--hf-threads", "1",
-            "--gammas", "1,2", "--sweep-prompts", "1",
-            "--batch-sizes", "1,2", "--batch-prompts", "2", "--batch-max-new-tokens", "8",
-            "--out", str(out)]
+    argv = [
+        "--config",
+        *CONFIGS,
+        "--data",
+        str(data),
+        "--n-per-category",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--peers",
+        "hf",
+        "--hf-threads",
+        "1",
+        "--gammas",
+        "2,4",
+        "--sweep-prompts",
+        "1",  # γ=4: the config's own, compiled
+        "--batch-sizes",
+        "1,2",
+        "--batch-rounds",
+        "1",
+        "--batch-max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+    ]
     assert bench.main(argv, target=smollm2, hf_model=smollm2_hf) == 0
     r = json.loads((out / "results.json").read_text())
     assert r["status"] == "complete"
     assert r["settings"]["num_prompts"] == 6 and r["settings"]["sampling"] == "greedy"
     assert r["machine"]["jax_version"] and r["machine"]["devices"]
-    keys = {"tokens_per_s", "baseline_tokens_per_s", "speedup", "mean_accepted_length",
-            "acceptance_rate", "outputs_match_baseline", "e2e_tokens_per_s"}
+    keys = {
+        "tokens_per_s",
+        "baseline_tokens_per_s",
+        "speedup",
+        "mean_accepted_length",
+        "acceptance_rate",
+        "outputs_match_baseline",
+        "e2e_tokens_per_s",
+    }
     assert set(r["categories"]) == {c for c in bench.SPEC_BENCH_CATEGORIES}
     for obj in [r["overall"], *r["categories"].values()]:
         assert keys <= set(obj)
@@ -189,13 +240,18 @@ def test_bench_cli_end_to_end(tmp_path, smollm2, smollm2_hf):
     assert set(hf["methods"]) == {"hf_plain", "hf_prompt_lookup"}
     assert hf["methods"]["hf_plain"]["overall"]["match_rate_vs_our_baseline"] == 1.0
     assert "smollm2-135m-ngram" in hf["info"]["not_applicable"]
-    assert [p["gamma"] for p in r["gamma_sweep"]["points"]] == [1, 2]
+    assert [p["gamma"] for p in r["gamma_sweep"]["points"]] == [2, 4]
     assert all(p["outputs_match_baseline"] for p in r["gamma_sweep"]["points"])
     assert r["gamma_sweep"]["formula"]["optimal_gamma"] >= 1
     assert [p["batch_size"] for p in r["batch_sweep"]["points"]] == [1, 2]
     assert all(p["outputs_match"] for p in r["batch_sweep"]["points"])
-    for png in ("category_speedup", "accepted_length_hist", "per_position_acceptance",
-                "gamma_sweep", "batch_sweep"):
+    for png in (
+        "category_speedup",
+        "accepted_length_hist",
+        "per_position_acceptance",
+        "gamma_sweep",
+        "batch_sweep",
+    ):
         assert (out / f"{png}.png").stat().st_size > 1000
     md = (out / "summary.md").read_text()
     assert "| smollm2-135m-ngram |" in md and "hf_plain" in md and "γ sweep" in md
