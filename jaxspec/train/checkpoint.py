@@ -143,7 +143,7 @@ def read_meta(path, method: str) -> dict:
 
 def load_drafter(path, method: str, target_cfg, target_params) -> tuple[dict, Any]:
     """(meta, params as numpy-backed jax arrays). Checks target fingerprint and integrity."""
-    p = resolve_path(path)
+    p = resolve_path(path).resolve()  # orbax wants absolute paths
     meta = read_meta(path, method)
     check_fingerprint(meta["target"], target_cfg, target_params, str(path))
     try:

@@ -33,15 +33,29 @@ def load_trained_drafter(method: str, path, target):
     else:
         m = methods_lib.Draft(layers_from=tuple(arch["layers_from"]))
     d2t = jnp.asarray(stored.pop("d2t"), jnp.int32)
+    if isinstance(stored.get("layers"), list):  # orbax stores tuples as lists
+        stored["layers"] = tuple(stored["layers"])
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stored)
     expected, _ = jax.eval_shape(lambda: m.init(target, d2t, jax.random.key(0)))
     got = jax.tree.map(lambda x: x.shape, params)
     want = jax.tree.map(lambda x: x.shape, expected)
     if got != want:
         raise JaxspecError(
-            f"drafter checkpoint {path} does not fit this target: param shapes {got} differ "
-            f"from the expected {want}; use a checkpoint trained for this model"
+            f"drafter checkpoint {path} does not fit this target: its param shapes differ from "
+            f"the expected ones ({_first_difference(got, want)}); use a checkpoint trained for "
+            f"this model"
         )
     d2t_np = jax.device_get(d2t)
     frozen = methods_lib._frozen(target, d2t_np)
     return m.drafter(target.cfg), m.runtime(params, frozen)
+
+
+def _first_difference(got, want) -> str:
+    g = dict(jax.tree_util.tree_leaves_with_path(got, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)))
+    w = dict(jax.tree_util.tree_leaves_with_path(want, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)))
+    gs = {jax.tree_util.keystr(k): v for k, v in g.items()}
+    ws = {jax.tree_util.keystr(k): v for k, v in w.items()}
+    for k in sorted(set(gs) | set(ws)):
+        if gs.get(k) != ws.get(k):
+            return f"{k}: {gs.get(k)} vs expected {ws.get(k)}"
+    return "tree structure differs"
