@@ -27,6 +27,9 @@ class SamplingParams:
     top_k: jax.Array  # int32[]; 0 = off
     top_p: jax.Array  # f32[]; 1.0 = off, in (0, 1]
     min_p: jax.Array  # f32[]; 0.0 = off, in [0, 1)
+    # Static (part of the jit cache key): "greedy" and "sampled" compile only their own path, so
+    # a greedy program carries no sampling code; "any" decides on device with a lax.cond.
+    mode: str = dataclasses.field(default="any", metadata=dict(static=True))
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0) -> SamplingParams:
@@ -46,6 +49,7 @@ class SamplingParams:
         if not 0.0 <= mp < 1.0:
             raise JaxspecError(f"min_p={min_p!r} is invalid: use a value in [0, 1) (0.0 = off)")
         return cls(
+            mode="greedy" if t == 0.0 else "sampled",
             temperature=jnp.asarray(t, jnp.float32),
             top_k=jnp.asarray(int(k), jnp.int32),
             top_p=jnp.asarray(tp, jnp.float32),
@@ -77,6 +81,10 @@ def logits_to_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     real `lax.cond`s. (Per-row params under vmap work, but then every branch runs.)
     """
     logits = logits.astype(jnp.float32)
+    if sp.mode == "greedy":
+        return _greedy_probs(logits, sp)
+    if sp.mode == "sampled":
+        return _sampled_probs(logits, sp)
     return lax.cond(sp.temperature == 0.0, _greedy_probs, _sampled_probs, logits, sp)
 
 

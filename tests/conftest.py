@@ -11,9 +11,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# Tests run many small programs: XLA:CPU's backend optimisation costs more compile time than it
+# saves at run time on tiny models (measured ~35% less compile). Must precede the first jax import.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
-from jaxspec.loading import load_model
+import pytest  # noqa: E402
+
+from jaxspec.loading import load_model  # noqa: E402
 
 TINY = {
     "vocab_size": 256,

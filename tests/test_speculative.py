@@ -36,7 +36,7 @@ def perturbed(params, seed, noise):
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_model(seed=0)
+    return tiny_model(seed=0, layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def plain_greedy(target, prompts):
 def drafters(target):
     return {
         "ngram": (NgramDrafter(vocab_size=64, min_ngram=1, max_ngram=3), None),
-        "layer_skip": (layer_skip_drafter(target.cfg, 3), None),
+        "layer_skip": (layer_skip_drafter(target.cfg, 1), None),
         "draft_model": (
             ModelDrafter(cfg=target.cfg, target_vocab=64),
             perturbed(target.params, 1, 0.05),
@@ -82,7 +82,7 @@ def test_plain_greedy_matches_a_step_by_step_reference(target, prompts, plain_gr
     """The jitted loop against a host loop of single-token forwards, no bucketing or batching."""
     step = jax.jit(llama.forward_logits, static_argnames="cfg")
     for ids, expected in zip(prompts, plain_greedy):
-        cache = init_cache(4, 1, 128, 2, 16)
+        cache = init_cache(2, 1, 128, 2, 16)
         logits, cache = step(target.params, jnp.asarray([ids]), cache, target.cfg)
         cache = cache.commit(jnp.asarray([len(ids)]))
         out = [int(jnp.argmax(logits[0, -1]))]
@@ -132,9 +132,9 @@ def test_cache_after_speculation_equals_plain_prefill(target, prompts):
     state = engine._prefill(prompts, 20, sp, 0, list(range(4)), 4)
     state = engine._decode(state, sp, 3)  # stop mid-generation: rejected drafts sit past lengths
     committed = np.asarray(state.lengths) - 1
-    fresh = init_cache(4, 4, state.tokens.shape[1], 2, 16)
+    fresh = init_cache(2, 4, state.tokens.shape[1], 2, 16)
     out = llama.forward(target.params, state.tokens, fresh, target.cfg)
-    for layer in range(4):
+    for layer in range(2):
         for row in range(4):
             n = committed[row]
             np.testing.assert_allclose(
@@ -175,7 +175,7 @@ def test_bad_speculative_settings_are_clear_errors(target):
     with pytest.raises(JaxspecError, match="ngram"):
         NgramDrafter(vocab_size=64, min_ngram=3, max_ngram=2)
     with pytest.raises(JaxspecError, match="layer_skip_layers"):
-        layer_skip_drafter(target.cfg, 4)
+        layer_skip_drafter(target.cfg, 2)
     short = ModelDrafter(cfg=dataclasses.replace(target.cfg, max_position_embeddings=40),
                          target_vocab=64)
     engine = Engine(target, short, target.params, num_speculative_tokens=2)
@@ -243,27 +243,27 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_sampled_speculation_has_the_target_distribution(small_vocab, setting):
+# γ=1: the 3 tokens are prefill, then draft/residual, then bonus/next; γ=2: residuals at two depths.
+@pytest.mark.parametrize(
+    "setting,gamma", [("temperature", 1), ("temperature", 2), ("top_k", 2), ("top_p", 1)]
+)
+def test_sampled_speculation_has_the_target_distribution(small_vocab, setting, gamma):
     target, draft_params = small_vocab
     sp = SamplingParams.make(**SETTINGS[setting])
     prompt = [1, 2, 3, 4, 5]
-    counts, results = sampled_counts(target, draft_params, sp, prompt)
+    counts, results = sampled_counts(target, draft_params, sp, prompt, gamma=gamma)
     rate = np.mean([r.metrics["acceptance_rate"] for r in results])
     assert 0.05 < rate < 0.95  # draft differs from the target: rejections happen
     assert chi_square_pvalue(counts, exact_joint(target, prompt, sp, 3)) > 1e-3
 
 
 def broken_accept_row(draft_tokens, q, p, num_proposed, key):
-    """Bonus and residual drawn from the draft q instead of the target p: not lossless."""
+    """A classic bug: when every draft passes, the bonus token is drawn from the draft's last
+    distribution q[G-1] instead of the target's p[G]. Everything else is the real rule."""
     g = draft_tokens.shape[0]
-    k_u, k_r = jax.random.split(key)
-    q_t = jnp.take_along_axis(q, draft_tokens[:, None], -1)[:, 0]
-    p_t = jnp.take_along_axis(p[:g], draft_tokens[:, None], -1)[:, 0]
-    ok = (jax.random.uniform(k_u, (g,)) * q_t < p_t) & (jnp.arange(g) < num_proposed)
-    n = jnp.sum(jnp.cumprod(ok)).astype(jnp.int32)
-    resid = jnp.maximum(p[n] - q[jnp.minimum(n, g - 1)], 0.0) + 1e-3  # not a proper residual
-    return n, jax.random.categorical(k_r, jnp.log(resid)).astype(jnp.int32)
+    n, token = acceptance.accept_row(draft_tokens, q, p, num_proposed, key)
+    from_q = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(q[g - 1]))
+    return n, jnp.where(n == num_proposed, from_q, token).astype(jnp.int32)
 
 
 def test_distribution_test_catches_a_broken_rule(small_vocab, monkeypatch):
@@ -271,9 +271,9 @@ def test_distribution_test_catches_a_broken_rule(small_vocab, monkeypatch):
     sp = SamplingParams.make(**SETTINGS["temperature"])
     prompt = [1, 2, 3, 4, 5]
     jax.clear_caches()
-    monkeypatch.setattr(acceptance, "accept", jax.vmap(broken_accept_row))
+    monkeypatch.setattr(acceptance, "accept", jax.vmap(broken_accept_row))  # speculate reads it
     try:
-        counts, _ = sampled_counts(target, draft_params, sp, prompt)
+        counts, _ = sampled_counts(target, draft_params, sp, prompt, gamma=1)
     finally:
         monkeypatch.undo()
         jax.clear_caches()
