@@ -180,6 +180,12 @@ def make_parser() -> argparse.ArgumentParser:
         "build (missing checkpoint), instead of stopping",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    p.add_argument(
+        "--sweeps-only",
+        action="store_true",
+        help="skip the Spec-Bench phase: run only the γ / batch sweeps (prompts still come from "
+        "--data and --n-per-category)",
+    )
     return p
 
 
@@ -826,7 +832,8 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
         bench = Bench(args, argv, target=target, hf_model=hf_model)
         bench.prepare()
         bench.load()
-        bench.run_main()
+        if not args.sweeps_only:
+            bench.run_main()
         if args.gammas:
             bench.run_gamma_sweep()
         if args.batch_sizes:
@@ -838,7 +845,7 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        if bench is not None and bench.rows:
+        if bench is not None and (bench.rows or "gamma_sweep" in bench.results):
             bench.results["status"] = "interrupted"
             bench.summarise()
             bench.write(plots=True)

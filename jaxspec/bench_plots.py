@@ -195,6 +195,14 @@ def _f(x, nd=2, suffix=""):
     return f"{x:.{nd}f}{suffix}"
 
 
+def _done(results: dict[str, Any]) -> str:
+    """Questions actually run (all methods), with the planned number when interrupted."""
+    planned = results.get("settings", {}).get("num_prompts")
+    rows = (results.get("per_prompt") or {}).values()
+    done = min((len(r) for r in rows), default=0)
+    return str(planned) if done == planned else f"{done} (of {planned} planned; run interrupted)"
+
+
 def write_summary(results: dict[str, Any], path: str | Path) -> str:
     s = results.get("settings", {})
     m = results.get("machine", {})
@@ -210,8 +218,9 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
         ),
         "",
         (
-            f"Protocol: greedy, batch 1, first turn of {s.get('num_prompts')} Spec-Bench questions "
-            f"({s.get('n_per_category')} per category), max_new_tokens={s.get('max_new_tokens')}, "
+            f"Protocol: greedy, batch 1, first turn of {_done(results)} Spec-Bench questions "
+            f"(up to {s.get('n_per_category')} per category), "
+            f"max_new_tokens={s.get('max_new_tokens')}, "
             "warm-up excluded, methods interleaved per prompt, baseline = plain decoding of the same "
             "loaded target. tok/s = decode only (prefill and first token excluded), e2e = including "
             "prefill; both are means of per-question figures. Speedup = ratio of those means."
