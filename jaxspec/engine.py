@@ -77,7 +77,7 @@ class Engine:
             drafter=drafter,
             num_speculative_tokens=num_speculative_tokens,
             eos_ids=tuple(model.eos_token_ids),
-            windows=(1,),  # prompt lookup with no match anywhere: a plain 1-token step
+            windows=(1, 2),  # prompt lookup with no or a 1-token match: a cheaper, shorter window
         )
 
     @property
