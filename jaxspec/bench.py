@@ -624,14 +624,17 @@ class Bench:
             "config": self.sweep_label,
             "rounds": a.batch_rounds,
             "max_new_tokens": m,
-            "method": "at batch size b: `rounds` full batches of b distinct requests (prompts "
+            "method": "at batch size b: `rounds` full batches of b requests (the 8 shortest prompts, "
             "cycled); throughput = generated tokens / wall time; latency = wall time of the batch "
             "a request was in",
             "points": [],
         }
+        # the shortest prompts, cycled: every batch size sees the same prompt-length bucket, so
+        # throughput and latency move with the batch, not with which prompts happened to be in it
+        pool = sorted(self.ids, key=len)[: max(1, min(8, len(self.ids)))]
         for b in tqdm(a.batch_sizes, desc="batch sweep", unit="batch size", file=sys.stderr):
             n = b * a.batch_rounds
-            ids = [self.ids[i % len(self.ids)] for i in range(n)]
+            ids = [pool[i % len(pool)] for i in range(n)]
             point = {"batch_size": b, "num_requests": n}
             for name, engine in engines.items():
                 self.warm_up(engine, ids, m, batch_size=b)
