@@ -233,6 +233,7 @@ def test_register_drafter(monkeypatch):
     def factory(spec, target):
         return ("drafter", target.cfg.vocab_size), {"w": 1}
 
+    drafters.DRAFTERS.pop("medusa", None)  # a fresh name for this test (the copy is restored)
     drafters.register_drafter("medusa", factory)
     drafters.register_drafter("medusa", factory)  # the same factory again is harmless
     assert "medusa" in drafters.available_methods()

@@ -1,5 +1,7 @@
 """logits_to_probs / sample against numpy references."""
 
+import dataclasses
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -123,7 +125,8 @@ def test_per_row_params_under_vmap():
     logits = jnp.asarray(_logits(10, (4, V)))
     rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 5, 0.9, 0.0), (1.3, 0, 0.6, 0.1)]
     sps = [SamplingParams.make(*r) for r in rows]
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *sps)
+    # Rows mixing greedy and sampled need the on-device switch (mode "any"), not a static mode.
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[dataclasses.replace(s, mode="any") for s in sps])
     probs = jax.vmap(logits_to_probs)(logits, stacked)
     for i, sp in enumerate(sps):
         np.testing.assert_allclose(probs[i], logits_to_probs(logits[i], sp), rtol=1e-6, atol=1e-8)
@@ -178,9 +181,13 @@ def test_new_param_values_do_not_recompile():
     logits = jnp.asarray(_logits(7, (2, V)))
     outs = [
         f(logits, SamplingParams.make(t, top_k=k, top_p=tp, min_p=mp))
-        for t, k, tp, mp in [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.5, 5, 0.9, 0.1), (2.0, 0, 0.3, 0.0)]
+        for t, k, tp, mp in [(0.3, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.5, 5, 0.9, 0.1), (2.0, 0, 0.3, 0.0)]
     ]
     assert len(traces) == 1 and f._cache_size() == 1
+    # Greedy is a static mode (its program carries no sampling code): one more program, once.
+    f(logits, SamplingParams.make(0.0))
+    f(logits, SamplingParams.make(0.0, top_k=3))
+    assert len(traces) == 2 and f._cache_size() == 2
     assert not np.allclose(outs[1], outs[2])  # the values really did change the result
     np.testing.assert_allclose(outs[2][0], _reference(np.asarray(logits[0]), 0.5, 5, 0.9, 0.1),
                                rtol=2e-5, atol=1e-7)
@@ -189,7 +196,8 @@ def test_new_param_values_do_not_recompile():
 def test_no_full_sort_and_filters_only_inside_cond():
     """No O(V log V) sort anywhere; the greedy path is an argmax, and top_k sits in the branch
     taken only when top-k or top-p is on."""
-    jaxpr = jax.make_jaxpr(logits_to_probs)(jnp.zeros((2, V)), SamplingParams.make(1.0))
+    sp = dataclasses.replace(SamplingParams.make(1.0), mode="any")  # the on-device greedy switch
+    jaxpr = jax.make_jaxpr(logits_to_probs)(jnp.zeros((2, V)), sp)
 
     def prims(jpr, depth=0):
         for eqn in jpr.eqns:
