@@ -71,7 +71,7 @@ class Engine:
         self.drafter_params = drafter_params
         self.chat_template = chat_template
         self.system_prompt = system_prompt
-        self._warm_shapes: set[tuple[int, int, int]] = set()
+        self._warm_shapes: set[tuple[int, int, int, str]] = set()
         self.spec = speculate.LoopSpec(
             cfg=model.cfg,
             drafter=drafter,
@@ -178,7 +178,7 @@ class Engine:
         """Compile (by running once) the programs for this shape, so timings exclude compilation.
         Returns the seconds spent; 0.0 when this shape was already warm."""
         b = max(batch_size, len(batch_ids))
-        key = (b, bucket(max(len(ids) for ids in batch_ids)), bucket(max_new_tokens))
+        key = (b, bucket(max(len(ids) for ids in batch_ids)), bucket(max_new_tokens), sp.mode)
         if key in self._warm_shapes:
             return 0.0
         t0 = time.perf_counter()
@@ -186,6 +186,11 @@ class Engine:
         jax.block_until_ready(self._decode(state, sp, 1).tokens)
         self._warm_shapes.add(key)
         return time.perf_counter() - t0
+
+    def warmup(self, prompt, *, max_new_tokens=128, sampling=None, batch_size=1) -> float:
+        """Compile the programs a request of this shape needs; returns the seconds it took."""
+        sp = sampling if sampling is not None else SamplingParams.make()
+        return self._ensure_compiled([self.encode(prompt)], max_new_tokens, sp, batch_size)
 
     def _run_batch(self, prompts, batch_ids, row_ids, max_new_tokens, sp, seed, batch_size):
         compile_s = self._ensure_compiled(batch_ids, max_new_tokens, sp, batch_size)
