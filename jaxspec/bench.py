@@ -36,6 +36,7 @@ from typing import Any
 
 from jaxspec import bench_formula as formula
 from jaxspec.errors import JaxspecError
+from jaxspec.jsonl import read_jsonl
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -191,20 +192,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 def read_questions(path: str | Path) -> list[dict[str, Any]]:
     """Spec-Bench lines -> [{question_id, category (mapped), raw_category, prompt (first turn)}]."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise JaxspecError(f"data file {path} does not exist: pass --data FILE.jsonl") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise JaxspecError(f"cannot read data file {path}: {' '.join(str(e).split())}") from None
     rows = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise JaxspecError(f"data file {path} line {n}: invalid JSON ({e.msg})") from None
+    for n, row in read_jsonl(path, "data file", ": pass --data FILE.jsonl"):
         turns = row.get("turns") if isinstance(row, dict) else None
         if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
             raise JaxspecError(f'data file {path} line {n}: expected "turns", a list of strings')

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from jaxspec.errors import JaxspecError
+from jaxspec.jsonl import read_jsonl
 
 EXIT_USAGE = 2
 
@@ -84,20 +85,8 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def read_prompts_file(path: str) -> list[str]:
     """Spec-Bench lines ({"turns": [first, ...]}) or {"prompt": text}; blank lines are skipped."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise JaxspecError(f"prompts file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise JaxspecError(f"cannot read prompts file {path}: {' '.join(str(e).split())}") from None
     prompts = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise JaxspecError(f"prompts file {path} line {n}: invalid JSON ({e.msg})") from None
+    for n, row in read_jsonl(path, "prompts file"):
         turns = row.get("turns") if isinstance(row, dict) else None
         if isinstance(turns, list) and turns and isinstance(turns[0], str):
             prompts.append(turns[0])

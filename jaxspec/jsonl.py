@@ -1,0 +1,29 @@
+"""Reading JSON-lines input files (prompts, Spec-Bench questions) with one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jaxspec.errors import JaxspecError
+
+
+def read_jsonl(path: str | Path, label: str, missing_hint: str = "") -> list[tuple[int, Any]]:
+    """[(line number, parsed object)] for the non-blank lines of `path`; `label` names the file
+    in errors ("data file", "prompts file"), `missing_hint` is appended when it does not exist."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise JaxspecError(f"{label} {path} does not exist{missing_hint}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise JaxspecError(f"cannot read {label} {path}: {' '.join(str(e).split())}") from None
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise JaxspecError(f"{label} {path} line {n}: invalid JSON ({e.msg})") from None
+    return rows
