@@ -12,21 +12,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    # Per-layer tuple of [B, S, K, H] (unrolled layout; in-place writes on XLA:CPU), or one
-    # [L, B, S, K, H] array (stacked layout, scanned with the stacked params).
+    # Per-layer tuple of [B, K, S, H] (unrolled layout; in-place writes on XLA:CPU), or one
+    # [L, B, K, S, H] array (stacked layout, scanned with the stacked params). Heads before
+    # slots: attention reads each head's [S, H] block in place (see llama._attention).
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
     lengths: jax.Array  # int32[B], committed tokens per row
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1] if isinstance(self.k, tuple) else self.k.shape[2]
+        return self.k[0].shape[2] if isinstance(self.k, tuple) else self.k.shape[3]
 
     def positions(self, num_queries: int) -> jax.Array:  # int32[B, T]
         return self.lengths[:, None] + jnp.arange(num_queries, dtype=jnp.int32)
@@ -53,9 +54,9 @@ def init_cache(
 ) -> KVCache:
     lengths = jnp.zeros((batch,), jnp.int32)
     if stacked:
-        shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
         return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=lengths)
-    shape = (batch, capacity, num_kv_heads, head_dim)
+    shape = (batch, num_kv_heads, capacity, head_dim)
     k = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
     v = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
     return KVCache(k=k, v=v, lengths=lengths)

@@ -50,7 +50,9 @@ class ModelLoadConfig(_Section):
     SECTION: ClassVar[str] = "model"
     name: str = "smollm2-135m"  # short name, HF safetensors dir, or .gguf file
     dtype: Literal["float32", "bfloat16"] = "float32"
-    layout: Literal["unrolled", "stacked"] = "unrolled"  # per-layer arrays vs [L, ...] for scan
+    # auto: "packed" (CPU panel kernel) for float32 on one CPU device, else "unrolled";
+    # "stacked" = [L, ...] arrays for lax.scan (TPU)
+    layout: Literal["auto", "unrolled", "packed", "stacked"] = "auto"
 
     def _validate(self):
         if not self.name.strip():

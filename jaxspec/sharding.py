@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxspec import kernels
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 
@@ -81,6 +82,8 @@ def shardings_for(tree, axes, mesh: Mesh, rules: ShardingRules = ShardingRules()
 
 def shard_params(params, cfg: llama.ModelConfig, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """Place the target's params on the mesh by their logical axes."""
+    if isinstance(params.get("lm_head"), kernels.PackedWeight):
+        raise JaxspecError("packed params (CPU kernel layout) cannot be sharded: load with layout='unrolled'")
     stacked = isinstance(params["layers"], dict)
     axes = llama.param_axes(cfg, stacked=stacked)
     return jax.device_put(params, shardings_for(params, axes, mesh, rules))

@@ -394,7 +394,7 @@ def test_bad_directories_and_files(tmp_path):
     [
         ({"dtype": "float64"}, "unsupported dtype 'float64': use one of float32"),
         ({"dtype": "int8"}, "unsupported dtype"),
-        ({"layout": "scan"}, "unsupported layout 'scan': use 'unrolled'"),
+        ({"layout": "scan"}, "unsupported layout 'scan': use 'auto', 'unrolled'"),
     ],
 )
 def test_bad_options(kw, match, tiny_qwen2_dir):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import kernels
 from jaxspec.loading import load_model
 from jaxspec.loading.gguf_file import open_gguf
 from jaxspec.loading.tokenizer import load_gguf_tokenizer, quiet, tokenizer_from_metadata
@@ -68,13 +69,16 @@ TINY_CHECKPOINTS = [
 ]
 
 
+@pytest.mark.parametrize("layout", ["unrolled", "packed"])
 @pytest.mark.parametrize("fixture", TINY_CHECKPOINTS)
-def test_tiny_checkpoint_logits_match_transformers(fixture, request):
+def test_tiny_checkpoint_logits_match_transformers(fixture, layout, request):
     from transformers import AutoModelForCausalLM
 
+    if layout == "packed" and not kernels.available():
+        pytest.skip("the packed layout needs the CPU panel kernel (g++)")
     path = request.getfixturevalue(fixture)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    m = load_model(path)
+    m = load_model(path, layout=layout)
     tokens = np.random.default_rng(0).integers(0, m.cfg.vocab_size, (2, 40))
     ref = hf_logits(hf, tokens)
 
@@ -86,7 +90,7 @@ def test_tiny_checkpoint_logits_match_transformers(fixture, request):
 
 
 def test_stacked_layout_matches_unrolled(tiny_llama_dir):
-    unrolled = load_model(tiny_llama_dir)
+    unrolled = load_model(tiny_llama_dir, layout="unrolled")
     stacked = load_model(tiny_llama_dir, layout="stacked")
     assert isinstance(stacked.params["layers"], dict)
     assert stacked.params["layers"]["wq"].shape[0] == stacked.cfg.num_layers
@@ -251,7 +255,7 @@ def test_parity_check_catches_rope_scaling_and_qk_layout_mistakes(tiny_llama_dir
     from jaxspec.loading.gguf_file import permute_qk
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    m = load_model(tiny_llama_dir)
+    m = load_model(tiny_llama_dir, layout="unrolled")  # this test edits the weights
     tokens = np.random.default_rng(3).integers(0, m.cfg.vocab_size, (1, 40))
     ref = hf_logits(hf, tokens)
     assert rel_err(full_logits(m, tokens), ref) < TOL

@@ -6,6 +6,8 @@ import dataclasses
 
 import jax
 
+from jaxspec import kernels
+from jaxspec.loading.params import pack_params
 from jaxspec.models import llama
 
 
@@ -32,6 +34,10 @@ def tiny_config(vocab=64, layers=4, hidden=64, **kw) -> llama.ModelConfig:
     )
 
 
-def tiny_model(seed=0, scale=0.3, eos=(0,), **kw) -> TinyModel:
+def tiny_model(seed=0, scale=0.3, eos=(0,), packed=False, **kw) -> TinyModel:
+    """`packed=True`: the CPU panel-kernel layout (what configs load on a CPU), when available."""
     cfg = tiny_config(**kw)
-    return TinyModel(cfg, llama.init_params(cfg, jax.random.key(seed), scale=scale), eos_token_ids=eos)
+    params = llama.init_params(cfg, jax.random.key(seed), scale=scale)
+    if packed and kernels.available():
+        params = pack_params(params)
+    return TinyModel(cfg, params, eos_token_ids=eos)

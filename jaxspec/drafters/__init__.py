@@ -123,7 +123,7 @@ def _draft_model(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any
     from jaxspec.drafters.draft_model import draft_model_drafter
     from jaxspec.loading import load_model
 
-    draft = load_model(spec.draft_model, dtype=target.cfg.dtype)
+    draft = load_model(spec.draft_model, dtype=target.cfg.dtype, layout=target.layout)
     return draft_model_drafter(draft, target), draft.params
 
 

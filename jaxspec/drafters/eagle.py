@@ -75,15 +75,15 @@ def head_logits(dparams, h):  # [..., D] -> f32[..., N] draft-vocabulary logits
 
 
 class EagleState(NamedTuple):
-    k: jax.Array  # [B, S, K, H] the drafter layer's cache
-    v: jax.Array  # [B, S, K, H]
+    k: jax.Array  # [B, K, S, H] the drafter layer's cache
+    v: jax.Array  # [B, K, S, H]
     feature: jax.Array  # [B, D] fused target feature f_{L-2} for the next proposal
 
 
 def train_layer(cfg, lp, x, positions, mask, k_ctx=None, v_ctx=None, ctx_mask=None):
     """Training form: x [B, T, D] at positions [B, T]; attends its own keys under `mask`
     [B, T, T] plus optional extra keys `k_ctx/v_ctx` [B, S, K, H] under `ctx_mask` [B, T, S].
-    Returns (h, k, v) with this call's keys/values (for later TTT steps)."""
+    Returns (h, k, v) with this call's keys/values [B, T, K, H] (for later TTT steps)."""
     inv_freq = llama.rope_frequencies(cfg)
     q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
     ks, vs, m = k, v, mask
@@ -91,7 +91,9 @@ def train_layer(cfg, lp, x, positions, mask, k_ctx=None, v_ctx=None, ctx_mask=No
         ks = jnp.concatenate([k_ctx, k], axis=1)
         vs = jnp.concatenate([v_ctx, v], axis=1)
         m = jnp.concatenate([ctx_mask, mask], axis=2)
-    return _finish(cfg, lp, x, llama._attention(q, ks, vs, m)), k, v
+    heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # [B, S, K, H] -> [B, K, S, H]
+    attn = llama._attention(q, heads_first(ks), heads_first(vs), m)
+    return _finish(cfg, lp, x, attn), k, v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +109,9 @@ class EagleDrafter:
         cfg = self.cfg
         inv_freq = llama.rope_frequencies(cfg)
         q, k, v = _qkv(cfg, dparams["layer"], x, positions, inv_freq)
-        rows = jnp.arange(x.shape[0])[:, None]
-        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-        mask = jnp.arange(k_cache.shape[1])[None, None, :] <= positions[..., None]
+        k_cache = llama.write_kv(k_cache, k, positions)
+        v_cache = llama.write_kv(v_cache, v, positions)
+        mask = jnp.arange(k_cache.shape[2])[None, None, :] <= positions[..., None]
         attn = llama._attention(q, k_cache, v_cache, mask)
         return _finish(cfg, dparams["layer"], x, attn), k_cache, v_cache
 
@@ -123,7 +124,7 @@ class EagleDrafter:
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
         c = self.cfg
         b, p = prompt_tokens.shape
-        shape = (b, capacity, c.num_kv_heads, c.head_dim)
+        shape = (b, c.num_kv_heads, capacity, c.head_dim)
         k = jnp.zeros(shape, c.compute_dtype)
         v = jnp.zeros(shape, c.compute_dtype)
         f = fuse(dparams, prompt_hidden)  # [B, P, D]; f_t follows token t

@@ -16,7 +16,15 @@ from typing import Any
 
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
-from jaxspec.loading.params import DTYPES, LAYOUTS, assemble, check_options, place
+from jaxspec.loading.params import (
+    DTYPES,
+    LAYOUTS,
+    assemble,
+    check_options,
+    is_packed,
+    place,
+    resolve_layout,
+)
 from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packaged_file, resolve
 from jaxspec.loading.safetensors_dir import config_from_hf, load_hf_tensors, read_hf_config
 from jaxspec.loading.tokenizer import load_dir_tokenizer, load_gguf_tokenizer, stop_token_ids
@@ -49,6 +57,10 @@ class LoadedModel:
     def stacked(self) -> bool:
         return isinstance(self.params["layers"], dict)
 
+    @property
+    def layout(self) -> str:
+        return "stacked" if self.stacked else "packed" if is_packed(self.params) else "unrolled"
+
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache in the layout (per-layer or stacked) and dtype of these params."""
         c = self.cfg
@@ -69,11 +81,15 @@ def load_model(
     """Load an HF safetensors dir, a `.gguf` file, or a short name such as `smollm2-135m`.
 
     `dtype`: float32 | bfloat16 | float16 (params and ModelConfig.dtype). `layout`: "unrolled"
-    (a tuple of per-layer dicts, fastest on XLA:CPU) or "stacked" (`[L, ...]` arrays for lax.scan).
+    (a tuple of per-layer dicts), "packed" (the same with matmul weights packed for the CPU panel
+    kernel: inference only, no gradients), "stacked" (`[L, ...]` arrays for lax.scan) or "auto"
+    ("packed" for float32 on one CPU device when the kernel builds, else "unrolled"; what configs
+    and the CLI use). The default "unrolled" gives plain arrays for research code.
     Raises `JaxspecError` with the fix in its one-line message for every mistake in the input.
     """
     start = time.perf_counter()
     check_options(dtype, layout)
+    layout = resolve_layout(layout, dtype)
     src = resolve(name_or_path)
     if src.kind == "gguf":
         cfg, flat, tokenizer, eos = _read_gguf(src.path, dtype)

@@ -12,11 +12,13 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from jaxspec import kernels
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import ModelConfig, Params, param_shapes, stack_layers
 
 DTYPES = ("float32", "bfloat16", "float16")
-LAYOUTS = ("unrolled", "stacked")
+LAYOUTS = ("auto", "unrolled", "stacked", "packed")
+LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # packed by layout="packed"
 
 
 def check_options(dtype: str, layout: str) -> None:
@@ -24,9 +26,24 @@ def check_options(dtype: str, layout: str) -> None:
         raise JaxspecError(f"unsupported dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     if layout not in LAYOUTS:
         raise JaxspecError(
-            f"unsupported layout {layout!r}: use 'unrolled' (per-layer arrays, fastest on CPU) "
-            f"or 'stacked' ([L, ...] arrays for lax.scan, usual on TPU)"
+            f"unsupported layout {layout!r}: use 'auto', 'unrolled' (per-layer arrays), "
+            f"'packed' (per-layer, CPU panel kernel) or 'stacked' ([L, ...] arrays for lax.scan)"
         )
+    if layout == "packed" and dtype != "float32":
+        raise JaxspecError(f"layout 'packed' needs dtype float32, got {dtype}: use layout 'unrolled'")
+
+
+def resolve_layout(layout: str, dtype: str) -> str:
+    """"auto": "packed" where the CPU panel kernel runs (float32, one CPU device), else "unrolled"."""
+    if layout != "auto":
+        if layout == "packed" and not kernels.available():
+            raise JaxspecError(
+                "layout 'packed' needs the CPU panel kernel, which is unavailable here (a CPU "
+                "backend and g++ are needed): use layout 'unrolled'"
+            )
+        return layout
+    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
+    return "packed" if dtype == "float32" and single_cpu and kernels.available() else "unrolled"
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -78,7 +95,35 @@ def place(params: Params, dtype: str, layout: str) -> Params:
         return jax.device_put(x).astype(np_dtype)
 
     params = jax.tree.map(put, params)
-    return stack_layers(params) if layout == "stacked" else params
+    if layout == "stacked":
+        return stack_layers(params)
+    return pack_params(params) if layout == "packed" else params
+
+
+def pack_params(params: Params) -> Params:
+    """Per-layer params -> the "packed" layout: matmul weights as `PackedWeight` panels, q/k/v
+    fused into "wqkv" and gate/up into "w_gate_up" (fewer, longer weight streams per layer).
+
+    A tied LM head gets its own packed copy (the embedding table stays for the token lookup).
+    """
+
+    def pack_layer(layer):
+        rest = {k: w for k, w in layer.items() if k not in LINEAR_KEYS}
+        fused = {
+            "wqkv": np.concatenate([np.asarray(layer[k]) for k in ("wq", "wk", "wv")]),
+            "w_gate_up": np.concatenate([np.asarray(layer[k]) for k in ("w_gate", "w_up")]),
+            "wo": layer["wo"],
+            "w_down": layer["w_down"],
+        }
+        return rest | {k: kernels.pack(w) for k, w in fused.items()}
+
+    layers = tuple(pack_layer(layer) for layer in params["layers"])
+    head = kernels.pack(params.get("lm_head", params["embed"]))
+    return params | {"layers": layers, "lm_head": head}
+
+
+def is_packed(params: Params) -> bool:
+    return isinstance(params.get("lm_head"), kernels.PackedWeight)
 
 
 def _natural(key: str):

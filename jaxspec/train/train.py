@@ -150,7 +150,7 @@ def train(
     if target is None:
         from jaxspec.loading import load_model
 
-        target = load_model(tc.model)
+        target = load_model(tc.model, layout="unrolled")  # gradients flow through its LM head
     if data is None:
         from jaxspec.train.data import load_shards
 

@@ -1,0 +1,144 @@
+"""CPU kernels: a panel-packed weight and its small-M matmul, called from jit through XLA's FFI.
+
+Why: XLA:CPU runs the one-token decode matmul as a bandwidth-bound matrix-vector product, but any
+verify window of M >= 2 rows as a packed GEMM that copies the weights first, so a verify over
+γ+1 positions cost ~1.5x a plain step on SmolLM2 — and speculation paid only beyond 1.5 accepted
+tokens per step. `panel_matmul.cc` streams each weight once for all M rows instead (see there).
+
+    if kernels.available():
+        w = kernels.pack(w_out_in)            # PackedWeight: f32[O/64, I, 64] + out_features
+        y = kernels.panel_matmul(x, w)        # x: f32[..., I] -> f32[..., O]
+
+The kernel is compiled once per machine with the host compiler (`g++ -O3 -march=native`) into
+`$JAXSPEC_CACHE_DIR/kernels` (default `~/.cache/jaxspec/kernels`) and registered with
+`jax.ffi`. With no compiler, a non-CPU backend or `JAXSPEC_CPU_KERNELS=0`, `available()` is False
+and models keep the plain XLA layout. Inference only: the kernel has no gradient.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PANEL = 64  # output rows per panel; must match kPanel in panel_matmul.cc
+_SOURCE = Path(__file__).with_name("panel_matmul.cc")
+_TARGET = "jaxspec_panel_matmul"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight `[O, I]` stored as panels `[ceil(O/64), I, 64]` (zero-padded rows)."""
+
+    panels: jax.Array  # f32[P, I, 64]
+    out_features: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:  # the logical [O, I] shape
+        return (self.out_features, self.panels.shape[1])
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+
+def pack(w) -> PackedWeight:
+    """f32[O, I] (torch layout) -> PackedWeight. Runs once at load time, on the host."""
+    w = np.asarray(w, np.float32)
+    out_features, in_features = w.shape
+    num_panels = -(-out_features // PANEL)
+    padded = np.zeros((num_panels * PANEL, in_features), np.float32)
+    padded[:out_features] = w
+    panels = padded.reshape(num_panels, PANEL, in_features).transpose(0, 2, 1)
+    return PackedWeight(jnp.asarray(np.ascontiguousarray(panels)), out_features)
+
+
+def unpack(w: PackedWeight) -> jax.Array:
+    """PackedWeight -> f32[O, I]: the inverse of `pack` (for tests and for sharding code)."""
+    p, i, _ = w.panels.shape
+    return jnp.transpose(w.panels, (0, 2, 1)).reshape(p * PANEL, i)[: w.out_features]
+
+
+def panel_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
+    """x: f32[..., I] @ w: PackedWeight[O, I] -> f32[..., O]. Needs `available()`."""
+    _register()
+    p, _, _ = w.panels.shape
+    out = jax.ffi.ffi_call(
+        _TARGET,
+        jax.ShapeDtypeStruct(x.shape[:-1] + (p * PANEL,), jnp.float32),
+        vmap_method="sequential",
+    )(x.astype(jnp.float32), w.panels)
+    return out if p * PANEL == w.out_features else out[..., : w.out_features]
+
+
+def available() -> bool:
+    """True when the CPU kernel is built and registered (builds it on first call)."""
+    if os.environ.get("JAXSPEC_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        _register()
+    except (OSError, subprocess.SubprocessError) as e:
+        warnings.warn(f"jaxspec CPU kernel unavailable ({e}); using XLA matmuls", stacklevel=2)
+        return False
+    return True
+
+
+@functools.cache
+def _register() -> None:
+    library = ctypes.cdll.LoadLibrary(str(_build()))
+    jax.ffi.register_ffi_target(
+        _TARGET, jax.ffi.pycapsule(library.JaxspecPanelMatmul), platform="cpu"
+    )
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("JAXSPEC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxspec"
+    )
+    return Path(root) / "kernels"
+
+
+def _build() -> Path:
+    """Compile panel_matmul.cc for this host (cached by source, jax version and CPU)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise OSError("no C++ compiler found (install g++ or set CXX)")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + jax.__version__.encode() + _cpu_model().encode() + compiler.encode()
+    ).hexdigest()[:16]
+    lib = _cache_dir() / f"panel_matmul-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        partial = Path(tmp) / lib.name
+        cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+               f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(partial)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise OSError(f"compiling {_SOURCE.name} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, lib)  # atomic: concurrent builders never load a half-written file
+    return lib
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
