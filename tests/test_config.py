@@ -33,7 +33,7 @@ def test_defaults():
     c = load_config()
     assert c == Config()
     assert c.model.name == "smollm2-135m" and c.model.dtype == "float32"
-    assert c.model.layout == "unrolled"
+    assert c.model.layout == "auto"
     assert (c.sampling.temperature, c.sampling.top_k, c.sampling.top_p, c.sampling.min_p) == (
         0.0, 0, 1.0, 0.0,
     )
@@ -127,7 +127,7 @@ def test_unknown_section_lists_valid(tmp_path):
         ("generation.batch_size=true", ["generation.batch_size", "an integer"]),
         ("generation.chat_template=maybe", ["generation.chat_template", "true or false"]),
         ("model.dtype=float64", ["model.dtype", "float32, bfloat16"]),
-        ("model.layout=scan", ["model.layout", "unrolled, stacked"]),
+        ("model.layout=scan", ["model.layout", "auto, unrolled, packed, stacked"]),
     ],
 )
 def test_wrong_type(override, fragments):
