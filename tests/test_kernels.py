@@ -12,7 +12,7 @@ from jaxspec import kernels
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
-from jaxspec.loading.params import check_options
+from jaxspec.loading.params import check_options, unpack_params
 from jaxspec.models import llama
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs a CPU backend and g++")
@@ -69,3 +69,13 @@ def test_generation_is_the_same_in_both_layouts(tiny_llama_dir):
 def test_packed_needs_float32():
     with pytest.raises(JaxspecError, match="needs dtype float32"):
         check_options("bfloat16", "packed")
+
+
+def test_unpack_params_inverts_pack_params(tiny_llama_dir, tiny_qwen2_dir):
+    for path in (tiny_llama_dir, tiny_qwen2_dir):  # untied and tied LM heads
+        unrolled = load_model(path, layout="unrolled")
+        packed = load_model(path, layout="packed")
+        back = unpack_params(packed.params, packed.cfg)
+        assert jax.tree.structure(back) == jax.tree.structure(unrolled.params)
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(unrolled.params)):
+            np.testing.assert_array_equal(a, b)

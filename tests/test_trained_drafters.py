@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec import sampling
+from jaxspec import kernels, sampling
 from jaxspec.cache import init_cache
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.engine import Engine
+from jaxspec.loading import load_model
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 from jaxspec.train import methods
@@ -36,14 +37,20 @@ SHIPPED = [
 
 
 @pytest.fixture(scope="module")
-def plain(smollm2):
-    return Engine(smollm2).generate(PROMPTS, max_new_tokens=32, batch_size=2)
+def target(smollm2):
+    """The target as configs load it on a CPU: the packed (panel-kernel) layout when available."""
+    return load_model("smollm2-135m", layout="auto") if kernels.available() else smollm2
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return Engine(target).generate(PROMPTS, max_new_tokens=32, batch_size=2)
 
 
 @pytest.mark.parametrize("method,path,gamma", SHIPPED, ids=[s[0] for s in SHIPPED])
-def test_shipped_drafter_greedy_is_token_identical(smollm2, plain, method, path, gamma):
-    drafter, dparams = load_trained_drafter(method, path, smollm2)
-    engine = Engine(smollm2, drafter, dparams, num_speculative_tokens=gamma)
+def test_shipped_drafter_greedy_is_token_identical(target, plain, method, path, gamma):
+    drafter, dparams = load_trained_drafter(method, path, target)
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=gamma)
     spec = engine.generate(PROMPTS, max_new_tokens=32, batch_size=2)
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxspec import kernels
 from jaxspec.errors import JaxspecError
-from jaxspec.models.llama import ModelConfig, Params, param_shapes, stack_layers
+from jaxspec.models.llama import ModelConfig, Params, _qkv_splits, param_shapes, stack_layers
 
 DTYPES = ("float32", "bfloat16", "float16")
 LAYOUTS = ("auto", "unrolled", "stacked", "packed")
@@ -120,6 +120,27 @@ def pack_params(params: Params) -> Params:
     layers = tuple(pack_layer(layer) for layer in params["layers"])
     head = kernels.pack(params.get("lm_head", params["embed"]))
     return params | {"layers": layers, "lm_head": head}
+
+
+def unpack_params(params: Params, cfg: ModelConfig) -> Params:
+    """The "packed" layout back to "unrolled" (plain `[out, in]` arrays), e.g. to copy weights."""
+    q_end, k_end = _qkv_splits(cfg)
+
+    def unpack_layer(layer):
+        rest = {k: w for k, w in layer.items() if not isinstance(w, kernels.PackedWeight)}
+        qkv = kernels.unpack(layer["wqkv"])
+        gate, up = jax.numpy.split(kernels.unpack(layer["w_gate_up"]), 2)
+        return rest | {
+            "wq": qkv[:q_end], "wk": qkv[q_end:k_end], "wv": qkv[k_end:],
+            "wo": kernels.unpack(layer["wo"]), "w_gate": gate, "w_up": up,
+            "w_down": kernels.unpack(layer["w_down"]),
+        }
+
+    out = {k: v for k, v in params.items() if k not in ("layers", "lm_head")}
+    out["layers"] = tuple(unpack_layer(layer) for layer in params["layers"])
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = kernels.unpack(params["lm_head"])
+    return out
 
 
 def is_packed(params: Params) -> bool:

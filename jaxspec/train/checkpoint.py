@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import kernels
 from jaxspec.errors import JaxspecError
 
 FORMAT = "jaxspec-drafter"
@@ -42,7 +43,12 @@ def fingerprint(cfg, params) -> dict[str, Any]:
     """Shape facts plus a few weight values (robust to float32/bfloat16 loading)."""
     embed = np.asarray(jnp.asarray(params["embed"], jnp.float32))
     layers = params["layers"]
-    wq = layers[0]["wq"] if isinstance(layers, tuple) else layers["wq"][0]
+    if isinstance(layers, dict):  # stacked
+        wq = layers["wq"][0]
+    elif "wqkv" in layers[0]:  # packed (CPU kernel) layout: wq's rows come first
+        wq = kernels.unpack(layers[0]["wqkv"])
+    else:
+        wq = layers[0]["wq"]
     rows = [i % cfg.vocab_size for i in (0, 1, 100, 1000, 10000, 30000)]
     probe = np.concatenate(
         [

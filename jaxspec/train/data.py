@@ -40,6 +40,8 @@ class DataConfig:
     layers: tuple[int, ...] = (2, 15, 27, 30)  # low / mid / high for EAGLE-3, final-normed for Medusa
     top_k: int = 8
     gen_composed: int = 64  # hand-written prompts answered by the target
+    gen_templated: int = 0  # task templates over GSM8K train text and topics (prompts.templated)
+    templated_offset: int = 0  # first GSM8K train row the templates use
     gen_gsm8k: int = 64  # GSM8K questions answered by the target
     gen_batch: int = 32
     gen_steps: int = 96  # new tokens per generated response
@@ -105,6 +107,8 @@ def _jobs(dc: DataConfig, encode, tokenizer, eos: int) -> list[tuple[str, list]]
     rows, _ = prompt_sets.split_gsm8k(prompt_sets.read_gsm8k(dc.gsm8k_path))
     gen_prompts = [encode(p) for p in prompt_sets.COMPOSED[: dc.gen_composed]]
     gen_prompts += [encode(r["question"]) for r in rows[: dc.gen_gsm8k]]
+    texts = [r["question"] for r in rows[dc.templated_offset :]]
+    gen_prompts += [encode(p) for p in prompt_sets.templated(texts, dc.gen_templated)]
     gen_prompts = sorted(gen_prompts, key=len)  # less padding per batch
     tf_rows = rows[dc.gen_gsm8k : dc.gen_gsm8k + dc.tf_gsm8k]
     tf_seqs = []
@@ -169,7 +173,7 @@ def build(dc: DataConfig, model=None) -> Path:
     if model is None:
         from jaxspec.loading import load_model
 
-        model = load_model(dc.model)
+        model = load_model(dc.model, layout="auto")  # no gradients here: the fast layout
     out = Path(dc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"config": dataclasses.asdict(dc), "layers": list(dc.layers)}
@@ -196,8 +200,10 @@ def build(dc: DataConfig, model=None) -> Path:
 
 
 def load_shards(data_dir: str | Path) -> dict[str, np.ndarray]:
-    """All shards flattened to rows of one common width (right-padded)."""
-    files = sorted(Path(data_dir).glob("shard_[0-9]*[0-9].npz"))
+    """All shards (of one dir, or of several given as "dir_a,dir_b") flattened to rows of one
+    common width (right-padded)."""
+    dirs = [Path(d.strip()) for d in str(data_dir).split(",") if d.strip()]
+    files = sorted(f for d in dirs for f in d.glob("shard_[0-9]*[0-9].npz"))
     if not files:
         raise FileNotFoundError(f"no shards in {data_dir}: run python -m jaxspec.train --config configs/train/data.yaml")
     shards = [dict(np.load(f)) for f in files]

@@ -7,10 +7,13 @@ after the target fingerprint check.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
+from jaxspec.loading.params import is_packed, unpack_params
 from jaxspec.train import checkpoint as ckpt
 from jaxspec.train import methods as methods_lib
 
@@ -23,6 +26,8 @@ def load_trained_drafter(method: str, path, target):
             f"drafter, e.g. checkpoints/smollm2-135m-{'draft' if method == 'draft_model' else method}"
         )
     meta, stored = ckpt.load_drafter(path, method, target.cfg, target.params)
+    if is_packed(target.params):  # drafter init copies target weights: from plain [out, in] arrays
+        target = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
     arch = dict(meta["arch"])
     arch.pop("draft_vocab", None)
     if method == "eagle":

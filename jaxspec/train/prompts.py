@@ -97,6 +97,53 @@ COMPOSED = [
 ]
 
 
+# Task templates over GSM8K *train* question text (used as a passage) and over plain topics: the
+# kinds of request Spec-Bench measures (summaries, translation, extraction, QA over a passage,
+# rewriting, open writing), so a drafter trained on the answers is not a math-only drafter.
+PASSAGE_TASKS = [
+    "Summarize the following text in one sentence: {text}",
+    "Translate the following text into French: {text}",
+    "Translate this into German: {text}",
+    "Translate to Spanish: {text}",
+    "Rewrite this text in a more formal style: {text}",
+    "List every number in this text and say what it refers to: {text}",
+    "Read the passage and answer: who is the text about, and what do they want to know?\nPassage: {text}",
+    "Context: {text}\nQuestion: What is the main question asked here? Answer briefly.",
+    "Explain this problem to a ten-year-old, without solving it: {text}",
+    "Write a short title for this text: {text}",
+]
+TOPIC_TASKS = [
+    "Write a short story about {topic}.",
+    "Explain {topic} in simple terms.",
+    "Give three tips about {topic}.",
+    "Write a short poem about {topic}.",
+    "What are the pros and cons of {topic}?",
+    "Write a friendly email to a colleague about {topic}.",
+    "Describe the history of {topic} in a paragraph.",
+    "Write a Python function related to {topic}, with a docstring.",
+]
+TOPICS = [
+    "gardening", "the ocean", "electric cars", "learning a language", "coffee", "the moon",
+    "public libraries", "remote work", "volcanoes", "healthy breakfast", "chess", "recycling",
+    "birds", "the internet", "saving money", "rain forests", "robots", "football", "music lessons",
+    "a rainy day", "friendship", "mountains", "solar energy", "time management", "trains",
+    "cooking pasta", "the human heart", "photography", "ancient Egypt", "city parks",
+]
+
+
+def templated(questions: list[str], n: int) -> list[str]:
+    """`n` prompts: passage tasks over GSM8K train questions, interleaved with topic tasks."""
+    out = []
+    for i in range(n):
+        if i % 3 == 2:
+            task = TOPIC_TASKS[(i // 3) % len(TOPIC_TASKS)]
+            out.append(task.format(topic=TOPICS[(i * 7) % len(TOPICS)]))
+        else:
+            task = PASSAGE_TASKS[i % len(PASSAGE_TASKS)]
+            out.append(task.format(text=questions[i % len(questions)]))
+    return out
+
+
 def read_gsm8k(path: str | Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
