@@ -439,6 +439,7 @@ class Bench:
             "gammas": a.gammas,
             "batch_sizes": a.batch_sizes,
             "sweep_config": self.sweep_label,
+            "sweeps_only": bool(a.sweeps_only),
             "config_values": {l: c.to_dict() for l, c in self.configs.items()},
         }
         self.results["machine"] = machine_facts()

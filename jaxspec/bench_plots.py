@@ -197,7 +197,10 @@ def _f(x, nd=2, suffix=""):
 
 def _done(results: dict[str, Any]) -> str:
     """Questions actually run (all methods), with the planned number when interrupted."""
-    planned = results.get("settings", {}).get("num_prompts")
+    settings = results.get("settings", {})
+    planned = settings.get("num_prompts")
+    if settings.get("sweeps_only"):
+        return f"0 (sweeps only; {planned} selected)"
     rows = (results.get("per_prompt") or {}).values()
     done = min((len(r) for r in rows), default=0)
     return str(planned) if done == planned else f"{done} (of {planned} planned; run interrupted)"

@@ -137,3 +137,15 @@ def test_meta_records_target_and_training(exported):
     meta = json.loads((exported / "meta.json").read_text())
     assert meta["method"] == "medusa" and meta["target"]["hidden_size"] == 64
     assert meta["arch"]["draft_vocab"] == 48 and meta["training"]["steps"] == 2
+
+
+def test_templated_prompts_draw_only_on_gsm8k_train_text():
+    from jaxspec.train import prompts
+
+    rows = [{"question": f"q{i}?"} for i in range(200)]
+    train, held_out = prompts.split_gsm8k(rows)
+    made = prompts.templated([r["question"] for r in train], 60)
+    assert len(made) == 60 and len(set(made)) == 60
+    assert not any(r["question"] in p for r in held_out for p in made)  # held-out stays unseen
+    assert sum("French" in p or "German" in p or "Spanish" in p for p in made) >= 6  # translation
+    assert sum(any(t in p for t in prompts.TOPICS) for p in made) == 20  # every third: open writing
