@@ -89,10 +89,15 @@ def available() -> bool:
         return False
     if jax.default_backend() != "cpu":
         return False
+    return _try_register()
+
+
+@functools.cache
+def _try_register() -> bool:  # one build attempt per process, success or not
     try:
         _register()
     except (OSError, subprocess.SubprocessError) as e:
-        warnings.warn(f"jaxspec CPU kernel unavailable ({e}); using XLA matmuls", stacklevel=2)
+        warnings.warn(f"jaxspec CPU kernel unavailable ({e}); using XLA matmuls", stacklevel=3)
         return False
     return True
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxspec import kernels
 from jaxspec.errors import JaxspecError
-from jaxspec.models.llama import ModelConfig, Params, _qkv_splits, param_shapes, stack_layers
+from jaxspec.models.llama import ModelConfig, Params, qkv_splits, param_shapes, stack_layers
 
 DTYPES = ("float32", "bfloat16", "float16")
 LAYOUTS = ("auto", "unrolled", "stacked", "packed")
@@ -124,7 +124,7 @@ def pack_params(params: Params) -> Params:
 
 def unpack_params(params: Params, cfg: ModelConfig) -> Params:
     """The "packed" layout back to "unrolled" (plain `[out, in]` arrays), e.g. to copy weights."""
-    q_end, k_end = _qkv_splits(cfg)
+    q_end, k_end = qkv_splits(cfg)
 
     def unpack_layer(layer):
         rest = {k: w for k, w in layer.items() if not isinstance(w, kernels.PackedWeight)}

@@ -194,7 +194,7 @@ def _linear(x: jax.Array, w) -> jax.Array:
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def _qkv_splits(cfg: ModelConfig) -> tuple[int, int]:
+def qkv_splits(cfg: ModelConfig) -> tuple[int, int]:
     q = cfg.num_heads * cfg.head_dim
     return (q, q + cfg.num_kv_heads * cfg.head_dim)
 
@@ -240,7 +240,7 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq):
     h = cfg.head_dim
     y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     if "wqkv" in lp:  # packed layout: q, k and v projections fused into one weight
-        q, k, v = jnp.split(_linear(y, lp["wqkv"]), _qkv_splits(cfg), axis=-1)
+        q, k, v = jnp.split(_linear(y, lp["wqkv"]), qkv_splits(cfg), axis=-1)
     else:
         q, k, v = _linear(y, lp["wq"]), _linear(y, lp["wk"]), _linear(y, lp["wv"])
     if cfg.attention_bias:
