@@ -69,16 +69,16 @@ TINY_CHECKPOINTS = [
 ]
 
 
-@pytest.mark.parametrize("layout", ["unrolled", "packed"])
+# "auto" is what configs load: the packed CPU-kernel layout where it builds, else unrolled.
+@pytest.mark.parametrize("layout", ["unrolled", "auto"])
 @pytest.mark.parametrize("fixture", TINY_CHECKPOINTS)
 def test_tiny_checkpoint_logits_match_transformers(fixture, layout, request):
     from transformers import AutoModelForCausalLM
 
-    if layout == "packed" and not kernels.available():
-        pytest.skip("the packed layout needs the CPU panel kernel (g++)")
     path = request.getfixturevalue(fixture)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     m = load_model(path, layout=layout)
+    assert m.layout == ("packed" if layout == "auto" and kernels.available() else "unrolled")
     tokens = np.random.default_rng(0).integers(0, m.cfg.vocab_size, (2, 40))
     ref = hf_logits(hf, tokens)
 
