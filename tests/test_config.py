@@ -49,7 +49,7 @@ def test_shipped_configs_parse(name):
 
 def test_shipped_config_values():
     ngram = load_config(CONFIGS / "smollm2-135m-ngram.yaml").speculative
-    assert (ngram.method, ngram.min_ngram, ngram.max_ngram) == ("ngram", 1, 3)
+    assert (ngram.method, ngram.min_ngram, ngram.max_ngram) == ("ngram", 2, 3)
     skip = load_config(CONFIGS / "smollm2-135m-layerskip.yaml").speculative
     assert (skip.method, skip.num_speculative_tokens, skip.layer_skip_layers) == ("layer_skip", 3, 8)
 
