@@ -1,18 +1,22 @@
-"""CPU kernels: a panel-packed weight and its small-M matmul, called from jit through XLA's FFI.
+"""CPU kernels for decode and verify windows, called from jit through XLA's FFI.
 
 Why: XLA:CPU runs the one-token decode matmul as a bandwidth-bound matrix-vector product, but any
 verify window of M >= 2 rows as a packed GEMM that copies the weights first, so a verify over
 γ+1 positions cost ~1.5x a plain step on SmolLM2 — and speculation paid only beyond 1.5 accepted
 tokens per step. `panel_matmul.cc` streams each weight once for all M rows instead (see there).
+Its attention over the cache goes through a generic small-dot path over the whole capacity
+(~11 ms of a step for a 5-token window at 1024 slots); `prefix_attention.cc` reads only the valid
+prefix, once per kv head for the whole window.
 
     if kernels.available():
         w = kernels.pack(w_out_in)            # PackedWeight: f32[O/64, I, 64] + out_features
         y = kernels.panel_matmul(x, w)        # x: f32[..., I] -> f32[..., O]
+        o = kernels.prefix_attention(q, k_cache, v_cache, cache_lengths, scale)
 
-The kernel is compiled once per machine with the host compiler (`g++ -O3 -march=native`) into
+The kernels are compiled once per machine with the host compiler (`g++ -O3 -march=native`) into
 `$JAXSPEC_CACHE_DIR/kernels` (default `~/.cache/jaxspec/kernels`) and registered with
 `jax.ffi`. With no compiler, a non-CPU backend or `JAXSPEC_CPU_KERNELS=0`, `available()` is False
-and models keep the plain XLA layout. Inference only: the kernel has no gradient.
+and models keep the plain XLA layout. Inference only: the kernels have no gradient.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 PANEL = 64  # output rows per panel; must match kPanel in panel_matmul.cc
-_SOURCE = Path(__file__).with_name("panel_matmul.cc")
-_TARGET = "jaxspec_panel_matmul"
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("panel_matmul.cc", "prefix_attention.cc"))
+_HEADERS = (Path(__file__).with_name("parallel.h"),)
+_TARGETS = {"jaxspec_panel_matmul": "JaxspecPanelMatmul", "jaxspec_prefix_attention": "JaxspecPrefixAttention"}
 
 
 @jax.tree_util.register_dataclass
@@ -76,11 +81,25 @@ def panel_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     _register()
     p, _, _ = w.panels.shape
     out = jax.ffi.ffi_call(
-        _TARGET,
+        "jaxspec_panel_matmul",
         jax.ShapeDtypeStruct(x.shape[:-1] + (p * PANEL,), jnp.float32),
         vmap_method="sequential",
     )(x.astype(jnp.float32), w.panels)
     return out if p * PANEL == w.out_features else out[..., : w.out_features]
+
+
+def prefix_attention(q, k, v, lengths, scale: float) -> jax.Array:
+    """q: f32[B, T, N, H]; k, v: f32[B, K, S, H]; lengths: int32[B] -> f32[B, T, N, H].
+
+    Query t of row b attends cache slots s <= lengths[b] + t (KVCache.mask). Needs `available()`.
+    """
+    _register()
+    return jax.ffi.ffi_call(
+        "jaxspec_prefix_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
+    )(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        lengths.astype(jnp.int32), scale=np.float32(scale),
+    )
 
 
 def available() -> bool:
@@ -105,9 +124,8 @@ def _try_register() -> bool:  # one build attempt per process, success or not
 @functools.cache
 def _register() -> None:
     library = ctypes.cdll.LoadLibrary(str(_build()))
-    jax.ffi.register_ffi_target(
-        _TARGET, jax.ffi.pycapsule(library.JaxspecPanelMatmul), platform="cpu"
-    )
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
 def _cache_dir() -> Path:
@@ -118,25 +136,25 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    """Compile panel_matmul.cc for this host (cached by source, jax version and CPU)."""
+    """Compile the kernels for this host (cached by source, jax version and CPU)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler found (install g++ or set CXX)")
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(
         source + jax.__version__.encode() + _cpu_model().encode() + compiler.encode()
     ).hexdigest()[:16]
-    lib = _cache_dir() / f"panel_matmul-{key}.so"
+    lib = _cache_dir() / f"jaxspec_kernels-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         partial = Path(tmp) / lib.name
         cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-               f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(partial)]
+               f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(partial)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise OSError(f"compiling {_SOURCE.name} failed: {done.stderr.strip()[-500:]}")
+            raise OSError(f"compiling the CPU kernels failed: {done.stderr.strip()[-500:]}")
         os.replace(partial, lib)  # atomic: concurrent builders never load a half-written file
     return lib
 

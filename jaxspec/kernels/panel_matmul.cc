@@ -13,21 +13,14 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
 
 constexpr int64_t kPanel = 64;              // output rows per panel
 constexpr int64_t kPrefetchFloats = 4096;   // 16 KB ahead in the panel stream
@@ -93,47 +86,23 @@ void Panels(const float* x, const float* wp, float* y, int64_t M, int64_t I, int
   }
 }
 
-// Chunks of panels shared by the calling thread and the helpers it schedules. A thread only ever
-// waits for chunks another running thread has claimed, so this cannot deadlock even when every
-// pool thread is busy; helpers that start late find nothing left and return.
-struct Work {
-  const float* x;
-  const float* wp;
-  float* y;
-  int64_t M, I, O, num_panels, panels_per_chunk, num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
-      const int64_t p0 = c * panels_per_chunk;
-      Panels(x, wp, y, M, I, O, p0, std::min(num_panels, p0 + panels_per_chunk));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wp,
                        ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = wp.dimensions();
   const auto xd = x.dimensions();
   if (wd.size() != 3 || wd[2] != kPanel || xd.size() < 1 || xd.back() != wd[1])
     return ffi::Error::InvalidArgument("panel_matmul: want x[..., I] and wp[P, I, 64]");
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->wp = wp.typed_data();
-  work->y = y->typed_data();
-  work->I = wd[1];
-  work->M = x.element_count() / wd[1];
-  work->num_panels = wd[0];
-  work->O = wd[0] * kPanel;
+  const float* xp = x.typed_data();
+  const float* w = wp.typed_data();
+  float* yp = y->typed_data();
+  const int64_t I = wd[1], M = x.element_count() / wd[1], num_panels = wd[0], O = wd[0] * kPanel;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->panels_per_chunk = std::max<int64_t>(1, work->num_panels / (8 * threads));
-  work->num_chunks = (work->num_panels + work->panels_per_chunk - 1) / work->panels_per_chunk;
-  const int64_t helpers = std::min(threads, work->num_chunks) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < work->num_chunks) CpuRelax();
+  const int64_t per_chunk = std::max<int64_t>(1, num_panels / (8 * threads));
+  const int64_t num_chunks = (num_panels + per_chunk - 1) / per_chunk;
+  jaxspec::ParallelFor(pool, num_chunks, [=](int64_t c) {
+    const int64_t p0 = c * per_chunk;
+    Panels(xp, w, yp, M, I, O, p0, std::min(num_panels, p0 + per_chunk));
+  });
   return ffi::Error::Success();
 }
 

@@ -22,6 +22,7 @@ G query heads per kv head, H head dim, D model dim, F mlp dim, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -234,6 +235,20 @@ def _attention(q, k, v, mask):
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
+KERNEL_ATTENTION_MAX_QUERIES = 16  # decode and verify windows; prompts go through XLA's GEMMs
+
+
+def _kernel_attention(lp, q, t: int) -> bool:
+    """The packed (CPU-kernel) layout attends with kernels.prefix_attention over short windows.
+    JAXSPEC_CPU_ATTENTION=0 keeps XLA's attention (for A/B measurements)."""
+    return (
+        isinstance(lp.get("wqkv"), kernels.PackedWeight)
+        and q.dtype == jnp.float32
+        and t <= KERNEL_ATTENTION_MAX_QUERIES
+        and os.environ.get("JAXSPEC_CPU_ATTENTION", "1").lower() not in ("0", "false", "no", "off")
+    )
+
+
 def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq):
     """One decoder layer. Writes this step's k/v into its cache `[B, K, S, H]` at `positions`."""
     b, t, _ = x.shape
@@ -255,7 +270,11 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq):
     k = apply_rope(k, positions, inv_freq)
     k_cache = write_kv(k_cache, k, positions)
     v_cache = write_kv(v_cache, v, positions)
-    attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+    if _kernel_attention(lp, q, t):  # the cache's prefix mask, valid slots only
+        attn = kernels.prefix_attention(q, k_cache, v_cache, positions[:, 0], h**-0.5)
+        attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
+    else:
+        attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     x = x + _linear(attn, lp["wo"])
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in lp:  # packed layout: gate and up fused
