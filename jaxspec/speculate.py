@@ -119,18 +119,25 @@ def prefill(
     )
 
 
-def _verify(spec: LoopSpec, tparams, window: jax.Array, cache: KVCache, sp, width: int):
-    """Target over the first `width` window tokens; outputs padded back to G+1 positions."""
+def _verify(spec: LoopSpec, tparams, window: jax.Array, cache: KVCache, sp, width: int, write=True):
+    """Target over the first `width` window tokens; outputs padded back to G+1 positions.
+
+    write=False (inside the width switch): the cache is only read; the window's k/v come back
+    padded to G+1 positions for `llama.write_window` (slots past `width` get zeros, which lie past
+    every row's new length and are never read)."""
     g1 = window.shape[1]
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
-    out = llama.forward(tparams, window[:, :width], cache, spec.cfg, hidden_layers)
+    out = llama.forward(tparams, window[:, :width], cache, spec.cfg, hidden_layers, write)
     probs = sampling.logits_to_probs(llama.lm_head(tparams, out.hidden), sp)  # [B, width, V]
     pad = [(0, 0), (0, g1 - width), (0, 0)]
     probs = jnp.pad(probs, pad)
     layer_hidden = out.layer_hidden
     if layer_hidden is not None:
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
-    return probs, layer_hidden, out.cache
+    if write:
+        return probs, layer_hidden, out.cache
+    pad_kv = lambda w: jnp.pad(w, [(0, 0)] * (w.ndim - 3) + [(0, g1 - width), (0, 0), (0, 0)])
+    return probs, layer_hidden, jax.tree.map(pad_kv, out.window_kv)
 
 
 def _emit(spec: LoopSpec, state: DecodeState, drafts, num_accepted, next_token):
@@ -182,11 +189,12 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         else:
             need = jnp.max(num_proposed) + 1
             branch = jnp.sum(jnp.asarray(widths)[:-1] < need)
-            p, hidden, cache = jax.lax.switch(
+            p, hidden, window_kv = jax.lax.switch(  # branches read the cache; written after
                 branch,
-                [lambda c, w=w: _verify(spec, tparams, window, c, sp, w) for w in widths],
+                [lambda c, w=w: _verify(spec, tparams, window, c, sp, w, write=False) for w in widths],
                 state.cache,
             )
+            cache = llama.write_window(state.cache, window_kv, state.cache.positions(g + 1))
         num_acc, next_token = acceptance.accept(drafts, proposal.probs, p, num_proposed, k_accept)
     tokens, lengths, count, done = _emit(spec, state, drafts, num_acc, next_token)
     if g > 0:

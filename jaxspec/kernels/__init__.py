@@ -11,7 +11,7 @@ prefix, once per kv head for the whole window.
     if kernels.available():
         w = kernels.pack(w_out_in)            # PackedWeight: f32[O/64, I, 64] + out_features
         y = kernels.panel_matmul(x, w)        # x: f32[..., I] -> f32[..., O]
-        o = kernels.prefix_attention(q, k_cache, v_cache, cache_lengths, scale)
+        o = kernels.prefix_attention(q, k_cache, v_cache, k_new, v_new, cache_lengths, scale)
 
 The kernels are compiled once per machine with the host compiler (`g++ -O3 -march=native`) into
 `$JAXSPEC_CACHE_DIR/kernels` (default `~/.cache/jaxspec/kernels`) and registered with
@@ -88,16 +88,20 @@ def panel_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     return out if p * PANEL == w.out_features else out[..., : w.out_features]
 
 
-def prefix_attention(q, k, v, lengths, scale: float) -> jax.Array:
-    """q: f32[B, T, N, H]; k, v: f32[B, K, S, H]; lengths: int32[B] -> f32[B, T, N, H].
+def prefix_attention(q, k_cache, v_cache, k_window, v_window, lengths, scale: float) -> jax.Array:
+    """q: f32[B, T, N, H]; k/v_cache: f32[B, K, S, H]; k/v_window: f32[B, T, K, H] (the window's
+    own keys and values); lengths: int32[B] -> f32[B, T, N, H].
 
-    Query t of row b attends cache slots s <= lengths[b] + t (KVCache.mask). Needs `available()`.
+    Query t of row b attends cache slots s < lengths[b], then window positions 0..t: the cache's
+    causal-prefix mask (KVCache.mask), whether or not the window is already written into the
+    cache. Needs `available()`.
     """
     _register()
+    f32 = lambda a: a.astype(jnp.float32)
     return jax.ffi.ffi_call(
         "jaxspec_prefix_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
     )(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        f32(q), f32(k_cache), f32(v_cache), f32(k_window), f32(v_window),
         lengths.astype(jnp.int32), scale=np.float32(scale),
     )
 

@@ -1,7 +1,11 @@
 // Attention of a short query window over a KV cache whose valid slots form a prefix, on CPU.
 //
-//   q[B, T, N, H], k/v[B, K, S, H], lengths[B]  ->  out[B, T, N, H]
-//   query t of row b attends slots s <= lengths[b] + t (the cache's causal-prefix mask)
+//   q[B, T, N, H], k/v cache[B, K, S, H], k/v window[B, T, K, H], lengths[B]  ->  out[B, T, N, H]
+//   query t of row b attends cache slots s < lengths[b], then window positions 0..t
+//
+// The window's own keys and values come as separate inputs, so the cache may be written before or
+// after the call (speculate.py writes it after a variable-width verify: a cache written inside a
+// lax.switch branch is copied whole by XLA).
 //
 // Decode (T = 1) and verify windows (T = γ+1) read every valid k/v row once for all G*T query
 // rows of a kv head (G = N / K) and never touch the slots past the prefix. XLA:CPU instead runs
@@ -64,6 +68,14 @@ struct Shapes {
   int64_t B, T, N, K, S, H, G;
 };
 
+// The key (or value) rows one query sees, in order: `cached` cache rows, then window rows.
+struct Slots {
+  const float* cache;   // [S, H] of one (batch row, kv head)
+  const float* window;  // window row j at window + j * stride
+  int64_t cached, stride, H;
+  const float* at(int64_t s) const { return s < cached ? cache + s * H : window + (s - cached) * stride; }
+};
+
 #if defined(__AVX512F__)
 constexpr int kRowBlock = 4;  // query rows sharing each k/v load
 
@@ -113,18 +125,17 @@ inline __m512 SumEach16(__m512* x) {
   return FoldPair<1>(x[0], x[1]);
 }
 
-// scores[s] = q . k[s] * scale for s in [0, n) (16 at a time; slots past S read as 0).
+// scores[s] = q . k[s] * scale for s in [0, n) (16 at a time; the tail reads as 0).
 template <int HC>  // H = 16 * HC
-void ScoreRow(const float* q, const float* k, int64_t n, int64_t S, float scale, float* scores) {
-  constexpr int H = 16 * HC;
+void ScoreRow(const float* q, const Slots& k, int64_t n, float scale, float* scores) {
   __m512 qv[HC];
   for (int c = 0; c < HC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t s0 = 0; s0 < n; s0 += 16) {
     __m512 x[16];
     for (int j = 0; j < 16; ++j) {
-      if (s0 + j >= S) { x[j] = _mm512_setzero_ps(); continue; }
-      const float* ks = k + (s0 + j) * H;
+      if (s0 + j >= n) { x[j] = _mm512_setzero_ps(); continue; }
+      const float* ks = k.at(s0 + j);
       __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(ks));
       for (int c = 1; c < HC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(ks + 16 * c), a);
       x[j] = a;
@@ -135,8 +146,7 @@ void ScoreRow(const float* q, const float* k, int64_t n, int64_t S, float scale,
 
 // out[r] = sum_{s < n[r]} w[r * ld + s] * v[s] for rows r < R (slots ascending).
 template <int HC>
-void WeightBlock(const float* w, int64_t ld, const int64_t* n, int R, const float* v, float* const* out) {
-  constexpr int H = 16 * HC;
+void WeightBlock(const float* w, int64_t ld, const int64_t* n, int R, const Slots& v, float* const* out) {
   __m512 o[kRowBlock][HC];
   for (int r = 0; r < kRowBlock; ++r)
     for (int c = 0; c < HC; ++c) o[r][c] = _mm512_setzero_ps();
@@ -144,7 +154,8 @@ void WeightBlock(const float* w, int64_t ld, const int64_t* n, int R, const floa
   for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
   for (int64_t s = 0; s < most; ++s) {
     __m512 vs[HC];
-    for (int c = 0; c < HC; ++c) vs[c] = _mm512_loadu_ps(v + s * H + 16 * c);
+    const float* vrow = v.at(s);
+    for (int c = 0; c < HC; ++c) vs[c] = _mm512_loadu_ps(vrow + 16 * c);
     for (int r = 0; r < kRowBlock; ++r) {
       if (r >= R || s >= n[r]) continue;
       const __m512 ws = _mm512_set1_ps(w[r * ld + s]);
@@ -182,12 +193,12 @@ inline float SoftmaxInPlace(float* scores, int64_t n) {
 
 // Up to kRowBlock rows of one kv head (H = 16 * HC).
 template <int HC>
-void VectorRows(const float* const* q, const int64_t* n, int R, const float* k, const float* v,
-                int64_t S, float scale, float* const* out, float* scratch) {
+void VectorRows(const float* const* q, const int64_t* n, int R, const Slots& k, const Slots& v,
+                float scale, float* const* out, float* scratch) {
   int64_t most = 0;
   for (int r = 0; r < R; ++r) most = std::max(most, n[r]);
   const int64_t ld = (most + 15) / 16 * 16;
-  for (int r = 0; r < R; ++r) ScoreRow<HC>(q[r], k, n[r], S, scale, scratch + r * ld);
+  for (int r = 0; r < R; ++r) ScoreRow<HC>(q[r], k, n[r], scale, scratch + r * ld);
   float inv[kRowBlock];
   for (int r = 0; r < R; ++r) inv[r] = n[r] > 0 ? SoftmaxInPlace(scratch + r * ld, n[r]) : 0.0f;
   WeightBlock<HC>(scratch, ld, n, R, v, out);
@@ -196,23 +207,26 @@ void VectorRows(const float* const* q, const int64_t* n, int R, const float* k, 
 }
 #endif
 
-inline void ScoresPortable(const float* q, const float* k, int64_t n, int64_t H, float scale,
+inline void ScoresPortable(const float* q, const Slots& k, int64_t n, int64_t H, float scale,
                            float* scores) {
   for (int64_t s = 0; s < n; ++s) {
     float acc[kLanes] = {};
-    for (int64_t h = 0; h < H; ++h) acc[h % kLanes] = __builtin_fmaf(q[h], k[s * H + h], acc[h % kLanes]);
+    const float* ks = k.at(s);
+    for (int64_t h = 0; h < H; ++h) acc[h % kLanes] = __builtin_fmaf(q[h], ks[h], acc[h % kLanes]);
     scores[s] = LaneSum(acc) * scale;
   }
 }
 
-inline void WeightedPortable(const float* w, const float* v, int64_t n, int64_t H, float* out) {
+inline void WeightedPortable(const float* w, const Slots& v, int64_t n, int64_t H, float* out) {
   for (int64_t h = 0; h < H; ++h) out[h] = 0.0f;
-  for (int64_t s = 0; s < n; ++s)
-    for (int64_t h = 0; h < H; ++h) out[h] = __builtin_fmaf(w[s], v[s * H + h], out[h]);
+  for (int64_t s = 0; s < n; ++s) {
+    const float* vs = v.at(s);
+    for (int64_t h = 0; h < H; ++h) out[h] = __builtin_fmaf(w[s], vs[h], out[h]);
+  }
 }
 
 // One query row over its n valid slots of one kv head: softmax(q . k * scale) . v (any H).
-void PortableRow(const float* q, const float* k, const float* v, int64_t n, int64_t H, float scale,
+void PortableRow(const float* q, const Slots& k, const Slots& v, int64_t n, int64_t H, float scale,
                  float* out, float* scratch) {
   if (n <= 0) {
     for (int64_t h = 0; h < H; ++h) out[h] = 0.0f;
@@ -231,11 +245,14 @@ void PortableRow(const float* q, const float* k, const float* v, int64_t n, int6
 
 // Query rows [r0, r1) of (batch b, kv head kh); row r is head kh*G + r/T at window position r%T.
 // Blocks of rows share each k/v load; a row's arithmetic does not depend on its block.
-void HeadRows(const Shapes& d, const float* q, const float* k, const float* v, const int32_t* lengths,
-              float scale, float* out, int64_t b, int64_t kh, int64_t r0, int64_t r1) {
-  const float* kh_k = k + (b * d.K + kh) * d.S * d.H;
-  const float* kh_v = v + (b * d.K + kh) * d.S * d.H;
-  std::vector<float> scratch(4 * ((d.S + 15) / 16 * 16));
+void HeadRows(const Shapes& d, const float* q, const float* kc, const float* vc, const float* kw,
+              const float* vw, const int32_t* lengths, float scale, float* out, int64_t b, int64_t kh,
+              int64_t r0, int64_t r1) {
+  const int64_t cached = std::clamp<int64_t>(lengths[b], 0, d.S), stride = d.K * d.H;
+  const int64_t head = (b * d.K + kh) * d.S * d.H, window = b * d.T * stride + kh * d.H;
+  const Slots k{kc + head, kw + window, cached, stride, d.H};
+  const Slots v{vc + head, vw + window, cached, stride, d.H};
+  std::vector<float> scratch(4 * ((cached + d.T + 15) / 16 * 16));
   for (int64_t rb = r0; rb < r1; rb += 4) {
     const float* qs[4];
     float* outs[4];
@@ -246,26 +263,31 @@ void HeadRows(const Shapes& d, const float* q, const float* k, const float* v, c
       const int64_t at = ((b * d.T + t) * d.N + head) * d.H;
       qs[i] = q + at;
       outs[i] = out + at;
-      n[i] = std::clamp<int64_t>(int64_t{lengths[b]} + t + 1, 0, d.S);
+      n[i] = cached + t + 1;
     }
 #if defined(__AVX512F__)
-    if (d.H == 64) { VectorRows<4>(qs, n, R, kh_k, kh_v, d.S, scale, outs, scratch.data()); continue; }
-    if (d.H == 128) { VectorRows<8>(qs, n, R, kh_k, kh_v, d.S, scale, outs, scratch.data()); continue; }
+    if (d.H == 64) { VectorRows<4>(qs, n, R, k, v, scale, outs, scratch.data()); continue; }
+    if (d.H == 128) { VectorRows<8>(qs, n, R, k, v, scale, outs, scratch.data()); continue; }
 #endif
-    for (int i = 0; i < R; ++i) PortableRow(qs[i], kh_k, kh_v, n[i], d.H, scale, outs[i], scratch.data());
+    for (int i = 0; i < R; ++i) PortableRow(qs[i], k, v, n[i], d.H, scale, outs[i], scratch.data());
   }
 }
 
 ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths, float scale,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> k_win,
+                           ffi::Buffer<ffi::F32> v_win, ffi::Buffer<ffi::S32> lengths, float scale,
                            ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || v.element_count() != k.element_count() || kd[0] != qd[0] ||
-      kd[3] != qd[3] || kd[1] == 0 || qd[2] % kd[1] != 0 || lengths.element_count() != qd[0])
+      kd[3] != qd[3] || kd[1] == 0 || qd[2] % kd[1] != 0 || lengths.element_count() != qd[0] ||
+      k_win.element_count() != qd[0] * qd[1] * kd[1] * kd[3] ||
+      v_win.element_count() != k_win.element_count())
     return ffi::Error::InvalidArgument(
-        "prefix_attention: want q[B, T, N, H], k/v[B, K, S, H] with K | N, lengths[B]");
+        "prefix_attention: want q[B, T, N, H], k/v[B, K, S, H] with K | N, k/v window[B, T, K, H], "
+        "lengths[B]");
   const Shapes d{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], qd[2] / kd[1]};
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const float *kwp = k_win.typed_data(), *vwp = v_win.typed_data();
   const int32_t* lp = lengths.typed_data();
   float* op = out->typed_data();
   // Tasks: (b, kv head, slice of its G*T query rows); slices only when there are few heads, so
@@ -277,7 +299,7 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   auto fn = [=](int64_t task) {
     const int64_t head = task / slices, slice = task % slices;
     const int64_t r0 = slice * per_slice, r1 = std::min(rows, r0 + per_slice);
-    if (r0 < r1) HeadRows(d, qp, kp, vp, lp, scale, op, head / d.K, head % d.K, r0, r1);
+    if (r0 < r1) HeadRows(d, qp, kp, vp, kwp, vwp, lp, scale, op, head / d.K, head % d.K, r0, r1);
   };
   jaxspec::ParallelFor(pool, heads * slices, fn);
   return ffi::Error::Success();
@@ -288,6 +310,8 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecPrefixAttention, PrefixAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

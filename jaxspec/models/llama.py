@@ -249,8 +249,39 @@ def _kernel_attention(lp, q, t: int) -> bool:
     )
 
 
-def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq):
-    """One decoder layer. Writes this step's k/v into its cache `[B, K, S, H]` at `positions`."""
+def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths):
+    """Like `_attention`, for a window not yet written into the cache: query t attends cache slots
+    s < lengths[b] and window positions 0..t. q: [B, T, N, H]; caches [B, K, S, H]; windows
+    [B, T, K, H] -> [B, T, N*H]. Softmax over the concatenated [S + T] scores."""
+    b, t, n, h = q.shape
+    kv, slots = k_cache.shape[1], k_cache.shape[2]
+    g = n // kv
+    qh = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
+    kw, vw = (w.astype(q.dtype).transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
+    batch = ((0, 1), (0, 1))
+    dims = (((3,), (3,)), batch)
+    scores = jnp.concatenate(
+        [jax.lax.dot_general(qh, k_cache, dims, preferred_element_type=jnp.float32),
+         jax.lax.dot_general(qh, kw, dims, preferred_element_type=jnp.float32)], axis=-1,
+    ).reshape(b, kv, g, t, slots + t) * (h**-0.5)
+    in_cache = jnp.arange(slots)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T]
+    mask = jnp.concatenate(
+        [jnp.broadcast_to(in_cache, (b, t, slots)), jnp.broadcast_to(causal, (b, t, t))], axis=-1
+    )
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, slots + t)
+    pv = (((3,), (2,)), batch)
+    out = jax.lax.dot_general(weights[..., :slots], v_cache, pv) + jax.lax.dot_general(
+        weights[..., slots:], vw, pv
+    )  # [B, K, G*T, H]
+    return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+
+
+def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
+    """One decoder layer. Writes this step's k/v into its cache `[B, K, S, H]` at `positions` and
+    returns (x, k_cache, v_cache); with write=False the cache is only read and the window's own
+    k/v `[B, T, K, H]` come back instead of the caches."""
     b, t, _ = x.shape
     h = cfg.head_dim
     y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -268,13 +299,19 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq):
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    k_cache = write_kv(k_cache, k, positions)
-    v_cache = write_kv(v_cache, v, positions)
+    k = k.astype(k_cache.dtype)
+    v = v.astype(v_cache.dtype)
+    lengths = positions[:, 0]
+    if write:
+        k_cache = write_kv(k_cache, k, positions)
+        v_cache = write_kv(v_cache, v, positions)
     if _kernel_attention(lp, q, t):  # the cache's prefix mask, valid slots only
-        attn = kernels.prefix_attention(q, k_cache, v_cache, positions[:, 0], h**-0.5)
+        attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, lengths, h**-0.5)
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
-    else:
+    elif write:
         attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+    else:
+        attn = _attention_with_window(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), k, v, lengths)
     x = x + _linear(attn, lp["wo"])
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in lp:  # packed layout: gate and up fused
@@ -282,13 +319,29 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq):
     else:
         gate, up = _linear(y, lp["w_gate"]), _linear(y, lp["w_up"])
     y = jax.nn.silu(gate) * up
-    return x + _linear(y, lp["w_down"]), k_cache, v_cache
+    out = x + _linear(y, lp["w_down"])
+    return (out, k_cache, v_cache) if write else (out, k, v)
+
+
+def write_window(cache: KVCache, window_kv, positions: jax.Array) -> KVCache:
+    """Write `forward(..., write_cache=False)`'s window k/v into the cache at positions [B, T]."""
+    k_win, v_win = window_kv
+    if isinstance(cache.k, tuple):
+        k = tuple(write_kv(c, w, positions) for c, w in zip(cache.k, k_win))
+        v = tuple(write_kv(c, w, positions) for c, w in zip(cache.v, v_win))
+    else:
+        write_all = jax.vmap(write_kv, in_axes=(0, 0, None))
+        k, v = write_all(cache.k, k_win, positions), write_all(cache.v, v_win, positions)
+    return dataclasses.replace(cache, k=k, v=v)
 
 
 class ForwardOutput(NamedTuple):
     hidden: jax.Array  # [B, T, D] after the final norm (feed to `lm_head`)
     cache: KVCache  # k/v written at lengths..lengths+T-1; lengths NOT advanced (see KVCache.commit)
     layer_hidden: jax.Array | None  # [len(hidden_layers), B, T, D], HF `hidden_states` indexing
+    # write_cache=False: `cache` is the input cache, unwritten, and this holds the window's k/v
+    # (per-layer tuples of [B, T, K, H], or [L, B, T, K, H] stacked) for `write_window`.
+    window_kv: tuple | None = None
 
 
 def forward(
@@ -297,11 +350,15 @@ def forward(
     cache: KVCache,
     cfg: ModelConfig,
     hidden_layers: tuple[int, ...] = (),
+    write_cache: bool = True,
 ) -> ForwardOutput:
     """Run `tokens: int[B, T]` at positions `cache.lengths[:, None] + arange(T)`.
 
     `hidden_layers` picks HF-style hidden states: 0 = embeddings, i = output of layer i
     (num_layers = after the final norm). Works on the unrolled (tuple) and stacked (scan) layouts.
+    `write_cache=False` leaves the cache untouched and returns the window's k/v in `window_kv`
+    (write them with `write_window`): inside a `lax.switch` branch, XLA:CPU copies a cache the
+    branch writes, every step.
     """
     b, t = tokens.shape
     positions = cache.positions(t)  # [B, T]
@@ -316,7 +373,7 @@ def forward(
 
         def body(x, xs):
             lp, k_l, v_l = xs
-            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq)
+            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache)
             return x, (k_l, v_l, x)
 
         x, (k_new, v_new, per_layer) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
@@ -328,7 +385,7 @@ def forward(
             raise ValueError("per-layer params need a per-layer cache: init_cache(..., stacked=False)")
         k_new, v_new = [], []
         for lp, k_l, v_l in zip(layers, cache.k, cache.v):
-            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq)
+            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache)
             k_new.append(k_l)
             v_new.append(v_l)
             collected[len(k_new)] = x
@@ -336,6 +393,8 @@ def forward(
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     collected[cfg.num_layers] = x
     layer_hidden = jnp.stack([collected[i] for i in hidden_layers]) if hidden_layers else None
+    if not write_cache:
+        return ForwardOutput(x, cache, layer_hidden, (k_new, v_new))
     return ForwardOutput(x, dataclasses.replace(cache, k=k_new, v=v_new), layer_hidden)
 
 
