@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec import sampling
+from jaxspec import kernels, sampling
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.models import llama
 
@@ -104,22 +104,29 @@ class EagleDrafter:
     name: str = "eagle"
     variable_length: bool = False
 
-    def _step(self, dparams, x, k_cache, v_cache, positions):
-        """x [B, T, D] at positions [B, T]: write k/v there, attend to slots <= position."""
+    def _step(self, dparams, x, k_cache, v_cache, positions, kernel: bool):
+        """x [B, T, D] at positions [B, T]: write k/v there, attend to slots <= position.
+        kernel: attend with the CPU prefix-attention kernel (when the target uses CPU kernels)."""
         cfg = self.cfg
         inv_freq = llama.rope_frequencies(cfg)
         q, k, v = _qkv(cfg, dparams["layer"], x, positions, inv_freq)
         k_cache = llama.write_kv(k_cache, k, positions)
         v_cache = llama.write_kv(v_cache, v, positions)
-        mask = jnp.arange(k_cache.shape[2])[None, None, :] <= positions[..., None]
-        attn = llama._attention(q, k_cache, v_cache, mask)
+        if kernel and llama.attention_kernel_on(q):  # valid slots only, not the whole capacity
+            attn = kernels.prefix_attention(
+                q, k_cache, v_cache, k, v, positions[:, 0], cfg.head_dim**-0.5
+            ).reshape(*q.shape[:2], -1)
+        else:
+            mask = jnp.arange(k_cache.shape[2])[None, None, :] <= positions[..., None]
+            attn = llama._attention(q, k_cache, v_cache, mask)
         return _finish(cfg, dparams["layer"], x, attn), k_cache, v_cache
 
     def _run(self, dparams, tparams, tokens, features, k_cache, v_cache, start):
         """Real (step-0) entries: tokens [B, T] with features [B, T, D] at start[B] + arange(T)."""
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = layer_input(dparams, tparams, tokens, features).astype(self.cfg.compute_dtype)
-        return self._step(dparams, x, k_cache, v_cache, positions)
+        kernel = llama.uses_cpu_kernels(tparams)
+        return self._step(dparams, x, k_cache, v_cache, positions, kernel)
 
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
         c = self.cfg
@@ -153,7 +160,7 @@ class EagleDrafter:
         def step(carry, key_col):
             k, v, token, h, pos = carry
             x = layer_input(dparams, tparams, token[:, None], h).astype(self.cfg.compute_dtype)
-            h, k, v = self._step(dparams, x, k, v, pos[:, None])
+            h, k, v = self._step(dparams, x, k, v, pos[:, None], llama.uses_cpu_kernels(tparams))
             nxt, p = self._probs(dparams, h[:, 0], sp, key_col)
             return (k, v, nxt, h, pos + 1), (nxt, p)
 

@@ -238,15 +238,26 @@ def _attention(q, k, v, mask):
 KERNEL_ATTENTION_MAX_QUERIES = 16  # decode and verify windows; prompts go through XLA's GEMMs
 
 
+def uses_cpu_kernels(params: Params) -> bool:
+    """True for the packed layout (built only where the CPU kernels are available)."""
+    layers = params["layers"]
+    return isinstance(layers, tuple) and isinstance(layers[0].get("wqkv"), kernels.PackedWeight)
+
+
+def attention_kernel_on(q: jax.Array) -> bool:
+    """Whether a window of q's shape attends with kernels.prefix_attention (given CPU kernels)."""
+    return (
+        q.dtype == jnp.float32
+        and q.shape[1] <= KERNEL_ATTENTION_MAX_QUERIES
+        and os.environ.get("JAXSPEC_CPU_ATTENTION", "1").lower() not in ("0", "false", "no", "off")
+    )
+
+
 def _kernel_attention(lp, q, t: int) -> bool:
     """The packed (CPU-kernel) layout attends with kernels.prefix_attention over short windows.
     JAXSPEC_CPU_ATTENTION=0 keeps XLA's attention (for A/B measurements)."""
-    return (
-        isinstance(lp.get("wqkv"), kernels.PackedWeight)
-        and q.dtype == jnp.float32
-        and t <= KERNEL_ATTENTION_MAX_QUERIES
-        and os.environ.get("JAXSPEC_CPU_ATTENTION", "1").lower() not in ("0", "false", "no", "off")
-    )
+    del t  # q.shape[1]
+    return isinstance(lp.get("wqkv"), kernels.PackedWeight) and attention_kernel_on(q)
 
 
 def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths):
