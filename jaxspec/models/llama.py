@@ -253,10 +253,9 @@ def attention_kernel_on(q: jax.Array) -> bool:
     )
 
 
-def _kernel_attention(lp, q, t: int) -> bool:
+def _kernel_attention(lp, q) -> bool:
     """The packed (CPU-kernel) layout attends with kernels.prefix_attention over short windows.
     JAXSPEC_CPU_ATTENTION=0 keeps XLA's attention (for A/B measurements)."""
-    del t  # q.shape[1]
     return isinstance(lp.get("wqkv"), kernels.PackedWeight) and attention_kernel_on(q)
 
 
@@ -316,7 +315,7 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
     if write:
         k_cache = write_kv(k_cache, k, positions)
         v_cache = write_kv(v_cache, v, positions)
-    if _kernel_attention(lp, q, t):  # the cache's prefix mask, valid slots only
+    if _kernel_attention(lp, q):  # the cache's prefix mask, valid slots only
         attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, lengths, h**-0.5)
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
     elif write:
