@@ -76,8 +76,9 @@ struct Slots {
   const float* at(int64_t s) const { return s < cached ? cache + s * H : window + (s - cached) * stride; }
 };
 
-#if defined(__AVX512F__)
 constexpr int kRowBlock = 4;  // query rows sharing each k/v load
+
+#if defined(__AVX512F__)
 
 // exp of 16 lanes, x <= 0: ExpNonPositive lane by lane (same constants, same rounding).
 inline __m512 Exp16(__m512 x) {
@@ -249,15 +250,15 @@ void HeadRows(const Shapes& d, const float* q, const float* kc, const float* vc,
               const float* vw, const int32_t* lengths, float scale, float* out, int64_t b, int64_t kh,
               int64_t r0, int64_t r1) {
   const int64_t cached = std::clamp<int64_t>(lengths[b], 0, d.S), stride = d.K * d.H;
-  const int64_t head = (b * d.K + kh) * d.S * d.H, window = b * d.T * stride + kh * d.H;
-  const Slots k{kc + head, kw + window, cached, stride, d.H};
-  const Slots v{vc + head, vw + window, cached, stride, d.H};
-  std::vector<float> scratch(4 * ((cached + d.T + 15) / 16 * 16));
-  for (int64_t rb = r0; rb < r1; rb += 4) {
-    const float* qs[4];
-    float* outs[4];
-    int64_t n[4];
-    const int R = static_cast<int>(std::min<int64_t>(4, r1 - rb));
+  const int64_t cache_at = (b * d.K + kh) * d.S * d.H, window_at = b * d.T * stride + kh * d.H;
+  const Slots k{kc + cache_at, kw + window_at, cached, stride, d.H};
+  const Slots v{vc + cache_at, vw + window_at, cached, stride, d.H};
+  std::vector<float> scratch(kRowBlock * ((cached + d.T + 15) / 16 * 16));
+  for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
+    const float* qs[kRowBlock];
+    float* outs[kRowBlock];
+    int64_t n[kRowBlock];
+    const int R = static_cast<int>(std::min<int64_t>(kRowBlock, r1 - rb));
     for (int i = 0; i < R; ++i) {
       const int64_t r = rb + i, head = kh * d.G + r / d.T, t = r % d.T;
       const int64_t at = ((b * d.T + t) * d.N + head) * d.H;
