@@ -149,3 +149,46 @@ def test_templated_prompts_draw_only_on_gsm8k_train_text():
     assert not any(r["question"] in p for r in held_out for p in made)  # held-out stays unseen
     assert sum("French" in p or "German" in p or "Spanish" in p for p in made) >= 6  # translation
     assert sum(any(t in p for t in prompts.TOPICS) for p in made) == 20  # every third: open writing
+
+
+def test_tail_window_keeps_each_rows_last_positions(records):
+    from jaxspec.train.data import tail_window
+
+    cut = tail_window(records, 10)
+    for i, n in enumerate(records["lengths"]):
+        m = min(int(n), 10)
+        assert cut["lengths"][i] == m
+        np.testing.assert_array_equal(cut["tokens"][i, :m], records["tokens"][i, n - m : n])
+        np.testing.assert_array_equal(cut["hidden"][:, i, :m], records["hidden"][:, i, n - m : n])
+        np.testing.assert_array_equal(cut["topk_ids"][i, :m], records["topk_ids"][i, n - m : n])
+    assert tail_window(records, records["tokens"].shape[1]) is records
+
+
+def test_warm_start_begins_from_the_export_and_rejects_another_arch(tmp_path, target, records, exported):
+    src = run(config(tmp_path / "src", "eagle", steps=3, export_dir=str(tmp_path / "exp")), target, records)
+    warm = run(config(tmp_path / "warm", "eagle", steps=1, lr=0.0, init_from=str(tmp_path / "exp")), target, records)
+    for a, b in zip(jax.tree.leaves(src["params"]), jax.tree.leaves(warm["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # lr 0: still the export
+    cold = run(config(tmp_path / "cold", "eagle", steps=1, lr=0.0), target, records)
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(src["params"]), jax.tree.leaves(cold["params"])))
+    with pytest.raises(JaxspecError, match="does not match this drafter's architecture"):
+        run(config(tmp_path / "bad", "medusa", steps=1, init_from=str(exported),
+                   method_args={"num_heads": 3}), target, records)  # exported with 2 heads
+
+
+def test_passage_tasks_cover_the_request_kinds():
+    from jaxspec.train import prompts
+
+    passages = [(s, f"Text about {s}. " * 20) for s, _ in prompts.passage_prompts()]
+    made = prompts.passage_tasks(passages, 300)
+    assert len(made) == 300
+    kinds = {
+        "summary": sum(p.startswith(("Summarize:", "Write a short summary")) for p in made),
+        "translation": sum(p.startswith("Translate German to English") for p in made),
+        "multi-passage": sum(p.count("Text about") >= 60 for p in made),
+        "short question": sum(p.endswith("?") and len(p) < 120 for p in made),
+    }
+    assert all(n >= 40 for n in kinds.values()), kinds
+    translations = [p for p in made if p.startswith("Translate")]
+    assert len(set(translations)) == len(translations)  # each German sentence once

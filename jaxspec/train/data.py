@@ -43,6 +43,9 @@ class DataConfig:
     gen_templated: int = 0  # task templates over GSM8K train text and topics (prompts.templated)
     templated_offset: int = 0  # first GSM8K train row the templates use
     gen_gsm8k: int = 64  # GSM8K questions answered by the target
+    gen_passages: int = 0  # stage 1: the target writes news reports / encyclopedia entries
+    tasks_from: str = ""  # stage 2: a stage-1 out_dir whose passages the task prompts are built on
+    gen_tasks: int = 0  # stage 2: task prompts over those passages (prompts.passage_tasks)
     gen_batch: int = 32
     gen_steps: int = 96  # new tokens per generated response
     tf_gsm8k: int = 256  # GSM8K question + reference answer, teacher-forced
@@ -109,6 +112,10 @@ def _jobs(dc: DataConfig, encode, tokenizer, eos: int) -> list[tuple[str, list]]
     gen_prompts += [encode(r["question"]) for r in rows[: dc.gen_gsm8k]]
     texts = [r["question"] for r in rows[dc.templated_offset :]]
     gen_prompts += [encode(p) for p in prompt_sets.templated(texts, dc.gen_templated)]
+    gen_prompts += [encode(p) for _, p in prompt_sets.passage_prompts()[: dc.gen_passages]]
+    if dc.gen_tasks:
+        passages = read_passages(dc.tasks_from, tokenizer)
+        gen_prompts += [encode(p) for p in prompt_sets.passage_tasks(passages, dc.gen_tasks)]
     gen_prompts = sorted(gen_prompts, key=len)  # less padding per batch
     tf_rows = rows[dc.gen_gsm8k : dc.gen_gsm8k + dc.tf_gsm8k]
     tf_seqs = []
@@ -120,6 +127,24 @@ def _jobs(dc: DataConfig, encode, tokenizer, eos: int) -> list[tuple[str, list]]
     jobs = [("gen", gen_prompts[i : i + dc.gen_batch]) for i in range(0, len(gen_prompts), dc.gen_batch)]
     jobs += [("tf", tf_seqs[i : i + dc.tf_batch]) for i in range(0, len(tf_seqs), dc.tf_batch)]
     return jobs
+
+
+def read_passages(stage1_dir: str, tokenizer) -> list[tuple[str, str]]:
+    """(subject, response text) of every stage-1 row (`gen_passages`), in prompt order."""
+    subject_of = {p: s for s, p in prompt_sets.passage_prompts()}
+    files = sorted(Path(stage1_dir).glob("shard_[0-9]*[0-9].npz"))
+    if not files:
+        raise FileNotFoundError(f"no stage-1 shards in {stage1_dir}: build configs/train/data-passages.yaml first")
+    found = {}
+    for f in files:
+        shard = np.load(f)
+        for row, n in zip(shard["tokens"], shard["lengths"]):
+            text = tokenizer.decode(row[:n].tolist(), skip_special_tokens=False)
+            user = text.split("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+            reply = text.split("<|im_start|>assistant\n", 1)[-1].split("<|im_end|>", 1)[0].strip()
+            if user in subject_of and len(reply) > 200:
+                found[user] = (subject_of[user], reply)
+    return [found[p] for _, p in prompt_sets.passage_prompts() if p in found]
 
 
 def _pad(seqs: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -199,14 +224,36 @@ def build(dc: DataConfig, model=None) -> Path:
     return out
 
 
-def load_shards(data_dir: str | Path) -> dict[str, np.ndarray]:
+def tail_window(shard: dict, window: int) -> dict:
+    """Each row's last `window` valid positions, left-aligned (rows of long prompts keep their
+    response, which is what a drafter is run on, instead of the prompt's head)."""
+    n, t = shard["tokens"].shape
+    if t <= window:
+        return shard
+    lengths = shard["lengths"]
+    start = np.maximum(lengths - window, 0)  # [N]
+    cols = start[:, None] + np.arange(window)[None]  # [N, W]
+    rows = np.arange(n)[:, None]
+    return {
+        "tokens": shard["tokens"][rows, cols],
+        "lengths": np.minimum(lengths, window),
+        "hidden": shard["hidden"][:, rows, cols],
+        "topk_ids": shard["topk_ids"][rows, cols],
+        "topk_probs": shard["topk_probs"][rows, cols],
+    }
+
+
+def load_shards(data_dir: str | Path, window: int | None = None) -> dict[str, np.ndarray]:
     """All shards (of one dir, or of several given as "dir_a,dir_b") flattened to rows of one
-    common width (right-padded)."""
+    common width (right-padded); with `window`, each row cut to its last `window` positions."""
     dirs = [Path(d.strip()) for d in str(data_dir).split(",") if d.strip()]
     files = sorted(f for d in dirs for f in d.glob("shard_[0-9]*[0-9].npz"))
     if not files:
         raise FileNotFoundError(f"no shards in {data_dir}: run python -m jaxspec.train --config configs/train/data.yaml")
-    shards = [dict(np.load(f)) for f in files]
+    keys = ("tokens", "lengths", "hidden", "topk_ids", "topk_probs")
+    shards = [{k: v for k, v in np.load(f).items() if k in keys} for f in files]
+    if window:
+        shards = [tail_window(s, window) for s in shards]
     t = max(s["tokens"].shape[1] for s in shards)
 
     def pad(x, axis):

@@ -157,3 +157,115 @@ def clean_answer(answer: str) -> str:
 def split_gsm8k(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows). The held-out slice is used for evaluation only."""
     return rows[:-GSM8K_HELD_OUT], rows[-GSM8K_HELD_OUT:]
+
+
+# Two-stage data for the request kinds GSM8K text cannot imitate (news summaries, answers over
+# several passages, short factual questions, German -> English): stage 1 has the target write
+# passages (news reports, encyclopedia entries) on composed subjects; stage 2 builds tasks over
+# those passages (`passage_tasks`). All text is composed here or written by the target itself.
+NEWS_SUBJECTS = [
+    "a city council vote on new bike lanes", "a storm that closed schools", "a local bakery that won a national prize",
+    "a new hospital wing opening", "a football club signing a young striker", "a power outage downtown",
+    "rising rents for students", "a museum returning stolen paintings", "a bridge closed for repairs",
+    "a tech company announcing layoffs", "a wildfire near a national park", "a record heat wave",
+    "a teachers' strike", "a new subway line", "a rescued whale", "a mayor resigning after a scandal",
+    "a farmers' market moving to a new square", "a spacecraft landing on the moon", "a flood in river towns",
+    "an election for state governor", "a marathon with ten thousand runners", "a factory closing",
+    "a new law on plastic bags", "a zoo welcoming baby pandas", "a cyber attack on a bank",
+    "a shortage of nurses", "a film festival opening night", "an airline cancelling flights",
+    "a drought affecting wheat farmers", "a famous singer's farewell tour", "a school lunch program",
+    "a court ruling on data privacy", "a rise in bicycle thefts", "a new species of frog discovered",
+    "a trade deal between two countries", "a chess prodigy winning a tournament", "a housing project approved",
+    "a volcano erupting on an island", "a charity raising money for a library", "a self-driving bus trial",
+]
+ENCYCLOPEDIA_SUBJECTS = [
+    "the Roman Empire", "photosynthesis", "the Amazon rainforest", "the printing press", "black holes",
+    "the French Revolution", "honeybees", "the Great Wall of China", "vaccines", "the water cycle",
+    "the Industrial Revolution", "volcanoes", "the human immune system", "Mount Everest", "the Olympic Games",
+    "electric cars", "the Nile river", "the Renaissance", "coral reefs", "the internet", "glaciers",
+    "the Moon", "democracy", "coffee", "the Sahara desert", "earthquakes", "the piano", "penguins",
+    "the Silk Road", "solar panels", "antibiotics", "the Pacific Ocean", "jazz music", "tea",
+    "the Cold War", "rain forests in Africa", "the periodic table", "the stock market", "forests",
+    "the Eiffel Tower", "climate change", "the human brain", "the Byzantine Empire", "dinosaurs",
+    "the printing of money", "wind energy", "the Milky Way", "chess", "the United Nations", "bread",
+]
+PASSAGE_PROMPTS = [
+    "Write a news article about {s}.",
+    "Write a detailed news report about {s}, with quotes from people involved.",
+]
+ENCYCLOPEDIA_PROMPTS = [
+    "Write an encyclopedia entry about {s}.",
+    "Write a few informative paragraphs about {s}.",
+]
+
+
+def passage_prompts() -> list[tuple[str, str]]:
+    """(subject, prompt) pairs for stage 1."""
+    out = [(s, p.format(s=s)) for s in NEWS_SUBJECTS for p in PASSAGE_PROMPTS]
+    out += [(s, p.format(s=s)) for s in ENCYCLOPEDIA_SUBJECTS for p in ENCYCLOPEDIA_PROMPTS]
+    return out
+
+
+QUESTION_FORMS = [
+    "What is {s}?", "Why is {s} important?", "How does {s} work?", "What do people say about {s}?",
+    "Describe the main facts about {s}.", "What happened with {s}?", "Where can we find {s}?",
+    "What are the effects of {s}?",
+]
+SHORT_QUESTIONS = [
+    "who wrote {s}", "when did {s} start", "where is {s}", "what is {s} known for", "who invented {s}",
+    "how old is {s}", "what is the history of {s}", "why is {s} famous",
+]
+MT_FORMS = [
+    "Compose an engaging blog post about {s}.", "Pretend you are an expert on {s}. Explain it to a beginner.",
+    "Write a persuasive essay about {s}.", "Imagine you are a journalist. Interview someone about {s}.",
+    "Write a Python program that stores facts about {s} in a dictionary and prints them.",
+    "Give a step-by-step plan for a school project about {s}.", "Write a short dialogue between two friends about {s}.",
+    "What are three common misconceptions about {s}?",
+]
+GERMAN_SENTENCES = [
+    "Die Stadt plant neue Radwege in der Innenstadt .", "Der Zug nach Berlin hat heute eine Stunde Verspätung .",
+    "Die Regierung will die Steuern für Familien senken .", "Im Sommer ist es in Spanien sehr heiß .",
+    "Mein Bruder arbeitet seit drei Jahren in einem Krankenhaus .", "Die Schüler haben morgen eine wichtige Prüfung .",
+    "Das neue Museum wurde am Sonntag eröffnet .", "Viele Menschen kaufen ihre Lebensmittel auf dem Markt .",
+    "Der Präsident hat sich mit den Ministern getroffen , um über die Krise zu sprechen .",
+    "Die Preise für Wohnungen sind in den letzten Jahren stark gestiegen .",
+    "Nach dem Sturm waren viele Straßen gesperrt .", "Die Mannschaft hat das Spiel mit zwei zu eins gewonnen .",
+    "Wissenschaftler haben eine neue Art von Frosch entdeckt .", "Das Unternehmen will im nächsten Jahr tausend neue Mitarbeiter einstellen .",
+    "Die Polizei sucht nach Zeugen des Unfalls .", "Ich trinke jeden Morgen eine Tasse Kaffee .",
+    "Die Bibliothek ist am Wochenende geschlossen .", "Der Flughafen wurde wegen Nebel vorübergehend geschlossen .",
+    "Die Zahl der Arbeitslosen ist im Mai gesunken .", "Kinder sollten jeden Tag draußen spielen .",
+    "Das Konzert war ausverkauft , und die Stimmung war großartig .", "Die Ärzte warnen vor einer neuen Grippewelle .",
+    "In der Schweiz gibt es vier Landessprachen .", "Der Bürgermeister ist nach dem Skandal zurückgetreten .",
+    "Die Bauern leiden unter der langen Trockenheit .", "Immer mehr Menschen arbeiten von zu Hause aus .",
+    "Die Brücke wird ab Montag für drei Monate repariert .", "Die Firma hat einen Gewinn von zehn Millionen Euro gemacht .",
+    "Die Wahl findet am ersten Sonntag im Oktober statt .", "Der Film erzählt die Geschichte einer armen Familie in Paris .",
+    "Die Banken haben die Zinsen erneut erhöht .", "Der Wald brennt seit zwei Tagen , und die Feuerwehr kämpft gegen die Flammen .",
+    "Die Universität bietet neue Kurse für ältere Studenten an .", "Das Wetter wird am Wochenende sonnig und warm .",
+    "Die Gewerkschaft hat zu einem Streik aufgerufen .", "Der Roboter kann einfache Aufgaben im Haushalt erledigen .",
+    "Die Kinder haben im Zoo die jungen Pandas gesehen .", "Die Regierung hat ein neues Gesetz gegen Plastiktüten beschlossen .",
+    "Die Krise hat die Mittelschicht erreicht .", "Der Sänger gibt in diesem Jahr seine letzte Tournee .",
+]
+
+
+def passage_tasks(passages: list[tuple[str, str]], n: int) -> list[str]:
+    """`n` stage-2 prompts over stage-1 (subject, passage text) pairs, cycling through: summary,
+    answer over several passages, short factual question, German -> English, MT-bench-like."""
+    out, m = [], len(passages)
+    for i in range(n):
+        subject, text = passages[(i * 7) % m]
+        kind = i % 6
+        if kind == 0:
+            out.append(f"Summarize: {text}")
+        elif kind == 1:
+            others = [passages[(i * 7 + 13 * j) % m][1] for j in (1, 2)]
+            ctx = "\n".join([others[0], text, others[1]])
+            out.append(f"{ctx}\n{QUESTION_FORMS[(i // 6) % len(QUESTION_FORMS)].format(s=subject)}")
+        elif kind == 2:
+            out.append(SHORT_QUESTIONS[(i // 6) % len(SHORT_QUESTIONS)].format(s=subject) + "?")
+        elif kind == 3 and i // 6 < len(GERMAN_SENTENCES):  # each sentence once
+            out.append(f"Translate German to English: {GERMAN_SENTENCES[i // 6]}")
+        elif kind in (3, 4):
+            out.append(MT_FORMS[(i // 6) % len(MT_FORMS)].format(s=subject))
+        else:
+            out.append(f"Write a short summary of this text:\n\n{text}")
+    return out

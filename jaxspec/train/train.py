@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxspec.errors import JaxspecError
 from jaxspec.train import checkpoint as ckpt
 from jaxspec.train import methods as methods_lib
 
@@ -48,6 +49,7 @@ class TrainConfig:
     eval_max_new: int = 48
     gamma: int = 4
     draft_vocab: int = 8192
+    init_from: str | None = None  # warm start: an exported drafter of the same method and arch
     export_dtype: str = "float32"  # shipped params (bfloat16 halves the size; loaded as float32)
     method_args: dict = dataclasses.field(default_factory=dict)
 
@@ -154,12 +156,14 @@ def train(
     if data is None:
         from jaxspec.train.data import load_shards
 
-        data = load_shards(tc.data_dir)
+        data = load_shards(tc.data_dir, window=tc.seq_len)
     method = make_method(tc)
     d2t = methods_lib.build_vocab(
         data["tokens"], data["lengths"], data["topk_ids"], tc.draft_vocab, target.cfg.vocab_size
     )
     params, frozen = method.init(target, d2t, jax.random.key(tc.seed))
+    if tc.init_from:
+        params = warm_start(params, tc, target)
     opt = make_optimizer(tc)
     state = {"params": params, "opt_state": opt.init(params), "step": jnp.zeros((), jnp.int32)}
     mngr = ckpt.manager(tc.ckpt_dir)
@@ -236,6 +240,25 @@ def train(
         "eval": final,
         "state": state,
     }
+
+
+def warm_start(params, tc: TrainConfig, target):
+    """`params` replaced by an exported drafter's (its draft vocabulary may differ: the head is
+    the target's frozen rows, so only the learned leaves carry over)."""
+    _, stored = ckpt.load_drafter(tc.init_from, tc.method, target.cfg, target.params)
+    stored.pop("d2t")
+    if isinstance(stored.get("layers"), list):
+        stored["layers"] = tuple(stored["layers"])
+    got, want = jax.tree.structure(stored), jax.tree.structure(params)
+    shapes_differ = got != want or any(
+        a.shape != b.shape for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(params))
+    )
+    if shapes_differ:
+        raise JaxspecError(
+            f"init_from {tc.init_from} does not match this drafter's architecture "
+            f"(method_args differ); train from scratch or point init_from to a matching export"
+        )
+    return jax.tree.map(lambda x, p: jnp.asarray(x, p.dtype), stored, params)
 
 
 def ocp_abstract(x):
