@@ -192,3 +192,28 @@ def test_passage_tasks_cover_the_request_kinds():
     assert all(n >= 40 for n in kinds.values()), kinds
     translations = [p for p in made if p.startswith("Translate")]
     assert len(set(translations)) == len(translations)  # each German sentence once
+
+
+def test_load_shards_drops_repeated_rows(tmp_path, records):
+    from jaxspec.train.data import load_shards
+
+    for name, rows in (("a", [0, 1, 2, 1]), ("b", [2, 3])):  # row 1 twice in a, row 2 again in b
+        d = tmp_path / name
+        d.mkdir()
+        np.savez(d / "shard_00000.npz", kind=np.array("gen"), **{
+            k: np.take(v, rows, axis=1 if k == "hidden" else 0) for k, v in records.items()})
+    data = load_shards(f"{tmp_path / 'a'},{tmp_path / 'b'}")
+    np.testing.assert_array_equal(data["tokens"], records["tokens"][[0, 1, 2, 3]])
+    np.testing.assert_array_equal(data["hidden"], records["hidden"][:, [0, 1, 2, 3]])
+    assert len(load_shards(tmp_path / "a", window=8)["lengths"]) == 3
+
+
+def test_passage_tasks_draws_give_new_pairings():
+    from jaxspec.train import prompts
+
+    passages = [(s, f"Text {i}. " * 30) for i, (s, _) in enumerate(prompts.passage_prompts())]
+    fixed, drawn = prompts.passage_tasks(passages, 300), prompts.passage_tasks(passages, 300, draw=1)
+    assert drawn == prompts.passage_tasks(passages, 300, draw=1)  # reproducible
+    assert not any(p.startswith("Translate") for p in drawn)  # German sentences: draw 0 only
+    long_ones = [p for p in drawn if len(p) > 200]  # summaries / multi-passage questions
+    assert len(set(long_ones) - set(fixed)) > 0.9 * len(long_ones)

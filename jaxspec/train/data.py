@@ -46,6 +46,7 @@ class DataConfig:
     gen_passages: int = 0  # stage 1: the target writes news reports / encyclopedia entries
     tasks_from: str = ""  # stage 2: a stage-1 out_dir whose passages the task prompts are built on
     gen_tasks: int = 0  # stage 2: task prompts over those passages (prompts.passage_tasks)
+    tasks_draw: int = 0  # 0: the fixed-stride sequence; k > 0: random pairings with seed k
     gen_batch: int = 32
     gen_steps: int = 96  # new tokens per generated response
     tf_gsm8k: int = 256  # GSM8K question + reference answer, teacher-forced
@@ -115,8 +116,9 @@ def _jobs(dc: DataConfig, encode, tokenizer, eos: int) -> list[tuple[str, list]]
     gen_prompts += [encode(p) for _, p in prompt_sets.passage_prompts()[: dc.gen_passages]]
     if dc.gen_tasks:
         passages = read_passages(dc.tasks_from, tokenizer)
-        gen_prompts += [encode(p) for p in prompt_sets.passage_tasks(passages, dc.gen_tasks)]
-    gen_prompts = sorted(gen_prompts, key=len)  # less padding per batch
+        gen_prompts += [encode(p) for p in prompt_sets.passage_tasks(passages, dc.gen_tasks, dc.tasks_draw)]
+    gen_prompts = sorted({tuple(p): None for p in gen_prompts}, key=len)  # unique; less padding
+    gen_prompts = [list(p) for p in gen_prompts]
     tf_rows = rows[dc.gen_gsm8k : dc.gen_gsm8k + dc.tf_gsm8k]
     tf_seqs = []
     for r in tf_rows:
@@ -243,15 +245,30 @@ def tail_window(shard: dict, window: int) -> dict:
     }
 
 
+def _unique_rows(shard: dict, seen: set) -> dict:
+    """`shard` without rows whose tokens are in `seen` (which it extends)."""
+    keep = []
+    for i, (row, n) in enumerate(zip(shard["tokens"], shard["lengths"])):
+        key = row[:n].tobytes()
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    if len(keep) == len(shard["lengths"]):
+        return shard
+    return {k: np.take(v, keep, axis=1 if k == "hidden" else 0) for k, v in shard.items()}
+
+
 def load_shards(data_dir: str | Path, window: int | None = None) -> dict[str, np.ndarray]:
     """All shards (of one dir, or of several given as "dir_a,dir_b") flattened to rows of one
-    common width (right-padded); with `window`, each row cut to its last `window` positions."""
+    common width (right-padded), repeated rows dropped; with `window`, each row cut to its last
+    `window` positions."""
     dirs = [Path(d.strip()) for d in str(data_dir).split(",") if d.strip()]
     files = sorted(f for d in dirs for f in d.glob("shard_[0-9]*[0-9].npz"))
     if not files:
         raise FileNotFoundError(f"no shards in {data_dir}: run python -m jaxspec.train --config configs/train/data.yaml")
     keys = ("tokens", "lengths", "hidden", "topk_ids", "topk_probs")
     shards = [{k: v for k, v in np.load(f).items() if k in keys} for f in files]
+    shards = [_unique_rows(s, seen) for seen in [set()] for s in shards]  # greedy: same prompt, same row
     if window:
         shards = [tail_window(s, window) for s in shards]
     t = max(s["tokens"].shape[1] for s in shards)

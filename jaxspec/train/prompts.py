@@ -9,6 +9,8 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
 GSM8K_HELD_OUT = 64  # the last rows of gsm8k_train: evaluation only, never trained on
 
 _PASSAGE_A = (
@@ -247,25 +249,34 @@ GERMAN_SENTENCES = [
 ]
 
 
-def passage_tasks(passages: list[tuple[str, str]], n: int) -> list[str]:
+def passage_tasks(passages: list[tuple[str, str]], n: int, draw: int = 0) -> list[str]:
     """`n` stage-2 prompts over stage-1 (subject, passage text) pairs, cycling through: summary,
-    answer over several passages, short factual question, German -> English, MT-bench-like."""
+    answer over several passages, short factual question, German -> English, MT-bench-like.
+    draw=0: passages and question forms in a fixed stride (data-tasks.yaml); draw=k>0: drawn at
+    random with seed k, so a further data dir gets new passage/task pairings (no translation:
+    each German sentence is used once, by draw 0)."""
     out, m = [], len(passages)
     for i in range(n):
-        subject, text = passages[(i * 7) % m]
         kind = i % 6
+        if draw:
+            rng = np.random.default_rng([draw, i])
+            pick, o1, o2 = (int(x) for x in rng.integers(m, size=3))
+            form = int(rng.integers(1 << 30))
+            kind = 4 if kind == 3 else kind
+        else:
+            pick, o1, o2, form = (i * 7) % m, (i * 7 + 13) % m, (i * 7 + 26) % m, i // 6
+        subject, text = passages[pick]
         if kind == 0:
             out.append(f"Summarize: {text}")
         elif kind == 1:
-            others = [passages[(i * 7 + 13 * j) % m][1] for j in (1, 2)]
-            ctx = "\n".join([others[0], text, others[1]])
-            out.append(f"{ctx}\n{QUESTION_FORMS[(i // 6) % len(QUESTION_FORMS)].format(s=subject)}")
+            ctx = "\n".join([passages[o1][1], text, passages[o2][1]])
+            out.append(f"{ctx}\n{QUESTION_FORMS[form % len(QUESTION_FORMS)].format(s=subject)}")
         elif kind == 2:
-            out.append(SHORT_QUESTIONS[(i // 6) % len(SHORT_QUESTIONS)].format(s=subject) + "?")
-        elif kind == 3 and i // 6 < len(GERMAN_SENTENCES):  # each sentence once
-            out.append(f"Translate German to English: {GERMAN_SENTENCES[i // 6]}")
+            out.append(SHORT_QUESTIONS[form % len(SHORT_QUESTIONS)].format(s=subject) + "?")
+        elif kind == 3 and form < len(GERMAN_SENTENCES):  # each sentence once
+            out.append(f"Translate German to English: {GERMAN_SENTENCES[form]}")
         elif kind in (3, 4):
-            out.append(MT_FORMS[(i // 6) % len(MT_FORMS)].format(s=subject))
+            out.append(MT_FORMS[form % len(MT_FORMS)].format(s=subject))
         else:
             out.append(f"Write a short summary of this text:\n\n{text}")
     return out
