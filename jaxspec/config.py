@@ -106,6 +106,9 @@ class SpeculativeConfig(_Section):
     draft_model: str | None = None  # draft_model: short name, HF dir or .gguf of the drafter
     layer_skip_layers: int = 8  # layer_skip: how many target layers the self-draft keeps
     checkpoint: str | None = None  # eagle/medusa: trained drafter checkpoint dir
+    # eagle: dynamic draft length -- stop drafting once the drafter's confidence that its whole
+    # draft is accepted (product of its probabilities of its own tokens) falls below this; 0: γ.
+    draft_confidence: float = 0.0
 
     def _validate(self):
         if self.method != "none" and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -117,6 +120,13 @@ class SpeculativeConfig(_Section):
             )
         if self.layer_skip_layers < 1:
             self._fail("layer_skip_layers", "use an integer >= 1")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            self._fail("draft_confidence", "use a number in [0, 1); 0 drafts γ tokens always")
+        if self.draft_confidence > 0 and self.method != "eagle":
+            raise JaxspecError(
+                f"speculative.draft_confidence is supported by method 'eagle' only, not "
+                f"'{self.method}': remove it or set it to 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

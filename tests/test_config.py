@@ -159,6 +159,10 @@ def test_wrong_type_in_yaml(tmp_path):
         (["speculative.min_ngram=4", "speculative.max_ngram=3"], ["min_ngram", "max_ngram"]),
         (["speculative.max_ngram=17"], ["max_ngram", "16"]),
         (["speculative.layer_skip_layers=0"], ["layer_skip_layers"]),
+        (["speculative.method=eagle", "speculative.draft_confidence=1.0"], ["draft_confidence", "[0, 1)"]),
+        (["speculative.method=eagle", "speculative.draft_confidence=-0.1"], ["draft_confidence"]),
+        (["speculative.method=ngram", "speculative.draft_confidence=0.3"],
+         ["draft_confidence", "'eagle' only", "'ngram'"]),
         (["model.name= "], ["model.name"]),
     ],
 )

@@ -155,3 +155,70 @@ def test_distribution_test_catches_a_broken_drafter(small):
                               hidden_layers=good.hidden_layers)
     counts, _ = sampled_counts(small, broken, dparams, sp)
     assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) < 1e-6
+
+
+# ---- dynamic draft length (speculative.draft_confidence) -------------------------------------
+
+
+def test_confidence_gated_eagle_is_token_identical_and_drafts_less(target, plain):
+    import dataclasses
+
+    drafter, dparams = load_trained_drafter("eagle", "checkpoints/smollm2-135m-eagle", target)
+    fixed = Engine(target, drafter, dparams, num_speculative_tokens=4)
+    gated = Engine(target, dataclasses.replace(drafter, min_confidence=0.5, variable_length=True),
+                   dparams, num_speculative_tokens=4)
+    res_fixed = fixed.generate(PROMPTS, max_new_tokens=32, batch_size=1)
+    res_gated = gated.generate(PROMPTS, max_new_tokens=32, batch_size=1)
+    for a, b in zip(plain, res_gated):
+        assert a.token_ids == b.token_ids
+    drafted = lambda rs: sum(r.metrics["num_draft_tokens"] for r in rs)
+    steps = lambda rs: sum(r.metrics["num_steps"] for r in rs)
+    assert drafted(res_fixed) == 4 * steps(res_fixed)
+    assert 0 < drafted(res_gated) < 4 * steps(res_gated)  # fewer drafts, not none
+    rate = lambda rs: sum(r.metrics["num_accepted_tokens"] for r in rs) / drafted(rs)
+    assert rate(res_gated) > rate(res_fixed)  # what it stops drafting is what would be rejected
+
+
+@pytest.mark.parametrize("threshold", [0.6, 0.8])
+def test_confidence_gated_eagle_keeps_the_target_distribution(small, threshold):
+    import dataclasses
+
+    sp = SamplingParams.make(temperature=1.0)
+    drafter, dparams = drafter_for(small, "eagle")
+    gated = dataclasses.replace(drafter, min_confidence=threshold, variable_length=True)
+    engine = Engine(small, gated, dparams, num_speculative_tokens=2)
+    results = engine.generate([PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sp,
+                              batch_size=NUM_ROWS, seed=3)
+    counts = np.zeros((V,) * NUM_TOKENS)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    drafted = sum(r.metrics["num_draft_tokens"] for r in results)
+    steps = sum(r.metrics["num_steps"] for r in results)
+    assert 0.1 * steps < drafted < 1.9 * steps  # the gate cut some drafts and kept some
+    assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) > 1e-3
+
+
+@jax.tree_util.register_static
+class SelfGatedEagle(eagle_lib.EagleDrafter):
+    """Broken: gates each draft on the probability of the token it drew (conditions the draft on
+    its own value, so the proposal is no longer distributed as q)."""
+
+    @staticmethod
+    def _gate(confidence, top, own):
+        return confidence * own
+
+
+def test_distribution_test_catches_a_self_gated_drafter(small):
+    import dataclasses
+
+    sp = SamplingParams.make(temperature=1.0)
+    good, dparams = drafter_for(small, "eagle")
+    broken = SelfGatedEagle(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)}
+                            | {"min_confidence": 0.6, "variable_length": True})
+    engine = Engine(small, broken, dparams, num_speculative_tokens=2)
+    results = engine.generate([PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sp,
+                              batch_size=NUM_ROWS, seed=3)
+    counts = np.zeros((V,) * NUM_TOKENS)
+    for r in results:
+        counts[tuple(r.token_ids)] += 1
+    assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) < 1e-6

@@ -11,6 +11,8 @@ here is refused with the list of available ones.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +99,12 @@ def _trained(method: str) -> DrafterFactory:
     def factory(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any]:
         from jaxspec.train.load import load_trained_drafter  # orbax: only when used
 
-        return load_trained_drafter(method, spec.checkpoint, target)
+        drafter, dparams = load_trained_drafter(method, spec.checkpoint, target)
+        if spec.draft_confidence > 0:  # eagle (validated in the config)
+            drafter = dataclasses.replace(
+                drafter, min_confidence=spec.draft_confidence, variable_length=True
+            )
+        return drafter, dparams
 
     return factory
 

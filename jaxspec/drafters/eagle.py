@@ -102,7 +102,10 @@ class EagleDrafter:
     target_vocab: int
     hidden_layers: tuple[int, ...] = (2, 15, 27)
     name: str = "eagle"
-    variable_length: bool = False
+    variable_length: bool = False  # True with min_confidence > 0
+    # Dynamic draft length: keep drafting while the product of the drafter's probabilities of its
+    # own tokens (its estimate that the whole draft is accepted) stays >= min_confidence; 0: γ.
+    min_confidence: float = 0.0
 
     def _step(self, dparams, x, k_cache, v_cache, positions, kernel: bool):
         """x [B, T, D] at positions [B, T]: write k/v there, attend to slots <= position.
@@ -155,6 +158,10 @@ class EagleDrafter:
         h, k, v = self._run(
             dparams, tparams, last, state.feature[:, None], state.k, state.v, ctx.lengths - 1
         )
+        if self.min_confidence > 0:
+            return self._propose_until_unsure(
+                dparams, tparams, state, ctx, num_tokens, sp, step_keys, (k, v, h)
+            )
         token, probs = self._probs(dparams, h[:, 0], sp, step_keys[:, 0])
 
         def step(carry, key_col):
@@ -171,6 +178,59 @@ class EagleDrafter:
         drafts = jnp.concatenate([token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)  # [B, G]
         q = jnp.concatenate([probs[:, None], jnp.swapaxes(all_probs, 0, 1)], axis=1)  # [B, G, V]
         num = jnp.full((b,), num_tokens, jnp.int32)
+        return Proposal(drafts, q, num), state._replace(k=k, v=v)
+
+    def _draft_token(self, dparams, h, sp, keys):
+        """h [B, D] -> (token [B], full-vocab probs [B, V], top [B], own [B]): top and own are the
+        drafter's untempered probabilities of its likeliest token and of the token it drew."""
+        logits = head_logits(dparams, h)  # [B, N]
+        probs_n = sampling.logits_to_probs(logits, sp)
+        idx = sampling.sample_rows(keys, probs_n)
+        soft = jax.nn.softmax(logits, axis=-1)
+        own = jnp.take_along_axis(soft, idx[:, None], axis=1)[:, 0]
+        probs = jnp.zeros((h.shape[0], self.target_vocab), jnp.float32)
+        probs = probs.at[:, dparams["d2t"]].set(probs_n)
+        return dparams["d2t"][idx], probs, jnp.max(soft, axis=-1), own
+
+    @staticmethod
+    def _gate(confidence, top, own):
+        """Whether to propose the token just drawn may depend on what came before it (confidence:
+        product of `own` over the earlier drafts) and on its distribution (top), never on the
+        draw itself: conditioning a draft on its own value would bias the acceptance rule."""
+        del own
+        return confidence * top
+
+    def _propose_until_unsure(self, dparams, tparams, state, ctx, num_tokens, sp, step_keys, h0):
+        """Draft while some row's gate (confidence that the draft so far is accepted, times the
+        next token's top probability) is >= min_confidence; a row proposes its leading gated
+        drafts only. Stops early (fewer drafter steps) once no row passes: the loop then
+        verifies a shorter window."""
+        k, v, h = h0
+        token, probs, top, own = self._draft_token(dparams, h[:, 0], sp, step_keys[:, 0])
+        b, vocab = probs.shape
+        alive = self._gate(jnp.ones_like(top), top, own) >= self.min_confidence
+        drafts = jnp.zeros((b, num_tokens), jnp.int32).at[:, 0].set(token)
+        q = jnp.zeros((b, num_tokens, vocab), jnp.float32).at[:, 0].set(probs)
+        kernel = llama.uses_cpu_kernels(tparams)
+
+        def cond(c):
+            i, alive = c[0], c[6]
+            return (i < num_tokens) & jnp.any(alive)
+
+        def body(c):
+            i, k, v, token, h, conf, alive, num, drafts, q = c
+            x = layer_input(dparams, tparams, token[:, None], h).astype(self.cfg.compute_dtype)
+            h, k, v = self._step(dparams, x, k, v, (ctx.lengths + i - 1)[:, None], kernel)
+            key_col = jax.lax.dynamic_index_in_dim(step_keys, i, axis=1, keepdims=False)
+            nxt, p, top, own = self._draft_token(dparams, h[:, 0], sp, key_col)
+            alive = alive & (self._gate(conf, top, own) >= self.min_confidence)
+            drafts = jax.lax.dynamic_update_index_in_dim(drafts, nxt, i, axis=1)
+            q = jax.lax.dynamic_update_index_in_dim(q, p, i, axis=1)
+            return i + 1, k, v, nxt, h, conf * own, alive, num + alive.astype(jnp.int32), drafts, q
+
+        c0 = (jnp.int32(1), k, v, token, h, own, alive, alive.astype(jnp.int32), drafts, q)
+        _, k, v, _, _, _, _, num, drafts, q = jax.lax.while_loop(cond, body, c0)
+        drafts = jnp.where(jnp.arange(num_tokens)[None] < num[:, None], drafts, 0)
         return Proposal(drafts, q, num), state._replace(k=k, v=v)
 
     def commit(self, dparams, tparams, state: EagleState, ctx: CommitContext):
