@@ -119,13 +119,19 @@ def drafter_for(target, name, noise=0.3):
     return m.drafter(target.cfg), m.runtime(params, frozen)
 
 
-def sampled_counts(target, drafter, dparams, sp, gamma=2):
+def sample(target, drafter, dparams, sp, gamma=2):
+    """(counts of each generated NUM_TOKENS-sequence over NUM_ROWS rows, the rows' results)."""
     engine = Engine(target, drafter, dparams, num_speculative_tokens=gamma)
     results = engine.generate([PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sp,
                               batch_size=NUM_ROWS, seed=3)
     counts = np.zeros((V,) * NUM_TOKENS)
     for r in results:
         counts[tuple(r.token_ids)] += 1
+    return counts, results
+
+
+def sampled_counts(target, drafter, dparams, sp, gamma=2):
+    counts, results = sample(target, drafter, dparams, sp, gamma)
     return counts, np.mean([r.metrics["acceptance_rate"] for r in results])
 
 
@@ -186,12 +192,7 @@ def test_confidence_gated_eagle_keeps_the_target_distribution(small, threshold):
     sp = SamplingParams.make(temperature=1.0)
     drafter, dparams = drafter_for(small, "eagle")
     gated = dataclasses.replace(drafter, min_confidence=threshold, variable_length=True)
-    engine = Engine(small, gated, dparams, num_speculative_tokens=2)
-    results = engine.generate([PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sp,
-                              batch_size=NUM_ROWS, seed=3)
-    counts = np.zeros((V,) * NUM_TOKENS)
-    for r in results:
-        counts[tuple(r.token_ids)] += 1
+    counts, results = sample(small, gated, dparams, sp)
     drafted = sum(r.metrics["num_draft_tokens"] for r in results)
     steps = sum(r.metrics["num_steps"] for r in results)
     assert 0.1 * steps < drafted < 1.9 * steps  # the gate cut some drafts and kept some
@@ -215,10 +216,5 @@ def test_distribution_test_catches_a_self_gated_drafter(small):
     good, dparams = drafter_for(small, "eagle")
     broken = SelfGatedEagle(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)}
                             | {"min_confidence": 0.6, "variable_length": True})
-    engine = Engine(small, broken, dparams, num_speculative_tokens=2)
-    results = engine.generate([PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sp,
-                              batch_size=NUM_ROWS, seed=3)
-    counts = np.zeros((V,) * NUM_TOKENS)
-    for r in results:
-        counts[tuple(r.token_ids)] += 1
+    counts, _ = sample(small, broken, dparams, sp)
     assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) < 1e-6
