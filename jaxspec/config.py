@@ -106,8 +106,9 @@ class SpeculativeConfig(_Section):
     draft_model: str | None = None  # draft_model: short name, HF dir or .gguf of the drafter
     layer_skip_layers: int = 8  # layer_skip: how many target layers the self-draft keeps
     checkpoint: str | None = None  # eagle/medusa: trained drafter checkpoint dir
-    # eagle: dynamic draft length -- stop drafting once the drafter's confidence that its whole
-    # draft is accepted (product of its probabilities of its own tokens) falls below this; 0: γ.
+    # eagle: dynamic draft length -- stop drafting once the drafter's confidence that its draft is
+    # accepted (product of its probabilities of the tokens drafted so far, times the next one's
+    # top probability) falls below this; 0: always γ drafts.
     draft_confidence: float = 0.0
 
     def _validate(self):

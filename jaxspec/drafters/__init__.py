@@ -12,7 +12,6 @@ here is refused with the list of available ones.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 

@@ -103,8 +103,8 @@ class EagleDrafter:
     hidden_layers: tuple[int, ...] = (2, 15, 27)
     name: str = "eagle"
     variable_length: bool = False  # True with min_confidence > 0
-    # Dynamic draft length: keep drafting while the product of the drafter's probabilities of its
-    # own tokens (its estimate that the whole draft is accepted) stays >= min_confidence; 0: γ.
+    # Dynamic draft length: keep drafting while the drafter's estimate that its draft is accepted
+    # (see _gate) stays >= min_confidence; 0: always γ drafts.
     min_confidence: float = 0.0
 
     def _step(self, dparams, x, k_cache, v_cache, positions, kernel: bool):
