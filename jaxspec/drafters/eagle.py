@@ -143,12 +143,16 @@ class EagleDrafter:
         last = jnp.take_along_axis(f, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
         return EagleState(k, v, last)
 
+    def _sample(self, dparams, logits, sp, keys):
+        """Draft-vocab logits [B, N] -> (draft index [B], full-vocab probs [B, V])."""
+        probs_n = sampling.logits_to_probs(logits, sp)  # [B, N]
+        idx = sampling.sample_rows(keys, probs_n)
+        probs = jnp.zeros((logits.shape[0], self.target_vocab), jnp.float32)
+        return idx, probs.at[:, dparams["d2t"]].set(probs_n)
+
     def _probs(self, dparams, h, sp, keys):
         """h [B, D] -> (target token [B], full-vocab probs [B, V]) sampled from the draft vocab."""
-        probs_n = sampling.logits_to_probs(head_logits(dparams, h), sp)  # [B, N]
-        idx = sampling.sample_rows(keys, probs_n)
-        probs = jnp.zeros((h.shape[0], self.target_vocab), jnp.float32)
-        probs = probs.at[:, dparams["d2t"]].set(probs_n)
+        idx, probs = self._sample(dparams, head_logits(dparams, h), sp, keys)
         return dparams["d2t"][idx], probs
 
     def propose(self, dparams, tparams, state: EagleState, ctx: DraftContext, num_tokens, sp, keys):
@@ -184,12 +188,9 @@ class EagleDrafter:
         """h [B, D] -> (token [B], full-vocab probs [B, V], top [B], own [B]): top and own are the
         drafter's untempered probabilities of its likeliest token and of the token it drew."""
         logits = head_logits(dparams, h)  # [B, N]
-        probs_n = sampling.logits_to_probs(logits, sp)
-        idx = sampling.sample_rows(keys, probs_n)
+        idx, probs = self._sample(dparams, logits, sp, keys)
         soft = jax.nn.softmax(logits, axis=-1)
         own = jnp.take_along_axis(soft, idx[:, None], axis=1)[:, 0]
-        probs = jnp.zeros((h.shape[0], self.target_vocab), jnp.float32)
-        probs = probs.at[:, dparams["d2t"]].set(probs_n)
         return dparams["d2t"][idx], probs, jnp.max(soft, axis=-1), own
 
     @staticmethod

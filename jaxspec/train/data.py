@@ -268,7 +268,8 @@ def load_shards(data_dir: str | Path, window: int | None = None) -> dict[str, np
         raise FileNotFoundError(f"no shards in {data_dir}: run python -m jaxspec.train --config configs/train/data.yaml")
     keys = ("tokens", "lengths", "hidden", "topk_ids", "topk_probs")
     shards = [{k: v for k, v in np.load(f).items() if k in keys} for f in files]
-    shards = [_unique_rows(s, seen) for seen in [set()] for s in shards]  # greedy: same prompt, same row
+    seen: set[bytes] = set()  # greedy generation: the same prompt gives the same row
+    shards = [_unique_rows(s, seen) for s in shards]
     if window:
         shards = [tail_window(s, window) for s in shards]
     t = max(s["tokens"].shape[1] for s in shards)
