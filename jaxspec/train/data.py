@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import init_cache
+from jaxspec.errors import JaxspecError
+from jaxspec.jsonl import read_jsonl
 from jaxspec.models import llama
 from jaxspec.train import prompts as prompt_sets
 
@@ -47,6 +49,8 @@ class DataConfig:
     tasks_from: str = ""  # stage 2: a stage-1 out_dir whose passages the task prompts are built on
     gen_tasks: int = 0  # stage 2: task prompts over those passages (prompts.passage_tasks)
     tasks_draw: int = 0  # 0: the fixed-stride sequence; k > 0: random pairings with seed k
+    prompts_file: str = ""  # a JSONL of {"prompt": ...} rows (scripts/corpus_prompts.py writes one)
+    gen_file: int = 0  # the first gen_file of its prompts answered by the target
     gen_batch: int = 32
     gen_steps: int = 96  # new tokens per generated response
     tf_gsm8k: int = 256  # GSM8K question + reference answer, teacher-forced
@@ -117,6 +121,8 @@ def _jobs(dc: DataConfig, encode, tokenizer, eos: int) -> list[tuple[str, list]]
     if dc.gen_tasks:
         passages = read_passages(dc.tasks_from, tokenizer)
         gen_prompts += [encode(p) for p in prompt_sets.passage_tasks(passages, dc.gen_tasks, dc.tasks_draw)]
+    if dc.gen_file:
+        gen_prompts += [encode(p) for p in read_prompts_file(dc.prompts_file)[: dc.gen_file]]
     gen_prompts = sorted({tuple(p): None for p in gen_prompts}, key=len)  # unique; less padding
     gen_prompts = [list(p) for p in gen_prompts]
     tf_rows = rows[dc.gen_gsm8k : dc.gen_gsm8k + dc.tf_gsm8k]
@@ -129,6 +135,16 @@ def _jobs(dc: DataConfig, encode, tokenizer, eos: int) -> list[tuple[str, list]]
     jobs = [("gen", gen_prompts[i : i + dc.gen_batch]) for i in range(0, len(gen_prompts), dc.gen_batch)]
     jobs += [("tf", tf_seqs[i : i + dc.tf_batch]) for i in range(0, len(tf_seqs), dc.tf_batch)]
     return jobs
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The "prompt" field of every row of a JSONL prompts file, in order."""
+    hint = ": write it with `python scripts/corpus_prompts.py`"
+    rows = read_jsonl(path or "(prompts_file unset)", "prompts_file", hint)
+    bad = [n for n, row in rows if not isinstance(row, dict) or not isinstance(row.get("prompt"), str)]
+    if bad:
+        raise JaxspecError(f"prompts_file {path} line {bad[0]}: each row needs a string field \"prompt\"")
+    return [row["prompt"] for _, row in rows]
 
 
 def read_passages(stage1_dir: str, tokenizer) -> list[tuple[str, str]]:
