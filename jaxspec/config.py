@@ -110,6 +110,10 @@ class SpeculativeConfig(_Section):
     # accepted (product of its probabilities of the tokens drafted so far, times the next one's
     # top probability) falls below this; 0: always γ drafts.
     draft_confidence: float = 0.0
+    # any drafting method but ngram: where the last n committed tokens (lookup_min_ngram <= n <=
+    # max_ngram) occur earlier in the context, verify what followed them (prompt lookup) instead
+    # of the method's draft; 0: off.
+    lookup_min_ngram: int = 0
 
     def _validate(self):
         if self.method != "none" and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -123,6 +127,14 @@ class SpeculativeConfig(_Section):
             self._fail("layer_skip_layers", "use an integer >= 1")
         if not 0.0 <= self.draft_confidence < 1.0:
             self._fail("draft_confidence", "use a number in [0, 1); 0 drafts γ tokens always")
+        if self.lookup_min_ngram:
+            if not 1 <= self.lookup_min_ngram <= self.max_ngram:
+                self._fail("lookup_min_ngram", f"use 0 (off) or 1..max_ngram ({self.max_ngram})")
+            if self.method in ("none", "ngram"):
+                raise JaxspecError(
+                    f"speculative.lookup_min_ngram adds prompt lookup to a drafter; method "
+                    f"'{self.method}' has none: remove it, or use method ngram with min_ngram"
+                )
         if self.draft_confidence > 0 and self.method != "eagle":
             raise JaxspecError(
                 f"speculative.draft_confidence is supported by method 'eagle' only, not "

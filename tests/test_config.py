@@ -163,6 +163,9 @@ def test_wrong_type_in_yaml(tmp_path):
         (["speculative.method=eagle", "speculative.draft_confidence=-0.1"], ["draft_confidence"]),
         (["speculative.method=ngram", "speculative.draft_confidence=0.3"],
          ["draft_confidence", "'eagle' only", "'ngram'"]),
+        (["speculative.method=eagle", "speculative.lookup_min_ngram=4"], ["lookup_min_ngram", "max_ngram (3)"]),
+        (["speculative.method=eagle", "speculative.lookup_min_ngram=-1"], ["lookup_min_ngram"]),
+        (["speculative.method=ngram", "speculative.lookup_min_ngram=2"], ["lookup_min_ngram", "'ngram'"]),
         (["model.name= "], ["model.name"]),
     ],
 )

@@ -14,7 +14,9 @@ from scipy import stats
 
 from jaxspec import kernels, sampling
 from jaxspec.cache import init_cache
+from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters import eagle as eagle_lib
+from jaxspec.drafters.lookup import LookupFirst
 from jaxspec.engine import Engine
 from jaxspec.loading import load_model
 from jaxspec.models import llama
@@ -119,10 +121,10 @@ def drafter_for(target, name, noise=0.3):
     return m.drafter(target.cfg), m.runtime(params, frozen)
 
 
-def sample(target, drafter, dparams, sp, gamma=2):
+def sample(target, drafter, dparams, sp, gamma=2, prompt=PROMPT):
     """(counts of each generated NUM_TOKENS-sequence over NUM_ROWS rows, the rows' results)."""
     engine = Engine(target, drafter, dparams, num_speculative_tokens=gamma)
-    results = engine.generate([PROMPT] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sp,
+    results = engine.generate([prompt] * NUM_ROWS, max_new_tokens=NUM_TOKENS, sampling=sp,
                               batch_size=NUM_ROWS, seed=3)
     counts = np.zeros((V,) * NUM_TOKENS)
     for r in results:
@@ -218,3 +220,54 @@ def test_distribution_test_catches_a_self_gated_drafter(small):
                             | {"min_confidence": 0.6, "variable_length": True})
     counts, _ = sample(small, broken, dparams, sp)
     assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) < 1e-6
+
+
+# ---- prompt lookup first, the trained drafter elsewhere (speculative.lookup_min_ngram) ---------
+
+
+COPY_PROMPT = "Repeat exactly: The old lighthouse keeper climbed the stairs every evening to light the lamp."
+
+
+def test_lookup_first_eagle_is_token_identical_and_copies_in_fewer_steps(target, plain):
+    drafter, dparams = load_trained_drafter("eagle", "checkpoints/smollm2-135m-eagle", target)
+    mixed = LookupFirst(drafter, NgramDrafter(target.cfg.vocab_size, 2, 3))
+    res = Engine(target, mixed, dparams, num_speculative_tokens=3).generate(
+        PROMPTS + [COPY_PROMPT], max_new_tokens=32, batch_size=3)
+    copy_plain = Engine(target).generate([COPY_PROMPT], max_new_tokens=32)
+    for a, b in zip(plain + copy_plain, res):
+        assert a.token_ids == b.token_ids
+    alone = Engine(target, drafter, dparams, num_speculative_tokens=3).generate([COPY_PROMPT], max_new_tokens=32)
+    assert res[2].metrics["num_steps"] < alone[0].metrics["num_steps"]  # lookup copied the sentence
+
+
+# tokens of the tiny target's vocabulary repeat in this prompt, so lookup matches on most steps
+REPEATING = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 6, 1, 7, 0]
+
+
+def test_lookup_first_keeps_the_target_distribution(small):
+    sp = SamplingParams.make(temperature=1.0)
+    drafter, dparams = drafter_for(small, "eagle")
+    mixed = LookupFirst(drafter, NgramDrafter(V, 1, 2))
+    counts, results = sample(small, mixed, dparams, sp, gamma=3, prompt=REPEATING)
+    steps = sum(r.metrics["num_steps"] for r in results)
+    drafted = sum(r.metrics["num_draft_tokens"] for r in results)
+    assert drafted < 2.9 * steps  # lookup (shorter continuations) took part
+    assert chi_square_pvalue(counts, exact_joint(small, REPEATING, sp, NUM_TOKENS)) > 1e-3
+
+
+@jax.tree_util.register_static
+class StaleQLookup(LookupFirst):
+    """Broken: proposes lookup's tokens but keeps the inner drafter's q for them."""
+
+    @staticmethod
+    def _merge(found, own):
+        merged = LookupFirst._merge(found, own)
+        return merged._replace(probs=own.probs)
+
+
+def test_distribution_test_catches_a_lookup_with_the_wrong_q(small):
+    sp = SamplingParams.make(temperature=1.0)
+    drafter, dparams = drafter_for(small, "eagle")
+    broken = StaleQLookup(drafter, NgramDrafter(V, 1, 2))
+    counts, _ = sample(small, broken, dparams, sp, gamma=3, prompt=REPEATING)
+    assert chi_square_pvalue(counts, exact_joint(small, REPEATING, sp, NUM_TOKENS)) < 1e-6

@@ -69,7 +69,13 @@ def build_drafter(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, An
     check_method(spec.method)
     if spec.method == "none":
         return None, None
-    return DRAFTERS[spec.method](spec, target)
+    drafter, dparams = DRAFTERS[spec.method](spec, target)
+    if getattr(spec, "lookup_min_ngram", 0):  # prompt lookup first, the method's draft elsewhere
+        from jaxspec.drafters.lookup import LookupFirst
+
+        lookup = NgramDrafter(target.cfg.vocab_size, spec.lookup_min_ngram, spec.max_ngram)
+        drafter = LookupFirst(drafter, lookup, name=f"{drafter.name}+lookup")
+    return drafter, dparams
 
 
 def _ngram(spec: SpeculativeConfig, target: LoadedModel) -> tuple[NgramDrafter, tuple]:

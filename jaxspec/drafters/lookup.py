@@ -1,0 +1,54 @@
+"""Prompt lookup first, a drafter elsewhere (`speculative.lookup_min_ngram`).
+
+Per row and step: where the last n committed tokens (lookup_min_ngram <= n <= max_ngram) occur
+earlier in the context, propose what followed them (as the ngram drafter does); elsewhere
+propose the inner drafter's draft. Summaries, retrieval answers and translations copy names and
+phrases from the prompt, which a small trained drafter rarely predicts and lookup gets for free.
+
+Lossless: which source a row uses depends on the committed tokens only, never on a draw, and each
+proposal carries the distribution it was drawn from (one-hot for lookup), so the acceptance rule
+sees a valid (token, q) pair either way. The inner drafter always runs: its state (e.g. EAGLE's
+KV cache) is written during propose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.ngram import NgramDrafter
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupFirst:
+    inner: Any  # a Drafter
+    lookup: NgramDrafter
+    name: str = "lookup"
+    variable_length: bool = True  # a lookup continuation may be shorter than γ
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return self.inner.hidden_layers
+
+    def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
+        return self.inner.init(dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity)
+
+    def propose(self, dparams, tparams, state, ctx: DraftContext, num_tokens, sampling, keys):
+        found, _ = self.lookup.propose((), tparams, (), ctx, num_tokens, sampling, keys)
+        own, state = self.inner.propose(dparams, tparams, state, ctx, num_tokens, sampling, keys)
+        return self._merge(found, own), state
+
+    @staticmethod
+    def _merge(found: Proposal, own: Proposal) -> Proposal:
+        use = found.num_proposed > 0  # bool[B]: a match with committed text after it
+        return Proposal(
+            jnp.where(use[:, None], found.tokens, own.tokens),  # [B, G]
+            jnp.where(use[:, None, None], found.probs, own.probs),  # [B, G, V]
+            jnp.where(use, found.num_proposed, own.num_proposed),  # [B]
+        )
+
+    def commit(self, dparams, tparams, state, ctx: CommitContext):
+        return self.inner.commit(dparams, tparams, state, ctx)
