@@ -4,6 +4,7 @@ distribution on a tiny model -- a deliberately broken drafter fails the same tes
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -169,7 +170,6 @@ def test_distribution_test_catches_a_broken_drafter(small):
 
 
 def test_confidence_gated_eagle_is_token_identical_and_drafts_less(target, plain):
-    import dataclasses
 
     drafter, dparams = load_trained_drafter("eagle", "checkpoints/smollm2-135m-eagle", target)
     fixed = Engine(target, drafter, dparams, num_speculative_tokens=4)
@@ -189,8 +189,6 @@ def test_confidence_gated_eagle_is_token_identical_and_drafts_less(target, plain
 
 @pytest.mark.parametrize("threshold", [0.6, 0.8])
 def test_confidence_gated_eagle_keeps_the_target_distribution(small, threshold):
-    import dataclasses
-
     sp = SamplingParams.make(temperature=1.0)
     drafter, dparams = drafter_for(small, "eagle")
     gated = dataclasses.replace(drafter, min_confidence=threshold, variable_length=True)
@@ -212,8 +210,6 @@ class SelfGatedEagle(eagle_lib.EagleDrafter):
 
 
 def test_distribution_test_catches_a_self_gated_drafter(small):
-    import dataclasses
-
     sp = SamplingParams.make(temperature=1.0)
     good, dparams = drafter_for(small, "eagle")
     broken = SelfGatedEagle(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)}
@@ -238,6 +234,35 @@ def test_lookup_first_eagle_is_token_identical_and_copies_in_fewer_steps(target,
         assert a.token_ids == b.token_ids
     alone = Engine(target, drafter, dparams, num_speculative_tokens=3).generate([COPY_PROMPT], max_new_tokens=32)
     assert res[2].metrics["num_steps"] < alone[0].metrics["num_steps"]  # lookup copied the sentence
+    # batch 1: steps where lookup found a continuation skip EAGLE's drafting (advance only)
+    single = Engine(target, mixed, dparams, num_speculative_tokens=3).generate([COPY_PROMPT], max_new_tokens=32)
+    assert single[0].token_ids == copy_plain[0].token_ids
+    assert single[0].metrics["num_steps"] == res[2].metrics["num_steps"]
+
+
+def test_eagle_advance_leaves_the_state_propose_leaves(small):
+    """advance (used when lookup supplies every row's draft) must write the same cache entries
+    for the committed text as propose, and keep the feature: the next proposal depends on them."""
+    from jaxspec.drafters.base import DraftContext
+
+    drafter, dparams = drafter_for(small, "eagle")
+    b, p, cap = 2, 6, 16
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, V, (b, cap)), jnp.int32)
+    hidden = jnp.asarray(rng.normal(size=(3, b, p, small.cfg.hidden_size)), jnp.float32)
+    lengths = jnp.asarray([p, p - 2], jnp.int32)
+    state = drafter.init(dparams, small.params, tokens[:, :p], lengths, hidden, cap)
+    state = state._replace(feature=jnp.asarray(rng.normal(size=state.feature.shape), state.feature.dtype))
+    ctx = DraftContext(tokens=tokens, lengths=lengths + 1, active=jnp.ones((b,), bool))
+    sp = SamplingParams.make(temperature=1.0)
+    _, proposed = drafter.propose(dparams, small.params, state, ctx, 3, sp, jax.random.split(jax.random.key(0), b))
+    advanced = drafter.advance(dparams, small.params, state, ctx)
+    for row in range(b):
+        committed = int(lengths[row]) + 1  # slots below this hold committed text
+        for a, c in ((advanced.k, proposed.k), (advanced.v, proposed.v)):
+            np.testing.assert_array_equal(np.asarray(a[row, :, :committed]), np.asarray(c[row, :, :committed]))
+        assert not np.array_equal(np.asarray(advanced.k[row, :, committed - 1]), np.asarray(state.k[row, :, committed - 1]))
+    np.testing.assert_array_equal(np.asarray(advanced.feature), np.asarray(proposed.feature))
 
 
 # tokens of the tiny target's vocabulary repeat in this prompt, so lookup matches on most steps
@@ -265,9 +290,15 @@ class StaleQLookup(LookupFirst):
         return merged._replace(probs=own.probs)
 
 
+@jax.tree_util.register_static
+class DraftingEagle(eagle_lib.EagleDrafter):
+    advance = None  # always drafts, so StaleQLookup's merge runs on every step
+
+
 def test_distribution_test_catches_a_lookup_with_the_wrong_q(small):
     sp = SamplingParams.make(temperature=1.0)
-    drafter, dparams = drafter_for(small, "eagle")
+    good, dparams = drafter_for(small, "eagle")
+    drafter = DraftingEagle(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)})
     broken = StaleQLookup(drafter, NgramDrafter(V, 1, 2))
     counts, _ = sample(small, broken, dparams, sp, gamma=3, prompt=REPEATING)
     assert chi_square_pvalue(counts, exact_joint(small, REPEATING, sp, NUM_TOKENS)) < 1e-6

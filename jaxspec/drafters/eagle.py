@@ -155,13 +155,22 @@ class EagleDrafter:
         idx, probs = self._sample(dparams, head_logits(dparams, h), sp, keys)
         return dparams["d2t"][idx], probs
 
+    def _enter_last(self, dparams, tparams, state: EagleState, ctx: DraftContext):
+        """The last committed token (with the target feature before it) into the drafter's cache
+        at lengths - 1 -> (h [B, 1, D], k, v): the first step of every proposal."""
+        last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)  # [B, 1]
+        return self._run(dparams, tparams, last, state.feature[:, None], state.k, state.v, ctx.lengths - 1)
+
+    def advance(self, dparams, tparams, state: EagleState, ctx: DraftContext) -> EagleState:
+        """The state `propose` would leave for the committed text, drafting nothing (a step whose
+        drafts come from elsewhere, see drafters/lookup.py)."""
+        _, k, v = self._enter_last(dparams, tparams, state, ctx)
+        return state._replace(k=k, v=v)
+
     def propose(self, dparams, tparams, state: EagleState, ctx: DraftContext, num_tokens, sp, keys):
         b = ctx.lengths.shape[0]
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
-        last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)  # [B, 1]
-        h, k, v = self._run(
-            dparams, tparams, last, state.feature[:, None], state.k, state.v, ctx.lengths - 1
-        )
+        h, k, v = self._enter_last(dparams, tparams, state, ctx)
         if self.min_confidence > 0:
             return self._propose_until_unsure(
                 dparams, tparams, state, ctx, num_tokens, sp, step_keys, (k, v, h)

@@ -7,8 +7,9 @@ phrases from the prompt, which a small trained drafter rarely predicts and looku
 
 Lossless: which source a row uses depends on the committed tokens only, never on a draw, and each
 proposal carries the distribution it was drawn from (one-hot for lookup), so the acceptance rule
-sees a valid (token, q) pair either way. The inner drafter always runs: its state (e.g. EAGLE's
-KV cache) is written during propose.
+sees a valid (token, q) pair either way. When every active row has a lookup continuation, an
+inner drafter with `advance` (EAGLE) only updates its state (its cache entry for the last token)
+instead of drafting; otherwise it drafts for all rows and each row takes its own source.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
@@ -38,8 +40,18 @@ class LookupFirst:
 
     def propose(self, dparams, tparams, state, ctx: DraftContext, num_tokens, sampling, keys):
         found, _ = self.lookup.propose((), tparams, (), ctx, num_tokens, sampling, keys)
-        own, state = self.inner.propose(dparams, tparams, state, ctx, num_tokens, sampling, keys)
-        return self._merge(found, own), state
+
+        def both(state):
+            own, state = self.inner.propose(dparams, tparams, state, ctx, num_tokens, sampling, keys)
+            return self._merge(found, own), state
+
+        advance = getattr(self.inner, "advance", None)  # state update without drafting
+        if advance is None:
+            return both(state)
+        every_row_found = jnp.all((found.num_proposed > 0) | ~ctx.active)
+        return jax.lax.cond(
+            every_row_found, lambda st: (found, advance(dparams, tparams, st, ctx)), both, state
+        )
 
     @staticmethod
     def _merge(found: Proposal, own: Proposal) -> Proposal:
