@@ -170,7 +170,6 @@ def test_distribution_test_catches_a_broken_drafter(small):
 
 
 def test_confidence_gated_eagle_is_token_identical_and_drafts_less(target, plain):
-
     drafter, dparams = load_trained_drafter("eagle", "checkpoints/smollm2-135m-eagle", target)
     fixed = Engine(target, drafter, dparams, num_speculative_tokens=4)
     gated = Engine(target, dataclasses.replace(drafter, min_confidence=0.5, variable_length=True),
