@@ -70,7 +70,7 @@ def build_drafter(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, An
     if spec.method == "none":
         return None, None
     drafter, dparams = DRAFTERS[spec.method](spec, target)
-    if getattr(spec, "lookup_min_ngram", 0):  # prompt lookup first, the method's draft elsewhere
+    if spec.lookup_min_ngram:  # prompt lookup first, the method's draft elsewhere
         from jaxspec.drafters.lookup import LookupFirst
 
         lookup = NgramDrafter(target.cfg.vocab_size, spec.lookup_min_ngram, spec.max_ngram)
