@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec import kernels, sampling
+from jaxspec import sampling
 from jaxspec.cache import init_cache
 from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters.lookup import LookupFirst
 from jaxspec.engine import Engine
-from jaxspec.loading import load_model
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 from jaxspec.train import methods

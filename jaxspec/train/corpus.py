@@ -8,7 +8,6 @@ Pure functions over text; scripts/corpus_prompts.py fetches the packages and wri
 
 from __future__ import annotations
 
-import base64
 import gzip
 import re
 from pathlib import Path
