@@ -7,12 +7,10 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.train import checkpoint as ckpt
 from jaxspec.train.data import DataConfig, generate_records
 from jaxspec.train.load import load_trained_drafter
 from jaxspec.train.train import TrainConfig, train

@@ -21,7 +21,7 @@ from jaxspec.loading.params import (
     LAYOUTS,
     assemble,
     check_options,
-    is_packed,
+    layout_of,
     place,
     resolve_layout,
 )
@@ -52,6 +52,7 @@ class LoadedModel:
     name: str
     source_path: str
     load_seconds: float = 0.0
+    layout_note: str = ""  # why this layout ran (resolve_layout), e.g. why "auto" fell back
 
     @property
     def stacked(self) -> bool:
@@ -59,7 +60,7 @@ class LoadedModel:
 
     @property
     def layout(self) -> str:
-        return "stacked" if self.stacked else "packed" if is_packed(self.params) else "unrolled"
+        return layout_of(self.params)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache in the layout (per-layer or stacked) and dtype of these params."""
@@ -89,7 +90,7 @@ def load_model(
     """
     start = time.perf_counter()
     check_options(dtype, layout)
-    layout = resolve_layout(layout, dtype)
+    layout, layout_note = resolve_layout(layout, dtype)
     src = resolve(name_or_path)
     if src.kind == "gguf":
         cfg, flat, tokenizer, eos = _read_gguf(src.path, dtype)
@@ -104,6 +105,7 @@ def load_model(
         name=src.name,
         source_path=str(src.path),
         load_seconds=time.perf_counter() - start,
+        layout_note=layout_note,
     )
 
 

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
