@@ -17,7 +17,6 @@ import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law, pvalue, sample_rows
 from jaxspec import acceptance, sampling
 from jaxspec.drafters import eagle as eagle_lib
-from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.draft_model import layer_skip_drafter
 from jaxspec.drafters.lookup import LookupFirst
 from jaxspec.drafters.ngram import NgramDrafter
@@ -96,7 +95,7 @@ class MisreportedQ:
     def propose(self, dparams, tparams, state, ctx, num_tokens, sp, keys):
         proposal, state = self.inner.propose(dparams, tparams, state, ctx, num_tokens, sp, keys)
         probs = (1 - self.mix) * proposal.probs + self.mix / proposal.probs.shape[-1]
-        return Proposal(proposal.tokens, probs, proposal.num_proposed), state
+        return proposal._replace(probs=probs), state
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
