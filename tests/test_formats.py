@@ -416,10 +416,15 @@ def loaded(tmp_path, target, kind):
     return formats.load_drafter_checkpoint("mtp", path, target)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "speculators", "medusa", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "speculators", "medusa", "mtp", "mtp+lookup"])
 def test_loaded_heads_are_greedy_identical(tmp_path, target, kind):
-    drafter, dparams = loaded(tmp_path, target, kind)
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [30, 31, 32, 33, 34, 35, 36]]
+    drafter, dparams = loaded(tmp_path, target, kind.split("+")[0])
+    if kind.endswith("+lookup"):  # lookup first: MTP's advance() runs when every row copies
+        from jaxspec.drafters import NgramDrafter
+        from jaxspec.drafters.lookup import LookupFirst
+
+        drafter = LookupFirst(drafter, NgramDrafter(VOCAB, 1, 2))
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [30, 31, 32, 33, 34, 35, 36], [4, 5, 4, 5, 4, 5, 4]]
     plain = Engine(target).generate(prompts, max_new_tokens=12, batch_size=3)
     spec = Engine(target, drafter, dparams, num_speculative_tokens=3).generate(
         prompts, max_new_tokens=12, batch_size=3)
@@ -715,3 +720,27 @@ def test_jaxspec_eagle_checkpoint_export_is_refused(tmp_path, capsys):
     argv = ["--checkpoint", "checkpoints/smollm2-135m-eagle", "--format", "eagle3", "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     assert "cannot express exactly: train method eagle3" in capsys.readouterr().err
+
+
+def test_speculative_config_reads_published_checkpoints(tmp_path, target):
+    from jaxspec.config import SpeculativeConfig
+    from jaxspec.drafters import build_drafter
+    from jaxspec.drafters.eagle3 import Eagle3Drafter
+    from jaxspec.drafters.mtp import MtpDrafter
+
+    torch = import_torch()
+    e_path = eagle3_dir(tmp_path, "speculators-nbf")[0]
+    m_path = write_dir(tmp_path / "mtp", mtp_config(), mtp_state(torch))
+    spec = lambda **kw: SpeculativeConfig(num_speculative_tokens=2, **kw)
+    drafter, _ = build_drafter(spec(method="eagle", checkpoint=str(e_path)), target)
+    assert isinstance(drafter, Eagle3Drafter)
+    drafter, _ = build_drafter(spec(method="eagle3", checkpoint=str(e_path), checkpoint_format="speculators"), target)
+    assert isinstance(drafter, Eagle3Drafter)
+    drafter, _ = build_drafter(spec(method="mtp", checkpoint=str(m_path), lookup_min_ngram=2), target)
+    assert isinstance(drafter.inner, MtpDrafter)  # prompt lookup first, MTP elsewhere
+    with pytest.raises(JaxspecError, match="in the eagle3 layout, which method 'medusa' does not read"):
+        build_drafter(spec(method="medusa", checkpoint=str(e_path), checkpoint_format="eagle3"), target)
+    with pytest.raises(JaxspecError, match="draft_confidence works with jaxspec's own EAGLE"):
+        build_drafter(spec(method="eagle", checkpoint=str(e_path), draft_confidence=0.5), target)
+    with pytest.raises(JaxspecError, match="checkpoint_format"):
+        spec(method="eagle", checkpoint=str(e_path), checkpoint_format="gguf")
