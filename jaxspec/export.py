@@ -37,18 +37,31 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", required=True, help="drafter checkpoint directory")
     ap.add_argument("--format", required=True, choices=OUT_FORMATS, help="layout to write")
     ap.add_argument("--out", required=True, help="output directory (created; must be empty)")
-    ap.add_argument("--model", default="smollm2-135m",
-                    help="target of a jaxspec checkpoint (name, HF dir or .gguf); also the "
-                         "verifier named in a speculators config")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="target of a jaxspec checkpoint (name, HF dir or .gguf); also the "
+        "verifier named in a speculators config",
+    )
     ap.add_argument("--from-format", default="auto", help="layout of --checkpoint (auto: detected)")
-    ap.add_argument("--include-embed", action="store_true",
-                    help="eagle3/speculators from a jaxspec checkpoint: also write the target's "
-                         "embedding as embed_tokens.weight (for servers that do not share it)")
+    ap.add_argument(
+        "--include-embed",
+        action="store_true",
+        help="eagle3/speculators from a jaxspec checkpoint: also write the target's "
+        "embedding as embed_tokens.weight (for servers that do not share it)",
+    )
     return ap
 
 
-def export(checkpoint, fmt: str, out, model: str = "smollm2-135m", from_format: str = "auto",
-           include_embed: bool = False, target=None) -> dict:
+def export(
+    checkpoint,
+    fmt: str,
+    out,
+    model: str = "smollm2-135m",
+    from_format: str = "auto",
+    include_embed: bool = False,
+    target=None,
+) -> dict:
     """Write `checkpoint` to `out` in layout `fmt`; returns a summary. `target`: an already
     loaded target (else --model is loaded when the source is a jaxspec checkpoint)."""
     from jaxspec import formats
@@ -61,9 +74,13 @@ def export(checkpoint, fmt: str, out, model: str = "smollm2-135m", from_format: 
         raise JaxspecError(f"--out {out} exists and is not empty: choose a new directory")
     src = formats.detect_format(checkpoint) if from_format == "auto" else from_format
     if src not in formats.FORMATS:
-        raise JaxspecError(f"--from-format {src!r} is invalid: use auto or one of {', '.join(formats.FORMATS)}")
+        raise JaxspecError(
+            f"--from-format {src!r} is invalid: use auto or one of {', '.join(formats.FORMATS)}"
+        )
     if src == "mtp":
-        raise JaxspecError(f"{checkpoint} is an MTP module stored with its target: it is served from there, not exported")
+        raise JaxspecError(
+            f"{checkpoint} is an MTP module stored with its target: it is served from there, not exported"
+        )
     if src == "jaxspec":
         head, method = _from_jaxspec(checkpoint, fmt, model, include_embed, target)
     else:
@@ -77,7 +94,13 @@ def export(checkpoint, fmt: str, out, model: str = "smollm2-135m", from_format: 
         eagle3.write(head, out, fmt, verifier=model)
     else:
         medusa.write(head, out, fmt)
-    return {"checkpoint": str(checkpoint), "from": src, "method": method, "format": fmt, "out": str(out)}
+    return {
+        "checkpoint": str(checkpoint),
+        "from": src,
+        "method": method,
+        "format": fmt,
+        "out": str(out),
+    }
 
 
 def _from_jaxspec(checkpoint, fmt, model, include_embed, target):
@@ -90,7 +113,9 @@ def _from_jaxspec(checkpoint, fmt, model, include_embed, target):
     try:
         method = json.loads((resolve_path(checkpoint) / "meta.json").read_text())["method"]
     except (OSError, ValueError, KeyError):
-        raise JaxspecError(f"{checkpoint}/meta.json is unreadable: not a jaxspec drafter checkpoint") from None
+        raise JaxspecError(
+            f"{checkpoint}/meta.json is unreadable: not a jaxspec drafter checkpoint"
+        ) from None
     if method == "eagle":
         raise JaxspecError(
             f"{checkpoint} is jaxspec's own EAGLE head (per-feature RMS fuse and an in_proj "
@@ -120,8 +145,9 @@ def main(argv=None) -> int:
     try:
         args = make_parser().parse_args(argv)
         t0 = time.time()
-        summary = export(args.checkpoint, args.format, args.out, args.model, args.from_format,
-                         args.include_embed)
+        summary = export(
+            args.checkpoint, args.format, args.out, args.model, args.from_format, args.include_embed
+        )
         print(json.dumps(summary | {"seconds": round(time.time() - t0, 2)}))
     except JaxspecError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import import_torch
+from tiny import tiny_model
+
 from jaxspec import formats
 from jaxspec.cache import init_cache
 from jaxspec.drafters.base import DraftContext
@@ -24,7 +25,6 @@ from jaxspec.formats import eagle3 as eagle3_fmt
 from jaxspec.formats import medusa as medusa_fmt
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
-from tiny import tiny_model
 
 VOCAB, LAYERS, HIDDEN = 64, 6, 64
 DRAFT_HIDDEN = 32  # the EAGLE-3 head is narrower than the target (target_hidden_size = 64)
@@ -81,10 +81,18 @@ def eagle3_state(torch, layout, *, seed=0, hidden=DRAFT_HIDDEN, nd=40, nbf=False
 
 def eagle3_config(layout, *, hidden=DRAFT_HIDDEN, nd=40, ids=(1, 3, 4), nbr=False, nbf=False):
     layer = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 1, "rms_norm_eps": EPS, "rope_theta": 10000.0,
-        "max_position_embeddings": 512, "vocab_size": VOCAB, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": EPS,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "vocab_size": VOCAB,
+        "hidden_act": "silu",
     }
     top = {"draft_vocab_size": nd, "target_hidden_size": HIDDEN, "norm_before_residual": nbr}
     if layout == "eagle3":
@@ -93,9 +101,11 @@ def eagle3_config(layout, *, hidden=DRAFT_HIDDEN, nd=40, ids=(1, 3, 4), nbr=Fals
             cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(ids)}
         return cfg
     cfg = {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
         "transformer_layer_config": {k: v for k, v in layer.items() if k != "architectures"},
-        **top, "norm_before_fc": nbf,
+        **top,
+        "norm_before_fc": nbf,
         "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}},
     }
     if ids is not None:
@@ -147,7 +157,7 @@ def t_attention(torch, x_q, x_kv_in, wq, wk, wv, wo, n, k, hd, theta=10000.0):
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
     ang = torch.arange(t, dtype=torch.float32)[:, None] * inv
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
-    rot = lambda a: torch.cat([-a[..., hd // 2:], a[..., : hd // 2]], -1)
+    rot = lambda a: torch.cat([-a[..., hd // 2 :], a[..., : hd // 2]], -1)
     q, kk = q * cos + rot(q) * sin, kk * cos + rot(kk) * sin
     kk, v = kk.repeat_interleave(n // k, 0), v.repeat_interleave(n // k, 0)
     s = q @ kk.transpose(1, 2) / hd**0.5
@@ -200,7 +210,9 @@ def test_eagle3_logits_match_an_independent_torch_forward(tmp_path, target, name
     drafter, dparams = formats.load_drafter_checkpoint("eagle", path, target)
     assert drafter.hidden_layers == (1, 3, 4)
     feats = target_features(target, TOKENS, drafter.hidden_layers)
-    ours = drafter.forward(dparams, target.params, jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None])
+    ours = drafter.forward(
+        dparams, target.params, jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None]
+    )
     with torch.no_grad():
         g = torch_fc(torch, sd, torch.as_tensor(feats), nbf)
         _, ref = torch_eagle3(torch, sd, layout, nbr, torch.as_tensor(TOKENS[1:]), g[:-1])
@@ -217,11 +229,14 @@ def test_eagle3_chained_drafts_match_torch(tmp_path, target):
     feats = target_features(target, TOKENS, drafter.hidden_layers)
     cap = 32
     buf = jnp.zeros((1, cap), jnp.int32).at[0, : len(TOKENS)].set(jnp.asarray(TOKENS))
-    state = drafter.init(dparams, target.params, buf[:, :p], jnp.asarray([p]),
-                         jnp.asarray(feats[:, None, :p]), cap)
+    state = drafter.init(
+        dparams, target.params, buf[:, :p], jnp.asarray([p]), jnp.asarray(feats[:, None, :p]), cap
+    )
     ctx = DraftContext(tokens=buf, lengths=jnp.asarray([p + 1]), active=jnp.ones((1,), bool))
     sp = SamplingParams.make(temperature=1.0)
-    prop, _ = drafter.propose(dparams, target.params, state, ctx, 2, sp, jax.random.split(jax.random.key(1), 1))
+    prop, _ = drafter.propose(
+        dparams, target.params, state, ctx, 2, sp, jax.random.split(jax.random.key(1), 1)
+    )
     d1 = int(prop.tokens[0, 0])
     d2t = dparams["d2t"]
     with torch.no_grad():
@@ -229,8 +244,9 @@ def test_eagle3_chained_drafts_match_torch(tmp_path, target):
         ids = torch.as_tensor(TOKENS[1:])
         h, logits = torch_eagle3(torch, sd, layout, nbr, ids, g)
         q1 = logits[-1].softmax(-1)
-        h2, logits2 = torch_eagle3(torch, sd, layout, nbr, torch.cat([ids, torch.tensor([d1])]),
-                                   torch.cat([g, h[-1:]]))
+        _, logits2 = torch_eagle3(
+            torch, sd, layout, nbr, torch.cat([ids, torch.tensor([d1])]), torch.cat([g, h[-1:]])
+        )
         q2 = logits2[-1].softmax(-1)
     np.testing.assert_allclose(np.asarray(prop.probs[0, 0, d2t]), q1.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(prop.probs[0, 1, d2t]), q2.numpy(), rtol=1e-5, atol=1e-6)
@@ -270,9 +286,20 @@ def medusa_state(torch, layout, *, heads=3, layers=2, seed=0, nd=None, bias=True
 
 def medusa_config(layout, *, heads=3, layers=2, nd=None, bias=True):
     if layout == "medusa_fd":
-        return {"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "tiny"}
-    cfg = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": HIDDEN,
-           "vocab_size": VOCAB, "num_heads": heads, "num_hidden_layers": layers, "medusa_fc_bias": bias}
+        return {
+            "medusa_num_heads": heads,
+            "medusa_num_layers": layers,
+            "base_model_name_or_path": "tiny",
+        }
+    cfg = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": HIDDEN,
+        "vocab_size": VOCAB,
+        "num_heads": heads,
+        "num_hidden_layers": layers,
+        "medusa_fc_bias": bias,
+    }
     if nd:
         cfg["truncated_vocab_size"] = nd
     return cfg
@@ -304,7 +331,9 @@ def torch_medusa(torch, sd, layout, h, heads=3, layers=2):  # h [D] -> [K, rows]
                 w = sd[f"blocks.{i}.layers.{j}.weight"]
                 b = sd.get(f"blocks.{i}.layers.{j}.bias", torch.zeros(HIDDEN))
             x = x + torch.nn.functional.silu(x @ w.T + b)
-        out.append(x @ sd[f"{i}.{layers}.weight" if layout == "medusa_fd" else f"lm_heads.{i}.weight"].T)
+        out.append(
+            x @ sd[f"{i}.{layers}.weight" if layout == "medusa_fd" else f"lm_heads.{i}.weight"].T
+        )
     return torch.stack(out)
 
 
@@ -316,6 +345,7 @@ def test_medusa_logits_match_an_independent_torch_forward(tmp_path, target, name
     path, sd, layout = medusa_dir(tmp_path, name)
     assert formats.detect_format(path) == layout
     drafter, dparams = formats.load_drafter_checkpoint("medusa", path, target)
+    assert drafter.num_heads == 3
     h = np.random.default_rng(0).normal(size=(HIDDEN,)).astype(np.float32)
     ours = np.asarray(head_logits(dparams, jnp.asarray(h), 3))
     with torch.no_grad():
@@ -353,10 +383,19 @@ def mtp_state(torch, seed=0, head=True):
 
 
 def mtp_config():
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-            "intermediate_size": 2 * HIDDEN, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "num_hidden_layers": LAYERS, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
-            "max_position_embeddings": 512, "num_nextn_predict_layers": 1}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": LAYERS,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 512,
+        "num_nextn_predict_layers": 1,
+    }
 
 
 def torch_mtp(torch, sd, embed, lm_head, input_ids, g):
@@ -383,11 +422,14 @@ def test_mtp_chain_matches_torch(tmp_path, target, own_head):
     feats = target_features(target, TOKENS, drafter.hidden_layers)  # final-normed hidden
     cap = 32
     buf = jnp.zeros((1, cap), jnp.int32).at[0, : len(TOKENS)].set(jnp.asarray(TOKENS))
-    state = drafter.init(dparams, target.params, buf[:, :p], jnp.asarray([p]),
-                         jnp.asarray(feats[:, None, :p]), cap)
+    state = drafter.init(
+        dparams, target.params, buf[:, :p], jnp.asarray([p]), jnp.asarray(feats[:, None, :p]), cap
+    )
     ctx = DraftContext(tokens=buf, lengths=jnp.asarray([p + 1]), active=jnp.ones((1,), bool))
     sp = SamplingParams.make(temperature=1.0)
-    prop, _ = drafter.propose(dparams, target.params, state, ctx, 3, sp, jax.random.split(jax.random.key(2), 1))
+    prop, _ = drafter.propose(
+        dparams, target.params, state, ctx, 3, sp, jax.random.split(jax.random.key(2), 1)
+    )
     embed = torch.as_tensor(np.asarray(target.params["embed"]))
     lm_head = torch.as_tensor(np.asarray(target.params["lm_head"]))
     with torch.no_grad():
@@ -395,8 +437,12 @@ def test_mtp_chain_matches_torch(tmp_path, target, own_head):
         g = torch.as_tensor(feats[0, :-1])
         for step in range(3):
             h, logits = torch_mtp(torch, sd, embed, lm_head, ids, g)
-            np.testing.assert_allclose(np.asarray(prop.probs[0, step]), logits[-1].softmax(-1).numpy(),
-                                       rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(prop.probs[0, step]),
+                logits[-1].softmax(-1).numpy(),
+                rtol=1e-5,
+                atol=1e-6,
+            )
             ids = torch.cat([ids, torch.tensor([int(prop.tokens[0, step])])])
             g = torch.cat([g, h[-1:]])
 
@@ -409,9 +455,13 @@ def loaded(tmp_path, target, kind):
     if kind == "eagle3":
         return formats.load_drafter_checkpoint("eagle", eagle3_dir(tmp_path, "eagle3")[0], target)
     if kind == "speculators":
-        return formats.load_drafter_checkpoint("eagle", eagle3_dir(tmp_path, "speculators-nbf")[0], target)
+        return formats.load_drafter_checkpoint(
+            "eagle", eagle3_dir(tmp_path, "speculators-nbf")[0], target
+        )
     if kind == "medusa":
-        return formats.load_drafter_checkpoint("medusa", medusa_dir(tmp_path, "medusa-token_map")[0], target)
+        return formats.load_drafter_checkpoint(
+            "medusa", medusa_dir(tmp_path, "medusa-token_map")[0], target
+        )
     path = write_dir(tmp_path / "mtp", mtp_config(), mtp_state(torch))
     return formats.load_drafter_checkpoint("mtp", path, target)
 
@@ -427,7 +477,8 @@ def test_loaded_heads_are_greedy_identical(tmp_path, target, kind):
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [30, 31, 32, 33, 34, 35, 36], [4, 5, 4, 5, 4, 5, 4]]
     plain = Engine(target).generate(prompts, max_new_tokens=12, batch_size=3)
     spec = Engine(target, drafter, dparams, num_speculative_tokens=3).generate(
-        prompts, max_new_tokens=12, batch_size=3)
+        prompts, max_new_tokens=12, batch_size=3
+    )
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids
 
@@ -462,8 +513,15 @@ def test_loaded_heads_keep_the_target_distribution(tmp_path, kind):
 # ---- export -> import round trips -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("src,dst", [("eagle3", "eagle3"), ("eagle3", "speculators"),
-                                     ("speculators-nbf", "speculators"), ("eagle3-nbr", "speculators")])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ("eagle3", "eagle3"),
+        ("eagle3", "speculators"),
+        ("speculators-nbf", "speculators"),
+        ("eagle3-nbr", "speculators"),
+    ],
+)
 def test_eagle3_round_trip_is_identical(tmp_path, target, src, dst):
     path, _, (layout, _, _) = eagle3_dir(tmp_path, src)
     head = formats.read_head(path, layout)
@@ -478,20 +536,37 @@ def test_eagle3_round_trip_is_identical(tmp_path, target, src, dst):
     assert d1 == d2
     feats = target_features(target, TOKENS, d1.hidden_layers)
     args = (target.params, jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None])
-    np.testing.assert_array_equal(np.asarray(d1.forward(p1, *args)), np.asarray(d2.forward(p2, *args)))
+    np.testing.assert_array_equal(
+        np.asarray(d1.forward(p1, *args)), np.asarray(d2.forward(p2, *args))
+    )
 
 
 def dataclasses_eq(a, b):
     """b if a and b hold the same config and bit-identical params, else a marker that fails."""
-    fa, fb = jax.tree_util.tree_flatten_with_path(a.params), jax.tree_util.tree_flatten_with_path(b.params)
+    fa, fb = (
+        jax.tree_util.tree_flatten_with_path(a.params),
+        jax.tree_util.tree_flatten_with_path(b.params),
+    )
     same = [(pa, np.asarray(x).dtype, np.asarray(x).tobytes()) for pa, x in fa[0]] == [
-        (pb, np.asarray(y).dtype, np.asarray(y).tobytes()) for pb, y in fb[0]]
-    cfg_same = all(getattr(a, f) == getattr(b, f) for f in a.__dataclass_fields__ if f not in ("params", "extra"))
+        (pb, np.asarray(y).dtype, np.asarray(y).tobytes()) for pb, y in fb[0]
+    ]
+    cfg_same = all(
+        getattr(a, f) == getattr(b, f)
+        for f in a.__dataclass_fields__
+        if f not in ("params", "extra")
+    )
     return b if same and cfg_same else "differs"
 
 
-@pytest.mark.parametrize("src,dst", [("medusa_fd-pt", "medusa_fd"), ("medusa_fd-pt", "medusa"),
-                                     ("medusa-token_map", "medusa"), ("medusa-nobias", "medusa")])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ("medusa_fd-pt", "medusa_fd"),
+        ("medusa_fd-pt", "medusa"),
+        ("medusa-token_map", "medusa"),
+        ("medusa-nobias", "medusa"),
+    ],
+)
 def test_medusa_round_trip_is_identical(tmp_path, target, src, dst):
     path, _, layout = medusa_dir(tmp_path, src)
     head = formats.read_head(path, layout)
@@ -529,17 +604,23 @@ def test_eagle3_missing_and_extra_tensors_are_named(tmp_path, target):
         formats.load_drafter_checkpoint("eagle", path, target)
 
 
-@pytest.mark.parametrize("case,match", [
-    ("hidden", "target's hidden size is 64"),
-    ("vocab", "vocabulary of 65 tokens"),
-    ("deep", "tapped target layer 7 is beyond the target's 6 layers"),
-    ("d2t_range", "outside the target vocabulary"),
-    ("d2t_dup", "a draft vocabulary must list each target token once"),
-    ("t2d", "t2d does not mark exactly"),
-    ("shape", r"tensor midlayer.self_attn.q_proj.weight has shape \[16, 32\], expected \[32, 64\]"),
-    ("dtype", "tensor d2t has dtype float32, expected a int tensor"),
-    ("no_embed", "add the head's embed_tokens.weight"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("hidden", "target's hidden size is 64"),
+        ("vocab", "vocabulary of 65 tokens"),
+        ("deep", "tapped target layer 7 is beyond the target's 6 layers"),
+        ("d2t_range", "outside the target vocabulary"),
+        ("d2t_dup", "a draft vocabulary must list each target token once"),
+        ("t2d", "t2d does not mark exactly"),
+        (
+            "shape",
+            r"tensor midlayer.self_attn.q_proj.weight has shape \[16, 32\], expected \[32, 64\]",
+        ),
+        ("dtype", "tensor d2t has dtype float32, expected a int tensor"),
+        ("no_embed", "add the head's embed_tokens.weight"),
+    ],
+)
 def test_eagle3_malformed_checkpoints_get_their_message(tmp_path, target, case, match):
     torch = import_torch()
     sd = eagle3_state(torch, "eagle3")
@@ -571,12 +652,15 @@ def test_eagle3_malformed_checkpoints_get_their_message(tmp_path, target, case, 
     _one_line(e)
 
 
-@pytest.mark.parametrize("case,match", [
-    ("missing_head", "missing tensors lm_heads.2.weight"),
-    ("token_map_dup", "a draft vocabulary must list each target token once"),
-    ("hidden", "hidden size 64, the target 48"),
-    ("no_token_map", "there is no token_map"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("missing_head", "missing tensors lm_heads.2.weight"),
+        ("token_map_dup", "a draft vocabulary must list each target token once"),
+        ("hidden", "hidden size 64, the target 48"),
+        ("no_token_map", "there is no token_map"),
+    ],
+)
 def test_medusa_malformed_checkpoints_get_their_message(tmp_path, target, case, match):
     torch = import_torch()
     sd = medusa_state(torch, "medusa", nd=40)
@@ -634,17 +718,30 @@ def trained(tmp_path_factory):
     tgt = tiny_model(seed=1, scale=0.5, eos=(-1,))
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(1, 64, size=int(n)))) for n in rng.integers(4, 12, 16)]
-    records = generate_records(tgt, prompts, DataConfig(layers=(1, 2, 3, 4), top_k=4, gen_steps=20),
-                               np.asarray([-1]))
+    records = generate_records(
+        tgt, prompts, DataConfig(layers=(1, 2, 3, 4), top_k=4, gen_steps=20), np.asarray([-1])
+    )
     out, hist = {}, {}
     args = {"eagle3": {"hidden_layers": (1, 2, 3), "ttt_steps": 2}, "medusa": {"num_heads": 2}}
     for method in ("eagle3", "medusa"):
         root = tmp_path_factory.mktemp(method)
-        tc = TrainConfig(method=method, ckpt_dir=str(root / "ckpt"), steps=16, batch_size=4,
-                         seq_len=32, lr=3e-3 if method == "eagle3" else 3e-2, warmup=2,
-                         save_every=0, eval_every=0, draft_vocab=48, method_args=args[method],
-                         export_dir=str(root / "export"))
-        res = train(tc, target=tgt, data=records, eval_prompts=[], log=lambda *a: None, progress=False)
+        tc = TrainConfig(
+            method=method,
+            ckpt_dir=str(root / "ckpt"),
+            steps=16,
+            batch_size=4,
+            seq_len=32,
+            lr=3e-3 if method == "eagle3" else 3e-2,
+            warmup=2,
+            save_every=0,
+            eval_every=0,
+            draft_vocab=48,
+            method_args=args[method],
+            export_dir=str(root / "export"),
+        )
+        res = train(
+            tc, target=tgt, data=records, eval_prompts=[], log=lambda *a: None, progress=False
+        )
         out[method], hist[method] = root / "export", [h["loss"] for h in res["history"]]
     return tgt, out, hist
 
@@ -664,13 +761,22 @@ def test_trained_eagle3_exports_exactly(tmp_path, trained, fmt):
     export(ckpts["eagle3"], fmt, tmp_path / fmt, target=tgt)
     ours, p_ours = load_trained_drafter("eagle3", ckpts["eagle3"], tgt)
     pub, p_pub = formats.load_drafter_checkpoint("eagle", tmp_path / fmt, tgt)
-    assert (pub.hidden_layers, pub.norm_before_residual) == (ours.hidden_layers, ours.norm_before_residual)
+    assert (pub.hidden_layers, pub.norm_before_residual) == (
+        ours.hidden_layers,
+        ours.norm_before_residual,
+    )
     feats = target_features(tgt, TOKENS, ours.hidden_layers)
     args = (tgt.params, jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None])
-    np.testing.assert_array_equal(np.asarray(ours.forward(p_ours, *args)), np.asarray(pub.forward(p_pub, *args)))
+    np.testing.assert_array_equal(
+        np.asarray(ours.forward(p_ours, *args)), np.asarray(pub.forward(p_pub, *args))
+    )
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
-    a = Engine(tgt, ours, p_ours, num_speculative_tokens=3).generate(prompts, max_new_tokens=16, batch_size=2)
-    b = Engine(tgt, pub, p_pub, num_speculative_tokens=3).generate(prompts, max_new_tokens=16, batch_size=2)
+    a = Engine(tgt, ours, p_ours, num_speculative_tokens=3).generate(
+        prompts, max_new_tokens=16, batch_size=2
+    )
+    b = Engine(tgt, pub, p_pub, num_speculative_tokens=3).generate(
+        prompts, max_new_tokens=16, batch_size=2
+    )
     plain = Engine(tgt).generate(prompts, max_new_tokens=16, batch_size=2)
     for x, y, z in zip(a, b, plain):
         assert x.token_ids == y.token_ids == z.token_ids
@@ -685,12 +791,16 @@ def test_trained_medusa_exports_exactly_to_vllm(tmp_path, trained):
 
     tgt, ckpts, _ = trained
     export(ckpts["medusa"], "medusa", tmp_path / "m", target=tgt)
-    ours, p_ours = load_trained_drafter("medusa", ckpts["medusa"], tgt)
-    pub, p_pub = formats.load_drafter_checkpoint("medusa", tmp_path / "m", tgt)
+    _, p_ours = load_trained_drafter("medusa", ckpts["medusa"], tgt)
+    _, p_pub = formats.load_drafter_checkpoint("medusa", tmp_path / "m", tgt)
     np.testing.assert_array_equal(np.asarray(p_pub["d2t"]), np.asarray(p_ours["d2t"]))
     h = jnp.asarray(np.random.default_rng(1).normal(size=(3, tgt.cfg.hidden_size)), jnp.float32)
-    np.testing.assert_allclose(np.asarray(head_logits(p_pub, h, 2)),
-                               np.asarray(jaxspec_medusa.head_logits(p_ours, h)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(head_logits(p_pub, h, 2)),
+        np.asarray(jaxspec_medusa.head_logits(p_ours, h)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
     with pytest.raises(JaxspecError, match="FasterDecoding's layout cannot express"):
         export(ckpts["medusa"], "medusa_fd", tmp_path / "fd", target=tgt)
 
@@ -700,12 +810,39 @@ def test_export_cli_errors_are_one_line_exit_2(tmp_path, trained, capsys):
 
     _, ckpts, _ = trained
     cases = [
-        (["--checkpoint", str(tmp_path / "nope"), "--format", "eagle3", "--out", str(tmp_path / "o")],
-         "does not exist"),
-        (["--checkpoint", str(ckpts["medusa"]), "--format", "eagle3", "--out", str(tmp_path / "o")],
-         "cannot be written as eagle3: use --format medusa or medusa_fd"),
-        (["--checkpoint", str(ckpts["eagle3"]), "--format", "gguf", "--out", str(tmp_path / "o")],
-         "invalid choice"),
+        (
+            [
+                "--checkpoint",
+                str(tmp_path / "nope"),
+                "--format",
+                "eagle3",
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "does not exist",
+        ),
+        (
+            [
+                "--checkpoint",
+                str(ckpts["medusa"]),
+                "--format",
+                "eagle3",
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "cannot be written as eagle3: use --format medusa or medusa_fd",
+        ),
+        (
+            [
+                "--checkpoint",
+                str(ckpts["eagle3"]),
+                "--format",
+                "gguf",
+                "--out",
+                str(tmp_path / "o"),
+            ],
+            "invalid choice",
+        ),
     ]
     for argv, match in cases:
         assert main(argv) == 2
@@ -717,7 +854,14 @@ def test_jaxspec_eagle_checkpoint_export_is_refused(tmp_path, capsys):
     """The shipped jaxspec EAGLE head is not the EAGLE-3 architecture: no inexact export."""
     from jaxspec.export import main
 
-    argv = ["--checkpoint", "checkpoints/smollm2-135m-eagle", "--format", "eagle3", "--out", str(tmp_path / "o")]
+    argv = [
+        "--checkpoint",
+        "checkpoints/smollm2-135m-eagle",
+        "--format",
+        "eagle3",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert main(argv) == 2
     assert "cannot express exactly: train method eagle3" in capsys.readouterr().err
 
@@ -734,12 +878,20 @@ def test_speculative_config_reads_published_checkpoints(tmp_path, target):
     spec = lambda **kw: SpeculativeConfig(num_speculative_tokens=2, **kw)
     drafter, _ = build_drafter(spec(method="eagle", checkpoint=str(e_path)), target)
     assert isinstance(drafter, Eagle3Drafter)
-    drafter, _ = build_drafter(spec(method="eagle3", checkpoint=str(e_path), checkpoint_format="speculators"), target)
+    drafter, _ = build_drafter(
+        spec(method="eagle3", checkpoint=str(e_path), checkpoint_format="speculators"), target
+    )
     assert isinstance(drafter, Eagle3Drafter)
-    drafter, _ = build_drafter(spec(method="mtp", checkpoint=str(m_path), lookup_min_ngram=2), target)
+    drafter, _ = build_drafter(
+        spec(method="mtp", checkpoint=str(m_path), lookup_min_ngram=2), target
+    )
     assert isinstance(drafter.inner, MtpDrafter)  # prompt lookup first, MTP elsewhere
-    with pytest.raises(JaxspecError, match="in the eagle3 layout, which method 'medusa' does not read"):
-        build_drafter(spec(method="medusa", checkpoint=str(e_path), checkpoint_format="eagle3"), target)
+    with pytest.raises(
+        JaxspecError, match="in the eagle3 layout, which method 'medusa' does not read"
+    ):
+        build_drafter(
+            spec(method="medusa", checkpoint=str(e_path), checkpoint_format="eagle3"), target
+        )
     with pytest.raises(JaxspecError, match="draft_confidence works with jaxspec's own EAGLE"):
         build_drafter(spec(method="eagle", checkpoint=str(e_path), draft_confidence=0.5), target)
     with pytest.raises(JaxspecError, match="checkpoint_format"):

@@ -127,7 +127,12 @@ class ChainDrafter:
         attn_in, residual = self.layer_input(dparams, tparams, tokens, feature)
         dt = self.cfg.compute_dtype
         return cached_block(
-            self.cfg, dparams["layer"], attn_in.astype(dt), residual.astype(dt), k_cache, v_cache,
+            self.cfg,
+            dparams["layer"],
+            attn_in.astype(dt),
+            residual.astype(dt),
+            k_cache,
+            v_cache,
             positions,
         )
 

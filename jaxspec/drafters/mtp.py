@@ -36,8 +36,10 @@ class MtpDrafter(ChainDrafter):
         emb = jnp.asarray(table)[tokens].astype(jnp.float32)
         x = linear(
             jnp.concatenate(
-                [llama.rms_norm(emb, dparams["enorm"], eps),
-                 llama.rms_norm(feature.astype(jnp.float32), dparams["hnorm"], eps)],
+                [
+                    llama.rms_norm(emb, dparams["enorm"], eps),
+                    llama.rms_norm(feature.astype(jnp.float32), dparams["hnorm"], eps),
+                ],
                 axis=-1,
             ),
             dparams["eh_proj"],

@@ -68,7 +68,9 @@ def read_head(path, fmt: str):
         return eagle3.read(p, fmt)
     if fmt in medusa.LAYOUTS:
         return medusa.read(p, fmt)
-    raise JaxspecError(f"format {fmt!r} has no layout-free head reader: use one of eagle3, speculators, medusa, medusa_fd")
+    raise JaxspecError(
+        f"format {fmt!r} has no layout-free head reader: use one of eagle3, speculators, medusa, medusa_fd"
+    )
 
 
 def load_drafter_checkpoint(method: str, path, target, fmt: str = "auto"):

@@ -11,9 +11,11 @@
                `input_norm.weight` (norm_before_fc) and `fc.bias` (older exports).
 
 `d2t` is stored as offsets (target id = i + d2t[i]) and `t2d` as a bool mask over the target
-vocabulary; jaxspec keeps absolute ids. Tapped layers follow vLLM's indexing (id i = the input of
-target layer i, jaxspec's `hidden_layers`); SGLang adds one to ids given explicitly in its server
-flags, not to those in a checkpoint.
+vocabulary; jaxspec keeps absolute ids. Tapped layers: ids in a checkpoint are read as vLLM reads
+them (id i = the input of target layer i = HF `hidden_states[i]`, jaxspec's `hidden_layers`);
+without ids both vLLM and SGLang tap the inputs of layers 2, L//2, L-3. SGLang reads explicit ids
+as layer OUTPUTS (it taps `hidden_states[i + 1]`): a head trained that way with explicit ids is one
+layer off in vLLM and in jaxspec alike.
 """
 
 from __future__ import annotations
@@ -116,7 +118,9 @@ def layer_config(lc: dict, where) -> ModelConfig:
             dtype="float32",
         )
     except KeyError as e:
-        raise JaxspecError(f"{where}: config.json lacks {e.args[0]}: not a complete EAGLE-3 config") from None
+        raise JaxspecError(
+            f"{where}: config.json lacks {e.args[0]}: not a complete EAGLE-3 config"
+        ) from None
     except (TypeError, ValueError) as e:
         if isinstance(e, JaxspecError):
             raise
@@ -138,7 +142,9 @@ def read(path, layout: str) -> Eagle3Head:
     else:
         lc = config
         eagle_cfg = config.get("eagle_config") or {}
-        ids = eagle_cfg.get("eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids"))
+        ids = eagle_cfg.get(
+            "eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")
+        )
         nbr = bool(config.get("norm_before_residual", False))
         extra = {}
     if int(lc.get("num_hidden_layers", 1)) != 1:
@@ -153,31 +159,42 @@ def read(path, layout: str) -> Eagle3Head:
     nbf = bool(config.get("norm_before_fc", False))
     if ids is not None:
         if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)):
-            raise JaxspecError(f"{where}: eagle_aux_hidden_state_layer_ids must be 3 integers, got {ids!r}")
+            raise JaxspecError(
+                f"{where}: eagle_aux_hidden_state_layer_ids must be 3 integers, got {ids!r}"
+            )
         ids = tuple(ids)
 
     raw = T.read_tensors(path)
     raw = {k.removeprefix("model."): a for k, a in raw.items() if k not in IGNORED}
     pre = PREFIX[layout]
     layer_req = {pre + k for k in LAYER_NAMES}
-    top_req = {"fc.weight", "norm.weight", "lm_head.weight"} | ({"input_norm.weight"} if nbf else set())
+    top_req = {"fc.weight", "norm.weight", "lm_head.weight"} | (
+        {"input_norm.weight"} if nbf else set()
+    )
     vocab_req = {"d2t", "t2d"} if nd != v else set()
     optional = {"fc.bias", "embed_tokens.weight"} | ({"d2t", "t2d"} if nd == v else set())
     T.check_names(where, raw, layer_req | top_req | vocab_req, optional)
 
     n, k, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     shapes = {
-        "fc.weight": (h, 3 * th), "fc.bias": (h,), "input_norm.weight": (3 * th,),
-        "embed_tokens.weight": (v, h), "norm.weight": (h,), "lm_head.weight": (nd, h),
-        pre + "input_layernorm.weight": (h,), pre + "hidden_norm.weight": (h,),
+        "fc.weight": (h, 3 * th),
+        "fc.bias": (h,),
+        "input_norm.weight": (3 * th,),
+        "embed_tokens.weight": (v, h),
+        "norm.weight": (h,),
+        "lm_head.weight": (nd, h),
+        pre + "input_layernorm.weight": (h,),
+        pre + "hidden_norm.weight": (h,),
         pre + "self_attn.q_proj.weight": (n * hd, 2 * h),
         pre + "self_attn.k_proj.weight": (k * hd, 2 * h),
         pre + "self_attn.v_proj.weight": (k * hd, 2 * h),
         pre + "self_attn.o_proj.weight": (h, n * hd),
         pre + "post_attention_layernorm.weight": (h,),
-        pre + "mlp.gate_proj.weight": (f, h), pre + "mlp.up_proj.weight": (f, h),
+        pre + "mlp.gate_proj.weight": (f, h),
+        pre + "mlp.up_proj.weight": (f, h),
         pre + "mlp.down_proj.weight": (h, f),
-        "d2t": (nd,), "t2d": (v,),
+        "d2t": (nd,),
+        "t2d": (v,),
     }
     kinds = {"d2t": "int", "t2d": "bool"}
     for name, a in raw.items():
@@ -186,7 +203,7 @@ def read(path, layout: str) -> Eagle3Head:
     params: dict = {"layer": {}}
     for name, a in raw.items():
         if name.startswith(pre):
-            params["layer"][LAYER_NAMES[name[len(pre):]]] = np.asarray(a, np.float32)
+            params["layer"][LAYER_NAMES[name[len(pre) :]]] = np.asarray(a, np.float32)
         elif name in TOP_NAMES:
             params[TOP_NAMES[name]] = np.asarray(a, np.float32)
     if "d2t" in raw:
@@ -253,9 +270,18 @@ def from_params(drafter: Eagle3Drafter, dparams, target_cfg, extra=None) -> Eagl
     params["layer"] = {k: np.asarray(a, np.float32) for k, a in dparams["layer"].items()}
     params["d2t"] = np.asarray(params["d2t"], np.int32)
     cfg = dataclasses.replace(drafter.cfg, vocab_size=target_cfg.vocab_size)
+    # default taps are left out of the config: vLLM and SGLang agree on the default only
+    ids = tuple(drafter.hidden_layers)
+    ids = None if ids == default_layers(target_cfg.num_layers) else ids
     return Eagle3Head(
-        cfg, int(params["lm_head"].shape[0]), target_cfg.hidden_size, tuple(drafter.hidden_layers),
-        drafter.norm_before_residual, drafter.norm_before_fc, params, extra or {},
+        cfg,
+        int(params["lm_head"].shape[0]),
+        target_cfg.hidden_size,
+        ids,
+        drafter.norm_before_residual,
+        drafter.norm_before_fc,
+        params,
+        extra or {},
     )
 
 
@@ -278,7 +304,9 @@ def _layer_config(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         out["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
@@ -301,7 +329,9 @@ def write(head: Eagle3Head, out, layout: str, verifier: str | None = None) -> Pa
     pre = PREFIX[layout]
     inv_layer = {v: k for k, v in LAYER_NAMES.items()}
     inv_top = {v: k for k, v in TOP_NAMES.items()}
-    tensors = {pre + inv_layer[k]: np.asarray(a, np.float32) for k, a in head.params["layer"].items()}
+    tensors = {
+        pre + inv_layer[k]: np.asarray(a, np.float32) for k, a in head.params["layer"].items()
+    }
     for k, a in head.params.items():
         if k in inv_top:
             tensors[inv_top[k]] = np.asarray(a, np.float32)
@@ -317,10 +347,16 @@ def write(head: Eagle3Head, out, layout: str, verifier: str | None = None) -> Pa
         "norm_before_residual": head.norm_before_residual,
     }
     if layout == "eagle3":
-        config = {"architectures": ["LlamaForCausalLMEagle3"], **lc, **common, "torch_dtype": "float32"}
+        config = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            **lc,
+            **common,
+            "torch_dtype": "float32",
+        }
         if head.layer_ids is not None:
             config["eagle_config"] = {
-                "eagle_aux_hidden_state_layer_ids": list(head.layer_ids), "use_aux_hidden_state": True,
+                "eagle_aux_hidden_state_layer_ids": list(head.layer_ids),
+                "use_aux_hidden_state": True,
             }
     else:
         spec = head.extra.get("speculators_config") or {

@@ -16,7 +16,6 @@ has no draft vocabulary, so only full-vocabulary heads can be written to it.
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -76,7 +75,9 @@ def read(path, layout: str) -> MedusaHead:
         j = _int(config, where, "num_hidden_layers", "medusa_num_layers", default=1)
         bias = bool(config.get("medusa_fc_bias", False))
         shared = bool(config.get("original_lm_head", False))
-        names = lambda i, l: (f"blocks.{i}.layers.{l}.weight",) + ((f"blocks.{i}.layers.{l}.bias",) if bias else ())
+        names = lambda i, l: (
+            (f"blocks.{i}.layers.{l}.weight",) + ((f"blocks.{i}.layers.{l}.bias",) if bias else ())
+        )
         head_name = lambda i: f"lm_heads.{i}.weight"
         required = {n for i in range(kh) for l in range(j) for n in names(i, l)}
         required |= {head_name(0)} if shared else {head_name(i) for i in range(kh)}
@@ -89,7 +90,11 @@ def read(path, layout: str) -> MedusaHead:
     d = raw[names(0, 0)[0]].shape[-1]
     rows = raw[head_name(0)].shape[0]
     vocab = _int(config, where, "vocab_size", default=rows)
-    n = len(token_map) if token_map is not None else _int(config, where, "truncated_vocab_size", default=rows)
+    n = (
+        len(token_map)
+        if token_map is not None
+        else _int(config, where, "truncated_vocab_size", default=rows)
+    )
     for i in range(kh):
         for l in range(j):
             T.check_tensor(where, names(i, l)[0], raw[names(i, l)[0]], (d, d))
@@ -115,13 +120,22 @@ def read(path, layout: str) -> MedusaHead:
     heads = [np.asarray(raw[head_name(i)], np.float32) for i in range(1 if shared else kh)]
     if rows != len(d2t):  # full-vocabulary rows with a token_map: keep the draft rows
         heads = [h[d2t] for h in heads]
-    w = np.stack([[np.asarray(raw[names(i, l)[0]], np.float32) for l in range(j)] for i in range(kh)])
-    b = (np.stack([[np.asarray(raw[names(i, l)[1]], np.float32) for l in range(j)] for i in range(kh)])
-         if bias else np.zeros((kh, j, d), np.float32))
+    w = np.stack(
+        [[np.asarray(raw[names(i, l)[0]], np.float32) for l in range(j)] for i in range(kh)]
+    )
+    b = (
+        np.stack(
+            [[np.asarray(raw[names(i, l)[1]], np.float32) for l in range(j)] for i in range(kh)]
+        )
+        if bias
+        else np.zeros((kh, j, d), np.float32)
+    )
     return MedusaHead(kh, j, bias, {"w": w, "b": b, "heads": np.stack(heads), "d2t": d2t}, vocab)
 
 
-def to_drafter(head: MedusaHead, target_cfg, where="Medusa head") -> tuple[MedusaBlocksDrafter, dict]:
+def to_drafter(
+    head: MedusaHead, target_cfg, where="Medusa head"
+) -> tuple[MedusaBlocksDrafter, dict]:
     d = head.params["w"].shape[-1]
     if d != target_cfg.hidden_size:
         raise JaxspecError(
@@ -134,9 +148,13 @@ def to_drafter(head: MedusaHead, target_cfg, where="Medusa head") -> tuple[Medus
             f"has {target_cfg.vocab_size}: use heads trained for this model's tokenizer"
         )
     drafter = MedusaBlocksDrafter(
-        num_heads=head.num_heads, target_vocab=target_cfg.vocab_size, final_layer=target_cfg.num_layers
+        num_heads=head.num_heads,
+        target_vocab=target_cfg.vocab_size,
+        final_layer=target_cfg.num_layers,
     )
-    dparams = {k: jnp.asarray(a, jnp.int32 if k == "d2t" else jnp.float32) for k, a in head.params.items()}
+    dparams = {
+        k: jnp.asarray(a, jnp.int32 if k == "d2t" else jnp.float32) for k, a in head.params.items()
+    }
     return drafter, dparams
 
 
@@ -145,8 +163,12 @@ def from_jaxspec(dparams, vocab: int) -> MedusaHead:
     one block per head, every head sharing the target's LM-head rows (exact)."""
     w = np.asarray(dparams["w"], np.float32)[:, None]
     b = np.asarray(dparams["b"], np.float32)[:, None]
-    params = {"w": w, "b": b, "heads": np.asarray(dparams["head"], np.float32)[None],
-              "d2t": np.asarray(dparams["d2t"], np.int32)}
+    params = {
+        "w": w,
+        "b": b,
+        "heads": np.asarray(dparams["head"], np.float32)[None],
+        "d2t": np.asarray(dparams["d2t"], np.int32),
+    }
     return MedusaHead(w.shape[0], 1, True, params, vocab)
 
 
@@ -169,8 +191,12 @@ def write(head: MedusaHead, out, layout: str) -> Path:
                 tensors[f"{i}.{l}.linear.weight"] = p["w"][i, l]
                 tensors[f"{i}.{l}.linear.bias"] = p["b"][i, l]
             tensors[f"{i}.{j}.weight"] = p["heads"][0 if shared else i]
-        config = {"medusa_num_heads": k, "medusa_num_layers": j, "hidden_size": d,
-                  "vocab_size": head.vocab}
+        config = {
+            "medusa_num_heads": k,
+            "medusa_num_layers": j,
+            "hidden_size": d,
+            "vocab_size": head.vocab,
+        }
     else:
         for i in range(k):
             for l in range(j):
@@ -179,10 +205,17 @@ def write(head: MedusaHead, out, layout: str) -> Path:
                     tensors[f"blocks.{i}.layers.{l}.bias"] = p["b"][i, l]
         for i in range(1 if shared else k):
             tensors[f"lm_heads.{i}.weight"] = p["heads"][i]
-        config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": d,
-                  "vocab_size": head.vocab, "num_heads": k, "num_hidden_layers": j,
-                  "truncated_vocab_size": n, "medusa_fc_bias": head.bias,
-                  "original_lm_head": shared}
+        config = {
+            "model_type": "medusa",
+            "architectures": ["MedusaModel"],
+            "hidden_size": d,
+            "vocab_size": head.vocab,
+            "num_heads": k,
+            "num_hidden_layers": j,
+            "truncated_vocab_size": n,
+            "medusa_fc_bias": head.bias,
+            "original_lm_head": shared,
+        }
         if n != head.vocab or not np.array_equal(p["d2t"], np.arange(n)):
             tensors["token_map"] = p["d2t"].astype(np.int64)
     T.write_safetensors(out, {kk: np.asarray(v) for kk, v in tensors.items()})

@@ -52,7 +52,9 @@ def read(path, target_cfg, where=None):
     where = where or str(path)
     config = T.read_config(path)
     if not detect(config):
-        raise JaxspecError(f"{where}: config.json has no num_nextn_predict_layers >= 1: not an MTP checkpoint")
+        raise JaxspecError(
+            f"{where}: config.json has no num_nextn_predict_layers >= 1: not an MTP checkpoint"
+        )
     cfg = layer_config(config, where)
     num_layers = int(config.get("num_hidden_layers", 0))
     if num_layers != target_cfg.num_layers:
@@ -67,19 +69,34 @@ def read(path, target_cfg, where=None):
             f"use the MTP weights of this model"
         )
     pre = f"model.layers.{num_layers}."
-    raw = {k[len(pre):]: a for k, a in T.read_tensors(path).items() if k.startswith(pre)}
-    required = set(BLOCK) | {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"}
-    T.check_names(f"{where} ({pre}*)", raw, required, {"shared_head.head.weight", "embed_tokens.weight"})
+    raw = {k[len(pre) :]: a for k, a in T.read_tensors(path).items() if k.startswith(pre)}
+    required = set(BLOCK) | {
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+    }
+    T.check_names(
+        f"{where} ({pre}*)", raw, required, {"shared_head.head.weight", "embed_tokens.weight"}
+    )
     h, v, f = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
     n, k, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     shapes = {
-        "enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
-        "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h),
-        "embed_tokens.weight": (v, h), "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (n * hd, h), "self_attn.k_proj.weight": (k * hd, h),
-        "self_attn.v_proj.weight": (k * hd, h), "self_attn.o_proj.weight": (h, n * hd),
-        "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+        "enorm.weight": (h,),
+        "hnorm.weight": (h,),
+        "eh_proj.weight": (h, 2 * h),
+        "shared_head.norm.weight": (h,),
+        "shared_head.head.weight": (v, h),
+        "embed_tokens.weight": (v, h),
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (n * hd, h),
+        "self_attn.k_proj.weight": (k * hd, h),
+        "self_attn.v_proj.weight": (k * hd, h),
+        "self_attn.o_proj.weight": (h, n * hd),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
     }
     for name, a in raw.items():
         T.check_tensor(where, pre + name, a, shapes[name])

@@ -17,8 +17,15 @@ import numpy as np
 from jaxspec.errors import JaxspecError
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
     "BOOL": np.bool_,
 }
 
@@ -57,7 +64,9 @@ def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
     except (OSError, struct.error, ValueError, KeyError) as e:
         if isinstance(e, JaxspecError):
             raise
-        raise JaxspecError(f"{file} is not a readable safetensors file ({e}): re-download it") from None
+        raise JaxspecError(
+            f"{file} is not a readable safetensors file ({e}): re-download it"
+        ) from None
 
 
 def _read_torch(file: Path) -> dict[str, np.ndarray]:
@@ -65,7 +74,7 @@ def _read_torch(file: Path) -> dict[str, np.ndarray]:
 
     try:
         sd = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle.UnpicklingError for anything but plain tensors, or damage
+    except Exception as e:  # noqa: BLE001 -- UnpicklingError for non-tensors, or damage
         raise JaxspecError(
             f"{file} cannot be read with torch.load(weights_only=True) ({type(e).__name__}): "
             f"jaxspec reads plain tensor state dicts only; convert it to safetensors"
@@ -75,12 +84,15 @@ def _read_torch(file: Path) -> dict[str, np.ndarray]:
     out = {}
     for k, v in sd.items():
         v = v.detach().cpu()
-        out[k] = (v.float().numpy().astype(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16
-                  else v.numpy())
+        out[k] = (
+            v.float().numpy().astype(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else v.numpy()
+        )
     return out
 
 
-def read_tensors(path: Path, torch_files: tuple[str, ...] = ("*.pt", "*.bin")) -> dict[str, np.ndarray]:
+def read_tensors(
+    path: Path, torch_files: tuple[str, ...] = ("*.pt", "*.bin")
+) -> dict[str, np.ndarray]:
     """All tensors of the checkpoint directory `path`, by name."""
     files = sorted(path.glob("*.safetensors"))
     reader = _read_safetensors
@@ -93,7 +105,9 @@ def read_tensors(path: Path, torch_files: tuple[str, ...] = ("*.pt", "*.bin")) -
     for f in files:
         for k, v in reader(f).items():
             if k in out:
-                raise JaxspecError(f"{path}: tensor {k} is stored twice ({f.name} and another file)")
+                raise JaxspecError(
+                    f"{path}: tensor {k} is stored twice ({f.name} and another file)"
+                )
             out[k] = v
     return out
 
@@ -102,8 +116,11 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-              str(path / "model.safetensors"), metadata=metadata or {"format": "pt"})
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        str(path / "model.safetensors"),
+        metadata=metadata or {"format": "pt"},
+    )
 
 
 def write_config(path: Path, config: dict):
@@ -149,9 +166,7 @@ def check_tensor(where, name, a: np.ndarray, shape, kind="float") -> None:
         "bool": a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer),
     }[kind]
     if not ok:
-        raise JaxspecError(
-            f"{where}: tensor {name} has dtype {a.dtype}, expected a {kind} tensor"
-        )
+        raise JaxspecError(f"{where}: tensor {name} has dtype {a.dtype}, expected a {kind} tensor")
 
 
 def check_draft_ids(where, name, ids: np.ndarray, vocab: int) -> None:
