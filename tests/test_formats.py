@@ -483,7 +483,7 @@ def test_loaded_heads_are_greedy_identical(tmp_path, target, kind):
         assert a.token_ids == b.token_ids
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "mtp"])
 def test_loaded_heads_keep_the_target_distribution(tmp_path, kind):
     """The exact-law test of tests/test_trained_drafters.py with a head read from a file."""
     from test_trained_drafters import NUM_TOKENS, PROMPT, V, chi_square_pvalue, exact_joint, sample
@@ -499,6 +499,14 @@ def test_loaded_heads_keep_the_target_distribution(tmp_path, kind):
         sd["embed_tokens.weight"] = rand(torch, gen, V, DRAFT_HIDDEN, scale=1.0)
         path = write_dir(tmp_path / "e", eagle3_config("eagle3", nd=5) | {"vocab_size": V}, sd)
         drafter, dparams = formats.load_drafter_checkpoint("eagle", path, small)
+    elif kind == "medusa":  # vLLM layout, token_map: 5 of the 8 target tokens
+        sd = medusa_state(torch, "medusa", nd=5, heads=2)
+        sd["token_map"] = torch.as_tensor([0, 2, 3, 5, 6])
+        for i in range(2):
+            sd[f"lm_heads.{i}.weight"] = 3 * sd[f"lm_heads.{i}.weight"]
+        cfg = medusa_config("medusa", nd=5, heads=2) | {"vocab_size": V}
+        path = write_dir(tmp_path / "md", cfg, sd)
+        drafter, dparams = formats.load_drafter_checkpoint("medusa", path, small)
     else:
         sd = mtp_state(torch, head=False)
         path = write_dir(tmp_path / "m", mtp_config() | {"vocab_size": V}, sd)
@@ -896,3 +904,38 @@ def test_speculative_config_reads_published_checkpoints(tmp_path, target):
         build_drafter(spec(method="eagle", checkpoint=str(e_path), draft_confidence=0.5), target)
     with pytest.raises(JaxspecError, match="checkpoint_format"):
         spec(method="eagle", checkpoint=str(e_path), checkpoint_format="gguf")
+
+
+def test_published_conversion_cli(tmp_path, target, capsys):
+    """python -m jaxspec.export between published layouts needs no target."""
+    from jaxspec.export import main
+
+    path, _, _ = eagle3_dir(tmp_path, "speculators-nbf")
+    assert (
+        main(["--checkpoint", str(path), "--format", "speculators", "--out", str(tmp_path / "o")])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["from"] == "speculators"
+    argv = ["--checkpoint", str(path), "--format", "eagle3", "--out", str(tmp_path / "o2")]
+    assert main(argv) == 2  # norm_before_fc has no place in the original layout
+    assert "export with --format speculators" in capsys.readouterr().err
+    argv = ["--checkpoint", str(path), "--format", "speculators", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2  # not empty
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_shipped_medusa_exports_exactly(tmp_path, smollm2):
+    """The shipped SmolLM2 Medusa heads written in vLLM's layout and read back: same params."""
+    from jaxspec.export import export
+    from jaxspec.train.load import load_trained_drafter
+
+    export("checkpoints/smollm2-135m-medusa", "medusa", tmp_path / "m", target=smollm2)
+    _, ours = load_trained_drafter("medusa", "checkpoints/smollm2-135m-medusa", smollm2)
+    pub, theirs = formats.load_drafter_checkpoint("medusa", tmp_path / "m", smollm2)
+    assert pub.num_heads == ours["w"].shape[0]
+    np.testing.assert_array_equal(np.asarray(theirs["w"][:, 0]), np.asarray(ours["w"]))
+    np.testing.assert_array_equal(np.asarray(theirs["b"][:, 0]), np.asarray(ours["b"]))
+    np.testing.assert_array_equal(np.asarray(theirs["heads"][0]), np.asarray(ours["head"]))
+    np.testing.assert_array_equal(np.asarray(theirs["d2t"]), np.asarray(ours["d2t"]))
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["truncated_vocab_size"] == len(ours["d2t"]) and config["original_lm_head"]
