@@ -165,7 +165,11 @@ def read(path, layout: str) -> Eagle3Head:
         ids = tuple(ids)
 
     raw = T.read_tensors(path)
-    raw = {k.removeprefix("model."): a for k, a in raw.items() if k not in IGNORED}
+    raw = {
+        k.removeprefix("model."): a
+        for k, a in raw.items()
+        if k not in IGNORED and not k.endswith("rotary_emb.inv_freq")  # buffers old .bin files hold
+    }
     pre = PREFIX[layout]
     layer_req = {pre + k for k in LAYER_NAMES}
     top_req = {"fc.weight", "norm.weight", "lm_head.weight"} | (

@@ -69,7 +69,11 @@ def read(path, target_cfg, where=None):
             f"use the MTP weights of this model"
         )
     pre = f"model.layers.{num_layers}."
-    raw = {k[len(pre) :]: a for k, a in T.read_tensors(path).items() if k.startswith(pre)}
+    raw = {
+        k[len(pre) :]: a
+        for k, a in T.read_tensors(path).items()
+        if k.startswith(pre) and not k.endswith("rotary_emb.inv_freq")
+    }
     required = set(BLOCK) | {
         "enorm.weight",
         "hnorm.weight",
