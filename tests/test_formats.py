@@ -358,9 +358,9 @@ def test_medusa_logits_match_an_independent_torch_forward(tmp_path, target, name
 # ---- MTP ------------------------------------------------------------------------------------
 
 
-def mtp_state(torch, seed=0, head=True):
+def mtp_state(torch, seed=0, head=True, layers=LAYERS, vocab=VOCAB):
     gen = torch.Generator().manual_seed(seed)
-    pre = f"model.layers.{LAYERS}."
+    pre = f"model.layers.{layers}."
     n, k, hd, f = 4, 2, HIDDEN // 4, 2 * HIDDEN
     sd = {
         pre + "enorm.weight": rand(torch, gen, HIDDEN, norm=True),
@@ -378,7 +378,7 @@ def mtp_state(torch, seed=0, head=True):
         pre + "mlp.down_proj.weight": rand(torch, gen, HIDDEN, f),
     }
     if head:
-        sd[pre + "shared_head.head.weight"] = rand(torch, gen, VOCAB, HIDDEN, scale=0.5)
+        sd[pre + "shared_head.head.weight"] = rand(torch, gen, vocab, HIDDEN, scale=0.5)
     return sd
 
 
@@ -939,3 +939,37 @@ def test_shipped_medusa_exports_exactly(tmp_path, smollm2):
     np.testing.assert_array_equal(np.asarray(theirs["d2t"]), np.asarray(ours["d2t"]))
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["truncated_vocab_size"] == len(ours["d2t"]) and config["original_lm_head"]
+
+
+def test_mtp_stored_with_the_target(tmp_path):
+    """An HF target directory that also holds its MTP module (`model.layers.{L}.*`,
+    num_nextn_predict_layers): the target loads without it, the drafter reads it from there."""
+    from safetensors.torch import save_file
+
+    from conftest import make_tiny_checkpoint
+    from jaxspec.config import SpeculativeConfig
+    from jaxspec.drafters import build_drafter
+    from jaxspec.loading import load_model
+
+    torch = import_torch()
+    path = make_tiny_checkpoint(tmp_path / "with_mtp", "llama", seed=7, tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    layers, vocab = config["num_hidden_layers"], config["vocab_size"]
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    save_file(
+        mtp_state(torch, head=False, layers=layers, vocab=vocab), str(path / "mtp.safetensors")
+    )
+    tgt = load_model(str(path), layout="unrolled")
+    spec = SpeculativeConfig(method="mtp", checkpoint=str(path), num_speculative_tokens=2)
+    drafter, dparams = build_drafter(spec, tgt)
+    assert drafter.hidden_layers == (layers,)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    plain = Engine(tgt).generate(prompts, max_new_tokens=10, batch_size=2)
+    spec_out = Engine(tgt, drafter, dparams, num_speculative_tokens=2).generate(
+        prompts, max_new_tokens=10, batch_size=2
+    )
+    for a, b in zip(plain, spec_out):
+        assert a.token_ids == b.token_ids
+    (path / "config.json").write_text(json.dumps(config))  # without the flag: refused, named
+    with pytest.raises(JaxspecError, match=f"unexpected tensors model.layers.{layers}"):
+        load_model(str(path), layout="unrolled")
