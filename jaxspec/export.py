@@ -39,9 +39,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", required=True, help="output directory (created; must be empty)")
     ap.add_argument(
         "--model",
-        default="smollm2-135m",
-        help="target of a jaxspec checkpoint (name, HF dir or .gguf); also the "
-        "verifier named in a speculators config",
+        default=None,
+        help="target of a jaxspec checkpoint (name, HF dir or .gguf; default smollm2-135m); "
+        "also recorded as the verifier / base model in the written config",
     )
     ap.add_argument("--from-format", default="auto", help="layout of --checkpoint (auto: detected)")
     ap.add_argument(
@@ -57,7 +57,7 @@ def export(
     checkpoint,
     fmt: str,
     out,
-    model: str = "smollm2-135m",
+    model: str | None = None,
     from_format: str = "auto",
     include_embed: bool = False,
     target=None,
@@ -93,7 +93,7 @@ def export(
     if FAMILY[fmt] == "eagle3":
         eagle3.write(head, out, fmt, verifier=model)
     else:
-        medusa.write(head, out, fmt)
+        medusa.write(head, out, fmt, base_model=model)
     return {
         "checkpoint": str(checkpoint),
         "from": src,
@@ -131,7 +131,7 @@ def _from_jaxspec(checkpoint, fmt, model, include_embed, target):
     if target is None:
         from jaxspec.loading import load_model
 
-        target = load_model(model, layout="unrolled")
+        target = load_model(model or "smollm2-135m", layout="unrolled")
     drafter, dparams = load_trained_drafter(method, checkpoint, target)
     if method == "medusa":
         return medusa.from_jaxspec(dparams, target.cfg.vocab_size), method

@@ -172,7 +172,9 @@ def from_jaxspec(dparams, vocab: int) -> MedusaHead:
     return MedusaHead(w.shape[0], 1, True, params, vocab)
 
 
-def write(head: MedusaHead, out, layout: str) -> Path:
+def write(head: MedusaHead, out, layout: str, base_model: str | None = None) -> Path:
+    """Write `head` as safetensors + config.json in `layout`; `base_model` is recorded as
+    FasterDecoding's `base_model_name_or_path`."""
     out = Path(out)
     p = head.params
     k, j, d = head.num_heads, head.num_layers, p["w"].shape[-1]
@@ -197,6 +199,8 @@ def write(head: MedusaHead, out, layout: str) -> Path:
             "hidden_size": d,
             "vocab_size": head.vocab,
         }
+        if base_model:
+            config["base_model_name_or_path"] = base_model
     else:
         for i in range(k):
             for l in range(j):
