@@ -109,6 +109,9 @@ class SpeculativeConfig(_Section):
     layer_skip_layers: int = 8  # layer_skip: how many target layers the self-draft keeps
     checkpoint: str | None = None  # eagle/eagle3/medusa/mtp: drafter checkpoint dir
     checkpoint_format: CheckpointFormat = "auto"  # its layout (jaxspec.formats); auto: detected
+    # EAGLE-3 checkpoints naming their tapped layers: id i is the input of layer i (input: vLLM)
+    # or its output (output: SGLang / SpecForge). Without ids both tap layers 2, L//2, L-3.
+    eagle3_layer_ids: Literal["input", "output"] = "input"
     # eagle: dynamic draft length -- stop drafting once the drafter's confidence that its draft is
     # accepted (product of its probabilities of the tokens drafted so far, times the next one's
     # top probability) falls below this; 0: always γ drafts.

@@ -617,7 +617,7 @@ def test_eagle3_missing_and_extra_tensors_are_named(tmp_path, target):
     [
         ("hidden", "target's hidden size is 64"),
         ("vocab", "vocabulary of 65 tokens"),
-        ("deep", "tapped target layer 7 is beyond the target's 6 layers"),
+        ("deep", r"tapped target layer 7 \(input convention\) is beyond the target's 6 layers"),
         ("d2t_range", "outside the target vocabulary"),
         ("d2t_dup", "a draft vocabulary must list each target token once"),
         ("t2d", "t2d does not mark exactly"),
@@ -944,9 +944,9 @@ def test_shipped_medusa_exports_exactly(tmp_path, smollm2):
 def test_mtp_stored_with_the_target(tmp_path):
     """An HF target directory that also holds its MTP module (`model.layers.{L}.*`,
     num_nextn_predict_layers): the target loads without it, the drafter reads it from there."""
+    from conftest import make_tiny_checkpoint
     from safetensors.torch import save_file
 
-    from conftest import make_tiny_checkpoint
     from jaxspec.config import SpeculativeConfig
     from jaxspec.drafters import build_drafter
     from jaxspec.loading import load_model
@@ -973,3 +973,28 @@ def test_mtp_stored_with_the_target(tmp_path):
     (path / "config.json").write_text(json.dumps(config))  # without the flag: refused, named
     with pytest.raises(JaxspecError, match=f"unexpected tensors model.layers.{layers}"):
         load_model(str(path), layout="unrolled")
+
+
+def test_eagle3_tap_ids_as_layer_outputs(tmp_path, target):
+    """speculative.eagle3_layer_ids: output reads explicit ids as SGLang / SpecForge do (id i =
+    the output of layer i, hidden_states[i + 1]); the default tap set is the same either way."""
+    from jaxspec.config import SpeculativeConfig
+    from jaxspec.drafters import build_drafter
+
+    torch = import_torch()
+    sd = eagle3_state(torch, "eagle3")
+    explicit = write_dir(tmp_path / "x", eagle3_config("eagle3", ids=(0, 2, 3)), sd)
+    default = write_dir(tmp_path / "d", eagle3_config("eagle3", ids=None), sd)
+    spec = lambda path, conv: SpeculativeConfig(
+        method="eagle", checkpoint=str(path), num_speculative_tokens=2, eagle3_layer_ids=conv
+    )
+    assert build_drafter(spec(explicit, "input"), target)[0].hidden_layers == (0, 2, 3)
+    assert build_drafter(spec(explicit, "output"), target)[0].hidden_layers == (1, 3, 4)
+    for conv in ("input", "output"):
+        assert build_drafter(spec(default, conv), target)[0].hidden_layers == (2, 3, 3)
+    deep = write_dir(tmp_path / "deep", eagle3_config("eagle3", ids=(1, 3, 5)), sd)
+    build_drafter(spec(deep, "input"), target)  # 5 < 6 layers: fine as an input id
+    with pytest.raises(JaxspecError, match=r"tapped target layer 5 \(output convention\)"):
+        build_drafter(spec(deep, "output"), target)
+    with pytest.raises(JaxspecError, match="eagle3_layer_ids"):
+        spec(deep, "middle")

@@ -106,7 +106,7 @@ def _trained(method: str) -> DrafterFactory:
         from jaxspec.formats import load_drafter_checkpoint
 
         drafter, dparams = load_drafter_checkpoint(
-            method, spec.checkpoint, target, spec.checkpoint_format
+            method, spec.checkpoint, target, spec.checkpoint_format, spec.eagle3_layer_ids
         )
         if spec.draft_confidence > 0 and not hasattr(drafter, "min_confidence"):
             raise JaxspecError(

@@ -73,9 +73,12 @@ def read_head(path, fmt: str):
     )
 
 
-def load_drafter_checkpoint(method: str, path, target, fmt: str = "auto"):
+def load_drafter_checkpoint(
+    method: str, path, target, fmt: str = "auto", eagle3_layer_ids: str = "input"
+):
     """(drafter, dparams) for `method` from the checkpoint directory `path` in `fmt` (auto:
-    detected); target: LoadedModel (cfg, params)."""
+    detected); target: LoadedModel (cfg, params). eagle3_layer_ids: how explicit EAGLE-3 tap ids
+    are read (formats.eagle3.check_target: input = vLLM, output = SGLang / SpecForge)."""
     if path is None:
         raise JaxspecError(
             f"speculative.checkpoint is required for method '{method}': point it to a drafter "
@@ -99,5 +102,6 @@ def load_drafter_checkpoint(method: str, path, target, fmt: str = "auto"):
     from jaxspec.formats import eagle3, medusa
 
     head = read_head(path, got)
-    mod = eagle3 if got in eagle3.LAYOUTS else medusa
-    return mod.to_drafter(head, target.cfg, str(path))
+    if got in eagle3.LAYOUTS:
+        return eagle3.to_drafter(head, target.cfg, str(path), eagle3_layer_ids)
+    return medusa.to_drafter(head, target.cfg, str(path))

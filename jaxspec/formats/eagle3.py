@@ -14,8 +14,8 @@
 vocabulary; jaxspec keeps absolute ids. Tapped layers: ids in a checkpoint are read as vLLM reads
 them (id i = the input of target layer i = HF `hidden_states[i]`, jaxspec's `hidden_layers`);
 without ids both vLLM and SGLang tap the inputs of layers 2, L//2, L-3. SGLang reads explicit ids
-as layer OUTPUTS (it taps `hidden_states[i + 1]`): a head trained that way with explicit ids is one
-layer off in vLLM and in jaxspec alike.
+as layer OUTPUTS (it taps `hidden_states[i + 1]`), and SpecForge-trained heads name them so:
+`speculative.eagle3_layer_ids: output` reads them that way (default `input`, vLLM's reading).
 """
 
 from __future__ import annotations
@@ -225,8 +225,13 @@ def read(path, layout: str) -> Eagle3Head:
     return Eagle3Head(cfg, nd, th, ids, nbr, nbf, params, extra)
 
 
-def check_target(head: Eagle3Head, target_cfg, where) -> tuple[int, ...]:
-    """Refuse a head built for another target; returns the tapped layers."""
+LAYER_ID_CONVENTIONS = ("input", "output")
+
+
+def check_target(head: Eagle3Head, target_cfg, where, layer_ids: str = "input") -> tuple[int, ...]:
+    """Refuse a head built for another target; returns the tapped layers (HF hidden_states
+    indices). layer_ids: how to read explicit ids -- "input" (vLLM: id i = the input of layer i)
+    or "output" (SGLang / SpecForge: id i = the output of layer i, hidden_states[i + 1])."""
     if head.target_hidden != target_cfg.hidden_size:
         raise JaxspecError(
             f"{where}: the EAGLE-3 head reads target features of size {head.target_hidden}, but "
@@ -242,18 +247,23 @@ def check_target(head: Eagle3Head, target_cfg, where) -> tuple[int, ...]:
             f"{where}: no embed_tokens.weight and the head's hidden size {head.cfg.hidden_size} "
             f"differs from the target's {target_cfg.hidden_size}: add the head's embed_tokens.weight"
         )
-    ids = head.layer_ids or default_layers(target_cfg.num_layers)
+    if layer_ids not in LAYER_ID_CONVENTIONS:
+        raise JaxspecError(f"eagle3_layer_ids={layer_ids!r} is invalid: use input or output")
+    shift = 1 if layer_ids == "output" and head.layer_ids is not None else 0
+    ids = tuple(i + shift for i in head.layer_ids or default_layers(target_cfg.num_layers))
     bad = [i for i in ids if not 0 <= i < target_cfg.num_layers]
     if bad:
         raise JaxspecError(
-            f"{where}: tapped target layer {bad[0]} is beyond the target's {target_cfg.num_layers} "
-            f"layers (valid 0..{target_cfg.num_layers - 1}): the head is for a deeper model"
+            f"{where}: tapped target layer {bad[0] - shift} ({layer_ids} convention) is beyond the "
+            f"target's {target_cfg.num_layers} layers: the head is for a deeper model"
         )
-    return tuple(ids)
+    return ids
 
 
-def to_drafter(head: Eagle3Head, target_cfg, where="EAGLE-3 head") -> tuple[Eagle3Drafter, dict]:
-    ids = check_target(head, target_cfg, where)
+def to_drafter(
+    head: Eagle3Head, target_cfg, where="EAGLE-3 head", layer_ids: str = "input"
+) -> tuple[Eagle3Drafter, dict]:
+    ids = check_target(head, target_cfg, where, layer_ids)
     drafter = Eagle3Drafter(
         cfg=dataclasses.replace(head.cfg, vocab_size=head.draft_vocab),
         target_vocab=target_cfg.vocab_size,
