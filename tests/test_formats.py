@@ -789,6 +789,9 @@ def test_trained_eagle3_exports_exactly(tmp_path, trained, fmt):
     for x, y, z in zip(a, b, plain):
         assert x.token_ids == y.token_ids == z.token_ids
         assert x.metrics["num_accepted_tokens"] == y.metrics["num_accepted_tokens"]
+    export(ckpts["eagle3"], fmt, tmp_path / "embed", target=tgt, include_embed=True)
+    written = formats.tensors.read_tensors(tmp_path / "embed")
+    np.testing.assert_array_equal(written["embed_tokens.weight"], np.asarray(tgt.params["embed"]))
 
 
 def test_trained_medusa_exports_exactly_to_vllm(tmp_path, trained):
