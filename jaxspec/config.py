@@ -21,8 +21,10 @@ from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, sampling_problem
 
 MAX_NGRAM = 16  # same bound as jaxspec.drafters.ngram
-METHODS = ("none", "ngram", "draft_model", "layer_skip", "eagle", "medusa")
-Method = Literal["none", "ngram", "draft_model", "layer_skip", "eagle", "medusa"]
+METHODS = ("none", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "medusa", "mtp")
+Method = Literal["none", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "medusa", "mtp"]
+# speculative.checkpoint_format (jaxspec.formats): auto = detected from meta.json / config.json
+CheckpointFormat = Literal["auto", "jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp"]
 
 
 class _Section:
@@ -99,7 +101,11 @@ class SpeculativeConfig(_Section):
     max_ngram: int = 3  # ngram: longest suffix to look up
     draft_model: str | None = None  # draft_model: short name, HF dir or .gguf of the drafter
     layer_skip_layers: int = 8  # layer_skip: how many target layers the self-draft keeps
-    checkpoint: str | None = None  # eagle/medusa: trained drafter checkpoint dir
+    checkpoint: str | None = None  # eagle/eagle3/medusa/mtp: drafter checkpoint dir
+    checkpoint_format: CheckpointFormat = "auto"  # its layout (jaxspec.formats); auto: detected
+    # EAGLE-3 checkpoints naming their tapped layers: id i is the input of layer i (input: vLLM)
+    # or its output (output: SGLang / SpecForge). Without ids both tap layers 2, L//2, L-3.
+    eagle3_layer_ids: Literal["input", "output"] = "input"
     # eagle: dynamic draft length -- stop drafting once the drafter's confidence that its draft is
     # accepted (product of its probabilities of the tokens drafted so far, times the next one's
     # top probability) falls below this; 0: always γ drafts.

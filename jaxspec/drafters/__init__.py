@@ -102,9 +102,17 @@ register_drafter("layer_skip", _layer_skip)
 
 def _trained(method: str) -> DrafterFactory:
     def factory(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any]:
-        from jaxspec.train.load import load_trained_drafter  # orbax: only when used
+        # jaxspec (orbax) or published layouts (EAGLE-3, speculators, Medusa, MTP): jaxspec.formats
+        from jaxspec.formats import load_drafter_checkpoint
 
-        drafter, dparams = load_trained_drafter(method, spec.checkpoint, target)
+        drafter, dparams = load_drafter_checkpoint(
+            method, spec.checkpoint, target, spec.checkpoint_format, spec.eagle3_layer_ids
+        )
+        if spec.draft_confidence > 0 and not hasattr(drafter, "min_confidence"):
+            raise JaxspecError(
+                f"speculative.draft_confidence works with jaxspec's own EAGLE checkpoints only, "
+                f"not with the {drafter.name} head in {spec.checkpoint}: set it to 0"
+            )
         if spec.draft_confidence > 0:  # eagle (validated in the config)
             drafter = dataclasses.replace(
                 drafter, min_confidence=spec.draft_confidence, variable_length=True
@@ -115,7 +123,9 @@ def _trained(method: str) -> DrafterFactory:
 
 
 register_drafter("eagle", _trained("eagle"))
+register_drafter("eagle3", _trained("eagle3"))
 register_drafter("medusa", _trained("medusa"))
+register_drafter("mtp", _trained("mtp"))
 
 # draft_model: a distilled checkpoint (speculative.checkpoint) if given, else whatever factory is
 # registered above for a separate model (speculative.draft_model).

@@ -121,7 +121,8 @@ def _read_gguf(path: Path, dtype: str):
 def _read_hf_dir(path: Path, dtype: str):
     hf = read_hf_config(path)
     cfg = config_from_hf(hf, dtype=dtype, source=str(path / "config.json"))
-    flat = load_hf_tensors(path, cfg)
+    mtp = int(hf.get("num_nextn_predict_layers") or 0)  # MTP modules after the last layer
+    flat = load_hf_tensors(path, cfg, skip_from_layer=cfg.num_layers if mtp else None)
     tokenizer = load_dir_tokenizer(path)
     eos = _as_list(hf.get("eos_token_id"))
     gen = path / "generation_config.json"

@@ -156,12 +156,19 @@ def _sliding_window(hf: dict, arch: str) -> int | None:
     return None
 
 
-def load_hf_tensors(path: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Every tensor under our flat names (`embed`, `layers.3.wq`, ...), memory-mapped."""
+def load_hf_tensors(
+    path: Path, cfg: ModelConfig, skip_from_layer: int | None = None
+) -> dict[str, np.ndarray]:
+    """Every tensor under our flat names (`embed`, `layers.3.wq`, ...), memory-mapped.
+    `skip_from_layer`: ignore `model.layers.{i}.*` for i >= it (MTP modules stored with the
+    target, `num_nextn_predict_layers`: read as a drafter by jaxspec.formats.mtp)."""
     index = _tensor_index(path)
     flat: dict[str, np.ndarray] = {}
     unknown = []
     for hf_name, shard in index.items():
+        m = _LAYER_RE.fullmatch(hf_name)
+        if skip_from_layer is not None and m and int(m.group(1)) >= skip_from_layer:
+            continue
         ours = _our_name(hf_name)
         if ours is None:
             if not _IGNORED.match(hf_name):

@@ -20,7 +20,7 @@ from jaxspec.train import methods as methods_lib
 
 
 def load_trained_drafter(method: str, path, target):
-    """method: eagle | medusa | draft_model; target: LoadedModel (or anything with cfg/params)."""
+    """method: eagle | eagle3 | medusa | draft_model; target: LoadedModel (or anything with cfg/params)."""
     if path is None:
         raise JaxspecError(
             f"speculative.checkpoint is required for method '{method}': point it to a trained "
@@ -34,6 +34,11 @@ def load_trained_drafter(method: str, path, target):
     if method == "eagle":
         arch.pop("ttt_steps", None)
         m = methods_lib.Eagle(hidden_layers=tuple(arch["hidden_layers"]))
+    elif method == "eagle3":
+        m = methods_lib.Eagle3(
+            hidden_layers=tuple(arch["hidden_layers"]),
+            norm_before_residual=bool(arch.get("norm_before_residual", False)),
+        )
     elif method == "medusa":
         m = methods_lib.Medusa(num_heads=arch["num_heads"])
     else:

@@ -3,6 +3,9 @@
 A method knows its trainable params, its frozen pieces taken from the target, its loss, and how to
 turn params into a runtime drafter:
 
+  eagle3  the published EAGLE-3 architecture (drafters/eagle3.py: fc, midlayer over
+          [input_layernorm(embed), hidden_norm(g)], norm, head rows over the draft vocabulary):
+          exportable exactly to the eagle3 / speculators layouts (jaxspec.export); same TTT.
   eagle   fuse + in_proj + one decoder layer + norm; EAGLE-3 training-time test (TTT): step 0 runs
           on the target's features, step s > 0 on the drafter's own outputs of step s-1, with the
           attention pattern drafting sees (real entries up to j-s, then its own provisional ones).
@@ -25,6 +28,8 @@ import numpy as np
 
 from jaxspec.cache import init_cache
 from jaxspec.drafters import eagle as eagle_lib
+from jaxspec.drafters import eagle3 as eagle3_lib
+from jaxspec.drafters import feature_chain
 from jaxspec.drafters import medusa as medusa_lib
 from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.models import llama
@@ -255,4 +260,97 @@ class Draft:
         return loss, {"top1": top1}
 
 
-METHODS = {"eagle": Eagle, "medusa": Medusa, "draft_model": Draft}
+@dataclasses.dataclass(frozen=True)
+class Eagle3:
+    """The published EAGLE-3 head, trained with the same TTT as `Eagle`. The LM head is the
+    target's frozen rows for the draft vocabulary (exported as `lm_head.weight`), the embedding
+    the target's (not exported: readers take the target's)."""
+
+    hidden_layers: tuple[int, ...] = (2, 15, 27)
+    ttt_steps: int = 3
+    ttt_decay: float = 0.8
+    init_layer: int = -1  # target layer the midlayer's weights start from
+    norm_before_residual: bool = False
+    name: str = "eagle3"
+    feature_slots: tuple[int, ...] = (0, 1, 2)
+
+    def layer_cfg(self, target_cfg):
+        return dataclasses.replace(target_cfg, num_layers=1, dtype="float32")
+
+    def init(self, target, d2t, key):
+        d = target.cfg.hidden_size
+        fc = 0.02 * jax.random.normal(key, (d, 3 * d))
+        fc = fc.at[:, 2 * d :].add(jnp.eye(d, dtype=jnp.float32))  # start from the high feature
+        src = _copy_layer(target, self.init_layer % target.cfg.num_layers)
+        two = lambda w: 0.5 * jnp.concatenate([w, w], axis=1)  # [out, D] -> [out, 2D]
+        layer = {
+            "input_norm": src["attn_norm"], "hidden_norm": src["attn_norm"],
+            "wq": two(src["wq"]), "wk": two(src["wk"]), "wv": two(src["wv"]), "wo": src["wo"],
+            "mlp_norm": src["mlp_norm"], "w_gate": src["w_gate"], "w_up": src["w_up"],
+            "w_down": src["w_down"],
+        }
+        final_norm = jnp.asarray(target.params["final_norm"], jnp.float32)
+        return {"fc": fc, "layer": layer, "norm": final_norm}, _frozen(target, d2t)
+
+    def runtime(self, params, frozen):
+        return {**params, "lm_head": frozen["head"], "d2t": frozen["d2t"]}
+
+    def drafter(self, target_cfg):
+        return eagle3_lib.Eagle3Drafter(
+            cfg=self.layer_cfg(target_cfg),
+            target_vocab=target_cfg.vocab_size,
+            hidden_layers=self.hidden_layers,
+            norm_before_residual=self.norm_before_residual,
+        )
+
+    def arch(self):
+        return {
+            "hidden_layers": list(self.hidden_layers), "ttt_steps": self.ttt_steps,
+            "norm_before_residual": self.norm_before_residual,
+        }
+
+    def loss(self, params, frozen, batch, target_cfg):
+        """TTT as `Eagle.loss`; position 0 (no feature) is never a key, and a step-s query at
+        position j counts only when its chain starts at a real position j - s >= 1."""
+        dr = self.drafter(target_cfg)
+        cfg, lp = dr.cfg, params["layer"]
+        dp = self.runtime(params, frozen)
+        emb = {"embed": frozen["embed"]}
+        tok = batch["tokens"]
+        b, t = tok.shape
+        g = dr.fuse(dp, batch["hidden"][jnp.asarray(self.feature_slots)].astype(jnp.float32))
+        shift = lambda x, n: jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2))[:, :t]
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        j = jnp.arange(t)
+        full = lambda m: jnp.broadcast_to(m, (b, t, t))
+        valid = _valid(batch)
+        attn_in, res = dr.layer_input(dp, emb, tok, shift(g, 1))
+        h, k0, v0 = feature_chain.block(cfg, lp, attn_in, res, pos, full((j[None] <= j[:, None]) & (j[None] >= 1)))
+        losses, tops, weights, prev_k, prev_v = [], [], [], [], []
+        for s in range(self.ttt_steps):
+            if s > 0:
+                attn_in, res = dr.layer_input(dp, emb, tok, shift(h, 1))
+                ctx_k = [k0] + [shift(kk, s - r) for r, kk in enumerate(prev_k, start=1)]
+                ctx_v = [v0] + [shift(vv, s - r) for r, vv in enumerate(prev_v, start=1)]
+                eye = jnp.eye(t, dtype=bool)
+                masks = [(j[None] <= j[:, None] - s) & (j[None] >= 1)] + [
+                    eye & (j[:, None] >= s - r + 1) for r in range(1, s)
+                ]
+                h, ks, vs = feature_chain.block(
+                    cfg, lp, attn_in, res, pos, full(eye), jnp.concatenate(ctx_k, axis=1),
+                    jnp.concatenate(ctx_v, axis=1), jnp.concatenate([full(m) for m in masks], axis=2),
+                )
+                prev_k.append(ks)
+                prev_v.append(vs)
+            logits = dr.draft_logits(dp, emb, h)
+            mask = valid & (j[None] >= s + 1)
+            loss, top1 = soft_ce(logits, batch["topk_ids"], batch["topk_probs"], frozen["t2d"], mask)
+            losses.append(loss)
+            tops.append(top1)
+            weights.append(self.ttt_decay**s)
+        w = jnp.asarray(weights) / sum(weights)
+        metrics = {"top1": tops[0]} | {f"top1_s{s}": a for s, a in enumerate(tops)}
+        return jnp.sum(jnp.stack(losses) * w), metrics
+
+
+METHODS = {"eagle": Eagle, "eagle3": Eagle3, "medusa": Medusa, "draft_model": Draft}

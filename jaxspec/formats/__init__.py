@@ -1,0 +1,107 @@
+"""Drafter checkpoints in published layouts: detect, read into a runtime drafter, write.
+
+    FORMATS: jaxspec (orbax, jaxspec.train) | eagle3 | speculators | medusa (vLLM) |
+             medusa_fd (FasterDecoding) | mtp (DeepSeek-V3-style module stored with the target)
+
+    fmt = detect_format(path)                                  # from meta.json / config.json
+    drafter, dparams = load_drafter_checkpoint("eagle", path, target)   # any eagle-family layout
+
+Which method reads which layouts: eagle <- jaxspec, eagle3, speculators; eagle3 <- jaxspec
+(trained with method eagle3), eagle3, speculators; medusa <- jaxspec, medusa, medusa_fd;
+mtp <- mtp; draft_model <- jaxspec.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxspec.errors import JaxspecError
+
+FORMATS = ("jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp")
+METHOD_FORMATS = {
+    "eagle": ("jaxspec", "eagle3", "speculators"),
+    "eagle3": ("jaxspec", "eagle3", "speculators"),
+    "medusa": ("jaxspec", "medusa", "medusa_fd"),
+    "mtp": ("mtp",),
+    "draft_model": ("jaxspec",),
+}
+
+
+def resolve(path) -> Path:
+    from jaxspec.train.checkpoint import resolve_path  # configs name checkpoints/... repo-relative
+
+    return resolve_path(path)
+
+
+def detect_format(path) -> str:
+    p = resolve(path)
+    if not p.is_dir():
+        raise JaxspecError(f"drafter checkpoint {path} does not exist or is not a directory")
+    if (p / "meta.json").is_file():
+        return "jaxspec"
+    if not (p / "config.json").is_file():
+        raise JaxspecError(
+            f"{path} has neither meta.json (a jaxspec checkpoint) nor config.json (a published "
+            f"EAGLE-3, speculators, Medusa or MTP checkpoint)"
+        )
+    from jaxspec.formats import eagle3, medusa, mtp
+    from jaxspec.formats.tensors import read_config
+
+    config = read_config(p)
+    for detect in (eagle3.detect, medusa.detect, mtp.detect):
+        fmt = detect(config)
+        if fmt:
+            return fmt
+    raise JaxspecError(
+        f"{path}/config.json is not a drafter layout jaxspec knows (EAGLE-3 original or "
+        f"speculators, Medusa FasterDecoding or vLLM, MTP): set speculative.checkpoint_format "
+        f"to one of {', '.join(FORMATS)}"
+    )
+
+
+def read_head(path, fmt: str):
+    """A layout-free head (eagle3.Eagle3Head | medusa.MedusaHead) from a published layout."""
+    from jaxspec.formats import eagle3, medusa
+
+    p = resolve(path)
+    if fmt in eagle3.LAYOUTS:
+        return eagle3.read(p, fmt)
+    if fmt in medusa.LAYOUTS:
+        return medusa.read(p, fmt)
+    raise JaxspecError(
+        f"format {fmt!r} has no layout-free head reader: use one of eagle3, speculators, medusa, medusa_fd"
+    )
+
+
+def load_drafter_checkpoint(
+    method: str, path, target, fmt: str = "auto", eagle3_layer_ids: str = "input"
+):
+    """(drafter, dparams) for `method` from the checkpoint directory `path` in `fmt` (auto:
+    detected); target: LoadedModel (cfg, params). eagle3_layer_ids: how explicit EAGLE-3 tap ids
+    are read (formats.eagle3.check_target: input = vLLM, output = SGLang / SpecForge)."""
+    if path is None:
+        raise JaxspecError(
+            f"speculative.checkpoint is required for method '{method}': point it to a drafter "
+            f"checkpoint directory (jaxspec, EAGLE-3, speculators, Medusa or MTP layout)"
+        )
+    got = detect_format(path) if fmt == "auto" else fmt
+    allowed = METHOD_FORMATS.get(method, ("jaxspec",))
+    if got not in allowed:
+        raise JaxspecError(
+            f"drafter checkpoint {path} is in the {got} layout, which method '{method}' does not "
+            f"read (it reads {', '.join(allowed)}): change speculative.method or checkpoint_format"
+        )
+    if got == "jaxspec":
+        from jaxspec.train.load import load_trained_drafter
+
+        return load_trained_drafter(method, path, target)
+    if got == "mtp":
+        from jaxspec.formats import mtp
+
+        return mtp.read(resolve(path), target.cfg, str(path))
+    from jaxspec.formats import eagle3, medusa
+
+    head = read_head(path, got)
+    if got in eagle3.LAYOUTS:
+        return eagle3.to_drafter(head, target.cfg, str(path), eagle3_layer_ids)
+    return medusa.to_drafter(head, target.cfg, str(path))

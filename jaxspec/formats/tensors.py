@@ -1,0 +1,185 @@
+"""Tensor files of published drafter checkpoints, and the checks every reader applies.
+
+Read: every `*.safetensors` in a directory (memory-mapped numpy; bfloat16 via ml_dtypes), or, when
+there is none, PyTorch `.pt`/`.bin` files through `torch.load(weights_only=True)` -- plain tensors
+only, never arbitrary unpickling. Write: one `model.safetensors` (safetensors' own numpy writer).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxspec.errors import JaxspecError
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def read_config(path: Path) -> dict:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise JaxspecError(
+            f"{path / 'config.json'} is missing or not JSON ({type(e).__name__}): a published "
+            f"drafter checkpoint needs its config.json"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise JaxspecError(f"{path / 'config.json'} is not a JSON object: fix or re-download it")
+    return cfg
+
+
+def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        mm = np.memmap(file, dtype=np.uint8, mode="r")
+        out = {}
+        for name, info in header.items():
+            if info["dtype"] not in _DTYPES:
+                raise JaxspecError(
+                    f"{file}: tensor {name} has dtype {info['dtype']}, which jaxspec does not read: "
+                    f"convert it to float32/bfloat16/float16 (int64/bool for d2t/t2d)"
+                )
+            begin, end = info["data_offsets"]
+            raw = mm[8 + n + begin : 8 + n + end]
+            out[name] = raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        return out
+    except (OSError, struct.error, ValueError, KeyError) as e:
+        if isinstance(e, JaxspecError):
+            raise
+        raise JaxspecError(
+            f"{file} is not a readable safetensors file ({e}): re-download it"
+        ) from None
+
+
+def _read_torch(file: Path) -> dict[str, np.ndarray]:
+    import torch  # optional dependency: only for .pt/.bin checkpoints
+
+    try:
+        sd = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- UnpicklingError for non-tensors, or damage
+        raise JaxspecError(
+            f"{file} cannot be read with torch.load(weights_only=True) ({type(e).__name__}): "
+            f"jaxspec reads plain tensor state dicts only; convert it to safetensors"
+        ) from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise JaxspecError(f"{file} is not a state dict of tensors: convert it to safetensors")
+    out = {}
+    for k, v in sd.items():
+        v = v.detach().cpu()
+        out[k] = (
+            v.float().numpy().astype(ml_dtypes.bfloat16) if v.dtype == torch.bfloat16 else v.numpy()
+        )
+    return out
+
+
+def read_tensors(
+    path: Path, torch_files: tuple[str, ...] = ("*.pt", "*.bin")
+) -> dict[str, np.ndarray]:
+    """All tensors of the checkpoint directory `path`, by name."""
+    files = sorted(path.glob("*.safetensors"))
+    reader = _read_safetensors
+    if not files:
+        files = sorted(f for pattern in torch_files for f in path.glob(pattern))
+        reader = _read_torch
+    if not files:
+        raise JaxspecError(f"{path} has no *.safetensors (or .pt/.bin) tensor files")
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        for k, v in reader(f).items():
+            if k in out:
+                raise JaxspecError(
+                    f"{path}: tensor {k} is stored twice ({f.name} and another file)"
+                )
+            out[k] = v
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict | None = None):
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+        str(path / "model.safetensors"),
+        metadata=metadata or {"format": "pt"},
+    )
+
+
+def write_config(path: Path, config: dict):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+def _names(names, n=4) -> str:
+    names = sorted(names)
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def check_names(where, got, required, optional=()) -> None:
+    """Refuse missing or unexpected tensors, naming them."""
+    missing = set(required) - set(got)
+    if missing:
+        raise JaxspecError(
+            f"{where}: missing tensors {_names(missing)}: the checkpoint is incomplete or not "
+            f"in this layout"
+        )
+    extra = set(got) - set(required) - set(optional)
+    if extra:
+        raise JaxspecError(
+            f"{where}: unexpected tensors {_names(extra)}: this variant of the layout is not "
+            f"supported (or checkpoint_format names the wrong layout)"
+        )
+
+
+def check_tensor(where, name, a: np.ndarray, shape, kind="float") -> None:
+    """kind: float (any float dtype) | int | bool (bool or 0/1 integers)."""
+    if tuple(a.shape) != tuple(shape):
+        raise JaxspecError(
+            f"{where}: tensor {name} has shape {list(a.shape)}, expected {list(shape)} from "
+            f"config.json: the weights and the config disagree"
+        )
+    ok = {
+        "float": np.issubdtype(a.dtype, np.floating) or a.dtype == ml_dtypes.bfloat16,
+        "int": np.issubdtype(a.dtype, np.integer),
+        "bool": a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer),
+    }[kind]
+    if not ok:
+        raise JaxspecError(f"{where}: tensor {name} has dtype {a.dtype}, expected a {kind} tensor")
+
+
+def check_draft_ids(where, name, ids: np.ndarray, vocab: int) -> None:
+    """Absolute target ids of a draft vocabulary: in range and distinct."""
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+        raise JaxspecError(
+            f"{where}: {name} maps to target id {bad}, outside the target vocabulary "
+            f"[0, {vocab}): the checkpoint is for another tokenizer or is corrupt"
+        )
+    uniq, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+        raise JaxspecError(
+            f"{where}: {name} maps {int(counts.max())} draft ids to target id "
+            f"{int(uniq[counts > 1][0])}: a draft vocabulary must list each target token once"
+        )
