@@ -486,7 +486,8 @@ def test_loaded_heads_are_greedy_identical(tmp_path, target, kind):
 @pytest.mark.parametrize("kind", ["eagle3", "medusa", "mtp"])
 def test_loaded_heads_keep_the_target_distribution(tmp_path, kind):
     """The exact-law test of tests/test_trained_drafters.py with a head read from a file."""
-    from test_trained_drafters import NUM_TOKENS, PROMPT, V, chi_square_pvalue, exact_joint, sample
+    from distribution import chi_square_pvalue, exact_law
+    from test_trained_drafters import NUM_TOKENS, PROMPT, V, sample
 
     small = tiny_model(seed=5, scale=0.6, vocab=V, layers=LAYERS, eos=(-1,))
     torch = import_torch()
@@ -515,7 +516,7 @@ def test_loaded_heads_keep_the_target_distribution(tmp_path, kind):
     counts, results = sample(small, drafter, dparams, sp)
     rate = np.mean([r.metrics["acceptance_rate"] for r in results])
     assert 0.02 < rate < 0.95, rate  # both happen, thousands of times over 16000 rows
-    assert chi_square_pvalue(counts, exact_joint(small, PROMPT, sp, NUM_TOKENS)) > 1e-3
+    assert chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)) > 1e-3
 
 
 # ---- export -> import round trips -------------------------------------------------------------
