@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from jaxspec import distributed
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
@@ -144,13 +145,15 @@ def run(argv: list[str] | None = None) -> int:
     from jaxspec.build import build_engine, sampling_params
 
     args, config, prompts = parse(argv)
+    distributed.start(config.distributed)  # before any device is touched
     enable_compilation_cache()
     sp = sampling_params(config)  # validated before the model load
     engine = build_engine(config)
     gen = config.generation
     seed = config.sampling.seed
 
-    if len(prompts) == 1 and not args.json:
+    primary = distributed.is_primary()  # every process computes; process 0 prints
+    if len(prompts) == 1 and not args.json and engine.plan is None:
         n = gen.max_new_tokens
         for piece in engine.stream(prompts[0], max_new_tokens=n, sampling=sp, seed=seed):
             sys.stdout.write(piece)
@@ -165,7 +168,7 @@ def run(argv: list[str] | None = None) -> int:
         seed=seed,
         batch_size=gen.batch_size,
     )
-    for r in results:
+    for r in results if primary else ():
         if args.json:
             print(json.dumps(r.to_json()), flush=True)
         else:

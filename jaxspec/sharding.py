@@ -213,6 +213,17 @@ class MeshPlan:
         rules = self.drafter_rules if drafter else self.rules
         return jax.lax.with_sharding_constraint(tree, state_shardings(tree, batch, self.mesh, rules))
 
+    def constrain_window_kv(self, window_kv):
+        """Window k/v ([B, T, K, H] per layer, or [L, B, T, K, H]) sharded like the cache."""
+        logical = ("batch", None, "kv_heads", "head_dim")
+
+        def one(x):
+            axes = logical if x.ndim == 4 else ("layers", *logical)
+            spec = _fitted_spec(self.rules, axes, x.shape, self.mesh, {})
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(one, window_kv)
+
     def put(self, tree, batch: int, drafter: bool = False):
         """device_put by `state_shardings` (outside jit)."""
         rules = self.drafter_rules if drafter else self.rules

@@ -210,6 +210,8 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
                 [lambda c, w=w: _verify(spec, tparams, window, c, sp, w, write=False) for w in widths],
                 state.cache,
             )
+            if spec.mesh is not None:  # k/v laid out as the cache (else GSPMD may gather it)
+                window_kv = spec.mesh.constrain_window_kv(window_kv)
             cache = llama.write_window(state.cache, window_kv, state.cache.positions(g + 1))
         num_acc, next_token = acceptance.accept(drafts, proposal.probs, p, num_proposed, k_accept)
     tokens, lengths, count, done = _emit(spec, state, drafts, num_acc, next_token)
@@ -249,7 +251,7 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
 
     def body(carry):
         s, i = carry
-        return decode_step(spec, tparams, dparams, s, sp), i + 1
+        return decode_step(spec, tparams, dparams, _place(spec, s), sp), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
     return state
