@@ -245,8 +245,15 @@ class MeshPlan:
         return jax.make_array_from_process_local_data(sharding, x[lo:hi], x.shape)
 
     def put_replicated(self, tree):
-        """Small host values (sampling params, keys) as replicated global arrays."""
-        return jax.device_put(tree, NamedSharding(self.mesh, P()))
+        """Small values (sampling params, PRNG keys) as replicated global arrays."""
+        rep = NamedSharding(self.mesh, P())
+
+        def one(x):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                return jax.random.wrap_key_data(put_global(jax.random.key_data(x), rep))
+            return put_global(x, rep)
+
+        return jax.tree.map(one, tree)
 
     def place_target(self, params, cfg: llama.ModelConfig):
         """The target's params on the mesh (a no-op when they already are)."""
@@ -278,10 +285,19 @@ def fetch(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+    """`x` (the same value in every process) as a global array: with several processes each
+    builds only the shards of its own devices."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def _put_if_needed(x, sharding: NamedSharding):
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
         return x
-    return jax.device_put(x, sharding)
+    return put_global(x, sharding)
 
 
 __all__ = [

@@ -131,3 +131,48 @@ def test_loading_builds_each_leaf_on_its_shards():
         assert r["peak"] <= r["final"] + r["largest_layer_tensor"], r
     r = out["unrolled"]
     assert out["load_then_shard_peak"] > r["final"] + r["largest_tensor"], out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_form_one_mesh_and_match_one_process():
+    """Two CPU processes on the loopback address, 4 simulated devices each, joined through
+    jax.distributed into one (2, 4) mesh: each hands over its own 4 rows of the batch, the rows
+    are gathered, only process 0 prints, and the tokens equal a one-process, one-device run."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mesh_check
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", ""
+    )
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "tests/multihost_check.py", str(i), port],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    first, second = outs
+    assert first["local_rows"] == [0] and second["local_rows"] == [4]  # process-local rows
+    assert set(second) == {"local_rows"}  # process 1 printed no results
+    target = mesh_check.model()
+    for name, drafter, dparams, _ in mesh_check.drafters(target)[:2]:
+        assert first[name] == mesh_check.generate(target, drafter, dparams), name
