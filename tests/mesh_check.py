@@ -204,6 +204,23 @@ def loading(tmp: Path) -> dict:
     return out
 
 
+def smollm2() -> dict:
+    """SmolLM2-135M (9 heads, 3 kv heads, GGUF) loaded straight onto a (2, 3) mesh, one whole kv
+    head per device, against one device: greedy tokens of two chat prompts."""
+    from jaxspec.loading import load_model
+
+    prompts = ["What is JAX?", "Name three colors."]
+    one = load_model("smollm2-135m", layout="unrolled")
+    single = [r.token_ids for r in Engine(one).generate(prompts, max_new_tokens=16, batch_size=2)]
+    del one
+    plan = MeshPlan(make_mesh(2, 3))
+    m = load_model("smollm2-135m", layout="auto", mesh=plan)
+    wk = m.params["layers"][0]["wk"]
+    eng = Engine(m, NgramDrafter(m.cfg.vocab_size, 1, 3), (), num_speculative_tokens=3, mesh=plan)
+    sharded = [r.token_ids for r in eng.generate(prompts, max_new_tokens=16, batch_size=2)]
+    return {"same": sharded == single, "layout": m.layout, "wk_shard": list(wk.sharding.shard_shape(wk.shape))}
+
+
 def main(mode: str) -> dict:
     assert jax.device_count() == 8, jax.devices()
     if mode == "parity":
@@ -227,6 +244,8 @@ def main(mode: str) -> dict:
             for shape in ((1, 8), (2, 4))
             for layers in (2, 4)
         }
+    if mode == "smollm2":
+        return smollm2()
     if mode == "loading":
         import tempfile
 

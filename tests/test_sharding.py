@@ -176,3 +176,39 @@ def test_two_processes_form_one_mesh_and_match_one_process():
     target = mesh_check.model()
     for name, drafter, dparams, _ in mesh_check.drafters(target)[:2]:
         assert first[name] == mesh_check.generate(target, drafter, dparams), name
+
+
+def test_smollm2_loads_onto_a_mesh_by_whole_kv_heads_and_keeps_its_tokens():
+    """The real GGUF (9 heads, 3 kv heads) on (2, 3): one kv head per device, dequantised one
+    tensor at a time onto the mesh; n-gram speculation there equals plain decoding on one device."""
+    out = run_check("smollm2")
+    assert out == {"same": True, "layout": "unrolled", "wk_shard": [64, 576]}, out
+
+
+def _cli_error(argv, devices=1) -> str:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TRANSFORMERS_VERBOSITY="error")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspec.generate", "--prompt", "hi", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, devices, fragment",
+    [
+        (["mesh.model=4"], 1, "mesh data=1 x model=4 needs 4 devices but 1 are available"),
+        (["mesh.data=0"], 1, "mesh.data=0 is invalid: use an integer >= 1"),
+        (["distributed.num_processes=2", "distributed.process_id=2"], 1,
+         "distributed.process_id=2 is invalid: use 0..1"),
+        (["mesh.data=2", "--batch-size", "3"], 8,
+         "batch of 3 rows does not divide over mesh data=2: use a batch_size that is a multiple of 2"),
+        (["mesh.model=4"], 8, "mesh model=4 cannot split num_heads=9 into whole heads: "
+                              "use mesh.model in (1, 3, 9)"),
+    ],
+)
+def test_cli_refuses_bad_meshes_in_one_line(argv, devices, fragment):
+    assert fragment in _cli_error(argv, devices)
