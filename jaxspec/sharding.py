@@ -269,10 +269,17 @@ class MeshPlan:
         """Drafter params: replicated, or (shard_drafter, a draft model) by the rules."""
         if dparams is None:
             return None
-        if self.shard_drafter and cfg is not None and isinstance(dparams, dict) and "layers" in dparams:
-            want = param_shardings(cfg, self.mesh, self.rules, isinstance(dparams["layers"], dict))
-            return jax.tree.map(_put_if_needed, dparams, want)
         rep = NamedSharding(self.mesh, P())
+        if self.shard_drafter and cfg is not None and isinstance(dparams, dict):
+            if "layers" in dparams:  # a draft model: the target's rules
+                want = param_shardings(cfg, self.mesh, self.rules, isinstance(dparams["layers"], dict))
+                return jax.tree.map(_put_if_needed, dparams, want)
+            if "layer" in dparams:  # EAGLE: its decoder layer by the same rules, the rest replicated
+                check_model(cfg, self.mesh)
+                want = param_shardings(cfg, self.mesh, self.rules)["layers"][0]
+                layer = {k: _put_if_needed(w, want[k]) for k, w in dparams["layer"].items()}
+                rest = {k: v for k, v in dparams.items() if k != "layer"}
+                return jax.tree.map(lambda x: _put_if_needed(x, rep), rest) | {"layer": layer}
         return jax.tree.map(lambda x: _put_if_needed(x, rep), dparams)
 
 
