@@ -20,17 +20,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxspec import speculate  # noqa: E402
-from jaxspec.drafters import NgramDrafter  # noqa: E402
-from jaxspec.errors import JaxspecError  # noqa: E402
-from jaxspec.models import llama  # noqa: E402
-from jaxspec.sampling import SamplingParams  # noqa: E402
-from jaxspec.sharding import MeshPlan, check_batch, check_model, make_mesh  # noqa: E402
-from jaxspec.sharding import param_shapes, param_shardings, state_shardings  # noqa: E402
+from jaxspec import speculate
+from jaxspec.drafters import NgramDrafter
+from jaxspec.errors import JaxspecError
+from jaxspec.models import llama
+from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import (
+    MeshPlan,
+    check_batch,
+    check_model,
+    make_mesh,
+    param_shapes,
+    param_shardings,
+    state_shardings,
+)
 
 MODELS = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

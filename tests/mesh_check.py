@@ -14,19 +14,19 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # tiny, this jaxspec
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tiny import TinyModel
 
-from jaxspec import speculate  # noqa: E402
-from jaxspec.drafters import NgramDrafter  # noqa: E402
-from jaxspec.drafters.draft_model import ModelDrafter  # noqa: E402
-from jaxspec.engine import Engine  # noqa: E402
-from jaxspec.models import llama  # noqa: E402
-from jaxspec.sampling import SamplingParams  # noqa: E402
-from jaxspec.sharding import MeshPlan, make_mesh  # noqa: E402
-from jaxspec.train import methods  # noqa: E402
-from tiny import TinyModel  # noqa: E402
+from jaxspec import speculate
+from jaxspec.drafters import NgramDrafter
+from jaxspec.drafters.draft_model import ModelDrafter
+from jaxspec.engine import Engine
+from jaxspec.models import llama
+from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import MeshPlan, make_mesh
+from jaxspec.train import methods
 
 V = 64
 PROMPTS = [[1, 2, 3, 4, 5], list(range(3, 20)), [7, 8, 9], list(range(10, 40)),
@@ -176,7 +176,7 @@ def loading(tmp: Path) -> dict:
     for layout in ("unrolled", "stacked"):
         peak: dict[str, int] = {}
 
-        def tracked(*args, **kw):
+        def tracked(*args, peak=peak, **kw):
             arr = real(*args, **kw)
             for d, n in device_bytes().items():
                 peak[d] = max(peak.get(d, 0), n)
@@ -203,7 +203,7 @@ def loading(tmp: Path) -> dict:
         }
         del m, plain, leaves
     # the old path: everything on the default device first, then sharded
-    m = load_model(tmp / "ckpt", layout="unrolled")
+    m = load_model(tmp / "ckpt", layout="unrolled")  # noqa: F841 (kept alive for the count)
     out["load_then_shard_peak"] = max(device_bytes().values())
     return out
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_platforms", "cpu")
 
-from jaxspec import distributed  # noqa: E402
-from jaxspec.config import DistributedConfig, MeshConfig  # noqa: E402
+from jaxspec import distributed
+from jaxspec.config import DistributedConfig, MeshConfig
 
 
 def main(process_id: int, port: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec.cache import KVCache, init_cache
+from jaxspec.errors import JaxspecError
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
 from jaxspec.loading.params import (
     DTYPES,

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxspec import kernels
 from jaxspec.errors import JaxspecError
-from jaxspec.models.llama import ModelConfig, Params, qkv_splits, param_shapes, stack_layers
+from jaxspec.models.llama import ModelConfig, Params, param_shapes, qkv_splits, stack_layers
 
 DTYPES = ("float32", "bfloat16", "float16")
 LAYOUTS = ("auto", "unrolled", "stacked", "packed")
