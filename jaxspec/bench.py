@@ -24,6 +24,7 @@ acceptance, γ sweep against the formula, batch sweep). Bad input: one line `err
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -35,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec import bench_formula as formula
+from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
-EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -56,11 +57,6 @@ def category_of(raw: str) -> str:
 
 
 # ---- input --------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise JaxspecError(f"{message} (see --help)")
-
-
 def _int_list(flag: str, lo: int, hi: int):
     def parse(text: str) -> list[int]:
         try:
@@ -94,9 +90,9 @@ def _threads(text: str) -> int | str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from jaxspec.engine import MAX_SPECULATIVE_TOKENS
+    from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 
-    p = _Parser(
+    p = ArgumentParser(
         prog="python -m jaxspec.bench",
         description="Spec-Bench-style benchmark of jaxspec configs against plain decoding "
         "(and transformers with --peers hf).",
@@ -450,7 +446,6 @@ class Bench:
 
     def load(self) -> None:
         from jaxspec.build import build_engine
-        from jaxspec.generate import enable_compilation_cache
         from jaxspec.loading import load_model
 
         enable_compilation_cache()
@@ -817,12 +812,28 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def check_extras(args) -> None:
+    """The optional packages this run needs, checked before anything runs (not at the end)."""
+    need = []
+    if not args.no_plots:
+        need.append(("matplotlib", "draws the plots (or pass --no-plots)"))
+    if args.peers == "hf":
+        need += [("torch", "runs the HF peers"), ("transformers", "runs the HF peers")]
+    for module, why in need:
+        if importlib.util.find_spec(module) is None:
+            raise JaxspecError(
+                f"{module} is not installed and {why}: pip install -e '.[bench]' "
+                f"(torch==2.13.0, the CPU wheel)"
+            )
+
+
 def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
     """The CLI. `target` (a LoadedModel) / `hf_model` (its transformers twin): reuse loaded ones."""
     argv = list(sys.argv[1:] if argv is None else argv)
     bench = None
     try:
         args = make_parser().parse_args(argv)
+        check_extras(args)
         bench = Bench(args, argv, target=target, hf_model=hf_model)
         bench.prepare()
         bench.load()

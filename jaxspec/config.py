@@ -10,7 +10,6 @@ valid as one read from YAML. Every mistake is a one-line `JaxspecError` naming `
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from pathlib import Path
@@ -18,8 +17,8 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from jaxspec.engine import MAX_SPECULATIVE_TOKENS
 from jaxspec.errors import JaxspecError
+from jaxspec.limits import MAX_SPECULATIVE_TOKENS, sampling_problem
 
 MAX_NGRAM = 16  # same bound as jaxspec.drafters.ngram
 METHODS = ("none", "ngram", "draft_model", "layer_skip", "eagle", "medusa")
@@ -69,14 +68,9 @@ class SamplingConfig(_Section):
     seed: int = 0
 
     def _validate(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            self._fail("temperature", "use a finite value >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            self._fail("top_k", "use an integer >= 0 (0 = off)")
-        if not 0.0 < self.top_p <= 1.0:
-            self._fail("top_p", "use a value in (0, 1] (1.0 = off)")
-        if not 0.0 <= self.min_p < 1.0:
-            self._fail("min_p", "use a value in [0, 1) (0.0 = off)")
+        problem = sampling_problem(self.temperature, self.top_k, self.top_p, self.min_p)
+        if problem is not None:
+            self._fail(*problem)
         if not 0 <= self.seed < 2**32:
             self._fail("seed", "use an integer in 0..2**32-1")
 

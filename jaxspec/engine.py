@@ -9,9 +9,10 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import jax
@@ -20,10 +21,11 @@ import numpy as np
 
 from jaxspec import sharding, speculate
 from jaxspec.errors import JaxspecError
+from jaxspec.limits import MAX_SPECULATIVE_TOKENS
+from jaxspec.loading.params import layout_of
 from jaxspec.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
-MAX_SPECULATIVE_TOKENS = 16  # γ above this costs more verify than it can win back
 
 
 @dataclasses.dataclass
@@ -92,11 +94,29 @@ class Engine:
     def method(self) -> str:
         return "plain" if self.drafter is None else self.drafter.name
 
+    def model_note(self) -> str | None:
+        """A warning worth printing about the target's layout: "auto" fell back from the CPU
+        kernels, so greedy output is no longer bit-identical across batch and window sizes."""
+        note = getattr(self.model, "layout_note", "")
+        if note.startswith("auto fell back"):
+            return f"layout {layout_of(self.model.params)} ({note})"
+        return None
+
     # ---- prompts -------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            try:
+                return [operator.index(t) for t in prompt]
+            except TypeError:
+                raise JaxspecError(
+                    "a token-id prompt must be a sequence of integers: pass text as a str"
+                ) from None
         tok = self.model.tokenizer
+        if tok is None:
+            raise JaxspecError(
+                f"model {getattr(self.model, 'name', '')!r} has no tokenizer, so it cannot take text "
+                f"prompts: add the tokenizer files to its directory or pass token ids"
+            )
         if self.chat_template and getattr(tok, "chat_template", None):
             messages = [{"role": "user", "content": prompt}]
             if self.system_prompt:
@@ -117,6 +137,13 @@ class Engine:
             limit, whose = draft_limit, "draft model's"
         if not ids:
             raise JaxspecError("empty prompt: give at least one token")
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:  # the embedding lookup would clamp it silently
+            raise JaxspecError(
+                f"prompt token id {bad} is out of range: this model's vocabulary has {vocab} "
+                f"tokens (ids 0..{vocab - 1})"
+            )
         need = len(ids) + max_new_tokens + self.spec.num_speculative_tokens
         if need > limit:
             raise JaxspecError(
@@ -264,6 +291,8 @@ class Engine:
         per_pos = state.accepted_per_position[row, :g].tolist() if g else []
         return {
             "method": self.method,
+            "layout": layout_of(self.model.params),
+            "layout_note": getattr(self.model, "layout_note", ""),
             "num_speculative_tokens": g,
             "num_steps": steps,
             "num_draft_tokens": drafted,
@@ -281,12 +310,19 @@ class Engine:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         steps_per_chunk: int = 4,
-    ) -> Iterator[str]:
-        """Yield text pieces as they are generated (the jitted loop runs a few steps per chunk)."""
+    ) -> Generator[str, None, GenerationResult]:
+        """Yield text pieces as they are generated (the jitted loop runs a few steps per chunk).
+
+        The generator's return value (`StopIteration.value`) is the prompt's GenerationResult,
+        with its metrics; its decode rate includes the host round trip after every chunk."""
         sp = sampling if sampling is not None else SamplingParams.make()
         ids = self.encode(prompt)
         self._check_fits(ids, max_new_tokens)
+        compile_s = self._ensure_compiled([ids], max_new_tokens, sp, 1)  # not in the timings
+        t0 = time.perf_counter()
         state = self._prefill([ids], max_new_tokens, sp, seed, [0], 1)
+        jax.block_until_ready(state.tokens)
+        t1 = time.perf_counter()
         shown = ""
         while True:
             tokens, length, done = jax.device_get((state.tokens[0], state.lengths[0], state.done[0]))
@@ -295,5 +331,8 @@ class Engine:
                 yield text[len(shown) :]
                 shown = text
             if done:
-                return
+                decode_s = time.perf_counter() - t1
+                result = self._results([prompt], [ids], self._fetch(state), t1 - t0, decode_s)[0]
+                result.metrics["compile_s"] = compile_s
+                return result
             state = self._decode(state, sp, steps_per_chunk)

@@ -19,22 +19,14 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from jaxspec import distributed
+from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
-EXIT_USAGE = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print usage + exit; keep the one-line contract
-        raise JaxspecError(f"{message} (see --help)")
-
-
 def make_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="python -m jaxspec.generate",
         description="Speculative decoding with JAX: generate text for one or more prompts.",
         epilog="Overrides: section.key=value, e.g. sampling.temperature=0.7 "
@@ -103,30 +95,6 @@ def read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
-def compilation_cache_dir() -> str | None:
-    """<jaxspec cache>/xla: $JAXSPEC_CACHE_DIR, else $XDG_CACHE_HOME/jaxspec, else ~/.cache/jaxspec
-    (the root the tokenizer cache uses too). None when JAXSPEC_XLA_CACHE=0 turns it off."""
-    if os.environ.get("JAXSPEC_XLA_CACHE", "").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    root = os.environ.get("JAXSPEC_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "jaxspec"
-    )
-    return str(Path(root, "xla"))
-
-
-def enable_compilation_cache() -> str | None:
-    """Persist compiled XLA programs so the next run with the same shapes skips compilation."""
-    path = compilation_cache_dir()
-    if path is None:
-        return None
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default 1 s
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
-    return path
-
-
 def parse(argv: list[str] | None = None):
     """argv -> (args, Config, prompts); everything checked that can be without loading a model."""
     from jaxspec.config import load_config
@@ -153,12 +121,23 @@ def run(argv: list[str] | None = None) -> int:
     seed = config.sampling.seed
 
     primary = distributed.is_primary()  # every process computes; process 0 prints
+    note = engine.model_note()
+    if note and primary:
+        print(f"note: {note}", file=sys.stderr)
     if len(prompts) == 1 and not args.json and engine.plan is None:
         n = gen.max_new_tokens
-        for piece in engine.stream(prompts[0], max_new_tokens=n, sampling=sp, seed=seed):
+        pieces = engine.stream(prompts[0], max_new_tokens=n, sampling=sp, seed=seed)
+        while True:
+            try:
+                piece = next(pieces)
+            except StopIteration as finished:
+                result = finished.value
+                break
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(summary_line(result), file=sys.stderr)
         return 0
 
     results = engine.generate(
@@ -173,14 +152,18 @@ def run(argv: list[str] | None = None) -> int:
             print(json.dumps(r.to_json()), flush=True)
         else:
             print(r.text + "\n", flush=True)
-            m = r.metrics
-            print(
-                f"[{r.num_generated_tokens} tokens, {r.decode_tokens_per_s:.1f} tok/s, "
-                f"{m['method']}: acceptance {m['acceptance_rate']:.2f}, "
-                f"{m['mean_accepted_length']:.2f} tokens/step]",
-                file=sys.stderr,
-            )
+            print(summary_line(r), file=sys.stderr)
     return 0
+
+
+def summary_line(result) -> str:
+    """One line per prompt on stderr: tokens, speed, acceptance, accepted length, layout."""
+    m = result.metrics
+    return (
+        f"[{result.num_generated_tokens} tokens, {result.decode_tokens_per_s:.1f} tok/s, "
+        f"{m['method']}: acceptance {m['acceptance_rate']:.2f}, "
+        f"{m['mean_accepted_length']:.2f} tokens/step, layout {m['layout']}]"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

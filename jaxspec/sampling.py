@@ -11,13 +11,13 @@ runs only when one of them is on; min-p is elementwise.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.errors import JaxspecError
+from jaxspec.limits import sampling_problem
 
 
 @jax.tree_util.register_dataclass
@@ -38,16 +38,11 @@ class SamplingParams:
         k = _host_float("top_k", top_k)
         tp = _host_float("top_p", top_p)
         mp = _host_float("min_p", min_p)
-        if not (math.isfinite(t) and t >= 0.0):
-            raise JaxspecError(
-                f"temperature={temperature!r} is invalid: use a finite value >= 0 (0 = greedy)"
-            )
-        if not (math.isfinite(k) and k >= 0 and k == int(k) and k <= 2**31 - 1):
-            raise JaxspecError(f"top_k={top_k!r} is invalid: use an integer >= 0 (0 = off)")
-        if not 0.0 < tp <= 1.0:
-            raise JaxspecError(f"top_p={top_p!r} is invalid: use a value in (0, 1] (1.0 = off)")
-        if not 0.0 <= mp < 1.0:
-            raise JaxspecError(f"min_p={min_p!r} is invalid: use a value in [0, 1) (0.0 = off)")
+        problem = sampling_problem(t, k, tp, mp)
+        if problem is not None:
+            name, fix = problem
+            given = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)[name]
+            raise JaxspecError(f"{name}={given!r} is invalid: {fix}")
         return cls(
             mode="greedy" if t == 0.0 else "sampled",
             temperature=jnp.asarray(t, jnp.float32),

@@ -109,6 +109,21 @@ def make_tiny_checkpoint(
     return path
 
 
+def save_byte_tokenizer(path: Path) -> Path:
+    """A byte-level tokenizer with exactly 256 ids (one per byte, no merges) into `path`, so a
+    tiny checkpoint (vocab 256) takes text prompts through the CLI like a real model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    by_byte = sorted(alphabet, key=lambda ch: ord(ch))
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(by_byte)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=by_byte[0]).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """Llama 3 style: llama3 rope scaling (all three frequency bands hit), GQA 4:2, untied."""

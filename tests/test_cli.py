@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec import drafters, generate
+from jaxspec import cli_support, drafters, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 NGRAM = str(ROOT / "configs" / "smollm2-135m-ngram.yaml")
@@ -171,12 +171,12 @@ def test_layering_and_flags(tmp_path):
 def test_compilation_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("JAXSPEC_XLA_CACHE", raising=False)
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
-    assert generate.compilation_cache_dir() == str(tmp_path / "xla")
+    assert cli_support.compilation_cache_dir() == str(tmp_path / "xla")
     monkeypatch.delenv("JAXSPEC_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert generate.compilation_cache_dir() == str(tmp_path / "jaxspec" / "xla")
+    assert cli_support.compilation_cache_dir() == str(tmp_path / "jaxspec" / "xla")
     monkeypatch.setenv("JAXSPEC_XLA_CACHE", "0")
-    assert generate.compilation_cache_dir() is None
+    assert cli_support.compilation_cache_dir() is None
 
 
 # ---- real runs on SmolLM2-135M (subprocesses) -----------------------------------------------
@@ -210,6 +210,7 @@ def test_json_output(json_run):
         assert r["time_to_first_token_s"] > 0 and r["decode_tokens_per_s"] > 0
         m = r["metrics"]
         assert m["method"] == "ngram" and m["num_speculative_tokens"] == 4
+        assert m["layout"] in ("packed", "unrolled") and m["layout_note"].startswith("auto")
         assert 0 <= m["num_accepted_tokens"] <= m["num_draft_tokens"]
         assert 0.0 <= m["acceptance_rate"] <= 1.0
 
@@ -222,6 +223,11 @@ def test_stream_matches_json(json_run):
     assert run.stdout.strip()
     first = json.loads(json_run.stdout.splitlines()[0])
     assert run.stdout == first["text"] + "\n"
+    # and one summary line on stderr: tokens, speed, acceptance, accepted length, layout
+    summary = [line for line in run.stderr.splitlines() if line.startswith("[")]
+    assert len(summary) == 1, run.stderr
+    assert f"[{first['num_generated_tokens']} tokens, " in summary[0]
+    assert "tok/s, ngram: acceptance" in summary[0] and "tokens/step, layout" in summary[0]
 
 
 def test_prompt_longer_than_context():

@@ -17,7 +17,7 @@ from jaxspec.config import (
     SpeculativeConfig,
     load_config,
 )
-from jaxspec.engine import MAX_SPECULATIVE_TOKENS
+from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 from jaxspec.errors import JaxspecError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -4,15 +4,13 @@ EOS, cache contents, batching and recompilation."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
-from jaxspec import acceptance, sampling, speculate
+from jaxspec import acceptance, speculate
 from jaxspec.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
@@ -20,6 +18,7 @@ from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
+from distribution import chi_square_pvalue, counts_of, exact_law
 from tiny import tiny_model
 
 PROMPT_LENGTHS = (5, 17, 9, 30)
@@ -189,44 +188,12 @@ V = 6
 NUM_ROWS = 12000
 
 
-def exact_joint(model, prompt, sp, num_tokens):
-    """Exact law of the first `num_tokens` generated tokens, by enumerating every prefix."""
-    prefixes = list(itertools.product(range(V), repeat=num_tokens - 1))
-    ids = jnp.asarray([prompt + list(seq) for seq in prefixes])  # [V^(n-1), P+n-1]
-    cache = init_cache(model.cfg.num_layers, len(prefixes), 64, 2, model.cfg.head_dim)
-    logits, _ = jax.jit(llama.forward_logits, static_argnames="cfg")(
-        model.params, ids, cache, model.cfg
-    )
-    probs = np.asarray(sampling.logits_to_probs(logits, sp))  # [V^(n-1), T, V]
-    joint = np.zeros((V,) * num_tokens)
-    for row, seq in enumerate(prefixes):
-        p_prefix = 1.0
-        for i, t in enumerate(seq):
-            p_prefix *= probs[row, len(prompt) - 1 + i, t]
-        joint[seq] += p_prefix * probs[row, len(prompt) - 1 + len(seq)]
-    return joint
-
-
-def chi_square_pvalue(counts, expected_probs):
-    expected = expected_probs.ravel() * counts.sum()
-    observed = counts.ravel()
-    big = expected >= 5  # pool the sparse cells into one
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-
-
 def sampled_counts(target, draft_params, sp, prompt, num_tokens=3, gamma=2):
     engine = Engine(target, ModelDrafter(cfg=target.cfg, target_vocab=V), draft_params,
                     num_speculative_tokens=gamma)
     results = engine.generate([prompt] * NUM_ROWS, max_new_tokens=num_tokens, sampling=sp,
                               batch_size=NUM_ROWS, seed=11)
-    counts = np.zeros((V,) * num_tokens)
-    for r in results:
-        counts[tuple(r.token_ids)] += 1
-    return counts, results
+    return counts_of([r.token_ids for r in results], V, num_tokens), results
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +221,7 @@ def test_sampled_speculation_has_the_target_distribution(small_vocab, setting, g
     counts, results = sampled_counts(target, draft_params, sp, prompt, gamma=gamma)
     rate = np.mean([r.metrics["acceptance_rate"] for r in results])
     assert 0.05 < rate < 0.95  # draft differs from the target: rejections happen
-    assert chi_square_pvalue(counts, exact_joint(target, prompt, sp, 3)) > 1e-3
+    assert chi_square_pvalue(counts, exact_law(target, prompt, sp, 3)) > 1e-3
 
 
 def broken_accept_row(draft_tokens, q, p, num_proposed, key):
@@ -277,4 +244,4 @@ def test_distribution_test_catches_a_broken_rule(small_vocab, monkeypatch):
     finally:
         monkeypatch.undo()
         jax.clear_caches()
-    assert chi_square_pvalue(counts, exact_joint(target, prompt, sp, 3)) < 1e-6
+    assert chi_square_pvalue(counts, exact_law(target, prompt, sp, 3)) < 1e-6

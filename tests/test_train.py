@@ -7,12 +7,10 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec.errors import JaxspecError
-from jaxspec.train import checkpoint as ckpt
 from jaxspec.train.data import DataConfig, generate_records
 from jaxspec.train.load import load_trained_drafter
 from jaxspec.train.train import TrainConfig, train
@@ -55,22 +53,22 @@ def run(tc, target, records, **kw):
 def test_loss_falls(tmp_path, target, records, method):
     lr = {"medusa": 3e-2}.get(method, 3e-3)
     out = run(config(tmp_path, method, steps=20, save_every=0, lr=lr), target, records)
-    losses = [h["loss"] for h in out["history"]]
+    losses = [h["loss"] for h in out.history]
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
 
 
 def test_resume_after_kill_is_exact(tmp_path, target, records):
     whole = run(config(tmp_path / "a", "eagle", steps=8), target, records)
     killed = run(config(tmp_path / "b", "eagle", steps=8), target, records, stop_at=6)
-    assert killed.get("stopped")  # checkpoint at step 4 exists; steps 5-6 are lost with the kill
+    assert killed.stopped and not whole.stopped  # checkpoint at step 4 exists; steps 5-6 are lost with the kill
     resumed = run(config(tmp_path / "b", "eagle", steps=8), target, records)
-    assert resumed["history"][0]["step"] == 5
-    for a, b in zip(jax.tree.leaves(whole["params"]), jax.tree.leaves(resumed["params"])):
+    assert resumed.history[0]["step"] == 5
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # and a different run really differs (the comparison can fail)
     other = run(config(tmp_path / "c", "eagle", steps=8, seed=3), target, records)
     assert any(not np.array_equal(a, b) for a, b in
-               zip(jax.tree.leaves(whole["params"]), jax.tree.leaves(other["params"])))
+               zip(jax.tree.leaves(whole.params), jax.tree.leaves(other.params)))
 
 
 @pytest.fixture(scope="module")
@@ -167,11 +165,11 @@ def test_tail_window_keeps_each_rows_last_positions(records):
 def test_warm_start_begins_from_the_export_and_rejects_another_arch(tmp_path, target, records, exported):
     src = run(config(tmp_path / "src", "eagle", steps=3, export_dir=str(tmp_path / "exp")), target, records)
     warm = run(config(tmp_path / "warm", "eagle", steps=1, lr=0.0, init_from=str(tmp_path / "exp")), target, records)
-    for a, b in zip(jax.tree.leaves(src["params"]), jax.tree.leaves(warm["params"])):
+    for a, b in zip(jax.tree.leaves(src.params), jax.tree.leaves(warm.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # lr 0: still the export
     cold = run(config(tmp_path / "cold", "eagle", steps=1, lr=0.0), target, records)
     assert any(not np.array_equal(a, b) for a, b in
-               zip(jax.tree.leaves(src["params"]), jax.tree.leaves(cold["params"])))
+               zip(jax.tree.leaves(src.params), jax.tree.leaves(cold.params)))
     with pytest.raises(JaxspecError, match="does not match this drafter's architecture"):
         run(config(tmp_path / "bad", "medusa", steps=1, init_from=str(exported),
                    method_args={"num_heads": 3}), target, records)  # exported with 2 heads

@@ -41,3 +41,19 @@ def tiny_model(seed=0, scale=0.3, eos=(0,), packed=False, **kw) -> TinyModel:
     if packed and kernels.available():
         params = pack_params(params)
     return TinyModel(cfg, params, eos_token_ids=eos)
+
+
+def near_tie_model(seed=0, delta=1e-6, layers=2, packed=True, **kw) -> TinyModel:
+    """A packed tiny model on which every greedy step is a near-tie: LM-head rows come in pairs
+    (2i, 2i+1) that differ by `delta` relative noise, so the argmax inside the winning pair turns
+    on the last bits of the hidden state. Any shape-dependent rounding in the target's forward
+    (a reduction whose order depends on batch or window size) flips tokens here."""
+    cfg = tiny_config(layers=layers, **kw)
+    params = llama.init_params(cfg, jax.random.key(seed), scale=0.3)
+    head = params["lm_head"]
+    noise = jax.random.normal(jax.random.key(seed + 1), head[1::2].shape)
+    head = head.at[1::2].set(head[0::2] * (1.0 + delta * noise))
+    params = params | {"lm_head": head}
+    if packed and kernels.available():
+        params = pack_params(params)
+    return TinyModel(cfg, params, eos_token_ids=(-1,))

@@ -19,7 +19,7 @@ from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.errors import JaxspecError
 
-if TYPE_CHECKING:  # jaxspec.config imports the engine, which imports drafters.base
+if TYPE_CHECKING:  # annotations only: no import of the config or loading at run time
     from jaxspec.config import SpeculativeConfig
     from jaxspec.loading import LoadedModel
 

@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.paths import cache_root
+
 PANEL = 64  # output rows per panel; must match kPanel in panel_matmul.cc
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("panel_matmul.cc", "prefix_attention.cc"))
 _HEADERS = (Path(__file__).with_name("parallel.h"),)
@@ -115,11 +117,24 @@ def available() -> bool:
     return _try_register()
 
 
+def unavailable_reason() -> str | None:
+    """Why `available()` is False, in a few words; None where the kernels run."""
+    if os.environ.get("JAXSPEC_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
+        return "JAXSPEC_CPU_KERNELS=0 turned them off"
+    if jax.default_backend() != "cpu":
+        return f"the backend is {jax.default_backend()}, not cpu"
+    return None if _try_register() else _build_errors[-1]
+
+
+_build_errors: list[str] = []
+
+
 @functools.cache
 def _try_register() -> bool:  # one build attempt per process, success or not
     try:
         _register()
     except (OSError, subprocess.SubprocessError) as e:
+        _build_errors.append(" ".join(str(e).split())[:300])
         warnings.warn(f"jaxspec CPU kernel unavailable ({e}); using XLA matmuls", stacklevel=3)
         return False
     return True
@@ -132,13 +147,6 @@ def _register() -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("JAXSPEC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxspec"
-    )
-    return Path(root) / "kernels"
-
-
 def _build() -> Path:
     """Compile the kernels for this host (cached by source, jax version and CPU)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -148,7 +156,7 @@ def _build() -> Path:
     key = hashlib.sha256(
         source + jax.__version__.encode() + _cpu_model().encode() + compiler.encode()
     ).hexdigest()[:16]
-    lib = _cache_dir() / f"jaxspec_kernels-{key}.so"
+    lib = cache_root() / "kernels" / f"jaxspec_kernels-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ from jaxspec.loading.params import (
     LAYOUTS,
     assemble,
     check_options,
-    is_packed,
+    layout_of,
     place,
     place_on_mesh,
     resolve_layout,
@@ -54,6 +54,7 @@ class LoadedModel:
     name: str
     source_path: str
     load_seconds: float = 0.0
+    layout_note: str = ""  # why this layout ran (resolve_layout), e.g. why "auto" fell back
 
     @property
     def stacked(self) -> bool:
@@ -61,7 +62,7 @@ class LoadedModel:
 
     @property
     def layout(self) -> str:
-        return "stacked" if self.stacked else "packed" if is_packed(self.params) else "unrolled"
+        return layout_of(self.params)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache in the layout (per-layer or stacked) and dtype of these params."""
@@ -97,9 +98,12 @@ def load_model(
     """
     start = time.perf_counter()
     check_options(dtype, layout)
-    layout = resolve_layout("unrolled" if mesh is not None and layout == "auto" else layout, dtype)
     if mesh is not None and layout == "packed":
         raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
+    if mesh is not None and layout == "auto":
+        layout, layout_note = "unrolled", "auto: loaded onto a mesh (the CPU kernels run on one device)"
+    else:
+        layout, layout_note = resolve_layout(layout, dtype)
     src = resolve(name_or_path)
     lazy = mesh is not None
     if src.kind == "gguf":
@@ -108,7 +112,7 @@ def load_model(
         cfg, flat, tokenizer, eos = _read_hf_dir(src.path, dtype)
     params = assemble(cfg, flat, source=str(src.path))
     if mesh is not None:
-        params = place_on_mesh(params, cfg, dtype, layout, mesh)
+        params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
     else:
         params = place(params, dtype, layout)
     return LoadedModel(
@@ -119,6 +123,7 @@ def load_model(
         name=src.name,
         source_path=str(src.path),
         load_seconds=time.perf_counter() - start,
+        layout_note=layout_note,
     )
 
 

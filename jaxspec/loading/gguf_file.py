@@ -167,6 +167,8 @@ class LazyTensor:
     """A tensor whose shape is known up front and whose data is produced by `read()` on first
     index, then kept until `release()` (the mesh loader holds one tensor in flight)."""
 
+    lazy = True  # loading.params: checked for NaN / inf slice by slice, as the mesh loader reads
+
     def __init__(self, shape: tuple[int, ...], read):
         self.shape, self._read, self._data = tuple(shape), read, None
         self.ndim = len(self.shape)

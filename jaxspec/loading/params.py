@@ -34,17 +34,34 @@ def check_options(dtype: str, layout: str) -> None:
         raise JaxspecError(f"layout 'packed' needs dtype float32, got {dtype}: use layout 'unrolled'")
 
 
-def resolve_layout(layout: str, dtype: str) -> str:
-    """"auto": "packed" where the CPU panel kernel runs (float32, one CPU device), else "unrolled"."""
+def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
+    """(layout, why it was chosen). "auto": "packed" where the CPU panel kernel runs (float32, one
+    CPU device), else "unrolled" -- and the why says which condition failed, since the packed
+    layout is the one whose greedy output is bit-identical across batch and window sizes."""
     if layout != "auto":
         if layout == "packed" and not kernels.available():
             raise JaxspecError(
                 "layout 'packed' needs the CPU panel kernel, which is unavailable here (a CPU "
                 "backend and g++ are needed): use layout 'unrolled'"
             )
-        return layout
-    single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
-    return "packed" if dtype == "float32" and single_cpu and kernels.available() else "unrolled"
+        return layout, "requested"
+    if jax.default_backend() != "cpu":
+        return "unrolled", f"auto: the {jax.default_backend()} backend has no CPU kernels"
+    if jax.device_count() != 1:
+        return "unrolled", f"auto: {jax.device_count()} devices (the CPU kernels run on one)"
+    if dtype != "float32":
+        return "unrolled", f"auto: the CPU kernels are float32 only, dtype is {dtype}"
+    why_not = kernels.unavailable_reason()
+    if why_not is not None:
+        return "unrolled", f"auto fell back: CPU kernels unavailable ({why_not})"
+    return "packed", "auto: float32 on one CPU device with the CPU kernels"
+
+
+def layout_of(params: Params) -> str:
+    """"stacked", "packed" or "unrolled": the layout these params are in."""
+    if isinstance(params["layers"], dict):
+        return "stacked"
+    return "packed" if is_packed(params) else "unrolled"
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -53,6 +70,17 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i, layer in enumerate(shapes["layers"]):
         flat |= {f"layers.{i}.{k}": v for k, v in layer.items()}
     return flat
+
+
+def check_finite(name: str, tensor, source: str) -> None:
+    """Refuse NaN or inf in a loaded weight (they would silently poison every token)."""
+    values = np.asarray(tensor)
+    if values.dtype.kind in "fc" or values.dtype.name == "bfloat16":
+        if not np.isfinite(values.astype(np.float32, copy=False)).all():
+            raise JaxspecError(
+                f"{source}: tensor {name} holds NaN or inf values: the checkpoint is corrupt — "
+                f"re-download or re-convert it"
+            )
 
 
 def assemble(cfg: ModelConfig, flat: Mapping[str, object], *, source: str) -> Params:
@@ -77,6 +105,8 @@ def assemble(cfg: ModelConfig, flat: Mapping[str, object], *, source: str) -> Pa
                 f"{source}: tensor {key} has shape {got}, config implies {tuple(shape)}: "
                 f"the checkpoint does not match its config"
             )
+        if not getattr(flat[key], "lazy", False):  # lazy (mesh) loads check each slice as read
+            check_finite(key, flat[key], source)
     layers = tuple(
         {k.split(".", 2)[2]: flat[k] for k in want if k.startswith(f"layers.{i}.")}
         for i in range(cfg.num_layers)
@@ -101,7 +131,9 @@ def place(params: Params, dtype: str, layout: str) -> Params:
     return pack_params(params) if layout == "packed" else params
 
 
-def place_on_mesh(params: Params, cfg: ModelConfig, dtype: str, layout: str, plan) -> Params:
+def place_on_mesh(
+    params: Params, cfg: ModelConfig, dtype: str, layout: str, plan, *, source: str = "checkpoint"
+) -> Params:
     """Build every leaf straight onto its shards (`plan`: a sharding.MeshPlan).
 
     The shardings come from the logical axes before any weight is read; each device's callback
@@ -119,17 +151,22 @@ def place_on_mesh(params: Params, cfg: ModelConfig, dtype: str, layout: str, pla
     stacked = layout == "stacked"
     shardings = param_shardings(cfg, plan.mesh, plan.rules, stacked)
 
-    def build(src, sharding):
-        cb = lambda idx: np.ascontiguousarray(src[idx], dtype=np_dtype)
+    def build(src, sharding, name):
+        def cb(idx):  # this device's slice only
+            piece = np.ascontiguousarray(src[idx], dtype=np_dtype)
+            if getattr(src, "lazy", False):
+                check_finite(name, piece, source)
+            return piece
+
         out = jax.make_array_from_callback(tuple(src.shape), sharding, cb)
         getattr(src, "release", lambda: None)()
         return out
 
-    out = {k: build(v, shardings[k]) for k, v in params.items() if k != "layers"}
+    out = {k: build(v, shardings[k], k) for k, v in params.items() if k != "layers"}
     layers = params["layers"]
     if not stacked:
         out["layers"] = tuple(
-            {k: build(v, shardings["layers"][i][k]) for k, v in layer.items()}
+            {k: build(v, shardings["layers"][i][k], f"layers.{i}.{k}") for k, v in layer.items()}
             for i, layer in enumerate(layers)
         )
         return out
@@ -139,7 +176,7 @@ def place_on_mesh(params: Params, cfg: ModelConfig, dtype: str, layout: str, pla
         shape = (len(layers), *layers[0][k].shape)
         buf = _zeros(shape, np_dtype, sharding)
         for i, layer in enumerate(layers):
-            buf = _set_layer(buf, build(layer[k], layer_sharding), i)
+            buf = _set_layer(buf, build(layer[k], layer_sharding, f"layers.{i}.{k}"), i)
         out["layers"][k] = buf
     return out
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
 
 from jaxspec.loading.gguf_file import metadata
+from jaxspec.paths import cache_root
 
 # End-of-turn markers of common chat templates; one counts as a stop token when the model's
 # template uses it and the vocabulary has it as a single token.
@@ -139,13 +139,6 @@ def stop_token_ids(tokenizer, extra_ids=()) -> tuple[int, ...]:
                 if token_id is not None and tokenizer.convert_ids_to_tokens(token_id) == token:
                     ids.append(token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
-
-
-def cache_root() -> Path:
-    if os.environ.get("JAXSPEC_CACHE_DIR"):
-        return Path(os.environ["JAXSPEC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jaxspec"
 
 
 def _cache_dir(path: Path) -> Path | None:

@@ -153,9 +153,29 @@ def stack_layers(params: Params) -> Params:
     return params | {"layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
 
 
+def fixed_order_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis in an order that does not depend on the other dims: [..., D] -> [..., 1].
+
+    XLA's reduce picks its summation order from the whole array's shape, so a row's sum could
+    differ in the last bit between a one-token step ([B, 1, D]) and a verify window ([B, T, D])
+    once B*T grew (~64 rows here): enough to flip a near-tied greedy token. Halving with
+    elementwise adds (zero-padded to a power of two) fixes the order per row: log2(D) passes.
+    """
+    d = x.shape[-1]
+    width = 1 << max(d - 1, 0).bit_length()
+    if width != d:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - d)])
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMS norm in float32 with a shape-independent sum (see fixed_order_sum)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    mean_sq = fixed_order_sum(x32 * x32) / x.shape[-1]
+    y = x32 * jax.lax.rsqrt(mean_sq + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -231,7 +251,9 @@ def _attention(q, k, v, mask):
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
-KERNEL_ATTENTION_MAX_QUERIES = 16  # decode and verify windows; prompts go through XLA's GEMMs
+# Decode and verify windows up to the largest γ + 1 (and tree budgets); prompts go through XLA's
+# GEMMs. The kernel computes each query row alone, so any window length gives the same rows.
+KERNEL_ATTENTION_MAX_QUERIES = 64
 
 
 def uses_cpu_kernels(params: Params) -> bool:

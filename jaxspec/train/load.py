@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
+from jaxspec.drafters.draft_vocab import check_d2t
 from jaxspec.errors import JaxspecError
-from jaxspec.loading.params import is_packed, unpack_params
+from jaxspec.loading.params import check_finite, is_packed, unpack_params
 from jaxspec.train import checkpoint as ckpt
 from jaxspec.train import methods as methods_lib
 
@@ -37,9 +38,11 @@ def load_trained_drafter(method: str, path, target):
         m = methods_lib.Medusa(num_heads=arch["num_heads"])
     else:
         m = methods_lib.Draft(layers_from=tuple(arch["layers_from"]))
-    d2t = jnp.asarray(stored.pop("d2t"), jnp.int32)
+    d2t = jnp.asarray(check_d2t(stored.pop("d2t"), target.cfg.vocab_size, str(path)))
     if isinstance(stored.get("layers"), list):  # orbax stores tuples as lists
         stored["layers"] = tuple(stored["layers"])
+    for key, leaf in jax.tree_util.tree_leaves_with_path(stored):
+        check_finite(jax.tree_util.keystr(key), leaf, f"drafter checkpoint {path}")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stored)
     expected, _ = jax.eval_shape(lambda: m.init(target, d2t, jax.random.key(0)))
     got = jax.tree.map(lambda x: x.shape, params)

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -139,16 +139,33 @@ def held_out_prompts(tc: TrainConfig) -> list:
     return [r["question"] for r in held[: tc.eval_prompts]]
 
 
-def train(
-    tc: TrainConfig, target=None, data=None, eval_prompts=None, log=print, progress=True,
-    stop_at: int | None = None,
-):
-    """Train (resuming from `ckpt_dir` if it holds a checkpoint), evaluate, export.
-    `stop_at`: leave after that step without the final save/eval/export (simulates a kill).
-    Returns {"params", "frozen", "method", "drafter", "history", "eval"}."""
-    from tqdm import tqdm
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What `train` returns, stopped early or not (one shape either way)."""
 
-    t_start = time.time()
+    params: Any  # the drafter's trained params
+    state: dict  # {"params", "opt_state", "step"}: what a checkpoint holds
+    history: list[dict]  # per-step metrics of this run
+    frozen: Any  # the target's pieces the drafter reads (embedding, head rows)
+    method: Any  # the methods.* object (init / loss / runtime / drafter)
+    drafter: Any  # the runtime drafter for engine use
+    eval: dict | None = None  # final held-out evaluation (None: stopped early or no prompts)
+    stopped: bool = False  # left at `stop_at`, before the final save/eval/export
+
+
+class _Setup(NamedTuple):
+    target: Any
+    data: dict
+    method: Any
+    d2t: np.ndarray
+    frozen: Any
+    state: dict
+    start: int  # first step to run (> 0 when resumed)
+    mngr: Any
+
+
+def _prepare(tc: TrainConfig, target, data, log) -> _Setup:
+    """Target, data, draft vocabulary, initial (or warm-started, or resumed) state."""
     if target is None:
         from jaxspec.loading import load_model
 
@@ -171,8 +188,13 @@ def train(
     if restored is not None:
         state = restored
         log(f"resumed from {tc.ckpt_dir} at step {start}")
-    batches = Batches(data, tc.batch_size, tc.seq_len, tc.seed, method.feature_slots)
-    tcfg = target.cfg
+    return _Setup(target, data, method, d2t, frozen, state, start, mngr)
+
+
+def _make_step(tc: TrainConfig, setup: _Setup):
+    """The jitted optimiser step: (state, batch) -> (state, metrics)."""
+    opt = make_optimizer(tc)
+    method, frozen, tcfg = setup.method, setup.frozen, setup.target.cfg
 
     def loss_fn(p, batch):
         return method.loss(p, frozen, batch, tcfg)
@@ -185,61 +207,83 @@ def train(
         metrics = metrics | {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-    drafter = method.drafter(tcfg)
+    return train_step
+
+
+def train(
+    tc: TrainConfig, target=None, data=None, eval_prompts=None, log=print, progress=True,
+    stop_at: int | None = None,
+) -> TrainResult:
+    """Train (resuming from `ckpt_dir` if it holds a checkpoint), evaluate, export.
+    `stop_at`: leave after that step without the final save/eval/export (simulates a kill)."""
+    from tqdm import tqdm
+
+    t_start = time.time()
+    setup = _prepare(tc, target, data, log)
+    target, method, frozen, state = setup.target, setup.method, setup.frozen, setup.state
+    train_step = _make_step(tc, setup)
+    batches = Batches(setup.data, tc.batch_size, tc.seq_len, tc.seed, method.feature_slots)
+    drafter = method.drafter(target.cfg)
     prompts = eval_prompts if eval_prompts is not None else held_out_prompts(tc)
+
+    def evaluate_now(state):
+        runtime = method.runtime(state["params"], frozen)
+        return evaluate(target, drafter, runtime, prompts, tc.gamma, tc.eval_max_new)
+
     history, evals = [], []
-    bar = tqdm(total=tc.steps, initial=start, desc=f"train {tc.method}", disable=not progress)
-    for step in range(start, tc.steps):
+    result = lambda state, **kw: TrainResult(  # noqa: E731
+        params=state["params"], state=state, history=history, frozen=frozen, method=method,
+        drafter=drafter, **kw)
+    bar = tqdm(total=tc.steps, initial=setup.start, desc=f"train {tc.method}", disable=not progress)
+    for step in range(setup.start, tc.steps):
         if stop_at is not None and step >= stop_at:
             bar.close()
-            return {"params": state["params"], "state": state, "history": history, "stopped": True}
+            return result(state, stopped=True)
         state, metrics = train_step(state, _shard_batch(batches(step)))
         metrics = {k: float(v) for k, v in metrics.items()}
         history.append({"step": step + 1, **metrics})
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.3f}")
         bar.update(1)
         if tc.save_every and (step + 1) % tc.save_every == 0 and step + 1 < tc.steps:
-            ckpt.save_state(mngr, step + 1, state)
+            ckpt.save_state(setup.mngr, step + 1, state)
         if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps and prompts:
-            ev = evaluate(target, drafter, method.runtime(state["params"], frozen), prompts, tc.gamma, tc.eval_max_new)
+            ev = evaluate_now(state)
             evals.append({"step": step + 1, **ev})
             log(f"step {step + 1}: eval {json.dumps(ev)}")
     bar.close()
-    if start < tc.steps:
-        ckpt.save_state(mngr, tc.steps, state)
+    if setup.start < tc.steps:
+        ckpt.save_state(setup.mngr, tc.steps, state)
     train_s = time.time() - t_start
     final = None
     if prompts:
-        final = evaluate(target, drafter, method.runtime(state["params"], frozen), prompts, tc.gamma, tc.eval_max_new)
+        final = evaluate_now(state)
         evals.append({"step": tc.steps, **final})
         log(f"final eval (held-out GSM8K, gamma={tc.gamma}): {json.dumps(final)}")
     if tc.export_dir:
-        training = {
-            "command": " ".join(sys.argv) if sys.argv else "",
-            "steps": tc.steps,
-            "wall_s_this_run": round(train_s, 1),
-            "rows": int(data["tokens"].shape[0]),
-            "tokens": int(data["lengths"].sum()),
-            "config": dataclasses.asdict(tc),
-            "eval": evals,
-            "last_metrics": history[-1] if history else None,
-        }
-        arch = method.arch() | {"draft_vocab": int(len(d2t))}
-        cast = lambda x: x.astype(tc.export_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-        export = {**jax.tree.map(cast, state["params"]), "d2t": jnp.asarray(d2t)}
-        ckpt.save_drafter(
-            tc.export_dir, tc.method, export, arch, ckpt.fingerprint(tcfg, target.params), training
-        )
+        _export(tc, setup, state, history, evals, train_s)
         log(f"exported {tc.export_dir}")
-    return {
-        "params": state["params"],
-        "frozen": frozen,
-        "method": method,
-        "drafter": drafter,
-        "history": history,
-        "eval": final,
-        "state": state,
+    return result(state, eval=final)
+
+
+def _export(tc: TrainConfig, setup: _Setup, state, history, evals, train_s: float) -> None:
+    """The trained params + draft vocabulary + training record, as a shippable checkpoint."""
+    training = {
+        "command": " ".join(sys.argv) if sys.argv else "",
+        "steps": tc.steps,
+        "wall_s_this_run": round(train_s, 1),
+        "rows": int(setup.data["tokens"].shape[0]),
+        "tokens": int(setup.data["lengths"].sum()),
+        "config": dataclasses.asdict(tc),
+        "eval": evals,
+        "last_metrics": history[-1] if history else None,
     }
+    arch = setup.method.arch() | {"draft_vocab": int(len(setup.d2t))}
+    cast = lambda x: x.astype(tc.export_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    export = {**jax.tree.map(cast, state["params"]), "d2t": jnp.asarray(setup.d2t)}
+    target = setup.target
+    ckpt.save_drafter(
+        tc.export_dir, tc.method, export, arch, ckpt.fingerprint(target.cfg, target.params), training
+    )
 
 
 def warm_start(params, tc: TrainConfig, target):
