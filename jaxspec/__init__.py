@@ -24,13 +24,13 @@ from jaxspec.errors import JaxspecError
 from jaxspec.loading import LoadedModel, load_model
 from jaxspec.models.llama import ModelConfig, forward, lm_head
 from jaxspec.sampling import SamplingParams, logits_to_probs
-from jaxspec.sharding import ShardingRules, make_mesh, shard_params
+from jaxspec.sharding import MeshPlan, ShardingRules, make_mesh, shard_params
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Config", "Drafter", "Engine", "GenerationResult", "JaxspecError", "KVCache", "LoadedModel",
-    "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal", "SamplingParams", "ShardingRules",
+    "MeshPlan", "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal", "SamplingParams", "ShardingRules",
     "accept", "accept_row", "available_methods", "build_drafter", "build_engine", "draft_model_drafter",
     "forward", "init_cache", "layer_skip_drafter", "lm_head", "load_config", "load_model",
     "logits_to_probs", "make_mesh", "register_drafter", "sampling_params", "shard_params",

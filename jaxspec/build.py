@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from jaxspec import drafters
 from jaxspec.config import Config
+from jaxspec.distributed import mesh_plan
 from jaxspec.engine import Engine
 from jaxspec.sampling import SamplingParams
 
@@ -21,11 +22,16 @@ def build_engine(config: Config, target=None) -> Engine:
     available fails at once.
     """
     from jaxspec.loading import load_model  # heavy (transformers, gguf): only when building
+    from jaxspec.sharding import check_batch
 
     spec = config.speculative
     drafters.check_method(spec.method)
+    plan = mesh_plan(config.mesh)  # checked against the devices before the load
+    if plan is not None:
+        check_batch(config.generation.batch_size, plan.mesh)
     if target is None:
-        target = load_model(config.model.name, dtype=config.model.dtype, layout=config.model.layout)
+        m = config.model
+        target = load_model(m.name, dtype=m.dtype, layout=m.layout, mesh=plan)
     drafter, drafter_params = drafters.build_drafter(spec, target)
     return Engine(
         target,
@@ -34,6 +40,7 @@ def build_engine(config: Config, target=None) -> Engine:
         num_speculative_tokens=spec.num_speculative_tokens if drafter is not None else 0,
         chat_template=config.generation.chat_template,
         system_prompt=config.generation.system_prompt,
+        mesh=plan,
     )
 
 

@@ -143,11 +143,59 @@ class SpeculativeConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig(_Section):
+    """Device mesh: `data` splits the batch, `model` the heads / mlp / vocabulary (tensor parallel).
+    data * model <= the device count (checked when the engine is built); 1 x 1 = one device."""
+
+    SECTION: ClassVar[str] = "mesh"
+    data: int = 1
+    model: int = 1
+    shard_drafter: bool = False  # true: a draft model follows the target's rules (default replicated)
+
+    def _validate(self):
+        for key in ("data", "model"):
+            if getattr(self, key) < 1:
+                self._fail(key, "use an integer >= 1")
+
+    @property
+    def size(self) -> int:
+        return self.data * self.model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig(_Section):
+    """Multi-host: `jax.distributed.initialize` with these (unset ones from JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID, or JAX's cluster detection: SLURM, Open MPI, TPU pods)."""
+
+    SECTION: ClassVar[str] = "distributed"
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def _validate(self):
+        if self.num_processes is not None and self.num_processes < 1:
+            self._fail("num_processes", "use an integer >= 1")
+        if self.process_id is not None:
+            if self.process_id < 0:
+                self._fail("process_id", "use an integer >= 0 (0 = the coordinator)")
+            if self.num_processes is not None and self.process_id >= self.num_processes:
+                raise JaxspecError(
+                    f"distributed.process_id={self.process_id} is invalid: "
+                    f"use 0..{self.num_processes - 1} (num_processes={self.num_processes})"
+                )
+        addr = self.coordinator_address
+        if addr is not None and not (addr.rpartition(":")[0] and addr.rpartition(":")[2].isdigit()):
+            self._fail("coordinator_address", "use host:port, e.g. 10.0.0.1:1234")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelLoadConfig = dataclasses.field(default_factory=ModelLoadConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import time
+import types
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import speculate
+from jaxspec import sharding, speculate
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 from jaxspec.loading.params import layout_of
@@ -60,6 +61,7 @@ class Engine:
         num_speculative_tokens: int = 0,
         chat_template: bool = True,
         system_prompt: str | None = None,
+        mesh=None,  # a sharding.MeshPlan or jax Mesh: params, cache, batch and state sharded on it
     ):
         if drafter is None:
             num_speculative_tokens = 0
@@ -68,6 +70,11 @@ class Engine:
                 f"num_speculative_tokens={num_speculative_tokens} is out of range: "
                 f"use 1..{MAX_SPECULATIVE_TOKENS}"
             )
+        self.plan = None
+        if mesh is not None:
+            self.plan = mesh if isinstance(mesh, sharding.MeshPlan) else sharding.MeshPlan(mesh)
+            model = dataclasses.replace(model, params=self.plan.place_target(model.params, model.cfg))
+            drafter_params = self.plan.place_drafter(drafter_params, getattr(drafter, "cfg", None))
         self.model = model
         self.drafter = drafter
         self.drafter_params = drafter_params
@@ -80,6 +87,7 @@ class Engine:
             num_speculative_tokens=num_speculative_tokens,
             eos_ids=tuple(model.eos_token_ids),
             windows=(1, 2),  # prompt lookup with no or a 1-token match: a cheaper, shorter window
+            mesh=self.plan,
         )
 
     @property
@@ -156,22 +164,30 @@ class Engine:
         max_new[len(batch_ids) :] = 1  # padding rows finish at once
         rows = np.zeros((b,), np.int32)
         rows[: len(row_ids)] = row_ids
+        key = jax.random.key(seed)
+        if self.plan is not None:  # rows over the data axis (each process its own rows)
+            put, sp, key = self.plan.put_batch, self.plan.put_replicated(sp), self.plan.put_replicated(key)
+        else:
+            put = jnp.asarray
         return speculate.prefill_jit(
             self.spec,
             self.model.params,
             self.drafter_params,
-            jnp.asarray(prompt),
-            jnp.asarray(lengths),
-            jnp.asarray(max_new),
+            put(prompt),
+            put(lengths),
+            put(max_new),
             sp,
-            jax.random.key(seed),
-            jnp.asarray(rows),
+            key,
+            put(rows),
             capacity=self._capacity(p, max_new_tokens),
         )
 
     def _decode(self, state, sp, max_steps: int):
+        steps = jnp.int32(max_steps)
+        if self.plan is not None:
+            sp, steps = self.plan.put_replicated((sp, steps))
         return speculate.decode_jit(
-            self.spec, self.model.params, self.drafter_params, state, sp, jnp.int32(max_steps)
+            self.spec, self.model.params, self.drafter_params, state, sp, steps
         )
 
     def generate(
@@ -228,10 +244,18 @@ class Engine:
         state = self._decode(state, sp, 1 << 30)
         jax.block_until_ready(state.tokens)
         t2 = time.perf_counter()
-        results = self._results(prompts, batch_ids, jax.device_get(state), t1 - t0, t2 - t1)
+        results = self._results(prompts, batch_ids, self._fetch(state), t1 - t0, t2 - t1)
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
         return results
+
+    def _fetch(self, state):
+        """The fields results read, as numpy (gathered from every process when sharded)."""
+        names = ("tokens", "lengths", "row_steps", "num_draft", "num_accepted", "accepted_per_position")
+        fields = {n: getattr(state, n) for n in names}
+        if self.plan is None:
+            return types.SimpleNamespace(**jax.device_get(fields))
+        return types.SimpleNamespace(**sharding.fetch(fields))
 
     def _results(self, prompts, batch_ids, state, ttft, decode_s) -> list[GenerationResult]:
         out = []
@@ -308,7 +332,7 @@ class Engine:
                 shown = text
             if done:
                 decode_s = time.perf_counter() - t1
-                result = self._results([prompt], [ids], jax.device_get(state), t1 - t0, decode_s)[0]
+                result = self._results([prompt], [ids], self._fetch(state), t1 - t0, decode_s)[0]
                 result.metrics["compile_s"] = compile_s
                 return result
             state = self._decode(state, sp, steps_per_chunk)

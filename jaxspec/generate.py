@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+from jaxspec import distributed
 from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
@@ -112,16 +113,18 @@ def run(argv: list[str] | None = None) -> int:
     from jaxspec.build import build_engine, sampling_params
 
     args, config, prompts = parse(argv)
+    distributed.start(config.distributed)  # before any device is touched
     enable_compilation_cache()
     sp = sampling_params(config)  # validated before the model load
     engine = build_engine(config)
     gen = config.generation
     seed = config.sampling.seed
 
+    primary = distributed.is_primary()  # every process computes; process 0 prints
     note = engine.model_note()
-    if note:
+    if note and primary:
         print(f"note: {note}", file=sys.stderr)
-    if len(prompts) == 1 and not args.json:
+    if len(prompts) == 1 and not args.json and engine.plan is None:
         n = gen.max_new_tokens
         pieces = engine.stream(prompts[0], max_new_tokens=n, sampling=sp, seed=seed)
         while True:
@@ -144,7 +147,7 @@ def run(argv: list[str] | None = None) -> int:
         seed=seed,
         batch_size=gen.batch_size,
     )
-    for r in results:
+    for r in results if primary else ():
         if args.json:
             print(json.dumps(r.to_json()), flush=True)
         else:

@@ -2,10 +2,17 @@
 cache.cache_axes); one rules table maps logical names to mesh axes ("data", "model").
 
     mesh = make_mesh(data=2, model=4)
-    params = shard_params(model.params, model.cfg, mesh)   # then generate as usual: jit follows
+    plan = MeshPlan(mesh)
+    params = shard_params(model.params, model.cfg, mesh)   # or load_model(..., mesh=plan)
+    engine = Engine(model, drafter, mesh=plan)             # cache, tokens, state sharded too
 
-A dimension that the mesh axis does not divide stays replicated (e.g. SmolLM2's 3 kv heads on a
-4-way model axis), so any rules table works on any model; small drafters stay replicated.
+Tensor parallelism is by whole heads: weights keep torch's flattened layout (`wq: [N*H, D]`), and
+cutting that dim into `m` contiguous blocks gives every device whole heads iff `m` divides the head
+COUNT N (not N*H). Query heads must divide (`check_model` says which sizes fit); kv heads that do
+not divide stay replicated over `model`, as does any mlp / vocab dim the axis does not divide.
+With q/k/v split by heads and wo / w_down contracted over the split dim, a layer needs two
+all-reduces (Megatron). Drafters are replicated over `model` by default (their batch rows still
+follow `data`); `MeshPlan(shard_drafter=True)` shards a draft model by the target's rules.
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec import kernels
+from jaxspec.cache import CACHE_AXES, KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
+
+AXES = ("data", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,25 +51,61 @@ class ShardingRules:
             raise ValueError(f"{logical} maps two dims to one mesh axis: {axes}")
         return P(*axes)
 
+    def replicated_over_model(self) -> ShardingRules:
+        """Only the batch keeps its axis (the default for drafters)."""
+        return ShardingRules(batch=self.batch, heads=None, kv_heads=None, mlp=None, vocab=None)
+
 
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
-    """A ("data", "model") mesh; `model=None` takes the devices that `data` leaves."""
+    """A ("data", "model") mesh over the first data*model devices (`jax.make_mesh` picks a
+    topology-aware order); `model=None` takes the devices that `data` leaves."""
     devices = list(devices if devices is not None else jax.devices())
-    model = model if model is not None else len(devices) // data
-    if data * model != len(devices) or data < 1 or model < 1:
+    if data < 1 or (model is not None and model < 1):
+        raise JaxspecError(f"mesh data={data}, model={model} is invalid: both sizes must be >= 1")
+    model = model if model is not None else max(len(devices) // data, 1)
+    if data * model > len(devices):
         raise JaxspecError(
-            f"mesh data={data} x model={model} does not fit {len(devices)} devices: "
-            "choose sizes whose product is the device count"
+            f"mesh data={data} x model={model} needs {data * model} devices but "
+            f"{len(devices)} are available: choose sizes whose product is at most {len(devices)}"
         )
-    return Mesh(np.asarray(devices).reshape(data, model), ("data", "model"))
+    used = devices[: data * model]
+    auto = (AxisType.Auto, AxisType.Auto)
+    if len(used) == len(jax.devices()) and devices == list(jax.devices()):
+        return jax.make_mesh((data, model), AXES, auto)
+    return jax.make_mesh((data, model), AXES, auto, devices=used)
 
 
-def _fitted_spec(rules: ShardingRules, logical: tuple, shape: tuple, mesh: Mesh) -> P:
-    """The rules' spec, with any mesh axis that does not divide its dimension dropped."""
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_model(cfg: llama.ModelConfig, mesh: Mesh) -> None:
+    """The model axis must give each device whole query heads."""
+    m = mesh.shape["model"]
+    if cfg.num_heads % m:
+        raise JaxspecError(
+            f"mesh model={m} cannot split num_heads={cfg.num_heads} into whole heads: "
+            f"use mesh.model in ({_divisors(cfg.num_heads)})"
+        )
+
+
+def check_batch(batch: int, mesh: Mesh) -> None:
+    d = mesh.shape["data"]
+    if batch % d:
+        raise JaxspecError(
+            f"batch of {batch} rows does not divide over mesh data={d}: "
+            f"use a batch_size that is a multiple of {d}"
+        )
+
+
+def _fitted_spec(rules: ShardingRules, logical: tuple, shape: tuple, mesh: Mesh, counts) -> P:
+    """The rules' spec, with any mesh axis that does not divide its dimension's unit count
+    (heads for "heads"/"kv_heads", else the dim size) dropped: whole heads or nothing."""
     spec = rules.spec(*logical)
-    fitted = [
-        a if a is None or shape[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec)
-    ]
+    fitted = []
+    for i, a in enumerate(spec):
+        count = counts.get(logical[i], shape[i]) if logical[i] else shape[i]
+        fitted.append(a if a is None or count % mesh.shape[a] == 0 else None)
     return P(*fitted)
 
 
@@ -67,28 +113,211 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
 
 
-def shardings_for(tree, axes, mesh: Mesh, rules: ShardingRules = ShardingRules()):
-    """NamedSharding for every leaf of `tree`, from the parallel pytree of logical axis names."""
+def shardings_for(tree, axes, mesh: Mesh, rules: ShardingRules = ShardingRules(), counts=None):
+    """NamedSharding for every leaf of `tree` (arrays or ShapeDtypeStructs), from the parallel
+    pytree of logical axis names. `counts`: unit counts per logical name ({"heads": N, ...})."""
     flat_axes = jax.tree.leaves(axes, is_leaf=_is_axes)
     flat, treedef = jax.tree.flatten(tree)
     if len(flat_axes) != len(flat):
         raise ValueError(f"{len(flat)} leaves but {len(flat_axes)} axis names")
     out = [
-        NamedSharding(mesh, _fitted_spec(rules, ax, leaf.shape, mesh))
+        NamedSharding(mesh, _fitted_spec(rules, ax, leaf.shape, mesh, counts or {}))
         for ax, leaf in zip(flat_axes, flat)
     ]
     return jax.tree.unflatten(treedef, out)
 
 
+def head_counts(cfg: llama.ModelConfig) -> dict[str, int]:
+    return {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
+
+
+def param_shapes(cfg: llama.ModelConfig, stacked: bool = False):
+    """ShapeDtypeStructs of the (unpacked) params: shardings before any weight is read."""
+    dtype = cfg.compute_dtype
+    shapes = llama.param_shapes(cfg)
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+    tree = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=is_shape)
+    if stacked:
+        layers = tree["layers"]
+        tree["layers"] = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((len(layers), *s.shape), dtype), layers[0]
+        )
+    return tree
+
+
+def param_shardings(
+    cfg: llama.ModelConfig, mesh: Mesh, rules: ShardingRules = ShardingRules(), stacked=False
+):
+    """NamedSharding of every param leaf, from the config alone."""
+    axes = llama.param_axes(cfg, stacked=stacked)
+    return shardings_for(param_shapes(cfg, stacked), axes, mesh, rules, head_counts(cfg))
+
+
 def shard_params(params, cfg: llama.ModelConfig, mesh: Mesh, rules: ShardingRules = ShardingRules()):
-    """Place the target's params on the mesh by their logical axes."""
+    """Place the target's params on the mesh by their logical axes (whole heads per device)."""
     if isinstance(params.get("lm_head"), kernels.PackedWeight):
         raise JaxspecError("packed params (CPU kernel layout) cannot be sharded: load with layout='unrolled'")
+    check_model(cfg, mesh)
     stacked = isinstance(params["layers"], dict)
-    axes = llama.param_axes(cfg, stacked=stacked)
-    return jax.device_put(params, shardings_for(params, axes, mesh, rules))
+    return jax.device_put(params, param_shardings(cfg, mesh, rules, stacked))
 
 
 def replicate(tree, mesh: Mesh):
     """Small drafters: a full copy on every device."""
     return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> KVCache:
+    """KV cache: batch over `data`, kv heads over `model` when they divide it."""
+    stacked = not isinstance(cache.k, tuple)
+    axes = CACHE_AXES if stacked else CACHE_AXES[1:]
+    one = lambda x: NamedSharding(mesh, _fitted_spec(rules, axes, x.shape, mesh, {}))
+    return KVCache(
+        k=jax.tree.map(one, cache.k),
+        v=jax.tree.map(one, cache.v),
+        lengths=NamedSharding(mesh, rules.spec("batch")),
+    )
+
+
+def state_shardings(tree, batch: int, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """Any per-request pytree (decode state, drafter state, buffers): KV caches by the cache
+    rules, other leaves with a leading [B] axis over `batch`, everything else replicated."""
+
+    def one(x):
+        if isinstance(x, KVCache):
+            return cache_shardings(x, mesh, rules)
+        if x.ndim >= 1 and x.shape[0] == batch:
+            spec = _fitted_spec(rules, ("batch",) + (None,) * (x.ndim - 1), x.shape, mesh, {})
+            return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """A mesh and the rules for target and drafter (hashable: a static part of the loop spec)."""
+
+    mesh: Mesh
+    rules: ShardingRules = ShardingRules()
+    shard_drafter: bool = False  # False: drafter params and state replicated over `model`
+
+    @property
+    def drafter_rules(self) -> ShardingRules:
+        return self.rules if self.shard_drafter else self.rules.replicated_over_model()
+
+    def constrain(self, tree, batch: int, drafter: bool = False):
+        """with_sharding_constraint by `state_shardings` (inside jit)."""
+        if tree is None:
+            return None
+        rules = self.drafter_rules if drafter else self.rules
+        return jax.lax.with_sharding_constraint(tree, state_shardings(tree, batch, self.mesh, rules))
+
+    def constrain_window_kv(self, window_kv):
+        """Window k/v ([B, T, K, H] per layer, or [L, B, T, K, H]) sharded like the cache."""
+        logical = ("batch", None, "kv_heads", "head_dim")
+
+        def one(x):
+            axes = logical if x.ndim == 4 else ("layers", *logical)
+            spec = _fitted_spec(self.rules, axes, x.shape, self.mesh, {})
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(one, window_kv)
+
+    def put(self, tree, batch: int, drafter: bool = False):
+        """device_put by `state_shardings` (outside jit)."""
+        rules = self.drafter_rules if drafter else self.rules
+        return jax.device_put(tree, state_shardings(tree, batch, self.mesh, rules))
+
+    def batch_sharding(self, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, self.rules.spec("batch", *([None] * (ndim - 1))))
+
+    def put_batch(self, x: np.ndarray) -> jax.Array:
+        """A host batch [B, ...] onto the mesh, rows over `data`. With several processes each
+        hands over only the rows its devices hold (`make_array_from_process_local_data`)."""
+        check_batch(x.shape[0], self.mesh)
+        sharding = self.batch_sharding(x.ndim)
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        rows = [idx[0] for idx in sharding.addressable_devices_indices_map(x.shape).values()]
+        lo = min(r.start or 0 for r in rows)
+        hi = max(x.shape[0] if r.stop is None else r.stop for r in rows)
+        return jax.make_array_from_process_local_data(sharding, x[lo:hi], x.shape)
+
+    def put_replicated(self, tree):
+        """Small values (sampling params, PRNG keys) as replicated global arrays."""
+        rep = NamedSharding(self.mesh, P())
+
+        def one(x):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                return jax.random.wrap_key_data(put_global(jax.random.key_data(x), rep))
+            return put_global(x, rep)
+
+        return jax.tree.map(one, tree)
+
+    def place_target(self, params, cfg: llama.ModelConfig):
+        """The target's params on the mesh (a no-op when they already are)."""
+        check_model(cfg, self.mesh)
+        if isinstance(params.get("lm_head"), kernels.PackedWeight):
+            raise JaxspecError(
+                "packed params (CPU kernel layout) cannot be sharded: load with layout='unrolled'"
+            )
+        want = param_shardings(cfg, self.mesh, self.rules, isinstance(params["layers"], dict))
+        return jax.tree.map(_put_if_needed, params, want)
+
+    def place_drafter(self, dparams, cfg: llama.ModelConfig | None = None):
+        """Drafter params: replicated, or (shard_drafter, a draft model) by the rules."""
+        if dparams is None:
+            return None
+        rep = NamedSharding(self.mesh, P())
+        if self.shard_drafter and cfg is not None and isinstance(dparams, dict):
+            if "layers" in dparams:  # a draft model: the target's rules
+                want = param_shardings(cfg, self.mesh, self.rules, isinstance(dparams["layers"], dict))
+                return jax.tree.map(_put_if_needed, dparams, want)
+            if "layer" in dparams:  # EAGLE: its decoder layer by the same rules, the rest replicated
+                check_model(cfg, self.mesh)
+                want = param_shardings(cfg, self.mesh, self.rules)["layers"][0]
+                layer = {k: _put_if_needed(w, want[k]) for k, w in dparams["layer"].items()}
+                rest = {k: v for k, v in dparams.items() if k != "layer"}
+                return jax.tree.map(lambda x: _put_if_needed(x, rep), rest) | {"layer": layer}
+        return jax.tree.map(lambda x: _put_if_needed(x, rep), dparams)
+
+
+def fetch(tree):
+    """Arrays -> numpy on this host; sharded over several processes, the whole global value."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+    """`x` (the same value in every process) as a global array: with several processes each
+    builds only the shards of its own devices."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _put_if_needed(x, sharding: NamedSharding):
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return put_global(x, sharding)
+
+
+__all__ = [
+    "MeshPlan",
+    "ShardingRules",
+    "cache_shardings",
+    "check_batch",
+    "check_model",
+    "fetch",
+    "make_mesh",
+    "param_shardings",
+    "replicate",
+    "shard_params",
+    "shardings_for",
+    "state_shardings",
+]

@@ -54,12 +54,25 @@ class LoopSpec:
     # Verify windows the loop may pick from (each compiled once); a variable-length drafter whose
     # rows all proposed fewer tokens verifies the smallest window that fits.
     windows: tuple[int, ...] = ()
+    # A sharding.MeshPlan (or None): the state is constrained to it at prefill and every step,
+    # so params, cache, tokens and drafter state stay sharded through the loop.
+    mesh: Any = None
 
     def verify_windows(self) -> tuple[int, ...]:
         g1 = self.num_speculative_tokens + 1
         if self.drafter is None or not self.drafter.variable_length:
             return (g1,)
         return tuple(sorted({w for w in self.windows if w < g1} | {1, g1}))
+
+
+def _place(spec: LoopSpec, state: DecodeState) -> DecodeState:
+    """Constrain the state to the mesh plan: target rules, the drafter state by the drafter's."""
+    if spec.mesh is None:
+        return state
+    b = state.lengths.shape[0]
+    dstate = spec.mesh.constrain(state.drafter_state, b, drafter=True)
+    state = spec.mesh.constrain(dataclasses.replace(state, drafter_state=None), b)
+    return dataclasses.replace(state, drafter_state=dstate)
 
 
 def _row_keys(state_key, row_ids, row_steps):  # [B] keys
@@ -89,6 +102,8 @@ def prefill(
     cache = init_cache(
         cfg.num_layers, b, capacity, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype, stacked
     )
+    if spec.mesh is not None:  # allocated sharded, not allocated whole and then split
+        cache = spec.mesh.constrain(cache, b)
     out = llama.forward(tparams, prompt_tokens, cache, cfg, hidden_layers)
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     probs = sampling.logits_to_probs(llama.lm_head(tparams, last), sp)  # [B, V]
@@ -103,7 +118,7 @@ def prefill(
             dparams, tparams, prompt_tokens, prompt_lengths, out.layer_hidden, capacity
         )
     zeros = jnp.zeros((b,), jnp.int32)
-    return DecodeState(
+    state = DecodeState(
         tokens=tokens,
         lengths=prompt_lengths + 1,
         max_lengths=prompt_lengths + max_new_tokens,
@@ -117,6 +132,7 @@ def prefill(
         num_accepted=zeros,
         accepted_per_position=jnp.zeros((b, g), jnp.int32),
     )
+    return _place(spec, state)
 
 
 def _verify(spec: LoopSpec, tparams, window: jax.Array, cache: KVCache, sp, width: int, write=True):
@@ -194,6 +210,8 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
                 [lambda c, w=w: _verify(spec, tparams, window, c, sp, w, write=False) for w in widths],
                 state.cache,
             )
+            if spec.mesh is not None:  # k/v laid out as the cache (else GSPMD may gather it)
+                window_kv = spec.mesh.constrain_window_kv(window_kv)
             cache = llama.write_window(state.cache, window_kv, state.cache.positions(g + 1))
         num_acc, next_token = acceptance.accept(drafts, proposal.probs, p, num_proposed, k_accept)
     tokens, lengths, count, done = _emit(spec, state, drafts, num_acc, next_token)
@@ -209,7 +227,7 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         dstate = spec.drafter.commit(dparams, tparams, dstate, commit_ctx)
     pos_accepted = jnp.arange(max(g, 1))[None] < num_acc[:, None]  # [B, max(G,1)]
     act = active.astype(jnp.int32)
-    return dataclasses.replace(
+    state = dataclasses.replace(
         state,
         tokens=tokens,
         lengths=lengths,
@@ -221,6 +239,7 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         num_accepted=state.num_accepted + num_acc * act,
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
     )
+    return _place(spec, state)
 
 
 def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, max_steps):
@@ -232,7 +251,7 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
 
     def body(carry):
         s, i = carry
-        return decode_step(spec, tparams, dparams, s, sp), i + 1
+        return decode_step(spec, tparams, dparams, _place(spec, s), sp), i + 1
 
     state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
     return state

@@ -1,59 +1,115 @@
-"""A sharded mesh of 8 simulated CPU devices gives the same tokens as one device."""
+"""Sharded meshes of 8 simulated CPU devices: the same tokens as one device, whole heads per device,
+cache / tokens / drafter state sharded inside and after the loop, two all-reduces per layer; and
+every bad mesh refused with its numbers. The 8-device runs are subprocesses (tests/mesh_check.py):
+the device count is fixed before jax starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from jax.sharding import AbstractMesh
 
-from jaxspec.sharding import ShardingRules
+from jaxspec.config import Config, MeshConfig, load_config
+from jaxspec.errors import JaxspecError
+from jaxspec.models import llama
+from jaxspec.sharding import ShardingRules, check_batch, check_model, make_mesh, param_shardings
 
-SCRIPT = textwrap.dedent(
-    """
-    import sys
-    sys.path.insert(0, "tests")
-    import jax
-    from tiny import tiny_model
-    from jaxspec.engine import Engine
-    from jaxspec.drafters.draft_model import layer_skip_drafter
-    from jaxspec.sampling import SamplingParams
-    from jaxspec.sharding import make_mesh, shard_params
-    assert jax.device_count() == 8, jax.devices()
-    target = tiny_model(seed=0)
-    prompts = [[1, 2, 3, 4, 5], list(range(3, 20)), [7, 8, 9], list(range(10, 40))]
-    sp = SamplingParams.make(temperature=0.8, top_p=0.9)
-    def run(model):
-        out = []
-        for drafter in (None, layer_skip_drafter(model.cfg, 2)):
-            eng = Engine(model, drafter, num_speculative_tokens=3 if drafter else 0)
-            for s in (SamplingParams.make(), sp):
-                res = eng.generate(prompts, max_new_tokens=24, sampling=s, batch_size=4)
-                out.append([r.token_ids for r in res])
-        return out
-    single = run(target)
-    mesh = make_mesh(data=2, model=4)
-    sharded = target.__class__(target.cfg, shard_params(target.params, target.cfg, mesh))
-    wq = sharded.params["layers"][0]["wq"]
-    assert len(wq.sharding.device_set) == 8 and wq.addressable_shards[0].data.shape[0] == 16
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
-        meshed = run(sharded)
-    assert meshed == single, (meshed, single)
-    print("SHARDED_OK")
-    """
-)
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_mesh_of_eight_devices_gives_the_same_tokens():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+def run_check(mode: str) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "tests/mesh_check.py", mode],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
-    assert "SHARDED_OK" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_meshes_give_the_tokens_of_one_device_for_every_method():
+    """(1, 8), (2, 4), (8, 1) against one device: plain, ngram, a draft model and EAGLE
+    (replicated, and on (2, 4) also sharded by the target's rules), greedy, 8 mixed prompts."""
+    out = run_check("parity")
+    assert len(out) == 4 * 3 + 2  # + draft model and EAGLE sharded by the target's rules on (2, 4)
+    assert all(out.values()), {k: v for k, v in out.items() if not v}
+
+
+def test_params_cache_tokens_and_drafter_state_stay_sharded_in_the_loop():
+    out = run_check("inside")
+    # (2, 4) mesh, 8 query heads of 8 dims: wq [64, 64] -> 2 whole heads (16 rows) per device;
+    # 4 kv heads -> 1 per device; cache [B=8, K=4, S, H] -> [4, 1, S, 8] per device.
+    assert out["wq_shard"] == [16, 64]
+    assert out["wk_shard"] == [8, 64]
+    assert out["cache_shard"][:2] == [4, 1]
+    for where in ("inside", "after"):
+        assert out[where]["cache"] == "('data', 'model')", out
+        assert out[where]["tokens"] == "('data',)", out
+    assert out["inside"]["drafter_state"] == "('data', 'model')", out  # draft model, shard_drafter
+
+
+def test_decode_step_needs_two_all_reduces_per_layer():
+    """Collectives in the optimised HLO of the decode loop, for 2 and 4 layers: each layer adds
+    exactly 2 all-reduces (attention out, mlp down) and nothing else; the rest is a constant
+    (embedding lookup over the vocab shards, argmax, the loop condition). ngram verifies one of
+    3 window widths (a lax.switch, one branch runs per step): 2 per layer per branch."""
+    out = run_check("collectives")
+    for mesh in ("1x8", "2x4"):
+        two, four = out[f"2 {mesh} plain"], out[f"4 {mesh} plain"]
+        assert four["all-reduce"] - two["all-reduce"] == 2 * 2, out
+        assert two["all-reduce"] <= 2 * 2 + 4, out
+        for op in ("all-gather", "reduce-scatter", "collective-permute", "all-to-all"):
+            assert four[op] == two[op] <= 2, out  # none per layer, a few small ones per step
+    two, four = out["2 2x4 ngram"], out["4 2x4 ngram"]
+    assert four["all-reduce"] - two["all-reduce"] == 2 * 2 * 3, out
+    assert four["all-gather"] == two["all-gather"], out
+
+
+def _cfg(heads=9, kv_heads=3, head_dim=64) -> llama.ModelConfig:
+    return llama.ModelConfig(
+        vocab_size=49152, hidden_size=heads * head_dim, intermediate_size=1536, num_layers=2,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+    )
+
+
+def test_shardings_split_whole_heads_only():
+    """SmolLM2's 9 heads / 3 kv heads on a 3-way model axis: 3 whole q heads and 1 kv head per
+    device. wq [576, 576] is also divisible by 4 and 8, but those would cut heads: refused."""
+    cfg = _cfg()
+    mesh = AbstractMesh((1, 3), ("data", "model"))
+    s = param_shardings(cfg, mesh)
+    layer = s["layers"][0]
+    assert tuple(layer["wq"].spec) == ("model", None)
+    assert tuple(layer["wk"].spec) == ("model", None)
+    assert tuple(layer["wo"].spec) == (None, "model")
+    assert tuple(layer["w_down"].spec) == (None, "model")
+    # 8 heads / 2 kv heads on 4: q split by heads, k/v (2 heads) replicated, not cut mid-head
+    layer = param_shardings(_cfg(8, 2), AbstractMesh((2, 4), ("data", "model")))["layers"][0]
+    assert tuple(layer["wq"].spec) == ("model", None)
+    assert tuple(layer["wk"].spec) == (None, None)
+    stacked = param_shardings(_cfg(8, 2), AbstractMesh((2, 4), ("data", "model")), stacked=True)
+    assert tuple(stacked["layers"]["wq"].spec) == (None, "model", None)
+
+
+def test_bad_meshes_are_refused_with_their_numbers():
+    with pytest.raises(JaxspecError, match=r"mesh model=4 cannot split num_heads=9 .*\(1, 3, 9\)"):
+        check_model(_cfg(), AbstractMesh((1, 4), ("data", "model")))
+    with pytest.raises(JaxspecError, match=r"batch of 3 rows does not divide over mesh data=2"):
+        check_batch(3, AbstractMesh((2, 4), ("data", "model")))
+    import jax
+
+    n = jax.device_count()
+    with pytest.raises(JaxspecError, match=rf"needs {2 * n + 2} devices but {n} are available"):
+        make_mesh(2, n + 1)
+    with pytest.raises(JaxspecError, match=r"mesh.model=0 is invalid: use an integer >= 1"):
+        load_config(None, ["mesh.model=0"])
+    assert Config().mesh == MeshConfig(data=1, model=1)
 
 
 def test_rules_refuse_one_mesh_axis_twice():
@@ -61,3 +117,97 @@ def test_rules_refuse_one_mesh_axis_twice():
     with pytest.raises(ValueError, match="two dims to one mesh axis"):
         rules.spec("vocab", "embed")
     assert tuple(ShardingRules().spec("batch", None, "heads")) == ("data", None, "model")
+
+
+def test_loading_builds_each_leaf_on_its_shards():
+    """An HF checkpoint loaded onto a (2, 4) mesh, unrolled and stacked: the peak bytes on any
+    device while loading stay within its final shards plus one layer tensor; the old path (load
+    onto one device, then shard) puts the whole model on device 0 and breaks that bound."""
+    out = run_check("loading")
+    for layout in ("unrolled", "stacked"):
+        r = out[layout]
+        assert r["sharded"] and r["same_values"] and r["tokens_match"], r
+        assert r["final"] < r["total"] / 3, r  # really split (4-way model axis, norms replicated)
+        assert r["peak"] <= r["final"] + r["largest_layer_tensor"], r
+    r = out["unrolled"]
+    assert out["load_then_shard_peak"] > r["final"] + r["largest_tensor"], out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_form_one_mesh_and_match_one_process():
+    """Two CPU processes on the loopback address, 4 simulated devices each, joined through
+    jax.distributed into one (2, 4) mesh: each hands over its own 4 rows of the batch, the rows
+    are gathered, only process 0 prints, and the tokens equal a one-process, one-device run."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mesh_check
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", ""
+    )
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "tests/multihost_check.py", str(i), port],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    first, second = outs
+    assert first["local_rows"] == [0] and second["local_rows"] == [4]  # process-local rows
+    assert set(second) == {"local_rows"}  # process 1 printed no results
+    target = mesh_check.model()
+    for name, drafter, dparams, _ in mesh_check.drafters(target)[:2]:
+        assert first[name] == mesh_check.generate(target, drafter, dparams), name
+
+
+def test_smollm2_loads_onto_a_mesh_by_whole_kv_heads_and_keeps_its_tokens():
+    """The real GGUF (9 heads, 3 kv heads) on (2, 3): one kv head per device, dequantised one
+    tensor at a time onto the mesh; n-gram speculation there equals plain decoding on one device."""
+    out = run_check("smollm2")
+    assert out == {"same": True, "layout": "unrolled", "wk_shard": [64, 576]}, out
+
+
+def _cli_error(argv, devices=1) -> str:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TRANSFORMERS_VERBOSITY="error")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxspec.generate", "--prompt", "hi", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, devices, fragment",
+    [
+        (["mesh.model=4"], 1, "mesh data=1 x model=4 needs 4 devices but 1 are available"),
+        (["mesh.data=0"], 1, "mesh.data=0 is invalid: use an integer >= 1"),
+        (["distributed.num_processes=2", "distributed.process_id=2"], 1,
+         "distributed.process_id=2 is invalid: use 0..1"),
+        (["mesh.data=2", "--batch-size", "3"], 8,
+         "batch of 3 rows does not divide over mesh data=2: use a batch_size that is a multiple of 2"),
+        (["mesh.model=4"], 8, "mesh model=4 cannot split num_heads=9 into whole heads"),
+    ],
+)
+def test_cli_refuses_bad_meshes_in_one_line(argv, devices, fragment):
+    assert fragment in _cli_error(argv, devices)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec.cache import KVCache, init_cache
+from jaxspec.errors import JaxspecError
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
 from jaxspec.loading.params import (
     DTYPES,
@@ -23,6 +24,7 @@ from jaxspec.loading.params import (
     check_options,
     layout_of,
     place,
+    place_on_mesh,
     resolve_layout,
 )
 from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packaged_file, resolve
@@ -77,7 +79,11 @@ class LoadedModel:
 
 
 def load_model(
-    name_or_path: str | os.PathLike, *, dtype: str = "float32", layout: str = "unrolled"
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    layout: str = "unrolled",
+    mesh=None,
 ) -> LoadedModel:
     """Load an HF safetensors dir, a `.gguf` file, or a short name such as `smollm2-135m`.
 
@@ -86,17 +92,29 @@ def load_model(
     kernel: inference only, no gradients), "stacked" (`[L, ...]` arrays for lax.scan) or "auto"
     ("packed" for float32 on one CPU device when the kernel builds, else "unrolled"; what configs
     and the CLI use). The default "unrolled" gives plain arrays for research code.
+    `mesh`: a `sharding.MeshPlan`: every leaf is built straight onto its shards (`place_on_mesh`),
+    no device and no host ever holding the whole model.
     Raises `JaxspecError` with the fix in its one-line message for every mistake in the input.
     """
     start = time.perf_counter()
     check_options(dtype, layout)
-    layout, layout_note = resolve_layout(layout, dtype)
+    if mesh is not None and layout == "packed":
+        raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
+    if mesh is not None and layout == "auto":
+        layout, layout_note = "unrolled", "auto: loaded onto a mesh (the CPU kernels run on one device)"
+    else:
+        layout, layout_note = resolve_layout(layout, dtype)
     src = resolve(name_or_path)
+    lazy = mesh is not None
     if src.kind == "gguf":
-        cfg, flat, tokenizer, eos = _read_gguf(src.path, dtype)
+        cfg, flat, tokenizer, eos = _read_gguf(src.path, dtype, lazy)
     else:
         cfg, flat, tokenizer, eos = _read_hf_dir(src.path, dtype)
-    params = place(assemble(cfg, flat, source=str(src.path)), dtype, layout)
+    params = assemble(cfg, flat, source=str(src.path))
+    if mesh is not None:
+        params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
+    else:
+        params = place(params, dtype, layout)
     return LoadedModel(
         cfg=cfg,
         params=params,
@@ -109,10 +127,10 @@ def load_model(
     )
 
 
-def _read_gguf(path: Path, dtype: str):
+def _read_gguf(path: Path, dtype: str, lazy: bool = False):
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, dtype=dtype, source=str(path))
-    flat = load_gguf_tensors(reader, cfg, source=str(path))
+    flat = load_gguf_tensors(reader, cfg, source=str(path), lazy=lazy)
     tokenizer = load_gguf_tokenizer(path, reader)
     eos = [metadata(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
     return cfg, flat, tokenizer, eos

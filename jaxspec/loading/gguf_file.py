@@ -129,10 +129,11 @@ def config_from_gguf(reader: GGUFReader, *, dtype: str, source: str) -> ModelCon
 
 
 def load_gguf_tensors(
-    reader: GGUFReader, cfg: ModelConfig, *, source: str
+    reader: GGUFReader, cfg: ModelConfig, *, source: str, lazy: bool = False
 ) -> dict[str, np.ndarray]:
     """Every tensor dequantized, under our flat names, q/k rows un-permuted, cast to cfg.dtype
-    one tensor at a time (a big model never sits in host memory as float32 all at once)."""
+    one tensor at a time (a big model never sits in host memory as float32 all at once).
+    `lazy`: `LazyTensor`s instead, each dequantized only when read (loading onto a mesh)."""
     arch = architecture(reader, source)
     out_dtype = np.dtype(cfg.compute_dtype)
     flat: dict[str, np.ndarray] = {}
@@ -147,13 +148,38 @@ def load_gguf_tensors(
                 f"{source}: tensor {t.name} is {t.tensor_type.name}, which jaxspec cannot dequantize: "
                 f"use a GGUF quantized as {', '.join(sorted(q.name for q in SUPPORTED_TYPES))}"
             )
-        w = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
-        if arch == "llama" and ours.endswith((".wq", ".bq")):
-            w = unpermute_qk(w, cfg.num_heads)
-        elif arch == "llama" and ours.endswith((".wk", ".bk")):
-            w = unpermute_qk(w, cfg.num_kv_heads)
-        flat[ours] = w.astype(out_dtype, copy=False)
+        shape = tuple(int(n) for n in reversed(t.shape))
+        read = lambda t=t, ours=ours, shape=shape: _read(t, ours, shape, arch, cfg, out_dtype)
+        flat[ours] = LazyTensor(shape, read) if lazy else read()
     return flat
+
+
+def _read(t, ours: str, shape: tuple, arch: str, cfg: ModelConfig, out_dtype) -> np.ndarray:
+    w = dequantize(t.data, t.tensor_type).reshape(shape)
+    if arch == "llama" and ours.endswith((".wq", ".bq")):
+        w = unpermute_qk(w, cfg.num_heads)
+    elif arch == "llama" and ours.endswith((".wk", ".bk")):
+        w = unpermute_qk(w, cfg.num_kv_heads)
+    return w.astype(out_dtype, copy=False)
+
+
+class LazyTensor:
+    """A tensor whose shape is known up front and whose data is produced by `read()` on first
+    index, then kept until `release()` (the mesh loader holds one tensor in flight)."""
+
+    lazy = True  # loading.params: checked for NaN / inf slice by slice, as the mesh loader reads
+
+    def __init__(self, shape: tuple[int, ...], read):
+        self.shape, self._read, self._data = tuple(shape), read, None
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        if self._data is None:
+            self._data = self._read()
+        return self._data[idx]
+
+    def release(self) -> None:
+        self._data = None
 
 
 def _our_name(name: str) -> str | None:

@@ -7,6 +7,7 @@ arrays in `[out, in]` layout). This module checks the set of names and every sha
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 
 from jaxspec import kernels
 from jaxspec.errors import JaxspecError
-from jaxspec.models.llama import ModelConfig, Params, qkv_splits, param_shapes, stack_layers
+from jaxspec.models.llama import ModelConfig, Params, param_shapes, qkv_splits, stack_layers
 
 DTYPES = ("float32", "bfloat16", "float16")
 LAYOUTS = ("auto", "unrolled", "stacked", "packed")
@@ -104,7 +105,8 @@ def assemble(cfg: ModelConfig, flat: Mapping[str, object], *, source: str) -> Pa
                 f"{source}: tensor {key} has shape {got}, config implies {tuple(shape)}: "
                 f"the checkpoint does not match its config"
             )
-        check_finite(key, flat[key], source)
+        if not getattr(flat[key], "lazy", False):  # lazy (mesh) loads check each slice as read
+            check_finite(key, flat[key], source)
     layers = tuple(
         {k.split(".", 2)[2]: flat[k] for k in want if k.startswith(f"layers.{i}.")}
         for i in range(cfg.num_layers)
@@ -127,6 +129,66 @@ def place(params: Params, dtype: str, layout: str) -> Params:
     if layout == "stacked":
         return stack_layers(params)
     return pack_params(params) if layout == "packed" else params
+
+
+def place_on_mesh(
+    params: Params, cfg: ModelConfig, dtype: str, layout: str, plan, *, source: str = "checkpoint"
+) -> Params:
+    """Build every leaf straight onto its shards (`plan`: a sharding.MeshPlan).
+
+    The shardings come from the logical axes before any weight is read; each device's callback
+    reads only its slice of the memory-mapped (safetensors) or lazily dequantised (GGUF) host
+    tensor, which is dropped once its leaf is built: a host holds one tensor in flight and a
+    device its shards plus one tensor's shard. The stacked layout is assembled on the mesh, one
+    layer at a time, into a preallocated sharded `[L, ...]` buffer.
+    """
+    from jaxspec.sharding import check_model, param_shardings
+
+    if layout == "packed":
+        raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
+    check_model(cfg, plan.mesh)
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    stacked = layout == "stacked"
+    shardings = param_shardings(cfg, plan.mesh, plan.rules, stacked)
+
+    def build(src, sharding, name):
+        def cb(idx):  # this device's slice only
+            piece = np.ascontiguousarray(src[idx], dtype=np_dtype)
+            if getattr(src, "lazy", False):
+                check_finite(name, piece, source)
+            return piece
+
+        out = jax.make_array_from_callback(tuple(src.shape), sharding, cb)
+        getattr(src, "release", lambda: None)()
+        return out
+
+    out = {k: build(v, shardings[k], k) for k, v in params.items() if k != "layers"}
+    layers = params["layers"]
+    if not stacked:
+        out["layers"] = tuple(
+            {k: build(v, shardings["layers"][i][k], f"layers.{i}.{k}") for k, v in layer.items()}
+            for i, layer in enumerate(layers)
+        )
+        return out
+    out["layers"] = {}
+    for k, sharding in shardings["layers"].items():
+        layer_sharding = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+        shape = (len(layers), *layers[0][k].shape)
+        buf = _zeros(shape, np_dtype, sharding)
+        for i, layer in enumerate(layers):
+            buf = _set_layer(buf, build(layer[k], layer_sharding, f"layers.{i}.{k}"), i)
+        out["layers"][k] = buf
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zeros(shape, dtype, sharding):
+    return jax.lax.with_sharding_constraint(jax.numpy.zeros(shape, dtype), sharding)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(buf, layer, i):  # buf [L, ...] <- layer [...] at i, in place, shards stay put
+    return jax.lax.dynamic_update_index_in_dim(buf, layer.astype(buf.dtype), i, 0)
 
 
 def pack_params(params: Params) -> Params:

@@ -223,16 +223,12 @@ def qkv_splits(cfg: ModelConfig) -> tuple[int, int]:
 def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """cache_l: [B, K, S, H] <- new: [B, T, K, H] at positions [B, T] (past the end: dropped).
 
-    Written as a row scatter into the [B*K, S, H] view (window = one contiguous H vector), the
-    form XLA:CPU updates in place; indexing [rows, :, positions] directly made it copy the cache.
+    A scatter vmapped over (B, K): each [S, H] block gets its T rows. XLA:CPU updates it in place,
+    and with the cache sharded over batch and kv heads every device writes its own block with no
+    collective (flattening B*K into one scatter dim made GSPMD all-gather the cache every step).
     """
-    b, kv, slots, h = cache_l.shape
-    t = new.shape[1]
-    rows = jnp.arange(b * kv)[:, None]  # [B*K, 1]
-    updates = jnp.swapaxes(new, 1, 2).reshape(b * kv, t, h).astype(cache_l.dtype)
-    flat = cache_l.reshape(b * kv, slots, h)
-    flat = flat.at[rows, jnp.repeat(positions, kv, axis=0)].set(updates, mode="drop")
-    return flat.reshape(b, kv, slots, h)
+    one = lambda c, n, p: c.at[p].set(n, mode="drop")  # c [S, H], n [T, H], p [T]
+    return jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(cache_l, new.astype(cache_l.dtype), positions)
 
 
 def _attention(q, k, v, mask):
