@@ -26,7 +26,7 @@ def build_engine(config: Config, target=None) -> Engine:
     drafters.check_method(spec.method)
     if target is None:
         target = load_model(config.model.name, dtype=config.model.dtype, layout=config.model.layout)
-    drafter, drafter_params = drafters.build_drafter(spec, target)
+    drafter, drafter_params = drafters.build_drafter(spec, target, config.tree)
     return Engine(
         target,
         drafter,
