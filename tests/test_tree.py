@@ -296,3 +296,28 @@ def test_no_recompilation_across_tree_shapes(target):
         for e in (engine, ngram):
             e.generate([ids], max_new_tokens=16)
     assert speculate.decode_jit._cache_size() == before
+
+
+# ---- the shipped tree configs on SmolLM2 ----------------------------------------------------
+
+SMOL_PROMPTS = [
+    "A baker makes 24 muffins and sells 3 boxes of 5. How many muffins are left?",
+    "Summarize: The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs away.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_plain(smollm2):
+    return Engine(smollm2).generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram"])
+def test_shipped_tree_config_is_token_identical(smollm2, smol_plain, name):
+    from jaxspec.build import build_engine
+    from jaxspec.config import load_config
+
+    engine = build_engine(load_config(f"configs/smollm2-135m-{name}-tree.yaml"), target=smollm2)
+    results = engine.generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
+    assert [r.token_ids for r in results] == [r.token_ids for r in smol_plain]
+    assert np.mean([r.metrics["mean_accepted_length"] for r in results]) > 1.1
+    assert all(r.metrics["nodes_per_step"] > 1 for r in results)
