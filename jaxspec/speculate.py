@@ -21,6 +21,7 @@ Invariants (row b):
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -140,14 +141,21 @@ def prefill(
 
 
 def verify(spec: LoopSpec, tparams, cache: KVCache, window: tree.Window, sp, width: int):
-    """Target over the first `width` window entries, the cache only read -> (probs [B, T, V],
-    hidden [len(hidden_layers), B, T, D] or None, the window's k/v); outputs padded back to T
-    entries (past `width`: zeros, never accepted)."""
+    """Target over the first `width` window entries -> (probs [B, T, V], hidden
+    [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
+    entries (past `width`: zeros, never accepted).
+
+    With draft nodes the cache is only read and the window's k/v come back for `commit_kv`
+    (nodes share positions; which are kept is known only after acceptance). A root-only window
+    (plain decoding) always keeps its one entry, so it is written in place (window_kv None):
+    writing it after the forward made XLA copy the whole cache every step."""
     t = window.tokens.shape[1]
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
+    in_place = t == 1
     out = llama.forward(
-        tparams, window.tokens[:, :width], cache, spec.cfg, hidden_layers, write_cache=False,
-        positions=window.positions[:, :width], window_mask=window.mask[:, :width, :width],
+        tparams, window.tokens[:, :width], cache, spec.cfg, hidden_layers, write_cache=in_place,
+        positions=window.positions[:, :width],
+        window_mask=None if in_place else window.mask[:, :width, :width],
     )
     probs = sampling.logits_to_probs(llama.lm_head(tparams, out.hidden), sp)  # [B, width, V]
     pad = [(0, 0), (0, t - width), (0, 0)]
@@ -155,8 +163,10 @@ def verify(spec: LoopSpec, tparams, cache: KVCache, window: tree.Window, sp, wid
     layer_hidden = out.layer_hidden
     if layer_hidden is not None:
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
+    if in_place:
+        return probs, layer_hidden, out.cache, None
     pad_kv = lambda w: jnp.pad(w, [(0, 0)] * (w.ndim - 3) + [(0, t - width), (0, 0), (0, 0)])
-    return probs, layer_hidden, jax.tree.map(pad_kv, out.window_kv)
+    return probs, layer_hidden, out.cache, jax.tree.map(pad_kv, out.window_kv)
 
 
 def _verify_any_width(spec: LoopSpec, tparams, cache: KVCache, window: tree.Window, sp, num_nodes):
@@ -165,9 +175,15 @@ def _verify_any_width(spec: LoopSpec, tparams, cache: KVCache, window: tree.Wind
         return verify(spec, tparams, cache, window, sp, widths[0])
     need = jnp.max(num_nodes) + 1
     branch = jnp.sum(jnp.asarray(widths)[:-1] < need)
-    return jax.lax.switch(  # branches only read the cache: the kept k/v are written after
-        branch, [lambda c, w=w: verify(spec, tparams, c, window, sp, w) for w in widths], cache
+
+    def branch_fn(c, w):  # with nodes, verify only reads the cache: it stays out of the switch
+        probs, hidden, _, window_kv = verify(spec, tparams, c, window, sp, w)
+        return probs, hidden, window_kv
+
+    probs, hidden, window_kv = jax.lax.switch(
+        branch, [functools.partial(branch_fn, w=w) for w in widths], cache
     )
+    return probs, hidden, cache, window_kv
 
 
 def _emit(spec: LoopSpec, state: DecodeState, drafts, num_accepted, next_token):
@@ -200,7 +216,9 @@ def empty_proposal(batch: int, vocab: int) -> Proposal:
 def commit_kv(cache: KVCache, window_kv, path: jax.Array) -> KVCache:
     """Compaction: the path's window k/v (path int32[B, P] window indices) into slots
     cache.lengths .. cache.lengths + P - 1 (entries past the accepted count are garbage past the
-    new length: masked, overwritten later)."""
+    new length: masked, overwritten later). window_kv None: verify already wrote the root."""
+    if window_kv is None:
+        return cache
     kept = jax.tree.map(lambda w: tree.gather_path(w, path, axis=-3), window_kv)
     return llama.write_window(cache, kept, cache.positions(path.shape[1]))
 
@@ -226,13 +244,13 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         parents = tree.chain_parents(b, n_nodes)
     num_nodes = jnp.where(active, proposal.num_proposed, 0)
     window = tree.build_window(last, state.cache.lengths, proposal.tokens, parents, num_nodes)
-    p, hidden, window_kv = _verify_any_width(spec, tparams, state.cache, window, sp, num_nodes)
+    p, hidden, cache, window_kv = _verify_any_width(spec, tparams, state.cache, window, sp, num_nodes)
     path, num_acc, next_token = acceptance.accept_tree(
         proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, d + 1
     )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
     tokens, lengths, count, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
-    cache = commit_kv(state.cache, window_kv, path)
+    cache = commit_kv(cache, window_kv, path)
     if spec.drafter is not None:
         commit_ctx = CommitContext(
             tokens=tokens,
