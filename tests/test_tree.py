@@ -20,6 +20,7 @@ from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loading.params import unpack_params
+from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, logits_to_probs
 from jaxspec.train import methods
 from tiny import tiny_model
@@ -270,6 +271,19 @@ def test_tree_greedy_is_token_identical(target, prompts, plain_greedy, method, b
     assert all(r.metrics["tree_nodes"] == drafter.tree_nodes for r in results)
     if method == "ngram":  # the motif prompts: branches get accepted
         assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "stacked"])
+def test_tree_on_the_xla_attention_path(prompts, layout):
+    """Without the CPU kernels the ancestor mask goes through XLA's attention (both layouts)."""
+    model = tiny_model(seed=0, layers=2)
+    if layout == "stacked":
+        model = dataclasses.replace(model, params=llama.stack_layers(model.params))
+    plain = [r.token_ids for r in Engine(model).generate(prompts, max_new_tokens=30, batch_size=4)]
+    engine = Engine(model, NgramDrafter(64, branches=3, depth=3), num_speculative_tokens=1)
+    results = engine.generate(prompts, max_new_tokens=30, batch_size=4)
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
 
 
 def test_one_branch_tree_equals_the_chain(target, prompts):
