@@ -61,3 +61,77 @@ def greedy_accept_row(
 
 accept = jax.vmap(accept_row)  # [B, G], [B, G, V], [B, G+1, V], [B], keys[B]
 greedy_accept = jax.vmap(greedy_accept_row)  # [B, G], [B, G+1], [B]
+
+
+# ---- draft trees ---------------------------------------------------------------------------------
+#
+# Rule (one row). Walk from the root; at the current node c with target distribution p_c, keep a
+# residual r (unnormalised, mass Z; r = p_c on arrival) and try c's children x_1, x_2, ... in index
+# order, child i having been proposed from q_i:
+#     accept x_i  with probability min(1, (r(x_i) / Z) / q_i(x_i))     (tested as u·q·Z < r)
+#     reject:     r <- max(0, r - Z·q_i)                               (the residual, updated)
+# On acceptance move to x_i (r = p_{x_i}) and repeat; when c's children are exhausted, draw the
+# next token from r (the bonus when no child was rejected).
+#
+# Proof that the emitted token at c has law p_c. Let r_0 = p_c. One try is a standard speculative
+# step of target r_{i-1}/Z against proposal q_i, with x_i ~ q_i independent of everything decided
+# before (x_i is a function of the committed prefix and the drafter's own randomness only; a
+# deterministic child -- top-k, a static tree, prompt lookup -- is the one-hot q_i = δ(x_i)):
+#     P(accept, token = x) = q_i(x) min(1, r(x)/(Z q_i(x))) = min(q_i(x), r(x)/Z)
+#     P(reject) = 1 - Σ_x min(q_i(x), r(x)/Z) = Σ_x max(0, r(x)/Z - q_i(x)) = Z'/Z
+# and on rejection we continue with r' = max(0, r - Z q_i) ∝ max(0, r/Z - q_i), so by induction on
+# the number of remaining children the continuation emits x with probability r'(x)/Z' (the base
+# case -- no child left -- draws from r' directly). Total:
+#     min(q_i(x), r(x)/Z) + (Z'/Z)·(max(0, r(x)/Z - q_i(x))·Z/Z') = r(x)/Z.
+# So each depth emits p_c's law whatever the children were, and the next depth conditions on the
+# token emitted: the sequence has the target's law (the chain rule above is the one-child case).
+# Duplicated siblings are harmless: after x is rejected r(x) = 0, so a second x is rejected.
+# i.i.d. sampled siblings (SpecInfer) are the case q_i = q for all i. Deterministic siblings must
+# use the one-hot q_i: testing them against a shared q would bias the law (residual r - Z·q
+# removes mass the one-hot proposal never put there).
+#
+# Greedy is the limit: one-hot p and q accept a child iff it is the target argmax; a rejected
+# child's residual max(0, p - Z δ(x)) is p again, so the walk follows the deepest path matching
+# the target's argmax and emits that argmax next -- plain greedy decoding, token for token.
+
+
+def accept_tree_row(
+    tokens: jax.Array,  # int32[N] node tokens
+    parents: jax.Array,  # int32[N] parent node, -1 = root (parents[i] < i)
+    q: jax.Array,  # f32[N, V] the distribution node i was proposed from (one-hot if deterministic)
+    p: jax.Array,  # f32[1+N, V] target probs at window entries (0 = root, 1+i = node i)
+    num_nodes: jax.Array,  # int32[]: nodes >= this are padding
+    key: jax.Array,
+    path_len: int,  # static: the deepest path + 1 (the root)
+    update_residual: bool = True,  # False: the broken variant the distribution test must catch
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (path int32[path_len]: window indices of the root and the accepted nodes, garbage
+    past n; n int32[] accepted nodes; next_token int32[]). The row emits the path's tokens then
+    next_token. Uses the same uniforms as `accept_row` (u[i] tests node i, u[N] draws), so a chain
+    accepts exactly as `accept_row` does."""
+    n_nodes, v = q.shape
+    u = jax.random.uniform(key, (n_nodes + 1,))
+    toks = jnp.clip(tokens, 0, v - 1)
+
+    def body(i, carry):
+        cur, r, z, n, path = carry  # cur: window index of the current node; z = mass of r
+        x = toks[i]
+        is_child = (parents[i] + 1 == cur) & (i < num_nodes)
+        ok = is_child & (u[i] * q[i, x] * z < r[x])
+        rejected = is_child & ~ok
+        resid = jnp.maximum(r - z * q[i], 0.0) if update_residual else r
+        r = jnp.where(ok, p[i + 1], jnp.where(rejected, resid, r))
+        z = jnp.where(ok, 1.0, jnp.where(rejected, jnp.sum(resid), z))  # p rows sum to 1
+        path = jnp.where(ok, path.at[jnp.minimum(n + 1, path_len - 1)].set(i + 1), path)
+        return jnp.where(ok, i + 1, cur), r, z, n + ok.astype(jnp.int32), path
+
+    carry = (jnp.int32(0), p[0], jnp.float32(1.0), jnp.int32(0), jnp.zeros((path_len,), jnp.int32))
+    cur, r, _, n, path = jax.lax.fori_loop(0, n_nodes, body, carry) if n_nodes else carry
+    r = jnp.where(jnp.sum(r) > 0.0, r, p[cur])  # an all-zero residual has probability 0
+    return path, n, _draw(u[n_nodes], r)
+
+
+def accept_tree(tokens, parents, q, p, num_nodes, keys, path_len: int, update_residual=True):
+    """[B, N], [B, N], [B, N, V], [B, 1+N, V], [B], keys[B] -> path [B, P], n [B], next [B]."""
+    row = lambda *a: accept_tree_row(*a, path_len, update_residual)  # noqa: E731
+    return jax.vmap(row)(tokens, parents, q, p, num_nodes, keys)

@@ -32,7 +32,7 @@ def build_engine(config: Config, target=None) -> Engine:
     if target is None:
         m = config.model
         target = load_model(m.name, dtype=m.dtype, layout=m.layout, mesh=plan)
-    drafter, drafter_params = drafters.build_drafter(spec, target)
+    drafter, drafter_params = drafters.build_drafter(spec, target, config.tree)
     return Engine(
         target,
         drafter,

@@ -142,6 +142,52 @@ class SpeculativeConfig(_Section):
             )
 
 
+MAX_TREE_NODES = 63  # window of 1 + nodes <= the CPU attention kernel's 64 queries
+TREE_METHODS = {"static": ("medusa", "ngram"), "dynamic": ("eagle",)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TreeConfig(_Section):
+    """Draft trees (see jaxspec/tree.py): the target verifies several candidates per depth."""
+
+    SECTION: ClassVar[str] = "tree"
+    kind: Literal["chain", "static", "dynamic"] = "chain"
+    # static, medusa: Medusa-style paths of ranks, e.g. [[0], [1], [0, 0]] (YAML list or string)
+    choices: str | list | None = None
+    branches: int = 3  # static, ngram: distinct continuations of the context's matches
+    depth: int = 4  # static ngram: nodes per branch; dynamic: levels
+    top_k: int = 4  # dynamic: nodes expanded per level, children per expanded node
+    budget: int = 16  # dynamic: nodes kept (best path scores)
+
+    def _validate(self):
+        if isinstance(self.choices, str):
+            try:
+                parsed = yaml.safe_load(self.choices)
+            except yaml.YAMLError:
+                parsed = self.choices
+            object.__setattr__(self, "choices", parsed)
+        if self.choices is not None:
+            from jaxspec.tree import check_choices  # jax: only when a tree is configured
+
+            try:
+                paths = check_choices(self.choices)
+            except JaxspecError as e:
+                raise JaxspecError(f"tree.choices: {e}") from None
+            if len(paths) > MAX_TREE_NODES:
+                self._fail("choices", f"use at most {MAX_TREE_NODES} nodes")
+            object.__setattr__(self, "choices", [list(p) for p in paths])
+        for key in ("branches", "depth", "top_k", "budget"):
+            if getattr(self, key) < 1:
+                self._fail(key, "use an integer >= 1")
+        if self.branches * self.depth > MAX_TREE_NODES:
+            self._fail("branches", f"branches x depth must be <= {MAX_TREE_NODES}")
+        if self.kind == "dynamic":
+            most = self.top_k + (self.depth - 1) * self.top_k**2
+            if not self.budget <= min(most, MAX_TREE_NODES):
+                self._fail("budget", f"use 1..{min(most, MAX_TREE_NODES)} (top_k + (depth-1)*top_k^2 "
+                           f"candidates, at most {MAX_TREE_NODES})")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig(_Section):
     """Device mesh: `data` splits the batch, `model` the heads / mlp / vocabulary (tensor parallel).
@@ -196,6 +242,24 @@ class Config:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    tree: TreeConfig = dataclasses.field(default_factory=TreeConfig)
+
+    def __post_init__(self):
+        kind, method = self.tree.kind, self.speculative.method
+        if kind == "chain":
+            return
+        if method not in TREE_METHODS[kind]:
+            raise JaxspecError(
+                f"tree.kind={kind} is supported by method {' or '.join(TREE_METHODS[kind])}, not "
+                f"'{method}': set tree.kind=chain or change speculative.method"
+            )
+        if self.speculative.lookup_min_ngram or self.speculative.draft_confidence:
+            raise JaxspecError(
+                f"tree.kind={kind} does not combine with speculative.lookup_min_ngram or "
+                "draft_confidence: set them to 0 or use tree.kind=chain"
+            )
+        if kind == "static" and method == "medusa" and self.tree.choices is None:
+            raise JaxspecError("tree.kind=static with medusa needs tree.choices, e.g. [[0], [1], [0, 0]]")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -128,7 +128,7 @@ class Engine:
         return [int(t) for t in tok.encode(prompt)]
 
     def _capacity(self, prompt_bucket: int, max_new_tokens: int) -> int:
-        return prompt_bucket + bucket(max_new_tokens) + self.spec.num_speculative_tokens + 1
+        return prompt_bucket + bucket(max_new_tokens) + self.spec.num_nodes + 1
 
     def _check_fits(self, ids: list[int], max_new_tokens: int) -> None:
         limit, whose = self.model.cfg.max_position_embeddings, "model's"
@@ -144,7 +144,7 @@ class Engine:
                 f"prompt token id {bad} is out of range: this model's vocabulary has {vocab} "
                 f"tokens (ids 0..{vocab - 1})"
             )
-        need = len(ids) + max_new_tokens + self.spec.num_speculative_tokens
+        need = len(ids) + max_new_tokens + self.spec.depth
         if need > limit:
             raise JaxspecError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
@@ -285,15 +285,18 @@ class Engine:
 
     def _metrics(self, state, row: int, num_generated: int) -> dict[str, Any]:
         g = self.spec.num_speculative_tokens
+        depth = self.spec.depth
         steps = int(state.row_steps[row]) - 1  # decode forwards (prefill excluded)
         drafted = int(state.num_draft[row])
         accepted = int(state.num_accepted[row])
-        per_pos = state.accepted_per_position[row, :g].tolist() if g else []
+        per_pos = state.accepted_per_position[row, :depth].tolist() if depth else []
         return {
             "method": self.method,
             "layout": layout_of(self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
             "num_speculative_tokens": g,
+            "tree_nodes": self.spec.num_nodes,  # window entries verified after the root
+            "nodes_per_step": drafted / steps if steps else 0.0,
             "num_steps": steps,
             "num_draft_tokens": drafted,
             "num_accepted_tokens": accepted,

@@ -1,26 +1,35 @@
 """Prefill and the jitted decode loop: draft -> verify -> accept -> commit, per row, all on device.
 
-Plain decoding is the same loop with no drafter (γ = 0): one target forward per token.
+One step is data flowing one way (DESIGN.md, "Verification as data"):
+
+    proposal, dstate = drafter.propose(...)     # nodes: tokens, parents, q, num_nodes
+    window = tree.build_window(...)             # tokens, positions, ancestor mask (T = 1 + N)
+    p, hidden, window_kv = verify(...)          # one target forward; the cache is only read
+    path, n, next_token = acceptance.accept_tree(...)
+    commit: the path's tokens, its k/v compacted into slots L-1..L-1+n, its hidden states
+
+A chain is the tree with parents i - 1; plain decoding is the empty proposal (N = 0).
 
 Invariants (row b):
   tokens[b, :lengths[b]]   committed tokens (prompt + generated); the last was sampled from the
                            target but not yet run through it.
   cache.lengths[b]         = lengths[b] - 1: target k/v valid for slots below it.
-  A step runs the target over [tokens[L-1], draft_1..draft_G] at positions L-1..L-1+G, keeps
-  `n` drafts and one target token, and advances L by (n + 1) (fewer at EOS / max_new).
+  A step runs the target over [tokens[L-1], node_1..node_N] at positions L-1+depth, keeps a path
+  of `n` nodes and one target token, and advances L by (n + 1) (fewer at EOS / max_new).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec import acceptance, sampling
+from jaxspec import acceptance, sampling, tree
 from jaxspec.cache import KVCache, init_cache
-from jaxspec.drafters.base import CommitContext, DraftContext, Drafter
+from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 
@@ -38,9 +47,9 @@ class DecodeState:
     row_ids: jax.Array  # int32[B] request ids: a row's randomness depends on its id only
     row_steps: jax.Array  # int32[B] target forwards this row took part in (also its key counter)
     # metrics, per row
-    num_draft: jax.Array  # int32[B] draft tokens proposed
-    num_accepted: jax.Array  # int32[B] draft tokens accepted
-    accepted_per_position: jax.Array  # int32[B, max(G, 1)] steps where draft position i was accepted
+    num_draft: jax.Array  # int32[B] draft nodes verified
+    num_accepted: jax.Array  # int32[B] draft nodes accepted
+    accepted_per_position: jax.Array  # int32[B, max(D, 1)] steps where depth i+1 was accepted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +67,20 @@ class LoopSpec:
     # so params, cache, tokens and drafter state stay sharded through the loop.
     mesh: Any = None
 
+    @property
+    def num_nodes(self) -> int:  # N: window entries after the root
+        if self.drafter is None:
+            return 0
+        return getattr(self.drafter, "tree_nodes", None) or self.num_speculative_tokens
+
+    @property
+    def depth(self) -> int:  # D: the deepest path (tokens committed per step <= D + 1)
+        if self.drafter is None:
+            return 0
+        return getattr(self.drafter, "tree_depth", None) or self.num_speculative_tokens
+
     def verify_windows(self) -> tuple[int, ...]:
-        g1 = self.num_speculative_tokens + 1
+        g1 = self.num_nodes + 1
         if self.drafter is None or not self.drafter.variable_length:
             return (g1,)
         return tuple(sorted({w for w in self.windows if w < g1} | {1, g1}))
@@ -96,7 +117,7 @@ def prefill(
     """Run the prompt through the target, sample the first token, set up the drafter."""
     cfg = spec.cfg
     b, p = prompt_tokens.shape
-    g = max(spec.num_speculative_tokens, 1)
+    g = max(spec.depth, 1)
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
     stacked = isinstance(tparams["layers"], dict)
     cache = init_cache(
@@ -135,29 +156,56 @@ def prefill(
     return _place(spec, state)
 
 
-def _verify(spec: LoopSpec, tparams, window: jax.Array, cache: KVCache, sp, width: int, write=True):
-    """Target over the first `width` window tokens; outputs padded back to G+1 positions.
+def verify(spec: LoopSpec, tparams, cache: KVCache, window: tree.Window, sp, width: int):
+    """Target over the first `width` window entries -> (probs [B, T, V], hidden
+    [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
+    entries (past `width`: zeros, never accepted).
 
-    write=False (inside the width switch): the cache is only read; the window's k/v come back
-    padded to G+1 positions for `llama.write_window` (slots past `width` get zeros, which lie past
-    every row's new length and are never read)."""
-    g1 = window.shape[1]
+    With draft nodes the cache is only read and the window's k/v come back for `commit_kv`
+    (nodes share positions; which are kept is known only after acceptance). A root-only window
+    (plain decoding) always keeps its one entry, so it is written in place (window_kv None):
+    writing it after the forward made XLA copy the whole cache every step."""
+    t = window.tokens.shape[1]
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
-    out = llama.forward(tparams, window[:, :width], cache, spec.cfg, hidden_layers, write)
+    in_place = t == 1
+    out = llama.forward(
+        tparams, window.tokens[:, :width], cache, spec.cfg, hidden_layers, write_cache=in_place,
+        positions=window.positions[:, :width],
+        window_mask=None if in_place else window.mask[:, :width, :width],
+    )
     probs = sampling.logits_to_probs(llama.lm_head(tparams, out.hidden), sp)  # [B, width, V]
-    pad = [(0, 0), (0, g1 - width), (0, 0)]
+    pad = [(0, 0), (0, t - width), (0, 0)]
     probs = jnp.pad(probs, pad)
     layer_hidden = out.layer_hidden
     if layer_hidden is not None:
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
-    if write:
-        return probs, layer_hidden, out.cache
-    pad_kv = lambda w: jnp.pad(w, [(0, 0)] * (w.ndim - 3) + [(0, g1 - width), (0, 0), (0, 0)])
-    return probs, layer_hidden, jax.tree.map(pad_kv, out.window_kv)
+    if in_place:
+        return probs, layer_hidden, out.cache, None
+    pad_kv = lambda w: jnp.pad(w, [(0, 0)] * (w.ndim - 3) + [(0, t - width), (0, 0), (0, 0)])
+    return probs, layer_hidden, out.cache, jax.tree.map(pad_kv, out.window_kv)
+
+
+def _verify_any_width(spec: LoopSpec, tparams, cache: KVCache, window: tree.Window, sp, num_nodes):
+    widths = spec.verify_windows()
+    if len(widths) == 1:
+        return verify(spec, tparams, cache, window, sp, widths[0])
+    need = jnp.max(num_nodes) + 1
+    branch = jnp.sum(jnp.asarray(widths)[:-1] < need)
+
+    def branch_fn(c, w):  # with nodes, verify only reads the cache: it stays out of the switch
+        probs, hidden, _, window_kv = verify(spec, tparams, c, window, sp, w)
+        return probs, hidden, window_kv
+
+    probs, hidden, window_kv = jax.lax.switch(
+        branch, [functools.partial(branch_fn, w=w) for w in widths], cache
+    )
+    if spec.mesh is not None:  # k/v laid out as the cache (else GSPMD may gather it)
+        window_kv = spec.mesh.constrain_window_kv(window_kv)
+    return probs, hidden, cache, window_kv
 
 
 def _emit(spec: LoopSpec, state: DecodeState, drafts, num_accepted, next_token):
-    """Write the accepted drafts + one target token; truncate at EOS and max length."""
+    """Write the accepted path's tokens + one target token; truncate at EOS and max length."""
     b, g = drafts.shape
     idx = jnp.arange(g + 1)
     emitted = jnp.concatenate([drafts, next_token[:, None]], axis=1)  # [B, G+1]
@@ -177,55 +225,62 @@ def _emit(spec: LoopSpec, state: DecodeState, drafts, num_accepted, next_token):
     return tokens, lengths, count, done
 
 
+def empty_proposal(batch: int, vocab: int) -> Proposal:
+    """Plain decoding: no nodes; the step verifies the last committed token alone."""
+    z = jnp.zeros((batch, 0), jnp.int32)
+    return Proposal(z, jnp.zeros((batch, 0, vocab), jnp.float32), jnp.zeros((batch,), jnp.int32), z)
+
+
+def commit_kv(cache: KVCache, window_kv, path: jax.Array) -> KVCache:
+    """Compaction: the path's window k/v (path int32[B, P] window indices) into slots
+    cache.lengths .. cache.lengths + P - 1 (entries past the accepted count are garbage past the
+    new length: masked, overwritten later). window_kv None: verify already wrote the root."""
+    if window_kv is None:
+        return cache
+    kept = jax.tree.map(lambda w: tree.gather_path(w, path, axis=-3), window_kv)
+    return llama.write_window(cache, kept, cache.positions(path.shape[1]))
+
+
 def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams):
-    g = spec.num_speculative_tokens
     b = state.lengths.shape[0]
+    d = spec.depth
     active = ~state.done
     keys = _row_keys(state.key, state.row_ids, state.row_steps)
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
-    last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)  # [B, 1]
+    last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
     dstate = state.drafter_state
-    if g == 0:
-        drafts = jnp.zeros((b, 0), jnp.int32)
-        num_proposed = jnp.zeros((b,), jnp.int32)
-        out = llama.forward(tparams, last, state.cache, spec.cfg)
-        p = sampling.logits_to_probs(llama.lm_head(tparams, out.hidden[:, 0]), sp)  # [B, V]
-        next_token = sampling.sample_rows(k_accept, p)
-        num_acc = jnp.zeros((b,), jnp.int32)
-        cache, hidden = out.cache, None
+    if spec.drafter is None:
+        proposal = empty_proposal(b, spec.cfg.vocab_size)
     else:
         ctx = DraftContext(tokens=state.tokens, lengths=state.lengths, active=active)
-        proposal, dstate = spec.drafter.propose(dparams, tparams, dstate, ctx, g, sp, k_draft)
-        drafts = proposal.tokens
-        num_proposed = jnp.where(active, proposal.num_proposed, 0)
-        window = jnp.concatenate([last, drafts], axis=1)  # [B, G+1]
-        widths = spec.verify_windows()
-        if len(widths) == 1:
-            p, hidden, cache = _verify(spec, tparams, window, state.cache, sp, widths[0])
-        else:
-            need = jnp.max(num_proposed) + 1
-            branch = jnp.sum(jnp.asarray(widths)[:-1] < need)
-            p, hidden, window_kv = jax.lax.switch(  # branches read the cache; written after
-                branch,
-                [lambda c, w=w: _verify(spec, tparams, window, c, sp, w, write=False) for w in widths],
-                state.cache,
-            )
-            if spec.mesh is not None:  # k/v laid out as the cache (else GSPMD may gather it)
-                window_kv = spec.mesh.constrain_window_kv(window_kv)
-            cache = llama.write_window(state.cache, window_kv, state.cache.positions(g + 1))
-        num_acc, next_token = acceptance.accept(drafts, proposal.probs, p, num_proposed, k_accept)
-    tokens, lengths, count, done = _emit(spec, state, drafts, num_acc, next_token)
-    if g > 0:
+        proposal, dstate = spec.drafter.propose(
+            dparams, tparams, dstate, ctx, spec.num_nodes, sp, k_draft
+        )
+    n_nodes = proposal.tokens.shape[1]
+    parents = proposal.parents
+    if parents is None:
+        parents = tree.chain_parents(b, n_nodes)
+    num_nodes = jnp.where(active, proposal.num_proposed, 0)
+    window = tree.build_window(last, state.cache.lengths, proposal.tokens, parents, num_nodes)
+    p, hidden, cache, window_kv = _verify_any_width(spec, tparams, state.cache, window, sp, num_nodes)
+    path, num_acc, next_token = acceptance.accept_tree(
+        proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, d + 1
+    )
+    path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
+    tokens, lengths, count, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
+    cache = commit_kv(cache, window_kv, path)
+    if spec.drafter is not None:
         commit_ctx = CommitContext(
             tokens=tokens,
             lengths=lengths,
             prev_lengths=state.lengths,
-            window=window,
+            window=path_tokens,
             num_accepted=num_acc,
-            hidden=hidden,
+            hidden=None if hidden is None else tree.gather_path(hidden, path, axis=2),
+            path=path,
         )
         dstate = spec.drafter.commit(dparams, tparams, dstate, commit_ctx)
-    pos_accepted = jnp.arange(max(g, 1))[None] < num_acc[:, None]  # [B, max(G,1)]
+    pos_accepted = jnp.arange(max(d, 1))[None] < num_acc[:, None]  # [B, max(D,1)] by depth
     act = active.astype(jnp.int32)
     state = dataclasses.replace(
         state,
@@ -235,7 +290,7 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         cache=cache.with_lengths(lengths - 1),
         drafter_state=dstate,
         row_steps=state.row_steps + act,
-        num_draft=state.num_draft + num_proposed * act,
+        num_draft=state.num_draft + num_nodes * act,
         num_accepted=state.num_accepted + num_acc * act,
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
     )

@@ -16,6 +16,7 @@ import pytest
 
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law, pvalue, sample_rows
 from jaxspec import acceptance, sampling
+from jaxspec.acceptance import accept_tree
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters.draft_model import layer_skip_drafter
 from jaxspec.drafters.lookup import LookupFirst
@@ -190,19 +191,22 @@ def test_longer_outputs_with_eos_have_the_target_law(eos_target, setting, batch_
     assert min(pvalues) > PASS_P, pvalues
 
 
-def bonus_from_q(draft_tokens, q, p, num_proposed, key):
-    """A classic bug: when every draft passes, the bonus token is drawn from the draft's last
-    distribution q[G-1] instead of the target's p[G]. Everything else is the real rule."""
-    g = draft_tokens.shape[0]
-    n, token = acceptance.accept_row(draft_tokens, q, p, num_proposed, key)
-    from_q = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(q[g - 1]))
-    return n, jnp.where(n == num_proposed, from_q, token).astype(jnp.int32)
+def bonus_from_q(tokens, parents, q, p, num_nodes, keys, path_len, update_residual=True):
+    """A classic bug: when every draft of the chain passes, the bonus token is drawn from the
+    draft's last distribution q[N-1] instead of the target's p[N]. Everything else is the real
+    rule (acceptance.accept_tree)."""
+    path, n, nxt = accept_tree(tokens, parents, q, p, num_nodes, keys, path_len, update_residual)
+    last_q = jnp.take_along_axis(q, jnp.maximum(num_nodes - 1, 0)[:, None, None], axis=1)[:, 0]
+    from_q = jax.vmap(lambda k, w: jax.random.categorical(jax.random.fold_in(k, 7), jnp.log(w)))(
+        keys, last_q)
+    all_in = (n == num_nodes) & (num_nodes > 0)
+    return path, n, jnp.where(all_in, from_q, nxt).astype(jnp.int32)
 
 
 def test_longer_outputs_catch_a_wrong_bonus(eos_target, monkeypatch):
     sp = SamplingParams.make(**SETTINGS["temperature"])
     jax.clear_caches()
-    monkeypatch.setattr(acceptance, "accept", jax.vmap(bonus_from_q))  # speculate reads it
+    monkeypatch.setattr(acceptance, "accept_tree", bonus_from_q)  # speculate reads it
     try:
         pvalues, _ = mixed_pvalues(eos_target, sp, 24000)
     finally:

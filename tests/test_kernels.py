@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import kernels
+from jaxspec import kernels, tree
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
@@ -102,6 +102,32 @@ def test_prefix_attention_rows_are_bit_identical_whatever_the_window():
         k_t, v_t = llama.write_kv(k, k_win[:, :t], pos), llama.write_kv(v, v_win[:, :t], pos)
         one = kernels.prefix_attention(q[:, t : t + 1], k_t, v_t, k_win[:, t : t + 1], v_win[:, t : t + 1], lengths + t, 0.125)
         np.testing.assert_array_equal(np.asarray(one)[:, 0], full[:, t])
+
+
+@pytest.mark.parametrize("h", [64, 24])  # the AVX-512 path and the portable one
+def test_prefix_attention_tree_mask(h):
+    """A draft tree's window: each node attends the cache prefix and its ancestors-and-self, in
+    depth order; its row equals the XLA reference and, bit for bit, a one-token step after its
+    path was written into the cache (what plain decoding computes once the path is committed)."""
+    rng = np.random.default_rng(h)
+    parents = jnp.asarray([[-1, -1, 0, 0, 1, 3, 2], [-1, 0, 1, -1, 3, 0, 5]])
+    mask = tree.ancestors(parents, jnp.asarray([7, 7]))  # [B, 8, 8]
+    q, k, v, k_win, v_win = attention_inputs(rng, 2, 8, 9, 3, 50, h)
+    lengths = jnp.asarray([7, 30], jnp.int32)
+    got = np.asarray(kernels.prefix_attention(q, k, v, k_win, v_win, lengths, h**-0.5, mask))
+    want = llama._attention_with_window(q, k, v, k_win, v_win, lengths, mask)
+    np.testing.assert_allclose(got.reshape(2, 8, -1), want, atol=2e-6, rtol=1e-5)
+    for b in range(2):
+        for t in range(8):
+            path = np.nonzero(np.asarray(mask[b, t]))[0]  # ancestors, then t itself
+            pos = lengths[b] + jnp.arange(len(path) - 1)
+            kb = llama.write_kv(k[b : b + 1], k_win[b : b + 1, path[:-1]], pos[None])
+            vb = llama.write_kv(v[b : b + 1], v_win[b : b + 1, path[:-1]], pos[None])
+            one = kernels.prefix_attention(
+                q[b : b + 1, t : t + 1], kb, vb, k_win[b : b + 1, t : t + 1],
+                v_win[b : b + 1, t : t + 1], lengths[b : b + 1] + len(path) - 1, h**-0.5,
+            )
+            np.testing.assert_array_equal(np.asarray(one)[0, 0], got[b, t])
 
 
 def test_packed_forward_matches_unrolled(tiny_llama_dir):

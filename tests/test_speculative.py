@@ -4,6 +4,7 @@ EOS, cache contents, batching and recompilation."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -224,21 +225,15 @@ def test_sampled_speculation_has_the_target_distribution(small_vocab, setting, g
     assert chi_square_pvalue(counts, exact_law(target, prompt, sp, 3)) > 1e-3
 
 
-def broken_accept_row(draft_tokens, q, p, num_proposed, key):
-    """A classic bug: when every draft passes, the bonus token is drawn from the draft's last
-    distribution q[G-1] instead of the target's p[G]. Everything else is the real rule."""
-    g = draft_tokens.shape[0]
-    n, token = acceptance.accept_row(draft_tokens, q, p, num_proposed, key)
-    from_q = jax.random.categorical(jax.random.fold_in(key, 7), jnp.log(q[g - 1]))
-    return n, jnp.where(n == num_proposed, from_q, token).astype(jnp.int32)
-
-
 def test_distribution_test_catches_a_broken_rule(small_vocab, monkeypatch):
     target, draft_params = small_vocab
     sp = SamplingParams.make(**SETTINGS["temperature"])
     prompt = [1, 2, 3, 4, 5]
     jax.clear_caches()
-    monkeypatch.setattr(acceptance, "accept", jax.vmap(broken_accept_row))  # speculate reads it
+    # A classic bug: after a rejection the next token comes from the target's p instead of the
+    # residual norm(max(0, p - q)) (the rule without its residual update); the rest is the real rule.
+    broken = functools.partial(acceptance.accept_tree, update_residual=False)
+    monkeypatch.setattr(acceptance, "accept_tree", broken)  # speculate reads it
     try:
         counts, _ = sampled_counts(target, draft_params, sp, prompt, gamma=1)
     finally:

@@ -15,12 +15,14 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from jaxspec import kernels
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.errors import JaxspecError
+from jaxspec.models import llama
 
 if TYPE_CHECKING:  # annotations only: no import of the config or loading at run time
-    from jaxspec.config import SpeculativeConfig
+    from jaxspec.config import SpeculativeConfig, TreeConfig
     from jaxspec.loading import LoadedModel
 
 DrafterFactory = Callable[["SpeculativeConfig", "LoadedModel"], tuple[Any, Any]]
@@ -39,6 +41,7 @@ __all__ = [
     "build_drafter",
     "check_method",
     "register_drafter",
+    "with_tree",
 ]
 
 
@@ -64,18 +67,39 @@ def check_method(method: str) -> None:
         )
 
 
-def build_drafter(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any]:
-    """(drafter, drafter_params) for `spec.method`; (None, None) for plain decoding."""
+def build_drafter(
+    spec: SpeculativeConfig, target: LoadedModel, tree: TreeConfig | None = None
+) -> tuple[Any, Any]:
+    """(drafter, drafter_params) for `spec.method`; (None, None) for plain decoding. `tree`
+    (the config's tree section) turns a chain drafter into a static or dynamic tree drafter."""
     check_method(spec.method)
     if spec.method == "none":
         return None, None
     drafter, dparams = DRAFTERS[spec.method](spec, target)
+    if tree is not None and tree.kind != "chain":
+        drafter = with_tree(drafter, tree)
+        if tree.kind == "dynamic" and kernels.available() and llama.uses_cpu_kernels(target.params):
+            from jaxspec.drafters.eagle import pack_for_cpu
+
+            dparams = pack_for_cpu(dparams)
     if spec.lookup_min_ngram:  # prompt lookup first, the method's draft elsewhere
         from jaxspec.drafters.lookup import LookupFirst
 
         lookup = NgramDrafter(target.cfg.vocab_size, spec.lookup_min_ngram, spec.max_ngram)
         drafter = LookupFirst(drafter, lookup, name=f"{drafter.name}+lookup")
     return drafter, dparams
+
+
+def with_tree(drafter, tree: TreeConfig):
+    """The same drafter proposing the configured tree (Config validated method x kind)."""
+    if tree.kind == "dynamic":  # eagle
+        return dataclasses.replace(
+            drafter, tree_top_k=tree.top_k, tree_levels=tree.depth, tree_budget=tree.budget
+        )
+    if isinstance(drafter, NgramDrafter):
+        return dataclasses.replace(drafter, branches=tree.branches, depth=tree.depth)
+    choices = tuple(tuple(p) for p in tree.choices)  # medusa
+    return dataclasses.replace(drafter, tree_choices=choices)
 
 
 def _ngram(spec: SpeculativeConfig, target: LoadedModel) -> tuple[NgramDrafter, tuple]:

@@ -5,10 +5,18 @@ calls them inside one jitted `lax.while_loop`.
 Token bookkeeping shared by every drafter (row b):
   ctx.tokens[b, :ctx.lengths[b]]  committed tokens: prompt, then generated ones. The last one was
                                   sampled from the target but not yet run through it.
-  propose -> γ draft tokens continuing that sequence, their draft probabilities q (after the same
-             logits transform as the target's: this is what keeps sampling lossless) and how many
-             of them are real (`num_proposed`, <= γ; the rest are ignored by the acceptance rule).
-  commit  -> after verification: `num_accepted` drafts kept, then one target token; lengths advance.
+  propose -> N draft nodes continuing that sequence: a chain (parents None: node i follows
+             node i-1) or a tree (parents[b, i] = parent node, -1 = the last committed token;
+             parents before children, siblings tried in index order), the distribution q each
+             node was proposed from (after the same logits transform as the target's: this is
+             what keeps sampling lossless; one-hot for a deterministic node) and how many nodes
+             are real (`num_proposed`, <= N; the rest are ignored). See jaxspec.tree.
+  commit  -> after verification, the accepted path: `num_accepted` nodes kept, then one target
+             token; lengths advance. `window` and `hidden` hold the path (root first), so a
+             drafter that reads them needs no tree logic.
+
+A tree drafter also sets `tree_nodes` (N) and `tree_depth` (its deepest path): the loop verifies
+1 + N window entries and commits at most tree_depth + 1 tokens per step.
 """
 
 from __future__ import annotations
@@ -27,18 +35,21 @@ class DraftContext(NamedTuple):
 
 
 class Proposal(NamedTuple):
-    tokens: jax.Array  # int32[B, G]
-    probs: jax.Array  # f32[B, G, V] draft distribution each token was drawn from
-    num_proposed: jax.Array  # int32[B] in 0..G
+    tokens: jax.Array  # int32[B, N]
+    probs: jax.Array  # f32[B, N, V] draft distribution each node was drawn from
+    num_proposed: jax.Array  # int32[B] in 0..N
+    parents: jax.Array | None = None  # int32[B, N], -1 = root; None = a chain (i - 1)
 
 
 class CommitContext(NamedTuple):
     tokens: jax.Array  # int32[B, W] committed tokens after this step
     lengths: jax.Array  # int32[B] after this step
     prev_lengths: jax.Array  # int32[B] before this step
-    window: jax.Array  # int32[B, G+1] the verified window: last committed token, then the drafts
+    window: jax.Array  # int32[B, D+1] the accepted path: last committed token, then the kept
+    #                    nodes (garbage past num_accepted); a chain's whole verified window
     num_accepted: jax.Array  # int32[B]
-    hidden: jax.Array | None  # [len(hidden_layers), B, G+1, D] target hidden states on the window
+    hidden: jax.Array | None  # [len(hidden_layers), B, D+1, D] target hidden states on the path
+    path: jax.Array | None = None  # int32[B, D+1] window indices of the path (0 = root)
 
 
 class Drafter(Protocol):

@@ -20,6 +20,16 @@ same masked rollback as the target cache).
 Lossless over the full vocabulary: draft probs come from `logits_to_probs` over the N draft logits
 and are scattered to the target vocabulary (zeros elsewhere); the draft token is sampled from
 exactly that distribution.
+
+Dynamic tree (EAGLE-2, `tree_top_k` > 0): depth 1 holds the top-k tokens of the root; at each
+further depth the top-k nodes of the newest level by path score (sum of the drafter's log
+probabilities along the path) are expanded, each into its top-k children; finally the best
+`tree_budget` nodes of all levels by path score form the tree (ancestor-closed: a path's score
+only falls, and ties keep the earlier-made parent). Nodes are deterministic given the context, so
+each node's q is the one-hot of its token (lossless, see acceptance.accept_tree_row). Expanded
+nodes write provisional k/v past the committed prefix (slot L + level * k + i, see init's
+scratch) and attend the prefix plus their own ancestors; commit() writes the real entries of the
+accepted path as for a chain.
 """
 
 from __future__ import annotations
@@ -74,6 +84,18 @@ def head_logits(dparams, h):  # [..., D] -> f32[..., N] draft-vocabulary logits
     return llama._linear(rms(h) * dparams["norm"], dparams["head"]).astype(jnp.float32)
 
 
+MATMUL_KEYS = ("fuse", "in_proj", "head")  # + every 2-D weight of "layer"
+
+
+def pack_for_cpu(dparams):
+    """The drafter's matmul weights as CPU-kernel panels (`kernels.PackedWeight`, read by
+    `llama._linear`): a tree level runs the layer over top_k nodes at once, where XLA:CPU's
+    multi-row matmul first copies each weight (the target's packed layout avoids the same)."""
+    layer = {k: kernels.pack(w) if w.ndim == 2 else w for k, w in dparams["layer"].items()}
+    packed = {k: kernels.pack(dparams[k]) for k in MATMUL_KEYS}
+    return {**dparams, **packed, "layer": layer}
+
+
 class EagleState(NamedTuple):
     k: jax.Array  # [B, K, S, H] the drafter layer's cache
     v: jax.Array  # [B, K, S, H]
@@ -106,6 +128,19 @@ class EagleDrafter:
     # Dynamic draft length: keep drafting while the drafter's estimate that its draft is accepted
     # (see _gate) stays >= min_confidence; 0: always γ drafts.
     min_confidence: float = 0.0
+    # Dynamic tree (EAGLE-2): expand the tree_top_k best nodes per level into their top-k
+    # children, tree_depth levels, keep the best tree_budget nodes; tree_top_k = 0: a chain.
+    tree_top_k: int = 0
+    tree_levels: int = 0
+    tree_budget: int = 0
+
+    @property
+    def tree_nodes(self) -> int | None:
+        return self.tree_budget if self.tree_top_k else None
+
+    @property
+    def tree_depth(self) -> int | None:
+        return self.tree_levels if self.tree_top_k else None
 
     def _step(self, dparams, x, k_cache, v_cache, positions, kernel: bool):
         """x [B, T, D] at positions [B, T]: write k/v there, attend to slots <= position.
@@ -134,7 +169,8 @@ class EagleDrafter:
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
         c = self.cfg
         b, p = prompt_tokens.shape
-        shape = (b, c.num_kv_heads, capacity, c.head_dim)
+        scratch = self.tree_levels * self.tree_top_k if self.tree_top_k else 0
+        shape = (b, c.num_kv_heads, capacity + scratch, c.head_dim)
         k = jnp.zeros(shape, c.compute_dtype)
         v = jnp.zeros(shape, c.compute_dtype)
         f = fuse(dparams, prompt_hidden)  # [B, P, D]; f_t follows token t
@@ -168,6 +204,8 @@ class EagleDrafter:
         return state._replace(k=k, v=v)
 
     def propose(self, dparams, tparams, state: EagleState, ctx: DraftContext, num_tokens, sp, keys):
+        if self.tree_top_k:
+            return self._propose_tree(dparams, tparams, state, ctx)
         b = ctx.lengths.shape[0]
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
         h, k, v = self._enter_last(dparams, tparams, state, ctx)
@@ -242,6 +280,74 @@ class EagleDrafter:
         _, k, v, _, _, _, _, num, drafts, q = jax.lax.while_loop(cond, body, c0)
         drafts = jnp.where(jnp.arange(num_tokens)[None] < num[:, None], drafts, 0)
         return Proposal(drafts, q, num), state._replace(k=k, v=v)
+
+    def _propose_tree(self, dparams, tparams, state: EagleState, ctx: DraftContext):
+        """EAGLE-2 dynamic tree (see the module docstring): candidates[B, M] with M = k + (levels
+        - 1) * k * k, then the best `tree_budget` of them in topological order."""
+        k, levels, budget = self.tree_top_k, self.tree_levels, self.tree_budget
+        cfg = self.cfg
+        h, kc, vc = self._enter_last(dparams, tparams, state, ctx)  # h [B, 1, D]
+        b = h.shape[0]
+        logp = jax.nn.log_softmax(head_logits(dparams, h[:, 0]), axis=-1)  # [B, Nd]
+        score, idx = jax.lax.top_k(logp, k)  # [B, K]
+        tokens = [dparams["d2t"][idx]]
+        scores = [score]
+        parents = [jnp.full((b, k), -1, jnp.int32)]  # candidate index of the parent
+        # the frontier: candidate ids [B, K], their parent's hidden state, their ancestor slots
+        front = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
+        front_h = jnp.broadcast_to(h, (b, k, h.shape[-1]))
+        m_slots = levels * k
+        front_anc = jnp.zeros((b, k, m_slots), bool)  # scratch slots each frontier node attends
+        cand_anc = front_anc  # per candidate of the newest level (before selection)
+        n_cand = k
+        inv_freq = llama.rope_frequencies(cfg)
+        slots = jnp.arange(kc.shape[2])
+        for level in range(levels - 1):
+            tok = jnp.concatenate(tokens, axis=1)
+            f_tok = jnp.take_along_axis(tok, front, axis=1)  # [B, K]
+            x = layer_input(dparams, tparams, f_tok, front_h).astype(cfg.compute_dtype)
+            pos = jnp.broadcast_to((ctx.lengths + level)[:, None], (b, k))  # depth level + 1
+            own = level * k + jnp.arange(k)  # scratch slot of each frontier node
+            anc = front_anc | jax.nn.one_hot(own, m_slots, dtype=bool)[None]  # [B, K, M]
+            q, kk, vv = _qkv(cfg, dparams["layer"], x, pos, inv_freq)
+            write_at = (ctx.lengths[:, None] + own[None]).astype(jnp.int32)  # [B, K]
+            kc = llama.write_kv(kc, kk, write_at)
+            vc = llama.write_kv(vc, vv, write_at)
+            rel = slots[None, None, :] - ctx.lengths[:, None, None]  # [B, 1, S]
+            in_scratch = (rel >= 0) & (rel < m_slots)
+            mask = (rel < 0) | (in_scratch & jnp.take_along_axis(
+                anc, jnp.clip(rel, 0, m_slots - 1).astype(jnp.int32).repeat(k, axis=1), axis=2
+            ))  # [B, K, S]
+            attn = llama._attention(q, kc, vc, mask)
+            h_new = _finish(cfg, dparams["layer"], x, attn)  # [B, K, D]
+            logp = jax.nn.log_softmax(head_logits(dparams, h_new), axis=-1)  # [B, K, Nd]
+            f_score = jnp.take_along_axis(jnp.concatenate(scores, axis=1), front, axis=1)
+            child_score, child_idx = jax.lax.top_k(logp, k)  # [B, K, K]
+            child_score = (f_score[:, :, None] + child_score).reshape(b, k * k)
+            tokens.append(dparams["d2t"][child_idx].reshape(b, k * k))
+            scores.append(child_score)
+            parents.append(jnp.repeat(front, k, axis=1))
+            cand_anc = jnp.repeat(anc, k, axis=1)  # [B, K*K, M]: a child attends its parent's
+            cand_h = jnp.repeat(h_new, k, axis=1)  # the child's input feature: its parent's h
+            best = jax.lax.top_k(child_score, k)[1]  # [B, K] next frontier (within this level)
+            front = (n_cand + best).astype(jnp.int32)
+            front_h = jnp.take_along_axis(cand_h, best[..., None], axis=1)
+            front_anc = jnp.take_along_axis(cand_anc, best[..., None], axis=1)
+            n_cand += k * k
+        tok = jnp.concatenate(tokens, axis=1)  # [B, M]
+        score = jnp.concatenate(scores, axis=1)
+        parent = jnp.concatenate(parents, axis=1)
+        sel = jnp.sort(jax.lax.top_k(score, budget)[1], axis=1)  # [B, budget] topological
+        node_of = jnp.full((b, tok.shape[1]), -2, jnp.int32)
+        node_of = node_of.at[jnp.arange(b)[:, None], sel].set(jnp.arange(budget, dtype=jnp.int32))
+        sel_parent = jnp.take_along_axis(parent, sel, axis=1)
+        par = jnp.where(
+            sel_parent < 0, -1, jnp.take_along_axis(node_of, jnp.maximum(sel_parent, 0), axis=1)
+        )
+        out_tokens = jnp.take_along_axis(tok, sel, axis=1)
+        probs = jax.nn.one_hot(out_tokens, self.target_vocab, dtype=jnp.float32)
+        num = jnp.full((b,), budget, jnp.int32)
+        return Proposal(out_tokens, probs, num, par), state._replace(k=kc, v=vc)
 
     def commit(self, dparams, tparams, state: EagleState, ctx: CommitContext):
         """Real entries for window positions 1..G (x_L.. with target features f_{L-1}..); entries

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.errors import JaxspecError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,13 @@ class LookupFirst:
     lookup: NgramDrafter
     name: str = "lookup"
     variable_length: bool = True  # a lookup continuation may be shorter than γ
+
+    def __post_init__(self):
+        if getattr(self.inner, "tree_nodes", None) or self.lookup.branches:
+            raise JaxspecError(
+                "prompt lookup first works with chain drafters only: use a chain (tree.kind=chain) "
+                "or drop lookup_min_ngram"
+            )
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:

@@ -3,9 +3,13 @@
 Head k (1..K) reads h_t, the target's hidden state at the position whose output was the newest
 committed token x_{t+1}, and predicts x_{t+k+1}:  logits_k = head · (h_t + silu(W_k h_t + b_k)),
 through the target's frozen LM-head rows for the draft vocabulary (`head` [N, D], `d2t` int32[N]).
-The γ drafts are the first γ heads' samples (a chain; trees are another issue). Draft probs are
-`logits_to_probs` over the N draft logits scattered into the full vocabulary, so the acceptance
-rule stays lossless.
+The γ drafts are the first γ heads' samples (a chain). Draft probs are `logits_to_probs` over
+the N draft logits scattered into the full vocabulary, so the acceptance rule stays lossless.
+
+Static tree (`tree_choices`, Medusa's choices list, see `jaxspec.tree.check_choices`): node
+[r_1, ..., r_d] is the rank-r_d candidate of head d (ranked by its logits), under node
+[r_1, ..., r_{d-1}]. Candidates are deterministic given the context, so each node's q is the
+one-hot of its token (the acceptance rule's one-hot case: lossless).
 
 Params: {"w": [K, D, D] ([out, in] per head), "b": [K, D], "head": [N, D], "d2t": int32[N]}.
 State: the target hidden state h_t [B, D] (from the prompt at init, from the verify window at
@@ -19,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec import sampling
+from jaxspec import sampling, tree
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
@@ -41,16 +45,49 @@ class MedusaDrafter:
     final_layer: int  # the target's num_layers: HF index of the final-normed hidden state
     name: str = "medusa"
     variable_length: bool = False
+    tree_choices: tuple[tuple[int, ...], ...] | None = None  # None: a chain of γ heads
+
+    def __post_init__(self):
+        if self.tree_choices is not None:
+            choices = tree.check_choices(self.tree_choices)
+            if max(map(len, choices)) > self.num_heads:
+                raise JaxspecError(
+                    f"tree choices reach depth {max(map(len, choices))} but this checkpoint has "
+                    f"{self.num_heads} Medusa heads: use paths of at most {self.num_heads} ranks"
+                )
+            object.__setattr__(self, "tree_choices", choices)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         return (self.final_layer,)
+
+    @property
+    def tree_nodes(self) -> int | None:
+        return None if self.tree_choices is None else len(self.tree_choices)
+
+    @property
+    def tree_depth(self) -> int | None:
+        return None if self.tree_choices is None else max(map(len, self.tree_choices))
+
+    def _propose_tree(self, dparams, state):
+        parents, depth, rank = tree.static_layout(self.tree_choices)
+        d, k = max(depth), max(rank) + 1
+        sub = {**dparams, "w": dparams["w"][:d], "b": dparams["b"][:d]}
+        top = jax.lax.top_k(head_logits(sub, state), k)[1]  # [D, B, K] draft indices by rank
+        idx = top[jnp.asarray(depth) - 1, :, jnp.asarray(rank)]  # [N, B]
+        tokens = dparams["d2t"][idx.T]  # [B, N]
+        b, n = tokens.shape
+        probs = jax.nn.one_hot(tokens, self.target_vocab, dtype=jnp.float32)  # [B, N, V]
+        par = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
+        return Proposal(tokens, probs, jnp.full((b,), n, jnp.int32), par), state
 
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
         h = prompt_hidden[0]  # [B, P, D]
         return jnp.take_along_axis(h, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
 
     def propose(self, dparams, tparams, state, ctx: DraftContext, num_tokens, sp, keys):
+        if self.tree_choices is not None:
+            return self._propose_tree(dparams, state)
         if num_tokens > self.num_heads:
             raise JaxspecError(
                 f"num_speculative_tokens={num_tokens} exceeds the {self.num_heads} Medusa heads "
@@ -67,5 +104,5 @@ class MedusaDrafter:
         return Proposal(dparams["d2t"][idx], probs, num), state
 
     def commit(self, dparams, tparams, state, ctx: CommitContext):
-        h = ctx.hidden[0]  # [B, G+1, D]; window position n produced the newest committed token
+        h = ctx.hidden[0]  # [B, D+1, D] on the path; path entry n produced the newest token
         return jnp.take_along_axis(h, ctx.num_accepted[:, None, None], axis=1)[:, 0]

@@ -90,21 +90,28 @@ def panel_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     return out if p * PANEL == w.out_features else out[..., : w.out_features]
 
 
-def prefix_attention(q, k_cache, v_cache, k_window, v_window, lengths, scale: float) -> jax.Array:
+def prefix_attention(
+    q, k_cache, v_cache, k_window, v_window, lengths, scale: float, window_mask=None
+) -> jax.Array:
     """q: f32[B, T, N, H]; k/v_cache: f32[B, K, S, H]; k/v_window: f32[B, T, K, H] (the window's
-    own keys and values); lengths: int32[B] -> f32[B, T, N, H].
+    own keys and values); lengths: int32[B]; window_mask: bool[B, T, T] or None (causal)
+    -> f32[B, T, N, H].
 
-    Query t of row b attends cache slots s < lengths[b], then window positions 0..t: the cache's
-    causal-prefix mask (KVCache.mask), whether or not the window is already written into the
-    cache. Needs `available()`.
+    Query t of row b attends cache slots s < lengths[b], then the window positions j with
+    window_mask[b, t, j], in ascending j (None: j = 0..t, the cache's causal-prefix mask,
+    whether or not the window is already written into the cache). A draft tree passes each
+    node's ancestors-and-self (`jaxspec.tree.Window.mask`). Needs `available()`.
     """
     _register()
+    b, t = q.shape[:2]
+    if window_mask is None:
+        window_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     f32 = lambda a: a.astype(jnp.float32)
     return jax.ffi.ffi_call(
         "jaxspec_prefix_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
     )(
         f32(q), f32(k_cache), f32(v_cache), f32(k_window), f32(v_window),
-        lengths.astype(jnp.int32), scale=np.float32(scale),
+        lengths.astype(jnp.int32), window_mask.astype(jnp.uint8), scale=np.float32(scale),
     )
 
 

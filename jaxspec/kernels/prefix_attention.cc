@@ -1,7 +1,11 @@
 // Attention of a short query window over a KV cache whose valid slots form a prefix, on CPU.
 //
-//   q[B, T, N, H], k/v cache[B, K, S, H], k/v window[B, T, K, H], lengths[B]  ->  out[B, T, N, H]
-//   query t of row b attends cache slots s < lengths[b], then window positions 0..t
+//   q[B, T, N, H], k/v cache[B, K, S, H], k/v window[B, T, K, H], lengths[B], mask[B, T, T]
+//     ->  out[B, T, N, H]
+//   query t of row b attends cache slots s < lengths[b], then the window positions j with
+//   mask[b, t, j] != 0, in ascending j (causal windows: j = 0..t; draft trees: the node's
+//   ancestors and itself, in depth order -- the order plain decoding later reads them from the
+//   cache, so a tree node's row equals the one-token step at its position bit for bit)
 //
 // The window's own keys and values come as separate inputs, so the cache may be written before or
 // after the call (speculate.py writes it after a variable-width verify: a cache written inside a
@@ -68,12 +72,16 @@ struct Shapes {
   int64_t B, T, N, K, S, H, G;
 };
 
-// The key (or value) rows one query sees, in order: `cached` cache rows, then window rows.
+// The key (or value) rows one query sees, in order: `cached` cache rows, then window rows
+// widx[0], widx[1], ... (row j at window + j * stride).
 struct Slots {
   const float* cache;   // [S, H] of one (batch row, kv head)
-  const float* window;  // window row j at window + j * stride
+  const float* window;
+  const int32_t* widx;
   int64_t cached, stride, H;
-  const float* at(int64_t s) const { return s < cached ? cache + s * H : window + (s - cached) * stride; }
+  const float* at(int64_t s) const {
+    return s < cached ? cache + s * H : window + widx[s - cached] * stride;
+  }
 };
 
 constexpr int kRowBlock = 4;  // query rows sharing each k/v load
@@ -247,25 +255,52 @@ void PortableRow(const float* q, const Slots& k, const Slots& v, int64_t n, int6
 // Query rows [r0, r1) of (batch b, kv head kh); row r is head kh*G + r/T at window position r%T.
 // Blocks of rows share each k/v load; a row's arithmetic does not depend on its block.
 void HeadRows(const Shapes& d, const float* q, const float* kc, const float* vc, const float* kw,
-              const float* vw, const int32_t* lengths, float scale, float* out, int64_t b, int64_t kh,
-              int64_t r0, int64_t r1) {
+              const float* vw, const int32_t* lengths, const uint8_t* mask, float scale, float* out,
+              int64_t b, int64_t kh, int64_t r0, int64_t r1) {
   const int64_t cached = std::clamp<int64_t>(lengths[b], 0, d.S), stride = d.K * d.H;
   const int64_t cache_at = (b * d.K + kh) * d.S * d.H, window_at = b * d.T * stride + kh * d.H;
-  const Slots k{kc + cache_at, kw + window_at, cached, stride, d.H};
-  const Slots v{vc + cache_at, vw + window_at, cached, stride, d.H};
+  // Window positions each query attends (ascending), and whether the window is plain causal.
+  std::vector<int32_t> lists(d.T * d.T);
+  std::vector<int64_t> counts(d.T);
+  bool causal = true;
+  for (int64_t t = 0; t < d.T; ++t) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < d.T; ++j)
+      if (mask[(b * d.T + t) * d.T + j]) lists[t * d.T + c++] = static_cast<int32_t>(j);
+    counts[t] = c;
+    causal = causal && c == t + 1 && (c == 0 || lists[t * d.T + c - 1] == t);
+  }
   std::vector<float> scratch(kRowBlock * ((cached + d.T + 15) / 16 * 16));
-  for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
+  // Rows in blocks: causal windows block consecutive rows (row t's window list is a prefix of row
+  // t+1's); otherwise a block holds rows at one window position (heads sharing one list).
+  std::vector<int64_t> order;
+  order.reserve(r1 - r0);
+  if (causal) {
+    for (int64_t r = r0; r < r1; ++r) order.push_back(r);
+  } else {
+    for (int64_t t = 0; t < d.T; ++t)
+      for (int64_t r = r0; r < r1; ++r)
+        if (r % d.T == t) order.push_back(r);
+  }
+  const int32_t* widest = lists.data() + (d.T - 1) * d.T;  // causal: 0..T-1
+  for (size_t i0 = 0; i0 < order.size();) {
     const float* qs[kRowBlock];
     float* outs[kRowBlock];
     int64_t n[kRowBlock];
-    const int R = static_cast<int>(std::min<int64_t>(kRowBlock, r1 - rb));
-    for (int i = 0; i < R; ++i) {
-      const int64_t r = rb + i, head = kh * d.G + r / d.T, t = r % d.T;
+    const int64_t t0 = order[i0] % d.T;
+    int R = 0;
+    while (R < kRowBlock && i0 + R < order.size() && (causal || order[i0 + R] % d.T == t0)) {
+      const int64_t r = order[i0 + R], head = kh * d.G + r / d.T, t = r % d.T;
       const int64_t at = ((b * d.T + t) * d.N + head) * d.H;
-      qs[i] = q + at;
-      outs[i] = out + at;
-      n[i] = cached + t + 1;
+      qs[R] = q + at;
+      outs[R] = out + at;
+      n[R] = cached + counts[t];
+      ++R;
     }
+    i0 += R;
+    const int32_t* widx = causal ? widest : lists.data() + t0 * d.T;
+    const Slots k{kc + cache_at, kw + window_at, widx, cached, stride, d.H};
+    const Slots v{vc + cache_at, vw + window_at, widx, cached, stride, d.H};
 #if defined(__AVX512F__)
     if (d.H == 64) { VectorRows<4>(qs, n, R, k, v, scale, outs, scratch.data()); continue; }
     if (d.H == 128) { VectorRows<8>(qs, n, R, k, v, scale, outs, scratch.data()); continue; }
@@ -276,20 +311,22 @@ void HeadRows(const Shapes& d, const float* q, const float* kc, const float* vc,
 
 ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> k_win,
-                           ffi::Buffer<ffi::F32> v_win, ffi::Buffer<ffi::S32> lengths, float scale,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::F32> v_win, ffi::Buffer<ffi::S32> lengths,
+                           ffi::Buffer<ffi::U8> mask, float scale, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || v.element_count() != k.element_count() || kd[0] != qd[0] ||
       kd[3] != qd[3] || kd[1] == 0 || qd[2] % kd[1] != 0 || lengths.element_count() != qd[0] ||
       k_win.element_count() != qd[0] * qd[1] * kd[1] * kd[3] ||
-      v_win.element_count() != k_win.element_count())
+      v_win.element_count() != k_win.element_count() ||
+      mask.element_count() != qd[0] * qd[1] * qd[1])
     return ffi::Error::InvalidArgument(
         "prefix_attention: want q[B, T, N, H], k/v[B, K, S, H] with K | N, k/v window[B, T, K, H], "
-        "lengths[B]");
+        "lengths[B], mask[B, T, T]");
   const Shapes d{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], qd[2] / kd[1]};
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const float *kwp = k_win.typed_data(), *vwp = v_win.typed_data();
   const int32_t* lp = lengths.typed_data();
+  const uint8_t* mp = mask.typed_data();
   float* op = out->typed_data();
   // Tasks: (b, kv head, slice of its G*T query rows); slices only when there are few heads, so
   // every thread has work (a slice re-reads the head's k/v, which then sits in cache).
@@ -300,7 +337,7 @@ ffi::Error PrefixAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   auto fn = [=](int64_t task) {
     const int64_t head = task / slices, slice = task % slices;
     const int64_t r0 = slice * per_slice, r1 = std::min(rows, r0 + per_slice);
-    if (r0 < r1) HeadRows(d, qp, kp, vp, kwp, vwp, lp, scale, op, head / d.K, head % d.K, r0, r1);
+    if (r0 < r1) HeadRows(d, qp, kp, vp, kwp, vwp, lp, mp, scale, op, head / d.K, head % d.K, r0, r1);
   };
   jaxspec::ParallelFor(pool, heads * slices, fn);
   return ffi::Error::Success();
@@ -317,5 +354,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxspecPrefixAttention, PrefixAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -277,10 +277,11 @@ def _kernel_attention(lp, q) -> bool:
     return isinstance(lp.get("wqkv"), kernels.PackedWeight) and attention_kernel_on(q)
 
 
-def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths):
+def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths, window_mask=None):
     """Like `_attention`, for a window not yet written into the cache: query t attends cache slots
-    s < lengths[b] and window positions 0..t. q: [B, T, N, H]; caches [B, K, S, H]; windows
-    [B, T, K, H] -> [B, T, N*H]. Softmax over the concatenated [S + T] scores."""
+    s < lengths[b] and window positions j with window_mask[b, t, j] (None: j = 0..t). q:
+    [B, T, N, H]; caches [B, K, S, H]; windows [B, T, K, H] -> [B, T, N*H]. Softmax over the
+    concatenated [S + T] scores."""
     b, t, n, h = q.shape
     kv, slots = k_cache.shape[1], k_cache.shape[2]
     g = n // kv
@@ -293,9 +294,10 @@ def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths):
          jax.lax.dot_general(qh, kw, dims, preferred_element_type=jnp.float32)], axis=-1,
     ).reshape(b, kv, g, t, slots + t) * (h**-0.5)
     in_cache = jnp.arange(slots)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T]
+    if window_mask is None:
+        window_mask = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T] causal
     mask = jnp.concatenate(
-        [jnp.broadcast_to(in_cache, (b, t, slots)), jnp.broadcast_to(causal, (b, t, t))], axis=-1
+        [jnp.broadcast_to(in_cache, (b, t, slots)), jnp.broadcast_to(window_mask, (b, t, t))], axis=-1
     )
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, slots + t)
@@ -306,10 +308,11 @@ def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths):
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
-def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
+def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, window_mask=None):
     """One decoder layer. Writes this step's k/v into its cache `[B, K, S, H]` at `positions` and
     returns (x, k_cache, v_cache); with write=False the cache is only read and the window's own
-    k/v `[B, T, K, H]` come back instead of the caches."""
+    k/v `[B, T, K, H]` come back instead of the caches, and window entry t attends window entries
+    j with window_mask[b, t, j] (None: causal). Window entry 0 sits at the cache's length."""
     b, t, _ = x.shape
     h = cfg.head_dim
     y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -334,12 +337,14 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
         k_cache = write_kv(k_cache, k, positions)
         v_cache = write_kv(v_cache, v, positions)
     if _kernel_attention(lp, q):  # the cache's prefix mask, valid slots only
-        attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, lengths, h**-0.5)
+        attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, lengths, h**-0.5, window_mask)
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
     elif write:
         attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     else:
-        attn = _attention_with_window(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), k, v, lengths)
+        attn = _attention_with_window(
+            q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), k, v, lengths, window_mask
+        )
     x = x + _linear(attn, lp["wo"])
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in lp:  # packed layout: gate and up fused
@@ -379,8 +384,13 @@ def forward(
     cfg: ModelConfig,
     hidden_layers: tuple[int, ...] = (),
     write_cache: bool = True,
+    positions: jax.Array | None = None,
+    window_mask: jax.Array | None = None,
 ) -> ForwardOutput:
-    """Run `tokens: int[B, T]` at positions `cache.lengths[:, None] + arange(T)`.
+    """Run `tokens: int[B, T]` at `positions` int32[B, T] (default `cache.lengths[:, None] +
+    arange(T)`), attending cache slots below `cache.lengths` and the window entries
+    `window_mask` bool[B, T, T] allows (default causal; a draft tree passes ancestors-and-self,
+    see `jaxspec.tree`; needs write_cache=False, since tree nodes share positions).
 
     `hidden_layers` picks HF-style hidden states: 0 = embeddings, i = output of layer i
     (num_layers = after the final norm). Works on the unrolled (tuple) and stacked (scan) layouts.
@@ -389,8 +399,11 @@ def forward(
     branch writes, every step.
     """
     b, t = tokens.shape
-    positions = cache.positions(t)  # [B, T]
-    mask = cache.mask(t)  # [B, T, S]
+    if window_mask is not None and write_cache:
+        raise ValueError("forward(window_mask=...) needs write_cache=False (write the kept entries after)")
+    if positions is None:
+        positions = cache.positions(t)  # [B, T]
+    mask = cache.mask(t)  # [B, T, S] (write_cache=True: positions are cache.lengths + arange(T))
     inv_freq = rope_frequencies(cfg)
     x = params["embed"][tokens].astype(cfg.compute_dtype)  # [B, T, D]
     collected = {0: x}
@@ -401,7 +414,9 @@ def forward(
 
         def body(x, xs):
             lp, k_l, v_l = xs
-            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache)
+            x, k_l, v_l = _layer(
+                cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache, window_mask
+            )
             return x, (k_l, v_l, x)
 
         x, (k_new, v_new, per_layer) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
@@ -413,7 +428,9 @@ def forward(
             raise ValueError("per-layer params need a per-layer cache: init_cache(..., stacked=False)")
         k_new, v_new = [], []
         for lp, k_l, v_l in zip(layers, cache.k, cache.v):
-            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache)
+            x, k_l, v_l = _layer(
+                cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache, window_mask
+            )
             k_new.append(k_l)
             v_new.append(v_l)
             collected[len(k_new)] = x

@@ -1,0 +1,375 @@
+"""Draft trees: the verify window, the tree acceptance rule (exact law, and a broken variant that
+fails), static (Medusa, n-gram) and dynamic (EAGLE-2) trees token-identical to plain greedy,
+a one-branch tree equal to the chain, compaction of the kept k/v, no recompilation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distribution import FAIL_P, PASS_P, pvalue
+from jaxspec import acceptance, speculate, tree
+from jaxspec.drafters.base import Proposal
+from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.engine import Engine
+from jaxspec.errors import JaxspecError
+from jaxspec.loading.params import unpack_params
+from jaxspec.models import llama
+from jaxspec.sampling import SamplingParams, logits_to_probs
+from jaxspec.train import methods
+from tiny import tiny_model
+
+PROMPT_LENGTHS = (5, 17, 9, 30)
+
+# ---- the window ------------------------------------------------------------------------------
+
+
+def test_chain_window_is_the_causal_window():
+    b, n = 2, 4
+    w = tree.build_window(
+        jnp.asarray([7, 8]), jnp.asarray([10, 3]), jnp.ones((b, n), jnp.int32),
+        tree.chain_parents(b, n), jnp.asarray([4, 4]),
+    )
+    np.testing.assert_array_equal(w.mask, np.broadcast_to(np.tril(np.ones((5, 5), bool)), (2, 5, 5)))
+    np.testing.assert_array_equal(w.positions, [[10, 11, 12, 13, 14], [3, 4, 5, 6, 7]])
+    np.testing.assert_array_equal(w.tokens[:, 0], [7, 8])
+
+
+def test_tree_window_mask_depth_and_padding():
+    parents = jnp.asarray([[-1, -1, 0, 0, 1, 2, 3]])  # node 6 is padding (num_nodes = 6)
+    w = tree.build_window(jnp.asarray([5]), jnp.asarray([20]), jnp.arange(7)[None] + 1, parents,
+                          jnp.asarray([6]))
+    np.testing.assert_array_equal(w.depth[0], [0, 1, 1, 2, 2, 2, 3, 1])
+    np.testing.assert_array_equal(w.positions[0], 20 + np.array([0, 1, 1, 2, 2, 2, 3, 1]))
+    anc = {t: set(np.nonzero(np.asarray(w.mask[0, t]))[0]) for t in range(8)}
+    assert anc[6] == {0, 1, 3, 6}  # node 5 -> node 2 -> node 0 -> root
+    assert anc[5] == {0, 2, 5} and anc[2] == {0, 2} and anc[7] == {0, 7}
+
+
+def test_bad_tree_choices_are_clear_errors():
+    for bad, word in [([], "empty"), ([[0, 1]], "no parent"), ([[0], [0]], "repeat"),
+                      ([[-1]], "ranks"), ("x", "invalid")]:
+        with pytest.raises(JaxspecError, match=word):
+            tree.check_choices(bad)
+    assert tree.check_choices([[1], [0, 0], [0]]) == ((0,), (1,), (0, 0))
+
+
+@pytest.mark.parametrize(
+    "overrides,word",
+    [
+        (["tree.kind=dynamic"], "supported by method eagle"),
+        (["speculative.method=eagle", "tree.kind=static"], "medusa or ngram"),
+        (["speculative.method=medusa", "tree.kind=static"], "needs tree.choices"),
+        (["tree.budget=0"], "tree.budget=0 is invalid"),
+        (["tree.choices=[[0, 1]]"], "no parent"),
+        (["tree.kind=bogus"], "one of chain, static, dynamic"),
+        (["speculative.method=eagle", "tree.kind=dynamic", "tree.budget=60"], "use 1..52"),
+        (["speculative.method=ngram", "tree.kind=static", "tree.branches=20"], "<= 63"),
+        (["speculative.method=eagle", "tree.kind=dynamic", "speculative.lookup_min_ngram=2"],
+         "does not combine"),
+    ],
+)
+def test_bad_tree_config_is_a_one_line_error(overrides, word):
+    from jaxspec.config import load_config
+
+    with pytest.raises(JaxspecError, match=word) as e:
+        load_config(None, overrides)
+    assert "\n" not in str(e.value)
+
+
+def test_tree_config_builds_the_tree_drafter():
+    from jaxspec.config import load_config
+    from jaxspec.drafters import with_tree
+
+    cfg = load_config(None, ["speculative.method=ngram", "tree.kind=static", "tree.branches=2",
+                             "tree.depth=3"])
+    d = with_tree(NgramDrafter(vocab_size=64), cfg.tree)
+    assert (d.tree_nodes, d.tree_depth) == (6, 3)
+    cfg = load_config(None, ["speculative.method=medusa", "tree.kind=static",
+                             "tree.choices=[[1], [0], [0, 0]]"])
+    assert cfg.tree.choices == [[0], [1], [0, 0]]
+
+
+# ---- the acceptance rule ---------------------------------------------------------------------
+
+
+def test_chain_through_the_tree_rule_equals_the_chain_rule():
+    rng = np.random.default_rng(0)
+    g, v, rows = 4, 7, 400
+    sp = SamplingParams.make(temperature=0.9, top_k=5)
+    p = np.asarray(logits_to_probs(jnp.asarray(rng.normal(size=(rows, g + 1, v)) * 2), sp))
+    q = np.array(logits_to_probs(jnp.asarray(rng.normal(size=(rows, g, v)) * 2), sp))
+    q[: rows // 2] = p[: rows // 2, :g]  # half the rows draft from the target: long accepts
+    tokens = np.stack([[rng.choice(v, p=qi) for qi in qr] for qr in q]).astype(np.int32)
+    num = rng.integers(0, g + 1, rows).astype(np.int32)
+    keys = jax.random.split(jax.random.key(3), rows)
+    n, nxt = jax.jit(acceptance.accept)(tokens, q, p, num, keys)
+    path, n_t, nxt_t = jax.jit(acceptance.accept_tree, static_argnums=6)(
+        tokens, tree.chain_parents(rows, g), q, p, num, keys, g + 1
+    )
+    np.testing.assert_array_equal(n_t, n)
+    np.testing.assert_array_equal(nxt_t, nxt)
+    for r in range(rows):
+        np.testing.assert_array_equal(path[r, : n[r] + 1], np.arange(n[r] + 1))
+    assert 0 < np.mean(np.asarray(n) == num) < 1
+
+
+def test_greedy_tree_rule_takes_the_deepest_argmax_path():
+    v = 10
+    # root children: 3, 4 (argmax 4); under 4: 5, 6 (argmax 6); under 6: 1 (argmax 2)
+    tokens = jnp.asarray([3, 4, 5, 6, 1, 4])
+    parents = jnp.asarray([-1, -1, 1, 1, 3, 0])
+    argmax = jnp.asarray([4, 0, 6, 0, 2, 0, 0])  # per window entry (root, nodes 0..5)
+    p = jax.nn.one_hot(argmax, v)
+    q = jax.nn.one_hot(tokens, v)
+    path, n, nxt = acceptance.accept_tree_row(tokens, parents, q, p, 6, jax.random.key(0), 4)
+    assert (int(n), int(nxt)) == (2, 2)
+    np.testing.assert_array_equal(path[:3], [0, 2, 4])
+    _, n, nxt = acceptance.accept_tree_row(tokens, parents, q, p, 1, jax.random.key(0), 4)
+    assert (int(n), int(nxt)) == (0, 4)  # node 1 is padding: the root's argmax
+
+
+# ---- the exact law of a whole tree loop on a tiny target -------------------------------------
+
+V = 6
+NUM_ROWS = 12000
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedTreeDrafter:
+    """Context-free test drafter mixing every kind of sibling the rule must handle:
+    node 0 deterministic (q one-hot), nodes 1, 2 i.i.d. from Q1 (SpecInfer), node 3 deterministic
+    under node 0, node 4 from Q2 under node 0, node 5 from Q2 under node 1, node 6 deterministic
+    under node 4. dparams: {"q1": [V], "q2": [V], "det": int32[3]}."""
+
+    vocab: int
+    name: str = "mixed_tree"
+    hidden_layers: tuple[int, ...] = ()
+    variable_length: bool = False
+    tree_nodes: int = 7
+    tree_depth: int = 3
+
+    def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
+        return ()
+
+    def propose(self, dparams, tparams, state, ctx, num_tokens, sp, keys):
+        b = keys.shape[0]
+        draw = lambda k, q, n: jax.random.categorical(k, jnp.log(q), shape=(n,))  # noqa: E731
+        k1, k2 = jax.vmap(lambda k: jax.random.split(k), out_axes=1)(keys)
+        s1 = jax.vmap(lambda k: draw(k, dparams["q1"], 2))(k1)  # [B, 2]
+        s2 = jax.vmap(lambda k: draw(k, dparams["q2"], 2))(k2)
+        det = jnp.broadcast_to(dparams["det"], (b, 3))
+        tokens = jnp.stack([det[:, 0], s1[:, 0], s1[:, 1], det[:, 1], s2[:, 0], s2[:, 1], det[:, 2]], 1)
+        one = lambda t: jax.nn.one_hot(t, self.vocab)  # noqa: E731
+        qs = [one(det[:, 0]), *[jnp.broadcast_to(dparams["q1"], (b, self.vocab))] * 2,
+              one(det[:, 1]), *[jnp.broadcast_to(dparams["q2"], (b, self.vocab))] * 2, one(det[:, 2])]
+        parents = jnp.broadcast_to(jnp.asarray([-1, -1, -1, 0, 0, 1, 4], jnp.int32), (b, 7))
+        return Proposal(tokens.astype(jnp.int32), jnp.stack(qs, 1), jnp.full((b,), 7, jnp.int32),
+                        parents), state
+
+    def commit(self, dparams, tparams, state, ctx):
+        return state
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    target = tiny_model(seed=5, scale=0.6, vocab=V, layers=2, hidden=32, eos=(-1,))
+    q = logits_to_probs(2.0 * jax.random.normal(jax.random.key(4), (2, V)),
+                        SamplingParams.make(temperature=1.0))
+    dparams = {"q1": q[0], "q2": q[1], "det": jnp.asarray([2, 1, 3], jnp.int32)}
+    return target, dparams
+
+
+TREE_SP = dict(temperature=0.7, top_k=4, top_p=0.9)
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def tree_pvalue(target, dparams):
+    sp = SamplingParams.make(**TREE_SP)
+    return pvalue(target, MixedTreeDrafter(V), dparams, sp, PROMPT, rows=NUM_ROWS, num_tokens=3,
+                  gamma=1, seed=11)
+
+
+def test_tree_sampling_has_the_target_distribution(small_vocab):
+    target, dparams = small_vocab
+    p, results = tree_pvalue(target, dparams)
+    per_depth = np.mean([r.metrics["accepted_per_position"] for r in results], axis=0)
+    assert 0.05 < per_depth[0] < 0.95 and per_depth[1] > 0.01  # rejections and depth-2 accepts
+    assert p > PASS_P
+
+
+def test_distribution_test_catches_a_residual_not_updated_between_siblings(small_vocab, monkeypatch):
+    target, dparams = small_vocab
+    jax.clear_caches()
+    broken = functools.partial(acceptance.accept_tree, update_residual=False)
+    monkeypatch.setattr(acceptance, "accept_tree", broken)  # speculate reads it
+    try:
+        p, _ = tree_pvalue(target, dparams)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert p < FAIL_P
+
+
+# ---- tree drafters on a tiny target: greedy identity, chain equivalence, compaction ----------
+
+
+@pytest.fixture(scope="module")
+def target():  # the layout configs load on a CPU
+    return tiny_model(seed=0, layers=2, packed=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    out = []
+    for n in PROMPT_LENGTHS:  # half random, half a repeated motif (so prompt lookup finds matches)
+        motif = list(rng.integers(1, 64, size=4))
+        out.append([int(t) for t in (list(rng.integers(1, 64, size=n // 2)) + motif * 4)[:n]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target, prompts):
+    return [r.token_ids for r in Engine(target).generate(prompts, max_new_tokens=40, batch_size=4)]
+
+
+DRAFT_IDS = np.arange(0, 64, 2, dtype=np.int32)  # a reduced draft vocabulary: 32 of 64 tokens
+
+
+def trained_like(target, name, **tree_kw):
+    """A random Medusa / EAGLE drafter on the tiny target (as the training code builds it)."""
+    m = {"eagle": methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0),
+         "medusa": methods.Medusa(num_heads=3)}[name]
+    plain = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
+    params, frozen = m.init(plain, DRAFT_IDS, jax.random.key(7))
+    return dataclasses.replace(m.drafter(target.cfg), **tree_kw), m.runtime(params, frozen)
+
+
+TREE_DRAFTERS = {
+    "ngram": lambda t: (NgramDrafter(vocab_size=64, min_ngram=1, max_ngram=3, branches=3, depth=3), None),
+    "medusa": lambda t: trained_like(
+        t, "medusa", tree_choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1))
+    ),
+    "eagle": lambda t: trained_like(t, "eagle", tree_top_k=3, tree_levels=3, tree_budget=8),
+}
+
+
+@pytest.mark.parametrize("method", list(TREE_DRAFTERS))
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_tree_greedy_is_token_identical(target, prompts, plain_greedy, method, batch_size):
+    drafter, dparams = TREE_DRAFTERS[method](target)
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=1)
+    results = engine.generate(prompts, max_new_tokens=40, batch_size=batch_size)
+    assert [r.token_ids for r in results] == plain_greedy
+    assert all(r.metrics["tree_nodes"] == drafter.tree_nodes for r in results)
+    if method == "ngram":  # the motif prompts: branches get accepted
+        assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "stacked"])
+def test_tree_on_the_xla_attention_path(prompts, layout):
+    """Without the CPU kernels the ancestor mask goes through XLA's attention (both layouts)."""
+    model = tiny_model(seed=0, layers=2)
+    if layout == "stacked":
+        model = dataclasses.replace(model, params=llama.stack_layers(model.params))
+    plain = [r.token_ids for r in Engine(model).generate(prompts, max_new_tokens=30, batch_size=4)]
+    engine = Engine(model, NgramDrafter(64, branches=3, depth=3), num_speculative_tokens=1)
+    results = engine.generate(prompts, max_new_tokens=30, batch_size=4)
+    assert [r.token_ids for r in results] == plain
+    assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
+
+
+def test_one_branch_tree_equals_the_chain(target, prompts):
+    chain = Engine(target, NgramDrafter(vocab_size=64, max_ngram=3), num_speculative_tokens=3)
+    one = Engine(target, NgramDrafter(vocab_size=64, max_ngram=3, branches=1, depth=3),
+                 num_speculative_tokens=3)
+    for sp in (SamplingParams.make(), SamplingParams.make(temperature=0.8, top_p=0.9)):
+        a = chain.generate(prompts, max_new_tokens=30, sampling=sp, batch_size=4, seed=5)
+        b = one.generate(prompts, max_new_tokens=30, sampling=sp, batch_size=4, seed=5)
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert {k: v for k, v in x.metrics.items() if k != "compile_s"} == {
+                k: v for k, v in y.metrics.items() if k != "compile_s"
+            }
+        assert sum(r.metrics["num_accepted_tokens"] for r in a) > 0
+
+
+def test_one_branch_medusa_tree_equals_the_medusa_chain(target, prompts):
+    drafter, dparams = trained_like(target, "medusa")
+    chain = Engine(target, drafter, dparams, num_speculative_tokens=3)
+    one = Engine(target, dataclasses.replace(drafter, tree_choices=tree.chain_choices(3)),
+                 dparams, num_speculative_tokens=3)
+    a, b = (e.generate(prompts, max_new_tokens=30, batch_size=4) for e in (chain, one))
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        assert {k: v for k, v in x.metrics.items() if k != "compile_s"} == {
+            k: v for k, v in y.metrics.items() if k != "compile_s"
+        }
+
+
+def test_committed_kv_after_tree_steps_equals_plain_decoding(target, prompts):
+    """Compaction: after tree steps, the target k/v below each row's length are bit for bit
+    the k/v plain decoding wrote (the packed layout's kernels: fixed-order sums)."""
+    drafter, dparams = TREE_DRAFTERS["ngram"](target)
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=1)
+    plain = Engine(target)
+    sp = SamplingParams.make()
+    state = engine._decode(engine._prefill(prompts, 20, sp, 0, list(range(4)), 4), sp, 4)
+    ref = plain._decode(plain._prefill(prompts, 20, sp, 0, list(range(4)), 4), sp, 40)
+    committed = np.asarray(state.lengths) - 1
+    assert (np.asarray(state.num_accepted) > 0).any()  # some tree step kept drafts
+    for layer in range(2):
+        for row in range(4):
+            n = committed[row]
+            for mine, theirs in ((state.cache.k, ref.cache.k), (state.cache.v, ref.cache.v)):
+                np.testing.assert_array_equal(mine[layer][row, :, :n], theirs[layer][row, :, :n])
+
+
+def test_no_recompilation_across_tree_shapes(target):
+    """Tree shapes are data: rows and steps with different trees reuse one program."""
+    drafter, dparams = TREE_DRAFTERS["eagle"](target)
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=1)
+    ngram = Engine(target, TREE_DRAFTERS["ngram"](target)[0], num_speculative_tokens=1)
+    rng = np.random.default_rng(1)
+    requests = [[int(t) for t in rng.integers(1, 64, size=int(n))] for n in rng.integers(17, 30, 6)]
+    for e in (engine, ngram):
+        e.generate(requests[:1], max_new_tokens=16)  # warm up
+    before = speculate.decode_jit._cache_size()
+    for ids in requests:
+        for e in (engine, ngram):
+            e.generate([ids], max_new_tokens=16)
+    assert speculate.decode_jit._cache_size() == before
+
+
+# ---- the shipped tree configs on SmolLM2 ----------------------------------------------------
+
+SMOL_PROMPTS = [
+    "A baker makes 24 muffins and sells 3 boxes of 5. How many muffins are left?",
+    "Summarize: The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs away.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_plain(smollm2):
+    return Engine(smollm2).generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram"])
+def test_shipped_tree_config_is_token_identical(smollm2, smol_plain, name):
+    from jaxspec.build import build_engine
+    from jaxspec.config import load_config
+
+    engine = build_engine(load_config(f"configs/smollm2-135m-{name}-tree.yaml"), target=smollm2)
+    results = engine.generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
+    assert [r.token_ids for r in results] == [r.token_ids for r in smol_plain]
+    assert np.mean([r.metrics["mean_accepted_length"] for r in results]) > 1.1
+    nodes = engine.spec.num_nodes  # eagle, medusa: every step verifies the whole tree
+    assert all(r.metrics["nodes_per_step"] == nodes or name == "ngram" for r in results)
+    assert all(r.metrics["nodes_per_step"] > 0 for r in results)
