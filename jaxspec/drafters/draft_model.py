@@ -56,9 +56,9 @@ class ModelDrafter:
         if not self.shared_layers:
             return dparams
         layers = tparams["layers"]
-        n = self.shared_layers
-        layers = layers[:n] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[:n], layers)
-        return tparams | {"layers": layers}
+        if not isinstance(layers, tuple):  # stacked: forward runs the first cfg.num_layers of the
+            return tparams  # [L, ...] stack in place; slicing it would copy n layers every step
+        return tparams | {"layers": layers[: self.shared_layers]}
 
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
         params = self.params(dparams, tparams)

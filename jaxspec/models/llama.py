@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.cache import KVCache
+from jaxspec.models import attention
 
 Params = dict[str, Any]
 
@@ -200,19 +201,22 @@ def qkv_splits(cfg: ModelConfig) -> tuple[int, int]:
     return (q, q + cfg.num_kv_heads * cfg.head_dim)
 
 
-def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=None) -> jax.Array:
     """cache_l: [B, K, S, H] <- new: [B, T, K, H] at positions [B, T] (past the end: dropped).
+    With `layer` (an int32 scalar), cache_l is a stack [L, B, K, S, H] and layer `layer` is written.
 
-    Written as a row scatter into the [B*K, S, H] view (window = one contiguous H vector), the
-    form XLA:CPU updates in place; indexing [rows, :, positions] directly made it copy the cache.
+    Written as a row scatter into the [(L*)B*K, S, H] view (window = one contiguous H vector), the
+    form XLA updates in place; indexing [rows, :, positions] directly made it copy the cache.
     """
-    b, kv, slots, h = cache_l.shape
+    *_, b, kv, slots, h = cache_l.shape
     t = new.shape[1]
     rows = jnp.arange(b * kv)[:, None]  # [B*K, 1]
+    if layer is not None:
+        rows = rows + layer * (b * kv)
     updates = jnp.swapaxes(new, 1, 2).reshape(b * kv, t, h).astype(cache_l.dtype)
-    flat = cache_l.reshape(b * kv, slots, h)
+    flat = cache_l.reshape(-1, slots, h)
     flat = flat.at[rows, jnp.repeat(positions, kv, axis=0)].set(updates, mode="drop")
-    return flat.reshape(b, kv, slots, h)
+    return flat.reshape(cache_l.shape)
 
 
 def _attention(q, k, v, mask):
@@ -288,10 +292,8 @@ def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths):
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
-def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
-    """One decoder layer. Writes this step's k/v into its cache `[B, K, S, H]` at `positions` and
-    returns (x, k_cache, v_cache); with write=False the cache is only read and the window's own
-    k/v `[B, T, K, H]` come back instead of the caches."""
+def _qkv(cfg, lp, x, positions, inv_freq):
+    """x: [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H] (normed, biased, rotated)."""
     b, t, _ = x.shape
     h = cfg.head_dim
     y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -307,8 +309,28 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _out_and_mlp(cfg, lp, x, attn):
+    """Attention output projection + residual, then the MLP block + residual. attn: [B, T, N*H]."""
+    x = x + _linear(attn, lp["wo"])
+    y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    if "w_gate_up" in lp:  # packed layout: gate and up fused
+        gate, up = jnp.split(_linear(y, lp["w_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = _linear(y, lp["w_gate"]), _linear(y, lp["w_up"])
+    y = jax.nn.silu(gate) * up
+    return x + _linear(y, lp["w_down"])
+
+
+def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
+    """One decoder layer. Writes this step's k/v into its cache `[B, K, S, H]` at `positions` and
+    returns (x, k_cache, v_cache); with write=False the cache is only read and the window's own
+    k/v `[B, T, K, H]` come back instead of the caches."""
+    b, t, _ = x.shape
+    h = cfg.head_dim
+    q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
     k = k.astype(k_cache.dtype)
     v = v.astype(v_cache.dtype)
     lengths = positions[:, 0]
@@ -322,15 +344,33 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
         attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     else:
         attn = _attention_with_window(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), k, v, lengths)
-    x = x + _linear(attn, lp["wo"])
-    y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    if "w_gate_up" in lp:  # packed layout: gate and up fused
-        gate, up = jnp.split(_linear(y, lp["w_gate_up"]), 2, axis=-1)
-    else:
-        gate, up = _linear(y, lp["w_gate"]), _linear(y, lp["w_up"])
-    y = jax.nn.silu(gate) * up
-    out = x + _linear(y, lp["w_down"])
+    out = _out_and_mlp(cfg, lp, x, attn)
     return (out, k_cache, v_cache) if write else (out, k, v)
+
+
+def _stacked_layers(cfg, layers, x, k_all, v_all, positions, inv_freq, write, collect):
+    """The first cfg.num_layers layers of `[L, ...]` params over an `[L', B, K, S, H]` cache, as one
+    lax.scan over the layer index. The cache rides in the carry: each layer reads its slice inside
+    the attention op (fused, never copied out) and writes only its T new rows in place. Weights are
+    indexed from the whole stack, so a prefix of the layers (layer_skip) slices nothing.
+    Returns (x, k_all, v_all, per-layer x [n, B, T, D] if collect, window k/v if not write)."""
+    lengths = positions[:, 0]
+
+    def body(carry, i):
+        x, k_all, v_all = carry
+        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, 0, keepdims=False), layers)
+        q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
+        k, v = k.astype(k_all.dtype), v.astype(v_all.dtype)
+        if write:  # before the read: nothing reads the old buffer after it, so XLA writes in place
+            k_all = write_kv(k_all, k, positions, layer=i)
+            v_all = write_kv(v_all, v, positions, layer=i)
+        attn = attention.attend(q, k_all, v_all, k, v, lengths, layer=i, impl="xla")
+        x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
+        return (x, k_all, v_all), (x if collect else None, None if write else (k, v))
+
+    steps = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_all, v_all), (per_layer, window_kv) = jax.lax.scan(body, (x, k_all, v_all), steps)
+    return x, k_all, v_all, per_layer, window_kv
 
 
 def write_window(cache: KVCache, window_kv, positions: jax.Array) -> KVCache:
@@ -339,9 +379,12 @@ def write_window(cache: KVCache, window_kv, positions: jax.Array) -> KVCache:
     if isinstance(cache.k, tuple):
         k = tuple(write_kv(c, w, positions) for c, w in zip(cache.k, k_win))
         v = tuple(write_kv(c, w, positions) for c, w in zip(cache.v, v_win))
-    else:
-        write_all = jax.vmap(write_kv, in_axes=(0, 0, None))
-        k, v = write_all(cache.k, k_win, positions), write_all(cache.v, v_win, positions)
+    else:  # one in-place scatter over the [L*B, K, S, H] view of the stack
+        n, b = k_win.shape[:2]  # n <= L written layers
+        pos = jnp.tile(positions, (n, 1))
+        flat = lambda c, w: write_kv(c.reshape(-1, *c.shape[2:]), w.reshape(n * b, *w.shape[2:]), pos)
+        k = flat(cache.k, k_win).reshape(cache.k.shape)
+        v = flat(cache.v, v_win).reshape(cache.v.shape)
     return dataclasses.replace(cache, k=k, v=v)
 
 
@@ -381,12 +424,14 @@ def forward(
         if isinstance(cache.k, tuple):
             raise ValueError("stacked params need a stacked cache: init_cache(..., stacked=True)")
 
-        def body(x, xs):
-            lp, k_l, v_l = xs
-            x, k_l, v_l = _layer(cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache)
-            return x, (k_l, v_l, x)
-
-        x, (k_new, v_new, per_layer) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
+        if jax.tree.leaves(layers)[0].shape[0] < cfg.num_layers:
+            raise ValueError(f"stacked params hold fewer than cfg.num_layers={cfg.num_layers} layers")
+        collect = any(0 < i < cfg.num_layers for i in hidden_layers)
+        x, k_new, v_new, per_layer, window_kv = _stacked_layers(
+            cfg, layers, x, cache.k, cache.v, positions, inv_freq, write_cache, collect
+        )
+        if not write_cache:
+            k_new, v_new = window_kv  # [L, B, T, K, H]
         for i in hidden_layers:
             if 0 < i < cfg.num_layers:
                 collected[i] = per_layer[i - 1]
