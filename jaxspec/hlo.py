@@ -26,7 +26,6 @@ NO_BUFFER = ("parameter", "get-tuple-element", "tuple", "bitcast", "while", "con
 IN_PLACE = ("dynamic-update-slice", "scatter")
 
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^=]*?\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)\s+([\w\-]+)\(")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _DIMS = re.compile(r"\w+\[([\d,]*)\]")
 
@@ -52,6 +51,26 @@ class CacheTraffic:
                 "collectives": len(self.collectives)}
 
 
+def _parse_instr(line: str):
+    """`  [ROOT] %name = SHAPE opcode(...)...` -> (name, shape, opcode, root) or None."""
+    m = re.match(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # tuple shape: up to the matching parenthesis
+        depth = 0
+        for end, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        shape, rest = rest[: end + 1], rest[end + 1:]
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"\s*([\w\-]+)\(", rest)
+    return (m.group(2), shape, op.group(1), bool(m.group(1))) if op else None
+
+
 def parse(text: str) -> dict[str, list[Instr]]:
     """Computation name -> its instructions (HLO text as printed by XLA)."""
     comps: dict[str, list[Instr]] = {}
@@ -66,15 +85,13 @@ def parse(text: str) -> dict[str, list[Instr]]:
         if line.strip() == "}":
             current = None
             continue
-        m = _INSTR.match(line)
-        if m and current is not None:
-            shape = m.group(3)
+        parsed = _parse_instr(line) if current is not None else None
+        if parsed:
+            name, shape, opcode, root = parsed
             dm = None if shape.startswith("(") else _DIMS.match(shape)
             dims = tuple(int(d) for d in dm.group(1).split(",") if d) if dm else None
             calls = _CALLS.search(line)
-            comps[current].append(
-                Instr(m.group(2), dims, m.group(4), bool(m.group(1)), calls and calls.group(1), line)
-            )
+            comps[current].append(Instr(name, dims, opcode, root, calls and calls.group(1), line))
     return comps
 
 
@@ -119,3 +136,129 @@ def cache_traffic(text: str, layer_cache_shape: tuple[int, ...]) -> CacheTraffic
                 continue
             (zeros if does == "broadcast" else copies).append(f"{name}/{ins.name}:{does}")
     return CacheTraffic(tuple(copies), tuple(zeros), tuple(collectives))
+
+
+# ---- bytes a device moves (XLA's cost analysis counts an in-place update's whole operand, a fused
+# ---- dynamic slice's whole stack, and a while body once)
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+          "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def _shape_bytes(shape: str) -> int:
+    return sum(_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in _ARRAY.findall(shape))
+
+
+def _operands(line: str, opcode: str) -> list[str]:
+    args = line[line.index(opcode + "(") + len(opcode) + 1:]
+    depth, end = 1, 0
+    for end, ch in enumerate(args):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            break
+    return re.findall(r"%([\w.\-]+)", args[:end])
+
+
+def _shape_of(line: str) -> str:
+    parsed = _parse_instr(line)
+    return parsed[1] if parsed else ""
+
+
+def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) -> int:
+    """Bytes a fusion moves: each parameter whole, or only the slices read of it when every use is
+    a (dynamic) slice, or nothing when it is the buffer an in-place root updates; the output
+    whole, or only the updated rows for an in-place root."""
+    instrs = comps.get(name, [])
+    by_name = {i.name: i for i in instrs}
+    users: dict[str, list[Instr]] = {}
+    for ins in instrs:
+        for op in _operands(ins.line, ins.opcode) if ins.opcode != "parameter" else []:
+            users.setdefault(op, []).append(ins)
+
+    def real_users(n):  # look through bitcasts
+        out = []
+        for u in users.get(n, []):
+            out += real_users(u.name) if u.opcode == "bitcast" else [u]
+        return out
+
+    root = next((i for i in instrs if i.root), None)
+    while root is not None and root.opcode == "bitcast":
+        root = by_name.get(_operands(root.line, "bitcast")[0])
+    in_place_buffer = None
+    total = out_bytes
+    if root is not None and root.opcode in IN_PLACE:
+        ops = _operands(root.line, root.opcode)
+        in_place_buffer = ops[0]
+        upd = by_name.get(ops[2] if root.opcode == "scatter" else ops[1])
+        total = 2 * _shape_bytes(_shape_of(upd.line)) if upd else out_bytes
+    params = [i for i in instrs if i.opcode == "parameter"]
+    for p in params:
+        idx = int(re.search(r"parameter\((\d+)\)", p.line).group(1))
+        whole = operand_bytes[idx] if idx < len(operand_bytes) else 0
+        chain = p.name
+        while True:  # the in-place buffer may be reached through bitcasts
+            us = users.get(chain, [])
+            if len(us) == 1 and us[0].opcode == "bitcast":
+                chain = us[0].name
+                continue
+            break
+        if chain == in_place_buffer or p.name == in_place_buffer:
+            continue
+        us = real_users(p.name)
+        if us and all(u.opcode in SLICING and _operands(u.line, u.opcode)[0] in (p.name, *[
+                b.name for b in instrs if b.opcode == "bitcast"]) for u in us):
+            total += min(whole, sum(_shape_bytes(_shape_of(u.line)) for u in us))
+        else:
+            total += whole
+    return total
+
+
+def device_bytes(text: str) -> int:
+    """Bytes an accelerator moves for one run of the module: like XLA's cost analysis, but in-place
+    updates count their rows, fused slices their slice, and while bodies their known trip count."""
+    comps = parse(text)
+    entry = next((m.group(2) for line in text.splitlines() if (m := _COMP.match(line)) and m.group(1)),
+                 None)
+
+    def comp_bytes(name: str) -> int:
+        instrs = comps.get(name, [])
+        shapes = {i.name: _shape_of(i.line) for i in instrs}
+        total = 0
+        for ins in instrs:
+            op = ins.opcode
+            if op in NO_BUFFER and op not in ("while", "conditional", "call"):
+                continue
+            if op == "while":
+                trip = _TRIP.search(ins.line)
+                body = _BODY.search(ins.line)
+                total += (int(trip.group(1)) if trip else 1) * (comp_bytes(body.group(1)) if body else 0)
+                continue
+            if op == "conditional":
+                br = _BRANCHES.search(ins.line)
+                names = re.findall(r"%?([\w.\-]+)", br.group(1)) if br else []
+                total += max((comp_bytes(n) for n in names), default=0)
+                continue
+            if op == "call" and ins.calls:
+                total += comp_bytes(ins.calls)
+                continue
+            operands = [_shape_bytes(shapes.get(o, "")) for o in _operands(ins.line, op)]
+            out = _shape_bytes(_shape_of(ins.line))
+            if op == "fusion" and ins.calls:
+                total += _fusion_bytes(comps, ins.calls, operands, out)
+            elif op in IN_PLACE:
+                upd = operands[2] if op == "scatter" else operands[1]
+                total += 2 * upd + sum(operands[3 if op == "scatter" else 2:])
+            elif op in SLICING:
+                total += 2 * out
+            else:
+                total += sum(operands) + out
+        return total
+
+    return comp_bytes(entry) if entry else 0

@@ -54,16 +54,17 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     b, t, n, h = q.shape
     tw = k_win.shape[1]  # window keys (== t, except inside a prefill chunk)
     if t > chunk and t % chunk == 0:  # prefill: one query chunk at a time
-        qc = jnp.moveaxis(q.reshape(b, t // chunk, chunk, n, h), 1, 0)
-        if window_mask is None:  # causal, built per chunk (never a [T, T] block)
-            rows = jnp.arange(t // chunk)[:, None, None] * chunk + jnp.arange(chunk)[None, :, None]
-            mc = jnp.broadcast_to((rows >= jnp.arange(tw))[:, None], (t // chunk, b, chunk, tw))
-        else:
-            mc = jnp.moveaxis(window_mask.reshape(b, t // chunk, chunk, tw), 1, 0)
-        one = lambda a: attend(a[0], k_cache, v_cache, k_win, v_win, lengths, layer=layer,
-                               window_mask=a[1], impl=impl, chunk=chunk, interpret=interpret)
-        out = jax.lax.map(one, (qc, mc))  # [T/C, B, C, N*H]
-        return jnp.moveaxis(out, 0, 1).reshape(b, t, n * h)
+        outs = []  # a Python loop: straight-line chunks, each [B, K, G, C, S + T] at most
+        for start in range(0, t, chunk):
+            if window_mask is None:  # causal, built per chunk (never a [T, T] block)
+                rows = start + jnp.arange(chunk)[:, None]
+                mc = jnp.broadcast_to(rows >= jnp.arange(tw)[None, :], (b, chunk, tw))
+            else:
+                mc = window_mask[:, start : start + chunk]
+            outs.append(attend(q[:, start : start + chunk], k_cache, v_cache, k_win, v_win, lengths,
+                               layer=layer, window_mask=mc, impl=impl, chunk=chunk,
+                               interpret=interpret))
+        return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
     if window_mask is None:
         window_mask = causal_mask(b, t)
     impl = resolve_impl(impl)

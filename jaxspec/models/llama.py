@@ -340,6 +340,8 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
     if _kernel_attention(lp, q):  # the cache's prefix mask, valid slots only
         attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, lengths, h**-0.5)
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
+    elif t > KERNEL_ATTENTION_MAX_QUERIES:  # prompts: query chunks, no full-capacity [T, S] scores
+        attn = attention.attend(q, k_cache, v_cache, k, v, lengths, impl="xla").astype(q.dtype)
     elif write:
         attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
     else:
@@ -348,26 +350,29 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
     return (out, k_cache, v_cache) if write else (out, k, v)
 
 
+def stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i):
+    """One step of the stacked layer loop: layer `i` of `[L, ...]` params on carry
+    (x [B, T, D], k_all, v_all [L', B, K, S, H]). The cache rides in the carry: the layer writes only
+    its T new rows in place, then reads its slice inside the attention op (fused, never copied out).
+    Weights are indexed from the whole stack, so a prefix of the layers (layer_skip) slices nothing.
+    Returns (carry, (x if collect, window k/v [B, T, K, H] if not write))."""
+    x, k_all, v_all = carry
+    lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, 0, keepdims=False), layers)
+    q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
+    k, v = k.astype(k_all.dtype), v.astype(v_all.dtype)
+    if write:  # before the read: nothing reads the old buffer after it, so XLA writes in place
+        k_all = write_kv(k_all, k, positions, layer=i)
+        v_all = write_kv(v_all, v, positions, layer=i)
+    attn = attention.attend(q, k_all, v_all, k, v, positions[:, 0], layer=i, impl="xla")
+    x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
+    return (x, k_all, v_all), (x if collect else None, None if write else (k, v))
+
+
 def _stacked_layers(cfg, layers, x, k_all, v_all, positions, inv_freq, write, collect):
-    """The first cfg.num_layers layers of `[L, ...]` params over an `[L', B, K, S, H]` cache, as one
-    lax.scan over the layer index. The cache rides in the carry: each layer reads its slice inside
-    the attention op (fused, never copied out) and writes only its T new rows in place. Weights are
-    indexed from the whole stack, so a prefix of the layers (layer_skip) slices nothing.
-    Returns (x, k_all, v_all, per-layer x [n, B, T, D] if collect, window k/v if not write)."""
-    lengths = positions[:, 0]
-
-    def body(carry, i):
-        x, k_all, v_all = carry
-        lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, 0, keepdims=False), layers)
-        q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
-        k, v = k.astype(k_all.dtype), v.astype(v_all.dtype)
-        if write:  # before the read: nothing reads the old buffer after it, so XLA writes in place
-            k_all = write_kv(k_all, k, positions, layer=i)
-            v_all = write_kv(v_all, v, positions, layer=i)
-        attn = attention.attend(q, k_all, v_all, k, v, lengths, layer=i, impl="xla")
-        x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
-        return (x, k_all, v_all), (x if collect else None, None if write else (k, v))
-
+    """The first cfg.num_layers layers of `[L, ...]` params as one lax.scan over the layer index
+    (see `stacked_layer`). Returns (x, k_all, v_all, per-layer x [n, B, T, D] if collect, window
+    k/v [n, B, T, K, H] if not write)."""
+    body = lambda carry, i: stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i)
     steps = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, k_all, v_all), (per_layer, window_kv) = jax.lax.scan(body, (x, k_all, v_all), steps)
     return x, k_all, v_all, per_layer, window_kv
