@@ -49,9 +49,10 @@ class _Section:
 class ModelLoadConfig(_Section):
     SECTION: ClassVar[str] = "model"
     name: str = "smollm2-135m"  # short name, HF safetensors dir, or .gguf file
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    # auto: "packed" (CPU panel kernel) for float32 on one CPU device, else "unrolled";
-    # "stacked" = [L, ...] arrays for lax.scan (TPU)
+    # auto: bfloat16 on TPU/GPU, float32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # auto: "packed" (CPU panel kernel) for float32 on one CPU device, "stacked" on TPU/GPU,
+    # else "unrolled"; "stacked" = [L, ...] arrays for lax.scan
     layout: Literal["auto", "unrolled", "packed", "stacked"] = "auto"
 
     def _validate(self):

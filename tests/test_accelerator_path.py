@@ -156,3 +156,28 @@ def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
     want = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla")
     got = attention.attend(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- accelerator defaults
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_auto_dtype_and_layout_follow_the_backend(monkeypatch, backend):
+    from jaxspec.kernels import available
+    from jaxspec.loading import params as lp
+
+    monkeypatch.setattr(lp.jax, "default_backend", lambda: backend)
+    dtype = lp.resolve_dtype("auto")
+    layout = lp.resolve_layout("auto", dtype)
+    if backend == "cpu":
+        assert dtype == "float32" and layout == ("packed" if available() else "unrolled")
+    else:
+        assert (dtype, layout) == ("bfloat16", "stacked")
+    assert lp.resolve_dtype("float32") == "float32"  # explicit choices stay
+
+
+def test_load_model_auto_dtype_on_this_cpu(tiny_llama_dir):
+    from jaxspec.loading import load_model
+
+    m = load_model(tiny_llama_dir, dtype="auto", layout="stacked")
+    assert m.cfg.dtype == "float32" and m.stacked

@@ -16,7 +16,8 @@ from jaxspec import kernels
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import ModelConfig, Params, qkv_splits, param_shapes, stack_layers
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+ACCELERATORS = ("tpu", "gpu")
 LAYOUTS = ("auto", "unrolled", "stacked", "packed")
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # packed by layout="packed"
 
@@ -29,12 +30,21 @@ def check_options(dtype: str, layout: str) -> None:
             f"unsupported layout {layout!r}: use 'auto', 'unrolled' (per-layer arrays), "
             f"'packed' (per-layer, CPU panel kernel) or 'stacked' ([L, ...] arrays for lax.scan)"
         )
-    if layout == "packed" and dtype != "float32":
+    if layout == "packed" and dtype not in ("float32", "auto"):
         raise JaxspecError(f"layout 'packed' needs dtype float32, got {dtype}: use layout 'unrolled'")
 
 
+def resolve_dtype(dtype: str) -> str:
+    """"auto": bfloat16 on an accelerator (TPU/GPU), float32 on CPU."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if jax.default_backend() in ACCELERATORS else "float32"
+
+
 def resolve_layout(layout: str, dtype: str) -> str:
-    """"auto": "packed" where the CPU panel kernel runs (float32, one CPU device), else "unrolled"."""
+    """"auto": "packed" where the CPU panel kernel runs (float32, one CPU device), "stacked" on an
+    accelerator (lax.scan over layers: one compiled layer, the cache updated in place), else
+    "unrolled"."""
     if layout != "auto":
         if layout == "packed" and not kernels.available():
             raise JaxspecError(
@@ -42,6 +52,8 @@ def resolve_layout(layout: str, dtype: str) -> str:
                 "backend and g++ are needed): use layout 'unrolled'"
             )
         return layout
+    if jax.default_backend() in ACCELERATORS:
+        return "stacked"
     single_cpu = jax.default_backend() == "cpu" and jax.device_count() == 1
     return "packed" if dtype == "float32" and single_cpu and kernels.available() else "unrolled"
 

@@ -40,7 +40,7 @@ def load_trained_drafter(method: str, path, target):
     d2t = jnp.asarray(stored.pop("d2t"), jnp.int32)
     if isinstance(stored.get("layers"), list):  # orbax stores tuples as lists
         stored["layers"] = tuple(stored["layers"])
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stored)
+    params = jax.tree.map(lambda x: jnp.asarray(x, target.cfg.compute_dtype), stored)  # target's dtype
     expected, _ = jax.eval_shape(lambda: m.init(target, d2t, jax.random.key(0)))
     got = jax.tree.map(lambda x: x.shape, params)
     want = jax.tree.map(lambda x: x.shape, expected)
