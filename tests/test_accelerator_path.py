@@ -181,3 +181,17 @@ def test_load_model_auto_dtype_on_this_cpu(tiny_llama_dir):
 
     m = load_model(tiny_llama_dir, dtype="auto", layout="stacked")
     assert m.cfg.dtype == "float32" and m.stacked
+
+
+def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():
+    m = _model("unrolled")
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (5, 40)]
+    plain = [r.token_ids for r in Engine(m).generate(prompts, max_new_tokens=12)]
+    fixed = Engine(m, max_context=96)
+    assert {fixed._capacity(16, 12), fixed._capacity(64, 12)} == {96}
+    assert [r.token_ids for r in fixed.generate(prompts, max_new_tokens=12)] == plain
+    from jaxspec.errors import JaxspecError
+
+    with pytest.raises(JaxspecError, match="max_context=96"):
+        fixed.generate([list(range(1, 60))], max_new_tokens=40)
