@@ -220,9 +220,13 @@ def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) ->
     return total
 
 
-def device_bytes(text: str) -> int:
+def device_bytes(text: str, *, slices_fused_into_dots: bool = False) -> int:
     """Bytes an accelerator moves for one run of the module: like XLA's cost analysis, but in-place
-    updates count their rows, fused slices their slice, and while bodies their known trip count."""
+    updates count their rows, fused slices their slice, and while bodies their known trip count.
+
+    slices_fused_into_dots: count a top-level (dynamic) slice whose only users are dots as free
+    (the dot reads the slice from the stack itself), as compilers that fuse a slice into a dot's
+    operand do; XLA:CPU copies it out first (the stacked layout's per-layer weights)."""
     comps = parse(text)
     entry = next((m.group(2) for line in text.splitlines() if (m := _COMP.match(line)) and m.group(1)),
                  None)
@@ -230,9 +234,18 @@ def device_bytes(text: str) -> int:
     def comp_bytes(name: str) -> int:
         instrs = comps.get(name, [])
         shapes = {i.name: _shape_of(i.line) for i in instrs}
+        users: dict[str, set[str]] = {}
+        for i in instrs:
+            for o in _operands(i.line, i.opcode) if i.opcode != "parameter" else []:
+                users.setdefault(o, set()).add(i.opcode)
         total = 0
         for ins in instrs:
             op = ins.opcode
+            if slices_fused_into_dots and users.get(ins.name) == {"dot"} and (
+                op in SLICING or op == "fusion" and ins.calls
+                and _root_opcode(comps, ins.calls) in SLICING
+            ):
+                continue
             if op in NO_BUFFER and op not in ("while", "conditional", "call"):
                 continue
             if op == "while":

@@ -61,6 +61,7 @@ class Program:
     flops: float  # XLA's cost analysis (a while body counted once)
     xla_bytes: float  # XLA's cost analysis, as is
     bytes: float  # jaxspec.hlo.device_bytes: in-place rows, fused slices, loops x trip count
+    fused_bytes: float  # the same with slices fused into their dots (see hlo.device_bytes)
     min_bytes: float
     cache_copies: int
     zero_fills: int
@@ -71,7 +72,8 @@ class Program:
         return self.bytes / self.min_bytes
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self) | {"ratio": round(self.ratio, 3)}
+        return dataclasses.asdict(self) | {"ratio": round(self.ratio, 3),
+                                           "fused_ratio": round(self.fused_bytes / self.min_bytes, 3)}
 
 
 def abstract_params(cfg: llama.ModelConfig, layout: str):
@@ -131,6 +133,7 @@ def measure(cfg, layout, program, batch, window, capacity, valid) -> Program:
     return Program(
         program=program, batch=batch, window=window, valid=valid, capacity=capacity,
         flops=flops, xla_bytes=xla_bytes, bytes=float(hlo.device_bytes(text)),
+        fused_bytes=float(hlo.device_bytes(text, slices_fused_into_dots=True)),
         min_bytes=min_bytes(cfg, params, batch, window, valid, rows),
         cache_copies=len(traffic.copies), zero_fills=len(traffic.zero_fills),
         collectives=len(traffic.collectives),
@@ -149,12 +152,14 @@ def table(cfg, layout, batches, windows, capacity, fill, prefill=True) -> list[P
 
 
 def format_table(rows: list[Program]) -> str:
-    head = ("| program | batch | window | flops | XLA bytes | bytes | min bytes | ratio | cache copies"
-            " | zero-fills | collectives |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| program | batch | window | flops | XLA bytes | bytes | bytes, slices fused | min bytes |"
+            " ratio (fused) | cache copies | zero-fills | collectives |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [
         f"| {r.program} | {r.batch} | {r.window} | {r.flops:.3g} | {r.xla_bytes / 1e6:.1f} MB | "
-        f"{r.bytes / 1e6:.1f} MB | "
-        f"{r.min_bytes / 1e6:.1f} MB | {r.ratio:.2f} | {r.cache_copies} | {r.zero_fills} | "
+        f"{r.bytes / 1e6:.1f} MB | {r.fused_bytes / 1e6:.1f} MB | "
+        f"{r.min_bytes / 1e6:.1f} MB | {r.ratio:.2f} ({r.fused_bytes / r.min_bytes:.2f}) | "
+        f"{r.cache_copies} | {r.zero_fills} | "
         f"{r.collectives} |"
         for r in rows
     ]
@@ -162,8 +167,9 @@ def format_table(rows: list[Program]) -> str:
 
 
 def model_config(args, config) -> llama.ModelConfig:
-    dtype = args.dtype or config.model.dtype
-    dtype = "bfloat16" if dtype == "auto" else dtype  # the accelerator's choice
+    from jaxspec.loading.params import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype or config.model.dtype)  # auto: this backend's choice
     if args.model_shape:
         if args.model_shape not in MODEL_SHAPES:
             raise JaxspecError(f"unknown --model-shape {args.model_shape!r}: use one of "
@@ -197,8 +203,11 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.add_argument("--config", metavar="FILE.yaml")
     p.add_argument("--model-shape", metavar="NAME", help=f"one of {', '.join(MODEL_SHAPES)}")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="default: model.dtype (auto = bfloat16)")
-    p.add_argument("--layout", choices=("stacked", "unrolled"), help="default: model.layout (auto = stacked)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="default: model.dtype; auto = this backend's (bfloat16 on TPU/GPU, float32 "
+                   "on CPU, where XLA upcasts bf16 ops and scatters: measure float32 here)")
+    p.add_argument("--layout", choices=("stacked", "unrolled"),
+                   help="default: model.layout; auto = this backend's (stacked on TPU/GPU)")
     p.add_argument("--batch", default="1,8,32", metavar="B,..")
     p.add_argument("--window", default="1,5,16", metavar="T,..", help="1 = decode, >1 = verify")
     p.add_argument("--capacity", type=int, default=2048, help="cache slots per row")
@@ -209,8 +218,11 @@ def main(argv=None) -> int:
         args = p.parse_args(argv)
         config = load_config(args.config, args.overrides)
         layout = args.layout or config.model.layout
-        if layout in ("auto", "packed"):
-            layout = "stacked" if layout == "auto" else layout
+        if layout == "auto":  # this backend's choice; the CPU kernel's layout is not abstract
+            from jaxspec.loading.params import resolve_layout
+
+            layout = resolve_layout("auto", "float32" if args.dtype is None else args.dtype)
+            layout = "unrolled" if layout == "packed" else layout
         if layout == "packed":
             raise JaxspecError("layout 'packed' is the CPU kernel's: use --layout stacked or unrolled")
         if not 0 <= args.fill < 1 or args.capacity < 16:

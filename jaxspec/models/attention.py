@@ -104,10 +104,10 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale):
                                 preferred_element_type=jnp.float32) * scale
     else:  # multiply + reduce: fused with the layer's slice of the stack, nothing copied
         k_l = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
-        c = _chunk(h)  # reduced dims kept <= 32, or XLA:CPU splits the reduce and copies the product
-        qc = qg.astype(jnp.float32).reshape(b, kv, gt, 1, h // c, c)
-        kc = k_l.astype(jnp.float32).reshape(b, kv, 1, slots, h // c, c)
-        s = jnp.sum(qc * kc, axis=(-2, -1)) * scale  # [B, K, GT, S]
+        f = _factors(h)  # every reduced dim <= 32, or XLA:CPU splits the reduce, copying the product
+        qc = qg.astype(jnp.float32).reshape(b, kv, gt, 1, *f)
+        kc = k_l.astype(jnp.float32).reshape(b, kv, 1, slots, *f)
+        s = jnp.sum(qc * kc, axis=tuple(range(-len(f), 0))) * scale  # [B, K, GT, S]
     s = jnp.where(valid, s, _NEG)
     m = s.max(-1)
     p = jnp.exp(s - m[..., None])  # masked slots: exp(_NEG - m) = 0 unless every slot is masked
@@ -118,16 +118,23 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale):
                                 preferred_element_type=jnp.float32)
     else:
         v_l = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
-        c = _chunk(slots)
-        pc = p.reshape(b, kv, gt, slots // c, c, 1)
-        vc = v_l.astype(jnp.float32).reshape(b, kv, 1, slots // c, c, h)
-        o = jnp.sum(pc * vc, axis=(-3, -2))  # [B, K, GT, H]
+        f = _factors(slots)
+        pc = p.reshape(b, kv, gt, *f, 1)
+        vc = v_l.astype(jnp.float32).reshape(b, kv, 1, *f, h)
+        o = jnp.sum(pc * vc, axis=tuple(range(-len(f) - 1, -1)))  # [B, K, GT, H]
     return o, m, p.sum(-1)
 
 
-def _chunk(n: int, most: int = 32) -> int:
-    """The largest divisor of n that is <= most."""
-    return next(c for c in range(min(n, most), 0, -1) if n % c == 0)
+def _factors(n: int, most: int = 32) -> tuple[int, ...]:
+    """n as a product of dims <= most where it factors so (2048 -> (2, 32, 32))."""
+    dims = []
+    while n > most:
+        c = next(c for c in range(most, 0, -1) if n % c == 0)
+        if c == 1:
+            break
+        dims.append(c)
+        n //= c
+    return (n, *dims)
 
 
 def _cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret):
