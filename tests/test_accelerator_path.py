@@ -195,3 +195,17 @@ def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():
 
     with pytest.raises(JaxspecError, match="max_context=96"):
         fixed.generate([list(range(1, 60))], max_new_tokens=40)
+
+
+def test_compare_greedy_tells_a_near_tie_from_a_real_difference(tiny_llama_dir):
+    from jaxspec.greedy_check import compare_greedy
+    from jaxspec.loading import load_model
+
+    m = load_model(tiny_llama_dir)
+    prompt = [5, 9, 17, 33, 2]
+    plain = Engine(m, chat_template=False).generate([prompt], max_new_tokens=8)[0].token_ids
+    assert compare_greedy(m, prompt, plain, plain)[0]
+    other = plain[:3] + [(plain[3] + 1) % m.cfg.vocab_size] + plain[4:]
+    same, tie, gap = compare_greedy(m, prompt, plain, other, margin=1e9)
+    assert not same and tie and gap > 0
+    assert compare_greedy(m, prompt, plain, other, margin=0.0)[1] is False
