@@ -220,13 +220,15 @@ def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) ->
     return total
 
 
-def device_bytes(text: str, *, slices_fused_into_dots: bool = False) -> int:
+def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_trip: int = 1) -> int:
     """Bytes an accelerator moves for one run of the module: like XLA's cost analysis, but in-place
     updates count their rows, fused slices their slice, and while bodies their known trip count.
 
     slices_fused_into_dots: count a top-level (dynamic) slice whose only users are dots as free
     (the dot reads the slice from the stack itself), as compilers that fuse a slice into a dot's
-    operand do; XLA:CPU copies it out first (the stacked layout's per-layer weights)."""
+    operand do; XLA:CPU copies it out first (the stacked layout's per-layer weights).
+    unknown_trip: how many times a while loop without a known trip count runs (data-dependent,
+    e.g. the attention's loop over valid cache blocks)."""
     comps = parse(text)
     entry = next((m.group(2) for line in text.splitlines() if (m := _COMP.match(line)) and m.group(1)),
                  None)
@@ -251,7 +253,8 @@ def device_bytes(text: str, *, slices_fused_into_dots: bool = False) -> int:
             if op == "while":
                 trip = _TRIP.search(ins.line)
                 body = _BODY.search(ins.line)
-                total += (int(trip.group(1)) if trip else 1) * (comp_bytes(body.group(1)) if body else 0)
+                n = int(trip.group(1)) if trip else unknown_trip
+                total += n * (comp_bytes(body.group(1)) if body else 0)
                 continue
             if op == "conditional":
                 br = _BRANCHES.search(ins.line)

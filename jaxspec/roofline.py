@@ -23,7 +23,6 @@ the accelerator compilers fuse).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -34,20 +33,20 @@ import jax.numpy as jnp
 from jaxspec import hlo
 from jaxspec.cache import init_cache
 from jaxspec.errors import JaxspecError
-from jaxspec.models import llama
+from jaxspec.models import attention, llama
 
 ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 MODEL_SHAPES = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                         num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True,
-                         rope_theta=100000.0, max_position_embeddings=8192),
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                      num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-                      max_position_embeddings=131072),
-    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                       num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
-                       rope_theta=500000.0, max_position_embeddings=131072),
+    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
+                         "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "tie_word_embeddings": True,
+                         "rope_theta": 100000.0, "max_position_embeddings": 8192},
+    "llama3-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32,
+                      "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "rope_theta": 500000.0,
+                      "max_position_embeddings": 131072},
+    "llama3-70b": {"vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+                       "num_layers": 80, "num_heads": 64, "num_kv_heads": 8, "head_dim": 128,
+                       "rope_theta": 500000.0, "max_position_embeddings": 131072},
 }
 
 
@@ -128,12 +127,13 @@ def measure(cfg, layout, program, batch, window, capacity, valid) -> Program:
     compiled = _compile(_step(cfg, last_only), params, tokens, cache)
     flops, xla_bytes = _costs(compiled)
     text = compiled.as_text()
+    blocks = -(-valid // attention.CACHE_BLOCK)  # the attention's loop over valid cache blocks
     traffic = hlo.cache_traffic(text, (batch, cfg.num_kv_heads, capacity, cfg.head_dim))
     rows = 1 if last_only else window
     return Program(
         program=program, batch=batch, window=window, valid=valid, capacity=capacity,
-        flops=flops, xla_bytes=xla_bytes, bytes=float(hlo.device_bytes(text)),
-        fused_bytes=float(hlo.device_bytes(text, slices_fused_into_dots=True)),
+        flops=flops, xla_bytes=xla_bytes, bytes=float(hlo.device_bytes(text, unknown_trip=blocks)),
+        fused_bytes=float(hlo.device_bytes(text, slices_fused_into_dots=True, unknown_trip=blocks)),
         min_bytes=min_bytes(cfg, params, batch, window, valid, rows),
         cache_copies=len(traffic.copies), zero_fills=len(traffic.zero_fills),
         collectives=len(traffic.collectives),

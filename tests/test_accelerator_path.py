@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import tiny_model
 
 from jaxspec import hlo, speculate
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
@@ -17,7 +18,6 @@ from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.models import attention, llama
 from jaxspec.sampling import SamplingParams
-from tiny import tiny_model
 
 # XLA:CPU's YNNPACK library fusion (CPU only, absent on TPU/GPU) takes reductions out of XLA's own
 # fusions and materialises their operands; compile as the accelerator compilers fuse.
@@ -209,3 +209,18 @@ def test_compare_greedy_tells_a_near_tie_from_a_real_difference(tiny_llama_dir):
     same, tie, gap = compare_greedy(m, prompt, plain, other, margin=1e9)
     assert not same and tie and gap > 0
     assert compare_greedy(m, prompt, plain, other, margin=0.0)[1] is False
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_attend_blocked_cache_loop_matches_one_pass(stacked):
+    q, kc, vc, kw, vw, lengths = _attention_inputs(t=3, s=64, layers=2 if stacked else None)
+    layer = jnp.int32(1) if stacked else None
+    one = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=None)
+    for block in (16, 32):
+        got = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=block)
+        np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5)
+    empty = jnp.zeros_like(lengths)  # prefill: the loop reads no block
+    np.testing.assert_allclose(
+        attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=16),
+        attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=None),
+        rtol=1e-5, atol=1e-5)

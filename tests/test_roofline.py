@@ -8,9 +8,9 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
+from tiny import tiny_config
 
 from jaxspec import hlo, roofline
-from tiny import tiny_config
 
 
 def _compile(fn, *args):
@@ -71,9 +71,9 @@ def test_cli_json_and_errors(capsys):
 
 @pytest.mark.parametrize("layout", ["unrolled"])
 def test_cli_json_fields(capsys, monkeypatch, layout):
-    monkeypatch.setitem(roofline.MODEL_SHAPES, "tiny", dict(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16))
+    monkeypatch.setitem(roofline.MODEL_SHAPES, "tiny", {
+        "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "head_dim": 16})
     assert roofline.main(["--model-shape", "tiny", "--layout", layout, "--batch", "1",
                           "--window", "1,5", "--capacity", "96", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]

@@ -219,26 +219,6 @@ def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=Non
     return flat.reshape(cache_l.shape)
 
 
-def _attention(q, k, v, mask):
-    """q: [B, T, N, H]; k, v: [B, K, S, H]; mask: bool[B, T, S] -> [B, T, N*H].
-
-    Both products are batched over (B, K) with operands already in XLA's canonical dot order
-    ([batch..., rows, contracted]), so no [S]-sized transpose is materialised: with the cache
-    stored [B, S, K, H] and einsums, attention cost ~5x more on XLA:CPU (measured, SmolLM2).
-    """
-    b, t, n, h = q.shape
-    kv = k.shape[1]
-    g = n // kv
-    q = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
-    batch = ((0, 1), (0, 1))
-    scores = jax.lax.dot_general(q, k, (((3,), (3,)), batch), preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, kv, g, t, -1) * (h**-0.5)  # [B, K, G, T, S]
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
-    out = jax.lax.dot_general(weights, v, (((3,), (2,)), batch))  # [B, K, G*T, H]
-    return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
-
-
 KERNEL_ATTENTION_MAX_QUERIES = 16  # decode and verify windows; prompts go through XLA's GEMMs
 
 
@@ -261,35 +241,6 @@ def _kernel_attention(lp, q) -> bool:
     """The packed (CPU-kernel) layout attends with kernels.prefix_attention over short windows.
     JAXSPEC_CPU_ATTENTION=0 keeps XLA's attention (for A/B measurements)."""
     return isinstance(lp.get("wqkv"), kernels.PackedWeight) and attention_kernel_on(q)
-
-
-def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths):
-    """Like `_attention`, for a window not yet written into the cache: query t attends cache slots
-    s < lengths[b] and window positions 0..t. q: [B, T, N, H]; caches [B, K, S, H]; windows
-    [B, T, K, H] -> [B, T, N*H]. Softmax over the concatenated [S + T] scores."""
-    b, t, n, h = q.shape
-    kv, slots = k_cache.shape[1], k_cache.shape[2]
-    g = n // kv
-    qh = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
-    kw, vw = (w.astype(q.dtype).transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
-    batch = ((0, 1), (0, 1))
-    dims = (((3,), (3,)), batch)
-    scores = jnp.concatenate(
-        [jax.lax.dot_general(qh, k_cache, dims, preferred_element_type=jnp.float32),
-         jax.lax.dot_general(qh, kw, dims, preferred_element_type=jnp.float32)], axis=-1,
-    ).reshape(b, kv, g, t, slots + t) * (h**-0.5)
-    in_cache = jnp.arange(slots)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
-    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T]
-    mask = jnp.concatenate(
-        [jnp.broadcast_to(in_cache, (b, t, slots)), jnp.broadcast_to(causal, (b, t, t))], axis=-1
-    )
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, slots + t)
-    pv = (((3,), (2,)), batch)
-    out = jax.lax.dot_general(weights[..., :slots], v_cache, pv) + jax.lax.dot_general(
-        weights[..., slots:], vw, pv
-    )  # [B, K, G*T, H]
-    return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
 def _qkv(cfg, lp, x, positions, inv_freq):
@@ -340,12 +291,8 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True):
     if _kernel_attention(lp, q):  # the cache's prefix mask, valid slots only
         attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, lengths, h**-0.5)
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
-    elif t > KERNEL_ATTENTION_MAX_QUERIES:  # prompts: query chunks, no full-capacity [T, S] scores
+    else:  # the valid cache prefix (blocks up to the longest row) + the window; prompts in chunks
         attn = attention.attend(q, k_cache, v_cache, k, v, lengths, impl="xla").astype(q.dtype)
-    elif write:
-        attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-    else:
-        attn = _attention_with_window(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), k, v, lengths)
     out = _out_and_mlp(cfg, lp, x, attn)
     return (out, k_cache, v_cache) if write else (out, k, v)
 
