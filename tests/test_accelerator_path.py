@@ -224,3 +224,15 @@ def test_attend_blocked_cache_loop_matches_one_pass(stacked):
         attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=16),
         attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=None),
         rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_batch_one_step_copies_no_cache(layout):
+    """At batch 1 the size-1 batch dim leaves XLA free to re-lay the cache out: a loop over cache
+    blocks inside the stacked layer loop made it copy the whole stack (found by the roofline)."""
+    from jaxspec import roofline
+
+    cfg = _model("unrolled").cfg
+    for window in (1, 5):
+        r = roofline.measure(cfg, layout, "verify", 1, window, capacity=512, valid=256)
+        assert (r.cache_copies, r.zero_fills) == (0, 0)

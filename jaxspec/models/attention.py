@@ -10,7 +10,8 @@ ancestor mask fits the same argument). Softmax runs over both parts together.
 Backends (`impl`):
   "xla"        the reference, any backend. It loops over the cache in blocks of `block` slots up
                to the batch's longest valid prefix (online softmax), so it reads only valid
-               blocks and an empty cache (prefill) not at all. Per-layer caches `[B, K, S, H]` are contracted with
+               blocks and an empty cache (prefill) not at all (per-layer caches; a stack is read
+               in one pass, see _cache_part_xla). Per-layer caches `[B, K, S, H]` are contracted with
                dot_general (XLA's canonical batch order: no transpose of the cache). A stacked
                cache `[L, B, K, S, H]` with a traced `layer` is read as multiply + reduce, which XLA
                fuses with the layer's dynamic slice: a dot would first copy the layer's cache out
@@ -105,7 +106,9 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
     empty cache (prefill) reads nothing. None: one pass over every slot."""
     b, kv, gt, h = qg.shape
     slots = k_cache.shape[-2]
-    if block is None or block >= slots or slots % block:
+    if block is None or block >= slots or slots % block or layer is not None:
+        # a stack is read in one pass: around a loop, XLA:CPU re-lays the whole stack out (copies
+        # it) at batch 1, where the size-1 batch dim leaves its layout free
         return _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, slots)
 
     def body(j, carry):
