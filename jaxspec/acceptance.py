@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import _draw
+from jaxspec.sampling import draw
 
 
 def accept_row(
@@ -42,9 +42,9 @@ def accept_row(
     rejected = n < num_proposed  # implies n < G
     q_n = jnp.where(rejected, q[jnp.minimum(n, g - 1)], 0.0)  # [V]
     p_n = p[n]  # [V]
-    resid = jnp.maximum(p_n - q_n, 0.0)  # unnormalised: _draw normalises
+    resid = jnp.maximum(p_n - q_n, 0.0)  # unnormalised: draw normalises
     resid = jnp.where(jnp.sum(resid) > 0.0, resid, p_n)
-    return n, _draw(u[g], resid)
+    return n, draw(u[g], resid)
 
 
 def greedy_accept_row(
@@ -128,7 +128,7 @@ def accept_tree_row(
     carry = (jnp.int32(0), p[0], jnp.float32(1.0), jnp.int32(0), jnp.zeros((path_len,), jnp.int32))
     cur, r, _, n, path = jax.lax.fori_loop(0, n_nodes, body, carry) if n_nodes else carry
     r = jnp.where(jnp.sum(r) > 0.0, r, p[cur])  # an all-zero residual has probability 0
-    return path, n, _draw(u[n_nodes], r)
+    return path, n, draw(u[n_nodes], r)
 
 
 def accept_tree(tokens, parents, q, p, num_nodes, keys, path_len: int, update_residual=True):

@@ -41,6 +41,7 @@ def build_engine(config: Config, target=None) -> Engine:
         chat_template=config.generation.chat_template,
         system_prompt=config.generation.system_prompt,
         mesh=plan,
+        max_context=config.generation.max_context or None,
     )
 
 

@@ -20,7 +20,7 @@ CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 class KVCache:
     # Per-layer tuple of [B, K, S, H] (unrolled layout; in-place writes on XLA:CPU), or one
     # [L, B, K, S, H] array (stacked layout, scanned with the stacked params). Heads before
-    # slots: attention reads each head's [S, H] block in place (see llama._attention).
+    # slots: attention reads each head's [S, H] block in place (see models/attention.py).
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
     lengths: jax.Array  # int32[B], committed tokens per row

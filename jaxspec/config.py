@@ -50,9 +50,10 @@ class _Section:
 class ModelLoadConfig(_Section):
     SECTION: ClassVar[str] = "model"
     name: str = "smollm2-135m"  # short name, HF safetensors dir, or .gguf file
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    # auto: "packed" (CPU panel kernel) for float32 on one CPU device, else "unrolled";
-    # "stacked" = [L, ...] arrays for lax.scan (TPU)
+    # auto: bfloat16 on TPU/GPU, float32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # auto: "packed" (CPU panel kernel) for float32 on one CPU device, "stacked" on TPU/GPU,
+    # else "unrolled"; "stacked" = [L, ...] arrays for lax.scan
     layout: Literal["auto", "unrolled", "packed", "stacked"] = "auto"
 
     def _validate(self):
@@ -84,10 +85,15 @@ class GenerationConfig(_Section):
     batch_size: int = 1  # rows per jitted batch; the last batch is padded
     chat_template: bool = True  # wrap each prompt as a user turn of the model's chat template
     system_prompt: str | None = None
+    # KV cache slots per row, fixed for the engine: one decode program per batch size, whatever the
+    # prompt length (0: sized per request from the prompt and max_new_tokens buckets)
+    max_context: int = 0
 
     def _validate(self):
         if self.max_new_tokens < 1:
             self._fail("max_new_tokens", "use an integer >= 1")
+        if self.max_context < 0:
+            self._fail("max_context", "use 0 (per request) or the cache slots per row, e.g. 2048")
         if self.batch_size < 1:
             self._fail("batch_size", "use an integer >= 1")
 

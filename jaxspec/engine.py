@@ -62,6 +62,7 @@ class Engine:
         chat_template: bool = True,
         system_prompt: str | None = None,
         mesh=None,  # a sharding.MeshPlan or jax Mesh: params, cache, batch and state sharded on it
+        max_context: int | None = None,
     ):
         if drafter is None:
             num_speculative_tokens = 0
@@ -75,6 +76,11 @@ class Engine:
             self.plan = mesh if isinstance(mesh, sharding.MeshPlan) else sharding.MeshPlan(mesh)
             model = dataclasses.replace(model, params=self.plan.place_target(model.params, model.cfg))
             drafter_params = self.plan.place_drafter(drafter_params, getattr(drafter, "cfg", None))
+        if max_context is not None and max_context < 2 + num_speculative_tokens:
+            raise JaxspecError(
+                f"max_context={max_context} is too small: use at least {2 + num_speculative_tokens}"
+            )
+        self.max_context = max_context  # fixed cache slots per row (None: per request)
         self.model = model
         self.drafter = drafter
         self.drafter_params = drafter_params
@@ -128,6 +134,8 @@ class Engine:
         return [int(t) for t in tok.encode(prompt)]
 
     def _capacity(self, prompt_bucket: int, max_new_tokens: int) -> int:
+        if self.max_context is not None:  # one capacity: decode compiles once per batch size
+            return max(self.max_context, prompt_bucket)
         return prompt_bucket + bucket(max_new_tokens) + self.spec.num_nodes + 1
 
     def _check_fits(self, ids: list[int], max_new_tokens: int) -> None:
@@ -145,6 +153,12 @@ class Engine:
                 f"tokens (ids 0..{vocab - 1})"
             )
         need = len(ids) + max_new_tokens + self.spec.depth
+        if self.max_context is not None and need + 1 > self.max_context:
+            raise JaxspecError(
+                f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} (+ γ + 1 = {need + 1}"
+                f" slots) exceeds generation.max_context={self.max_context}: raise max_context, "
+                f"shorten the prompt or lower max_new_tokens"
+            )
         if need > limit:
             raise JaxspecError(
                 f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "

@@ -21,7 +21,7 @@ import pytest
 from scipy import stats
 
 from jaxspec.acceptance import accept, accept_row, greedy_accept, greedy_accept_row
-from jaxspec.sampling import SamplingParams, _draw, logits_to_probs, row_keys
+from jaxspec.sampling import SamplingParams, draw, logits_to_probs, row_keys
 
 N = 200_000  # independent decodes per check
 L = 3  # emitted tokens compared jointly
@@ -64,7 +64,7 @@ def _broken_rule(draft_tokens, q, p, num_proposed, key, bug):
     resid = jnp.where(on("unclipped_residual"), p_n - q_n, jnp.maximum(p_n - q_n, 0.0))
     resid = jnp.where(on("residual_is_p"), p_n, resid)
     resid = jnp.where(jnp.sum(resid) > 0, resid, p_n)
-    return n, _draw(u[g], resid)
+    return n, draw(u[g], resid)
 
 
 # -- the simulated decoder ---------------------------------------------------------------------

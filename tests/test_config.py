@@ -32,7 +32,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults():
     c = load_config()
     assert c == Config()
-    assert c.model.name == "smollm2-135m" and c.model.dtype == "float32"
+    assert c.model.name == "smollm2-135m" and c.model.dtype == "auto"
     assert c.model.layout == "auto"
     assert (c.sampling.temperature, c.sampling.top_k, c.sampling.top_p, c.sampling.min_p) == (
         0.0, 0, 1.0, 0.0,

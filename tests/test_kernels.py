@@ -14,7 +14,7 @@ from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
 from jaxspec.loading.params import check_options, unpack_params
-from jaxspec.models import llama
+from jaxspec.models import attention, llama
 
 # Justified skip: without a CPU backend and a C++ compiler the kernel cannot exist, and "auto"
 # falls back to the unrolled layout, which test_parity and the mesh tests cover. CI has g++.
@@ -115,7 +115,7 @@ def test_prefix_attention_tree_mask(h):
     q, k, v, k_win, v_win = attention_inputs(rng, 2, 8, 9, 3, 50, h)
     lengths = jnp.asarray([7, 30], jnp.int32)
     got = np.asarray(kernels.prefix_attention(q, k, v, k_win, v_win, lengths, h**-0.5, mask))
-    want = llama._attention_with_window(q, k, v, k_win, v_win, lengths, mask)
+    want = attention.attend(q, k, v, k_win, v_win, lengths, window_mask=mask, impl="xla")
     np.testing.assert_allclose(got.reshape(2, 8, -1), want, atol=2e-6, rtol=1e-5)
     for b in range(2):
         for t in range(8):

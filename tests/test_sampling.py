@@ -255,14 +255,14 @@ def test_sample_never_draws_zero_prob_and_matches_probs():
 def test_draw_is_an_inverse_cdf_that_skips_zeros():
     """A deterministic grid of u (0 and the largest float32 below 1 included) gives each index
     a share of the grid equal to its weight, and never an index of weight 0."""
-    from jaxspec.sampling import _draw
+    from jaxspec.sampling import draw
 
     rng = np.random.default_rng(0)
     w = rng.random(300).astype(np.float32) * (rng.random(300) < 0.5)
     w[-5:] = 0.0  # trailing zeros: u -> 1 must not run off the end
     w[:3] = 0.0
     grid = np.append(np.linspace(0, 1, 100_001, dtype=np.float32)[:-1], np.nextafter(np.float32(1), 0))
-    idx = np.asarray(jax.jit(jax.vmap(_draw, in_axes=(0, None)))(jnp.asarray(grid), jnp.asarray(w)))
+    idx = np.asarray(jax.jit(jax.vmap(draw, in_axes=(0, None)))(jnp.asarray(grid), jnp.asarray(w)))
     assert np.all(w[idx] > 0)
     share = np.bincount(idx, minlength=300) / len(grid)
     np.testing.assert_allclose(share, w / w.sum(), atol=2e-5)

@@ -56,9 +56,9 @@ class ModelDrafter:
         if not self.shared_layers:
             return dparams
         layers = tparams["layers"]
-        n = self.shared_layers
-        layers = layers[:n] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[:n], layers)
-        return tparams | {"layers": layers}
+        if not isinstance(layers, tuple):  # stacked: forward runs the first cfg.num_layers of the
+            return tparams  # [L, ...] stack in place; slicing it would copy n layers every step
+        return tparams | {"layers": layers[: self.shared_layers]}
 
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
         params = self.params(dparams, tparams)
@@ -72,7 +72,7 @@ class ModelDrafter:
 
     def _probs(self, params, hidden, sp):  # [B, D] -> f32[B, V_target]
         if "draft_head" in params:  # reduced draft vocabulary (distilled drafts): N head rows + ids
-            logits = llama._linear(hidden, params["draft_head"]).astype(jnp.float32)  # [B, N]
+            logits = llama.linear(hidden, params["draft_head"]).astype(jnp.float32)  # [B, N]
             probs = sampling.logits_to_probs(logits, sp)
             full = jnp.zeros((hidden.shape[0], self.target_vocab), jnp.float32)
             return full.at[:, params["draft_ids"]].set(probs)  # zeros elsewhere: never drawn

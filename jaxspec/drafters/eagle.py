@@ -52,20 +52,20 @@ def rms(x, eps=1e-6):  # weightless RMS normalisation in f32
 
 def fuse(dparams, feats):  # [nl, ..., D] target features -> [..., D]
     x = jnp.concatenate([rms(f) for f in feats], axis=-1)
-    return llama._linear(x, dparams["fuse"])
+    return llama.linear(x, dparams["fuse"])
 
 
 def layer_input(dparams, tparams, tokens, feature):  # int[...], [..., D] -> [..., D]
     emb = tparams["embed"][tokens]
-    return llama._linear(jnp.concatenate([rms(emb), rms(feature)], axis=-1), dparams["in_proj"])
+    return llama.linear(jnp.concatenate([rms(emb), rms(feature)], axis=-1), dparams["in_proj"])
 
 
 def _qkv(cfg, lp, x, positions, inv_freq):
     b, t, _ = x.shape
     y = llama.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = llama._linear(y, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = llama._linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = llama._linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = llama.linear(y, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = llama.linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = llama.linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -74,14 +74,14 @@ def apply_rope(x, positions, inv_freq):
 
 
 def _finish(cfg, lp, x, attn):
-    x = x + llama._linear(attn, lp["wo"])
+    x = x + llama.linear(attn, lp["wo"])
     y = llama.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    y = jax.nn.silu(llama._linear(y, lp["w_gate"])) * llama._linear(y, lp["w_up"])
-    return x + llama._linear(y, lp["w_down"])
+    y = jax.nn.silu(llama.linear(y, lp["w_gate"])) * llama.linear(y, lp["w_up"])
+    return x + llama.linear(y, lp["w_down"])
 
 
 def head_logits(dparams, h):  # [..., D] -> f32[..., N] draft-vocabulary logits
-    return llama._linear(rms(h) * dparams["norm"], dparams["head"]).astype(jnp.float32)
+    return llama.linear(rms(h) * dparams["norm"], dparams["head"]).astype(jnp.float32)
 
 
 MATMUL_KEYS = ("fuse", "in_proj", "head")  # + every 2-D weight of "layer"
@@ -89,7 +89,7 @@ MATMUL_KEYS = ("fuse", "in_proj", "head")  # + every 2-D weight of "layer"
 
 def pack_for_cpu(dparams):
     """The drafter's matmul weights as CPU-kernel panels (`kernels.PackedWeight`, read by
-    `llama._linear`): a tree level runs the layer over top_k nodes at once, where XLA:CPU's
+    `llama.linear`): a tree level runs the layer over top_k nodes at once, where XLA:CPU's
     multi-row matmul first copies each weight (the target's packed layout avoids the same)."""
     layer = {k: kernels.pack(w) if w.ndim == 2 else w for k, w in dparams["layer"].items()}
     packed = {k: kernels.pack(dparams[k]) for k in MATMUL_KEYS}
@@ -114,7 +114,7 @@ def train_layer(cfg, lp, x, positions, mask, k_ctx=None, v_ctx=None, ctx_mask=No
         vs = jnp.concatenate([v_ctx, v], axis=1)
         m = jnp.concatenate([ctx_mask, mask], axis=2)
     heads_first = lambda a: jnp.swapaxes(a, 1, 2)  # [B, S, K, H] -> [B, K, S, H]
-    attn = llama._attention(q, heads_first(ks), heads_first(vs), m)
+    attn = llama.masked_attention(q, heads_first(ks), heads_first(vs), m)
     return _finish(cfg, lp, x, attn), k, v
 
 
@@ -156,7 +156,7 @@ class EagleDrafter:
             ).reshape(*q.shape[:2], -1)
         else:
             mask = jnp.arange(k_cache.shape[2])[None, None, :] <= positions[..., None]
-            attn = llama._attention(q, k_cache, v_cache, mask)
+            attn = llama.masked_attention(q, k_cache, v_cache, mask)
         return _finish(cfg, dparams["layer"], x, attn), k_cache, v_cache
 
     def _run(self, dparams, tparams, tokens, features, k_cache, v_cache, start):
@@ -318,7 +318,7 @@ class EagleDrafter:
             mask = (rel < 0) | (in_scratch & jnp.take_along_axis(
                 anc, jnp.clip(rel, 0, m_slots - 1).astype(jnp.int32).repeat(k, axis=1), axis=2
             ))  # [B, K, S]
-            attn = llama._attention(q, kc, vc, mask)
+            attn = llama.masked_attention(q, kc, vc, mask)
             h_new = _finish(cfg, dparams["layer"], x, attn)  # [B, K, D]
             logp = jax.nn.log_softmax(head_logits(dparams, h_new), axis=-1)  # [B, K, Nd]
             f_score = jnp.take_along_axis(jnp.concatenate(scores, axis=1), front, axis=1)

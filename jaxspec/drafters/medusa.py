@@ -33,7 +33,7 @@ def head_logits(dparams, h):
     """h [..., D] -> f32[K, ..., N]: every head's draft-vocabulary logits."""
 
     def one(w, b):
-        return llama._linear(h + jax.nn.silu(llama._linear(h, w) + b), dparams["head"])
+        return llama.linear(h + jax.nn.silu(llama.linear(h, w) + b), dparams["head"])
 
     return jax.vmap(one)(dparams["w"], dparams["b"]).astype(jnp.float32)
 

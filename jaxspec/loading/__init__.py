@@ -25,6 +25,7 @@ from jaxspec.loading.params import (
     layout_of,
     place,
     place_on_mesh,
+    resolve_dtype,
     resolve_layout,
 )
 from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packaged_file, resolve
@@ -87,7 +88,8 @@ def load_model(
 ) -> LoadedModel:
     """Load an HF safetensors dir, a `.gguf` file, or a short name such as `smollm2-135m`.
 
-    `dtype`: float32 | bfloat16 | float16 (params and ModelConfig.dtype). `layout`: "unrolled"
+    `dtype`: auto (bfloat16 on TPU/GPU, float32 on CPU) | float32 | bfloat16 | float16 (params and
+    ModelConfig.dtype). `layout`: "unrolled"
     (a tuple of per-layer dicts), "packed" (the same with matmul weights packed for the CPU panel
     kernel: inference only, no gradients), "stacked" (`[L, ...]` arrays for lax.scan) or "auto"
     ("packed" for float32 on one CPU device when the kernel builds, else "unrolled"; what configs
@@ -98,6 +100,7 @@ def load_model(
     """
     start = time.perf_counter()
     check_options(dtype, layout)
+    dtype = resolve_dtype(dtype)
     if mesh is not None and layout == "packed":
         raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
     if mesh is not None and layout == "auto":

@@ -17,7 +17,8 @@ from jaxspec import kernels
 from jaxspec.errors import JaxspecError
 from jaxspec.models.llama import ModelConfig, Params, param_shapes, qkv_splits, stack_layers
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+ACCELERATORS = ("tpu", "gpu")
 LAYOUTS = ("auto", "unrolled", "stacked", "packed")
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # packed by layout="packed"
 
@@ -30,8 +31,15 @@ def check_options(dtype: str, layout: str) -> None:
             f"unsupported layout {layout!r}: use 'auto', 'unrolled' (per-layer arrays), "
             f"'packed' (per-layer, CPU panel kernel) or 'stacked' ([L, ...] arrays for lax.scan)"
         )
-    if layout == "packed" and dtype != "float32":
+    if layout == "packed" and dtype not in ("float32", "auto"):
         raise JaxspecError(f"layout 'packed' needs dtype float32, got {dtype}: use layout 'unrolled'")
+
+
+def resolve_dtype(dtype: str) -> str:
+    """"auto": bfloat16 on an accelerator (TPU/GPU), float32 on CPU."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if jax.default_backend() in ACCELERATORS else "float32"
 
 
 def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
@@ -45,6 +53,8 @@ def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
                 "backend and g++ are needed): use layout 'unrolled'"
             )
         return layout, "requested"
+    if jax.default_backend() in ACCELERATORS:
+        return "stacked", f"auto: lax.scan over layers on {jax.default_backend()} (cache updated in place)"
     if jax.default_backend() != "cpu":
         return "unrolled", f"auto: the {jax.default_backend()} backend has no CPU kernels"
     if jax.device_count() != 1:

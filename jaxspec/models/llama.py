@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.cache import KVCache
+from jaxspec.models import attention
 
 Params = dict[str, Any]
 
@@ -208,7 +209,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
-def _linear(x: jax.Array, w) -> jax.Array:
+def linear(x: jax.Array, w) -> jax.Array:
     """x: [..., in] @ w: [out, in] -> [..., out]. `w` may be a CPU-kernel `PackedWeight`."""
     if isinstance(w, kernels.PackedWeight):
         return kernels.panel_matmul(x, w).astype(x.dtype)
@@ -220,23 +221,37 @@ def qkv_splits(cfg: ModelConfig) -> tuple[int, int]:
     return (q, q + cfg.num_kv_heads * cfg.head_dim)
 
 
-def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=None) -> jax.Array:
     """cache_l: [B, K, S, H] <- new: [B, T, K, H] at positions [B, T] (past the end: dropped).
+    With `layer` (an int32 scalar), cache_l is a stack [L, B, K, S, H] and layer `layer` is written.
 
-    A scatter vmapped over (B, K): each [S, H] block gets its T rows. XLA:CPU updates it in place,
-    and with the cache sharded over batch and kv heads every device writes its own block with no
-    collective (flattening B*K into one scatter dim made GSPMD all-gather the cache every step).
+    Per-layer caches: a scatter vmapped over (B, K), each [S, H] block getting its T rows. XLA
+    updates it in place, and with the cache sharded over batch and kv heads every device writes its
+    own block with no collective (flattening B*K into one scatter dim made GSPMD all-gather the
+    cache every step). Stacks (`layer` given): a row scatter into the [L*B*K, S, H] view, the form
+    XLA updates in place inside the layer scan.
     """
-    one = lambda c, n, p: c.at[p].set(n, mode="drop")  # c [S, H], n [T, H], p [T]
-    return jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(cache_l, new.astype(cache_l.dtype), positions)
+    if layer is None:
+        one = lambda c, n, p: c.at[p].set(n, mode="drop")  # noqa: E731  c [S, H], n [T, H], p [T]
+        return jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(
+            cache_l, new.astype(cache_l.dtype), positions
+        )
+    *_, b, kv, slots, h = cache_l.shape
+    t = new.shape[1]
+    rows = jnp.arange(b * kv)[:, None] + layer * (b * kv)  # [B*K, 1]
+    updates = jnp.swapaxes(new, 1, 2).reshape(b * kv, t, h).astype(cache_l.dtype)
+    flat = cache_l.reshape(-1, slots, h)
+    flat = flat.at[rows, jnp.repeat(positions, kv, axis=0)].set(updates, mode="drop")
+    return flat.reshape(cache_l.shape)
 
 
-def _attention(q, k, v, mask):
-    """q: [B, T, N, H]; k, v: [B, K, S, H]; mask: bool[B, T, S] -> [B, T, N*H].
+def masked_attention(q, k, v, mask):
+    """Attention under an arbitrary mask over the whole cache (drafter scratch trees, training):
+    q: [B, T, N, H]; k, v: [B, K, S, H]; mask: bool[B, T, S] -> [B, T, N*H]. The target's forward
+    attends through `jaxspec.models.attention.attend` (valid slots only) instead.
 
     Both products are batched over (B, K) with operands already in XLA's canonical dot order
-    ([batch..., rows, contracted]), so no [S]-sized transpose is materialised: with the cache
-    stored [B, S, K, H] and einsums, attention cost ~5x more on XLA:CPU (measured, SmolLM2).
+    ([batch..., rows, contracted]), so no [S]-sized transpose is materialised.
     """
     b, t, n, h = q.shape
     kv = k.shape[1]
@@ -277,35 +292,36 @@ def _kernel_attention(lp, q) -> bool:
     return isinstance(lp.get("wqkv"), kernels.PackedWeight) and attention_kernel_on(q)
 
 
-def _attention_with_window(q, k_cache, v_cache, k_win, v_win, lengths, window_mask=None):
-    """Like `_attention`, for a window not yet written into the cache: query t attends cache slots
-    s < lengths[b] and window positions j with window_mask[b, t, j] (None: j = 0..t). q:
-    [B, T, N, H]; caches [B, K, S, H]; windows [B, T, K, H] -> [B, T, N*H]. Softmax over the
-    concatenated [S + T] scores."""
-    b, t, n, h = q.shape
-    kv, slots = k_cache.shape[1], k_cache.shape[2]
-    g = n // kv
-    qh = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)
-    kw, vw = (w.astype(q.dtype).transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
-    batch = ((0, 1), (0, 1))
-    dims = (((3,), (3,)), batch)
-    scores = jnp.concatenate(
-        [jax.lax.dot_general(qh, k_cache, dims, preferred_element_type=jnp.float32),
-         jax.lax.dot_general(qh, kw, dims, preferred_element_type=jnp.float32)], axis=-1,
-    ).reshape(b, kv, g, t, slots + t) * (h**-0.5)
-    in_cache = jnp.arange(slots)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
-    if window_mask is None:
-        window_mask = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T] causal
-    mask = jnp.concatenate(
-        [jnp.broadcast_to(in_cache, (b, t, slots)), jnp.broadcast_to(window_mask, (b, t, t))], axis=-1
-    )
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, kv, g * t, slots + t)
-    pv = (((3,), (2,)), batch)
-    out = jax.lax.dot_general(weights[..., :slots], v_cache, pv) + jax.lax.dot_general(
-        weights[..., slots:], vw, pv
-    )  # [B, K, G*T, H]
-    return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+def _qkv(cfg, lp, x, positions, inv_freq):
+    """x: [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H] (normed, biased, rotated)."""
+    b, t, _ = x.shape
+    h = cfg.head_dim
+    y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    if "wqkv" in lp:  # packed layout: q, k and v projections fused into one weight
+        q, k, v = jnp.split(linear(y, lp["wqkv"]), qkv_splits(cfg), axis=-1)
+    else:
+        q, k, v = linear(y, lp["wq"]), linear(y, lp["wk"]), linear(y, lp["wv"])
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(b, t, cfg.num_heads, h)
+    k = k.reshape(b, t, cfg.num_kv_heads, h)
+    v = v.reshape(b, t, cfg.num_kv_heads, h)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _out_and_mlp(cfg, lp, x, attn):
+    """Attention output projection + residual, then the MLP block + residual. attn: [B, T, N*H]."""
+    x = x + linear(attn, lp["wo"])
+    y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    if "w_gate_up" in lp:  # packed layout: gate and up fused
+        gate, up = jnp.split(linear(y, lp["w_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = linear(y, lp["w_gate"]), linear(y, lp["w_up"])
+    y = jax.nn.silu(gate) * up
+    return x + linear(y, lp["w_down"])
 
 
 def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, window_mask=None):
@@ -315,21 +331,7 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, 
     j with window_mask[b, t, j] (None: causal). Window entry 0 sits at the cache's length."""
     b, t, _ = x.shape
     h = cfg.head_dim
-    y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    if "wqkv" in lp:  # packed layout: q, k and v projections fused into one weight
-        q, k, v = jnp.split(_linear(y, lp["wqkv"]), qkv_splits(cfg), axis=-1)
-    else:
-        q, k, v = _linear(y, lp["wq"]), _linear(y, lp["wk"]), _linear(y, lp["wv"])
-    if cfg.attention_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = q.reshape(b, t, cfg.num_heads, h)
-    k = k.reshape(b, t, cfg.num_kv_heads, h)
-    v = v.reshape(b, t, cfg.num_kv_heads, h)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
     k = k.astype(k_cache.dtype)
     v = v.astype(v_cache.dtype)
     lengths = positions[:, 0]
@@ -339,21 +341,45 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, 
     if _kernel_attention(lp, q):  # the cache's prefix mask, valid slots only
         attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, lengths, h**-0.5, window_mask)
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
-    elif write:
-        attn = _attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-    else:
-        attn = _attention_with_window(
-            q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), k, v, lengths, window_mask
-        )
-    x = x + _linear(attn, lp["wo"])
-    y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    if "w_gate_up" in lp:  # packed layout: gate and up fused
-        gate, up = jnp.split(_linear(y, lp["w_gate_up"]), 2, axis=-1)
-    else:
-        gate, up = _linear(y, lp["w_gate"]), _linear(y, lp["w_up"])
-    y = jax.nn.silu(gate) * up
-    out = x + _linear(y, lp["w_down"])
+    else:  # the valid cache prefix (blocks up to the longest row) + the window; prompts in chunks
+        attn = attention.attend(
+            q, k_cache, v_cache, k, v, lengths, window_mask=window_mask, impl="xla"
+        ).astype(q.dtype)
+    out = _out_and_mlp(cfg, lp, x, attn)
     return (out, k_cache, v_cache) if write else (out, k, v)
+
+
+def stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i, window_mask=None):
+    """One step of the stacked layer loop: layer `i` of `[L, ...]` params on carry
+    (x [B, T, D], k_all, v_all [L', B, K, S, H]). The cache rides in the carry: the layer writes only
+    its T new rows in place, then reads its slice inside the attention op (fused, never copied out).
+    Weights are indexed from the whole stack, so a prefix of the layers (layer_skip) slices nothing.
+    Returns (carry, (x if collect, window k/v [B, T, K, H] if not write))."""
+    x, k_all, v_all = carry
+    lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, 0, keepdims=False), layers)
+    q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
+    k, v = k.astype(k_all.dtype), v.astype(v_all.dtype)
+    if write:  # before the read: nothing reads the old buffer after it, so XLA writes in place
+        k_all = write_kv(k_all, k, positions, layer=i)
+        v_all = write_kv(v_all, v, positions, layer=i)
+    attn = attention.attend(
+        q, k_all, v_all, k, v, positions[:, 0], layer=i, window_mask=window_mask, impl="xla"
+    )
+    x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
+    return (x, k_all, v_all), (x if collect else None, None if write else (k, v))
+
+
+def _stacked_layers(cfg, layers, x, k_all, v_all, positions, inv_freq, write, collect,
+                    window_mask=None):
+    """The first cfg.num_layers layers of `[L, ...]` params as one lax.scan over the layer index
+    (see `stacked_layer`). Returns (x, k_all, v_all, per-layer x [n, B, T, D] if collect, window
+    k/v [n, B, T, K, H] if not write)."""
+    body = lambda carry, i: stacked_layer(  # noqa: E731
+        cfg, layers, positions, inv_freq, write, collect, carry, i, window_mask
+    )
+    steps = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_all, v_all), (per_layer, window_kv) = jax.lax.scan(body, (x, k_all, v_all), steps)
+    return x, k_all, v_all, per_layer, window_kv
 
 
 def write_window(cache: KVCache, window_kv, positions: jax.Array) -> KVCache:
@@ -362,9 +388,12 @@ def write_window(cache: KVCache, window_kv, positions: jax.Array) -> KVCache:
     if isinstance(cache.k, tuple):
         k = tuple(write_kv(c, w, positions) for c, w in zip(cache.k, k_win))
         v = tuple(write_kv(c, w, positions) for c, w in zip(cache.v, v_win))
-    else:
-        write_all = jax.vmap(write_kv, in_axes=(0, 0, None))
-        k, v = write_all(cache.k, k_win, positions), write_all(cache.v, v_win, positions)
+    else:  # one in-place scatter over the [L*B, K, S, H] view of the stack
+        n, b = k_win.shape[:2]  # n <= L written layers
+        pos = jnp.tile(positions, (n, 1))
+        flat = lambda c, w: write_kv(c.reshape(-1, *c.shape[2:]), w.reshape(n * b, *w.shape[2:]), pos)
+        k = flat(cache.k, k_win).reshape(cache.k.shape)
+        v = flat(cache.v, v_win).reshape(cache.v.shape)
     return dataclasses.replace(cache, k=k, v=v)
 
 
@@ -412,14 +441,15 @@ def forward(
         if isinstance(cache.k, tuple):
             raise ValueError("stacked params need a stacked cache: init_cache(..., stacked=True)")
 
-        def body(x, xs):
-            lp, k_l, v_l = xs
-            x, k_l, v_l = _layer(
-                cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache, window_mask
-            )
-            return x, (k_l, v_l, x)
-
-        x, (k_new, v_new, per_layer) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
+        if jax.tree.leaves(layers)[0].shape[0] < cfg.num_layers:
+            raise ValueError(f"stacked params hold fewer than cfg.num_layers={cfg.num_layers} layers")
+        collect = any(0 < i < cfg.num_layers for i in hidden_layers)
+        x, k_new, v_new, per_layer, window_kv = _stacked_layers(
+            cfg, layers, x, cache.k, cache.v, positions, inv_freq, write_cache, collect,
+            window_mask,
+        )
+        if not write_cache:
+            k_new, v_new = window_kv  # [L, B, T, K, H]
         for i in hidden_layers:
             if 0 < i < cfg.num_layers:
                 collected[i] = per_layer[i - 1]
@@ -448,7 +478,7 @@ def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     w = params.get("lm_head", params["embed"])
     if not isinstance(w, kernels.PackedWeight):
         w = w.astype(hidden.dtype)
-    return _linear(hidden, w).astype(jnp.float32)
+    return linear(hidden, w).astype(jnp.float32)
 
 
 def forward_logits(params, tokens, cache, cfg) -> tuple[jax.Array, KVCache]:

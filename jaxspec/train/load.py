@@ -48,7 +48,7 @@ def load_trained_drafter(method: str, path, target):
         stored["layers"] = tuple(stored["layers"])
     for key, leaf in jax.tree_util.tree_leaves_with_path(stored):
         check_finite(jax.tree_util.keystr(key), leaf, f"drafter checkpoint {path}")
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stored)
+    params = jax.tree.map(lambda x: jnp.asarray(x, target.cfg.compute_dtype), stored)  # target's dtype
     expected, _ = jax.eval_shape(lambda: m.init(target, d2t, jax.random.key(0)))
     got = jax.tree.map(lambda x: x.shape, params)
     want = jax.tree.map(lambda x: x.shape, expected)

@@ -255,7 +255,7 @@ class Draft:
         cache = init_cache(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
         dp = self.runtime(params, frozen)
         out = llama.forward(dp, tok, cache, cfg)
-        logits = llama._linear(out.hidden, frozen["head"]).astype(jnp.float32)
+        logits = llama.linear(out.hidden, frozen["head"]).astype(jnp.float32)
         loss, top1 = soft_ce(logits, batch["topk_ids"], batch["topk_probs"], frozen["t2d"], _valid(batch))
         return loss, {"top1": top1}
 

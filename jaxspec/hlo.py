@@ -1,0 +1,280 @@
+"""Read an optimised HLO module (`jit(f).lower(...).compile().as_text()`) for memory traffic that
+a step should not pay: buffers the size of the KV cache that are copied or zero-filled, and
+collectives. Device-independent: the same program compiled for TPU pays the same traffic.
+
+A "cache-sized" buffer has at least the element count of one layer's cache `[B, K, S, H]` and the
+cache's slot count S among its dims. Only buffers *defined* at
+the top level of a computation count (fusion bodies are read through their root): parameters,
+tuples, bitcasts and control flow define no new buffer, and in-place updates (`dynamic-update-slice`,
+`scatter`, or a fusion rooted in one, which XLA writes into its operand's buffer) write only the
+updated rows. Everything else that yields a cache-sized array is a copy (or a zero-fill when it
+is a broadcast), i.e. a full pass over the cache the step did not need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+COLLECTIVES = (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+    "collective-broadcast", "ragged-all-to-all",
+)
+NO_BUFFER = ("parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+             "constant", "after-all", "opt-barrier", "optimization-barrier")
+IN_PLACE = ("dynamic-update-slice", "scatter")
+
+_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_DIMS = re.compile(r"\w+\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    name: str
+    dims: tuple[int, ...] | None  # None for tuples
+    opcode: str
+    root: bool
+    calls: str | None
+    line: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheTraffic:
+    copies: tuple[str, ...]  # names of top-level instructions that copy a cache-sized buffer
+    zero_fills: tuple[str, ...]  # ... that fill one with a broadcast constant
+    collectives: tuple[str, ...]
+
+    def summary(self) -> dict[str, int]:
+        return {"cache_copies": len(self.copies), "zero_fills": len(self.zero_fills),
+                "collectives": len(self.collectives)}
+
+
+def _parse_instr(line: str):
+    """`  [ROOT] %name = SHAPE opcode(...)...` -> (name, shape, opcode, root) or None."""
+    m = re.match(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):  # tuple shape: up to the matching parenthesis
+        depth = 0
+        for end, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        shape, rest = rest[: end + 1], rest[end + 1:]
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"\s*([\w\-]+)\(", rest)
+    return (m.group(2), shape, op.group(1), bool(m.group(1))) if op else None
+
+
+def parse(text: str) -> dict[str, list[Instr]]:
+    """Computation name -> its instructions (HLO text as printed by XLA)."""
+    comps: dict[str, list[Instr]] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None or line.startswith(("ENTRY", "%")) and line.rstrip().endswith("{"):
+            m = _COMP.match(line)
+            if m and "=" not in line.split("(")[0]:
+                current = m.group(2)
+                comps[current] = []
+                continue
+        if line.strip() == "}":
+            current = None
+            continue
+        parsed = _parse_instr(line) if current is not None else None
+        if parsed:
+            name, shape, opcode, root = parsed
+            dm = None if shape.startswith("(") else _DIMS.match(shape)
+            dims = tuple(int(d) for d in dm.group(1).split(",") if d) if dm else None
+            calls = _CALLS.search(line)
+            comps[current].append(Instr(name, dims, opcode, root, calls and calls.group(1), line))
+    return comps
+
+
+def _root_opcode(comps, name: str) -> str:
+    """Opcode a fusion really performs: its body's root, looking through bitcasts."""
+    body = {i.name: i for i in comps.get(name, [])}
+    root = next((i for i in comps.get(name, []) if i.root), None)
+    while root is not None and root.opcode in ("bitcast", "reshape"):
+        operand = re.search(r"\(%?([\w.\-]+)", root.line[root.line.index(root.opcode):])
+        root = body.get(operand.group(1)) if operand else None
+    if root is None:
+        return "?"
+    if root.opcode == "fusion" and root.calls:
+        return _root_opcode(comps, root.calls)
+    return root.opcode
+
+
+def cache_traffic(text: str, layer_cache_shape: tuple[int, ...]) -> CacheTraffic:
+    """Count copies / zero-fills of cache-sized buffers, and collectives, in an optimised module.
+
+    layer_cache_shape: one layer's `[B, K, S, H]`; any buffer at least that large with S among
+    its dims counts (a layer's slice, the whole stack, or a product broadcast over it).
+    """
+    comps = parse(text)
+    fused = {i.calls for c in comps.values() for i in c if i.opcode == "fusion" and i.calls}
+    per_layer = math.prod(layer_cache_shape)
+    slots = layer_cache_shape[2]
+    copies, zeros, collectives = [], [], []
+    for name, instrs in comps.items():
+        if name in fused:
+            continue
+        for ins in instrs:
+            op = ins.opcode.removesuffix("-start").removesuffix("-done")
+            if op in COLLECTIVES and not ins.opcode.endswith("-done"):
+                collectives.append(ins.name)
+            if ins.dims is None or math.prod(ins.dims) < per_layer or slots not in ins.dims:
+                continue
+            if ins.opcode in NO_BUFFER or ins.opcode.endswith("-done"):
+                continue
+            does = _root_opcode(comps, ins.calls) if ins.opcode == "fusion" and ins.calls else ins.opcode
+            if does in IN_PLACE:
+                continue
+            (zeros if does == "broadcast" else copies).append(f"{name}/{ins.name}:{does}")
+    return CacheTraffic(tuple(copies), tuple(zeros), tuple(collectives))
+
+
+# ---- bytes a device moves (XLA's cost analysis counts an in-place update's whole operand, a fused
+# ---- dynamic slice's whole stack, and a while body once)
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+          "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def _shape_bytes(shape: str) -> int:
+    return sum(_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for t, dims in _ARRAY.findall(shape))
+
+
+def _operands(line: str, opcode: str) -> list[str]:
+    args = line[line.index(opcode + "(") + len(opcode) + 1:]
+    depth, end = 1, 0
+    for end, ch in enumerate(args):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            break
+    return re.findall(r"%([\w.\-]+)", args[:end])
+
+
+def _shape_of(line: str) -> str:
+    parsed = _parse_instr(line)
+    return parsed[1] if parsed else ""
+
+
+def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) -> int:
+    """Bytes a fusion moves: each parameter whole, or only the slices read of it when every use is
+    a (dynamic) slice, or nothing when it is the buffer an in-place root updates; the output
+    whole, or only the updated rows for an in-place root."""
+    instrs = comps.get(name, [])
+    by_name = {i.name: i for i in instrs}
+    users: dict[str, list[Instr]] = {}
+    for ins in instrs:
+        for op in _operands(ins.line, ins.opcode) if ins.opcode != "parameter" else []:
+            users.setdefault(op, []).append(ins)
+
+    def real_users(n):  # look through bitcasts
+        out = []
+        for u in users.get(n, []):
+            out += real_users(u.name) if u.opcode == "bitcast" else [u]
+        return out
+
+    root = next((i for i in instrs if i.root), None)
+    while root is not None and root.opcode == "bitcast":
+        root = by_name.get(_operands(root.line, "bitcast")[0])
+    in_place_buffer = None
+    total = out_bytes
+    if root is not None and root.opcode in IN_PLACE:
+        ops = _operands(root.line, root.opcode)
+        in_place_buffer = ops[0]
+        upd = by_name.get(ops[2] if root.opcode == "scatter" else ops[1])
+        total = 2 * _shape_bytes(_shape_of(upd.line)) if upd else out_bytes
+    params = [i for i in instrs if i.opcode == "parameter"]
+    for p in params:
+        idx = int(re.search(r"parameter\((\d+)\)", p.line).group(1))
+        whole = operand_bytes[idx] if idx < len(operand_bytes) else 0
+        chain = p.name
+        while True:  # the in-place buffer may be reached through bitcasts
+            us = users.get(chain, [])
+            if len(us) == 1 and us[0].opcode == "bitcast":
+                chain = us[0].name
+                continue
+            break
+        if chain == in_place_buffer or p.name == in_place_buffer:
+            continue
+        us = real_users(p.name)
+        if us and all(u.opcode in SLICING and _operands(u.line, u.opcode)[0] in (p.name, *[
+                b.name for b in instrs if b.opcode == "bitcast"]) for u in us):
+            total += min(whole, sum(_shape_bytes(_shape_of(u.line)) for u in us))
+        else:
+            total += whole
+    return total
+
+
+def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_trip: int = 1) -> int:
+    """Bytes an accelerator moves for one run of the module: like XLA's cost analysis, but in-place
+    updates count their rows, fused slices their slice, and while bodies their known trip count.
+
+    slices_fused_into_dots: count a top-level (dynamic) slice whose only users are dots as free
+    (the dot reads the slice from the stack itself), as compilers that fuse a slice into a dot's
+    operand do; XLA:CPU copies it out first (the stacked layout's per-layer weights).
+    unknown_trip: how many times a while loop without a known trip count runs (data-dependent,
+    e.g. the attention's loop over valid cache blocks)."""
+    comps = parse(text)
+    entry = next((m.group(2) for line in text.splitlines() if (m := _COMP.match(line)) and m.group(1)),
+                 None)
+
+    def comp_bytes(name: str) -> int:
+        instrs = comps.get(name, [])
+        shapes = {i.name: _shape_of(i.line) for i in instrs}
+        users: dict[str, set[str]] = {}
+        for i in instrs:
+            for o in _operands(i.line, i.opcode) if i.opcode != "parameter" else []:
+                users.setdefault(o, set()).add(i.opcode)
+        total = 0
+        for ins in instrs:
+            op = ins.opcode
+            if slices_fused_into_dots and users.get(ins.name) == {"dot"} and (
+                op in SLICING or op == "fusion" and ins.calls
+                and _root_opcode(comps, ins.calls) in SLICING
+            ):
+                continue
+            if op in NO_BUFFER and op not in ("while", "conditional", "call"):
+                continue
+            if op == "while":
+                trip = _TRIP.search(ins.line)
+                body = _BODY.search(ins.line)
+                n = int(trip.group(1)) if trip else unknown_trip
+                total += n * (comp_bytes(body.group(1)) if body else 0)
+                continue
+            if op == "conditional":
+                br = _BRANCHES.search(ins.line)
+                names = re.findall(r"%?([\w.\-]+)", br.group(1)) if br else []
+                total += max((comp_bytes(n) for n in names), default=0)
+                continue
+            if op == "call" and ins.calls:
+                total += comp_bytes(ins.calls)
+                continue
+            operands = [_shape_bytes(shapes.get(o, "")) for o in _operands(ins.line, op)]
+            out = _shape_bytes(_shape_of(ins.line))
+            if op == "fusion" and ins.calls:
+                total += _fusion_bytes(comps, ins.calls, operands, out)
+            elif op in IN_PLACE:
+                upd = operands[2] if op == "scatter" else operands[1]
+                total += 2 * upd + sum(operands[3 if op == "scatter" else 2:])
+            elif op in SLICING:
+                total += 2 * out
+            else:
+                total += sum(operands) + out
+        return total
+
+    return comp_bytes(entry) if entry else 0

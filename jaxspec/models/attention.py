@@ -1,0 +1,194 @@
+"""One attention op: a window of queries over a KV cache's valid prefix plus the window itself.
+
+    out = attend(q, k_cache, v_cache, k_win, v_win, lengths, layer=i, window_mask=m)
+
+The window's own keys/values are passed separately (not yet in the cache), so the cache is only
+read here and written once, in place, by the caller; query t of row b sees cache slots
+s < lengths[b] and window positions u with window_mask[b, t, u] (causal by default; a tree's
+ancestor mask fits the same argument). Softmax runs over both parts together.
+
+Backends (`impl`):
+  "xla"        the reference, any backend. It loops over the cache in blocks of `block` slots up
+               to the batch's longest valid prefix (online softmax), so it reads only valid
+               blocks and an empty cache (prefill) not at all (per-layer caches; a stack is read
+               in one pass, see _cache_part_xla). Per-layer caches `[B, K, S, H]` are contracted with
+               dot_general (XLA's canonical batch order: no transpose of the cache). A stacked
+               cache `[L, B, K, S, H]` with a traced `layer` is read as multiply + reduce, which XLA
+               fuses with the layer's dynamic slice: a dot would first copy the layer's cache out
+               of the stack, every layer, every step (see jaxspec.hlo).
+  "pallas_gpu" the cache part by `jax.experimental.pallas.ops.gpu.decode_attention`'s per-(row,
+               kv head) kernel, which stops at lengths[b] (reads only valid slots), merged with the
+               window part by log-sum-exp. Runs in interpret mode on CPU (tests).
+  "auto"       "pallas_gpu" on a GPU backend, else "xla".
+
+Prefill windows (long T) are split into query chunks so no `[B, K, G, T, T]` float32 score block
+larger than `chunk` queries is ever live.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "xla", "pallas_gpu")
+PREFILL_CHUNK = 512  # queries per chunk for long windows
+CACHE_BLOCK = 256  # cache slots per step of the XLA path's loop over the valid prefix
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked part adds exp(..) = 0
+
+
+def causal_mask(batch: int, t: int) -> jax.Array:  # bool[B, T, T]
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+def resolve_impl(impl: str = "auto") -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r}: use one of {IMPLS}")
+    if impl == "auto":
+        return "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mask=None,
+           impl: str = "auto", chunk: int = PREFILL_CHUNK, block: int | None = CACHE_BLOCK,
+           interpret: bool = False):
+    """q: [B, T, N, H]; k_cache, v_cache: [B, K, S, H] (or [L, B, K, S, H] with `layer`, an int32
+    scalar); k_win, v_win: [B, T, K, H]; lengths: int32[B]; window_mask: bool[B, T, T] or None
+    (causal) -> [B, T, N*H] in q's dtype."""
+    b, t, n, h = q.shape
+    tw = k_win.shape[1]  # window keys (== t, except inside a prefill chunk)
+    if t > chunk and t % chunk == 0:  # prefill: one query chunk at a time
+        outs = []  # a Python loop: straight-line chunks, each [B, K, G, C, S + T] at most
+        for start in range(0, t, chunk):
+            if window_mask is None:  # causal, built per chunk (never a [T, T] block)
+                rows = start + jnp.arange(chunk)[:, None]
+                mc = jnp.broadcast_to(rows >= jnp.arange(tw)[None, :], (b, chunk, tw))
+            else:
+                mc = window_mask[:, start : start + chunk]
+            outs.append(attend(q[:, start : start + chunk], k_cache, v_cache, k_win, v_win, lengths,
+                               layer=layer, window_mask=mc, impl=impl, chunk=chunk,
+                               block=block, interpret=interpret))
+        return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
+    if window_mask is None:
+        window_mask = causal_mask(b, t)
+    impl = resolve_impl(impl)
+    kv = k_win.shape[2]
+    g = n // kv
+    scale = h**-0.5
+    qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B,K,GT,H]
+    # the window part: tiny (T keys), any mask
+    kw, vw = (w.astype(q.dtype).transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
+    dims = (((3,), (3,)), ((0, 1), (0, 1)))
+    s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
+    wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
+    s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
+    if impl == "pallas_gpu" and layer is None:
+        o_c, m_c, l_c = _cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret)
+    else:
+        o_c, m_c, l_c = _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block)
+    # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c
+    m = jnp.maximum(m_c, s_win.max(-1))  # [B, K, GT]
+    p_win = jnp.exp(s_win - m[..., None])
+    a_c = jnp.exp(m_c - m)
+    denom = a_c * l_c + p_win.sum(-1)
+    pv = (((3,), (2,)), ((0, 1), (0, 1)))
+    o = a_c[..., None] * o_c + jax.lax.dot_general(p_win, vw.astype(jnp.float32), pv)
+    o = (o / denom[..., None]).astype(q.dtype)  # [B, K, GT, H]
+    return o.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+
+
+def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
+    """-> (unnormalised out f32[B, K, GT, H], max f32[B, K, GT], weight sum f32[B, K, GT]).
+
+    block: slots per step of a loop that stops after the batch's longest valid prefix (an online
+    softmax over blocks, as flash decoding does): only blocks below max(lengths) are read, and an
+    empty cache (prefill) reads nothing. None: one pass over every slot."""
+    b, kv, gt, h = qg.shape
+    slots = k_cache.shape[-2]
+    if block is None or block >= slots or slots % block or layer is not None:
+        # a stack is read in one pass: around a loop, XLA:CPU re-lays the whole stack out (copies
+        # it) at batch 1, where the size-1 batch dim leaves its layout free
+        return _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, slots)
+
+    def body(j, carry):
+        o, m, l = carry
+        o_b, m_b, l_b = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, j * block, block)
+        m_new = jnp.maximum(m, m_b)
+        a, a_b = jnp.exp(m - m_new), jnp.exp(m_b - m_new)
+        return a[..., None] * o + a_b[..., None] * o_b, m_new, a * l + a_b * l_b
+
+    init = (jnp.zeros((b, kv, gt, h), jnp.float32), jnp.full((b, kv, gt), _NEG, jnp.float32),
+            jnp.zeros((b, kv, gt), jnp.float32))
+    n = (jnp.max(lengths) + block - 1) // block  # blocks holding any valid slot
+    return jax.lax.fori_loop(0, n, body, init)
+
+
+def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
+    """Slots start..start+size of the cache (one layer's, or layer `layer` of a stack)."""
+    b, kv, gt, h = qg.shape
+    whole = size == k_cache.shape[-2]
+    valid = ((start + jnp.arange(size))[None, :] < lengths[:, None])[:, None, None]  # [B,1,1,Sb]
+    if layer is None:
+        k_b, v_b = (c if whole else jax.lax.dynamic_slice_in_dim(c, start, size, axis=2)
+                    for c in (k_cache, v_cache))  # [B, K, Sb, H]
+        dims = (((3,), (3,)), ((0, 1), (0, 1)))
+        s = jax.lax.dot_general(qg, k_b.astype(qg.dtype), dims,
+                                preferred_element_type=jnp.float32) * scale
+    else:  # multiply + reduce: fused with the layer's slice of the stack, nothing copied
+        k_b, v_b = (jax.lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, kv, size, h))[0]
+                    for c in (k_cache, v_cache))
+        f = _factors(h)  # every reduced dim <= 32, or XLA:CPU splits the reduce, copying the product
+        qc = qg.astype(jnp.float32).reshape(b, kv, gt, 1, *f)
+        kc = k_b.astype(jnp.float32).reshape(b, kv, 1, size, *f)
+        s = jnp.sum(qc * kc, axis=tuple(range(-len(f), 0))) * scale  # [B, K, GT, Sb]
+    s = jnp.where(valid, s, _NEG)
+    m = s.max(-1)
+    p = jnp.exp(s - m[..., None])  # masked slots: exp(_NEG - m) = 0 unless every slot is masked
+    p = jnp.where(valid, p, 0.0)
+    if layer is None:
+        pv = (((3,), (2,)), ((0, 1), (0, 1)))
+        o = jax.lax.dot_general(p.astype(v_b.dtype), v_b, pv, preferred_element_type=jnp.float32)
+    else:
+        f = _factors(size)
+        pc = p.reshape(b, kv, gt, *f, 1)
+        vc = v_b.astype(jnp.float32).reshape(b, kv, 1, *f, h)
+        o = jnp.sum(pc * vc, axis=tuple(range(-len(f) - 1, -1)))  # [B, K, GT, H]
+    return o, m, p.sum(-1)
+
+
+def _factors(n: int, most: int = 32) -> tuple[int, ...]:
+    """n as a product of dims <= most where it factors so (2048 -> (2, 32, 32))."""
+    dims = []
+    while n > most:
+        c = next(c for c in range(most, 0, -1) if n % c == 0)
+        if c == 1:
+            break
+        dims.append(c)
+        n //= c
+    return (n, *dims)
+
+
+def _cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret):
+    """The cache part by Pallas GPU's decode kernel, vmapped over (row, kv head) on our [B, K, S, H]
+    layout (no transpose); it reads slots < lengths[b] only. Returns the same triple as XLA's."""
+    from jax.experimental.pallas.ops.gpu import decode_attention as da
+
+    b, kv, gt, _ = qg.shape
+    slots = k_cache.shape[2]
+    block_k = min(128, slots)
+    k_splits = max(1, slots // block_k) if slots % block_k == 0 else 1
+    if slots % (block_k * k_splits):
+        block_k, k_splits = slots, 1
+    inner = functools.partial(
+        da.decode_attn_unbatched, sm_scale=scale, block_h=max(16, 1 << (gt - 1).bit_length()),
+        block_k=block_k,
+        k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=interpret,
+        debug=False, return_residuals=True, normalize_output=False,
+    )
+    start = jnp.zeros((b, kv), jnp.int32)
+    lens = jnp.broadcast_to(lengths[:, None], (b, kv)).astype(jnp.int32)
+    o, (l, m) = jax.vmap(jax.vmap(inner))(qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype),
+                                          start, lens)
+    # the kernel's m is the max of scaled scores; an empty prefix has l == 0
+    return o.astype(jnp.float32), m.astype(jnp.float32), l.astype(jnp.float32)

@@ -1,0 +1,238 @@
+"""The accelerator path, measured device-independently on CPU: the compiled decode loop copies and
+zero-fills no cache-sized buffer (every layout x drafter), the stacked layout gives the unrolled
+layout's tokens, and the attention op's backends agree with the XLA reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+from jaxspec import hlo, speculate
+from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
+from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.engine import Engine
+from jaxspec.models import attention, llama
+from jaxspec.sampling import SamplingParams
+
+# XLA:CPU's YNNPACK library fusion (CPU only, absent on TPU/GPU) takes reductions out of XLA's own
+# fusions and materialises their operands; compile as the accelerator compilers fuse.
+ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
+CAPACITY = 200  # distinct from every other dim of the tiny model, so cache buffers are unambiguous
+
+
+def _model(layout):
+    m = tiny_model(seed=0, layers=4, packed=layout == "packed")
+    if layout == "stacked":
+        m = dataclasses.replace(m, params=llama.stack_layers(m.params))
+    return m
+
+
+def _drafter(m, method):
+    return {
+        "none": (None, None),
+        "ngram": (NgramDrafter(64, 1, 3), None),
+        "layer_skip": (layer_skip_drafter(m.cfg, 2), None),
+        "draft_model": (ModelDrafter(cfg=m.cfg, target_vocab=64), m.params),
+    }[method]
+
+
+def decode_hlo(m, drafter, dparams, batch=2, prompt=32, capacity=CAPACITY) -> str:
+    """The optimised HLO of the whole jitted decode loop (abstract state: nothing is run)."""
+    e = Engine(m, drafter, dparams, num_speculative_tokens=4 if drafter else 0)
+    sp = SamplingParams.make()
+    args = (m.params, dparams, jnp.zeros((batch, prompt), jnp.int32), jnp.full((batch,), 5, jnp.int32),
+            jnp.full((batch,), 8, jnp.int32), sp, jax.random.key(0), jnp.arange(batch, dtype=jnp.int32))
+    state = jax.eval_shape(lambda *a: speculate.prefill(e.spec, *a, capacity=capacity), *args)
+    lowered = speculate.decode_jit.lower(e.spec, m.params, dparams, state, sp, jnp.int32(1))
+    return lowered.compile(compiler_options=ACCEL_LIKE).as_text()
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled", "packed"])
+@pytest.mark.parametrize("method", ["none", "ngram", "layer_skip", "draft_model"])
+def test_decode_loop_copies_no_cache(layout, method):
+    m = _model(layout)
+    drafter, dparams = _drafter(m, method)
+    c = m.cfg
+    traffic = hlo.cache_traffic(decode_hlo(m, drafter, dparams), (2, c.num_kv_heads, CAPACITY, c.head_dim))
+    assert traffic.copies == () and traffic.zero_fills == ()
+
+
+def test_copy_counter_sees_a_cache_through_scan_xs():
+    """The pre-fix stacked forward (cache as lax.scan xs/ys) in miniature: the counter must see the
+    zero-filled ys buffer and the copies."""
+    shape = (4, 2, 2, CAPACITY, 16)
+
+    def step(cache, x):
+        def body(h, kv):
+            return h + 1.0, kv.at[:, :, 0].set(h)
+        return jax.lax.scan(body, x, cache)
+
+    def loop(cache, x):
+        return jax.lax.fori_loop(0, 3, lambda i, c: step(*c)[::-1], (cache, x))
+
+    text = jax.jit(loop, donate_argnums=0).lower(jnp.zeros(shape), jnp.zeros((2, 16))).compile(
+        compiler_options=ACCEL_LIKE).as_text()
+    traffic = hlo.cache_traffic(text, shape[1:])
+    assert traffic.copies or traffic.zero_fills
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "layer_skip"])
+def test_stacked_layout_gives_unrolled_tokens(method):
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (7, 19, 12)]
+    out = {}
+    for layout in ("unrolled", "stacked"):
+        m = _model(layout)
+        drafter, dparams = _drafter(m, method)
+        e = Engine(m, drafter, dparams, num_speculative_tokens=3 if drafter else 0)
+        out[layout] = [r.token_ids for r in e.generate(prompts, max_new_tokens=24, batch_size=3)]
+    assert out["stacked"] == out["unrolled"]
+
+
+# ---------------------------------------------------------------------------- the attention op
+
+
+def _attention_inputs(seed=0, b=2, t=3, n=4, kv=2, s=64, h=16, layers=None):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    cache_shape = (b, kv, s, h) if layers is None else (layers, b, kv, s, h)
+    q = jax.random.normal(ks[0], (b, t, n, h))
+    kc, vc = jax.random.normal(ks[1], cache_shape), jax.random.normal(ks[2], cache_shape)
+    kw, vw = jax.random.normal(ks[3], (b, t, kv, h)), jax.random.normal(ks[4], (b, t, kv, h))
+    lengths = jnp.asarray([5, 40][:b], jnp.int32)
+    return q, kc, vc, kw, vw, lengths
+
+
+def _dense_reference(q, kc, vc, kw, vw, lengths, window_mask):
+    """Plain softmax over [valid cache slots ; masked window], in float64 numpy."""
+    q, kc, vc, kw, vw = (np.asarray(a, np.float64) for a in (q, kc, vc, kw, vw))
+    b, t, n, h = q.shape
+    kv = kc.shape[1]
+    out = np.zeros((b, t, n, h))
+    for i in range(b):
+        for j in range(n):
+            g = j // (n // kv)
+            keys = np.concatenate([kc[i, g, : lengths[i]], kw[i, :, g]])
+            vals = np.concatenate([vc[i, g, : lengths[i]], vw[i, :, g]])
+            for u in range(t):
+                sc = keys @ q[i, u, j] / np.sqrt(h)
+                ok = np.concatenate([np.ones(int(lengths[i]), bool), np.asarray(window_mask[i, u])])
+                sc = np.where(ok, sc, -np.inf)
+                w = np.exp(sc - sc.max())
+                out[i, u, j] = (w / w.sum()) @ vals
+    return out.reshape(b, t, n * h)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_attend_xla_matches_dense_reference(tree):
+    q, kc, vc, kw, vw, lengths = _attention_inputs()
+    mask = attention.causal_mask(2, 3)
+    if tree:  # node 2 is a sibling of node 1: it sees the root and itself only
+        mask = mask.at[:, 2, 1].set(False)
+    want = _dense_reference(q, kc, vc, kw, vw, lengths, mask)
+    got = attention.attend(q, kc, vc, kw, vw, lengths, window_mask=mask, impl="xla")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    stacked = [jnp.stack([jnp.zeros_like(kc), kc, jnp.ones_like(kc)]) for kc in (kc, vc)]
+    got_l = attention.attend(q, *stacked, kw, vw, lengths, layer=jnp.int32(1), window_mask=mask, impl="xla")
+    np.testing.assert_allclose(got_l, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_prefill_chunks_match_one_block():
+    q, kc, vc, kw, vw, lengths = _attention_inputs(t=32, s=64)
+    whole = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=64)
+    chunked = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=8)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
+    """Pallas GPU decode kernel (reads slots < lengths only), run by the Pallas interpreter on
+    CPU; on a GPU scripts/bench_device.sh runs it compiled."""
+    pytest.importorskip("jax.experimental.pallas.ops.gpu.decode_attention")
+    q, kc, vc, kw, vw, lengths = _attention_inputs(t=2, s=64)
+    want = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla")
+    got = attention.attend(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- accelerator defaults
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu", "tpu"])
+def test_auto_dtype_and_layout_follow_the_backend(monkeypatch, backend):
+    from jaxspec.kernels import available
+    from jaxspec.loading import params as lp
+
+    monkeypatch.setattr(lp.jax, "default_backend", lambda: backend)
+    dtype = lp.resolve_dtype("auto")
+    layout = lp.resolve_layout("auto", dtype)
+    if backend == "cpu":
+        assert dtype == "float32" and layout == ("packed" if available() else "unrolled")
+    else:
+        assert (dtype, layout) == ("bfloat16", "stacked")
+    assert lp.resolve_dtype("float32") == "float32"  # explicit choices stay
+
+
+def test_load_model_auto_dtype_on_this_cpu(tiny_llama_dir):
+    from jaxspec.loading import load_model
+
+    m = load_model(tiny_llama_dir, dtype="auto", layout="stacked")
+    assert m.cfg.dtype == "float32" and m.stacked
+
+
+def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():
+    m = _model("unrolled")
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (5, 40)]
+    plain = [r.token_ids for r in Engine(m).generate(prompts, max_new_tokens=12)]
+    fixed = Engine(m, max_context=96)
+    assert {fixed._capacity(16, 12), fixed._capacity(64, 12)} == {96}
+    assert [r.token_ids for r in fixed.generate(prompts, max_new_tokens=12)] == plain
+    from jaxspec.errors import JaxspecError
+
+    with pytest.raises(JaxspecError, match="max_context=96"):
+        fixed.generate([list(range(1, 60))], max_new_tokens=40)
+
+
+def test_compare_greedy_tells_a_near_tie_from_a_real_difference(tiny_llama_dir):
+    from jaxspec.greedy_check import compare_greedy
+    from jaxspec.loading import load_model
+
+    m = load_model(tiny_llama_dir)
+    prompt = [5, 9, 17, 33, 2]
+    plain = Engine(m, chat_template=False).generate([prompt], max_new_tokens=8)[0].token_ids
+    assert compare_greedy(m, prompt, plain, plain)[0]
+    other = plain[:3] + [(plain[3] + 1) % m.cfg.vocab_size] + plain[4:]
+    same, tie, gap = compare_greedy(m, prompt, plain, other, margin=1e9)
+    assert not same and tie and gap > 0
+    assert compare_greedy(m, prompt, plain, other, margin=0.0)[1] is False
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_attend_blocked_cache_loop_matches_one_pass(stacked):
+    q, kc, vc, kw, vw, lengths = _attention_inputs(t=3, s=64, layers=2 if stacked else None)
+    layer = jnp.int32(1) if stacked else None
+    one = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=None)
+    for block in (16, 32):
+        got = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=block)
+        np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5)
+    empty = jnp.zeros_like(lengths)  # prefill: the loop reads no block
+    np.testing.assert_allclose(
+        attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=16),
+        attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=None),
+        rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_batch_one_step_copies_no_cache(layout):
+    """At batch 1 the size-1 batch dim leaves XLA free to re-lay the cache out: a loop over cache
+    blocks inside the stacked layer loop made it copy the whole stack (found by the roofline)."""
+    from jaxspec import roofline
+
+    cfg = _model("unrolled").cfg
+    for window in (1, 5):
+        r = roofline.measure(cfg, layout, "verify", 1, window, capacity=512, valid=256)
+        assert (r.cache_copies, r.zero_fills) == (0, 0)
