@@ -7,8 +7,7 @@ The emitted tokens then have exactly the target law. q and p must both come from
 `sampling.logits_to_probs` with the same params; a deterministic drafter (n-gram) passes one-hot q.
 
 Greedy is the limit: with one-hot p and q a draft is accepted iff it equals the target argmax,
-and the next token is the target argmax. `greedy_accept_row` is that special case on argmax ids,
-which spares the verifier building [G+1, V] one-hots.
+and the next token is the target argmax (tests/test_acceptance.py checks the rule reduces to that).
 """
 
 from __future__ import annotations
@@ -47,20 +46,7 @@ def accept_row(
     return n, draw(u[g], resid)
 
 
-def greedy_accept_row(
-    draft_tokens: jax.Array,  # int32[G]
-    target_argmax: jax.Array,  # int32[G+1]
-    num_proposed: jax.Array,  # int32[], 0..G
-) -> tuple[jax.Array, jax.Array]:
-    """Greedy fast path: same (n, next_token) as `accept_row` on one-hot p and q, no key."""
-    g = draft_tokens.shape[0]
-    ok = (draft_tokens == target_argmax[:g]) & (jnp.arange(g) < num_proposed)
-    n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)), dtype=jnp.int32)
-    return n, target_argmax[n].astype(jnp.int32)
-
-
 accept = jax.vmap(accept_row)  # [B, G], [B, G, V], [B, G+1, V], [B], keys[B]
-greedy_accept = jax.vmap(greedy_accept_row)  # [B, G], [B, G+1], [B]
 
 
 # ---- draft trees ---------------------------------------------------------------------------------

@@ -196,8 +196,9 @@ def sample_rows(keys: jax.Array, probs: jax.Array) -> jax.Array:
     return jax.vmap(sample)(keys, probs)
 
 
-def row_keys(key: jax.Array, step, batch: int) -> jax.Array:
-    """One key per row, fold_in(fold_in(key, row), step): independent of the batch it shares."""
-    rows = jnp.arange(batch, dtype=jnp.uint32)
-    step = jnp.asarray(step, jnp.uint32)
-    return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(rows)
+def row_keys(key: jax.Array, row_ids: jax.Array, steps) -> jax.Array:
+    """One key per row, fold_in(fold_in(key, row_id), step): a row's randomness depends on its
+    request id and its own step count only, never on which other rows share the batch.
+    row_ids int[B]; steps int[B] or a scalar -> keys [B]."""
+    steps = jnp.broadcast_to(jnp.asarray(steps), jnp.shape(row_ids))
+    return jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(key, r), s))(row_ids, steps)

@@ -162,11 +162,6 @@ def shard_params(params, cfg: llama.ModelConfig, mesh: Mesh, rules: ShardingRule
     return jax.device_put(params, param_shardings(cfg, mesh, rules, stacked))
 
 
-def replicate(tree, mesh: Mesh):
-    """Small drafters: a full copy on every device."""
-    return jax.device_put(tree, NamedSharding(mesh, P()))
-
-
 def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> KVCache:
     """KV cache: batch over `data`, kv heads over `model` when they divide it."""
     stacked = not isinstance(cache.k, tuple)

@@ -96,12 +96,6 @@ def _place(spec: LoopSpec, state: DecodeState) -> DecodeState:
     return dataclasses.replace(state, drafter_state=dstate)
 
 
-def _row_keys(state_key, row_ids, row_steps):  # [B] keys
-    return jax.vmap(lambda r, s: jax.random.fold_in(jax.random.fold_in(state_key, r), s))(
-        row_ids, row_steps
-    )
-
-
 def prefill(
     spec: LoopSpec,
     tparams,
@@ -129,7 +123,7 @@ def prefill(
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     probs = sampling.logits_to_probs(llama.lm_head(tparams, last), sp)  # [B, V]
     row_steps = jnp.zeros((b,), jnp.int32)
-    first = sampling.sample_rows(_row_keys(key, row_ids, row_steps), probs)  # [B]
+    first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
     tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first)
     done = jnp.isin(first, jnp.asarray(spec.eos_ids, jnp.int32)) | (max_new_tokens <= 1)
@@ -245,7 +239,7 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
     b = state.lengths.shape[0]
     d = spec.depth
     active = ~state.done
-    keys = _row_keys(state.key, state.row_ids, state.row_steps)
+    keys = sampling.row_keys(state.key, state.row_ids, state.row_steps)
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
     last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
     dstate = state.drafter_state

@@ -151,16 +151,11 @@ register_drafter("eagle3", _trained("eagle3"))
 register_drafter("medusa", _trained("medusa"))
 register_drafter("mtp", _trained("mtp"))
 
-# draft_model: a distilled checkpoint (speculative.checkpoint) if given, else whatever factory is
-# registered above for a separate model (speculative.draft_model).
-_model_draft = DRAFTERS.pop("draft_model", None)
 
 
 def _draft_model(spec: SpeculativeConfig, target: LoadedModel) -> tuple[Any, Any]:
     if spec.checkpoint is not None:
         return _trained("draft_model")(spec, target)
-    if _model_draft is not None:
-        return _model_draft(spec, target)
     if spec.draft_model is None:
         raise JaxspecError(
             "speculative.method: draft_model needs speculative.checkpoint (a distilled draft, e.g. "
