@@ -311,7 +311,6 @@ __all__ = [
     "fetch",
     "make_mesh",
     "param_shardings",
-    "replicate",
     "shard_params",
     "shardings_for",
     "state_shardings",
