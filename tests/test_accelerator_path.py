@@ -168,7 +168,8 @@ def test_auto_dtype_and_layout_follow_the_backend(monkeypatch, backend):
 
     monkeypatch.setattr(lp.jax, "default_backend", lambda: backend)
     dtype = lp.resolve_dtype("auto")
-    layout = lp.resolve_layout("auto", dtype)
+    layout, why = lp.resolve_layout("auto", dtype)
+    assert why.startswith("auto")
     if backend == "cpu":
         assert dtype == "float32" and layout == ("packed" if available() else "unrolled")
     else:

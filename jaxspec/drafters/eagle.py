@@ -122,7 +122,7 @@ def train_layer(cfg, lp, x, positions, mask, k_ctx=None, v_ctx=None, ctx_mask=No
 class EagleDrafter:
     cfg: llama.ModelConfig  # the drafter layer's shape (num_layers=1), dims of the target
     target_vocab: int
-    hidden_layers: tuple[int, ...] = (2, 15, 27)
+    hidden_layers: tuple[int, ...] = ()  # the fused target layers (methods.Eagle.taps)
     name: str = "eagle"
     variable_length: bool = False  # True with min_confidence > 0
     # Dynamic draft length: keep drafting while the drafter's estimate that its draft is accepted

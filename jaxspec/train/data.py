@@ -34,12 +34,22 @@ from jaxspec.models import llama
 from jaxspec.train import prompts as prompt_sets
 
 
+def recorded_layers(dc, cfg) -> tuple[int, ...]:
+    """The hidden states a data run records: as configured, else low/mid/high + final of `cfg`."""
+    if dc.layers is not None:
+        return tuple(dc.layers)
+    n = cfg.num_layers
+    return (2, n // 2, n - 3, n)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
     out_dir: str = "out/distill/smollm2-135m"
     model: str = "smollm2-135m"
     gsm8k_path: str = "../shared/data/gsm8k_train.jsonl"
-    layers: tuple[int, ...] = (2, 15, 27, 30)  # low / mid / high for EAGLE-3, final-normed for Medusa
+    # recorded target hidden states: low / mid / high for EAGLE-3, final-normed for Medusa;
+    # None: (2, L//2, L-3, L) of the model recorded
+    layers: tuple[int, ...] | None = None
     top_k: int = 8
     gen_composed: int = 64  # hand-written prompts answered by the target
     gen_templated: int = 0  # task templates over GSM8K train text and topics (prompts.templated)
@@ -176,7 +186,7 @@ def teacher_forced_records(model, seqs, dc):
     """Records of token-id sequences `seqs` run through the target (one shard's dict)."""
     tokens, lengths = _pad(seqs, _bucket(max(len(s) for s in seqs)))
     hid, ids, probs = jax.device_get(
-        _teacher_forced_jit(model.params, jnp.asarray(tokens), model.cfg, dc.layers, dc.top_k)
+        _teacher_forced_jit(model.params, jnp.asarray(tokens), model.cfg, recorded_layers(dc, model.cfg), dc.top_k)
     )
     return dict(tokens=tokens, lengths=lengths, hidden=hid, topk_ids=ids, topk_probs=probs)
 
@@ -187,7 +197,7 @@ def generate_records(model, seqs, dc, eos_ids):
     s = dc.gen_steps
     (p_hid, p_ids, p_probs), (g_tok, g_hid, g_ids, g_probs) = jax.device_get(
         _generate_jit(
-            model.params, jnp.asarray(prompt), jnp.asarray(plen), model.cfg, dc.layers, dc.top_k, s
+            model.params, jnp.asarray(prompt), jnp.asarray(plen), model.cfg, recorded_layers(dc, model.cfg), dc.top_k, s
         )
     )
     n, t = prompt.shape[0], prompt.shape[1] + s
@@ -219,7 +229,7 @@ def build(dc: DataConfig, model=None) -> Path:
         model = load_model(dc.model, layout="auto")  # no gradients here: the fast layout
     out = Path(dc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": dataclasses.asdict(dc), "layers": list(dc.layers)}
+    meta = {"config": dataclasses.asdict(dc), "layers": list(recorded_layers(dc, model.cfg))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     encode = Engine(model).encode
     jobs = _jobs(dc, encode, model.tokenizer, model.eos_token_ids[0])

@@ -88,7 +88,7 @@ def _frozen(target, d2t):
 
 @dataclasses.dataclass(frozen=True)
 class Eagle:
-    hidden_layers: tuple[int, ...] = (2, 15, 27)
+    hidden_layers: tuple[int, ...] | None = None  # None: low/mid/high of the target (2, L//2, L-3)
     ttt_steps: int = 3
     ttt_decay: float = 0.8
     init_layer: int = -1  # target layer the drafter layer starts from (-1: the last)
@@ -98,6 +98,12 @@ class Eagle:
 
     def layer_cfg(self, target_cfg):
         return dataclasses.replace(target_cfg, num_layers=1, dtype="float32")
+
+    def taps(self, target_cfg) -> tuple[int, ...]:
+        """The target hidden states (HF indexing) fused: as configured, else low/mid/high."""
+        if self.hidden_layers is not None:
+            return tuple(self.hidden_layers)
+        return eagle3_lib.default_layers(target_cfg.num_layers)
 
     def init(self, target, d2t, key):
         d = target.cfg.hidden_size
@@ -124,11 +130,11 @@ class Eagle:
         return eagle_lib.EagleDrafter(
             cfg=self.layer_cfg(target_cfg),
             target_vocab=target_cfg.vocab_size,
-            hidden_layers=self.hidden_layers,
+            hidden_layers=self.taps(target_cfg),
         )
 
-    def arch(self):
-        return {"hidden_layers": list(self.hidden_layers), "ttt_steps": self.ttt_steps}
+    def arch(self, target_cfg):
+        return {"hidden_layers": list(self.taps(target_cfg)), "ttt_steps": self.ttt_steps}
 
     def loss(self, params, frozen, batch, target_cfg):
         cfg = self.layer_cfg(target_cfg)
@@ -196,7 +202,7 @@ class Medusa:
             final_layer=target_cfg.num_layers,
         )
 
-    def arch(self):
+    def arch(self, target_cfg):
         return {"num_heads": self.num_heads}
 
     def loss(self, params, frozen, batch, target_cfg):
@@ -245,7 +251,7 @@ class Draft:
     def drafter(self, target_cfg):
         return ModelDrafter(cfg=self.cfg(target_cfg), target_vocab=target_cfg.vocab_size)
 
-    def arch(self):
+    def arch(self, target_cfg):
         return {"layers_from": list(self.layers_from)}
 
     def loss(self, params, frozen, batch, target_cfg):
@@ -266,7 +272,7 @@ class Eagle3:
     target's frozen rows for the draft vocabulary (exported as `lm_head.weight`), the embedding
     the target's (not exported: readers take the target's)."""
 
-    hidden_layers: tuple[int, ...] = (2, 15, 27)
+    hidden_layers: tuple[int, ...] | None = None  # None: low/mid/high of the target (2, L//2, L-3)
     ttt_steps: int = 3
     ttt_decay: float = 0.8
     init_layer: int = -1  # target layer the midlayer's weights start from
@@ -276,6 +282,12 @@ class Eagle3:
 
     def layer_cfg(self, target_cfg):
         return dataclasses.replace(target_cfg, num_layers=1, dtype="float32")
+
+    def taps(self, target_cfg) -> tuple[int, ...]:
+        """The target hidden states (HF indexing) fused: as configured, else low/mid/high."""
+        if self.hidden_layers is not None:
+            return tuple(self.hidden_layers)
+        return eagle3_lib.default_layers(target_cfg.num_layers)
 
     def init(self, target, d2t, key):
         d = target.cfg.hidden_size
@@ -299,13 +311,13 @@ class Eagle3:
         return eagle3_lib.Eagle3Drafter(
             cfg=self.layer_cfg(target_cfg),
             target_vocab=target_cfg.vocab_size,
-            hidden_layers=self.hidden_layers,
+            hidden_layers=self.taps(target_cfg),
             norm_before_residual=self.norm_before_residual,
         )
 
-    def arch(self):
+    def arch(self, target_cfg):
         return {
-            "hidden_layers": list(self.hidden_layers), "ttt_steps": self.ttt_steps,
+            "hidden_layers": list(self.taps(target_cfg)), "ttt_steps": self.ttt_steps,
             "norm_before_residual": self.norm_before_residual,
         }
 

@@ -277,7 +277,7 @@ def _export(tc: TrainConfig, setup: _Setup, state, history, evals, train_s: floa
         "eval": evals,
         "last_metrics": history[-1] if history else None,
     }
-    arch = setup.method.arch() | {"draft_vocab": int(len(setup.d2t))}
+    arch = setup.method.arch(setup.target.cfg) | {"draft_vocab": int(len(setup.d2t))}
     cast = lambda x: x.astype(tc.export_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
     export = {**jax.tree.map(cast, state["params"]), "d2t": jnp.asarray(setup.d2t)}
     target = setup.target
