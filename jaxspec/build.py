@@ -34,6 +34,7 @@ def build_engine(config: Config, target=None) -> Engine:
         num_speculative_tokens=spec.num_speculative_tokens if drafter is not None else 0,
         chat_template=config.generation.chat_template,
         system_prompt=config.generation.system_prompt,
+        adaptive=config.adaptive.options() if config.adaptive.enabled and drafter else None,
     )
 
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import speculate
+from jaxspec import adaptive as adaptive_mod
+from jaxspec import calibration, speculate
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
 
@@ -58,6 +59,7 @@ class Engine:
         num_speculative_tokens: int = 0,
         chat_template: bool = True,
         system_prompt: str | None = None,
+        adaptive: adaptive_mod.Options | None = None,
     ):
         if drafter is None:
             num_speculative_tokens = 0
@@ -71,14 +73,26 @@ class Engine:
         self.drafter_params = drafter_params
         self.chat_template = chat_template
         self.system_prompt = system_prompt
-        self._warm_shapes: set[tuple[int, int, int, str]] = set()
+        self._warm_shapes: set[tuple[int, int, int, str, bool]] = set()
+        self.adaptive = adaptive if drafter is not None else None
+        if self.adaptive is not None and getattr(drafter, "tree_nodes", None):
+            raise JaxspecError(
+                "adaptive speculation picks chain lengths: use tree.kind=chain or set "
+                "adaptive.enabled=false"
+            )
         self.spec = speculate.LoopSpec(
             cfg=model.cfg,
             drafter=drafter,
             num_speculative_tokens=num_speculative_tokens,
             eos_ids=tuple(model.eos_token_ids),
             windows=(1, 2),  # prompt lookup with no or a 1-token match: a cheaper, shorter window
+            adaptive=None if self.adaptive is None else self.adaptive.controller(num_speculative_tokens),
         )
+        # adaptive switch-off: a batch size where verification cannot pay runs this program
+        self._plain_spec = speculate.LoopSpec(
+            cfg=model.cfg, drafter=None, num_speculative_tokens=0, eos_ids=tuple(model.eos_token_ids)
+        )
+        self._costs: dict[int, list[float]] = {}
 
     @property
     def method(self) -> str:
@@ -116,6 +130,33 @@ class Engine:
                 f"{whose} context of {limit} tokens: shorten the prompt or lower max_new_tokens"
             )
 
+    # ---- adaptive speculation -------------------------------------------------------------
+    def step_costs(self, batch: int) -> list[float]:
+        """Relative step cost with k = 0..γ draft nodes at this batch size (verify measured or
+        given, plus k draft steps); measured once per engine and batch size."""
+        if batch not in self._costs:
+            opts, g = self.adaptive, self.spec.num_speculative_tokens
+            src = opts.step_costs
+            if src is None:
+                verify = calibration.step_costs(self.model, batch, g, recalibrate=opts.recalibrate)
+            else:
+                verify = list(src(batch) if callable(src) else src)
+            if len(verify) != g + 1 or min(verify) <= 0:
+                raise JaxspecError(
+                    f"adaptive step_costs {verify!r} must be {g + 1} positive numbers (window "
+                    f"1..{g + 1} entries): give one per window width"
+                )
+            self._costs[batch] = [c / verify[0] + k * opts.draft_cost for k, c in enumerate(verify)]
+        return self._costs[batch]
+
+    def spec_for(self, batch: int) -> speculate.LoopSpec:
+        """The program a batch of this size runs: the plain one where the cost model says
+        verification does not pay even at `switch_off_acceptance` (load-aware switch-off)."""
+        if self.adaptive is None:
+            return self.spec
+        gain = adaptive_mod.best_gain(self.step_costs(batch), self.adaptive.switch_off_acceptance)
+        return self.spec if gain > 1.0 else self._plain_spec
+
     # ---- running -------------------------------------------------------------------------
     def _prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
         b = max(batch_size, len(batch_ids))
@@ -129,8 +170,9 @@ class Engine:
         max_new[len(batch_ids) :] = 1  # padding rows finish at once
         rows = np.zeros((b,), np.int32)
         rows[: len(row_ids)] = row_ids
-        return speculate.prefill_jit(
-            self.spec,
+        spec = self.spec_for(b)
+        state = speculate.prefill_jit(
+            spec,
             self.model.params,
             self.drafter_params,
             jnp.asarray(prompt),
@@ -141,10 +183,14 @@ class Engine:
             jnp.asarray(rows),
             capacity=self._capacity(p, max_new_tokens),
         )
+        if spec.adaptive is not None:
+            state = dataclasses.replace(state, adaptive=spec.adaptive.init(b, self.step_costs(b)))
+        return state
 
     def _decode(self, state, sp, max_steps: int):
+        spec = self.spec_for(state.lengths.shape[0])
         return speculate.decode_jit(
-            self.spec, self.model.params, self.drafter_params, state, sp, jnp.int32(max_steps)
+            spec, self.model.params, self.drafter_params, state, sp, jnp.int32(max_steps)
         )
 
     def generate(
@@ -178,7 +224,8 @@ class Engine:
         """Compile (by running once) the programs for this shape, so timings exclude compilation.
         Returns the seconds spent; 0.0 when this shape was already warm."""
         b = max(batch_size, len(batch_ids))
-        key = (b, bucket(max(len(ids) for ids in batch_ids)), bucket(max_new_tokens), sp.mode)
+        plain = self.spec_for(b) is self._plain_spec
+        key = (b, bucket(max(len(ids) for ids in batch_ids)), bucket(max_new_tokens), sp.mode, plain)
         if key in self._warm_shapes:
             return 0.0
         t0 = time.perf_counter()
@@ -239,7 +286,9 @@ class Engine:
         drafted = int(state.num_draft[row])
         accepted = int(state.num_accepted[row])
         per_pos = state.accepted_per_position[row, :depth].tolist() if depth else []
-        return {
+        per_pos += [0] * (depth - len(per_pos))  # a switched-off batch ran the plain program
+        out = {} if self.adaptive is None else self._adaptive_metrics(state, row, steps)
+        return out | {
             "method": self.method,
             "num_speculative_tokens": g,
             "tree_nodes": self.spec.num_nodes,  # window entries verified after the root
@@ -251,6 +300,16 @@ class Engine:
             "mean_accepted_length": (num_generated - 1) / steps if steps else 1.0,
             "accepted_per_position": [c / steps if steps else 0.0 for c in per_pos],
         }
+
+    def _adaptive_metrics(self, state, row: int, steps: int) -> dict[str, Any]:
+        g = self.spec.num_speculative_tokens
+        if state.adaptive is None:  # switched off: every step plain
+            hist, plain = [steps] + [0] * g, steps
+        else:
+            hist, plain = state.adaptive.length_hist[row], state.adaptive.plain_steps[row]
+        return {"adaptive_switched_off": state.adaptive is None} | adaptive_mod.summarize(
+            hist, plain, steps
+        )
 
     def stream(
         self,
