@@ -149,23 +149,23 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def fake(model, batch, width):
-        calls.append((model.name, batch, width))
-        return 0.01 * (1 + 0.25 * (width - 1))
+    def fake(model, batch, widths):
+        calls.extend((model.name, batch, w) for w in widths)
+        return [0.01 * (1 + 0.25 * (w - 1)) for w in widths]
 
     assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.0, 1.25, 1.5])
     assert len(calls) == 3
     assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.0, 1.25, 1.5])
     assert len(calls) == 3  # reused from the file
     calibration.step_costs(target, 2, 3, measure=fake)
-    assert calls[3:] == [("tiny", 2, 4)]  # a wider γ measures only the missing width
+    assert calls[3:] == [("tiny", 2, 1), ("tiny", 2, 4)]  # the missing width, with plain
     other = dataclasses.replace(target, name="tiny-2")  # a different key: measured afresh
     assert cache_file_differs(target, other)
     calibration.step_costs(other, 2, 2, measure=fake)
-    assert len(calls) == 7
+    assert len(calls) == 8
     calibration.step_costs(target, 2, 2, measure=fake, recalibrate=True)
-    assert len(calls) == 10
-    assert calibration.measure_verify(target, 1, 2) > 0  # the real measurement runs
+    assert len(calls) == 11
+    assert min(calibration.measure_verify(target, 1, [1, 2])) > 0  # the real measurement runs
 
 
 def cache_file_differs(a, b) -> bool:
