@@ -163,6 +163,9 @@ class Options:
 
     def controller(self, gamma: int) -> Controller:
         return Controller(
-            gamma=gamma, decay=self.decay, prior=self.prior, probe_every=self.probe_every,
+            gamma=gamma,
+            decay=self.decay,
+            prior=self.prior,
+            probe_every=self.probe_every,
             probe_length=self.probe_length,
         )

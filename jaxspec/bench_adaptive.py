@@ -68,7 +68,10 @@ def run(a) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     m = a.max_new_tokens
     for b in a.batch_sizes:
-        reqs = [picked[i % len(picked)][1] for i in range(max(b * a.rounds, len(picked) if b == 1 else 0))]
+        reqs = [
+            picked[i % len(picked)][1]
+            for i in range(max(b * a.rounds, len(picked) if b == 1 else 0))
+        ]
         point = {"batch_size": b, "num_requests": len(reqs)}
         prep = {}
         for name, engine in engines.items():  # compile (+ calibrate) untimed
@@ -76,7 +79,10 @@ def run(a) -> int:
             engine.warmup(reqs[0], max_new_tokens=m, batch_size=b)
             prep[name] = time.perf_counter() - t0
         point["prepare_s"] = prep
-        stats = {n: {"tokens": 0, "wall": 0.0, "outputs": [], "metrics": [], "per_req": []} for n in engines}
+        stats = {
+            n: {"tokens": 0, "wall": 0.0, "outputs": [], "metrics": [], "per_req": []}
+            for n in engines
+        }
         for s in range(0, len(reqs), b):
             chunk = reqs[s : s + b]
             for name, engine in engines.items():
@@ -92,8 +98,11 @@ def run(a) -> int:
         base = stats["plain"]["tokens"] / stats["plain"]["wall"]
         for name, st in stats.items():
             tps = st["tokens"] / st["wall"]
-            entry = {"tokens_per_s": tps, "speedup": tps / base,
-                     "outputs_match": st["outputs"] == stats["plain"]["outputs"]}
+            entry = {
+                "tokens_per_s": tps,
+                "speedup": tps / base,
+                "outputs_match": st["outputs"] == stats["plain"]["outputs"],
+            }
             ms = st["metrics"]
             if ms and "adaptive_gamma_mean" in ms[0]:
                 entry["gamma_mean"] = sum(x["adaptive_gamma_mean"] for x in ms) / len(ms)
@@ -108,22 +117,35 @@ def run(a) -> int:
             point[name] = entry
         out["points"].append(point)
         (outdir / "results.json").write_text(json.dumps(out, indent=1))
-        print(json.dumps({"batch": b} | {n: round(point[n]["speedup"], 3) for n in engines}),
-              file=sys.stderr, flush=True)
+        print(
+            json.dumps({"batch": b} | {n: round(point[n]["speedup"], 3) for n in engines}),
+            file=sys.stderr,
+            flush=True,
+        )
     (outdir / "summary.md").write_text(summary(out, list(engines)))
     print(summary(out, list(engines)))
     return 0
 
 
 def summary(out, names) -> str:
-    head = "| batch | " + " | ".join(f"{n} tok/s (x plain)" for n in names) + " | adaptive γ mean / plain steps | outputs equal |"
+    head = (
+        "| batch | "
+        + " | ".join(f"{n} tok/s (x plain)" for n in names)
+        + " | adaptive γ mean / plain steps | outputs equal |"
+    )
     lines = [head, "|" + "---|" * (len(names) + 3)]
     for pt in out["points"]:
         cells = [f"{pt[n]['tokens_per_s']:.1f} ({pt[n]['speedup']:.2f}x)" for n in names]
-        ad = [f"{n}: {pt[n]['gamma_mean']:.2f} / {pt[n]['plain_fraction']:.0%}" + (" off" if pt[n]["switched_off"] else "")
-              for n in names if "gamma_mean" in pt[n]]
+        ad = [
+            f"{n}: {pt[n]['gamma_mean']:.2f} / {pt[n]['plain_fraction']:.0%}"
+            + (" off" if pt[n]["switched_off"] else "")
+            for n in names
+            if "gamma_mean" in pt[n]
+        ]
         eq = all(pt[n]["outputs_match"] for n in names)
-        lines.append(f"| {pt['batch_size']} | " + " | ".join(cells) + f" | {'; '.join(ad)} | {eq} |")
+        lines.append(
+            f"| {pt['batch_size']} | " + " | ".join(cells) + f" | {'; '.join(ad)} | {eq} |"
+        )
     for pt in out["points"]:
         if pt["batch_size"] == 1:
             lines.append("")

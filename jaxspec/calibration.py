@@ -45,10 +45,14 @@ def calibration_key(model) -> dict[str, Any]:
         "model": str(getattr(model, "name", "")),
         "source": str(getattr(model, "source_path", "") or ""),
         "config": repr(cfg),  # shapes and dtypes
-        "layout": str(getattr(model, "layout", "")) or ("packed" if llama.uses_cpu_kernels(model.params) else "unrolled"),
+        "layout": str(getattr(model, "layout", ""))
+        or ("packed" if llama.uses_cpu_kernels(model.params) else "unrolled"),
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
-        "kernels": [os.environ.get("JAXSPEC_CPU_KERNELS", ""), os.environ.get("JAXSPEC_CPU_ATTENTION", "")],
+        "kernels": [
+            os.environ.get("JAXSPEC_CPU_KERNELS", ""),
+            os.environ.get("JAXSPEC_CPU_ATTENTION", ""),
+        ],
         "fill": FILL,
     }
 
@@ -112,8 +116,11 @@ def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
     for width in widths:
         n = width - 1
         window = tree.build_window(
-            jnp.ones((batch,), jnp.int32), cache.lengths, jnp.ones((batch, n), jnp.int32),
-            tree.chain_parents(batch, n), jnp.full((batch,), n, jnp.int32),
+            jnp.ones((batch,), jnp.int32),
+            cache.lengths,
+            jnp.ones((batch, n), jnp.int32),
+            tree.chain_parents(batch, n),
+            jnp.full((batch,), n, jnp.int32),
         )
         runs[width] = functools.partial(_verify, spec, model.params, cache, window, sp, width)
         jax.block_until_ready(runs[width]())  # compile

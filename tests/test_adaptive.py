@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
+from tiny import tiny_model
+
 from jaxspec import adaptive, calibration, speculate
 from jaxspec.adaptive import Options
 from jaxspec.config import load_config
@@ -23,7 +24,6 @@ from jaxspec.errors import JaxspecError
 from jaxspec.loading.params import unpack_params
 from jaxspec.sampling import SamplingParams
 from jaxspec.train import methods
-from tiny import tiny_model
 
 COSTS = [1.0, 1.2, 1.4, 1.6]  # γ = 3: a verify curve where 2 nodes pay best at the prior
 
@@ -54,7 +54,9 @@ def eagle_like(target):
 def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size):
     plain = Engine(target).generate(prompts, max_new_tokens=24, batch_size=batch_size)
     drafter, dparams = (
-        eagle_like(target) if method == "eagle" else (NgramDrafter(64, min_ngram=1, max_ngram=3), None)
+        eagle_like(target)
+        if method == "eagle"
+        else (NgramDrafter(64, min_ngram=1, max_ngram=3), None)
     )
     opts = Options(step_costs=COSTS, probe_every=4, decay=0.5)
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
@@ -101,13 +103,21 @@ def adaptive_pvalue(target, dparams, controller_cls):
     # decay 0: a row's estimate is its last step's outcome, so step 2's length (0, 1 or 2 nodes)
     # is decided by step 1's draws
     opts = Options(step_costs=[1.0, 1.2, 1.3], decay=0.0, probe_every=0)
-    engine = Engine(target, ModelDrafter(cfg=target.cfg, target_vocab=V), dparams,
-                    num_speculative_tokens=2, adaptive=opts)
-    fields = {f.name: getattr(engine.spec.adaptive, f.name)
-              for f in dataclasses.fields(adaptive.Controller)}
+    engine = Engine(
+        target,
+        ModelDrafter(cfg=target.cfg, target_vocab=V),
+        dparams,
+        num_speculative_tokens=2,
+        adaptive=opts,
+    )
+    fields = {
+        f.name: getattr(engine.spec.adaptive, f.name)
+        for f in dataclasses.fields(adaptive.Controller)
+    }
     engine.spec = dataclasses.replace(engine.spec, adaptive=controller_cls(**fields))
-    results = engine.generate([PROMPT] * NUM_ROWS, max_new_tokens=3, sampling=sp, seed=11,
-                              batch_size=NUM_ROWS)
+    results = engine.generate(
+        [PROMPT] * NUM_ROWS, max_new_tokens=3, sampling=sp, seed=11, batch_size=NUM_ROWS
+    )
     counts = counts_of([r.token_ids for r in results], V, 3)
     return chi_square_pvalue(counts, exact_law(target, PROMPT, sp, 3)), results
 
@@ -173,9 +183,14 @@ def cache_file_differs(a, b) -> bool:
 
 
 def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, prompts):
-    costs = lambda b: COSTS if b == 1 else [1.0, 1.9, 2.9, 3.9]  # noqa: E731  verify loses at 4
-    engine = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
-                    num_speculative_tokens=3, adaptive=Options(step_costs=costs))
+    costs = lambda b: COSTS if b == 1 else [1.0, 1.9, 2.9, 3.9]  # verify loses at batch 4
+    engine = Engine(
+        target,
+        NgramDrafter(64, min_ngram=1, max_ngram=3),
+        None,
+        num_speculative_tokens=3,
+        adaptive=Options(step_costs=costs),
+    )
     assert engine.spec_for(1) is engine.spec
     assert engine.spec_for(4).drafter is None and engine.spec_for(4).num_nodes == 0
     plain = Engine(target).generate(prompts[:4], max_new_tokens=16, batch_size=4)
@@ -200,5 +215,10 @@ def test_adaptive_config(target):
             load_config(None, overrides)
         assert "\n" not in str(e.value)
     with pytest.raises(JaxspecError, match="positive numbers"):
-        Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
-               adaptive=Options(step_costs=[1.0, 2.0])).step_costs(1)
+        Engine(
+            target,
+            NgramDrafter(64),
+            None,
+            num_speculative_tokens=3,
+            adaptive=Options(step_costs=[1.0, 2.0]),
+        ).step_costs(1)
