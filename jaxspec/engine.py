@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -146,7 +147,8 @@ class Engine:
                     f"adaptive step_costs {verify!r} must be {g + 1} positive numbers (window "
                     f"1..{g + 1} entries): give one per window width"
                 )
-            self._costs[batch] = [c / verify[0] + k * opts.draft_cost for k, c in enumerate(verify)]
+            rel = itertools.accumulate((c / verify[0] for c in verify), max)  # wider: never cheaper
+            self._costs[batch] = [c + k * opts.draft_cost for k, c in enumerate(rel)]
         return self._costs[batch]
 
     def spec_for(self, batch: int) -> speculate.LoopSpec:
