@@ -15,9 +15,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from jaxspec import kernels
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.errors import JaxspecError
+from jaxspec.models import llama
 
 if TYPE_CHECKING:  # jaxspec.config imports the engine, which imports drafters.base
     from jaxspec.config import SpeculativeConfig, TreeConfig
@@ -76,6 +78,10 @@ def build_drafter(
     drafter, dparams = DRAFTERS[spec.method](spec, target)
     if tree is not None and tree.kind != "chain":
         drafter = with_tree(drafter, tree)
+        if tree.kind == "dynamic" and kernels.available() and llama.uses_cpu_kernels(target.params):
+            from jaxspec.drafters.eagle import pack_for_cpu
+
+            dparams = pack_for_cpu(dparams)
     if spec.lookup_min_ngram:  # prompt lookup first, the method's draft elsewhere
         from jaxspec.drafters.lookup import LookupFirst
 

@@ -84,6 +84,18 @@ def head_logits(dparams, h):  # [..., D] -> f32[..., N] draft-vocabulary logits
     return llama._linear(rms(h) * dparams["norm"], dparams["head"]).astype(jnp.float32)
 
 
+MATMUL_KEYS = ("fuse", "in_proj", "head")  # + every 2-D weight of "layer"
+
+
+def pack_for_cpu(dparams):
+    """The drafter's matmul weights as CPU-kernel panels (`kernels.PackedWeight`, read by
+    `llama._linear`): a tree level runs the layer over top_k nodes at once, where XLA:CPU's
+    multi-row matmul first copies each weight (the target's packed layout avoids the same)."""
+    layer = {k: kernels.pack(w) if w.ndim == 2 else w for k, w in dparams["layer"].items()}
+    packed = {k: kernels.pack(dparams[k]) for k in MATMUL_KEYS}
+    return {**dparams, **packed, "layer": layer}
+
+
 class EagleState(NamedTuple):
     k: jax.Array  # [B, K, S, H] the drafter layer's cache
     v: jax.Array  # [B, K, S, H]
