@@ -119,13 +119,16 @@ def expected_tokens(alpha: jax.Array) -> jax.Array:
     return 1.0 + jnp.concatenate([jnp.zeros_like(run[:, :1]), jnp.cumsum(run, axis=1)], axis=1)
 
 
-def best_gain(costs, acceptance: float) -> float:
-    """Host side: the best expected speedup over plain for a row accepting each node with
-    probability `acceptance`, on the cost curve `costs` ([G+1], costs[0] = 1)."""
+def best_gain(costs, acceptance) -> float:
+    """Host side: the best expected speedup over plain for a row accepting node k with
+    probability acceptance[k-1] (a float: every node), on the cost curve `costs` ([G+1],
+    costs[0] = 1)."""
     g = len(costs) - 1
+    if isinstance(acceptance, (int, float)):
+        acceptance = [acceptance] * g
     best, run, expected = 1.0, 1.0, 1.0
     for k in range(1, g + 1):
-        run *= acceptance
+        run *= acceptance[k - 1]
         expected += run
         best = max(best, expected / float(costs[k]))
     return best

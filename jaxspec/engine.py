@@ -25,6 +25,7 @@ from jaxspec.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
 MAX_SPECULATIVE_TOKENS = 16  # γ above this costs more verify than it can win back
+REPROBE_BATCHES = 8  # adaptive: a switched-off engine re-measures acceptance every 8th batch
 
 
 @dataclasses.dataclass
@@ -94,6 +95,9 @@ class Engine:
             cfg=model.cfg, drafter=None, num_speculative_tokens=0, eos_ids=tuple(model.eos_token_ids)
         )
         self._costs: dict[int, list[float]] = {}
+        # per-position acceptance the adaptive rows ended previous batches with (None: none yet)
+        self.observed_acceptance: list[float] | None = None
+        self._off_batches = 0  # batches run switched off (every REPROBE_BATCHES-th re-measures)
 
     @property
     def method(self) -> str:
@@ -153,11 +157,16 @@ class Engine:
 
     def spec_for(self, batch: int) -> speculate.LoopSpec:
         """The program a batch of this size runs: the plain one where the cost model says
-        verification does not pay even at `switch_off_acceptance` (load-aware switch-off)."""
+        verification does not pay (load-aware switch-off) at the acceptance adaptive rows ended
+        earlier batches with (before any: `switch_off_acceptance`). Every REPROBE_BATCHES-th
+        batch that would run plain runs adaptive instead, so the estimate can recover. The
+        choice depends on earlier batches only: lossless."""
         if self.adaptive is None:
             return self.spec
-        gain = adaptive_mod.best_gain(self.step_costs(batch), self.adaptive.switch_off_acceptance)
-        return self.spec if gain > 1.0 else self._plain_spec
+        acc = self.observed_acceptance or self.adaptive.switch_off_acceptance
+        if adaptive_mod.best_gain(self.step_costs(batch), acc) > 1.0:
+            return self.spec
+        return self.spec if (self._off_batches + 1) % REPROBE_BATCHES == 0 else self._plain_spec
 
     # ---- running -------------------------------------------------------------------------
     def _prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
@@ -250,7 +259,14 @@ class Engine:
         state = self._decode(state, sp, 1 << 30)
         jax.block_until_ready(state.tokens)
         t2 = time.perf_counter()
-        results = self._results(prompts, batch_ids, jax.device_get(state), t1 - t0, t2 - t1)
+        state = jax.device_get(state)
+        results = self._results(prompts, batch_ids, state, t1 - t0, t2 - t1)
+        if self.adaptive is not None:
+            if state.adaptive is None:
+                self._off_batches += 1
+            else:  # the real rows' per-position estimates
+                alpha = np.asarray(state.adaptive.alpha[: len(batch_ids)]).mean(axis=0)
+                self.observed_acceptance = [float(a) for a in alpha]
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
         return results

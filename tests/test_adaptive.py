@@ -208,6 +208,18 @@ def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, pro
     m = results[0].metrics
     assert m["adaptive_switched_off"] and m["adaptive_plain_fraction"] == 1.0
     assert m["num_draft_tokens"] == 0 and m["adaptive_gamma_mean"] == 0.0
+    # rows that ended a batch accepting little switch the next batches off; every 8th re-probes
+    engine = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
+                    num_speculative_tokens=3, adaptive=Options(step_costs=[1.0, 1.3, 1.6, 1.9]))
+    assert engine.spec_for(4) is engine.spec  # prior 0.8 pays
+    engine.generate(prompts[:4], max_new_tokens=16, batch_size=4)
+    assert len(engine.observed_acceptance) == 3
+    engine.observed_acceptance = [0.2, 0.2, 0.2]
+    picks = []
+    for _ in range(8):
+        picks.append(engine.spec_for(4) is engine.spec)
+        engine._off_batches += not picks[-1]  # what a run of the plain program records
+    assert picks == [False] * 7 + [True]
 
 
 def test_adaptive_config(target):
