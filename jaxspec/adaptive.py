@@ -50,6 +50,8 @@ class AdaptiveState:
     lengths: jax.Array  # int32[B] nodes each row was allowed this step (metrics, next update)
     length_hist: jax.Array  # int32[B, G+1] steps in which the row used k nodes
     plain_steps: jax.Array  # int32[B] steps in which the whole batch verified a 1-token window
+    reached: jax.Array  # int32[B, G] steps in which draft position i was reached (allowed)
+    hits: jax.Array  # int32[B, G] ... and accepted (hits / reached: the batch's mean alpha)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,8 @@ class Controller:
             lengths=jnp.zeros((batch,), jnp.int32),
             length_hist=jnp.zeros((batch, g + 1), jnp.int32),
             plain_steps=jnp.zeros((batch,), jnp.int32),
+            reached=jnp.zeros((batch, g), jnp.int32),
+            hits=jnp.zeros((batch, g), jnp.int32),
         )
 
     def choose(self, st: AdaptiveState, row_steps: jax.Array, active: jax.Array) -> jax.Array:
@@ -110,6 +114,8 @@ class Controller:
             lengths=lengths,
             length_hist=st.length_hist + used,
             plain_steps=st.plain_steps + plain.astype(jnp.int32),
+            reached=st.reached + reached.astype(jnp.int32),
+            hits=st.hits + (reached & (hit > 0)).astype(jnp.int32),
         )
 
 

@@ -162,6 +162,8 @@ def test_controller_picks_the_length_that_pays_and_probes():
     np.testing.assert_allclose(after.alpha[1], [0.1 * (1 - d), 0.1, 0.1])
     np.testing.assert_allclose(after.alpha[2], alpha[2])
     np.testing.assert_array_equal(after.length_hist, [[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]])
+    np.testing.assert_array_equal(after.reached, [[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(after.hits, [[1, 1, 0], [0, 0, 0], [0, 0, 0]])
 
 
 def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
