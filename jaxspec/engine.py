@@ -95,7 +95,8 @@ class Engine:
             cfg=model.cfg, drafter=None, num_speculative_tokens=0, eos_ids=tuple(model.eos_token_ids)
         )
         self._costs: dict[int, list[float]] = {}
-        # per-position acceptance (accepted / reached) of the last adaptive batch (None: none yet)
+        # per-position acceptance (accepted / reached), halved into the previous value after
+        # each adaptive batch (None: none yet; starts from switch_off_acceptance)
         self.observed_acceptance: list[float] | None = None
         self._off_batches = 0  # batches run switched off (every REPROBE_BATCHES-th re-measures)
 
@@ -157,8 +158,8 @@ class Engine:
 
     def spec_for(self, batch: int) -> speculate.LoopSpec:
         """The program a batch of this size runs: the plain one where the cost model says
-        verification does not pay (load-aware switch-off) at the acceptance the last adaptive
-        batch measured (before any: `switch_off_acceptance`). Every REPROBE_BATCHES-th
+        verification does not pay (load-aware switch-off) at the acceptance adaptive batches
+        measured (`observed_acceptance`; before any: `switch_off_acceptance`). Every REPROBE_BATCHES-th
         batch that would run plain runs adaptive instead, so the estimate can recover. The
         choice depends on earlier batches only: lossless."""
         if self.adaptive is None:
@@ -269,9 +270,9 @@ class Engine:
                 reached = np.asarray(state.adaptive.reached[:n]).sum(axis=0)
                 hits = np.asarray(state.adaptive.hits[:n]).sum(axis=0)
                 prev = self.observed_acceptance or [self.adaptive.switch_off_acceptance] * len(hits)
-                self.observed_acceptance = [
-                    float(h / r) if r else p for h, r, p in zip(hits, reached, prev)
-                ]
+                self.observed_acceptance = [  # averaged with earlier batches: one prompt
+                    0.5 * (p + h / r) if r else p for h, r, p in zip(hits, reached, prev)
+                ]  # without a single match must not switch speculation off for the next
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
         return results
