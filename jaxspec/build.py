@@ -42,6 +42,7 @@ def build_engine(config: Config, target=None) -> Engine:
         system_prompt=config.generation.system_prompt,
         mesh=plan,
         max_context=config.generation.max_context or None,
+        adaptive=config.adaptive.options() if config.adaptive.enabled and drafter else None,
     )
 
 

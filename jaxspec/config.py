@@ -10,6 +10,7 @@ valid as one read from YAML. Every mistake is a one-line `JaxspecError` naming `
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -241,6 +242,43 @@ class DistributedConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaptiveConfig(_Section):
+    """Adaptive speculation (jaxspec/adaptive.py): per-row draft length from live acceptance and
+    the measured step-cost curve (jaxspec/calibration.py); plain steps where speculation loses."""
+
+    SECTION: ClassVar[str] = "adaptive"
+    enabled: bool = False
+    decay: float = 0.9  # weight of the past in each row's running acceptance estimate
+    prior: float = 0.6  # acceptance estimate a row starts from
+    probe_every: int = 16  # a row running plain re-probes every this many steps (0: never)
+    probe_length: int = 1  # draft nodes a probe verifies
+    draft_cost: float = 0.0  # one draft step, in plain target steps (added per node)
+    switch_off_acceptance: float = 0.8  # batch runs plain if even this acceptance cannot pay
+    recalibrate: bool = False  # measure the step-cost curve again (CLI: --recalibrate)
+
+    def _validate(self):
+        if not 0.0 <= self.decay < 1.0:
+            self._fail("decay", "use a number in [0, 1)")
+        if not 0.0 <= self.prior <= 1.0:
+            self._fail("prior", "use a number in [0, 1]")
+        if self.probe_every < 0:
+            self._fail("probe_every", "use an integer >= 0 (0: never re-probe)")
+        if self.probe_length < 1:
+            self._fail("probe_length", "use an integer >= 1")
+        if not (math.isfinite(self.draft_cost) and self.draft_cost >= 0):
+            self._fail("draft_cost", "use a finite number >= 0")
+        if not 0.0 <= self.switch_off_acceptance <= 1.0:
+            self._fail("switch_off_acceptance", "use a number in [0, 1]")
+
+    def options(self):
+        from jaxspec.adaptive import Options  # jax: only when adaptive is configured
+
+        fields = ("decay", "prior", "probe_every", "probe_length", "draft_cost",
+                  "switch_off_acceptance", "recalibrate")
+        return Options(**{f: getattr(self, f) for f in fields})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelLoadConfig = dataclasses.field(default_factory=ModelLoadConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -249,9 +287,20 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     tree: TreeConfig = dataclasses.field(default_factory=TreeConfig)
+    adaptive: AdaptiveConfig = dataclasses.field(default_factory=AdaptiveConfig)
 
     def __post_init__(self):
         kind, method = self.tree.kind, self.speculative.method
+        if self.adaptive.enabled and method == "none":
+            raise JaxspecError(
+                "adaptive.enabled needs a drafter: set speculative.method (e.g. ngram) or "
+                "adaptive.enabled=false"
+            )
+        if self.adaptive.enabled and kind != "chain":
+            raise JaxspecError(
+                f"adaptive speculation picks chain lengths, not tree.kind={kind}: use "
+                "tree.kind=chain or adaptive.enabled=false"
+            )
         if kind == "chain":
             return
         if method not in TREE_METHODS[kind]:

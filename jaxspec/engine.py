@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 import time
 import types
@@ -19,13 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sharding, speculate
+from jaxspec import adaptive as adaptive_mod
+from jaxspec import calibration, sharding, speculate
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 from jaxspec.loading.params import layout_of
 from jaxspec.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
+REPROBE_BATCHES = 8  # adaptive: a switched-off engine re-measures acceptance every 8th batch
 
 
 @dataclasses.dataclass
@@ -63,6 +66,7 @@ class Engine:
         system_prompt: str | None = None,
         mesh=None,  # a sharding.MeshPlan or jax Mesh: params, cache, batch and state sharded on it
         max_context: int | None = None,
+        adaptive: adaptive_mod.Options | None = None,
     ):
         if drafter is None:
             num_speculative_tokens = 0
@@ -86,7 +90,13 @@ class Engine:
         self.drafter_params = drafter_params
         self.chat_template = chat_template
         self.system_prompt = system_prompt
-        self._warm_shapes: set[tuple[int, int, int, str]] = set()
+        self._warm_shapes: set[tuple[int, int, int, str, bool]] = set()
+        self.adaptive = adaptive if drafter is not None else None
+        if self.adaptive is not None and getattr(drafter, "tree_nodes", None):
+            raise JaxspecError(
+                "adaptive speculation picks chain lengths: use tree.kind=chain or set "
+                "adaptive.enabled=false"
+            )
         self.spec = speculate.LoopSpec(
             cfg=model.cfg,
             drafter=drafter,
@@ -94,7 +104,18 @@ class Engine:
             eos_ids=tuple(model.eos_token_ids),
             windows=(1, 2),  # prompt lookup with no or a 1-token match: a cheaper, shorter window
             mesh=self.plan,
+            adaptive=None if self.adaptive is None else self.adaptive.controller(num_speculative_tokens),
         )
+        # adaptive switch-off: a batch size where verification cannot pay runs this program
+        self._plain_spec = speculate.LoopSpec(
+            cfg=model.cfg, drafter=None, num_speculative_tokens=0, eos_ids=tuple(model.eos_token_ids),
+            mesh=self.plan,
+        )
+        self._costs: dict[int, list[float]] = {}
+        # per-position acceptance (accepted / reached), halved into the previous value after
+        # each adaptive batch (None: none yet; starts from switch_off_acceptance)
+        self.observed_acceptance: list[float] | None = None
+        self._off_batches = 0  # batches run switched off (every REPROBE_BATCHES-th re-measures)
 
     @property
     def method(self) -> str:
@@ -165,6 +186,39 @@ class Engine:
                 f"{whose} context of {limit} tokens: shorten the prompt or lower max_new_tokens"
             )
 
+    # ---- adaptive speculation -------------------------------------------------------------
+    def step_costs(self, batch: int) -> list[float]:
+        """Relative step cost with k = 0..γ draft nodes at this batch size (verify measured or
+        given, plus k draft steps); measured once per engine and batch size."""
+        if batch not in self._costs:
+            opts, g = self.adaptive, self.spec.num_speculative_tokens
+            src = opts.step_costs
+            if src is None:
+                verify = calibration.step_costs(self.model, batch, g, recalibrate=opts.recalibrate)
+            else:
+                verify = list(src(batch) if callable(src) else src)
+            if len(verify) != g + 1 or min(verify) <= 0:
+                raise JaxspecError(
+                    f"adaptive step_costs {verify!r} must be {g + 1} positive numbers (window "
+                    f"1..{g + 1} entries): give one per window width"
+                )
+            rel = itertools.accumulate((c / verify[0] for c in verify), max)  # wider: never cheaper
+            self._costs[batch] = [c + k * opts.draft_cost for k, c in enumerate(rel)]
+        return self._costs[batch]
+
+    def spec_for(self, batch: int) -> speculate.LoopSpec:
+        """The program a batch of this size runs: the plain one where the cost model says
+        verification does not pay (load-aware switch-off) at the acceptance adaptive batches
+        measured (`observed_acceptance`; before any: `switch_off_acceptance`). Every REPROBE_BATCHES-th
+        batch that would run plain runs adaptive instead, so the estimate can recover. The
+        choice depends on earlier batches only: lossless."""
+        if self.adaptive is None:
+            return self.spec
+        acc = self.observed_acceptance or self.adaptive.switch_off_acceptance
+        if adaptive_mod.best_gain(self.step_costs(batch), acc) > 1.0:
+            return self.spec
+        return self.spec if (self._off_batches + 1) % REPROBE_BATCHES == 0 else self._plain_spec
+
     # ---- running -------------------------------------------------------------------------
     def _prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
         b = max(batch_size, len(batch_ids))
@@ -183,8 +237,9 @@ class Engine:
             put, sp, key = self.plan.put_batch, self.plan.put_replicated(sp), self.plan.put_replicated(key)
         else:
             put = jnp.asarray
-        return speculate.prefill_jit(
-            self.spec,
+        spec = self.spec_for(b)
+        state = speculate.prefill_jit(
+            spec,
             self.model.params,
             self.drafter_params,
             put(prompt),
@@ -195,13 +250,17 @@ class Engine:
             put(rows),
             capacity=self._capacity(p, max_new_tokens),
         )
+        if spec.adaptive is not None:
+            state = dataclasses.replace(state, adaptive=spec.adaptive.init(b, self.step_costs(b)))
+        return state
 
     def _decode(self, state, sp, max_steps: int):
+        spec = self.spec_for(state.lengths.shape[0])
         steps = jnp.int32(max_steps)
         if self.plan is not None:
             sp, steps = self.plan.put_replicated((sp, steps))
         return speculate.decode_jit(
-            self.spec, self.model.params, self.drafter_params, state, sp, steps
+            spec, self.model.params, self.drafter_params, state, sp, steps
         )
 
     def generate(
@@ -235,7 +294,8 @@ class Engine:
         """Compile (by running once) the programs for this shape, so timings exclude compilation.
         Returns the seconds spent; 0.0 when this shape was already warm."""
         b = max(batch_size, len(batch_ids))
-        key = (b, bucket(max(len(ids) for ids in batch_ids)), bucket(max_new_tokens), sp.mode)
+        plain = self.spec_for(b) is self._plain_spec
+        key = (b, bucket(max(len(ids) for ids in batch_ids)), bucket(max_new_tokens), sp.mode, plain)
         if key in self._warm_shapes:
             return 0.0
         t0 = time.perf_counter()
@@ -258,7 +318,19 @@ class Engine:
         state = self._decode(state, sp, 1 << 30)
         jax.block_until_ready(state.tokens)
         t2 = time.perf_counter()
-        results = self._results(prompts, batch_ids, self._fetch(state), t1 - t0, t2 - t1)
+        state = self._fetch(state)
+        results = self._results(prompts, batch_ids, state, t1 - t0, t2 - t1)
+        if self.adaptive is not None:
+            if state.adaptive is None:
+                self._off_batches += 1
+            else:  # per position: accepted / reached over the batch's real rows and steps
+                n = len(batch_ids)
+                reached = np.asarray(state.adaptive.reached[:n]).sum(axis=0)
+                hits = np.asarray(state.adaptive.hits[:n]).sum(axis=0)
+                prev = self.observed_acceptance or [self.adaptive.switch_off_acceptance] * len(hits)
+                self.observed_acceptance = [  # averaged with earlier batches: one prompt
+                    0.5 * (p + h / r) if r else p for h, r, p in zip(hits, reached, prev)
+                ]  # without a single match must not switch speculation off for the next
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
         return results
@@ -304,7 +376,9 @@ class Engine:
         drafted = int(state.num_draft[row])
         accepted = int(state.num_accepted[row])
         per_pos = state.accepted_per_position[row, :depth].tolist() if depth else []
-        return {
+        per_pos += [0] * (depth - len(per_pos))  # a switched-off batch ran the plain program
+        out = {} if self.adaptive is None else self._adaptive_metrics(state, row, steps)
+        return out | {
             "method": self.method,
             "layout": layout_of(self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
@@ -318,6 +392,16 @@ class Engine:
             "mean_accepted_length": (num_generated - 1) / steps if steps else 1.0,
             "accepted_per_position": [c / steps if steps else 0.0 for c in per_pos],
         }
+
+    def _adaptive_metrics(self, state, row: int, steps: int) -> dict[str, Any]:
+        g = self.spec.num_speculative_tokens
+        if state.adaptive is None:  # switched off: every step plain
+            hist, plain = [steps] + [0] * g, steps
+        else:
+            hist, plain = state.adaptive.length_hist[row], state.adaptive.plain_steps[row]
+        return {"adaptive_switched_off": state.adaptive is None} | adaptive_mod.summarize(
+            hist, plain, steps
+        )
 
     def stream(
         self,

@@ -54,6 +54,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="= generation.chat_template=false (feed prompts as raw text)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="= adaptive.recalibrate=true (measure the step-cost curve again)",
+    )
     return p
 
 
@@ -73,6 +78,8 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     out = [f"{key}={v}" for flag, key in _FLAGS.items() if (v := getattr(args, flag)) is not None]
     if args.no_chat_template:
         out.append("generation.chat_template=false")
+    if getattr(args, "recalibrate", False):
+        out.append("adaptive.recalibrate=true")
     return out
 
 

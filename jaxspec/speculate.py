@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec import acceptance, sampling, tree
+from jaxspec import acceptance, adaptive, sampling, tree
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
 from jaxspec.models import llama
@@ -50,6 +50,7 @@ class DecodeState:
     num_draft: jax.Array  # int32[B] draft nodes verified
     num_accepted: jax.Array  # int32[B] draft nodes accepted
     accepted_per_position: jax.Array  # int32[B, max(D, 1)] steps where depth i+1 was accepted
+    adaptive: Any = None  # adaptive.AdaptiveState when LoopSpec.adaptive is set
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,9 @@ class LoopSpec:
     # A sharding.MeshPlan (or None): the state is constrained to it at prefill and every step,
     # so params, cache, tokens and drafter state stay sharded through the loop.
     mesh: Any = None
+    # Adaptive speculation (jaxspec/adaptive.py): per-row lengths as data; every window width
+    # 1..γ+1 is compiled into the one program.
+    adaptive: adaptive.Controller | None = None
 
     @property
     def num_nodes(self) -> int:  # N: window entries after the root
@@ -81,6 +85,8 @@ class LoopSpec:
 
     def verify_windows(self) -> tuple[int, ...]:
         g1 = self.num_nodes + 1
+        if self.drafter is not None and self.adaptive is not None:
+            return tuple(range(1, g1 + 1))
         if self.drafter is None or not self.drafter.variable_length:
             return (g1,)
         return tuple(sorted({w for w in self.windows if w < g1} | {1, g1}))
@@ -243,13 +249,18 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
     last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
     dstate = state.drafter_state
+    ctl = spec.adaptive if spec.drafter is not None else None
+    # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
+    allowed = None if ctl is None else ctl.choose(state.adaptive, state.row_steps, active)
     if spec.drafter is None:
         proposal = empty_proposal(b, spec.cfg.vocab_size)
     else:
-        ctx = DraftContext(tokens=state.tokens, lengths=state.lengths, active=active)
+        ctx = DraftContext(tokens=state.tokens, lengths=state.lengths, active=active, max_nodes=allowed)
         proposal, dstate = spec.drafter.propose(
             dparams, tparams, dstate, ctx, spec.num_nodes, sp, k_draft
         )
+        if ctl is not None:
+            proposal = ctl.limit(proposal, allowed)
     n_nodes = proposal.tokens.shape[1]
     parents = proposal.parents
     if parents is None:
@@ -276,8 +287,12 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         dstate = spec.drafter.commit(dparams, tparams, dstate, commit_ctx)
     pos_accepted = jnp.arange(max(d, 1))[None] < num_acc[:, None]  # [B, max(D,1)] by depth
     act = active.astype(jnp.int32)
+    astate = state.adaptive
+    if ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
+        astate = ctl.update(astate, allowed, num_nodes, num_acc, active)
     state = dataclasses.replace(
         state,
+        adaptive=astate,
         tokens=tokens,
         lengths=lengths,
         done=done,

@@ -32,6 +32,9 @@ class DraftContext(NamedTuple):
     tokens: jax.Array  # int32[B, W] committed tokens (valid below lengths)
     lengths: jax.Array  # int32[B]
     active: jax.Array  # bool[B]; finished rows may skip work where a drafter can
+    # int32[B] nodes the loop will verify per row (adaptive speculation, jaxspec/adaptive.py);
+    # None: all. The loop cuts longer proposals itself; a drafter may use it to stop early.
+    max_nodes: jax.Array | None = None
 
 
 class Proposal(NamedTuple):

@@ -209,7 +209,7 @@ class EagleDrafter:
         b = ctx.lengths.shape[0]
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
         h, k, v = self._enter_last(dparams, tparams, state, ctx)
-        if self.min_confidence > 0:
+        if self.min_confidence > 0 or ctx.max_nodes is not None:  # gated or adaptive length
             return self._propose_until_unsure(
                 dparams, tparams, state, ctx, num_tokens, sp, step_keys, (k, v, h)
             )
@@ -256,7 +256,9 @@ class EagleDrafter:
         k, v, h = h0
         token, probs, top, own = self._draft_token(dparams, h[:, 0], sp, step_keys[:, 0])
         b, vocab = probs.shape
-        alive = self._gate(jnp.ones_like(top), top, own) >= self.min_confidence
+        # ctx.max_nodes (adaptive speculation): fixed before this step's draws, like the gate
+        limit = jnp.full((b,), num_tokens, jnp.int32) if ctx.max_nodes is None else ctx.max_nodes
+        alive = (self._gate(jnp.ones_like(top), top, own) >= self.min_confidence) & (limit > 0)
         drafts = jnp.zeros((b, num_tokens), jnp.int32).at[:, 0].set(token)
         q = jnp.zeros((b, num_tokens, vocab), jnp.float32).at[:, 0].set(probs)
         kernel = llama.uses_cpu_kernels(tparams)
@@ -271,7 +273,7 @@ class EagleDrafter:
             h, k, v = self._step(dparams, x, k, v, (ctx.lengths + i - 1)[:, None], kernel)
             key_col = jax.lax.dynamic_index_in_dim(step_keys, i, axis=1, keepdims=False)
             nxt, p, top, own = self._draft_token(dparams, h[:, 0], sp, key_col)
-            alive = alive & (self._gate(conf, top, own) >= self.min_confidence)
+            alive = alive & (self._gate(conf, top, own) >= self.min_confidence) & (i < limit)
             drafts = jax.lax.dynamic_update_index_in_dim(drafts, nxt, i, axis=1)
             q = jax.lax.dynamic_update_index_in_dim(q, p, i, axis=1)
             return i + 1, k, v, nxt, h, conf * own, alive, num + alive.astype(jnp.int32), drafts, q

@@ -1,0 +1,247 @@
+"""Adaptive speculation (jaxspec/adaptive.py, jaxspec/calibration.py) on tiny random models:
+greedy identity, the exact law with lengths that adapt (and a length that peeks at the current
+draw failing it), one program for every length, the calibration cache, the switch-off."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
+from tiny import tiny_model
+
+from jaxspec import adaptive, calibration, speculate
+from jaxspec.adaptive import Options
+from jaxspec.config import load_config
+from jaxspec.drafters.draft_model import ModelDrafter
+from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.engine import Engine
+from jaxspec.errors import JaxspecError
+from jaxspec.loading.params import unpack_params
+from jaxspec.sampling import SamplingParams
+from jaxspec.train import methods
+
+COSTS = [1.0, 1.2, 1.4, 1.6]  # γ = 3: a verify curve where 2 nodes pay best at the prior
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=0, layers=2, packed=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    out = []
+    for n in (5, 17, 9, 30, 12, 20, 7, 25):  # half random, half a repeated motif
+        motif = list(rng.integers(1, 64, size=4))
+        out.append([int(t) for t in (list(rng.integers(1, 64, size=n // 2)) + motif * 4)[:n]])
+    return out
+
+
+def eagle_like(target):
+    m = methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0)
+    plain = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
+    params, frozen = m.init(plain, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
+    return m.drafter(target.cfg), m.runtime(params, frozen)
+
+
+@pytest.mark.parametrize("method,batch_size", [("ngram", 1), ("ngram", 8), ("eagle", 8)])
+def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size):
+    plain = Engine(target).generate(prompts, max_new_tokens=24, batch_size=batch_size)
+    drafter, dparams = (
+        eagle_like(target)
+        if method == "eagle"
+        else (NgramDrafter(64, min_ngram=1, max_ngram=3), None)
+    )
+    opts = Options(step_costs=COSTS, probe_every=4, decay=0.5)
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
+    results = engine.generate(prompts, max_new_tokens=24, batch_size=batch_size)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
+    assert hist.sum() == sum(r.metrics["num_steps"] for r in results)
+    assert (hist[1:] > 0).sum() >= 2 and hist[0] > 0  # lengths did change, plain steps ran
+    if batch_size == 1:  # lengths are data: other requests reuse the one program
+        before = speculate.decode_jit._cache_size()
+        again = engine.generate(prompts[:4][::-1], max_new_tokens=24, batch_size=1)
+        assert speculate.decode_jit._cache_size() == before
+        assert [r.token_ids for r in again] == [r.token_ids for r in plain[:4][::-1]]
+
+
+# ---- the exact law, with lengths that adapt -----------------------------------------------
+
+V, NUM_ROWS, PROMPT = 6, 12000, [1, 2, 3, 4, 5]
+
+
+class PeekingController(adaptive.Controller):
+    """Broken on purpose: also cuts a row's chain before its first node that is not the draft's
+    likeliest token -- the length then depends on this step's draw (biased)."""
+
+    def limit(self, proposal, lengths):
+        top = jnp.argmax(proposal.probs, axis=-1) == proposal.tokens  # [B, N]
+        keep = jnp.sum(jnp.cumprod(top, axis=1), axis=1).astype(jnp.int32)
+        return super().limit(proposal, jnp.minimum(lengths, keep))
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    target = tiny_model(seed=5, scale=0.6, vocab=V, layers=2, hidden=32, eos=(-1,))
+    leaves, treedef = jax.tree.flatten(target.params)
+    keys = jax.random.split(jax.random.key(6), len(leaves))
+    dparams = jax.tree.unflatten(
+        treedef, [w + 0.3 * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)]
+    )
+    return target, dparams
+
+
+def adaptive_pvalue(target, dparams, controller_cls):
+    sp = SamplingParams.make(temperature=0.9)
+    # decay 0: a row's estimate is its last step's outcome, so step 2's length (0, 1 or 2 nodes)
+    # is decided by step 1's draws
+    opts = Options(step_costs=[1.0, 1.2, 1.3], decay=0.0, probe_every=0)
+    engine = Engine(
+        target,
+        ModelDrafter(cfg=target.cfg, target_vocab=V),
+        dparams,
+        num_speculative_tokens=2,
+        adaptive=opts,
+    )
+    fields = {
+        f.name: getattr(engine.spec.adaptive, f.name)
+        for f in dataclasses.fields(adaptive.Controller)
+    }
+    engine.spec = dataclasses.replace(engine.spec, adaptive=controller_cls(**fields))
+    results = engine.generate(
+        [PROMPT] * NUM_ROWS, max_new_tokens=3, sampling=sp, seed=11, batch_size=NUM_ROWS
+    )
+    counts = counts_of([r.token_ids for r in results], V, 3)
+    return chi_square_pvalue(counts, exact_law(target, PROMPT, sp, 3)), results
+
+
+def test_adaptive_sampling_has_the_target_distribution(small_vocab):
+    p, results = adaptive_pvalue(*small_vocab, adaptive.Controller)
+    hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
+    assert (hist > 100).sum() >= 2  # rows verified different lengths after their first step
+    assert p > PASS_P
+
+
+def test_distribution_test_catches_a_length_that_peeks_at_the_draw(small_vocab):
+    jax.clear_caches()
+    try:
+        p, _ = adaptive_pvalue(*small_vocab, PeekingController)
+    finally:
+        jax.clear_caches()
+    assert p < FAIL_P
+
+
+# ---- the controller's choice, calibration, switch-off -------------------------------------
+
+
+def test_controller_picks_the_length_that_pays_and_probes():
+    ctl = adaptive.Controller(gamma=3, probe_every=4)
+    st = ctl.init(3, [1.0, 1.2, 1.4, 1.6])
+    alpha = jnp.asarray([[0.95, 0.95, 0.95], [0.1, 0.1, 0.1], [0.6, 0.6, 0.6]])
+    st = dataclasses.replace(st, alpha=alpha)
+    active = jnp.ones((3,), bool)
+    # row 1 cannot pay (1.1 tokens for 1.2 plain steps): plain; the others verify the cap (3)
+    np.testing.assert_array_equal(ctl.choose(st, jnp.full((3,), 5), active), [3, 0, 3])
+    np.testing.assert_array_equal(ctl.choose(st, jnp.full((3,), 8), active), [3, 1, 3])  # probe
+    slow = dataclasses.replace(st, costs=jnp.asarray([1.0, 1.9, 2.9, 3.9]))  # a loaded batch
+    np.testing.assert_array_equal(ctl.choose(slow, jnp.full((3,), 5), active), [0, 0, 0])
+    assert adaptive.best_gain([1.0, 1.9, 2.9, 3.9], 0.8) <= 1.0 < adaptive.best_gain(COSTS, 0.8)
+    # after a step: row 0 accepted 2 of 3, row 1 was allowed 3 but its drafter proposed none (a
+    # miss), row 2 was allowed none (no evidence: unchanged)
+    after = ctl.update(st, jnp.asarray([3, 3, 0]), jnp.asarray([3, 0, 0]), jnp.asarray([2, 0, 0]),
+                       active)
+    d = 1 - ctl.decay
+    np.testing.assert_allclose(after.alpha[0], [0.95 + d * 0.05, 0.95 + d * 0.05, 0.95 * (1 - d)])
+    np.testing.assert_allclose(after.alpha[1], [0.1 * (1 - d), 0.1, 0.1])
+    np.testing.assert_allclose(after.alpha[2], alpha[2])
+    np.testing.assert_array_equal(after.length_hist, [[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]])
+    np.testing.assert_array_equal(after.reached, [[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(after.hits, [[1, 1, 0], [0, 0, 0], [0, 0, 0]])
+
+
+def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake(model, batch, widths):
+        calls.extend((model.name, batch, w) for w in widths)
+        return [0.01 * (1 + 0.25 * (w - 1)) for w in widths]
+
+    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.0, 1.25, 1.5])
+    assert len(calls) == 3
+    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.0, 1.25, 1.5])
+    assert len(calls) == 3  # reused from the file
+    calibration.step_costs(target, 2, 3, measure=fake)
+    assert calls[3:] == [("tiny", 2, 1), ("tiny", 2, 4)]  # the missing width, with plain
+    other = dataclasses.replace(target, name="tiny-2")  # a different key: measured afresh
+    assert cache_file_differs(target, other)
+    calibration.step_costs(other, 2, 2, measure=fake)
+    assert len(calls) == 8
+    calibration.step_costs(target, 2, 2, measure=fake, recalibrate=True)
+    assert len(calls) == 11
+    assert min(calibration.measure_verify(target, 1, [1, 2])) > 0  # the real measurement runs
+
+
+def cache_file_differs(a, b) -> bool:
+    return calibration.cache_file(a) != calibration.cache_file(b)
+
+
+def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, prompts):
+    costs = lambda b: COSTS if b == 1 else [1.0, 1.9, 2.9, 3.9]  # verify loses at batch 4
+    engine = Engine(
+        target,
+        NgramDrafter(64, min_ngram=1, max_ngram=3),
+        None,
+        num_speculative_tokens=3,
+        adaptive=Options(step_costs=costs),
+    )
+    assert engine.spec_for(1) is engine.spec
+    assert engine.spec_for(4).drafter is None and engine.spec_for(4).num_nodes == 0
+    plain = Engine(target).generate(prompts[:4], max_new_tokens=16, batch_size=4)
+    results = engine.generate(prompts[:4], max_new_tokens=16, batch_size=4)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    m = results[0].metrics
+    assert m["adaptive_switched_off"] and m["adaptive_plain_fraction"] == 1.0
+    assert m["num_draft_tokens"] == 0 and m["adaptive_gamma_mean"] == 0.0
+    # rows that ended a batch accepting little switch the next batches off; every 8th re-probes
+    engine = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
+                    num_speculative_tokens=3, adaptive=Options(step_costs=[1.0, 1.3, 1.6, 1.9]))
+    assert engine.spec_for(4) is engine.spec  # prior 0.8 pays
+    engine.generate(prompts[:4], max_new_tokens=16, batch_size=4)
+    assert len(engine.observed_acceptance) == 3
+    engine.observed_acceptance = [0.2, 0.2, 0.2]
+    picks = []
+    for _ in range(8):
+        picks.append(engine.spec_for(4) is engine.spec)
+        engine._off_batches += not picks[-1]  # what a run of the plain program records
+    assert picks == [False] * 7 + [True]
+
+
+def test_adaptive_config(target):
+    config = load_config("configs/smollm2-135m-ngram-adaptive.yaml")
+    assert config.adaptive.enabled and config.speculative.method == "ngram"
+    assert load_config("configs/smollm2-135m-eagle-adaptive.yaml").adaptive.enabled
+    for overrides, word in [
+        (["adaptive.decay=1.5"], "adaptive.decay"),
+        (["adaptive.probe_length=0"], "adaptive.probe_length"),
+        (["adaptive.enabled=true"], "speculative.method"),
+        (["speculative.method=ngram", "adaptive.enabled=true", "tree.kind=static"], "tree.kind"),
+    ]:
+        with pytest.raises(JaxspecError, match=word) as e:
+            load_config(None, overrides)
+        assert "\n" not in str(e.value)
+    with pytest.raises(JaxspecError, match="positive numbers"):
+        Engine(
+            target,
+            NgramDrafter(64),
+            None,
+            num_speculative_tokens=3,
+            adaptive=Options(step_costs=[1.0, 2.0]),
+        ).step_costs(1)
