@@ -339,9 +339,10 @@ class Engine:
         """The fields results read, as numpy (gathered from every process when sharded)."""
         names = ("tokens", "lengths", "row_steps", "num_draft", "num_accepted", "accepted_per_position")
         fields = {n: getattr(state, n) for n in names}
-        if self.plan is None:
-            return types.SimpleNamespace(**jax.device_get(fields))
-        return types.SimpleNamespace(**sharding.fetch(fields))
+        if getattr(state, "adaptive", None) is not None:  # the adaptive controller's statistics
+            fields["adaptive"] = state.adaptive
+        fetched = jax.device_get(fields) if self.plan is None else sharding.fetch(fields)
+        return types.SimpleNamespace(**({"adaptive": None} | fetched))
 
     def _results(self, prompts, batch_ids, state, ttft, decode_s) -> list[GenerationResult]:
         out = []
