@@ -25,6 +25,7 @@ mlp_norm [H], w_gate/w_up [F, H], w_down [H, F] under dparams["layer"].
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -101,7 +102,7 @@ class ChainState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChainDrafter:
+class ChainDrafter(abc.ABC):
     cfg: llama.ModelConfig  # the drafter layer: hidden size H, heads, mlp, rope, eps (num_layers=1)
     target_vocab: int
     hidden_layers: tuple[int, ...]  # target hidden states (HF indexing) the drafter reads
@@ -109,14 +110,17 @@ class ChainDrafter:
     variable_length: bool = False
 
     # ---- hooks (subclasses) -------------------------------------------------------------------
+    @abc.abstractmethod
     def fuse(self, dparams, feats):
-        raise NotImplementedError
+        """Subclasses (eagle3.py, mtp.py) define it."""
 
+    @abc.abstractmethod
     def layer_input(self, dparams, tparams, tokens, feature):
-        raise NotImplementedError
+        """Subclasses (eagle3.py, mtp.py) define it."""
 
+    @abc.abstractmethod
     def draft_logits(self, dparams, tparams, h):
-        raise NotImplementedError
+        """Subclasses (eagle3.py, mtp.py) define it."""
 
     def draft_ids(self, dparams):
         return dparams.get("d2t")
