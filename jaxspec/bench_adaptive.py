@@ -46,7 +46,7 @@ def run(a) -> int:
     from jaxspec.build import build_engine
     from jaxspec.config import load_config
     from jaxspec.engine import bucket
-    from jaxspec.generate import enable_compilation_cache
+    from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.loading import load_model
 
     enable_compilation_cache()

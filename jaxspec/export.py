@@ -21,19 +21,15 @@ import sys
 import time
 from pathlib import Path
 
+from jaxspec.cli_support import ArgumentParser
 from jaxspec.errors import JaxspecError
 
 OUT_FORMATS = ("eagle3", "speculators", "medusa", "medusa_fd")
 FAMILY = {"eagle3": "eagle3", "speculators": "eagle3", "medusa": "medusa", "medusa_fd": "medusa"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (the CLI contract)
-        raise JaxspecError(message)
-
-
 def make_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m jaxspec.export", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m jaxspec.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="drafter checkpoint directory")
     ap.add_argument("--format", required=True, choices=OUT_FORMATS, help="layout to write")
     ap.add_argument("--out", required=True, help="output directory (created; must be empty)")

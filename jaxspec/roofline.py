@@ -197,9 +197,9 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     from jaxspec.config import load_config
-    from jaxspec.generate import _Parser
+    from jaxspec.cli_support import ArgumentParser
 
-    p = _Parser(prog="python -m jaxspec.roofline", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m jaxspec.roofline", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p.add_argument("--config", metavar="FILE.yaml")
     p.add_argument("--model-shape", metavar="NAME", help=f"one of {', '.join(MODEL_SHAPES)}")
