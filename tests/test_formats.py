@@ -751,7 +751,7 @@ def trained(tmp_path_factory):
         res = train(
             tc, target=tgt, data=records, eval_prompts=[], log=lambda *a: None, progress=False
         )
-        out[method], hist[method] = root / "export", [h["loss"] for h in res["history"]]
+        out[method], hist[method] = root / "export", [h["loss"] for h in res.history]
     return tgt, out, hist
 
 
