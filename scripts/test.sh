@@ -3,6 +3,12 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+# The suite compiles many hundreds of XLA programs in one process; each maps memory, and past the
+# default vm.max_map_count (65530) XLA:CPU segfaulted mid-suite. Raise it where we may (root),
+# and tests/conftest.py also drops compiled programs after every module.
+if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 0)" -lt 262144 ]; then
+  sysctl -qw vm.max_map_count=262144 2>/dev/null || true
+fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 python -m pytest -q tests "$@"

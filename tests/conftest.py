@@ -42,6 +42,20 @@ def import_torch():
     return torch
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. The suite compiles many hundreds of
+    XLA programs; kept alive in one process they exhausted the process's memory mappings and
+    XLA:CPU segfaulted while compiling (seen deep into the full suite, never in a module alone)."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _jaxspec_cache_dir(tmp_path_factory):
     """A fresh cache per session, so the slow GGUF tokenizer conversion path is exercised too."""
