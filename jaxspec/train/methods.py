@@ -86,6 +86,14 @@ def _frozen(target, d2t):
     }
 
 
+def feature_taps(hidden_layers, target_cfg) -> tuple[int, ...]:
+    """The target hidden states (HF indexing) an EAGLE head fuses: as configured, else the
+    target's low / mid / high layers (2, L//2, L-3)."""
+    if hidden_layers is not None:
+        return tuple(hidden_layers)
+    return eagle3_lib.default_layers(target_cfg.num_layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle:
     hidden_layers: tuple[int, ...] | None = None  # None: low/mid/high of the target (2, L//2, L-3)
@@ -100,10 +108,7 @@ class Eagle:
         return dataclasses.replace(target_cfg, num_layers=1, dtype="float32")
 
     def taps(self, target_cfg) -> tuple[int, ...]:
-        """The target hidden states (HF indexing) fused: as configured, else low/mid/high."""
-        if self.hidden_layers is not None:
-            return tuple(self.hidden_layers)
-        return eagle3_lib.default_layers(target_cfg.num_layers)
+        return feature_taps(self.hidden_layers, target_cfg)
 
     def init(self, target, d2t, key):
         d = target.cfg.hidden_size
@@ -284,10 +289,7 @@ class Eagle3:
         return dataclasses.replace(target_cfg, num_layers=1, dtype="float32")
 
     def taps(self, target_cfg) -> tuple[int, ...]:
-        """The target hidden states (HF indexing) fused: as configured, else low/mid/high."""
-        if self.hidden_layers is not None:
-            return tuple(self.hidden_layers)
-        return eagle3_lib.default_layers(target_cfg.num_layers)
+        return feature_taps(self.hidden_layers, target_cfg)
 
     def init(self, target, d2t, key):
         d = target.cfg.hidden_size
