@@ -2,33 +2,54 @@
 from a decayed per-position estimate of its own acceptance and the measured step-cost curve.
 
 Compiled once for γ_max: the chosen length is data (the proposal's `num_proposed` is cut to it,
-nodes past it are padding), and the loop verifies the smallest window that fits the batch
-(speculate.verify_windows). All state lives in `AdaptiveState`, carried in `DecodeState`.
+nodes past it are padding; `DraftContext.max_nodes` lets a drafter stop drafting early), and the
+loop verifies the smallest window that fits the batch (speculate.verify_windows). All state lives
+in `AdaptiveState`, carried in `DecodeState`.
 
-The model (Leviathan et al., with a measured cost instead of a constant c), per row b:
+The model (Leviathan et al., with measured costs instead of a constant c), per row b:
 
     alpha[b, i]  running estimate of P(node i+1 accepted | node i accepted), decayed
     E[b, k]      = 1 + sum_{i<=k} prod_{j<=i} alpha[b, j]      expected tokens with k nodes
-    cost[k]      = time of a step verifying 1 + k entries (+ k draft steps) / time of a plain step
-                   at this batch size (jaxspec.calibration measures it)
+    room[b]      = tokens the row may still emit (max length - length): at most room[b] - 1
+                   nodes can ever be committed, so E_b(c) = E[b, min(c, room[b] - 1)]
+    cost[c]      = (verify(1 + c entries) + draft(c nodes)) / verify(1 entry), at this batch
+                   size (jaxspec.calibration measures both; 1.0 = one step of the plain program)
 
-A batch steps in lockstep: the window is as wide as its longest row, so once a window of c nodes
-is paid every speculating row verifies c nodes (E is non-decreasing in k). Each row decides
-whether to speculate at all: with its own estimate, some k >= 1 must give E[b, k] / cost[k] > 1
-(expected gain above plain). The batch then takes c = argmax_c sum_b E[b, len_b(c)] / cost[c]
-over the speculating rows (c = 0: a plain step; c < γ_max: shortened). A row that does not
-speculate re-probes with `probe_length` nodes every `probe_every` steps (all such rows on the
-same step, so a probe widens at most one window in `probe_every`), so its estimate can recover.
+The policy, and why it is the optimal one under this cost model. A batch steps in lockstep:
+one target forward over B x (1 + c) entries, c = the longest row's length, and one drafter
+pass whose while loop runs until no row wants another node, i.e. max_b len_b steps. Both are
+dense over the batch: a row that verifies fewer nodes than c pays the same padded window, and a
+row that stops drafting early still runs every drafter step the longest row runs. So, with c
+fixed, the step's time is cost[c] whatever the rows' lengths below c, while E_b is
+non-decreasing in k: every active row's best length is the cap itself, cut to what it can still
+commit, len_b = min(c, room[b] - 1). A shorter row never saves time here; in particular a row
+whose own estimate says speculation does not pay (max_k E[b, k] / cost[k] <= 1) should still
+verify the c nodes its batch mates pay for (they are free to it), not run "plain" inside the
+batch. What each row's acceptance decides is the cap:
 
-Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`
-and `row_steps` only -- functions of committed history and of past steps' acceptance counts --
-before this step's draft or target draws exist. Conditional on the past, the step is then the
-usual rejection-sampling step on a proposal whose length is fixed in advance, which emits tokens
-with the target's law for any fixed length (acceptance.py). Cutting a chain after its k-th node
-keeps each kept node's q unchanged. A length that looked at the current draws (say, dropping a
-node the drafter drew with low probability) would bias the output: the acceptance rule's
-correctness assumes the proposal distribution is q, and conditioning on the draw changes it
-(tests/test_adaptive.py runs that broken variant and sees it fail the exact-law test).
+    c* = argmax_{c in 0..γ}  sum_{active b} E_b(c) / cost[c]        (c = 0: a 1-entry window)
+
+i.e. expected tokens of the whole batch per unit time, the quantity throughput is. A row with
+a high estimate pulls c up, rows with low ones pull it down, a row near its end stops counting
+past its room. The per-row lengths therefore differ within a step (room) and across steps (c
+follows the estimates); the drafter's own per-node cost (EAGLE: one decoder layer + head per
+step) enters through cost[c], measured, so a long chain stops where its drafting is not worth
+its expected tokens. (Were some cost per row and node, e.g. ragged kernels, each row would stop
+where its marginal E[b, k+1] - E[b, k] drops below the rate times that cost; with dense kernels
+that cost is zero, so that rule gives the cap.) When c* = 0, every `probe_every`-th step verifies
+`probe_length` nodes anyway, so the estimates can recover.
+
+Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`,
+the step counter and the rows' committed lengths only -- functions of committed history and of
+past steps' acceptance counts -- before this step's draft or target draws exist. Conditional on
+the past, the step is then the usual rejection-sampling step on a proposal whose length is fixed
+in advance, which emits tokens with the target's law for any fixed length (acceptance.py).
+Cutting a chain after its k-th node keeps each kept node's q unchanged. A length that looked at
+the current draws (say, dropping a node the drafter drew with low probability) would bias the
+output: the acceptance rule's correctness assumes the proposal distribution is q, and
+conditioning on the draw changes it (tests/test_adaptive.py runs that broken variant and sees it
+fail the exact-law test). The cap couples rows: a row's *sample* may depend on its batch mates
+(through c), its *law* does not.
 """
 
 from __future__ import annotations
@@ -46,7 +67,7 @@ from jaxspec.drafters.base import Proposal
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
     alpha: jax.Array  # f32[B, G] decayed conditional acceptance per draft position
-    costs: jax.Array  # f32[G+1] relative step cost with k = 0..G nodes (costs[0] = 1, plain)
+    costs: jax.Array  # f32[G+1] step cost with c = 0..G nodes, in plain-program steps (>= 1)
     lengths: jax.Array  # int32[B] nodes each row was allowed this step (metrics, next update)
     length_hist: jax.Array  # int32[B, G+1] steps in which the row used k nodes
     plain_steps: jax.Array  # int32[B] steps in which the whole batch verified a 1-token window
@@ -77,21 +98,23 @@ class Controller:
             hits=jnp.zeros((batch, g), jnp.int32),
         )
 
-    def choose(self, st: AdaptiveState, row_steps: jax.Array, active: jax.Array) -> jax.Array:
-        """-> int32[B] nodes each row may verify this step. Reads only past-step statistics
-        (alpha, costs) and the step counter: never this step's draws (see the module docstring)."""
+    def choose(
+        self, st: AdaptiveState, row_steps: jax.Array, active: jax.Array, room: jax.Array
+    ) -> jax.Array:
+        """-> int32[B] nodes each row may verify this step: min(c*, room - 1) (module docstring).
+        Reads only past-step statistics (alpha, costs), the step counter and room (tokens each
+        row may still emit: committed history): never this step's draws."""
+        g = self.gamma
         expected = expected_tokens(st.alpha)  # [B, G+1]
-        gain = expected / st.costs[None]  # [B, G+1] tokens per unit time vs plain (k=0: 1)
-        speculates = (jnp.max(gain[:, 1:], axis=1) > 1.0) & active  # [B]
-        # batch cap: rows that speculate verify c nodes, the others none
-        used = jnp.where(speculates[:, None], expected, expected[:, :1])  # [B, G+1] per cap c
-        total = jnp.sum(jnp.where(active[:, None], used, 0.0), axis=0) / st.costs  # [G+1]
-        cap = jnp.argmax(total).astype(jnp.int32)
-        lengths = jnp.where(speculates, cap, 0)
-        probe = (self.probe_every > 0) & (row_steps % max(self.probe_every, 1) == 0)
-        probe_len = min(self.probe_length, self.gamma)
-        lengths = jnp.where(active & probe & (lengths == 0), probe_len, lengths)
-        return lengths.astype(jnp.int32)
+        useful = jnp.clip(room - 1, 0, g).astype(jnp.int32)  # [B] nodes a row can still commit
+        ks = jnp.arange(g + 1)
+        by_cap = jnp.take_along_axis(expected, jnp.minimum(ks[None], useful[:, None]), axis=1)
+        total = jnp.sum(jnp.where(active[:, None], by_cap, 0.0), axis=0) / st.costs  # [G+1]
+        cap = jnp.argmax(total).astype(jnp.int32)  # ties: the shorter window
+        step = jnp.max(jnp.where(active, row_steps, 0))  # rows of a batch step together
+        probe = (self.probe_every > 0) & (step % max(self.probe_every, 1) == 0)
+        cap = jnp.where(probe & (cap == 0), min(self.probe_length, g), cap)
+        return jnp.where(active, jnp.minimum(cap, useful), 0).astype(jnp.int32)
 
     def limit(self, proposal: Proposal, lengths: jax.Array) -> Proposal:
         """Cut each row's chain to its chosen length (the rest become padding)."""
@@ -158,16 +181,18 @@ class Options:
 
     step_costs: the verify cost curve, relative ([γ+1] plain-step units for 1..γ+1 window
     entries): None measures it (jaxspec.calibration, cached), a sequence is used for every batch
-    size, a callable maps the batch size to one. draft_cost: one draft step in plain-step units,
-    added per node. switch_off_acceptance: a batch whose cost curve gives no gain over plain even
-    for rows accepting each node with this probability runs the plain program (no drafter, a
-    1-token window), not the adaptive one."""
+    size, a callable maps the batch size to one. draft_cost: "auto" measures the drafter's work
+    per step (propose with c nodes + commit, jaxspec.calibration, cached) and adds it to the
+    verify cost of c nodes; a number overrides it: that many plain steps per drafted node.
+    switch_off_acceptance: a batch whose cost curve gives no gain over plain even for rows
+    accepting each node with this probability runs the plain program (no drafter, a 1-token
+    window), not the adaptive one."""
 
     decay: float = 0.9
     prior: float = 0.6
     probe_every: int = 16
     probe_length: int = 1
-    draft_cost: float = 0.0
+    draft_cost: float | str = "auto"
     switch_off_acceptance: float = 0.8
     step_costs: Any = None
     recalibrate: bool = False

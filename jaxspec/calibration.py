@@ -1,19 +1,26 @@
-"""Step-cost calibration: how long one target forward takes for a batch of B rows verifying a
-window of 1..γ+1 entries, on this machine, for this model. Adaptive speculation (adaptive.py)
+"""Step-cost calibration: how long one step's target forward takes for a batch of B rows
+verifying a window of 1..γ+1 entries, and how long the drafter's work of one step takes with
+0..γ nodes, on this machine, for this model and drafter. Adaptive speculation (adaptive.py)
 divides expected tokens by these costs, so it learns e.g. that on a 2-core CPU a 5-entry window
 at batch 32 costs several plain steps while at batch 1 it costs little more than one.
 
     costs = step_costs(model, batch=8, gamma=4)       # [γ+1] relative: costs[0] == 1.0
+    draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # [γ+1] in plain steps
 
-Measured once per (model, dtype, layout, device kind, kernel switches) and batch size, by timing
-`speculate.verify` (the loop's own verify, same kernels) over a chain window on a cache holding
-`FILL` tokens; kept as JSON under <jaxspec cache>/calibration/<key hash>.json. A changed key is a
-different file, so a new model, dtype, layout or device measures afresh; `recalibrate=True`
-(the CLI's --recalibrate) measures again and overwrites.
+Verify: `speculate.verify` (the loop's own verify, same kernels) over a chain window on a cache
+holding `FILL` tokens. Draft: the drafter's `propose` with `max_nodes` = k (EAGLE's early-stopping
+loop then runs k drafter steps; a drafter that ignores it drafts γ whatever k) followed by its
+`commit`, on a state whose rows hold `FILL` tokens, timed in the same rounds as a 1-entry verify
+so its ratio to a plain step comes from one sitting. Measured once per key and batch size and
+kept as JSON under <jaxspec cache>/calibration/<key hash>.json; the key holds the model, dtype,
+layout, device kind and kernel switches (draft: also the drafter's settings and its parameters'
+shapes, and γ). A changed key is a different file, so a new model, drafter or device measures
+afresh; `recalibrate=True` (the CLI's --recalibrate) measures again and overwrites.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -28,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import paths, speculate, tree
+from jaxspec.drafters.base import CommitContext, DraftContext
 from jaxspec.cache import init_cache
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
@@ -57,10 +65,39 @@ def calibration_key(model) -> dict[str, Any]:
     }
 
 
-def cache_file(model) -> Path:
-    key = json.dumps(calibration_key(model), sort_keys=True)
+def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
+    """The target's key plus what the drafter's step time depends on."""
+    leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)]
+    shapes = hashlib.sha256(repr((jax.tree.structure(dparams), leaves)).encode()).hexdigest()
+    return calibration_key(model) | {"drafter": repr(drafter), "dparams": shapes, "gamma": gamma}
+
+
+def cache_file(model, key: dict | None = None) -> Path:
+    key = json.dumps(key or calibration_key(model), sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return paths.cache_root() / "calibration" / f"{digest}.json"
+
+
+def _cached(key: dict, batch: int, names: list[str], measure, recalibrate: bool) -> dict:
+    """Seconds for each name at this batch size: from the cache file of `key`, measuring (and
+    writing) the missing ones -- all with recalibrate. measure(names) -> seconds each; its
+    first name is the reference (the plain step) and is always measured with the others, so
+    ratios to it come from one sitting."""
+    path = cache_file(None, key)
+    data = _read(path)
+    if data.get("key") != key:
+        data = {"key": key, "batches": {}}
+    times = {} if recalibrate else dict(data["batches"].get(str(batch), {}))
+    missing = [n for n in names if n not in times]
+    if missing:
+        todo = [names[0]] + [n for n in missing if n != names[0]]
+        times |= dict(zip(todo, measure(todo)))
+    data["batches"][str(batch)] = times
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return times
 
 
 def step_costs(
@@ -69,22 +106,29 @@ def step_costs(
     """Relative step cost for k = 0..γ draft nodes at this batch size: time(1 + k) / time(1).
     Reads the cache; measures (and writes it) for widths it lacks, or all with recalibrate."""
     measure = measure or measure_verify
-    path = cache_file(model)
-    data = _read(path)
-    if data.get("key") != calibration_key(model):
-        data = {"key": calibration_key(model), "batches": {}}
-    times = {} if recalibrate else dict(data["batches"].get(str(batch), {}))
-    missing = [w for w in range(1, gamma + 2) if str(w) not in times]
-    if missing:  # the plain window is measured with them: ratios come from one sitting
-        widths = sorted(set(missing) | {1})
-        times |= {str(w): t for w, t in zip(widths, measure(model, batch, widths))}
-    data["batches"][str(batch)] = times
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
-    base = times["1"]
-    return [times[str(w)] / base for w in range(1, gamma + 2)]
+    names = [str(w) for w in range(1, gamma + 2)]
+    run = lambda todo: measure(model, batch, [int(n) for n in todo])
+    times = _cached(calibration_key(model), batch, names, run, recalibrate)
+    return [times[n] / times["1"] for n in names]
+
+
+def draft_costs(
+    model, drafter, dparams, batch: int, gamma: int, *, recalibrate: bool = False, measure=None
+) -> list[float]:
+    """The drafter's work per step with k = 0..γ nodes (propose + commit), in plain steps (a
+    1-entry verify at this batch size, timed in the same rounds). measure(model, drafter,
+    dparams, batch, gamma, ks) -> (plain seconds, [seconds per k]); default `measure_draft`."""
+    measure = measure or measure_draft
+
+    def run(todo):
+        ks = [int(n) for n in todo[1:]]
+        plain, each = measure(model, drafter, dparams, batch, gamma, ks)
+        return [plain, *each]
+
+    names = ["plain"] + [str(k) for k in range(gamma + 1)]
+    key = draft_key(model, drafter, dparams, gamma)
+    times = _cached(key, batch, names, run, recalibrate)
+    return [times[str(k)] / times["plain"] for k in range(gamma + 1)]
 
 
 def _read(path: Path) -> dict:
@@ -131,3 +175,65 @@ def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
             jax.block_until_ready(runs[width]())
             best[width] = min(best[width], time.perf_counter() - t0)
     return [best[w] for w in widths]
+
+
+@functools.partial(jax.jit, static_argnames=("drafter", "gamma"))
+def _draft_step(drafter, gamma, dparams, tparams, dstate, ctx, sp, keys, commit_ctx):
+    _, dstate = drafter.propose(dparams, tparams, dstate, ctx, gamma, sp, keys)
+    return drafter.commit(dparams, tparams, dstate, commit_ctx)
+
+
+def measure_draft(model, drafter, dparams, batch: int, gamma: int, ks: list[int]):
+    """(seconds of a 1-entry verify, [seconds of the drafter's step with max_nodes = k for k in
+    ks]): propose + commit on a state whose rows hold FILL tokens, all timed in interleaved
+    rounds, each keeping its fastest run."""
+    cfg = model.cfg
+    spec = speculate.LoopSpec(cfg=cfg, drafter=drafter, num_speculative_tokens=gamma, eos_ids=())
+    prompt = 16  # the drafter's init runs over a short prompt; the rows then claim FILL tokens
+    cap = FILL + 2 * gamma + 8
+    b = batch
+    state = speculate.prefill_jit(
+        spec, model.params, dparams, jnp.ones((b, prompt), jnp.int32),
+        jnp.full((b,), prompt, jnp.int32), jnp.full((b,), cap, jnp.int32),
+        SamplingParams.make(), jax.random.key(0), jnp.arange(b, dtype=jnp.int32), capacity=cap,
+    )
+    tokens = (jnp.arange(cap, dtype=jnp.int32)[None] % 7 + 1) * jnp.ones((b, 1), jnp.int32)
+    lengths = jnp.full((b,), FILL, jnp.int32)
+    d1 = max(spec.depth, 1) + 1
+    nh = len(drafter.hidden_layers)
+    hidden = jnp.zeros((nh, b, d1, cfg.hidden_size), cfg.compute_dtype) if nh else None
+    commit_ctx = CommitContext(
+        tokens=tokens, lengths=lengths + 1, prev_lengths=lengths, window=tokens[:, :d1],
+        num_accepted=jnp.zeros((b,), jnp.int32), hidden=hidden,
+        path=jnp.broadcast_to(jnp.arange(d1, dtype=jnp.int32), (b, d1)),
+    )
+    sp = SamplingParams.make()
+    keys = jax.random.split(jax.random.key(1), b)
+    runs = {}
+    for k in ks:
+        ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.full((b,), k, jnp.int32))
+        runs[k] = functools.partial(
+            _draft_step, drafter, gamma, dparams, model.params, state.drafter_state, ctx, sp,
+            keys, commit_ctx,
+        )
+    verify_cache = init_cache(
+        cfg.num_layers, b, FILL + 64, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype,
+        isinstance(model.params["layers"], dict),
+    ).with_lengths(lengths)
+    window = tree.build_window(
+        jnp.ones((b,), jnp.int32), lengths, jnp.ones((b, 0), jnp.int32), tree.chain_parents(b, 0),
+        jnp.zeros((b,), jnp.int32),
+    )
+    plain_spec = dataclasses.replace(spec, drafter=None, num_speculative_tokens=0)
+    runs["plain"] = functools.partial(
+        _verify, plain_spec, model.params, verify_cache, window, sp, 1
+    )
+    for run in runs.values():
+        jax.block_until_ready(run())  # compile
+    best = {n: math.inf for n in runs}
+    for _ in range(REPS):
+        for n, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            best[n] = min(best[n], time.perf_counter() - t0)
+    return best["plain"], [best[k] for k in ks]

@@ -252,7 +252,9 @@ class AdaptiveConfig(_Section):
     prior: float = 0.6  # acceptance estimate a row starts from
     probe_every: int = 16  # a row running plain re-probes every this many steps (0: never)
     probe_length: int = 1  # draft nodes a probe verifies
-    draft_cost: float = 0.0  # one draft step, in plain target steps (added per node)
+    # drafter work per step: "auto" = measured (propose + commit per batch size and length,
+    # jaxspec/calibration.py); a number overrides it: plain target steps per drafted node
+    draft_cost: float | Literal["auto"] = "auto"
     switch_off_acceptance: float = 0.8  # batch runs plain if even this acceptance cannot pay
     recalibrate: bool = False  # measure the step-cost curve again (CLI: --recalibrate)
 
@@ -265,8 +267,10 @@ class AdaptiveConfig(_Section):
             self._fail("probe_every", "use an integer >= 0 (0: never re-probe)")
         if self.probe_length < 1:
             self._fail("probe_length", "use an integer >= 1")
-        if not (math.isfinite(self.draft_cost) and self.draft_cost >= 0):
-            self._fail("draft_cost", "use a finite number >= 0")
+        if self.draft_cost != "auto" and not (
+            math.isfinite(self.draft_cost) and self.draft_cost >= 0
+        ):
+            self._fail("draft_cost", 'use "auto" (measured) or a finite number >= 0')
         if not 0.0 <= self.switch_off_acceptance <= 1.0:
             self._fail("switch_off_acceptance", "use a number in [0, 1]")
 

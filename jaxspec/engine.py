@@ -188,8 +188,9 @@ class Engine:
 
     # ---- adaptive speculation -------------------------------------------------------------
     def step_costs(self, batch: int) -> list[float]:
-        """Relative step cost with k = 0..γ draft nodes at this batch size (verify measured or
-        given, plus k draft steps); measured once per engine and batch size."""
+        """Step cost with c = 0..γ draft nodes at this batch size, in steps of the plain
+        program: verify of 1 + c entries (measured or given) + the drafter's work with c nodes
+        (measured with draft_cost "auto", else draft_cost per node); once per engine and batch."""
         if batch not in self._costs:
             opts, g = self.adaptive, self.spec.num_speculative_tokens
             src = opts.step_costs
@@ -202,8 +203,15 @@ class Engine:
                     f"adaptive step_costs {verify!r} must be {g + 1} positive numbers (window "
                     f"1..{g + 1} entries): give one per window width"
                 )
-            rel = itertools.accumulate((c / verify[0] for c in verify), max)  # wider: never cheaper
-            self._costs[batch] = [c + k * opts.draft_cost for k, c in enumerate(rel)]
+            if opts.draft_cost == "auto":
+                draft = calibration.draft_costs(
+                    self.model, self.drafter, self.drafter_params, batch, g,
+                    recalibrate=opts.recalibrate,
+                )
+            else:
+                draft = [k * float(opts.draft_cost) for k in range(g + 1)]
+            total = [v / verify[0] + d for v, d in zip(verify, draft)]
+            self._costs[batch] = list(itertools.accumulate(total, max))  # more: never cheaper
         return self._costs[batch]
 
     def spec_for(self, batch: int) -> speculate.LoopSpec:

@@ -251,7 +251,11 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
     dstate = state.drafter_state
     ctl = spec.adaptive if spec.drafter is not None else None
     # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
-    allowed = None if ctl is None else ctl.choose(state.adaptive, state.row_steps, active)
+    if ctl is not None:
+        room = state.max_lengths - state.lengths  # tokens each row may still emit
+        allowed = ctl.choose(state.adaptive, state.row_steps, active, room)
+    else:
+        allowed = None
     if spec.drafter is None:
         proposal = empty_proposal(b, spec.cfg.vocab_size)
     else:
