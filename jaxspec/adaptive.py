@@ -71,6 +71,7 @@ class AdaptiveState:
     lengths: jax.Array  # int32[B] nodes each row was allowed this step (metrics, next update)
     length_hist: jax.Array  # int32[B, G+1] steps in which the row used k nodes
     plain_steps: jax.Array  # int32[B] steps in which the whole batch verified a 1-token window
+    window_hist: jax.Array  # int32[G+1] steps in which the batch's window held 1 + c entries
     reached: jax.Array  # int32[B, G] steps in which draft position i was reached (allowed)
     hits: jax.Array  # int32[B, G] ... and accepted (hits / reached: the batch's mean alpha)
 
@@ -94,6 +95,7 @@ class Controller:
             lengths=jnp.zeros((batch,), jnp.int32),
             length_hist=jnp.zeros((batch, g + 1), jnp.int32),
             plain_steps=jnp.zeros((batch,), jnp.int32),
+            window_hist=jnp.zeros((g + 1,), jnp.int32),
             reached=jnp.zeros((batch, g), jnp.int32),
             hits=jnp.zeros((batch, g), jnp.int32),
         )
@@ -130,13 +132,16 @@ class Controller:
         hit = (i <= num_accepted[:, None]).astype(jnp.float32)
         alpha = jnp.where(reached, self.decay * st.alpha + (1 - self.decay) * hit, st.alpha)
         used = jax.nn.one_hot(num_nodes, self.gamma + 1, dtype=jnp.int32) * active[:, None]
-        plain = (jnp.max(jnp.where(active, num_nodes, 0)) == 0) & active
+        window = jnp.max(jnp.where(active, num_nodes, 0))  # the step's verified nodes
+        plain = (window == 0) & active
+        stepped = jax.nn.one_hot(window, self.gamma + 1, dtype=jnp.int32) * jnp.any(active)
         return dataclasses.replace(
             st,
             alpha=alpha,
             lengths=lengths,
             length_hist=st.length_hist + used,
             plain_steps=st.plain_steps + plain.astype(jnp.int32),
+            window_hist=st.window_hist + stepped,
             reached=st.reached + reached.astype(jnp.int32),
             hits=st.hits + (reached & (hit > 0)).astype(jnp.int32),
         )
@@ -161,6 +166,14 @@ def best_gain(costs, acceptance) -> float:
         expected += run
         best = max(best, expected / float(costs[k]))
     return best
+
+
+def realized_gain(costs, window_hist, tokens_per_row) -> float:
+    """Host side, after an adaptive batch: its speedup over the plain program by the cost
+    model -- the plain program would have run max(tokens_per_row) steps of cost 1 (rows in
+    lockstep), the adaptive one ran window_hist[c] steps of cost costs[c]."""
+    spent = sum(float(c) * int(n) for c, n in zip(costs, window_hist))
+    return max(tokens_per_row, default=0) / spent if spent > 0 else 1.0
 
 
 def summarize(length_hist, plain_steps, steps: int) -> dict:

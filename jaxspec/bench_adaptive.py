@@ -4,8 +4,12 @@
         configs/smollm2-135m-ngram-adaptive.yaml --batch-sizes 1,2,4,8,16,32 \\
         --max-new-tokens 64 --out bench_out/adaptive
 
-Prompts: one Spec-Bench question per category whose chat-formatted prompt fits one length
-bucket (one compile per engine and batch size), cycled to fill `rounds` batches of b requests.
+Batch sweep prompts: one Spec-Bench question per category whose chat-formatted prompt fits one
+length bucket (one compile per engine and batch size), cycled to fill `rounds` batches of b
+requests. Per category (batch 1, every category): the first `--per-category` questions of each
+category in that category's most common prompt bucket (few compiles), each run by every engine
+in turn; speedup = mean over the category's prompts of decode tok/s / plain's (Spec-Bench's
+protocol), "all" = over every prompt.
 Per batch size: each engine is compiled (and an adaptive one calibrated) untimed, then the
 engines run the same batches interleaved (plain, A, B, plain, A, B ...), so machine noise hits
 all alike. Throughput = generated tokens / wall time (compilation excluded: an adaptive
@@ -32,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="timed batches per engine and size")
     p.add_argument("--bucket", type=int, default=64, help="prompt-length bucket (tokens)")
+    p.add_argument("--per-category", type=int, default=2,
+                   help="batch-1 prompts per category (0: skip the per-category run)")
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -55,7 +61,7 @@ def run(a) -> int:
     target = load_model(first.model.name, dtype=first.model.dtype, layout=first.model.layout)
     engines = {"plain": build_engine(load_config(None, []), target=target)}
     engines |= {label: build_engine(cfg, target=target) for label, cfg in configs.items()}
-    questions = select(read_questions(a.data), 20)
+    questions = select(read_questions(a.data), max(20, a.per_category))
     picked, seen = [], set()
     for q in questions:  # one per category, all in one prompt bucket
         ids = engines["plain"].encode(q["prompt"])
@@ -124,9 +130,55 @@ def run(a) -> int:
             file=sys.stderr,
             flush=True,
         )
+    if a.per_category > 0:
+        out["categories"] = per_category(a, engines, questions)
+        (outdir / "results.json").write_text(json.dumps(out, indent=1))
     (outdir / "summary.md").write_text(summary(out, list(engines)))
     print(summary(out, list(engines)))
     return 0
+
+
+def per_category(a, engines, questions) -> dict:
+    """Batch 1, every category: -> {category: {engine: {speedup, tokens_per_s, ...}}}."""
+    from collections import Counter
+
+    from jaxspec.engine import bucket
+
+    plain = engines["plain"]
+    by_cat: dict[str, list] = {}
+    for q in questions:
+        by_cat.setdefault(q["category"], []).append((q, plain.encode(q["prompt"])))
+    runs = []  # (category, ids)
+    for cat, rows in by_cat.items():
+        common = Counter(bucket(len(ids)) for _, ids in rows).most_common(1)[0][0]
+        runs += [(cat, ids) for _, ids in rows if bucket(len(ids)) == common][: a.per_category]
+    ratios: dict[str, dict[str, list]] = {}
+    outputs_match: dict[str, bool] = {n: True for n in engines}
+    extra: dict[str, dict[str, list]] = {}
+    for cat, ids in runs:
+        got = {}
+        for name, engine in engines.items():
+            engine.warmup(ids, max_new_tokens=a.max_new_tokens)  # compile untimed
+            got[name] = engine.generate([ids], max_new_tokens=a.max_new_tokens)[0]
+        base = got["plain"].decode_tokens_per_s
+        for name, r in got.items():
+            for key in (cat, "all"):
+                ratios.setdefault(key, {}).setdefault(name, []).append(r.decode_tokens_per_s / base)
+                if "adaptive_gamma_mean" in r.metrics:
+                    e = extra.setdefault(key, {}).setdefault(name, [])
+                    e.append((r.metrics["adaptive_gamma_mean"], r.metrics["adaptive_plain_fraction"]))
+            outputs_match[name] &= r.token_ids == got["plain"].token_ids
+    table = {}
+    for key, per in ratios.items():
+        table[key] = {}
+        for name, xs in per.items():
+            entry = {"speedup": sum(xs) / len(xs), "prompts": len(xs)}
+            if name in extra.get(key, {}):
+                gs = extra[key][name]
+                entry["gamma_mean"] = sum(g for g, _ in gs) / len(gs)
+                entry["plain_fraction"] = sum(f for _, f in gs) / len(gs)
+            table[key][name] = entry
+    return {"table": table, "outputs_match": outputs_match}
 
 
 def summary(out, names) -> str:
@@ -148,13 +200,22 @@ def summary(out, names) -> str:
         lines.append(
             f"| {pt['batch_size']} | " + " | ".join(cells) + f" | {'; '.join(ad)} | {eq} |"
         )
-    for pt in out["points"]:
-        if pt["batch_size"] == 1:
-            lines.append("")
-            lines.append("Batch 1 per category (speedup over plain, one prompt each):")
+    cats = out.get("categories")
+    if cats:
+        lines += ["", "Batch 1 per category (mean per-prompt decode speedup over plain; adaptive:"
+                  " γ mean / plain steps):", ""]
+        lines.append("| category | prompts | " + " | ".join(names[1:]) + " |")
+        lines.append("|" + "---|" * (len(names) + 1))
+        for cat, per in cats["table"].items():
+            cells = []
             for n in names[1:]:
-                cats = ", ".join(f"{c} {v:.2f}x" for c, v in pt[n]["per_category_speedup"].items())
-                lines.append(f"- {n}: {cats}")
+                e = per[n]
+                cell = f"{e['speedup']:.2f}x"
+                if "gamma_mean" in e:
+                    cell += f" ({e['gamma_mean']:.2f} / {e['plain_fraction']:.0%})"
+                cells.append(cell)
+            lines.append(f"| {cat} | {per['plain']['prompts']} | " + " | ".join(cells) + " |")
+        lines.append(f"\noutputs equal to plain: {cats['outputs_match']}")
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,7 @@ verifying a window of 1..γ+1 entries, and how long the drafter's work of one st
 divides expected tokens by these costs, so it learns e.g. that on a 2-core CPU a 5-entry window
 at batch 32 costs several plain steps while at batch 1 it costs little more than one.
 
-    costs = step_costs(model, batch=8, gamma=4)       # [γ+1] relative: costs[0] == 1.0
+    costs = step_costs(model, batch=8, gamma=4)       # [γ+1] in plain steps (1-entry window: ~1)
     draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # [γ+1] in plain steps
 
 Verify: `speculate.verify` (the loop's own verify, same kernels) over a chain window on a cache
@@ -103,13 +103,16 @@ def _cached(key: dict, batch: int, names: list[str], measure, recalibrate: bool)
 def step_costs(
     model, batch: int, gamma: int, *, recalibrate: bool = False, measure: Measure | None = None
 ) -> list[float]:
-    """Relative step cost for k = 0..γ draft nodes at this batch size: time(1 + k) / time(1).
-    Reads the cache; measures (and writes it) for widths it lacks, or all with recalibrate."""
+    """Relative verify cost for k = 0..γ draft nodes at this batch size: time(window of 1 + k
+    entries) / time(the plain program's 1-entry forward, which writes the cache in place). k = 0
+    is the adaptive loop's own 1-entry step, through the window path (width 0 below), which
+    costs more than plain's. Reads the cache; measures (and writes it) what it lacks, or all
+    with recalibrate. measure(model, batch, widths) -> seconds each."""
     measure = measure or measure_verify
-    names = [str(w) for w in range(1, gamma + 2)]
-    run = lambda todo: measure(model, batch, [int(n) for n in todo])
+    names = ["1", "w1"] + [str(w) for w in range(2, gamma + 2)]
+    run = lambda todo: measure(model, batch, [0 if n == "w1" else int(n) for n in todo])
     times = _cached(calibration_key(model), batch, names, run, recalibrate)
-    return [times[n] / times["1"] for n in names]
+    return [times[n] / times["1"] for n in names[1:]]
 
 
 def draft_costs(
@@ -146,9 +149,11 @@ def _verify(spec, tparams, cache, window, sp, width):
 
 
 def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
-    """Seconds for one target forward over a chain window of each width at this batch size. The
-    widths are timed in interleaved rounds and each keeps its fastest run: on a shared machine
-    load comes and goes, and the minimum is the cost the program itself has."""
+    """Seconds for one target forward over a chain window of each width at this batch size
+    (width 1: plain's in-place forward; width 0: one entry through the window path, as the
+    adaptive loop's 1-entry step runs it). The widths are timed in interleaved rounds and each
+    keeps its fastest run: on a shared machine load comes and goes, and the minimum is the cost
+    the program itself has."""
     cfg = model.cfg
     spec = speculate.LoopSpec(cfg=cfg, drafter=None, num_speculative_tokens=0, eos_ids=())
     stacked = isinstance(model.params["layers"], dict)
@@ -158,7 +163,7 @@ def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
     sp = SamplingParams.make()
     runs = {}
     for width in widths:
-        n = width - 1
+        n = max(width - 1, 1 if width == 0 else 0)  # width 0: a 2-entry window, 1 verified
         window = tree.build_window(
             jnp.ones((batch,), jnp.int32),
             cache.lengths,
@@ -166,7 +171,9 @@ def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
             tree.chain_parents(batch, n),
             jnp.full((batch,), n, jnp.int32),
         )
-        runs[width] = functools.partial(_verify, spec, model.params, cache, window, sp, width)
+        runs[width] = functools.partial(
+            _verify, spec, model.params, cache, window, sp, max(width, 1)
+        )
         jax.block_until_ready(runs[width]())  # compile
     best = {w: math.inf for w in widths}
     for _ in range(REPS):

@@ -116,6 +116,8 @@ class Engine:
         # each adaptive batch (None: none yet; starts from switch_off_acceptance)
         self.observed_acceptance: list[float] | None = None
         self._off_batches = 0  # batches run switched off (every REPROBE_BATCHES-th re-measures)
+        # batch size -> the last adaptive batch's speedup over plain by the cost model
+        self.realized_gain: dict[int, float] = {}
 
     @property
     def method(self) -> str:
@@ -189,8 +191,9 @@ class Engine:
     # ---- adaptive speculation -------------------------------------------------------------
     def step_costs(self, batch: int) -> list[float]:
         """Step cost with c = 0..γ draft nodes at this batch size, in steps of the plain
-        program: verify of 1 + c entries (measured or given) + the drafter's work with c nodes
-        (measured with draft_cost "auto", else draft_cost per node); once per engine and batch."""
+        program: verify of 1 + c entries (measured or given, in plain steps) + the drafter's
+        work with c nodes (measured with draft_cost "auto", else draft_cost per node); once per
+        engine and batch size."""
         if batch not in self._costs:
             opts, g = self.adaptive, self.spec.num_speculative_tokens
             src = opts.step_costs
@@ -210,7 +213,7 @@ class Engine:
                 )
             else:
                 draft = [k * float(opts.draft_cost) for k in range(g + 1)]
-            total = [v / verify[0] + d for v, d in zip(verify, draft)]
+            total = [v + d for v, d in zip(verify, draft)]
             self._costs[batch] = list(itertools.accumulate(total, max))  # more: never cheaper
         return self._costs[batch]
 
@@ -219,11 +222,14 @@ class Engine:
         verification does not pay (load-aware switch-off) at the acceptance adaptive batches
         measured (`observed_acceptance`; before any: `switch_off_acceptance`). Every REPROBE_BATCHES-th
         batch that would run plain runs adaptive instead, so the estimate can recover. The
-        choice depends on earlier batches only: lossless."""
+        choice depends on earlier batches only: lossless. Also switched off: a batch size whose
+        last adaptive batch did not beat plain by the cost model (`realized_gain`: e.g. it ran
+        mostly 1-entry steps, which cost the adaptive program more than the plain one)."""
         if self.adaptive is None:
             return self.spec
         acc = self.observed_acceptance or self.adaptive.switch_off_acceptance
-        if adaptive_mod.best_gain(self.step_costs(batch), acc) > 1.0:
+        pays = adaptive_mod.best_gain(self.step_costs(batch), acc) > 1.0
+        if pays and self.realized_gain.get(batch, 2.0) > 1.0:
             return self.spec
         return self.spec if (self._off_batches + 1) % REPROBE_BATCHES == 0 else self._plain_spec
 
@@ -339,6 +345,11 @@ class Engine:
                 self.observed_acceptance = [  # averaged with earlier batches: one prompt
                     0.5 * (p + h / r) if r else p for h, r, p in zip(hits, reached, prev)
                 ]  # without a single match must not switch speculation off for the next
+                b = state.lengths.shape[0]
+                self.realized_gain[b] = adaptive_mod.realized_gain(
+                    self.step_costs(b), state.adaptive.window_hist,
+                    [r.num_generated_tokens - 1 for r in results],
+                )
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
         return results

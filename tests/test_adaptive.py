@@ -68,10 +68,12 @@ def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size)
     if batch_size > 1:  # lengths beyond {plain, cap}: the cap follows the rows' estimates, a
         assert (hist > 0).sum() >= 3  # row near its end verifies only what it can commit
     if batch_size == 1:  # lengths are data: other requests reuse the one program
+        engine.spec_for = lambda batch: engine.spec  # pinned: no host switch-off in this check
+        engine.generate(prompts[:4], max_new_tokens=24, batch_size=1)  # both prompt buckets
         before = speculate.decode_jit._cache_size()
-        again = engine.generate(prompts[:4][::-1], max_new_tokens=24, batch_size=1)
+        again = engine.generate(prompts[4:], max_new_tokens=24, batch_size=1)  # new requests
         assert speculate.decode_jit._cache_size() == before
-        assert [r.token_ids for r in again] == [r.token_ids for r in plain[:4][::-1]]
+        assert [r.token_ids for r in again] == [r.token_ids for r in plain[4:]]
 
 
 # ---- the exact law, with lengths that adapt -----------------------------------------------
@@ -175,6 +177,10 @@ def test_controller_picks_the_length_that_pays_and_probes():
     np.testing.assert_array_equal(after.length_hist, [[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]])
     np.testing.assert_array_equal(after.reached, [[1, 1, 1], [1, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(after.hits, [[1, 1, 0], [0, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(after.window_hist, [0, 0, 0, 1])  # the batch verified 3
+    # by the cost model: 10 one-entry steps at 1.1 for 10 tokens lose to plain, 5 at 1.3 win
+    assert adaptive.realized_gain([1.1, 1.3], [10, 0], [10, 7]) < 1.0
+    assert adaptive.realized_gain([1.1, 1.3], [0, 5], [10, 7]) == pytest.approx(10 / 6.5)
 
 
 def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
@@ -183,21 +189,22 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
 
     def fake(model, batch, widths):
         calls.extend((model.name, batch, w) for w in widths)
-        return [0.01 * (1 + 0.25 * (w - 1)) for w in widths]
+        return [0.01 * (1.1 if w == 0 else 1 + 0.25 * (w - 1)) for w in widths]
 
-    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.0, 1.25, 1.5])
-    assert len(calls) == 3
-    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.0, 1.25, 1.5])
-    assert len(calls) == 3  # reused from the file
+    # k = 0: the adaptive loop's 1-entry window path (width 0), next to plain's in-place step
+    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.1, 1.25, 1.5])
+    assert len(calls) == 4
+    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.1, 1.25, 1.5])
+    assert len(calls) == 4  # reused from the file
     calibration.step_costs(target, 2, 3, measure=fake)
-    assert calls[3:] == [("tiny", 2, 1), ("tiny", 2, 4)]  # the missing width, with plain
+    assert calls[4:] == [("tiny", 2, 1), ("tiny", 2, 4)]  # the missing width, with plain
     other = dataclasses.replace(target, name="tiny-2")  # a different key: measured afresh
     assert cache_file_differs(target, other)
     calibration.step_costs(other, 2, 2, measure=fake)
-    assert len(calls) == 8
+    assert len(calls) == 10
     calibration.step_costs(target, 2, 2, measure=fake, recalibrate=True)
-    assert len(calls) == 11
-    assert min(calibration.measure_verify(target, 1, [1, 2])) > 0  # the real measurement runs
+    assert len(calls) == 14
+    assert min(calibration.measure_verify(target, 1, [1, 0, 2])) > 0  # the real measurement runs
     # the drafter's step: cached per drafter (its settings are in the key), ratios to plain
     drafts = []
 
@@ -250,6 +257,10 @@ def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, pro
         picks.append(engine.spec_for(4) is engine.spec)
         engine._off_batches += not picks[-1]  # what a run of the plain program records
     assert picks == [False] * 7 + [True]
+    # a batch size whose last adaptive batch did not beat plain by the cost model: off too
+    engine.observed_acceptance, engine._off_batches = None, 0
+    engine.realized_gain[4] = 0.9
+    assert engine.spec_for(4) is not engine.spec and engine.spec_for(2) is engine.spec
 
 
 def test_adaptive_config(target, tmp_path, monkeypatch):

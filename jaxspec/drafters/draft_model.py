@@ -4,7 +4,9 @@ N layers + final norm + LM head (`layer_skip`, self-speculation sharing the targ
 The drafter keeps its own KV cache; its validity is implied by the committed length L, so commit
 has nothing to do: every proposal starts with a 2-token window [tokens[L-2], tokens[L-1]] that
 (re)writes the two newest committed slots — enough to catch up after any accepted count, bonus
-included — then γ-1 single-token steps on its own samples (lax.scan).
+included — then γ-1 single-token steps on its own samples (lax.scan); with
+`DraftContext.max_nodes` (adaptive speculation) only as many as the longest row may verify (a
+while loop, same keys, same drafts).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class ModelDrafter:
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
         probs = self._probs(params, last[:, 0], sp)
         token = sampling.sample_rows(step_keys[:, 0], probs)
+        if ctx.max_nodes is not None:  # adaptive speculation: stop once no row wants more
+            return self._propose_up_to(params, ctx, num_tokens, sp, step_keys, out.cache, token, probs)
 
         def step(carry, key_col):
             cache, token, position = carry
@@ -110,6 +114,32 @@ class ModelDrafter:
         drafts = jnp.concatenate([token[:, None], jnp.swapaxes(tokens, 0, 1)], axis=1)  # [B, G]
         q = jnp.concatenate([probs[:, None], jnp.swapaxes(all_probs, 0, 1)], axis=1)  # [B, G, V]
         num = jnp.full((b,), num_tokens, jnp.int32)
+        return Proposal(drafts, q, num), cache
+
+    def _propose_up_to(self, params, ctx, num_tokens, sp, step_keys, cache, token, probs):
+        """The scan's drafts, but only max(ctx.max_nodes) of them (same keys, so the same
+        tokens): a while loop. Cache entries are written for the nodes it runs through, which
+        covers every node a row may keep (<= its max_nodes); the next proposal rewrites the
+        two newest committed slots as always."""
+        b, vocab = probs.shape
+        want = jnp.max(jnp.where(ctx.active, jnp.minimum(ctx.max_nodes, num_tokens), 0))
+        drafts = jnp.zeros((b, num_tokens), jnp.int32).at[:, 0].set(token)
+        q = jnp.zeros((b, num_tokens, vocab), jnp.float32).at[:, 0].set(probs)
+
+        def body(c):
+            i, cache, token, drafts, q = c
+            position = ctx.lengths + i - 1
+            out = llama.forward(params, token[:, None], cache.with_lengths(position), self.cfg)
+            p = self._probs(params, out.hidden[:, 0], sp)
+            key_col = jax.lax.dynamic_index_in_dim(step_keys, i, axis=1, keepdims=False)
+            nxt = sampling.sample_rows(key_col, p)
+            drafts = jax.lax.dynamic_update_index_in_dim(drafts, nxt, i, axis=1)
+            q = jax.lax.dynamic_update_index_in_dim(q, p, i, axis=1)
+            return i + 1, out.cache, nxt, drafts, q
+
+        c0 = (jnp.int32(1), cache, token, drafts, q)
+        _, cache, _, drafts, q = jax.lax.while_loop(lambda c: c[0] < want, body, c0)
+        num = jnp.clip(ctx.max_nodes, 0, num_tokens).astype(jnp.int32)
         return Proposal(drafts, q, num), cache
 
     def commit(self, dparams, tparams, state, ctx: CommitContext):
