@@ -123,12 +123,13 @@ class Controller:
         return proposal._replace(num_proposed=jnp.minimum(proposal.num_proposed, lengths))
 
     def update(self, st: AdaptiveState, lengths, num_nodes, num_accepted, active) -> AdaptiveState:
-        """After acceptance: position i (1-based) was reached when i <= min(n+1, allowed); a reached
-        position was accepted when i <= n. Only reached positions move their estimate. A position
-        the row was allowed but its drafter did not fill (prompt lookup without a match) counts as
-        a miss: alpha estimates what an allowed node yields, which is what the step pays for."""
+        """After acceptance: position i (1-based) was reached when i <= min(n+1, verified nodes);
+        a reached position was accepted when i <= n. Only reached positions move their estimate.
+        A position the row was allowed but its drafter did not fill (prompt lookup without a
+        match) is no evidence: the window shrinks to the nodes proposed, so an unfilled node is
+        not paid for (a 1-entry step is: `window_hist`, and the engine's realized gain)."""
         i = jnp.arange(1, self.gamma + 1)[None]  # [1, G]
-        reached = (i <= jnp.minimum(num_accepted + 1, lengths)[:, None]) & active[:, None]
+        reached = (i <= jnp.minimum(num_accepted + 1, num_nodes)[:, None]) & active[:, None]
         hit = (i <= num_accepted[:, None]).astype(jnp.float32)
         alpha = jnp.where(reached, self.decay * st.alpha + (1 - self.decay) * hit, st.alpha)
         used = jax.nn.one_hot(num_nodes, self.gamma + 1, dtype=jnp.int32) * active[:, None]
