@@ -12,8 +12,11 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
     E[b, k]      = 1 + sum_{i<=k} prod_{j<=i} alpha[b, j]      expected tokens with k nodes
     room[b]      = tokens the row may still emit (max length - length): at most room[b] - 1
                    nodes can ever be committed, so E_b(c) = E[b, min(c, room[b] - 1)]
-    cost[c]      = (verify(1 + c entries) + draft(c nodes)) / verify(1 entry), at this batch
-                   size (jaxspec.calibration measures both; 1.0 = one step of the plain program)
+    cost[c]      = (verify(1 + c entries) + drafter's step with c nodes) / plain step, at this
+                   batch size (jaxspec.calibration measures both; the plain program's step is
+                   1.0; cost[0] > 1: the adaptive loop's 1-entry step runs the window path and
+                   the drafter). alpha counts nodes the drafter filled: an allowed node it left
+                   empty (prompt lookup without a match) shrinks the window, so is not paid for.
 
 The policy, and why it is the optimal one under this cost model. A batch steps in lockstep:
 one target forward over B x (1 + c) entries, c = the longest row's length, and one drafter
@@ -37,7 +40,10 @@ step) enters through cost[c], measured, so a long chain stops where its drafting
 its expected tokens. (Were some cost per row and node, e.g. ragged kernels, each row would stop
 where its marginal E[b, k+1] - E[b, k] drops below the rate times that cost; with dense kernels
 that cost is zero, so that rule gives the cap.) When c* = 0, every `probe_every`-th step verifies
-`probe_length` nodes anyway, so the estimates can recover.
+`probe_length` nodes anyway, so the estimates can recover. The host side (engine.spec_for) runs
+a whole batch on the plain program instead when the cost model says the adaptive one cannot win
+(`best_gain` at the acceptance measured so far) or did not (`realized_gain` of its last batch
+of that size: steps of each window, priced by cost, against the plain program's steps).
 
 Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`,
 the step counter and the rows' committed lengths only -- functions of committed history and of
