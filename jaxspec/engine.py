@@ -116,8 +116,9 @@ class Engine:
         # each adaptive batch (None: none yet; starts from switch_off_acceptance)
         self.observed_acceptance: list[float] | None = None
         self._off_batches = 0  # batches run switched off (every REPROBE_BATCHES-th re-measures)
-        # batch size -> the last adaptive batch's speedup over plain by the cost model
-        self.realized_gain: dict[int, float] = {}
+        # batch size -> (window_hist, decode tokens per row) of the last adaptive batch of that
+        # size; "any": of the last adaptive batch of any size (priced with this size's costs)
+        self.last_runs: dict[int | str, tuple[list[int], list[int]]] = {}
 
     @property
     def method(self) -> str:
@@ -229,9 +230,15 @@ class Engine:
             return self.spec
         acc = self.observed_acceptance or self.adaptive.switch_off_acceptance
         pays = adaptive_mod.best_gain(self.step_costs(batch), acc) > 1.0
-        if pays and self.realized_gain.get(batch, 2.0) > 1.0:
+        if pays and self.realized_gain(batch) > 1.0:
             return self.spec
         return self.spec if (self._off_batches + 1) % REPROBE_BATCHES == 0 else self._plain_spec
+
+    def realized_gain(self, batch: int) -> float:
+        """The speedup over plain, by this size's cost model, of the steps the last adaptive batch
+        of this size ran (before any: of any size; before any at all: 2.0, i.e. try)."""
+        run = self.last_runs.get(batch) or self.last_runs.get("any")
+        return 2.0 if run is None else adaptive_mod.realized_gain(self.step_costs(batch), *run)
 
     # ---- running -------------------------------------------------------------------------
     def _prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
@@ -345,11 +352,9 @@ class Engine:
                 self.observed_acceptance = [  # averaged with earlier batches: one prompt
                     0.5 * (p + h / r) if r else p for h, r, p in zip(hits, reached, prev)
                 ]  # without a single match must not switch speculation off for the next
-                b = state.lengths.shape[0]
-                self.realized_gain[b] = adaptive_mod.realized_gain(
-                    self.step_costs(b), state.adaptive.window_hist,
-                    [r.num_generated_tokens - 1 for r in results],
-                )
+                tokens = [r.num_generated_tokens - 1 for r in results]  # decode steps' tokens
+                run = (np.asarray(state.adaptive.window_hist).tolist(), tokens)
+                self.last_runs[state.lengths.shape[0]] = self.last_runs["any"] = run
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
         return results

@@ -258,9 +258,14 @@ def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, pro
         engine._off_batches += not picks[-1]  # what a run of the plain program records
     assert picks == [False] * 7 + [True]
     # a batch size whose last adaptive batch did not beat plain by the cost model: off too
+    # (before one of that size: the last of any size, priced with this size's costs)
     engine.observed_acceptance, engine._off_batches = None, 0
-    engine.realized_gain[4] = 0.9
+    engine.last_runs = {4: ([10, 0, 0, 0], [10]), "any": ([0, 10, 0, 0], [16])}
+    assert engine.realized_gain(4) == pytest.approx(10 / 10)
     assert engine.spec_for(4) is not engine.spec and engine.spec_for(2) is engine.spec
+    assert engine.realized_gain(2) == pytest.approx(16 / 13)
+    engine.last_runs = {"any": ([0, 10, 0, 0], [12])}
+    assert engine.spec_for(2) is not engine.spec  # 12 tokens for 10 steps of 1.3: a loss
 
 
 def test_adaptive_config(target, tmp_path, monkeypatch):
