@@ -50,9 +50,9 @@ def main(argv=None) -> int:
 
 def run(a) -> int:
     from jaxspec.build import build_engine
+    from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.config import load_config
     from jaxspec.engine import bucket
-    from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.loading import load_model
 
     enable_compilation_cache()
@@ -202,8 +202,8 @@ def summary(out, names) -> str:
         )
     cats = out.get("categories")
     if cats:
-        lines += ["", "Batch 1 per category (mean per-prompt decode speedup over plain; adaptive:"
-                  " γ mean / plain steps):", ""]
+        title = "Batch 1 per category (mean per-prompt decode speedup over plain; adaptive: γ mean"
+        lines += ["", title + " / plain steps):", ""]
         lines.append("| category | prompts | " + " | ".join(names[1:]) + " |")
         lines.append("|" + "---|" * (len(names) + 1))
         for cat, per in cats["table"].items():

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import paths, speculate, tree
-from jaxspec.drafters.base import CommitContext, DraftContext
 from jaxspec.cache import init_cache
+from jaxspec.drafters.base import CommitContext, DraftContext
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 
