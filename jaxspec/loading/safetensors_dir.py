@@ -149,7 +149,7 @@ def load_hf_tensors(
     """Every tensor under our flat names (`embed`, `layers.3.wq`, ...), memory-mapped.
     `skip_from_layer`: ignore `model.layers.{i}.*` for i >= it (MTP modules stored with the
     target, `num_nextn_predict_layers`: read as a drafter by jaxspec.formats.mtp)."""
-    index = _tensor_index(path)
+    index = tensor_index(path)
     flat: dict[str, np.ndarray] = {}
     unknown = []
     for hf_name, shard in index.items():
@@ -187,7 +187,8 @@ def _our_name(hf_name: str) -> str | None:
     return None
 
 
-def _tensor_index(path: Path) -> dict[str, SafetensorsFile]:
+def tensor_index(path: Path) -> dict[str, SafetensorsFile]:
+    """Tensor name -> the file holding it (from model.safetensors.index.json, else every file)."""
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = json.loads(index_file.read_text())["weight_map"]
