@@ -158,6 +158,53 @@ def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatch, stacked, dtype):
+    """JAX's TPU paged-attention kernel on the zero-copy paged view of our cache (a stack indexed
+    at a traced layer included), run by Pallas's TPU interpreter on CPU; chain and tree windows, a
+    row with an empty prefix (prefill), lengths across page and block edges. On a TPU
+    scripts/bench_device.sh runs it compiled. The kernel rounds K/V to bf16: bf16 tolerance."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    from jaxspec.models import attention_kernels
+
+    monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))  # 4 pages, 2 blocks
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=64, layers=3 if stacked else None)
+    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    lengths = jnp.asarray([0, 17, 64 - 3], jnp.int32)
+    layer = jnp.int32(1) if stacked else None
+    tree = attention.causal_mask(3, 3).at[:, 2, 1].set(False)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-2
+    for mask in (None, tree):
+        args = (q, kc, vc, kw, vw, lengths)
+        want = attention.attend(*args, layer=layer, window_mask=mask, impl="xla")
+        got = jax.jit(lambda *a: attention.attend(*a, layer=layer, window_mask=mask,
+                                                  impl="pallas_tpu", interpret=True))(*args)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol)
+    if not stacked:  # the same kernel under jax's own switch for TPU interpret mode
+        with pltpu.force_tpu_interpret_mode():
+            forced = attention.attend(*args, window_mask=tree, impl="pallas_tpu")
+        np.testing.assert_allclose(np.asarray(forced, np.float32), np.asarray(got, np.float32),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend, dtype, stacked, want", [
+    ("tpu", "bfloat16", True, "pallas_tpu"), ("tpu", "bfloat16", False, "pallas_tpu"),
+    ("tpu", "float32", True, "xla"), ("gpu", "bfloat16", False, "pallas_gpu"),
+    ("gpu", "bfloat16", True, "xla"), ("cpu", "bfloat16", False, "xla"),
+])
+def test_attention_impl_follows_the_backend(monkeypatch, backend, dtype, stacked, want):
+    monkeypatch.delenv(attention.ENV_OVERRIDE, raising=False)
+    assert attention.resolve_impl("auto", cache_dtype=dtype, stacked=stacked, backend=backend) == want
+    monkeypatch.setenv(attention.ENV_OVERRIDE, "xla")  # the override forces the reference path
+    assert attention.resolve_impl("auto", cache_dtype=dtype, stacked=stacked, backend=backend) == "xla"
+    assert attention.resolve_impl("pallas_tpu", backend=backend) == "pallas_tpu"  # explicit wins
+    monkeypatch.setenv(attention.ENV_OVERRIDE, "flash")
+    with pytest.raises(ValueError, match="JAXSPEC_ATTENTION"):
+        attention.resolve_impl("auto", backend=backend)
+
+
 # ---------------------------------------------------------------------------- accelerator defaults
 
 

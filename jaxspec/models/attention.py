@@ -16,10 +16,18 @@ Backends (`impl`):
                cache `[L, B, K, S, H]` with a traced `layer` is read as multiply + reduce, which XLA
                fuses with the layer's dynamic slice: a dot would first copy the layer's cache out
                of the stack, every layer, every step (see jaxspec.hlo).
+  "pallas_tpu" the cache part by `jax.experimental.pallas.ops.tpu.paged_attention`'s kernel on a
+               zero-copy paged view of the cache (per-layer or the stack at a traced layer), which
+               DMAs only pages below lengths[b]; merged with the window part by log-sum-exp
+               (see jaxspec.models.attention_kernels). Any window mask (chains and trees).
   "pallas_gpu" the cache part by `jax.experimental.pallas.ops.gpu.decode_attention`'s per-(row,
-               kv head) kernel, which stops at lengths[b] (reads only valid slots), merged with the
-               window part by log-sum-exp. Runs in interpret mode on CPU (tests).
-  "auto"       "pallas_gpu" on a GPU backend, else "xla".
+               kv head) kernel, which stops at lengths[b] (reads only valid slots), merged the same
+               way. Per-layer caches only (a stack runs "xla").
+  "auto"       by backend (`resolve_impl`): TPU "pallas_tpu" for bfloat16 caches, GPU
+               "pallas_gpu" for per-layer caches, else "xla". The environment variable
+               JAXSPEC_ATTENTION=xla (or another impl) overrides "auto", e.g. to force the
+               reference path on a device.
+Both Pallas impls run on CPU in interpret mode (`interpret=True`), which is how tests check them.
 
 Prefill windows (long T) are split into query chunks so no `[B, K, G, T, T]` float32 score block
 larger than `chunk` queries is ever live.
@@ -27,12 +35,16 @@ larger than `chunk` queries is ever live.
 
 from __future__ import annotations
 
-import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla", "pallas_gpu")
+from jaxspec.models import attention_kernels
+
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+ENV_OVERRIDE = "JAXSPEC_ATTENTION"  # overrides impl="auto" (e.g. JAXSPEC_ATTENTION=xla)
+PALLAS_MAX_QUERIES = 256  # query rows (G heads x T positions) per kv head a Pallas kernel takes
 PREFILL_CHUNK = 512  # queries per chunk for long windows
 CACHE_BLOCK = 256  # cache slots per step of the XLA path's loop over the valid prefix
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked part adds exp(..) = 0
@@ -42,12 +54,24 @@ def causal_mask(batch: int, t: int) -> jax.Array:  # bool[B, T, T]
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
-def resolve_impl(impl: str = "auto") -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl {impl!r}: use one of {IMPLS}")
+def resolve_impl(impl: str = "auto", *, cache_dtype=None, stacked: bool = False,
+                 backend: str | None = None) -> str:
+    """The implementation `attend` runs for `impl`. "auto" (unless JAXSPEC_ATTENTION names another
+    impl): on TPU "pallas_tpu" when the cache is bfloat16 (the kernel rounds K/V to bf16, so a
+    float32 cache keeps the exact XLA path), on GPU "pallas_gpu" for per-layer caches (the kernel
+    cannot index a stack without copying the layer out), everywhere else "xla"."""
     if impl == "auto":
-        return "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
-    return impl
+        impl = os.environ.get(ENV_OVERRIDE, "") or "auto"
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r} (argument or ${ENV_OVERRIDE}): use one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    if backend == "tpu" and cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.bfloat16:
+        return "pallas_tpu"
+    if backend == "gpu" and not stacked:
+        return "pallas_gpu"
+    return "xla"
 
 
 def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mask=None,
@@ -72,7 +96,7 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
         return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
     if window_mask is None:
         window_mask = causal_mask(b, t)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, cache_dtype=k_cache.dtype, stacked=layer is not None)
     kv = k_win.shape[2]
     g = n // kv
     scale = h**-0.5
@@ -83,8 +107,13 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
     wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
     s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
-    if impl == "pallas_gpu" and layer is None:
-        o_c, m_c, l_c = _cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret)
+    pallas_fits = g * t <= PALLAS_MAX_QUERIES  # prefill chunks keep the XLA path
+    if impl == "pallas_tpu" and pallas_fits:
+        o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
+            qg, k_cache, v_cache, lengths, layer, scale, interpret)
+    elif impl == "pallas_gpu" and pallas_fits and layer is None:
+        o_c, m_c, l_c = attention_kernels.cache_part_pallas_gpu(
+            qg, k_cache, v_cache, lengths, scale, interpret)
     else:
         o_c, m_c, l_c = _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block)
     # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c
@@ -167,28 +196,3 @@ def _factors(n: int, most: int = 32) -> tuple[int, ...]:
         dims.append(c)
         n //= c
     return (n, *dims)
-
-
-def _cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret):
-    """The cache part by Pallas GPU's decode kernel, vmapped over (row, kv head) on our [B, K, S, H]
-    layout (no transpose); it reads slots < lengths[b] only. Returns the same triple as XLA's."""
-    from jax.experimental.pallas.ops.gpu import decode_attention as da
-
-    b, kv, gt, _ = qg.shape
-    slots = k_cache.shape[2]
-    block_k = min(128, slots)
-    k_splits = max(1, slots // block_k) if slots % block_k == 0 else 1
-    if slots % (block_k * k_splits):
-        block_k, k_splits = slots, 1
-    inner = functools.partial(
-        da.decode_attn_unbatched, sm_scale=scale, block_h=max(16, 1 << (gt - 1).bit_length()),
-        block_k=block_k,
-        k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=interpret,
-        debug=False, return_residuals=True, normalize_output=False,
-    )
-    start = jnp.zeros((b, kv), jnp.int32)
-    lens = jnp.broadcast_to(lengths[:, None], (b, kv)).astype(jnp.int32)
-    o, (l, m) = jax.vmap(jax.vmap(inner))(qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype),
-                                          start, lens)
-    # the kernel's m is the max of scaled scores; an empty prefix has l == 0
-    return o.astype(jnp.float32), m.astype(jnp.float32), l.astype(jnp.float32)
