@@ -127,7 +127,7 @@ def measure(cfg, layout, program, batch, window, capacity, valid) -> Program:
     compiled = _compile(_step(cfg, last_only), params, tokens, cache)
     flops, xla_bytes = _costs(compiled)
     text = compiled.as_text()
-    blocks = -(-valid // attention.CACHE_BLOCK)  # the attention's loop over valid cache blocks
+    blocks = attention.cache_loop_trips(valid, capacity)  # the attention's loop over valid cache blocks
     traffic = hlo.cache_traffic(text, (batch, cfg.num_kv_heads, capacity, cfg.head_dim))
     rows = 1 if last_only else window
     return Program(

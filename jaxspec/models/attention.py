@@ -10,7 +10,7 @@ ancestor mask fits the same argument). Softmax runs over both parts together.
 Backends (`impl`):
   "xla"        the reference, any backend. It loops over the cache in blocks of `block` slots up
                to the batch's longest valid prefix (online softmax), so it reads only valid
-               blocks and an empty cache (prefill) not at all (per-layer caches; a stack is read
+               blocks and an empty cache (prefill) one block only (per-layer caches; a stack is read
                in one pass, see _cache_part_xla). Per-layer caches `[B, K, S, H]` are contracted with
                dot_general (XLA's canonical batch order: no transpose of the cache). A stacked
                cache `[L, B, K, S, H]` with a traced `layer` is read as multiply + reduce, which XLA
@@ -46,7 +46,7 @@ IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 ENV_OVERRIDE = "JAXSPEC_ATTENTION"  # overrides impl="auto" (e.g. JAXSPEC_ATTENTION=xla)
 PALLAS_MAX_QUERIES = 256  # query rows (G heads x T positions) per kv head a Pallas kernel takes
 PREFILL_CHUNK = 512  # queries per chunk for long windows
-CACHE_BLOCK = 256  # cache slots per step of the XLA path's loop over the valid prefix
+CACHE_BLOCK = 512  # cache slots per step of the XLA path's loop over the valid prefix
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked part adds exp(..) = 0
 
 
@@ -72,6 +72,21 @@ def resolve_impl(impl: str = "auto", *, cache_dtype=None, stacked: bool = False,
     if backend == "gpu" and not stacked:
         return "pallas_gpu"
     return "xla"
+
+
+def cache_block_size(slots: int, block: int | None = CACHE_BLOCK) -> int | None:
+    """Slots per block of the XLA path's loop over a per-layer cache of `slots` slots (None: one
+    pass). At least two blocks: a dot on the whole per-layer cache made XLA:CPU copy the cache at
+    batch 1 (its layout is free there)."""
+    block = min(block, slots // 2) if block else None
+    return block if block and slots % block == 0 else None
+
+
+def cache_loop_trips(valid: int, slots: int) -> int:
+    """Trips of the XLA path's loop over a per-layer cache's blocks for `valid` slots (block 0 runs
+    before the loop)."""
+    block = cache_block_size(slots)
+    return max(-(-valid // block) - 1, 0) if block else 0
 
 
 def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mask=None,
@@ -132,10 +147,11 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
 
     block: slots per step of a loop that stops after the batch's longest valid prefix (an online
     softmax over blocks, as flash decoding does): only blocks below max(lengths) are read, and an
-    empty cache (prefill) reads nothing. None: one pass over every slot."""
+    empty cache (prefill) only the first block. None: one pass over every slot."""
     b, kv, gt, h = qg.shape
     slots = k_cache.shape[-2]
-    if block is None or block >= slots or slots % block or layer is not None:
+    block = cache_block_size(slots, block)
+    if block is None or layer is not None:
         # a stack is read in one pass: around a loop, XLA:CPU re-lays the whole stack out (copies
         # it) at batch 1, where the size-1 batch dim leaves its layout free
         return _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, slots)
@@ -147,10 +163,11 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
         a, a_b = jnp.exp(m - m_new), jnp.exp(m_b - m_new)
         return a[..., None] * o + a_b[..., None] * o_b, m_new, a * l + a_b * l_b
 
-    init = (jnp.zeros((b, kv, gt, h), jnp.float32), jnp.full((b, kv, gt), _NEG, jnp.float32),
-            jnp.zeros((b, kv, gt), jnp.float32))
-    n = (jnp.max(lengths) + block - 1) // block  # blocks holding any valid slot
-    return jax.lax.fori_loop(0, n, body, init)
+    # block 0 outside the loop starts the carry (no zero-filled accumulators; an empty cache gives
+    # o = 0, m = _NEG, l = 0); the loop runs over the other blocks holding any valid slot
+    first = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, block)
+    n = (jnp.max(lengths) + block - 1) // block
+    return jax.lax.fori_loop(1, n, body, first)
 
 
 def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
@@ -171,10 +188,15 @@ def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
         qc = qg.astype(jnp.float32).reshape(b, kv, gt, 1, *f)
         kc = k_b.astype(jnp.float32).reshape(b, kv, 1, size, *f)
         s = jnp.sum(qc * kc, axis=tuple(range(-len(f), 0))) * scale  # [B, K, GT, Sb]
-    s = jnp.where(valid, s, _NEG)
-    m = s.max(-1)
-    p = jnp.exp(s - m[..., None])  # masked slots: exp(_NEG - m) = 0 unless every slot is masked
-    p = jnp.where(valid, p, 0.0)
+    red = _factors(size)  # reduce as [.., *red] with every reduced dim <= 32: XLA:CPU then fuses
+    axes = tuple(range(-len(red), 0))  # the mask into the reduce (a split reduce materialises s)
+    valid = valid.reshape(*valid.shape[:-1], *red)
+    s = jnp.where(valid, s.reshape(*s.shape[:-1], *red), _NEG)
+    m = s.max(axes)
+    m_safe = jnp.where(m > 0.5 * _NEG, m, 0.0)  # a block with no valid slot: exp(_NEG - 0) = 0
+    p = jnp.exp(s - m_safe.reshape(*m.shape, *(1,) * len(red)))  # masked slots: 0
+    l = p.sum(axes)
+    p = p.reshape(*p.shape[:-len(red)], size)
     if layer is None:
         pv = (((3,), (2,)), ((0, 1), (0, 1)))
         o = jax.lax.dot_general(p.astype(v_b.dtype), v_b, pv, preferred_element_type=jnp.float32)
@@ -183,7 +205,7 @@ def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
         pc = p.reshape(b, kv, gt, *f, 1)
         vc = v_b.astype(jnp.float32).reshape(b, kv, 1, *f, h)
         o = jnp.sum(pc * vc, axis=tuple(range(-len(f) - 1, -1)))  # [B, K, GT, H]
-    return o, m, p.sum(-1)
+    return o, m, l
 
 
 def _factors(n: int, most: int = 32) -> tuple[int, ...]:
