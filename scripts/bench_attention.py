@@ -4,8 +4,9 @@ bandwidth floor of the bytes it must read (the valid cache prefix + the queries)
 Rows: each shape on a per-layer cache `[B, K, S, H]` and on a stacked one `[L, B, K, S, H]` read at
 a traced layer (the stacked layout's case: a kernel that copied the layer out would show it in
 time). Impls: "xla" (the reference) and this backend's kernels (TPU: "pallas_tpu", JAX's paged
-attention on a zero-copy view of the cache; GPU: "pallas_gpu", the Pallas decode kernel, per-layer
-caches only). `auto` marks the one attend picks here; `max |Δ|` is the largest difference from xla.
+attention on a zero-copy view of the cache; GPU: "pallas_gpu", JAX's Pallas decode kernel on a
+per-layer cache, jaxspec's own Pallas kernel on a stack). `(auto)` marks the one attend picks
+here; `max |Δ|` is the largest difference from xla.
 
     python scripts/bench_attention.py            # on a TPU / GPU: XLA vs this backend's kernel
     python scripts/bench_attention.py --smoke    # tiny shapes, every kernel in Pallas interpret mode
@@ -68,8 +69,6 @@ def main() -> None:
             auto = attention.resolve_impl("auto", cache_dtype=dtype, stacked=layer is not None)
             ref = None
             for impl in impls_here(args.smoke):
-                if impl == "pallas_gpu" and layer is not None:
-                    continue  # per-layer caches only (attend runs xla for a stack)
                 fn = jax.jit(lambda *a, impl=impl, layer=layer: attention.attend(
                     *a, layer=layer, impl=impl, interpret=args.smoke and impl != "xla"))
                 label = f"{impl} (auto)" if impl == auto else impl

@@ -158,6 +158,23 @@ def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attend_pallas_gpu_stacked_kernel_matches_reference_in_interpret_mode(dtype):
+    """Our Pallas GPU kernel on a stack at a traced layer (the stacked layout's GPU path): chain
+    and tree windows, an empty prefix, a prefix ending mid-block, several splits."""
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=256, layers=3)
+    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    lengths = jnp.asarray([0, 17, 250], jnp.int32)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    for mask in (None, attention.causal_mask(3, 3).at[:, 2, 1].set(False)):
+        args = (q, kc, vc, kw, vw, lengths)
+        want = attention.attend(*args, layer=jnp.int32(1), window_mask=mask, impl="xla")
+        got = attention.attend(*args, layer=jnp.int32(1), window_mask=mask, impl="pallas_gpu",
+                               interpret=True)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatch, stacked, dtype):
@@ -189,10 +206,34 @@ def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatc
                                    rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("platform, impl, stacked", [
+    ("tpu", "pallas_tpu", False), ("tpu", "pallas_tpu", True), ("cuda", "pallas_gpu", False),
+    ("cuda", "pallas_gpu", True),
+])
+def test_attention_kernels_lower_for_their_device(platform, impl, stacked):
+    """jax.export lowers the Pallas kernels for a TPU (Mosaic) / GPU (Triton) without one, which
+    checks what interpret mode does not: block shapes the device compiler takes. SmolLM2 heads
+    (H = 64, G*T = 15 query rows: neither a multiple of 128 nor of 8), bfloat16."""
+    from jax import export
+
+    b, t, n, kv, h, s = 2, 5, 9, 3, 64, 256
+    bf = jnp.bfloat16
+    cache = jax.ShapeDtypeStruct((3, b, kv, s, h) if stacked else (b, kv, s, h), bf)
+    args = (jax.ShapeDtypeStruct((b, t, n, h), bf), cache, cache,
+            jax.ShapeDtypeStruct((b, t, kv, h), bf), jax.ShapeDtypeStruct((b, t, kv, h), bf),
+            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    fn = jax.jit(lambda q, kc, vc, kw, vw, lengths, i: attention.attend(
+        q, kc, vc, kw, vw, lengths, layer=i if stacked else None, impl=impl))
+    target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
+    exp = export.export(fn, platforms=(platform,),
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
+    assert target in exp.mlir_module()
+
+
 @pytest.mark.parametrize("backend, dtype, stacked, want", [
     ("tpu", "bfloat16", True, "pallas_tpu"), ("tpu", "bfloat16", False, "pallas_tpu"),
     ("tpu", "float32", True, "xla"), ("gpu", "bfloat16", False, "pallas_gpu"),
-    ("gpu", "bfloat16", True, "xla"), ("cpu", "bfloat16", False, "xla"),
+    ("gpu", "bfloat16", True, "pallas_gpu"), ("cpu", "bfloat16", False, "xla"),
 ])
 def test_attention_impl_follows_the_backend(monkeypatch, backend, dtype, stacked, want):
     monkeypatch.delenv(attention.ENV_OVERRIDE, raising=False)

@@ -20,11 +20,13 @@ Backends (`impl`):
                zero-copy paged view of the cache (per-layer or the stack at a traced layer), which
                DMAs only pages below lengths[b]; merged with the window part by log-sum-exp
                (see jaxspec.models.attention_kernels). Any window mask (chains and trees).
-  "pallas_gpu" the cache part by `jax.experimental.pallas.ops.gpu.decode_attention`'s per-(row,
-               kv head) kernel, which stops at lengths[b] (reads only valid slots), merged the same
-               way. Per-layer caches only (a stack runs "xla").
+  "pallas_gpu" per-layer caches: the cache part by `jax.experimental.pallas.ops.gpu.
+               decode_attention`'s per-(row, kv head) kernel, which stops at lengths[b] (reads only
+               valid slots); a stack: our own Pallas (Triton) flash-decoding kernel, which takes the
+               whole stack and loads layer `layer`'s valid blocks by address (no copy). Merged the
+               same way.
   "auto"       by backend (`resolve_impl`): TPU "pallas_tpu" for bfloat16 caches, GPU
-               "pallas_gpu" for per-layer caches, else "xla". The environment variable
+               "pallas_gpu", else "xla". The environment variable
                JAXSPEC_ATTENTION=xla (or another impl) overrides "auto", e.g. to force the
                reference path on a device.
 Both Pallas impls run on CPU in interpret mode (`interpret=True`), which is how tests check them.
@@ -58,8 +60,8 @@ def resolve_impl(impl: str = "auto", *, cache_dtype=None, stacked: bool = False,
                  backend: str | None = None) -> str:
     """The implementation `attend` runs for `impl`. "auto" (unless JAXSPEC_ATTENTION names another
     impl): on TPU "pallas_tpu" when the cache is bfloat16 (the kernel rounds K/V to bf16, so a
-    float32 cache keeps the exact XLA path), on GPU "pallas_gpu" for per-layer caches (the kernel
-    cannot index a stack without copying the layer out), everywhere else "xla"."""
+    float32 cache keeps the exact XLA path), on GPU "pallas_gpu", everywhere else "xla".
+    `stacked`: whether the cache is a `[L, ...]` stack (every impl takes both today)."""
     if impl == "auto":
         impl = os.environ.get(ENV_OVERRIDE, "") or "auto"
     if impl not in IMPLS:
@@ -69,7 +71,7 @@ def resolve_impl(impl: str = "auto", *, cache_dtype=None, stacked: bool = False,
     backend = backend or jax.default_backend()
     if backend == "tpu" and cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.bfloat16:
         return "pallas_tpu"
-    if backend == "gpu" and not stacked:
+    if backend == "gpu":
         return "pallas_gpu"
     return "xla"
 
@@ -129,6 +131,9 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     elif impl == "pallas_gpu" and pallas_fits and layer is None:
         o_c, m_c, l_c = attention_kernels.cache_part_pallas_gpu(
             qg, k_cache, v_cache, lengths, scale, interpret)
+    elif impl == "pallas_gpu" and pallas_fits:
+        o_c, m_c, l_c = attention_kernels.cache_part_pallas_gpu_stacked(
+            qg, k_cache, v_cache, lengths, layer, scale, interpret)
     else:
         o_c, m_c, l_c = _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block)
     # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c

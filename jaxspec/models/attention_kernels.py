@@ -10,6 +10,9 @@ see the same prefix) and returns what attend merges with the window part by log-
                          stack `[L, B, K, S, H]` indexed by a traced layer; see below).
   cache_part_pallas_gpu  jax.experimental.pallas.ops.gpu.decode_attention's per-(row, kv head)
                          kernel, vmapped on a per-layer `[B, K, S, H]` cache.
+  cache_part_pallas_gpu_stacked  our own Pallas (Triton) flash-decoding kernel on a stack
+                         `[L, B, K, S, H]` at a traced layer (JAX's kernel takes a per-layer
+                         operand, which would copy the layer out of the stack).
 
 Both run on CPU in Pallas interpret mode (`interpret=True`), which is how tests check them.
 """
@@ -66,8 +69,12 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
     first = 0 if layer is None else layer.astype(jnp.int32) * (b * kv * per_seq)
     page_indices = first + jnp.arange(b * kv * per_seq, dtype=jnp.int32)  # [(B*K) * S/P]
     lens = jnp.repeat(lengths.astype(jnp.int32), kv)  # [B*K]
-    q = (qg.astype(jnp.float32) * scale).reshape(b * kv, gt, 1, h)  # one sequence per (row, head)
-    q_spec = pl.BlockSpec((None, gt, None, h), lambda core, s, head, *_: (s, head, 0, 0))
+    rows = -(-gt // 8) * 8  # query rows padded to the TPU's 8 sublanes
+    q = (qg.astype(jnp.float32) * scale).reshape(b * kv, gt, h)  # one sequence per (row, head)
+    q = jnp.pad(q, ((0, 0), (0, rows - gt), (0, 0)))
+    # q, o, and the running max / weight sum (kept lane-broadcast, as the kernel writes them) all
+    # in blocks equal to their arrays' last two dims, which Mosaic accepts for any G*T and H
+    q_spec = pl.BlockSpec((None, rows, h), lambda core, s, head, *_: (s, 0, 0))
     buffer = lambda c: pltpu.VMEM((2, per_block, page, h), c.dtype)  # noqa: E731  double-buffered
     kernel = functools.partial(
         pak.paged_flash_attention_kernel_inline_seq_dim, pages_per_sequence=per_seq,
@@ -87,15 +94,14 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((*q.shape[:-1], 1), jnp.float32),
-                   jax.ShapeDtypeStruct((*q.shape[:-1], 1), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 3,
         interpret=pltpu.InterpretParams() if interpret else False,
     )(lens, page_indices, jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), q,
       k_pages, None, v_pages, None)
-    m = jnp.maximum(m.reshape(b, kv, gt), _EMPTY)  # an empty prefix leaves -inf, l = 0
-    l = l.reshape(b, kv, gt)
-    return o.reshape(b, kv, gt, h) * l[..., None], m, l  # the kernel's o is normalised by l
+    o, m, l = (x[:, :gt].reshape(b, kv, gt, h) for x in (o, m, l))
+    m = jnp.maximum(m[..., 0], _EMPTY)  # an empty prefix leaves -inf (and l = 0)
+    l = l[..., 0]
+    return o * l[..., None], m, l  # the kernel's o is normalised by l
 
 
 def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False):
@@ -121,3 +127,82 @@ def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False)
                                           start, lens)
     # the kernel's m is the max of scaled scores; an empty prefix has l == 0
     return o.astype(jnp.float32), m.astype(jnp.float32), l.astype(jnp.float32)
+
+
+GPU_BLOCK_SLOTS = 64  # cache slots per step of the stacked GPU kernel's loop
+GPU_SPLITS = 8  # programs per (row, kv head) in the stacked GPU kernel, each over a slot range
+
+
+def _stacked_decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                           block_k: int, split_len: int):
+    """One (row b, kv head h, split j) program: cache slots [j*split_len, (j+1)*split_len) below
+    lengths[b] of layer `layer` of the stack, in blocks of block_k (online softmax)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    start = j * split_len
+    stop = jnp.minimum(lengths_ref[b], start + split_len)
+    q = q_ref[...]  # [rows, H] f32, pre-scaled
+    rows = q.shape[0]
+
+    def body(i, carry):
+        o, m, l = carry
+        at = start + i * block_k
+        k = k_ref[layer, b, h, pl.ds(at, block_k), :]  # [block_k, H] straight from the stack
+        s = plgpu.dot(q.astype(k.dtype), k, trans_b=True, allow_tf32=False)  # [rows, block_k]
+        s = jnp.where((at + jnp.arange(block_k))[None, :] < stop, s.astype(jnp.float32), _EMPTY)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[:, None])
+        a = jnp.exp(m - m_new)
+        v = v_ref[layer, b, h, pl.ds(at, block_k), :]
+        o = a[:, None] * o + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False).astype(jnp.float32)
+        return o, m_new, a * l + p.sum(axis=-1)
+
+    init = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full((rows,), _EMPTY, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    n = jnp.maximum(pl.cdiv(stop - start, block_k), 0)
+    o, m, l = jax.lax.fori_loop(0, n, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def cache_part_pallas_gpu_stacked(qg, k_all, v_all, lengths, layer, scale, interpret=False):
+    """The cache part on a stacked cache `[L, B, K, S, H]` at a traced layer, by a Pallas GPU
+    (Triton) flash-decoding kernel of ours: the stack goes in whole (no copy of the layer), each
+    program loads its blocks from (layer, b, h) by address, below lengths[b] only. The cache slots
+    are split over GPU_SPLITS programs per (row, kv head) and merged here by log-sum-exp."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    b, kv, gt, h = qg.shape
+    slots = k_all.shape[-2]
+    block_k = GPU_BLOCK_SLOTS if slots % GPU_BLOCK_SLOTS == 0 else slots
+    splits = min(GPU_SPLITS, slots // block_k)
+    while (slots // block_k) % splits:
+        splits -= 1
+    rows = max(16, 1 << (gt - 1).bit_length())  # tl.dot: power-of-two rows >= 16
+    q = jnp.pad(qg.astype(jnp.float32) * scale, ((0, 0), (0, 0), (0, rows - gt), (0, 0)))
+    whole = pl.no_block_spec  # the whole array: the kernel indexes it by address
+    q_spec = pl.BlockSpec((None, None, rows, h), lambda i, k, j: (i, k, 0, 0))
+    out_spec = lambda *shape: pl.BlockSpec(  # noqa: E731
+        (None, None, None, *shape), lambda i, k, j: (j, i, k) + (0,) * len(shape))
+    o, m, l = pl.pallas_call(
+        functools.partial(_stacked_decode_kernel, block_k=block_k, split_len=slots // splits),
+        grid=(b, kv, splits),
+        in_specs=[whole, whole, q_spec, whole, whole],
+        out_specs=[out_spec(rows, h), out_spec(rows), out_spec(rows)],
+        out_shape=[jax.ShapeDtypeStruct((splits, b, kv, rows, h), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),  # Triton (not Mosaic GPU)
+        interpret=interpret,
+        name="jaxspec_stacked_decode",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths.astype(jnp.int32), q, k_all, v_all)
+    m_all = m.max(axis=0)  # merge the splits: [B, K, rows]
+    a = jnp.exp(m - m_all[None])
+    o = (a[..., None] * o).sum(axis=0)
+    l = (a * l).sum(axis=0)
+    return o[:, :, :gt], jnp.maximum(m_all[:, :, :gt], _EMPTY), l[:, :, :gt]
