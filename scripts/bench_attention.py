@@ -66,7 +66,7 @@ def main() -> None:
             shape = (b, kv, s, h) if cache == "per-layer" else (STACK, b, kv, s, h)
             kc, vc = (jax.random.normal(k, shape, dtype) for k in ks[1:3])
             layer = None if cache == "per-layer" else jnp.int32(2)
-            auto = attention.resolve_impl("auto", cache_dtype=dtype, stacked=layer is not None)
+            auto = attention.resolve_impl("auto", cache_dtype=dtype)
             ref = None
             for impl in impls_here(args.smoke):
                 fn = jax.jit(lambda *a, impl=impl, layer=layer: attention.attend(
@@ -76,7 +76,7 @@ def main() -> None:
                 try:
                     sec = bench(fn, q, kc, vc, kw, vw, lengths, reps=reps)
                     out = fn(q, kc, vc, kw, vw, lengths).astype(jnp.float32)
-                except Exception as e:  # a kernel that does not build here: say so, keep going
+                except Exception as e:  # noqa: BLE001  a kernel that does not build here: say so
                     print(f"{row} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |")
                     continue
                 ref = out if impl == "xla" else ref

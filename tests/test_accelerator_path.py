@@ -195,8 +195,8 @@ def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatc
     for mask in (None, tree):
         args = (q, kc, vc, kw, vw, lengths)
         want = attention.attend(*args, layer=layer, window_mask=mask, impl="xla")
-        got = jax.jit(lambda *a: attention.attend(*a, layer=layer, window_mask=mask,
-                                                  impl="pallas_tpu", interpret=True))(*args)
+        got = jax.jit(lambda *a, mask=mask: attention.attend(
+            *a, layer=layer, window_mask=mask, impl="pallas_tpu", interpret=True))(*args)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=tol, atol=tol)
     if not stacked:  # the same kernel under jax's own switch for TPU interpret mode
@@ -230,16 +230,15 @@ def test_attention_kernels_lower_for_their_device(platform, impl, stacked):
     assert target in exp.mlir_module()
 
 
-@pytest.mark.parametrize("backend, dtype, stacked, want", [
-    ("tpu", "bfloat16", True, "pallas_tpu"), ("tpu", "bfloat16", False, "pallas_tpu"),
-    ("tpu", "float32", True, "xla"), ("gpu", "bfloat16", False, "pallas_gpu"),
-    ("gpu", "bfloat16", True, "pallas_gpu"), ("cpu", "bfloat16", False, "xla"),
+@pytest.mark.parametrize("backend, dtype, want", [
+    ("tpu", "bfloat16", "pallas_tpu"), ("tpu", "float32", "xla"), ("gpu", "bfloat16", "pallas_gpu"),
+    ("gpu", "float32", "xla"), ("cpu", "bfloat16", "xla"), ("cpu", "float32", "xla"),
 ])
-def test_attention_impl_follows_the_backend(monkeypatch, backend, dtype, stacked, want):
+def test_attention_impl_follows_the_backend(monkeypatch, backend, dtype, want):
     monkeypatch.delenv(attention.ENV_OVERRIDE, raising=False)
-    assert attention.resolve_impl("auto", cache_dtype=dtype, stacked=stacked, backend=backend) == want
+    assert attention.resolve_impl("auto", cache_dtype=dtype, backend=backend) == want
     monkeypatch.setenv(attention.ENV_OVERRIDE, "xla")  # the override forces the reference path
-    assert attention.resolve_impl("auto", cache_dtype=dtype, stacked=stacked, backend=backend) == "xla"
+    assert attention.resolve_impl("auto", cache_dtype=dtype, backend=backend) == "xla"
     assert attention.resolve_impl("pallas_tpu", backend=backend) == "pallas_tpu"  # explicit wins
     monkeypatch.setenv(attention.ENV_OVERRIDE, "flash")
     with pytest.raises(ValueError, match="JAXSPEC_ATTENTION"):

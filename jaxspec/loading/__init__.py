@@ -73,7 +73,7 @@ class LoadedModel:
         JAXSPEC_ATTENTION overrides)."""
         if self.layout == "packed":
             return "cpu kernels"
-        return attention.resolve_impl("auto", cache_dtype=self.cfg.compute_dtype, stacked=self.stacked)
+        return attention.resolve_impl("auto", cache_dtype=self.cfg.compute_dtype)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache in the layout (per-layer or stacked) and dtype of these params."""

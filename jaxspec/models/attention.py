@@ -10,9 +10,10 @@ ancestor mask fits the same argument). Softmax runs over both parts together.
 Backends (`impl`):
   "xla"        the reference, any backend. It loops over the cache in blocks of `block` slots up
                to the batch's longest valid prefix (online softmax), so it reads only valid
-               blocks and an empty cache (prefill) one block only (per-layer caches; a stack is read
-               in one pass, see _cache_part_xla). Per-layer caches `[B, K, S, H]` are contracted with
-               dot_general (XLA's canonical batch order: no transpose of the cache). A stacked
+               blocks and an empty cache (prefill) one block only, per-layer or stacked (a stack's
+               blocks are sliced at the traced layer inside the loop; tests/test_accelerator_path
+               checks XLA copies no cache for it). Per-layer caches `[B, K, S, H]` are contracted
+               with dot_general (XLA's canonical batch order: no transpose of the cache). A stacked
                cache `[L, B, K, S, H]` with a traced `layer` is read as multiply + reduce, which XLA
                fuses with the layer's dynamic slice: a dot would first copy the layer's cache out
                of the stack, every layer, every step (see jaxspec.hlo).
@@ -25,8 +26,8 @@ Backends (`impl`):
                valid slots); a stack: our own Pallas (Triton) flash-decoding kernel, which takes the
                whole stack and loads layer `layer`'s valid blocks by address (no copy). Merged the
                same way.
-  "auto"       by backend (`resolve_impl`): TPU "pallas_tpu" for bfloat16 caches, GPU
-               "pallas_gpu", else "xla". The environment variable
+  "auto"       by backend (`resolve_impl`): for bfloat16 caches TPU "pallas_tpu", GPU
+               "pallas_gpu"; else "xla". The environment variable
                JAXSPEC_ATTENTION=xla (or another impl) overrides "auto", e.g. to force the
                reference path on a device.
 Both Pallas impls run on CPU in interpret mode (`interpret=True`), which is how tests check them.
@@ -56,12 +57,12 @@ def causal_mask(batch: int, t: int) -> jax.Array:  # bool[B, T, T]
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
-def resolve_impl(impl: str = "auto", *, cache_dtype=None, stacked: bool = False,
-                 backend: str | None = None) -> str:
+def resolve_impl(impl: str = "auto", *, cache_dtype=None, backend: str | None = None) -> str:
     """The implementation `attend` runs for `impl`. "auto" (unless JAXSPEC_ATTENTION names another
-    impl): on TPU "pallas_tpu" when the cache is bfloat16 (the kernel rounds K/V to bf16, so a
-    float32 cache keeps the exact XLA path), on GPU "pallas_gpu", everywhere else "xla".
-    `stacked`: whether the cache is a `[L, ...]` stack (every impl takes both today)."""
+    impl): for a bfloat16 cache (the accelerator default) "pallas_tpu" on TPU and "pallas_gpu" on
+    GPU; a float32 cache keeps the exact XLA path (the TPU kernel rounds K/V to bfloat16, the GPU
+    one may use tf32), and every other backend runs "xla". Each impl takes per-layer caches and
+    stacks."""
     if impl == "auto":
         impl = os.environ.get(ENV_OVERRIDE, "") or "auto"
     if impl not in IMPLS:
@@ -69,11 +70,9 @@ def resolve_impl(impl: str = "auto", *, cache_dtype=None, stacked: bool = False,
     if impl != "auto":
         return impl
     backend = backend or jax.default_backend()
-    if backend == "tpu" and cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.bfloat16:
-        return "pallas_tpu"
-    if backend == "gpu":
-        return "pallas_gpu"
-    return "xla"
+    if cache_dtype is None or jnp.dtype(cache_dtype) != jnp.bfloat16:
+        return "xla"
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "xla")
 
 
 def cache_block_size(slots: int, block: int | None = CACHE_BLOCK) -> int | None:
@@ -113,7 +112,7 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
         return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
     if window_mask is None:
         window_mask = causal_mask(b, t)
-    impl = resolve_impl(impl, cache_dtype=k_cache.dtype, stacked=layer is not None)
+    impl = resolve_impl(impl, cache_dtype=k_cache.dtype)
     kv = k_win.shape[2]
     g = n // kv
     scale = h**-0.5
@@ -153,12 +152,9 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
     block: slots per step of a loop that stops after the batch's longest valid prefix (an online
     softmax over blocks, as flash decoding does): only blocks below max(lengths) are read, and an
     empty cache (prefill) only the first block. None: one pass over every slot."""
-    b, kv, gt, h = qg.shape
     slots = k_cache.shape[-2]
     block = cache_block_size(slots, block)
-    if block is None or layer is not None:
-        # a stack is read in one pass: around a loop, XLA:CPU re-lays the whole stack out (copies
-        # it) at batch 1, where the size-1 batch dim leaves its layout free
+    if block is None:
         return _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, slots)
 
     def body(j, carry):

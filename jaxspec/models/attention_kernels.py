@@ -75,7 +75,7 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
     # q, o, and the running max / weight sum (kept lane-broadcast, as the kernel writes them) all
     # in blocks equal to their arrays' last two dims, which Mosaic accepts for any G*T and H
     q_spec = pl.BlockSpec((None, rows, h), lambda core, s, head, *_: (s, 0, 0))
-    buffer = lambda c: pltpu.VMEM((2, per_block, page, h), c.dtype)  # noqa: E731  double-buffered
+    buffer = lambda c: pltpu.VMEM((2, per_block, page, h), c.dtype)  # double-buffered
     kernel = functools.partial(
         pak.paged_flash_attention_kernel_inline_seq_dim, pages_per_sequence=per_seq,
         batch_size=b * kv, pages_per_compute_block=per_block, mask_value=pak.DEFAULT_MASK_VALUE,
@@ -187,7 +187,7 @@ def cache_part_pallas_gpu_stacked(qg, k_all, v_all, lengths, layer, scale, inter
     q = jnp.pad(qg.astype(jnp.float32) * scale, ((0, 0), (0, 0), (0, rows - gt), (0, 0)))
     whole = pl.no_block_spec  # the whole array: the kernel indexes it by address
     q_spec = pl.BlockSpec((None, None, rows, h), lambda i, k, j: (i, k, 0, 0))
-    out_spec = lambda *shape: pl.BlockSpec(  # noqa: E731
+    out_spec = lambda *shape: pl.BlockSpec(
         (None, None, None, *shape), lambda i, k, j: (j, i, k) + (0,) * len(shape))
     o, m, l = pl.pallas_call(
         functools.partial(_stacked_decode_kernel, block_k=block_k, split_len=slots // splits),
