@@ -47,7 +47,7 @@ def main() -> None:
     args = p.parse_args()
     dtype = jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
     # (B, T, N, K, H, S, valid): SmolLM2 and Llama-3-8B heads, cache half full
-    shapes = [(1, 2, 4, 2, 16, 64, 32)] if args.smoke else [
+    shapes = [(1, 2, 4, 2, 16, 128, 40)] if args.smoke else [
         (1, 1, 9, 3, 64, 2048, 1024), (8, 5, 9, 3, 64, 2048, 1024),
         (8, 1, 32, 8, 128, 2048, 1024), (8, 5, 32, 8, 128, 2048, 1024),
         (32, 5, 32, 8, 128, 2048, 1024),

@@ -148,14 +148,22 @@ def test_attend_prefill_chunks_match_one_block():
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
 
 
+def _runs_a_kernel(*args, **kw) -> bool:
+    """Whether attend(*args, **kw) calls a Pallas kernel (not the XLA fallback)."""
+    return "pallas_call" in str(jax.make_jaxpr(lambda *a: attention.attend(*a, **kw))(*args))
+
+
 def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
     """Pallas GPU decode kernel (reads slots < lengths only), run by the Pallas interpreter on
     CPU; on a GPU scripts/bench_device.sh runs it compiled."""
     pytest.importorskip("jax.experimental.pallas.ops.gpu.decode_attention")
-    q, kc, vc, kw, vw, lengths = _attention_inputs(t=2, s=64)
+    q, kc, vc, kw, vw, lengths = _attention_inputs(t=2, s=128)
     want = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla")
     got = attention.attend(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert _runs_a_kernel(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
+    # a capacity the kernel's blocks do not divide runs the XLA path
+    assert not _runs_a_kernel(q, kc[:, :, :96], vc[:, :, :96], kw, vw, lengths, impl="pallas_gpu")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -173,6 +181,7 @@ def test_attend_pallas_gpu_stacked_kernel_matches_reference_in_interpret_mode(dt
                                interpret=True)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=tol, atol=tol)
+    assert _runs_a_kernel(*args, layer=jnp.int32(1), impl="pallas_gpu", interpret=True)
 
 
 @pytest.mark.parametrize("stacked", [False, True])
@@ -199,6 +208,7 @@ def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatc
             *a, layer=layer, window_mask=mask, impl="pallas_tpu", interpret=True))(*args)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=tol, atol=tol)
+    assert _runs_a_kernel(*args, layer=layer, impl="pallas_tpu", interpret=True)
     if not stacked:  # the same kernel under jax's own switch for TPU interpret mode
         with pltpu.force_tpu_interpret_mode():
             forced = attention.attend(*args, window_mask=tree, impl="pallas_tpu")
@@ -269,6 +279,8 @@ def test_load_model_auto_dtype_on_this_cpu(tiny_llama_dir):
 
     m = load_model(tiny_llama_dir, dtype="auto", layout="stacked")
     assert m.cfg.dtype == "float32" and m.stacked
+    # the attention impl shows in the metrics (CPU: the XLA reference)
+    assert Engine(m).generate([[5, 9]], max_new_tokens=2)[0].metrics["attention"] == "xla"
 
 
 def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():

@@ -123,7 +123,8 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
     wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
     s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
-    pallas_fits = g * t <= PALLAS_MAX_QUERIES  # prefill chunks keep the XLA path
+    # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
+    pallas_fits = g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, k_cache.shape[-2])
     if impl == "pallas_tpu" and pallas_fits:
         o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
             qg, k_cache, v_cache, lengths, layer, scale, interpret)

@@ -24,6 +24,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+def takes(impl: str, slots: int) -> bool:
+    """Whether `impl`'s kernel takes a cache of `slots` slots (its pages / power-of-two blocks
+    divide it); attend runs the XLA path otherwise."""
+    if impl == "pallas_tpu":
+        return slots % 16 == 0
+    if impl == "pallas_gpu":
+        return slots % 128 == 0
+    return False
+
+
 TPU_BLOCK_SLOTS = 512  # cache slots per step of the TPU kernel's flash loop (pages x page size)
 _EMPTY = -0.7 * float(jnp.finfo(jnp.float32).max)  # a prefix with no valid slot: weight 0
 
