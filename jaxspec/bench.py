@@ -272,6 +272,7 @@ class Bench:
         m = self.plan.base_cfg.model
         self.target = self._target or load_model(m.name, dtype=m.dtype, layout=m.layout)
         self.results["machine"]["model_layout"] = self.target.layout
+        self.results["machine"]["attention"] = self.target.attention
         self.engines = {"baseline": build_engine(self.plan.base_cfg, target=self.target)}
         for label, cfg in list(self.configs.items()):
             if cfg.speculative.method == "none":

@@ -383,6 +383,7 @@ class Engine:
             "method": self.method,
             "layout": layout_of(self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
+            "attention": getattr(self.model, "attention", ""),  # xla / pallas_tpu / pallas_gpu / ...
             "num_speculative_tokens": g,
             "tree_nodes": self.spec.num_nodes,  # window entries verified after the root
             "nodes_per_step": drafted / steps if steps else 0.0,
