@@ -215,8 +215,7 @@ class SpeculativeConfig(Section):
 
     def _validate(self):
         if self.method != "none":
-            if self.method not in _registry().DRAFTERS:
-                self._fail("method", f"use one of {names(_registry().available_methods())}")
+            _registry().check_method(self.method)
             if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
                 self._fail("num_speculative_tokens", f"use 1..{MAX_SPECULATIVE_TOKENS}")
         self._check_options()

@@ -150,8 +150,8 @@ class NgramOptions(DrafterOptions):
     def _validate(self):
         if not 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM:
             raise JaxspecError(
-                f"{self.SECTION}.min_ngram={self.min_ngram}, max_ngram={self.max_ngram} are "
-                f"invalid: need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}"
+                f"{self.SECTION}.min_ngram={self.min_ngram}, {self.SECTION}.max_ngram="
+                f"{self.max_ngram} are invalid: need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}"
             )
 
     def check(self, spec):
