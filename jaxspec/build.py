@@ -15,9 +15,9 @@ from typing import Any
 
 from jaxspec import drafters
 from jaxspec.config import Config, SpeculativeConfig
+from jaxspec.distributed import mesh_plan
 from jaxspec.drafters import registry
 from jaxspec.drafters.base import traits
-from jaxspec.distributed import mesh_plan
 from jaxspec.engine import Engine
 from jaxspec.sampling import SamplingParams
 

@@ -11,15 +11,15 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 import pytest
-
 from conftest import make_tiny_checkpoint, save_byte_tokenizer
+from tiny import tiny_model
+
 from jaxspec import generate
 from jaxspec.build import build_drafter
 from jaxspec.config import load_config
 from jaxspec.drafters import BuildContext, DrafterOptions, Proposal, register_drafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
-from tiny import tiny_model
 
 
 # ---- the new method ------------------------------------------------------------------------

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from distribution import FAIL_P, PASS_P, pvalue
+from tiny import tiny_model
+
 from jaxspec import acceptance, speculate, tree
 from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.ngram import NgramDrafter
@@ -23,7 +24,6 @@ from jaxspec.loading.params import unpack_params
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, logits_to_probs
 from jaxspec.train import methods
-from tiny import tiny_model
 
 PROMPT_LENGTHS = (5, 17, 9, 30)
 
@@ -89,10 +89,10 @@ def test_bad_tree_config_is_a_one_line_error(overrides, word):
 
 
 def test_tree_config_builds_the_tree_drafter():
-    from jaxspec.config import load_config
     from types import SimpleNamespace
 
     from jaxspec.build import build_drafter
+    from jaxspec.config import load_config
 
     cfg = load_config(None, ["speculative.method=ngram", "speculative.tree.kind=static",
                              "speculative.tree.branches=2", "speculative.tree.depth=3"])

@@ -12,14 +12,16 @@ config; a method named in the config but not registered is refused with the list
 
 from __future__ import annotations
 
-# the built-in methods: each module registers its own (import order = the listed order)
-from jaxspec.drafters import ngram  # noqa: F401  (ngram)
-from jaxspec.drafters import draft_model  # noqa: F401  (draft_model)
-from jaxspec.drafters import layer_skip  # noqa: F401  (layer_skip)
-from jaxspec.drafters import eagle  # noqa: F401  (eagle)
-from jaxspec.drafters import eagle3  # noqa: F401  (eagle3)
-from jaxspec.drafters import medusa  # noqa: F401  (medusa)
-from jaxspec.drafters import mtp  # noqa: F401  (mtp)
+# the built-in methods: importing each module registers its method
+from jaxspec.drafters import (  # noqa: F401
+    draft_model,
+    eagle,
+    eagle3,
+    layer_skip,
+    medusa,
+    mtp,
+    ngram,
+)
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.drafters.registry import (

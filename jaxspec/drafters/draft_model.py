@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from jaxspec import sampling
 from jaxspec.cache import KVCache, init_cache
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters import trained
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError

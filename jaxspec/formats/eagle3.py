@@ -26,8 +26,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.drafters.eagle3 import Eagle3Drafter, default_layers
 from jaxspec.drafters.draft_vocab import check_d2t
+from jaxspec.drafters.eagle3 import Eagle3Drafter, default_layers
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import tensors as T
 from jaxspec.models.llama import ModelConfig, RopeScaling

@@ -21,8 +21,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.drafters.medusa_blocks import MedusaBlocksDrafter
 from jaxspec.drafters.draft_vocab import check_d2t
+from jaxspec.drafters.medusa_blocks import MedusaBlocksDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import tensors as T
 
