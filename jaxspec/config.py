@@ -238,7 +238,7 @@ class SpeculativeConfig(Section):
         if kind != "chain":
             kinds = () if self.method == "none" else _registry().get(self.method).tree_kinds
             if kind not in kinds:
-                able = [n for n, m in _registry().DRAFTERS.items() if kind in m.tree_kinds]
+                able = sorted(n for n, m in _registry().DRAFTERS.items() if kind in m.tree_kinds)
                 raise JaxspecError(
                     f"speculative.tree.kind={kind} is supported by method {' or '.join(able)}, "
                     f"not '{self.method}': set speculative.tree.kind=chain or change "

@@ -64,7 +64,7 @@ def test_bad_tree_choices_are_clear_errors():
     "overrides,word",
     [
         (["speculative.tree.kind=dynamic"], "supported by method eagle"),
-        (["speculative.method=eagle", "speculative.tree.kind=static"], "ngram or medusa"),
+        (["speculative.method=eagle", "speculative.tree.kind=static"], "medusa or ngram"),
         (["speculative.method=medusa", "speculative.tree.kind=static"], "needs speculative.tree.choices"),
         (["speculative.tree.budget=0"], "speculative.tree.budget=0 is invalid"),
         (["speculative.tree.choices=[[0, 1]]"], "no parent"),
