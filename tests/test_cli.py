@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec import cli_support, drafters, generate
+from jaxspec import cli_support, generate
+from jaxspec.drafters import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 NGRAM = str(ROOT / "configs" / "smollm2-135m-ngram.yaml")
@@ -133,7 +134,7 @@ def test_missing_model_file(run_main, tmp_path):
 
 
 def test_unavailable_method(run_main, monkeypatch):
-    monkeypatch.setattr(drafters, "DRAFTERS", {"ngram": drafters.DRAFTERS["ngram"]})
+    monkeypatch.setattr(registry, "DRAFTERS", {"ngram": registry.DRAFTERS["ngram"]})
     rc, _, err = run_main("--prompt", "hi", "speculative.method=eagle")
     assert_one_line_error(rc, err, "'eagle' is not available", "none, ngram")
 

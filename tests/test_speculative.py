@@ -174,7 +174,7 @@ def test_bad_speculative_settings_are_clear_errors(target):
         Engine(target, NgramDrafter(vocab_size=64), num_speculative_tokens=99)
     with pytest.raises(JaxspecError, match="ngram"):
         NgramDrafter(vocab_size=64, min_ngram=3, max_ngram=2)
-    with pytest.raises(JaxspecError, match="layer_skip_layers"):
+    with pytest.raises(JaxspecError, match="speculative.layer_skip.layers"):
         layer_skip_drafter(target.cfg, 2)
     short = ModelDrafter(cfg=dataclasses.replace(target.cfg, max_position_embeddings=40),
                          target_vocab=64)

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from distribution import FAIL_P, PASS_P, pvalue
+from tiny import tiny_model
+
 from jaxspec import acceptance, speculate, tree
 from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.ngram import NgramDrafter
@@ -23,7 +24,6 @@ from jaxspec.loading.params import unpack_params
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, logits_to_probs
 from jaxspec.train import methods
-from tiny import tiny_model
 
 PROMPT_LENGTHS = (5, 17, 9, 30)
 
@@ -63,15 +63,20 @@ def test_bad_tree_choices_are_clear_errors():
 @pytest.mark.parametrize(
     "overrides,word",
     [
-        (["tree.kind=dynamic"], "supported by method eagle"),
-        (["speculative.method=eagle", "tree.kind=static"], "medusa or ngram"),
-        (["speculative.method=medusa", "tree.kind=static"], "needs tree.choices"),
-        (["tree.budget=0"], "tree.budget=0 is invalid"),
-        (["tree.choices=[[0, 1]]"], "no parent"),
-        (["tree.kind=bogus"], "one of chain, static, dynamic"),
-        (["speculative.method=eagle", "tree.kind=dynamic", "tree.budget=60"], "use 1..52"),
-        (["speculative.method=ngram", "tree.kind=static", "tree.branches=20"], "<= 63"),
-        (["speculative.method=eagle", "tree.kind=dynamic", "speculative.lookup_min_ngram=2"],
+        (["speculative.tree.kind=dynamic"], "supported by method eagle"),
+        (["speculative.method=eagle", "speculative.tree.kind=static"], "medusa or ngram"),
+        (["speculative.method=medusa", "speculative.tree.kind=static"], "needs speculative.tree.choices"),
+        (["speculative.tree.budget=0"], "speculative.tree.budget=0 is invalid"),
+        (["speculative.tree.choices=[[0, 1]]"], "no parent"),
+        (["speculative.tree.kind=bogus"], "one of chain, static, dynamic"),
+        (["speculative.method=eagle", "speculative.tree.kind=dynamic", "speculative.tree.budget=60"],
+         "use 1..52"),
+        (["speculative.method=ngram", "speculative.tree.kind=static", "speculative.tree.branches=20"],
+         "<= 63"),
+        (["speculative.method=eagle", "speculative.tree.kind=dynamic", "speculative.lookup.min_ngram=2"],
+         "does not combine"),
+        (["speculative.method=eagle", "speculative.tree.kind=dynamic",
+          "speculative.eagle.draft_confidence=0.3"],
          "does not combine"),
     ],
 )
@@ -84,16 +89,18 @@ def test_bad_tree_config_is_a_one_line_error(overrides, word):
 
 
 def test_tree_config_builds_the_tree_drafter():
-    from jaxspec.config import load_config
-    from jaxspec.drafters import with_tree
+    from types import SimpleNamespace
 
-    cfg = load_config(None, ["speculative.method=ngram", "tree.kind=static", "tree.branches=2",
-                             "tree.depth=3"])
-    d = with_tree(NgramDrafter(vocab_size=64), cfg.tree)
-    assert (d.tree_nodes, d.tree_depth) == (6, 3)
-    cfg = load_config(None, ["speculative.method=medusa", "tree.kind=static",
-                             "tree.choices=[[1], [0], [0, 0]]"])
-    assert cfg.tree.choices == [[0], [1], [0, 0]]
+    from jaxspec.build import build_drafter
+    from jaxspec.config import load_config
+
+    cfg = load_config(None, ["speculative.method=ngram", "speculative.tree.kind=static",
+                             "speculative.tree.branches=2", "speculative.tree.depth=3"])
+    d, _ = build_drafter(cfg.speculative, SimpleNamespace(cfg=SimpleNamespace(vocab_size=64)))
+    assert isinstance(d, NgramDrafter) and (d.tree_nodes, d.tree_depth) == (6, 3)
+    cfg = load_config(None, ["speculative.method=medusa", "speculative.tree.kind=static",
+                             "speculative.tree.choices=[[1], [0], [0, 0]]"])
+    assert cfg.speculative.tree.choices == [[0], [1], [0, 0]]
 
 
 # ---- the acceptance rule ---------------------------------------------------------------------

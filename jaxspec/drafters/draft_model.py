@@ -10,13 +10,17 @@ included — then γ-1 single-token steps on its own samples (lax.scan).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec import sampling
 from jaxspec.cache import KVCache, init_cache
+from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.draft_vocab import scatter_to_target
+from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 
@@ -74,8 +78,7 @@ class ModelDrafter:
         if "draft_head" in params:  # reduced draft vocabulary (distilled drafts): N head rows + ids
             logits = llama.linear(hidden, params["draft_head"]).astype(jnp.float32)  # [B, N]
             probs = sampling.logits_to_probs(logits, sp)
-            full = jnp.zeros((hidden.shape[0], self.target_vocab), jnp.float32)
-            return full.at[:, params["draft_ids"]].set(probs)  # zeros elsewhere: never drawn
+            return scatter_to_target(probs, params["draft_ids"], self.target_vocab)  # zeros elsewhere
         logits = llama.lm_head(params, hidden)
         v, vd = self.target_vocab, logits.shape[-1]
         if vd > v:  # draft padding rows: never proposed
@@ -119,7 +122,7 @@ class ModelDrafter:
 def layer_skip_drafter(target_cfg: llama.ModelConfig, num_layers: int) -> ModelDrafter:
     if not 1 <= num_layers < target_cfg.num_layers:
         raise JaxspecError(
-            f"layer_skip_layers={num_layers} is out of range: the target has "
+            f"speculative.layer_skip.layers={num_layers} is out of range: the target has "
             f"{target_cfg.num_layers} layers, use 1..{target_cfg.num_layers - 1}"
         )
     cfg = dataclasses.replace(target_cfg, num_layers=num_layers)
@@ -133,3 +136,30 @@ def draft_model_drafter(draft, target) -> ModelDrafter:
     check_vocab(draft.cfg.vocab_size, target.cfg.vocab_size, draft.tokenizer, target.tokenizer)
     # A shorter draft context is not fatal: the engine checks each request against `max_context`.
     return ModelDrafter(cfg=draft.cfg, target_vocab=target.cfg.vocab_size)
+
+
+# ---- method "draft_model" ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftModelOptions(trained.CheckpointOptions):
+    """speculative.draft_model: a distilled draft (checkpoint) or any model sharing the target's
+    vocabulary (model: short name, HF dir or .gguf)."""
+
+    SECTION: ClassVar[str] = "speculative.draft_model"
+    model: str | None = None
+
+
+def build(options: DraftModelOptions, ctx: BuildContext):
+    if options.checkpoint is not None:
+        return trained.load("draft_model", options, ctx)
+    if options.model is None:
+        raise JaxspecError(
+            "speculative.method: draft_model needs speculative.draft_model.checkpoint (a distilled "
+            "draft, e.g. checkpoints/smollm2-135m-draft) or speculative.draft_model.model (a model "
+            "name or path)"
+        )
+    target = ctx.target
+    draft = ctx.load_model(options.model, dtype=target.cfg.dtype, layout=target.layout)
+    return draft_model_drafter(draft, target), draft.params
+
+
+register_drafter("draft_model", build, options=DraftModelOptions)

@@ -35,13 +35,17 @@ accepted path as for a chain.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels, sampling
+from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.draft_vocab import scatter_to_target
+from jaxspec.drafters.registry import BuildContext, register_drafter
+from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 
 
@@ -183,8 +187,7 @@ class EagleDrafter:
         """Draft-vocab logits [B, N] -> (draft index [B], full-vocab probs [B, V])."""
         probs_n = sampling.logits_to_probs(logits, sp)  # [B, N]
         idx = sampling.sample_rows(keys, probs_n)
-        probs = jnp.zeros((logits.shape[0], self.target_vocab), jnp.float32)
-        return idx, probs.at[:, dparams["d2t"]].set(probs_n)
+        return idx, scatter_to_target(probs_n, dparams["d2t"], self.target_vocab)
 
     def _probs(self, dparams, h, sp, keys):
         """h [B, D] -> (target token [B], full-vocab probs [B, V]) sampled from the draft vocab."""
@@ -360,3 +363,53 @@ class EagleDrafter:
         )
         feature = jnp.take_along_axis(f, ctx.num_accepted[:, None, None], axis=1)[:, 0]
         return EagleState(k, v, feature)
+
+
+# ---- method "eagle" ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EagleOptions(trained.Eagle3LayoutOptions):
+    """speculative.eagle: jaxspec's EAGLE checkpoints, or published EAGLE-3 / speculators ones."""
+
+    SECTION: ClassVar[str] = "speculative.eagle"
+    # dynamic draft length: stop drafting once the drafter's confidence that its draft is accepted
+    # (product of its probabilities of the tokens drafted so far, times the next one's top
+    # probability) falls below this; 0: always γ drafts. jaxspec's own EAGLE checkpoints only.
+    draft_confidence: float = 0.0
+
+    def _validate(self):
+        if not 0.0 <= self.draft_confidence < 1.0:
+            self._fail("draft_confidence", "use a number in [0, 1); 0 drafts γ tokens always")
+
+    def check(self, spec):
+        if self.draft_confidence and spec.tree.kind != "chain":
+            raise JaxspecError(
+                f"speculative.tree.kind={spec.tree.kind} does not combine with "
+                "speculative.eagle.draft_confidence: set it to 0 or use speculative.tree.kind=chain"
+            )
+
+
+def build(options: EagleOptions, ctx: BuildContext):
+    drafter, dparams = trained.load("eagle", options, ctx)
+    own = isinstance(drafter, EagleDrafter)  # not a published EAGLE-3 head
+    for wanted, setting in ((options.draft_confidence > 0, "eagle.draft_confidence"),
+                            (ctx.spec.tree.kind == "dynamic", "tree.kind=dynamic")):
+        if wanted and not own:
+            raise JaxspecError(
+                f"speculative.{setting} works with jaxspec's own EAGLE checkpoints only, not with "
+                f"the {drafter.name} head in {options.checkpoint}: drop it"
+            )
+    if options.draft_confidence > 0:
+        drafter = dataclasses.replace(
+            drafter, min_confidence=options.draft_confidence, variable_length=True
+        )
+    tree = ctx.spec.tree
+    if tree.kind == "dynamic":
+        drafter = dataclasses.replace(
+            drafter, tree_top_k=tree.top_k, tree_levels=tree.depth, tree_budget=tree.budget
+        )
+        if kernels.available() and llama.uses_cpu_kernels(ctx.target.params):
+            dparams = pack_for_cpu(dparams)
+    return drafter, dparams
+
+
+register_drafter("eagle", build, options=EagleOptions, tree_kinds=("dynamic",))

@@ -133,19 +133,3 @@ def check_tensor(where, name, a: np.ndarray, shape, kind="float") -> None:
     }[kind]
     if not ok:
         raise JaxspecError(f"{where}: tensor {name} has dtype {a.dtype}, expected a {kind} tensor")
-
-
-def check_draft_ids(where, name, ids: np.ndarray, vocab: int) -> None:
-    """Absolute target ids of a draft vocabulary: in range and distinct."""
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-        raise JaxspecError(
-            f"{where}: {name} maps to target id {bad}, outside the target vocabulary "
-            f"[0, {vocab}): the checkpoint is for another tokenizer or is corrupt"
-        )
-    uniq, counts = np.unique(ids, return_counts=True)
-    if (counts > 1).any():
-        raise JaxspecError(
-            f"{where}: {name} maps {int(counts.max())} draft ids to target id "
-            f"{int(uniq[counts > 1][0])}: a draft vocabulary must list each target token once"
-        )
