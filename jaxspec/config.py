@@ -150,7 +150,7 @@ class SpeculativeConfig(_Section):
 
 
 MAX_TREE_NODES = 63  # window of 1 + nodes <= the CPU attention kernel's 64 queries
-TREE_METHODS = {"static": ("medusa", "ngram"), "dynamic": ("eagle",)}
+TREE_METHODS = {"static": ("medusa", "ngram"), "dynamic": ("eagle", "draft_model")}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,6 +165,7 @@ class TreeConfig(_Section):
     depth: int = 4  # static ngram: nodes per branch; dynamic: levels
     top_k: int = 4  # dynamic: nodes expanded per level, children per expanded node
     budget: int = 16  # dynamic: nodes kept (best path scores)
+    children: Literal["top_k", "sampled", "without_replacement"] = "top_k"  # dynamic: jaxspec.tree
 
     def _validate(self):
         if isinstance(self.choices, str):

@@ -79,9 +79,10 @@ def build_drafter(
     if tree is not None and tree.kind != "chain":
         drafter = with_tree(drafter, tree)
         if tree.kind == "dynamic" and kernels.available() and llama.uses_cpu_kernels(target.params):
-            from jaxspec.drafters.eagle import pack_for_cpu
+            from jaxspec.drafters.eagle import EagleDrafter, pack_for_cpu
 
-            dparams = pack_for_cpu(dparams)
+            if isinstance(drafter, EagleDrafter):  # its tree levels are multi-row matmuls
+                dparams = pack_for_cpu(dparams)
     if spec.lookup_min_ngram:  # prompt lookup first, the method's draft elsewhere
         from jaxspec.drafters.lookup import LookupFirst
 
@@ -92,9 +93,10 @@ def build_drafter(
 
 def with_tree(drafter, tree: TreeConfig):
     """The same drafter proposing the configured tree (Config validated method x kind)."""
-    if tree.kind == "dynamic":  # eagle
+    if tree.kind == "dynamic":  # eagle, draft_model
         return dataclasses.replace(
-            drafter, tree_top_k=tree.top_k, tree_levels=tree.depth, tree_budget=tree.budget
+            drafter, tree_top_k=tree.top_k, tree_levels=tree.depth, tree_budget=tree.budget,
+            tree_children=tree.children,
         )
     if isinstance(drafter, NgramDrafter):
         return dataclasses.replace(drafter, branches=tree.branches, depth=tree.depth)
