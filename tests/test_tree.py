@@ -232,7 +232,7 @@ def sampled_tree_pvalue(target, children, seed=11):
     drafter = ModelDrafter(cfg=draft.cfg, target_vocab=V, tree_top_k=3, tree_levels=2,
                            tree_budget=6, tree_children=children)
     sp = SamplingParams.make(**TREE_SP)
-    return pvalue(target, drafter, draft.params, sp, PROMPT, rows=NUM_ROWS, num_tokens=3,
+    return pvalue(target, drafter, draft.params, sp, PROMPT, rows=NUM_ROWS, num_tokens=4,
                   gamma=1, seed=seed)
 
 
