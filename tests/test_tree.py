@@ -418,7 +418,7 @@ def smol_plain(smollm2):
     return Engine(smollm2).generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
 
 
-@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram"])
+@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram", "draft"])
 def test_shipped_tree_config_is_token_identical(smollm2, smol_plain, name):
     from jaxspec.build import build_engine
     from jaxspec.config import load_config
@@ -427,6 +427,6 @@ def test_shipped_tree_config_is_token_identical(smollm2, smol_plain, name):
     results = engine.generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
     assert [r.token_ids for r in results] == [r.token_ids for r in smol_plain]
     assert np.mean([r.metrics["mean_accepted_length"] for r in results]) > 1.1
-    nodes = engine.spec.num_nodes  # eagle, medusa: every step verifies the whole tree
+    nodes = engine.spec.num_nodes  # eagle, medusa, draft: every step verifies the whole tree
     assert all(r.metrics["nodes_per_step"] == nodes or name == "ngram" for r in results)
     assert all(r.metrics["nodes_per_step"] > 0 for r in results)
