@@ -180,7 +180,7 @@ def draw_children(logp, q, k: int, children: str, keys):
     f = logp.shape[1]
     logq = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
     if children == "sampled":
-        draw = lambda key, lq: jax.random.categorical(key, lq, axis=-1, shape=(k, f))  # noqa: E731
+        draw = lambda key, lq: jax.random.categorical(key, lq, axis=-1, shape=(k, f))
         return inc, jnp.moveaxis(jax.vmap(draw)(keys, logq), 1, 2).astype(jnp.int32)
     if children != "without_replacement":
         raise ValueError(f"children={children!r}: use one of {', '.join(CHILDREN)}")

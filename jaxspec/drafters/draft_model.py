@@ -151,7 +151,7 @@ class ModelDrafter:
         k, levels = self.tree_top_k, self.tree_levels
         b = ctx.lengths.shape[0]
         root_logits, ids = self._logits(params, last[:, 0])
-        to_target = (lambda i: i) if ids is None else (lambda i: ids[i])  # noqa: E731
+        to_target = (lambda i: i) if ids is None else (lambda i: ids[i])
 
         def expand(carry, level, front: tree.Frontier):
             win_tokens, win_parents = carry  # [B, level*k] expanded so far, their window parents
