@@ -81,6 +81,7 @@ def aggregate(rows: list[dict], base_rows: list[dict], gamma: int) -> dict[str, 
         "e2e_speedup": ratio(e2e, be2e),
         "mean_accepted_length": mal,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "nodes_per_step": drafted / steps if steps else 0.0,  # draft nodes verified per forward
         "accepted_per_position": per_pos,
         "step_cost_ratio": cost,
         "alpha_from_accepted_length": alpha,

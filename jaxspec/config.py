@@ -112,6 +112,9 @@ class TreeConfig(Section):
     depth: int = 4  # static ngram: nodes per branch; dynamic: levels
     top_k: int = 4  # dynamic: nodes expanded per level, children per expanded node
     budget: int = 16  # dynamic: nodes kept (best path scores)
+    # dynamic: how a node's children are drawn (jaxspec.tree.grow): its top-k tokens, i.i.d.
+    # samples, or samples without replacement (best acceptance at temperature > 0)
+    children: Literal["top_k", "sampled", "without_replacement"] = "top_k"
 
     def _validate(self):
         if isinstance(self.choices, str):

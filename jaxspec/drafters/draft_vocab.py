@@ -37,7 +37,10 @@ def check_d2t(d2t, target_vocab: int, source: str) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def scatter_to_target(probs_n: jax.Array, d2t: jax.Array, target_vocab: int) -> jax.Array:
-    """f32[..., N] draft-vocabulary probs -> f32[..., V], zeros off the draft vocabulary."""
+def scatter_to_target(probs_n: jax.Array, d2t: jax.Array | None, target_vocab: int) -> jax.Array:
+    """f32[..., N] draft-vocabulary probs -> f32[..., V], zeros off the draft vocabulary
+    (d2t None: the draft vocabulary is the target's, probs_n is returned as it is)."""
+    if d2t is None:
+        return probs_n
     full = jnp.zeros(probs_n.shape[:-1] + (target_vocab,), jnp.float32)
     return full.at[..., d2t].set(probs_n)
