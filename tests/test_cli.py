@@ -231,9 +231,13 @@ def test_stream_matches_json(json_run):
     assert "tok/s, ngram: acceptance" in summary[0] and "tokens/step, layout" in summary[0]
 
 
-def test_prompt_longer_than_context():
-    run = cli("--config", NGRAM, "--prompt", "word " * 9000, "--max-new-tokens", "8")
-    assert_one_line_error(run.returncode, run.stderr, "exceeds the model's context", "8192")
+def test_prompt_longer_than_context(run_main, smollm2, monkeypatch):
+    """In-process on the loaded model (the one-line error of a real process: the next test)."""
+    import jaxspec.loading
+
+    monkeypatch.setattr(jaxspec.loading, "load_model", lambda *a, **k: smollm2)
+    rc, _, err = run_main("--config", NGRAM, "--prompt", "word " * 9000, "--max-new-tokens", "8")
+    assert_one_line_error(rc, err, "exceeds the model's context", "8192")
 
 
 def test_bad_input_in_a_real_process():
