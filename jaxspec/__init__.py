@@ -13,10 +13,10 @@ The pieces are usable alone: `models.llama.forward`, `cache.KVCache`, `acceptanc
 """
 
 from jaxspec.acceptance import accept, accept_row, accept_tree
-from jaxspec.build import build_engine, sampling_params
+from jaxspec.build import build_drafter, build_engine, sampling_params
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.config import Config, load_config
-from jaxspec.drafters import available_methods, build_drafter, register_drafter
+from jaxspec.drafters import DrafterOptions, available_methods, register_drafter
 from jaxspec.drafters.base import Drafter, Proposal
 from jaxspec.drafters.draft_model import ModelDrafter, draft_model_drafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
@@ -31,7 +31,7 @@ from jaxspec.tree import Window, build_window
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "Drafter", "Engine", "GenerationResult", "JaxspecError", "KVCache", "LoadedModel",
+    "Config", "Drafter", "DrafterOptions", "Engine", "GenerationResult", "JaxspecError", "KVCache", "LoadedModel",
     "MeshPlan", "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal", "SamplingParams", "ShardingRules",
     "Window", "accept", "accept_row", "accept_tree", "available_methods", "build_window", "build_drafter", "build_engine", "draft_model_drafter",
     "forward", "init_cache", "layer_skip_drafter", "lm_head", "load_config", "load_model",

@@ -29,19 +29,26 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from jaxspec import bench_formula as formula
+from jaxspec.bench_plan import BenchPlan, plan_bench, settings
+from jaxspec.bench_rows import (  # noqa: F401 -- aggregate: re-exported
+    SPEC_BENCH_CATEGORIES,
+    aggregate,
+    drop_ids,
+    record,
+    summarise_configs,
+    summarise_peers,
+)
+from jaxspec.bench_sweeps import batch_sweep, gamma_sweep
 from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
 EXIT_INTERRUPTED = 130
-SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_NAME = Path("shared", "data", "spec_bench_dev.jsonl")
 # The repo's sibling `shared/` (CI layout), else a `shared/` inside the checkout.
@@ -57,7 +64,7 @@ def category_of(raw: str) -> str:
 
 
 # ---- input --------------------------------------------------------------------------------------
-def _int_list(flag: str, lo: int, hi: int):
+def int_list(flag: str, lo: int, hi: int):
     def parse(text: str) -> list[int]:
         try:
             values = [int(v) for v in text.split(",") if v.strip()]
@@ -138,13 +145,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gammas",
-        type=_int_list("--gammas", 1, MAX_SPECULATIVE_TOKENS),
+        type=int_list("--gammas", 1, MAX_SPECULATIVE_TOKENS),
         metavar="1,2,3,5,8",
         help="γ sweep of --sweep-config (omit: no γ sweep)",
     )
     p.add_argument(
         "--batch-sizes",
-        type=_int_list("--batch-sizes", 1, 256),
+        type=int_list("--batch-sizes", 1, 256),
         metavar="1,4,16",
         help="batch sweep: plain vs --sweep-config (omit: none)",
     )
@@ -220,111 +227,11 @@ def select(rows: list[dict[str, Any]], n_per_category: int) -> list[dict[str, An
     return out
 
 
-def label_of(path: str) -> str:
-    return Path(path).stem
-
-
-# ---- aggregation ---------------------------------------------------------------------------------
-def _mean(xs) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else 0.0
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if a and b else None
-
-
-def record(result, wall_s: float) -> dict[str, Any]:
-    """One GenerationResult -> the per-prompt row kept in results.json."""
-    n = result.num_generated_tokens
-    m = result.metrics
-    decode_s = (n - 1) / result.decode_tokens_per_s if n > 1 and result.decode_tokens_per_s else 0.0
-    total_s = result.time_to_first_token_s + decode_s
-    return {
-        "num_prompt_tokens": result.num_prompt_tokens,
-        "num_generated_tokens": n,
-        "ttft_s": result.time_to_first_token_s,
-        "decode_s": decode_s,
-        "wall_s": wall_s,
-        "tokens_per_s": result.decode_tokens_per_s,
-        "e2e_tokens_per_s": n / total_s if total_s > 0 else 0.0,
-        "num_steps": m["num_steps"],
-        "num_draft_tokens": m["num_draft_tokens"],
-        "num_accepted_tokens": m["num_accepted_tokens"],
-        "accepted_per_position": m["accepted_per_position"],
-        "token_ids": result.token_ids,
-        "compile_s": m.get("compile_s", 0.0),  # must be 0: compilation happens in the warm-up
-    }
-
-
-def aggregate(rows: list[dict], base_rows: list[dict], gamma: int) -> dict[str, Any]:
-    """Method rows + the baseline rows of the same prompts -> one overall/category object."""
-    tps = _mean(r["tokens_per_s"] for r in rows)
-    e2e = _mean(r["e2e_tokens_per_s"] for r in rows)
-    btps = _mean(r["tokens_per_s"] for r in base_rows)
-    be2e = _mean(r["e2e_tokens_per_s"] for r in base_rows)
-    steps = sum(r["num_steps"] for r in rows)
-    emitted = sum(max(r["num_generated_tokens"] - 1, 0) for r in rows)
-    drafted = sum(r["num_draft_tokens"] for r in rows)
-    accepted = sum(r["num_accepted_tokens"] for r in rows)
-    mal = emitted / steps if steps else 1.0
-    per_pos = [0.0] * gamma
-    for r in rows:
-        for i, a in enumerate(r["accepted_per_position"][:gamma]):
-            per_pos[i] += a * r["num_steps"]
-    per_pos = [x / steps if steps else 0.0 for x in per_pos]
-    step_s = sum(r["decode_s"] for r in rows) / steps if steps else 0.0
-    bsteps = sum(r["num_steps"] for r in base_rows)
-    base_step_s = sum(r["decode_s"] for r in base_rows) / bsteps if bsteps else 0.0
-    cost = _ratio(step_s, base_step_s)
-    matches = [r["token_ids"] == b["token_ids"] for r, b in zip(rows, base_rows)]
-    alpha = formula.alpha_from_accepted_length(mal, gamma) if gamma else None
-    return {
-        "num_prompts": len(rows),
-        "num_generated_tokens": sum(r["num_generated_tokens"] for r in rows),
-        "tokens_per_s": tps,
-        "baseline_tokens_per_s": btps,
-        "speedup": _ratio(tps, btps),
-        "e2e_tokens_per_s": e2e,
-        "baseline_e2e_tokens_per_s": be2e,
-        "e2e_speedup": _ratio(e2e, be2e),
-        "mean_accepted_length": mal,
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "accepted_per_position": per_pos,
-        "step_cost_ratio": cost,
-        "alpha_from_accepted_length": alpha,
-        "predicted_speedup": (
-            formula.speedup(alpha, gamma, step_cost=cost)
-            if gamma and alpha is not None and cost
-            else None
-        ),
-        "outputs_match_baseline": all(matches) if matches else None,
-        "match_rate": sum(matches) / len(matches) if matches else None,
-        "compile_s_in_timed_runs": sum(r.get("compile_s", 0.0) for r in rows),
-    }
-
-
-def aggregate_peer(rows: list[dict], base_rows: list[dict], ours: dict[str, list[dict]]):
-    """HF rows -> {tokens_per_s, match rate vs our baseline, our e2e/decode ratios to it}."""
-    tps = _mean(r["tokens_per_s"] for r in rows)
-    matches = [r["token_ids"] == b["token_ids"] for r, b in zip(rows, base_rows)]
-    ratios = {}
-    for label, ours_rows in ours.items():
-        ratios[label] = {
-            "e2e_ratio": _ratio(_mean(r["e2e_tokens_per_s"] for r in ours_rows), tps),
-            "decode_ratio": _ratio(_mean(r["tokens_per_s"] for r in ours_rows), tps),
-        }
-    return {
-        "num_prompts": len(rows),
-        "tokens_per_s": tps,
-        "matches_our_baseline": all(matches) if matches else None,
-        "match_rate_vs_our_baseline": sum(matches) / len(matches) if matches else None,
-        "ours_over_this": ratios,
-    }
-
-
 # ---- the run -------------------------------------------------------------------------------------
 class Bench:
+    """One run: plan (configs, prompts) -> load (target, engines, peers) -> main protocol and
+    sweeps -> results.json / summary.md. The figures come from jaxspec.bench_rows."""
+
     def __init__(self, args: argparse.Namespace, argv: list[str], target=None, hf_model=None):
         self.args = args
         self._target, self._hf_model = target, hf_model  # already loaded (tests, notebooks)
@@ -336,123 +243,37 @@ class Bench:
             "machine": {},
         }
         self.rows: dict[str, list[dict]] = {}  # label -> per-prompt rows, in prompt order
-        self.prompts: list[dict] = []
+        self.plan: BenchPlan | None = None
 
-    # -- setup
+    @property
+    def configs(self) -> dict[str, Any]:
+        return self.plan.configs if self.plan else {}
+
+    @property
+    def prompts(self) -> list[dict[str, Any]]:
+        return self.plan.prompts if self.plan else []
+
     def prepare(self) -> None:
-        from jaxspec import drafters
-        from jaxspec.config import load_config
-
-        a = self.args
-        greedy = ["sampling.temperature=0"]
-        self.configs = {}
-        for path in a.config:
-            label = label_of(path)
-            if label in self.configs:
-                raise JaxspecError(f"--config {path}: a config named {label!r} is given twice")
-            cfg = load_config(path, greedy)
-            try:
-                drafters.check_method(cfg.speculative.method)
-            except JaxspecError as e:
-                if not a.skip_unavailable:
-                    raise
-                self._skip(label, str(e))
-                continue
-            self.configs[label] = cfg
-        if not self.configs:
-            raise JaxspecError("no usable config: every --config was skipped")
-        first = next(iter(self.configs.values()))
-        for label, cfg in self.configs.items():
-            if cfg.model != first.model:
-                raise JaxspecError(
-                    f"--config {label}: model section differs from the first config's; all "
-                    "configs must share one target (one baseline)"
-                )
-        self.sweep_label = None
-        if a.sweep_config:
-            self.sweep_label = label_of(a.sweep_config)
-            if self.sweep_label not in self.configs:
-                cfg = load_config(a.sweep_config, greedy)
-                drafters.check_method(cfg.speculative.method)
-                if cfg.model != first.model:
-                    raise JaxspecError("--sweep-config must use the same model as --config")
-                self.sweep_cfg = cfg
-            else:
-                self.sweep_cfg = self.configs[self.sweep_label]
-            if self.sweep_cfg.speculative.method == "none":
-                raise JaxspecError("--sweep-config must be a speculative config (method != none)")
-        elif a.gammas or a.batch_sizes:
-            spec = [l for l, c in self.configs.items() if c.speculative.method != "none"]
-            if not spec:
-                raise JaxspecError(
-                    "--gammas/--batch-sizes need a speculative config: add one to "
-                    "--config or pass --sweep-config"
-                )
-            self.sweep_label, self.sweep_cfg = spec[0], self.configs[spec[0]]
-        self.prompts = select(read_questions(a.data), a.n_per_category)
-        self.base_cfg = load_config(
-            None,
-            greedy
-            + [
-                f"model.name={first.model.name}",
-                f"model.dtype={first.model.dtype}",
-                f"model.layout={first.model.layout}",
-                f"generation.chat_template={str(first.generation.chat_template).lower()}",
-            ],
-        )
-        if first.generation.system_prompt is not None:
-            import dataclasses
-
-            self.base_cfg = dataclasses.replace(
-                self.base_cfg,
-                generation=dataclasses.replace(
-                    self.base_cfg.generation, system_prompt=first.generation.system_prompt
-                ),
-            )
-        self.results["settings"] = {
-            "configs": {
-                l: str(p) for l, p in zip(map(label_of, a.config), a.config) if l in self.configs
-            },
-            "data": str(a.data),
-            "n_per_category": a.n_per_category,
-            "num_prompts": len(self.prompts),
-            "categories": sorted(
-                {p["category"] for p in self.prompts}, key=SPEC_BENCH_CATEGORIES.index
-            ),
-            "max_new_tokens": a.max_new_tokens,
-            "sampling": "greedy",
-            "batch_size": 1,
-            "turns": "first turn of each question",
-            "warm_up": "one untimed run per engine per prompt-length bucket",
-            "baseline": "plain decoding (speculative.method=none) of the same loaded target",
-            "tokens_per_s": "decode only: (generated - 1) / decode wall time, mean per question",
-            "e2e_tokens_per_s": "generated / (prefill + decode) wall time, mean per question",
-            "speedup": "mean per-question tokens/s of the method / of the baseline",
-            "alpha": "alpha_from_accepted_length: α with (1-α^(γ+1))/(1-α) = mean accepted "
-            "length; acceptance_rate = accepted / drafted tokens",
-            "step_cost_ratio": "(decode s / target forwards) of the method / of the baseline",
-            "peers": a.peers,
-            "gammas": a.gammas,
-            "batch_sizes": a.batch_sizes,
-            "sweep_config": self.sweep_label,
-            "sweeps_only": bool(a.sweeps_only),
-            "config_values": {l: c.to_dict() for l, c in self.configs.items()},
-        }
+        prompts = select(read_questions(self.args.data), self.args.n_per_category)
+        self.plan = plan_bench(self.args, prompts)
+        self.results["settings"] = settings(self.args, self.plan)
         self.results["machine"] = machine_facts()
+        self._note_skipped()
 
-    def _skip(self, label: str, why: str) -> None:
-        self.results.setdefault("skipped_configs", {})[label] = why
-        print(f"warning: skipping config {label}: {why}", file=sys.stderr)
+    def _note_skipped(self) -> None:
+        if self.plan.skipped:
+            self.results["skipped_configs"] = dict(self.plan.skipped)
 
     def load(self) -> None:
         from jaxspec.build import build_engine
         from jaxspec.loading import load_model
 
         enable_compilation_cache()
-        m = self.base_cfg.model
+        m = self.plan.base_cfg.model
         self.target = self._target or load_model(m.name, dtype=m.dtype, layout=m.layout)
         self.results["machine"]["model_layout"] = self.target.layout
-        self.engines = {"baseline": build_engine(self.base_cfg, target=self.target)}
+        self.results["machine"]["attention"] = self.target.attention
+        self.engines = {"baseline": build_engine(self.plan.base_cfg, target=self.target)}
         for label, cfg in list(self.configs.items()):
             if cfg.speculative.method == "none":
                 continue  # a plain config *is* the baseline: reported with its rows
@@ -461,8 +282,11 @@ class Bench:
             except (JaxspecError, OSError, ValueError) as e:  # e.g. a checkpoint not trained yet
                 if not self.args.skip_unavailable:
                     raise
-                self._skip(label, str(e))
-                del self.configs[label]
+                self.plan.skip(label, str(e))
+        self._note_skipped()
+        self.results["settings"]["configs"] = {
+            l: self.plan.config_paths[l] for l in self.configs
+        }
         self.ids = [self.engines["baseline"].encode(p["prompt"]) for p in self.prompts]
         self.peers = None
         if self.args.peers == "hf":
@@ -485,29 +309,24 @@ class Bench:
             )
             self.results["peers"] = {"hf": {"info": self.peers.info}}
 
-    def warm_up(self, engine, ids_list: list[list[int]], max_new: int, batch_size: int = 1):
-        """Run once per prompt-length bucket (same capacity, fewer tokens): compile untimed."""
+    @staticmethod
+    def warm_up(engine, ids_list: list[list[int]], max_new: int, batch_size: int = 1) -> None:
+        """Compile untimed: once per prompt-length bucket (the longest prompt of each batch)."""
         from jaxspec.engine import bucket
-        from jaxspec.sampling import SamplingParams
 
-        short = bucket(max_new) // 2 + 1 if max_new > 16 else max_new
         seen = set()
         for i in range(0, len(ids_list), batch_size):
-            chunk = ids_list[i : i + batch_size]
-            b = bucket(max(len(x) for x in chunk))
-            if b not in seen:
-                seen.add(b)
-                if hasattr(engine, "_ensure_compiled"):  # prefill + one step: compiles, cheap
-                    engine._ensure_compiled(chunk, max_new, SamplingParams.make(), batch_size)
-                else:
-                    engine.generate(chunk, max_new_tokens=short, batch_size=batch_size)
+            longest = max(ids_list[i : i + batch_size], key=len)
+            if bucket(len(longest)) not in seen:
+                seen.add(bucket(len(longest)))
+                engine.warmup(longest, max_new_tokens=max_new, batch_size=batch_size)
 
     # -- phase 1: Spec-Bench protocol
     def run_main(self) -> None:
         from tqdm import tqdm
 
         a = self.args
-        for name, engine in self.engines.items():
+        for engine in self.engines.values():
             self.warm_up(engine, self.ids, a.max_new_tokens)
         if self.peers:
             self.peers.warm_up(self.ids[0])
@@ -515,7 +334,9 @@ class Bench:
         peer_names = list(self.peers.methods) if self.peers else []
         for name in labels + peer_names:
             self.rows[name] = []
-        bar = tqdm(list(zip(self.prompts, self.ids)), desc="bench", unit="prompt", file=sys.stderr)
+        bar = tqdm(
+            list(zip(self.prompts, self.ids)), desc="bench", unit="prompt", file=sys.stderr
+        )
         for prompt, ids in bar:
             for name in labels:
                 t0 = time.perf_counter()
@@ -536,216 +357,69 @@ class Bench:
             self.summarise()
             self.write(plots=False)
 
-    # -- phase 2: γ sweep
+    # -- phases 2 and 3: the sweeps (jaxspec.bench_sweeps)
     def run_gamma_sweep(self) -> None:
-        import dataclasses
-
-        from tqdm import tqdm
-
-        from jaxspec.build import build_engine
-
-        a = self.args
-        cfg = self.sweep_cfg
-        prompts = self.prompts[: a.sweep_prompts]
-        ids = self.ids[: a.sweep_prompts]
-        engines = {"baseline": self.engines["baseline"]}
-        for g in a.gammas:
-            spec = dataclasses.replace(cfg.speculative, num_speculative_tokens=g)
-            engines[g] = build_engine(
-                dataclasses.replace(cfg, speculative=spec), target=self.target
-            )
-            self.warm_up(engines[g], ids, a.max_new_tokens)
-        rows: dict[Any, list] = {k: [] for k in engines}
+        n = self.args.sweep_prompts
         sweep = self.results["gamma_sweep"] = {
-            "config": self.sweep_label,
-            "num_prompts": len(prompts),
+            "config": self.plan.sweep_label,
+            "num_prompts": len(self.prompts[:n]),
             "points": [],
         }
-        for i in tqdm(range(len(ids)), desc="gamma sweep", unit="prompt", file=sys.stderr):
-            for k, engine in engines.items():
-                res = engine.generate([ids[i]], max_new_tokens=a.max_new_tokens)[0]
-                rows[k].append(record(res, 0.0))
-            sweep["points"] = [
-                {"gamma": g, **_drop(aggregate(rows[g], rows["baseline"], g))} for g in a.gammas
-            ]
-            self._fit_gamma_curve(sweep)
-            self.write(plots=False)
-
-    def _fit_gamma_curve(self, sweep: dict) -> None:
-        pts = [p for p in sweep["points"] if p["step_cost_ratio"]]
-        r0, r1 = formula.fit_step_cost(
-            [p["gamma"] for p in pts], [p["step_cost_ratio"] for p in pts]
+        gamma_sweep(
+            sweep,
+            cfg=self.plan.sweep_cfg,
+            target=self.target,
+            baseline=self.engines["baseline"],
+            ids=self.ids[:n],
+            gammas=self.args.gammas,
+            max_new_tokens=self.args.max_new_tokens,
+            warm_up=self.warm_up,
+            on_point=lambda: self.write(plots=False),
         )
-        tot_steps = sum(p["num_generated_tokens"] for p in pts)
-        alphas = [(p["alpha_from_accepted_length"], p["num_generated_tokens"]) for p in pts]
-        alpha = sum(x * w for x, w in alphas) / tot_steps if tot_steps else 0.0
-        gmax = max([16, *(p["gamma"] for p in pts)])
-        grid = list(range(1, gmax + 1))
-        sweep["formula"] = {
-            "alpha": alpha,
-            "alpha_definition": "token-weighted mean of alpha_from_accepted_length over γ points",
-            "step_cost_fit": {"r0": r0, "r1": r1, "form": "r(γ) = r0 + r1·γ, least squares"},
-            "curve": {"gamma": grid, "speedup": formula.speedup_curve(alpha, grid, r0, r1)},
-            "optimal_gamma": formula.optimal_gamma(alpha, r0, r1, gmax),
-            "curve_free_verify": {
-                "gamma": grid,
-                "speedup": formula.speedup_curve(alpha, grid, 1.0, 0.0),
-            },
-        }
 
-    # -- phase 3: batch sweep
     def run_batch_sweep(self) -> None:
-        from tqdm import tqdm
-
         from jaxspec.build import build_engine
 
-        a = self.args
-        m = a.batch_max_new_tokens
+        a, label = self.args, self.plan.sweep_label
         engines = {
             "plain": self.engines["baseline"],
-            self.sweep_label: self.engines.get(self.sweep_label)
-            or build_engine(self.sweep_cfg, target=self.target),
+            label: self.engines.get(label) or build_engine(self.plan.sweep_cfg, target=self.target),
         }
         sweep = self.results["batch_sweep"] = {
-            "config": self.sweep_label,
+            "config": label,
             "rounds": a.batch_rounds,
-            "max_new_tokens": m,
+            "max_new_tokens": a.batch_max_new_tokens,
             "method": "at batch size b: `rounds` full batches of b requests (the 8 shortest prompts, "
             "cycled); throughput = generated tokens / wall time; latency = wall time of the batch "
             "a request was in",
             "points": [],
         }
-        # the shortest prompts, cycled: every batch size sees the same prompt-length bucket, so
-        # throughput and latency move with the batch, not with which prompts happened to be in it
-        pool = sorted(self.ids, key=len)[: max(1, min(8, len(self.ids)))]
-        for b in tqdm(a.batch_sizes, desc="batch sweep", unit="batch size", file=sys.stderr):
-            n = b * a.batch_rounds
-            ids = [pool[i % len(pool)] for i in range(n)]
-            point = {"batch_size": b, "num_requests": n}
-            for name, engine in engines.items():
-                self.warm_up(engine, ids, m, batch_size=b)
-                tokens, wall, lat = 0, 0.0, []
-                for s in range(0, n, b):
-                    chunk = ids[s : s + b]
-                    t0 = time.perf_counter()
-                    res = engine.generate(chunk, max_new_tokens=m, batch_size=b)
-                    dt = time.perf_counter() - t0
-                    wall += dt
-                    tokens += sum(r.num_generated_tokens for r in res)
-                    lat += [dt] * len(chunk)
-                    outs = [r.token_ids for r in res]
-                    point.setdefault(f"{name}_outputs", []).extend(outs)
-                key = "plain" if name == "plain" else "speculative"
-                point[f"{key}_tokens_per_s"] = tokens / wall if wall else 0.0
-                point[f"{key}_latency_s"] = statistics.fmean(lat)
-            po = point.pop("plain_outputs")
-            so = point.pop(f"{self.sweep_label}_outputs")
-            point["outputs_match"] = po == so
-            point["speedup"] = _ratio(
-                point["speculative_tokens_per_s"], point["plain_tokens_per_s"]
-            )
-            sweep["points"].append(point)
-            self.write(plots=False)
-        faster = [p["batch_size"] for p in sweep["points"] if (p["speedup"] or 0) >= 1.0]
-        sweep["speculative_faster_at"] = faster
-        # the first batch size, after one where speculation won, at which plain decoding wins
-        later = [
-            p["batch_size"]
-            for p in sweep["points"]
-            if faster and p["batch_size"] > faster[0] and (p["speedup"] or 0) < 1.0
-        ]
-        sweep["crossover_batch_size"] = later[0] if later else None
+        batch_sweep(
+            sweep,
+            engines=engines,
+            ids=self.ids,
+            batch_sizes=a.batch_sizes,
+            rounds=a.batch_rounds,
+            max_new_tokens=a.batch_max_new_tokens,
+            warm_up=self.warm_up,
+            on_point=lambda: self.write(plots=False),
+        )
 
     # -- results
     def summarise(self) -> None:
-        base = self.rows.get("baseline", [])
-        if not base:
+        summary = summarise_configs(self.configs, self.plan.config_paths, self.rows)
+        if not summary:
             return
-        cats = [c for c in SPEC_BENCH_CATEGORIES if any(r["category"] == c for r in base)]
-        out = {}
-        for label, cfg in self.configs.items():
-            gamma = (
-                cfg.speculative.num_speculative_tokens if cfg.speculative.method != "none" else 0
-            )
-            rows = self.rows.get("baseline" if gamma == 0 else label, [])[: len(base)]
-            if len(rows) < len(base):
-                base_n = base[: len(rows)]
-            else:
-                base_n = base
-            entry = {
-                "config": self.results["settings"]["configs"].get(label),
-                "method": cfg.speculative.method if gamma else "plain",
-                "num_speculative_tokens": gamma,
-                "overall": aggregate(rows, base_n, gamma),
-                "categories": {
-                    c: aggregate(
-                        [r for r in rows if r["category"] == c],
-                        [r for r in base_n if r["category"] == c],
-                        gamma,
-                    )
-                    for c in cats
-                },
-            }
-            out[label] = entry
-        self.results["configs"] = out
-        spec = {l: e for l, e in out.items() if e["num_speculative_tokens"]}
-        pick = (
-            max(spec, key=lambda l: spec[l]["overall"]["speedup"] or 0) if spec else next(iter(out))
-        )
-        self.results["best_config"] = pick
-        self.results["overall"] = {"config": pick, **out[pick]["overall"]}
-        self.results["categories"] = out[pick]["categories"]
+        self.results.update(summary)
         if self.peers:
-            ours = {
-                l: self.rows.get("baseline" if e["num_speculative_tokens"] == 0 else l, [])
-                for l, e in out.items()
-            }
-            if not any(e["num_speculative_tokens"] == 0 for e in out.values()):
-                ours["plain (baseline)"] = base
-            hf = self.results["peers"]["hf"]
-            methods = {}
-            for name in self.peers.methods:
-                rows = self.rows.get(name, [])
-                n = len(rows)
-                ours_n = {l: r[:n] for l, r in ours.items()}
-                methods[name] = {
-                    "overall": aggregate_peer(rows, base[:n], ours_n),
-                    "categories": {
-                        c: aggregate_peer(
-                            [r for r in rows if r["category"] == c],
-                            [r for r in base[:n] if r["category"] == c],
-                            {l: [r for r in rs if r["category"] == c] for l, rs in ours_n.items()},
-                        )
-                        for c in cats
-                    },
-                }
-            hf["methods"] = methods
-            plain = methods["hf_plain"]["overall"]["tokens_per_s"]
-            best_name = max(
-                (m for m in methods if m != "hf_plain"),
-                key=lambda m: methods[m]["overall"]["tokens_per_s"],
-                default=None,
+            self.results["peers"]["hf"].update(
+                summarise_peers(summary, self.rows, list(self.peers.methods))
             )
-            best = methods[best_name]["overall"]["tokens_per_s"] if best_name else None
-            our_best = self.results["overall"]
-            hf["targets"] = {
-                "our_plain_e2e_over_hf_plain": _ratio(
-                    _mean(r["e2e_tokens_per_s"] for r in base), plain
-                ),
-                "our_best_e2e_over_hf_plain": _ratio(our_best["e2e_tokens_per_s"], plain),
-                "hf_best_speculative": best_name,
-                "our_best_e2e_over_hf_best_speculative": _ratio(our_best["e2e_tokens_per_s"], best),
-                "our_plain_decode_over_hf_plain": _ratio(
-                    _mean(r["tokens_per_s"] for r in base), plain
-                ),
-                "our_best_decode_over_hf_plain": _ratio(our_best["tokens_per_s"], plain),
-                "our_best_decode_over_hf_best_speculative": _ratio(our_best["tokens_per_s"], best),
-            }
 
     def write(self, plots: bool) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self.results["per_prompt"] = {
-            name: [_drop(r, keep_ids=False) for r in rows] for name, rows in self.rows.items()
+            name: [drop_ids(r) for r in rows] for name, rows in self.rows.items()
         }
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(self.results, indent=1, default=_json_default) + "\n")
@@ -758,10 +432,6 @@ class Bench:
                 self.results["plots"] = write_plots(self.results, self.out)
                 tmp.write_text(json.dumps(self.results, indent=1, default=_json_default) + "\n")
                 tmp.replace(self.out / "results.json")
-
-
-def _drop(row: dict, keep_ids: bool = False) -> dict:
-    return {k: v for k, v in row.items() if keep_ids or k != "token_ids"}
 
 
 def _json_default(o):

@@ -25,14 +25,14 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.bench import DEFAULT_DATA, _int_list, label_of, read_questions, select
+from jaxspec.bench import DEFAULT_DATA, int_list, label_of, read_questions, select
 from jaxspec.errors import JaxspecError
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxspec.bench_adaptive")
     p.add_argument("--config", nargs="+", required=True, help="speculative configs (plain added)")
-    p.add_argument("--batch-sizes", type=_int_list("--batch-sizes", 1, 256), default=[1, 2, 4, 8])
+    p.add_argument("--batch-sizes", type=int_list("--batch-sizes", 1, 256), default=[1, 2, 4, 8])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="timed batches per engine and size")
     p.add_argument("--bucket", type=int, default=64, help="prompt-length bucket (tokens)")

@@ -6,7 +6,7 @@
 Methods: plain greedy `generate`; prompt lookup (`prompt_lookup_num_tokens=γ`); for a layer_skip
 config, transformers' own self-speculation with the same draft (`assistant_early_exit=N`: the first N
 layers + final norm + LM head, γ constant); assisted generation (`assistant_model=`) when a config's
-drafter is a separate HF-loadable model (`draft_model` with `speculative.draft_model` set and no
+drafter is a separate HF-loadable model (`draft_model` with `speculative.draft_model.model` set and no
 trained checkpoint). ngram (its peer is prompt lookup), eagle, medusa and trained draft checkpoints
 have no transformers equivalent on the same weights: listed as not applicable.
 
@@ -43,7 +43,8 @@ def assisted_source(spec) -> tuple[str | None, str]:
     """(HF-loadable path of the drafter, why not) for a SpeculativeConfig."""
     if spec.method != "draft_model":
         return None, f"{spec.method}: no separate HF-loadable draft model (not applicable)"
-    if spec.checkpoint or not spec.draft_model:
+    opts = spec.options  # DraftModelOptions
+    if opts.checkpoint or not opts.model:
         return (
             None,
             "draft_model with a jaxspec-trained checkpoint: not HF-loadable (not applicable)",
@@ -51,9 +52,9 @@ def assisted_source(spec) -> tuple[str | None, str]:
     from jaxspec.loading import resolve
 
     try:
-        return str(resolve(spec.draft_model).path), ""
+        return str(resolve(opts.model).path), ""
     except Exception as e:  # noqa: BLE001 - any failure just means "no assisted peer"
-        return None, f"draft model {spec.draft_model!r} not resolvable: {e}"
+        return None, f"draft model {opts.model!r} not resolvable: {e}"
 
 
 class HFPeers:
@@ -90,7 +91,7 @@ class HFPeers:
             if spec.method == "layer_skip":  # the same self-draft: first N layers + norm + head
                 self.methods[f"hf_early_exit[{label}]"] = {
                     "kwargs": {
-                        "assistant_early_exit": spec.layer_skip_layers,
+                        "assistant_early_exit": spec.options.layers,
                         "num_assistant_tokens": spec.num_speculative_tokens,
                         "num_assistant_tokens_schedule": "constant",
                     },

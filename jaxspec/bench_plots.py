@@ -237,9 +237,9 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
             "",
             (
                 "| config | method | γ | tok/s | plain tok/s | speedup | e2e tok/s | e2e speedup "
-                "| mean accepted | acceptance | step cost | output = plain |"
+                "| mean accepted | acceptance | nodes/step | step cost | output = plain |"
             ),
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for label, e in configs.items():
             o = e["overall"]
@@ -248,7 +248,8 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
                 f"{_f(o['tokens_per_s'], 1)} | {_f(o['baseline_tokens_per_s'], 1)} | "
                 f"{_f(o['speedup'], 2, 'x')} | {_f(o['e2e_tokens_per_s'], 1)} | "
                 f"{_f(o['e2e_speedup'], 2, 'x')} | {_f(o['mean_accepted_length'])} | "
-                f"{_f(o['acceptance_rate'])} | {_f(o['step_cost_ratio'])} | "
+                f"{_f(o['acceptance_rate'])} | {_f(o.get('nodes_per_step'), 1)} | "
+                f"{_f(o['step_cost_ratio'])} | "
                 f"{_f(o['outputs_match_baseline'])} ({_f(o['match_rate'])}) |"
             )
         lines += ["", "## Per category (decode tok/s, speedup, mean accepted length)", ""]

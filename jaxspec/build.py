@@ -1,5 +1,8 @@
 """Config -> Engine: load the target, build its drafter through the registry, set the prompt format.
 
+This is the top of the import path: it hands drafter factories the loaders (jaxspec.formats for
+drafter checkpoints, jaxspec.loading for draft models), so no drafter module imports loading code.
+
     config = load_config("configs/smollm2-135m-ngram.yaml")
     engine = build_engine(config)
     results = engine.generate(prompts, max_new_tokens=config.generation.max_new_tokens,
@@ -8,9 +11,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxspec import drafters
-from jaxspec.config import Config
+from jaxspec.config import Config, SpeculativeConfig
 from jaxspec.distributed import mesh_plan
+from jaxspec.drafters import registry
+from jaxspec.drafters.base import traits
 from jaxspec.engine import Engine
 from jaxspec.sampling import SamplingParams
 
@@ -32,7 +39,7 @@ def build_engine(config: Config, target=None) -> Engine:
     if target is None:
         m = config.model
         target = load_model(m.name, dtype=m.dtype, layout=m.layout, mesh=plan)
-    drafter, drafter_params = drafters.build_drafter(spec, target, config.tree)
+    drafter, drafter_params = build_drafter(spec, target)
     return Engine(
         target,
         drafter,
@@ -42,8 +49,43 @@ def build_engine(config: Config, target=None) -> Engine:
         system_prompt=config.generation.system_prompt,
         mesh=plan,
         max_context=config.generation.max_context or None,
-        adaptive=config.adaptive.options() if config.adaptive.enabled and drafter else None,
+        adaptive=spec.adaptive.options() if spec.adaptive.enabled and drafter else None,
     )
+
+
+def build_drafter(spec: SpeculativeConfig, target) -> tuple[Any, Any]:
+    """(drafter, drafter_params) for `spec.method` with its options (`spec.options`), its tree
+    (`spec.tree`) and prompt lookup first (`spec.lookup`); (None, None) for plain decoding.
+    target: a LoadedModel (cfg, params, layout)."""
+    if spec.method == "none":
+        return None, None
+    method = registry.get(spec.method)
+    ctx = registry.BuildContext(
+        target=target, spec=spec, load_checkpoint=_load_checkpoint, load_model=_load_model
+    )
+    drafter, dparams = method.factory(spec.options, ctx)
+    if spec.lookup.min_ngram:  # prompt lookup first, the method's draft elsewhere
+        from jaxspec.drafters.lookup import LookupFirst
+
+        lookup = drafters.NgramDrafter(
+            target.cfg.vocab_size, spec.lookup.min_ngram, spec.lookup.max_ngram
+        )
+        drafter = LookupFirst(drafter, lookup, name=f"{drafter.name}+lookup")
+    if spec.tree.kind != "chain" and not traits(drafter).tree_nodes:
+        raise RuntimeError(f"method {spec.method!r} registered tree kind {spec.tree.kind} but built a chain")
+    return drafter, dparams
+
+
+def _load_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input"):
+    from jaxspec.formats import load_drafter_checkpoint
+
+    return load_drafter_checkpoint(method, path, target, fmt, eagle3_layer_ids)
+
+
+def _load_model(name, **kwargs):
+    from jaxspec.loading import load_model  # heavy (transformers, gguf): only for a draft model
+
+    return load_model(name, **kwargs)
 
 
 def sampling_params(config: Config) -> SamplingParams:

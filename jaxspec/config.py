@@ -1,17 +1,22 @@
 """Run configuration: frozen keyword-only dataclasses; YAML files and dotted overrides fill them.
 
-    cfg = load_config("configs/smollm2-135m-ngram.yaml", ["sampling.temperature=0.7"])
+    cfg = load_config("configs/smollm2-135m-ngram.yaml", ["speculative.ngram.max_ngram=4"])
     cfg = Config(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
 
 Every field is type-checked and range-checked on construction, so a Config built in Python is as
-valid as one read from YAML. Every mistake is a one-line `JaxspecError` naming `section.key`.
+valid as one read from YAML. Every mistake is a one-line `JaxspecError` naming the dotted key.
+
+Sections nest: `speculative` holds `lookup`, `tree` and `adaptive`, and one subsection per drafter
+method, `speculative.<method>`, whose options class the method registered with
+`jaxspec.drafters.register_drafter` (its module validates it). The method list is the registry's:
+nothing here names a drafter. Reading it imports `jaxspec.drafters` (lazily: only when a config
+names a method or a method's subsection).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -20,35 +25,14 @@ import yaml
 
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, sampling_problem
+from jaxspec.options import Section, accepts_str, as_dict, matches, names
 
 MAX_NGRAM = 16  # same bound as jaxspec.drafters.ngram
-METHODS = ("none", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "medusa", "mtp")
-Method = Literal["none", "ngram", "draft_model", "layer_skip", "eagle", "eagle3", "medusa", "mtp"]
-# speculative.checkpoint_format (jaxspec.formats): auto = detected from meta.json / config.json
-CheckpointFormat = Literal["auto", "jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp"]
-
-
-class _Section:
-    """Shared checks. Subclasses set SECTION (the YAML key) and may add `_validate`."""
-
-    SECTION: ClassVar[str] = ""
-
-    def __post_init__(self):
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value = _coerce(f"{self.SECTION}.{f.name}", getattr(self, f.name), hints[f.name])
-            object.__setattr__(self, f.name, value)  # frozen: normalise int -> float in place
-        self._validate()
-
-    def _validate(self) -> None:
-        pass
-
-    def _fail(self, key: str, why: str) -> None:
-        raise JaxspecError(f"{self.SECTION}.{key}={getattr(self, key)!r} is invalid: {why}")
+MAX_TREE_NODES = 63  # window of 1 + nodes <= the CPU attention kernel's 64 queries
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelLoadConfig(_Section):
+class ModelLoadConfig(Section):
     SECTION: ClassVar[str] = "model"
     name: str = "smollm2-135m"  # short name, HF safetensors dir, or .gguf file
     # auto: bfloat16 on TPU/GPU, float32 on CPU
@@ -63,7 +47,7 @@ class ModelLoadConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     SECTION: ClassVar[str] = "sampling"
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -80,7 +64,7 @@ class SamplingConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GenerationConfig(_Section):
+class GenerationConfig(Section):
     SECTION: ClassVar[str] = "generation"
     max_new_tokens: int = 128
     batch_size: int = 1  # rows per jitted batch; the last batch is padded
@@ -100,64 +84,27 @@ class GenerationConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SpeculativeConfig(_Section):
-    SECTION: ClassVar[str] = "speculative"
-    method: Method = "none"
-    num_speculative_tokens: int = 4  # γ: draft tokens verified per target forward
-    min_ngram: int = 1  # ngram: shortest suffix to look up
-    max_ngram: int = 3  # ngram: longest suffix to look up
-    draft_model: str | None = None  # draft_model: short name, HF dir or .gguf of the drafter
-    layer_skip_layers: int = 8  # layer_skip: how many target layers the self-draft keeps
-    checkpoint: str | None = None  # eagle/eagle3/medusa/mtp: drafter checkpoint dir
-    checkpoint_format: CheckpointFormat = "auto"  # its layout (jaxspec.formats); auto: detected
-    # EAGLE-3 checkpoints naming their tapped layers: id i is the input of layer i (input: vLLM)
-    # or its output (output: SGLang / SpecForge). Without ids both tap layers 2, L//2, L-3.
-    eagle3_layer_ids: Literal["input", "output"] = "input"
-    # eagle: dynamic draft length -- stop drafting once the drafter's confidence that its draft is
-    # accepted (product of its probabilities of the tokens drafted so far, times the next one's
-    # top probability) falls below this; 0: always γ drafts.
-    draft_confidence: float = 0.0
-    # any drafting method but ngram: where the last n committed tokens (lookup_min_ngram <= n <=
-    # max_ngram) occur earlier in the context, verify what followed them (prompt lookup) instead
-    # of the method's draft; 0: off.
-    lookup_min_ngram: int = 0
+class LookupConfig(Section):
+    """Prompt lookup first (jaxspec/drafters/lookup.py), for any drafting method but ngram: where
+    the last n committed tokens (min_ngram <= n <= max_ngram) occur earlier in the context, verify
+    what followed them instead of the method's draft."""
+
+    SECTION: ClassVar[str] = "speculative.lookup"
+    min_ngram: int = 0  # 0: off
+    max_ngram: int = 3
 
     def _validate(self):
-        if self.method != "none" and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            self._fail("num_speculative_tokens", f"use 1..{MAX_SPECULATIVE_TOKENS}")
-        if not 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM:
-            raise JaxspecError(
-                f"speculative.min_ngram={self.min_ngram}, max_ngram={self.max_ngram} are invalid: "
-                f"need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}"
-            )
-        if self.layer_skip_layers < 1:
-            self._fail("layer_skip_layers", "use an integer >= 1")
-        if not 0.0 <= self.draft_confidence < 1.0:
-            self._fail("draft_confidence", "use a number in [0, 1); 0 drafts γ tokens always")
-        if self.lookup_min_ngram:
-            if not 1 <= self.lookup_min_ngram <= self.max_ngram:
-                self._fail("lookup_min_ngram", f"use 0 (off) or 1..max_ngram ({self.max_ngram})")
-            if self.method in ("none", "ngram"):
-                raise JaxspecError(
-                    f"speculative.lookup_min_ngram adds prompt lookup to a drafter; method "
-                    f"'{self.method}' has none: remove it, or use method ngram with min_ngram"
-                )
-        if self.draft_confidence > 0 and self.method != "eagle":
-            raise JaxspecError(
-                f"speculative.draft_confidence is supported by method 'eagle' only, not "
-                f"'{self.method}': remove it or set it to 0"
-            )
-
-
-MAX_TREE_NODES = 63  # window of 1 + nodes <= the CPU attention kernel's 64 queries
-TREE_METHODS = {"static": ("medusa", "ngram"), "dynamic": ("eagle",)}
+        if not 1 <= self.max_ngram <= MAX_NGRAM:
+            self._fail("max_ngram", f"use 1..{MAX_NGRAM}")
+        if self.min_ngram and not 1 <= self.min_ngram <= self.max_ngram:
+            self._fail("min_ngram", f"use 0 (off) or 1..max_ngram ({self.max_ngram})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TreeConfig(_Section):
+class TreeConfig(Section):
     """Draft trees (see jaxspec/tree.py): the target verifies several candidates per depth."""
 
-    SECTION: ClassVar[str] = "tree"
+    SECTION: ClassVar[str] = "speculative.tree"
     kind: Literal["chain", "static", "dynamic"] = "chain"
     # static, medusa: Medusa-style paths of ranks, e.g. [[0], [1], [0, 0]] (YAML list or string)
     choices: str | list | None = None
@@ -165,6 +112,9 @@ class TreeConfig(_Section):
     depth: int = 4  # static ngram: nodes per branch; dynamic: levels
     top_k: int = 4  # dynamic: nodes expanded per level, children per expanded node
     budget: int = 16  # dynamic: nodes kept (best path scores)
+    # dynamic: how a node's children are drawn (jaxspec.tree.grow): its top-k tokens, i.i.d.
+    # samples, or samples without replacement (best acceptance at temperature > 0)
+    children: Literal["top_k", "sampled", "without_replacement"] = "top_k"
 
     def _validate(self):
         if isinstance(self.choices, str):
@@ -179,7 +129,7 @@ class TreeConfig(_Section):
             try:
                 paths = check_choices(self.choices)
             except JaxspecError as e:
-                raise JaxspecError(f"tree.choices: {e}") from None
+                raise JaxspecError(f"{self.SECTION}.choices: {e}") from None
             if len(paths) > MAX_TREE_NODES:
                 self._fail("choices", f"use at most {MAX_TREE_NODES} nodes")
             object.__setattr__(self, "choices", [list(p) for p in paths])
@@ -196,57 +146,11 @@ class TreeConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshConfig(_Section):
-    """Device mesh: `data` splits the batch, `model` the heads / mlp / vocabulary (tensor parallel).
-    data * model <= the device count (checked when the engine is built); 1 x 1 = one device."""
-
-    SECTION: ClassVar[str] = "mesh"
-    data: int = 1
-    model: int = 1
-    shard_drafter: bool = False  # true: a draft model follows the target's rules (default replicated)
-
-    def _validate(self):
-        for key in ("data", "model"):
-            if getattr(self, key) < 1:
-                self._fail(key, "use an integer >= 1")
-
-    @property
-    def size(self) -> int:
-        return self.data * self.model
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DistributedConfig(_Section):
-    """Multi-host: `jax.distributed.initialize` with these (unset ones from JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES, JAX_PROCESS_ID, or JAX's cluster detection: SLURM, Open MPI, TPU pods)."""
-
-    SECTION: ClassVar[str] = "distributed"
-    coordinator_address: str | None = None  # host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
-
-    def _validate(self):
-        if self.num_processes is not None and self.num_processes < 1:
-            self._fail("num_processes", "use an integer >= 1")
-        if self.process_id is not None:
-            if self.process_id < 0:
-                self._fail("process_id", "use an integer >= 0 (0 = the coordinator)")
-            if self.num_processes is not None and self.process_id >= self.num_processes:
-                raise JaxspecError(
-                    f"distributed.process_id={self.process_id} is invalid: "
-                    f"use 0..{self.num_processes - 1} (num_processes={self.num_processes})"
-                )
-        addr = self.coordinator_address
-        if addr is not None and not (addr.rpartition(":")[0] and addr.rpartition(":")[2].isdigit()):
-            self._fail("coordinator_address", "use host:port, e.g. 10.0.0.1:1234")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AdaptiveConfig(_Section):
+class AdaptiveConfig(Section):
     """Adaptive speculation (jaxspec/adaptive.py): per-row draft length from live acceptance and
     the measured step-cost curve (jaxspec/calibration.py); plain steps where speculation loses."""
 
-    SECTION: ClassVar[str] = "adaptive"
+    SECTION: ClassVar[str] = "speculative.adaptive"
     enabled: bool = False
     decay: float = 0.9  # weight of the past in each row's running acceptance estimate
     prior: float = 0.6  # acceptance estimate a row starts from
@@ -283,6 +187,138 @@ class AdaptiveConfig(_Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig(Section):
+    SECTION: ClassVar[str] = "speculative"
+    method: str = "none"  # "none" (plain decoding) or a registered drafter method
+    num_speculative_tokens: int = 4  # γ: draft tokens verified per target forward
+    # the method's options (an instance of the options class it registered; YAML: the
+    # speculative.<method> subsection); None: its defaults
+    options: object = None
+    lookup: LookupConfig = dataclasses.field(default_factory=LookupConfig)
+    tree: TreeConfig = dataclasses.field(default_factory=TreeConfig)
+    adaptive: AdaptiveConfig = dataclasses.field(default_factory=AdaptiveConfig)
+
+    @classmethod
+    def subsections(cls) -> dict[str, type[Section]]:
+        """lookup, tree, adaptive, then one per registered method that has options."""
+        out = super().subsections()
+        for name, method in _registry().DRAFTERS.items():
+            if method.options is None:
+                continue
+            if name in out or name in ("method", "num_speculative_tokens", "options"):
+                raise ValueError(f"drafter method '{name}' collides with the key speculative.{name}")
+            out[name] = method.options
+        return out
+
+    @classmethod
+    def leaf_keys(cls) -> list[str]:
+        return ["method", "num_speculative_tokens"]  # options: the method's subsection
+
+    @classmethod
+    def from_sections(cls, fields: dict[str, Any], methods: dict[str, Any]) -> SpeculativeConfig:
+        """`methods`: the method subsections read (each validated); the chosen one's are kept."""
+        method = fields.get("method", "none")
+        return cls(**fields, options=methods.get(method) if isinstance(method, str) else None)
+
+    def _validate(self):
+        if self.method != "none":
+            _registry().check_method(self.method)
+            if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+                self._fail("num_speculative_tokens", f"use 1..{MAX_SPECULATIVE_TOKENS}")
+        self._check_options()
+        kind = self.tree.kind
+        if self.adaptive.enabled and self.method == "none":
+            raise JaxspecError(
+                "speculative.adaptive.enabled needs a drafter: set speculative.method (e.g. ngram) "
+                "or speculative.adaptive.enabled=false"
+            )
+        if self.adaptive.enabled and kind != "chain":
+            raise JaxspecError(
+                f"adaptive speculation picks chain lengths, not speculative.tree.kind={kind}: use "
+                "speculative.tree.kind=chain or speculative.adaptive.enabled=false"
+            )
+        if self.lookup.min_ngram and self.method == "none":
+            raise JaxspecError(
+                "speculative.lookup adds prompt lookup to a drafter and method 'none' has none: "
+                "set speculative.lookup.min_ngram=0 or choose a method"
+            )
+        if kind != "chain":
+            kinds = () if self.method == "none" else _registry().get(self.method).tree_kinds
+            if kind not in kinds:
+                able = sorted(n for n, m in _registry().DRAFTERS.items() if kind in m.tree_kinds)
+                raise JaxspecError(
+                    f"speculative.tree.kind={kind} is supported by method {' or '.join(able)}, "
+                    f"not '{self.method}': set speculative.tree.kind=chain or change "
+                    "speculative.method"
+                )
+            if self.lookup.min_ngram:
+                raise JaxspecError(
+                    f"speculative.tree.kind={kind} does not combine with speculative.lookup: set "
+                    "speculative.lookup.min_ngram=0 or speculative.tree.kind=chain"
+                )
+        if self.options is not None:
+            self.options.check(self)
+
+    def _check_options(self) -> None:
+        want = None if self.method == "none" else _registry().get(self.method).options
+        if self.options is None:
+            if want is not None:
+                object.__setattr__(self, "options", want())  # frozen: the method's defaults
+        elif want is None or not isinstance(self.options, want):
+            wanted = "none" if want is None else want.__name__
+            raise JaxspecError(
+                f"speculative.options={type(self.options).__name__}(...) does not fit method "
+                f"'{self.method}' (its options: {wanted}): pass that method's options class"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig(Section):
+    """Device mesh: `data` splits the batch, `model` the heads / mlp / vocabulary (tensor parallel).
+    data * model <= the device count (checked when the engine is built); 1 x 1 = one device."""
+
+    SECTION: ClassVar[str] = "mesh"
+    data: int = 1
+    model: int = 1
+    shard_drafter: bool = False  # true: a draft model follows the target's rules (default replicated)
+
+    def _validate(self):
+        for key in ("data", "model"):
+            if getattr(self, key) < 1:
+                self._fail(key, "use an integer >= 1")
+
+    @property
+    def size(self) -> int:
+        return self.data * self.model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig(Section):
+    """Multi-host: `jax.distributed.initialize` with these (unset ones from JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID, or JAX's cluster detection: SLURM, Open MPI, TPU pods)."""
+
+    SECTION: ClassVar[str] = "distributed"
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def _validate(self):
+        if self.num_processes is not None and self.num_processes < 1:
+            self._fail("num_processes", "use an integer >= 1")
+        if self.process_id is not None:
+            if self.process_id < 0:
+                self._fail("process_id", "use an integer >= 0 (0 = the coordinator)")
+            if self.num_processes is not None and self.process_id >= self.num_processes:
+                raise JaxspecError(
+                    f"distributed.process_id={self.process_id} is invalid: "
+                    f"use 0..{self.num_processes - 1} (num_processes={self.num_processes})"
+                )
+        addr = self.coordinator_address
+        if addr is not None and not (addr.rpartition(":")[0] and addr.rpartition(":")[2].isdigit()):
+            self._fail("coordinator_address", "use host:port, e.g. 10.0.0.1:1234")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelLoadConfig = dataclasses.field(default_factory=ModelLoadConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -290,72 +326,146 @@ class Config:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    tree: TreeConfig = dataclasses.field(default_factory=TreeConfig)
-    adaptive: AdaptiveConfig = dataclasses.field(default_factory=AdaptiveConfig)
-
-    def __post_init__(self):
-        kind, method = self.tree.kind, self.speculative.method
-        if self.adaptive.enabled and method == "none":
-            raise JaxspecError(
-                "adaptive.enabled needs a drafter: set speculative.method (e.g. ngram) or "
-                "adaptive.enabled=false"
-            )
-        if self.adaptive.enabled and kind != "chain":
-            raise JaxspecError(
-                f"adaptive speculation picks chain lengths, not tree.kind={kind}: use "
-                "tree.kind=chain or adaptive.enabled=false"
-            )
-        if kind == "chain":
-            return
-        if method not in TREE_METHODS[kind]:
-            raise JaxspecError(
-                f"tree.kind={kind} is supported by method {' or '.join(TREE_METHODS[kind])}, not "
-                f"'{method}': set tree.kind=chain or change speculative.method"
-            )
-        if self.speculative.lookup_min_ngram or self.speculative.draft_confidence:
-            raise JaxspecError(
-                f"tree.kind={kind} does not combine with speculative.lookup_min_ngram or "
-                "draft_confidence: set them to 0 or use tree.kind=chain"
-            )
-        if kind == "static" and method == "medusa" and self.tree.choices is None:
-            raise JaxspecError("tree.kind=static with medusa needs tree.choices, e.g. [[0], [1], [0, 0]]")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """The config in the YAML layout (the method's options under speculative.<method>)."""
+        out = as_dict(self)
+        spec = out["speculative"]
+        options = spec.pop("options")
+        if options is not None:
+            spec[self.speculative.method] = options
+        return out
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[Section]] = {
     f.name: f.default_factory for f in dataclasses.fields(Config)  # type: ignore[misc]
 }
 
+# Keys of earlier layouts -> where they live now (a one-line error names the new key).
+MOVED = {
+    "tree": "speculative.tree",
+    "adaptive": "speculative.adaptive",
+    "speculative.min_ngram": "speculative.ngram.min_ngram",
+    "speculative.max_ngram": "speculative.ngram.max_ngram (with lookup: speculative.lookup.max_ngram)",
+    "speculative.lookup_min_ngram": "speculative.lookup.min_ngram",
+    "speculative.draft_model": "speculative.draft_model.model",
+    "speculative.layer_skip_layers": "speculative.layer_skip.layers",
+    "speculative.checkpoint": "speculative.<method>.checkpoint (e.g. speculative.eagle.checkpoint)",
+    "speculative.checkpoint_format": "speculative.<method>.checkpoint_format",
+    "speculative.eagle3_layer_ids": "speculative.eagle.eagle3_layer_ids (or speculative.eagle3.)",
+    "speculative.draft_confidence": "speculative.eagle.draft_confidence",
+}
+
+
+def _registry():
+    """The drafter registry (jaxspec.drafters imports jax: read only when a method is named)."""
+    from jaxspec.drafters import registry
+
+    return registry
+
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read a YAML file (None: all defaults), apply `section.key=value` overrides, validate.
+    """Read a YAML file (None: all defaults), apply `a.b.key=value` overrides, validate.
 
     Override values are parsed as YAML scalars (`0.7`, `true`, `null`); a field typed `str` keeps
     the raw text when the parsed value is not a string (`model.name=2024`).
     """
-    values: dict[str, dict[str, tuple[Any, str | None]]] = {s: {} for s in SECTIONS}
+    values: dict[str, Any] = {}  # nested: key -> dict (a section) or (value, raw text or None)
     if path is not None:
-        for section, body in _read_yaml(Path(path)).items():
-            for key, value in body.items():
-                values[section][key] = (value, None)
+        path = Path(path)
+        _read_section(values, Config, "", _read_yaml(path), f"config file {path}")
     for item in overrides:
-        section, key, raw = _split_override(item)
-        values[section][key] = (_parse_scalar(raw), raw)
-    sections = {}
-    for section, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for key, (value, raw) in values[section].items():
-            if raw is not None and not _matches(value, hints[key]) and _accepts_str(hints[key]):
-                value = raw
-            kwargs[key] = value
-        sections[section] = cls(**kwargs)
-    return Config(**sections)
+        parts, raw = _split_override(item)
+        _place(values, Config, "", parts, (_parse_scalar(raw), raw), f"override {item!r}")
+    return Config(**{s: _build(cls, values.get(s, {})) for s, cls in SECTIONS.items()})
 
 
-def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
+def _sections_of(cls) -> dict[str, type[Section]]:
+    return SECTIONS if cls is Config else cls.subsections()
+
+
+def _leaves_of(cls) -> list[str]:
+    return [] if cls is Config else cls.leaf_keys()
+
+
+def _read_section(values: dict, cls, prefix: str, body: dict, where: str) -> None:
+    """Walk one YAML mapping into `values`, checking every key against the schema."""
+    subs, leaves = _sections_of(cls), _leaves_of(cls)
+    for key, value in body.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key in subs:
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                moved = f" ({full} moved to {MOVED[full]})" if full in MOVED else ""
+                raise JaxspecError(
+                    f"{where}: section '{full}' must be a mapping of keys, not a "
+                    f"{type(value).__name__}{moved}"
+                )
+            _read_section(values.setdefault(key, {}), subs[key], full, value, where)
+        elif key in leaves:
+            values[key] = (value, None)
+        else:
+            _unknown(cls, full, key, where)
+
+
+def _place(values: dict, cls, prefix: str, parts: list[str], leaf, where: str) -> None:
+    """Put one override `parts = [section, ..., key]` into `values`."""
+    key, rest = parts[0], parts[1:]
+    full = f"{prefix}.{key}" if prefix else key
+    subs = _sections_of(cls)
+    if key in subs:
+        if not rest:
+            moved = f": it moved to {MOVED[full]}" if full in MOVED else ""
+            raise JaxspecError(
+                f"{where}: '{full}' is a section, not a key{moved} (set {full}.<key>=value; keys: "
+                f"{names(_keys(subs[key]))})"
+            )
+        _place(values.setdefault(key, {}), subs[key], full, rest, leaf, where)
+    elif key in _leaves_of(cls) and not rest:
+        values[key] = leaf
+    else:
+        _unknown(cls, full, key, where, ".".join([full, *rest]))
+
+
+def _keys(cls) -> list[str]:
+    return [*_leaves_of(cls), *_sections_of(cls)]
+
+
+def _unknown(cls, full: str, key: Any, where: str, given: str | None = None) -> None:
+    """`full`: the first unknown part of the key (`given`: all of it, for an override)."""
+    given = given or full
+    for old, new in MOVED.items():
+        if given == old or given.startswith(old + "."):
+            rest = given[len(old):]
+            new = new + rest if " " not in new else new
+            raise JaxspecError(f"{where}: '{given}' is an old key: it moved to {new}")
+    if cls is Config:
+        raise JaxspecError(
+            f"{where}: unknown section '{key}': valid sections are {names(SECTIONS)}"
+        )
+    raise JaxspecError(f"{where}: unknown key '{full}': valid keys are {names(_keys(cls))}")
+
+
+def _build(cls, values: dict) -> Section:
+    """The section from its read values: subsections first, str fields keep raw override text."""
+    hints = typing.get_type_hints(cls)
+    subs = cls.subsections()
+    fields, extra = {}, {}
+    for key, value in values.items():
+        if key in subs:
+            (fields if key in hints else extra)[key] = _build(subs[key], value)
+            continue
+        value, raw = value
+        if raw is not None and not matches(value, hints[key]) and accepts_str(hints[key]):
+            value = raw
+        fields[key] = value
+    if cls is SpeculativeConfig:
+        return SpeculativeConfig.from_sections(fields, extra)
+    return cls(**fields)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -370,49 +480,21 @@ def _read_yaml(path: Path) -> dict[str, dict[str, Any]]:
         return {}
     if not isinstance(data, dict):
         raise JaxspecError(
-            f"config file {path} must be a mapping of sections ({_names(SECTIONS)}), "
+            f"config file {path} must be a mapping of sections ({names(SECTIONS)}), "
             f"not a {type(data).__name__}"
         )
-    out = {}
-    for section, body in data.items():
-        _check_section(section, where=f"config file {path}")
-        if body is None:
-            body = {}
-        if not isinstance(body, dict):
-            raise JaxspecError(
-                f"config file {path}: section '{section}' must be a mapping of keys, "
-                f"not a {type(body).__name__}"
-            )
-        for key in body:
-            _check_key(section, key, where=f"config file {path}")
-        out[section] = body
-    return out
+    return data
 
 
-def _split_override(item: str) -> tuple[str, str, str]:
+def _split_override(item: str) -> tuple[list[str], str]:
     name, sep, raw = item.partition("=")
-    section, dot, key = name.strip().partition(".")
-    if not sep or not dot or not key:
+    parts = name.strip().split(".")
+    if not sep or len(parts) < 2 or not all(parts):
         raise JaxspecError(
             f"override {item!r} is not of the form section.key=value "
-            f"(e.g. sampling.temperature=0.7)"
+            f"(e.g. sampling.temperature=0.7 or speculative.ngram.max_ngram=4)"
         )
-    _check_section(section, where=f"override {item!r}")
-    _check_key(section, key, where=f"override {item!r}")
-    return section, key, raw.strip()
-
-
-def _check_section(section: Any, where: str) -> None:
-    if section not in SECTIONS:
-        raise JaxspecError(
-            f"{where}: unknown section '{section}': valid sections are {_names(SECTIONS)}"
-        )
-
-
-def _check_key(section: str, key: Any, where: str) -> None:
-    keys = [f.name for f in dataclasses.fields(SECTIONS[section])]
-    if key not in keys:
-        raise JaxspecError(f"{where}: unknown key '{section}.{key}': valid keys are {_names(keys)}")
+    return parts, raw.strip()
 
 
 def _parse_scalar(raw: str) -> Any:
@@ -421,64 +503,6 @@ def _parse_scalar(raw: str) -> Any:
     except yaml.YAMLError:
         return raw
     return value if value is None or isinstance(value, (str, int, float, bool)) else raw
-
-
-# ---- type checks ---------------------------------------------------------------------------
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Return `value` converted to `hint` (int -> float, numeric strings -> float) or raise."""
-    options = _options(hint)
-    for t in options:
-        if t is float and isinstance(value, str):
-            try:
-                value = float(value)  # PyYAML reads 1e-3 as a string
-            except ValueError:
-                continue
-        if _matches(value, t):
-            return float(value) if t is float else value
-    if isinstance(value, str) and any(typing.get_origin(o) is Literal for o in options):
-        raise JaxspecError(f"{name}={value!r} is invalid: use {_describe(options)}")
-    raise JaxspecError(f"{name}={value!r} has the wrong type: expected {_describe(options)}")
-
-
-def _options(hint: Any) -> list[Any]:
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return [o for a in typing.get_args(hint) for o in _options(a)]
-    return [hint]
-
-
-def _matches(value: Any, hint: Any) -> bool:
-    if any(o is not hint for o in _options(hint)):
-        return any(_matches(value, o) for o in _options(hint))
-    if hint is type(None):
-        return value is None
-    if typing.get_origin(hint) is Literal:
-        return isinstance(value, str) and value in typing.get_args(hint)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _accepts_str(hint: Any) -> bool:
-    return str in _options(hint)
-
-
-def _describe(options: list[Any]) -> str:
-    words = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
-    out = []
-    for o in options:
-        if o is type(None):
-            out.append("null")
-        elif typing.get_origin(o) is Literal:
-            out.append(f"one of {_names(typing.get_args(o))}")
-        else:
-            out.append(words.get(o, getattr(o, "__name__", str(o))))
-    return " or ".join(out)
-
-
-def _names(items) -> str:
-    return ", ".join(str(i) for i in items)
 
 
 def _one_line(e: Exception) -> str:

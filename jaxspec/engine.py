@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxspec import adaptive as adaptive_mod
 from jaxspec import calibration, sharding, speculate
+from jaxspec.drafters.base import traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 from jaxspec.loading.params import layout_of
@@ -79,7 +80,9 @@ class Engine:
         if mesh is not None:
             self.plan = mesh if isinstance(mesh, sharding.MeshPlan) else sharding.MeshPlan(mesh)
             model = dataclasses.replace(model, params=self.plan.place_target(model.params, model.cfg))
-            drafter_params = self.plan.place_drafter(drafter_params, getattr(drafter, "cfg", None))
+            drafter_params = self.plan.place_drafter(
+                drafter_params, None if drafter is None else traits(drafter).model_cfg
+            )
         if max_context is not None and max_context < 2 + num_speculative_tokens:
             raise JaxspecError(
                 f"max_context={max_context} is too small: use at least {2 + num_speculative_tokens}"
@@ -92,10 +95,10 @@ class Engine:
         self.system_prompt = system_prompt
         self._warm_shapes: set[tuple[int, int, int, str, bool]] = set()
         self.adaptive = adaptive if drafter is not None else None
-        if self.adaptive is not None and getattr(drafter, "tree_nodes", None):
+        if self.adaptive is not None and traits(drafter).tree_nodes:
             raise JaxspecError(
-                "adaptive speculation picks chain lengths: use tree.kind=chain or set "
-                "adaptive.enabled=false"
+                "adaptive speculation picks chain lengths: use speculative.tree.kind=chain or set "
+                "speculative.adaptive.enabled=false"
             )
         self.spec = speculate.LoopSpec(
             cfg=model.cfg,
@@ -164,7 +167,7 @@ class Engine:
 
     def _check_fits(self, ids: list[int], max_new_tokens: int) -> None:
         limit, whose = self.model.cfg.max_position_embeddings, "model's"
-        draft_limit = getattr(self.drafter, "max_context", None)
+        draft_limit = None if self.drafter is None else traits(self.drafter).max_context
         if draft_limit is not None and draft_limit < limit:
             limit, whose = draft_limit, "draft model's"
         if not ids:
@@ -407,6 +410,7 @@ class Engine:
             "method": self.method,
             "layout": layout_of(self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
+            "attention": getattr(self.model, "attention", ""),  # xla / pallas_tpu / pallas_gpu / ...
             "num_speculative_tokens": g,
             "tree_nodes": self.spec.num_nodes,  # window entries verified after the root
             "nodes_per_step": drafted / steps if steps else 0.0,

@@ -30,7 +30,8 @@ def make_parser() -> argparse.ArgumentParser:
         prog="python -m jaxspec.generate",
         description="Speculative decoding with JAX: generate text for one or more prompts.",
         epilog="Overrides: section.key=value, e.g. sampling.temperature=0.7 "
-        "speculative.method=ngram speculative.num_speculative_tokens=4 model.name=/path/to.gguf",
+        "speculative.method=ngram speculative.num_speculative_tokens=4 speculative.ngram.max_ngram=4 "
+        "model.name=/path/to.gguf",
     )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.add_argument("--config", metavar="FILE.yaml", help="YAML config (default: all defaults)")
@@ -57,7 +58,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recalibrate",
         action="store_true",
-        help="= adaptive.recalibrate=true (measure the step-cost curve again)",
+        help="= speculative.adaptive.recalibrate=true (measure the step-cost curve again)",
     )
     return p
 
@@ -79,7 +80,7 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     if args.no_chat_template:
         out.append("generation.chat_template=false")
     if getattr(args, "recalibrate", False):
-        out.append("adaptive.recalibrate=true")
+        out.append("speculative.adaptive.recalibrate=true")
     return out
 
 

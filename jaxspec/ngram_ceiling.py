@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             if cache is not None:
                 cache.write_text(json.dumps(rows))
         gamma = args.gamma or spec.num_speculative_tokens
-        min_n, max_n = spec.min_ngram, spec.max_ngram
+        min_n, max_n = spec.options.min_ngram, spec.options.max_ngram
         table = ceilings(rows, gamma, min_n, max_n)
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)

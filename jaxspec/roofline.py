@@ -18,7 +18,10 @@ On XLA:CPU the stacked layout's per-layer weight slices are copied out before ea
 compiler does not fuse a dynamic slice into a dot), so its CPU figures include ~2x the weights
 more than a compiler that fuses them.
 XLA's CPU-only YNNPACK library fusion is turned off for the compile (it materialises operands that
-the accelerator compilers fuse).
+the accelerator compilers fuse). On a TPU/GPU with a bfloat16 model, attention "auto" compiles a
+Pallas kernel (a custom call), whose operands device_bytes counts whole although the kernel reads
+only valid pages; run with JAXSPEC_ATTENTION=xla there (scripts/bench_device.sh does) and time the
+kernels with scripts/bench_attention.py.
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ def measure(cfg, layout, program, batch, window, capacity, valid) -> Program:
     compiled = _compile(_step(cfg, last_only), params, tokens, cache)
     flops, xla_bytes = _costs(compiled)
     text = compiled.as_text()
-    blocks = -(-valid // attention.CACHE_BLOCK)  # the attention's loop over valid cache blocks
+    blocks = attention.cache_loop_trips(valid, capacity)  # the attention's loop over valid cache blocks
     traffic = hlo.cache_traffic(text, (batch, cfg.num_kv_heads, capacity, cfg.head_dim))
     rows = 1 if last_only else window
     return Program(

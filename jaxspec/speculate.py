@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxspec import acceptance, adaptive, sampling, tree
 from jaxspec.cache import KVCache, init_cache
-from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal, traits
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 
@@ -75,13 +75,13 @@ class LoopSpec:
     def num_nodes(self) -> int:  # N: window entries after the root
         if self.drafter is None:
             return 0
-        return getattr(self.drafter, "tree_nodes", None) or self.num_speculative_tokens
+        return traits(self.drafter).tree_nodes or self.num_speculative_tokens
 
     @property
     def depth(self) -> int:  # D: the deepest path (tokens committed per step <= D + 1)
         if self.drafter is None:
             return 0
-        return getattr(self.drafter, "tree_depth", None) or self.num_speculative_tokens
+        return traits(self.drafter).tree_depth or self.num_speculative_tokens
 
     def verify_windows(self) -> tuple[int, ...]:
         g1 = self.num_nodes + 1

@@ -1,8 +1,15 @@
 """Time jaxspec's attention op per backend implementation on decode/verify shapes, against the
 bandwidth floor of the bytes it must read (the valid cache prefix + the queries). Markdown table.
 
-    python scripts/bench_attention.py            # on a GPU: XLA reference vs the Pallas GPU kernel
-    python scripts/bench_attention.py --smoke    # tiny shapes (CPU check of the script)
+Rows: each shape on a per-layer cache `[B, K, S, H]` and on a stacked one `[L, B, K, S, H]` read at
+a traced layer (the stacked layout's case: a kernel that copied the layer out would show it in
+time). Impls: "xla" (the reference) and this backend's kernels (TPU: "pallas_tpu", JAX's paged
+attention on a zero-copy view of the cache; GPU: "pallas_gpu", JAX's Pallas decode kernel on a
+per-layer cache, jaxspec's own Pallas kernel on a stack). `(auto)` marks the one attend picks
+here; `max |Δ|` is the largest difference from xla.
+
+    python scripts/bench_attention.py            # on a TPU / GPU: XLA vs this backend's kernel
+    python scripts/bench_attention.py --smoke    # tiny shapes, every kernel in Pallas interpret mode
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import jax.numpy as jnp
 
 from jaxspec.models import attention
 
+STACK = 4  # layers in the stacked rows' cache (the row reads layer 2)
+
 
 def bench(fn, *args, reps=20) -> float:
     jax.block_until_ready(fn(*args))
@@ -25,38 +34,54 @@ def bench(fn, *args, reps=20) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def impls_here(smoke: bool) -> list[str]:
+    if smoke:  # CPU: the kernels run in interpret mode, which checks the script's kernel branches
+        return ["xla", "pallas_tpu", "pallas_gpu"]
+    kernel = {"tpu": ["pallas_tpu"], "gpu": ["pallas_gpu"]}.get(jax.default_backend(), [])
+    return ["xla", *kernel]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     dtype = jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
-    impls = ["xla"] + (["pallas_gpu"] if jax.default_backend() == "gpu" else [])
     # (B, T, N, K, H, S, valid): SmolLM2 and Llama-3-8B heads, cache half full
-    shapes = [(1, 1, 4, 2, 16, 64, 32)] if args.smoke else [
+    shapes = [(1, 2, 4, 2, 16, 128, 40)] if args.smoke else [
         (1, 1, 9, 3, 64, 2048, 1024), (8, 5, 9, 3, 64, 2048, 1024),
         (8, 1, 32, 8, 128, 2048, 1024), (8, 5, 32, 8, 128, 2048, 1024),
         (32, 5, 32, 8, 128, 2048, 1024),
     ]
+    reps = 2 if args.smoke else 20
     print(f"backend {jax.default_backend()}, {jnp.dtype(dtype).name}, one layer")
-    print("| B | T | N/K | H | S | valid | impl | µs | valid bytes | GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | T | N/K | H | S | valid | cache | impl | µs | valid bytes | GB/s | max \\|Δ\\| vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b, t, n, kv, h, s, valid in shapes:
         ks = jax.random.split(jax.random.key(0), 5)
         q = jax.random.normal(ks[0], (b, t, n, h), dtype)
-        kc, vc = (jax.random.normal(k, (b, kv, s, h), dtype) for k in ks[1:3])
         kw, vw = (jax.random.normal(k, (b, t, kv, h), dtype) for k in ks[3:5])
         lengths = jnp.full((b,), valid, jnp.int32)
         need = 2 * b * kv * valid * h * jnp.dtype(dtype).itemsize
-        for impl in impls:
-            fn = jax.jit(lambda *a, impl=impl: attention.attend(*a, impl=impl))
-            try:
-                sec = bench(fn, q, kc, vc, kw, vw, lengths)
-            except Exception as e:  # a kernel that does not build here: say so, keep going
-                print(f"| {b} | {t} | {n}/{kv} | {h} | {s} | {valid} | {impl} | failed: "
-                      f"{type(e).__name__} | | |")
-                continue
-            print(f"| {b} | {t} | {n}/{kv} | {h} | {s} | {valid} | {impl} | {sec * 1e6:.1f} | "
-                  f"{need / 1e6:.2f} MB | {need / sec / 1e9:.1f} |")
+        for cache in ("per-layer", "stacked"):
+            shape = (b, kv, s, h) if cache == "per-layer" else (STACK, b, kv, s, h)
+            kc, vc = (jax.random.normal(k, shape, dtype) for k in ks[1:3])
+            layer = None if cache == "per-layer" else jnp.int32(2)
+            auto = attention.resolve_impl("auto", cache_dtype=dtype)
+            ref = None
+            for impl in impls_here(args.smoke):
+                fn = jax.jit(lambda *a, impl=impl, layer=layer: attention.attend(
+                    *a, layer=layer, impl=impl, interpret=args.smoke and impl != "xla"))
+                label = f"{impl} (auto)" if impl == auto else impl
+                row = f"| {b} | {t} | {n}/{kv} | {h} | {s} | {valid} | {cache} | {label} |"
+                try:
+                    sec = bench(fn, q, kc, vc, kw, vw, lengths, reps=reps)
+                    out = fn(q, kc, vc, kw, vw, lengths).astype(jnp.float32)
+                except Exception as e:  # noqa: BLE001  a kernel that does not build here: say so
+                    print(f"{row} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |")
+                    continue
+                ref = out if impl == "xla" else ref
+                diff = "" if ref is None else f"{float(jnp.max(jnp.abs(out - ref))):.2e}"
+                print(f"{row} {sec * 1e6:.1f} | {need / 1e6:.2f} MB | {need / sec / 1e9:.1f} | {diff} |")
 
 
 if __name__ == "__main__":

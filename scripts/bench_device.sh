@@ -58,10 +58,16 @@ else
   limit=420
 fi
 
-# 1. the roofline of this device's own compile of the target's programs (bytes vs the minimum)
-"$py" -m jaxspec.roofline --config configs/smollm2-135m.yaml "${roof[@]}" | tee "$out/roofline.md"
-# 2. the attention op per backend kernel vs XLA, against the bandwidth floor
+# 1. the roofline of this device's own compile of the target's programs (bytes vs the minimum), on
+#    the XLA attention path: jaxspec.hlo counts a Pallas kernel's operands whole (the kernels read
+#    only valid pages), so their traffic is measured in time by step 2 instead
+JAXSPEC_ATTENTION=xla "$py" -m jaxspec.roofline --config configs/smollm2-135m.yaml "${roof[@]}" \
+  | tee "$out/roofline.md"
+# 2. the attention op: this backend's Pallas kernels (TPU paged attention, GPU decode) vs XLA, on
+#    per-layer and stacked caches, against the bandwidth floor, with their difference from XLA
 "$py" scripts/bench_attention.py "${attn[@]}" | tee "$out/attention.md"
+# the bench below runs attention "auto" (the Pallas kernel for bf16 on TPU/GPU); results.json
+# machine.attention and each row's metrics.attention name it (JAXSPEC_ATTENTION=xla forces XLA)
 # 3. every method vs plain decoding, one run; SIGINT at the limit makes the bench write what it
 #    has (exit 130)
 status=0

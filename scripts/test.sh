@@ -11,4 +11,12 @@ if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 0)" -lt 262144 ]; the
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pytest -q tests "$@"
+# Two worker processes, whole files per worker (module fixtures stay shared): most of the suite's
+# time is XLA compilation, which is single-threaded, so the second core halves the wall time.
+# JAXSPEC_TEST_WORKERS=0 runs everything in this one process.
+workers="${JAXSPEC_TEST_WORKERS:-$(python -c 'import os; print(min(2, len(os.sched_getaffinity(0))))')}"
+if [ "$workers" -gt 1 ]; then
+  python -m pytest -q -n "$workers" --dist loadfile tests "$@"
+else
+  python -m pytest -q tests "$@"
+fi

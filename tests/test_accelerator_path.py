@@ -148,14 +148,111 @@ def test_attend_prefill_chunks_match_one_block():
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
 
 
+def _runs_a_kernel(*args, **kw) -> bool:
+    """Whether attend(*args, **kw) calls a Pallas kernel (not the XLA fallback)."""
+    return "pallas_call" in str(jax.make_jaxpr(lambda *a: attention.attend(*a, **kw))(*args))
+
+
 def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
     """Pallas GPU decode kernel (reads slots < lengths only), run by the Pallas interpreter on
     CPU; on a GPU scripts/bench_device.sh runs it compiled."""
     pytest.importorskip("jax.experimental.pallas.ops.gpu.decode_attention")
-    q, kc, vc, kw, vw, lengths = _attention_inputs(t=2, s=64)
+    q, kc, vc, kw, vw, lengths = _attention_inputs(t=2, s=128)
     want = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla")
     got = attention.attend(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert _runs_a_kernel(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
+    # a capacity the kernel's blocks do not divide runs the XLA path
+    assert not _runs_a_kernel(q, kc[:, :, :96], vc[:, :, :96], kw, vw, lengths, impl="pallas_gpu")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attend_pallas_gpu_stacked_kernel_matches_reference_in_interpret_mode(dtype):
+    """Our Pallas GPU kernel on a stack at a traced layer (the stacked layout's GPU path): chain
+    and tree windows, an empty prefix, a prefix ending mid-block, several splits."""
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=256, layers=3)
+    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    lengths = jnp.asarray([0, 17, 250], jnp.int32)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    for mask in (None, attention.causal_mask(3, 3).at[:, 2, 1].set(False)):
+        args = (q, kc, vc, kw, vw, lengths)
+        want = attention.attend(*args, layer=jnp.int32(1), window_mask=mask, impl="xla")
+        got = attention.attend(*args, layer=jnp.int32(1), window_mask=mask, impl="pallas_gpu",
+                               interpret=True)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol)
+    assert _runs_a_kernel(*args, layer=jnp.int32(1), impl="pallas_gpu", interpret=True)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatch, stacked, dtype):
+    """JAX's TPU paged-attention kernel on the zero-copy paged view of our cache (a stack indexed
+    at a traced layer included), run by Pallas's TPU interpreter on CPU; chain and tree windows, a
+    row with an empty prefix (prefill), lengths across page and block edges. On a TPU
+    scripts/bench_device.sh runs it compiled. The kernel rounds K/V to bf16: bf16 tolerance."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    from jaxspec.models import attention_kernels
+
+    monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))  # 4 pages, 2 blocks
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=64, layers=3 if stacked else None)
+    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    lengths = jnp.asarray([0, 17, 64 - 3], jnp.int32)
+    layer = jnp.int32(1) if stacked else None
+    tree = attention.causal_mask(3, 3).at[:, 2, 1].set(False)
+    tol = 2e-2 if dtype == "bfloat16" else 1e-2
+    for mask in (None, tree):
+        args = (q, kc, vc, kw, vw, lengths)
+        want = attention.attend(*args, layer=layer, window_mask=mask, impl="xla")
+        got = jax.jit(lambda *a, mask=mask: attention.attend(
+            *a, layer=layer, window_mask=mask, impl="pallas_tpu", interpret=True))(*args)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol)
+    assert _runs_a_kernel(*args, layer=layer, impl="pallas_tpu", interpret=True)
+    if not stacked:  # the same kernel under jax's own switch for TPU interpret mode
+        with pltpu.force_tpu_interpret_mode():
+            forced = attention.attend(*args, window_mask=tree, impl="pallas_tpu")
+        np.testing.assert_allclose(np.asarray(forced, np.float32), np.asarray(got, np.float32),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("platform, impl, stacked", [
+    ("tpu", "pallas_tpu", False), ("tpu", "pallas_tpu", True), ("cuda", "pallas_gpu", False),
+    ("cuda", "pallas_gpu", True),
+])
+def test_attention_kernels_lower_for_their_device(platform, impl, stacked):
+    """jax.export lowers the Pallas kernels for a TPU (Mosaic) / GPU (Triton) without one, which
+    checks what interpret mode does not: block shapes the device compiler takes. SmolLM2 heads
+    (H = 64, G*T = 15 query rows: neither a multiple of 128 nor of 8), bfloat16."""
+    from jax import export
+
+    b, t, n, kv, h, s = 2, 5, 9, 3, 64, 256
+    bf = jnp.bfloat16
+    cache = jax.ShapeDtypeStruct((3, b, kv, s, h) if stacked else (b, kv, s, h), bf)
+    args = (jax.ShapeDtypeStruct((b, t, n, h), bf), cache, cache,
+            jax.ShapeDtypeStruct((b, t, kv, h), bf), jax.ShapeDtypeStruct((b, t, kv, h), bf),
+            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    fn = jax.jit(lambda q, kc, vc, kw, vw, lengths, i: attention.attend(
+        q, kc, vc, kw, vw, lengths, layer=i if stacked else None, impl=impl))
+    target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
+    exp = export.export(fn, platforms=(platform,),
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
+    assert target in exp.mlir_module()
+
+
+@pytest.mark.parametrize("backend, dtype, want", [
+    ("tpu", "bfloat16", "pallas_tpu"), ("tpu", "float32", "xla"), ("gpu", "bfloat16", "pallas_gpu"),
+    ("gpu", "float32", "xla"), ("cpu", "bfloat16", "xla"), ("cpu", "float32", "xla"),
+])
+def test_attention_impl_follows_the_backend(monkeypatch, backend, dtype, want):
+    monkeypatch.delenv(attention.ENV_OVERRIDE, raising=False)
+    assert attention.resolve_impl("auto", cache_dtype=dtype, backend=backend) == want
+    monkeypatch.setenv(attention.ENV_OVERRIDE, "xla")  # the override forces the reference path
+    assert attention.resolve_impl("auto", cache_dtype=dtype, backend=backend) == "xla"
+    assert attention.resolve_impl("pallas_tpu", backend=backend) == "pallas_tpu"  # explicit wins
+    monkeypatch.setenv(attention.ENV_OVERRIDE, "flash")
+    with pytest.raises(ValueError, match="JAXSPEC_ATTENTION"):
+        attention.resolve_impl("auto", backend=backend)
 
 
 # ---------------------------------------------------------------------------- accelerator defaults
@@ -182,6 +279,8 @@ def test_load_model_auto_dtype_on_this_cpu(tiny_llama_dir):
 
     m = load_model(tiny_llama_dir, dtype="auto", layout="stacked")
     assert m.cfg.dtype == "float32" and m.stacked
+    # the attention impl shows in the metrics (CPU: the XLA reference)
+    assert Engine(m).generate([[5, 9]], max_new_tokens=2)[0].metrics["attention"] == "xla"
 
 
 def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():

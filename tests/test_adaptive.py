@@ -270,13 +270,15 @@ def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, pro
 
 def test_adaptive_config(target, tmp_path, monkeypatch):
     config = load_config("configs/smollm2-135m-ngram-adaptive.yaml")
-    assert config.adaptive.enabled and config.speculative.method == "ngram"
-    assert load_config("configs/smollm2-135m-eagle-adaptive.yaml").adaptive.enabled
+    assert config.speculative.adaptive.enabled and config.speculative.method == "ngram"
+    assert load_config("configs/smollm2-135m-eagle-adaptive.yaml").speculative.adaptive.enabled
     for overrides, word in [
-        (["adaptive.decay=1.5"], "adaptive.decay"),
-        (["adaptive.probe_length=0"], "adaptive.probe_length"),
-        (["adaptive.enabled=true"], "speculative.method"),
-        (["speculative.method=ngram", "adaptive.enabled=true", "tree.kind=static"], "tree.kind"),
+        (["speculative.adaptive.decay=1.5"], "speculative.adaptive.decay"),
+        (["speculative.adaptive.probe_length=0"], "speculative.adaptive.probe_length"),
+        (["speculative.adaptive.enabled=true"], "speculative.method"),
+        (["speculative.method=ngram", "speculative.adaptive.enabled=true",
+          "speculative.tree.kind=static"], "speculative.tree.kind"),
+        (["adaptive.enabled=true"], "moved to speculative.adaptive.enabled"),
     ]:
         with pytest.raises(JaxspecError, match=word) as e:
             load_config(None, overrides)

@@ -26,7 +26,10 @@ def test_script_parses_and_its_data_is_in_the_repo():
 def test_attention_table_smoke():
     out = subprocess.run([sys.executable, str(REPO / "scripts/bench_attention.py"), "--smoke"],
                          env=ENV, capture_output=True, text=True, check=True).stdout
-    assert "| xla |" in out and "GB/s" in out
+    assert "| xla (auto) |" in out and "GB/s" in out  # xla is what attend picks on CPU
+    for cache in ("per-layer", "stacked"):  # every kernel ran (interpret mode) on both caches
+        assert f"| {cache} | pallas_tpu |" in out and f"| {cache} | pallas_gpu |" in out
+    assert "failed" not in out
 
 
 @pytest.mark.skipif(os.environ.get("JAXSPEC_DEVICE_SMOKE") != "1", reason="set JAXSPEC_DEVICE_SMOKE=1")

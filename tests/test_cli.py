@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxspec import cli_support, drafters, generate
+from jaxspec import cli_support, generate
+from jaxspec.drafters import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 NGRAM = str(ROOT / "configs" / "smollm2-135m-ngram.yaml")
@@ -133,7 +134,7 @@ def test_missing_model_file(run_main, tmp_path):
 
 
 def test_unavailable_method(run_main, monkeypatch):
-    monkeypatch.setattr(drafters, "DRAFTERS", {"ngram": drafters.DRAFTERS["ngram"]})
+    monkeypatch.setattr(registry, "DRAFTERS", {"ngram": registry.DRAFTERS["ngram"]})
     rc, _, err = run_main("--prompt", "hi", "speculative.method=eagle")
     assert_one_line_error(rc, err, "'eagle' is not available", "none, ngram")
 
@@ -230,9 +231,13 @@ def test_stream_matches_json(json_run):
     assert "tok/s, ngram: acceptance" in summary[0] and "tokens/step, layout" in summary[0]
 
 
-def test_prompt_longer_than_context():
-    run = cli("--config", NGRAM, "--prompt", "word " * 9000, "--max-new-tokens", "8")
-    assert_one_line_error(run.returncode, run.stderr, "exceeds the model's context", "8192")
+def test_prompt_longer_than_context(run_main, smollm2, monkeypatch):
+    """In-process on the loaded model (the one-line error of a real process: the next test)."""
+    import jaxspec.loading
+
+    monkeypatch.setattr(jaxspec.loading, "load_model", lambda *a, **k: smollm2)
+    rc, _, err = run_main("--config", NGRAM, "--prompt", "word " * 9000, "--max-new-tokens", "8")
+    assert_one_line_error(rc, err, "exceeds the model's context", "8192")
 
 
 def test_bad_input_in_a_real_process():

@@ -31,12 +31,21 @@ VALUES = {
     "speculative.method": (["none", "ngram", "layer_skip"], ["eagle", "medusa", "draft_model",
                                                             "bogus"]),
     "speculative.num_speculative_tokens": ([1, 2, 16], [0, 17]),
-    "speculative.min_ngram": ([1, 2], [0, 20]),
-    "speculative.max_ngram": ([2, 3], [0, 20]),
-    "speculative.layer_skip_layers": ([1], [0, 2, 50]),
-    "speculative.draft_confidence": ([0.0], [0.5, 1.0, -0.1]),
-    "speculative.lookup_min_ngram": ([0], [1, 2, 9]),
-    "speculative.checkpoint": ([None], ["/nonexistent/ckpt"]),
+    "speculative.ngram.min_ngram": ([1, 2], [0, 20]),
+    "speculative.ngram.max_ngram": ([2, 3], [0, 20]),
+    "speculative.layer_skip.layers": ([1], [0, 2, 50]),
+    "speculative.eagle.draft_confidence": ([0.0], [0.5, 1.0, -0.1]),
+    "speculative.lookup.min_ngram": ([0], [1, 2, 9]),
+    "speculative.lookup.max_ngram": ([3], [0, 20]),
+    "speculative.eagle.checkpoint": ([None], ["/nonexistent/ckpt"]),
+    "speculative.draft_model.model": ([None], ["/nonexistent/model"]),
+    "speculative.tree.kind": (["chain"], ["static", "dynamic", "bogus"]),
+    "speculative.tree.branches": ([3], [0, 100]),
+    "speculative.adaptive.decay": ([0.9], [1.5]),
+    "speculative.ngram": ([], [2]),  # a section given a value
+    "speculative.min_ngram": ([], [2]),  # old keys: a one-line error naming the new one
+    "tree.kind": ([], ["static"]),
+    "adaptive.enabled": ([], ["true"]),
     "model.dtype": (["float32", "bfloat16"], ["int8"]),
     "model.layout": (["auto", "unrolled", "stacked"], ["packed", "weird"]),
     "sampling.nope": ([], [1]),
@@ -126,9 +135,9 @@ def test_every_valid_speculative_setting_runs(tiny_dir, capsys, monkeypatch, met
                                               temperature, model, batch_size, num_prompts):
     monkeypatch.setattr(generate, "enable_compilation_cache", lambda: None)
     argv = [f"model.name={tiny_dir}", "generation.max_new_tokens=6", f"speculative.method={method}",
-            f"speculative.num_speculative_tokens={gamma}", "speculative.layer_skip_layers=1",
-            f"speculative.min_ngram={ngram[0]}",
-            f"speculative.max_ngram={ngram[1]}", f"sampling.temperature={temperature}",
+            f"speculative.num_speculative_tokens={gamma}", "speculative.layer_skip.layers=1",
+            f"speculative.ngram.min_ngram={ngram[0]}",
+            f"speculative.ngram.max_ngram={ngram[1]}", f"sampling.temperature={temperature}",
             f"model.dtype={model[0]}", f"model.layout={model[1]}",
             f"generation.batch_size={batch_size}", "--json"]
     argv += [part for i in range(num_prompts) for part in ("--prompt", "ab ab ab " * (i + 1))]

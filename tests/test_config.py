@@ -7,16 +7,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from jaxspec import drafters
-from jaxspec.build import sampling_params
+from jaxspec.build import build_drafter, sampling_params
 from jaxspec.config import (
-    METHODS,
     Config,
     SamplingConfig,
     SpeculativeConfig,
     load_config,
 )
+from jaxspec.drafters import registry
+from jaxspec.drafters.layer_skip import LayerSkipOptions
+from jaxspec.drafters.ngram import NgramOptions
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 from jaxspec.errors import JaxspecError
 
@@ -38,7 +41,9 @@ def test_defaults():
         0.0, 0, 1.0, 0.0,
     )
     assert c.generation.max_new_tokens == 128 and c.generation.chat_template
-    assert c.speculative.method == "none" and c.speculative.layer_skip_layers == 8
+    assert c.speculative.method == "none" and c.speculative.options is None
+    assert c.speculative.tree.kind == "chain" and not c.speculative.adaptive.enabled
+    assert load_config(None, ["speculative.method=layer_skip"]).speculative.options.layers == 8
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
@@ -49,9 +54,54 @@ def test_shipped_configs_parse(name):
 
 def test_shipped_config_values():
     ngram = load_config(CONFIGS / "smollm2-135m-ngram.yaml").speculative
-    assert (ngram.method, ngram.min_ngram, ngram.max_ngram) == ("ngram", 2, 3)
+    assert ngram.method == "ngram" and ngram.options == NgramOptions(min_ngram=2, max_ngram=3)
     skip = load_config(CONFIGS / "smollm2-135m-layerskip.yaml").speculative
-    assert (skip.method, skip.num_speculative_tokens, skip.layer_skip_layers) == ("layer_skip", 3, 8)
+    assert (skip.method, skip.num_speculative_tokens, skip.options.layers) == ("layer_skip", 3, 8)
+    lookup = load_config(CONFIGS / "smollm2-135m-eagle-lookup.yaml").speculative
+    assert (lookup.lookup.min_ngram, lookup.lookup.max_ngram) == (2, 4)
+    assert lookup.options.checkpoint == "checkpoints/smollm2-135m-eagle"
+
+
+def test_nested_sections_from_yaml_and_overrides(tmp_path):
+    path = write(tmp_path, "speculative:\n  method: ngram\n  ngram:\n    max_ngram: 5\n"
+                           "  tree:\n    kind: static\n    depth: 2\n")
+    spec = load_config(path, ["speculative.ngram.min_ngram=2", "speculative.tree.branches=2"]).speculative
+    assert spec.options == NgramOptions(min_ngram=2, max_ngram=5)
+    assert (spec.tree.kind, spec.tree.branches, spec.tree.depth) == ("static", 2, 2)
+    # another method's section is validated, then dropped (the chosen method's is kept)
+    spec = load_config(path, ["speculative.method=layer_skip", "speculative.layer_skip.layers=3",
+                              "speculative.tree.kind=chain"]).speculative
+    assert spec.options == LayerSkipOptions(layers=3)
+    expect_error(["speculative.ngram.max_ngram='x'", "an integer"], path,
+                 ["speculative.method=layer_skip", "speculative.ngram.max_ngram=x"])
+
+
+def test_to_dict_is_the_yaml_layout(tmp_path):
+    c = load_config(CONFIGS / "smollm2-135m-ngram-tree.yaml")
+    d = c.to_dict()
+    assert d["speculative"]["ngram"] == {"min_ngram": 2, "max_ngram": 3}
+    assert d["speculative"]["tree"]["kind"] == "static" and "options" not in d["speculative"]
+    assert load_config(write(tmp_path, yaml.safe_dump(d))) == c
+
+
+@pytest.mark.parametrize(
+    "override, new",
+    [
+        ("tree.kind=static", "speculative.tree.kind"),
+        ("adaptive.enabled=true", "speculative.adaptive.enabled"),
+        ("speculative.min_ngram=2", "speculative.ngram.min_ngram"),
+        ("speculative.lookup_min_ngram=2", "speculative.lookup.min_ngram"),
+        ("speculative.layer_skip_layers=4", "speculative.layer_skip.layers"),
+        ("speculative.draft_confidence=0.3", "speculative.eagle.draft_confidence"),
+        ("speculative.checkpoint=x", "speculative.<method>.checkpoint"),
+        ("speculative.draft_model=x", "speculative.draft_model.model"),
+    ],
+)
+def test_old_keys_name_the_new_one(tmp_path, override, new):
+    expect_error([new], None, [override])
+    section, key = override.split("=")[0].split(".")
+    moved = new if section == "speculative" else f"speculative.{section}"
+    expect_error([moved, "c.yaml"], write(tmp_path, f"{section}:\n  {key}: 1\n"))
 
 
 def test_yaml_then_overrides(tmp_path):
@@ -70,8 +120,8 @@ def test_override_scalars():
             "generation.chat_template=false",
             "generation.system_prompt=You are terse.",
             "model.name=2024",  # str field keeps the raw text
-            "speculative.draft_model=null",
-            "speculative.checkpoint= /ckpt/eagle ",
+            "speculative.draft_model.model=null",
+            "speculative.eagle.checkpoint= /ckpt/eagle ",
         ],
     )
     assert c.sampling.top_p == 1.0 and isinstance(c.sampling.top_p, float)
@@ -79,8 +129,10 @@ def test_override_scalars():
     assert c.generation.chat_template is False
     assert c.generation.system_prompt == "You are terse."
     assert c.model.name == "2024"
-    assert c.speculative.draft_model is None
-    assert c.speculative.checkpoint == "/ckpt/eagle"
+    assert load_config(None, ["speculative.method=draft_model", "speculative.draft_model.model=null"]
+                       ).speculative.options.model is None
+    assert load_config(None, ["speculative.method=eagle", "speculative.eagle.checkpoint= /ckpt/eagle "]
+                       ).speculative.options.checkpoint == "/ckpt/eagle"
 
 
 def test_empty_file_and_empty_section(tmp_path):
@@ -155,17 +207,19 @@ def test_wrong_type_in_yaml(tmp_path):
          ["num_speculative_tokens", f"1..{MAX_SPECULATIVE_TOKENS}"]),
         (["speculative.method=ngram", f"speculative.num_speculative_tokens={MAX_SPECULATIVE_TOKENS + 1}"],
          ["num_speculative_tokens"]),
-        (["speculative.min_ngram=0"], ["min_ngram"]),
-        (["speculative.min_ngram=4", "speculative.max_ngram=3"], ["min_ngram", "max_ngram"]),
-        (["speculative.max_ngram=17"], ["max_ngram", "16"]),
-        (["speculative.layer_skip_layers=0"], ["layer_skip_layers"]),
-        (["speculative.method=eagle", "speculative.draft_confidence=1.0"], ["draft_confidence", "[0, 1)"]),
-        (["speculative.method=eagle", "speculative.draft_confidence=-0.1"], ["draft_confidence"]),
-        (["speculative.method=ngram", "speculative.draft_confidence=0.3"],
-         ["draft_confidence", "'eagle' only", "'ngram'"]),
-        (["speculative.method=eagle", "speculative.lookup_min_ngram=4"], ["lookup_min_ngram", "max_ngram (3)"]),
-        (["speculative.method=eagle", "speculative.lookup_min_ngram=-1"], ["lookup_min_ngram"]),
-        (["speculative.method=ngram", "speculative.lookup_min_ngram=2"], ["lookup_min_ngram", "'ngram'"]),
+        (["speculative.ngram.min_ngram=0"], ["speculative.ngram.min_ngram"]),
+        (["speculative.ngram.min_ngram=4", "speculative.ngram.max_ngram=3"], ["min_ngram", "max_ngram"]),
+        (["speculative.ngram.max_ngram=17"], ["speculative.ngram", "max_ngram", "16"]),
+        (["speculative.layer_skip.layers=0"], ["speculative.layer_skip.layers"]),
+        (["speculative.method=eagle", "speculative.eagle.draft_confidence=1.0"],
+         ["speculative.eagle.draft_confidence", "[0, 1)"]),
+        (["speculative.method=eagle", "speculative.eagle.draft_confidence=-0.1"], ["draft_confidence"]),
+        (["speculative.eagle.checkpoint_format=gguf"], ["speculative.eagle.checkpoint_format", "auto"]),
+        (["speculative.method=eagle", "speculative.lookup.min_ngram=4"],
+         ["speculative.lookup.min_ngram", "max_ngram (3)"]),
+        (["speculative.method=eagle", "speculative.lookup.min_ngram=-1"], ["speculative.lookup.min_ngram"]),
+        (["speculative.method=ngram", "speculative.lookup.min_ngram=2"], ["speculative.lookup", "'ngram'"]),
+        (["speculative.lookup.min_ngram=2"], ["speculative.lookup", "'none'"]),
         (["model.name= "], ["model.name"]),
     ],
 )
@@ -178,7 +232,7 @@ def test_gamma_unchecked_for_plain_decoding():
 
 
 def test_unknown_method_lists_valid():
-    expect_error(["speculative.method='lookahead'", ", ".join(METHODS)],
+    expect_error(["speculative.method='lookahead'", ", ".join(registry.available_methods())],
                  None, ["speculative.method=lookahead"])
 
 
@@ -199,7 +253,13 @@ def test_direct_construction_validates():
     with pytest.raises(JaxspecError, match="sampling.top_p"):
         SamplingConfig(top_p=2.0)
     with pytest.raises(JaxspecError, match="speculative.method"):
-        SpeculativeConfig(method="medusa2")  # type: ignore[arg-type]
+        SpeculativeConfig(method="medusa2")
+    with pytest.raises(JaxspecError, match="speculative.ngram.max_ngram"):
+        NgramOptions(min_ngram=1, max_ngram=99)
+    with pytest.raises(JaxspecError, match="does not fit method 'eagle'"):
+        SpeculativeConfig(method="eagle", options=NgramOptions())
+    spec = SpeculativeConfig(method="ngram", options=NgramOptions(max_ngram=5))
+    assert spec.options.max_ngram == 5 and SpeculativeConfig(method="ngram").options == NgramOptions()
     assert SamplingConfig(temperature=1).temperature == 1.0
 
 
@@ -213,40 +273,46 @@ FAKE_TARGET = SimpleNamespace(cfg=SimpleNamespace(vocab_size=1000))
 
 
 def test_ngram_is_registered():
-    spec = SpeculativeConfig(method="ngram", min_ngram=2, max_ngram=4)
-    drafter, dparams = drafters.build_drafter(spec, FAKE_TARGET)
+    spec = SpeculativeConfig(method="ngram", options=NgramOptions(min_ngram=2, max_ngram=4))
+    drafter, dparams = build_drafter(spec, FAKE_TARGET)
     assert isinstance(drafter, drafters.NgramDrafter)
     assert (drafter.vocab_size, drafter.min_ngram, drafter.max_ngram) == (1000, 2, 4)
     assert dparams == ()
-    assert drafters.build_drafter(SpeculativeConfig(), FAKE_TARGET) == (None, None)
+    assert build_drafter(SpeculativeConfig(), FAKE_TARGET) == (None, None)
 
 
-def test_registered_methods_are_config_methods():
-    assert set(drafters.DRAFTERS) <= set(METHODS) - {"none"}
+def test_builtin_methods_register_their_options():
+    for name, method in registry.DRAFTERS.items():
+        assert method.options is None or method.options.SECTION == f"speculative.{name}"
+    assert {"ngram", "draft_model", "layer_skip", "eagle", "eagle3", "medusa", "mtp"} <= set(
+        registry.DRAFTERS
+    )
 
 
 def test_unregistered_method_is_refused(monkeypatch):
-    monkeypatch.setattr(drafters, "DRAFTERS", {"ngram": drafters.DRAFTERS["ngram"]})
+    monkeypatch.setattr(registry, "DRAFTERS", {"ngram": registry.DRAFTERS["ngram"]})
     with pytest.raises(JaxspecError) as e:
-        drafters.build_drafter(SpeculativeConfig(method="eagle"), FAKE_TARGET)
+        drafters.check_method("eagle")
     assert "'eagle' is not available" in str(e.value)
     assert "none, ngram" in str(e.value)
     drafters.check_method("none")
+    expect_error(["speculative.method='eagle'", "none, ngram"], None, ["speculative.method=eagle"])
 
 
 def test_register_drafter(monkeypatch):
-    monkeypatch.setattr(drafters, "DRAFTERS", dict(drafters.DRAFTERS))
+    monkeypatch.setattr(registry, "DRAFTERS", dict(registry.DRAFTERS))
 
-    def factory(spec, target):
-        return ("drafter", target.cfg.vocab_size), {"w": 1}
+    def factory(options, ctx):
+        return ("drafter", ctx.target.cfg.vocab_size), {"w": 1}
 
-    drafters.DRAFTERS.pop("medusa", None)  # a fresh name for this test (the copy is restored)
-    drafters.register_drafter("medusa", factory)
-    drafters.register_drafter("medusa", factory)  # the same factory again is harmless
-    assert "medusa" in drafters.available_methods()
-    out = drafters.build_drafter(SpeculativeConfig(method="medusa"), FAKE_TARGET)
+    drafters.register_drafter("fake", factory)
+    drafters.register_drafter("fake", factory)  # the same factory again is harmless
+    assert "fake" in drafters.available_methods()
+    out = build_drafter(SpeculativeConfig(method="fake"), FAKE_TARGET)
     assert out == (("drafter", 1000), {"w": 1})
     with pytest.raises(ValueError, match="already registered"):
-        drafters.register_drafter("medusa", lambda spec, target: (None, None))
+        drafters.register_drafter("fake", lambda options, ctx: (None, None))
     with pytest.raises(ValueError):
         drafters.register_drafter("none", factory)
+    with pytest.raises(ValueError, match="expected 'speculative.other'"):
+        drafters.register_drafter("other", factory, options=NgramOptions)

@@ -619,7 +619,7 @@ def test_eagle3_missing_and_extra_tensors_are_named(tmp_path, target):
         ("hidden", "target's hidden size is 64"),
         ("vocab", "vocabulary of 65 tokens"),
         ("deep", r"tapped target layer 7 \(input convention\) is beyond the target's 6 layers"),
-        ("d2t_range", "outside the target vocabulary"),
+        ("d2t_range", r"d2t \(target id = i \+ d2t\[i\]\): the draft vocabulary maps to target id \d+, outside"),
         ("d2t_dup", "a draft vocabulary must list each target token once"),
         ("t2d", "t2d does not mark exactly"),
         (
@@ -879,35 +879,40 @@ def test_jaxspec_eagle_checkpoint_export_is_refused(tmp_path, capsys):
 
 
 def test_speculative_config_reads_published_checkpoints(tmp_path, target):
-    from jaxspec.config import SpeculativeConfig
-    from jaxspec.drafters import build_drafter
+    from jaxspec.build import build_drafter
     from jaxspec.drafters.eagle3 import Eagle3Drafter
     from jaxspec.drafters.mtp import MtpDrafter
 
     torch = import_torch()
     e_path = eagle3_dir(tmp_path, "speculators-nbf")[0]
     m_path = write_dir(tmp_path / "mtp", mtp_config(), mtp_state(torch))
-    spec = lambda **kw: SpeculativeConfig(num_speculative_tokens=2, **kw)
-    drafter, _ = build_drafter(spec(method="eagle", checkpoint=str(e_path)), target)
+    drafter, _ = build_drafter(spec_of("eagle", checkpoint=e_path), target)
     assert isinstance(drafter, Eagle3Drafter)
     drafter, _ = build_drafter(
-        spec(method="eagle3", checkpoint=str(e_path), checkpoint_format="speculators"), target
+        spec_of("eagle3", checkpoint=e_path, checkpoint_format="speculators"), target
     )
     assert isinstance(drafter, Eagle3Drafter)
     drafter, _ = build_drafter(
-        spec(method="mtp", checkpoint=str(m_path), lookup_min_ngram=2), target
+        spec_of("mtp", ["speculative.lookup.min_ngram=2"], checkpoint=m_path), target
     )
     assert isinstance(drafter.inner, MtpDrafter)  # prompt lookup first, MTP elsewhere
     with pytest.raises(
         JaxspecError, match="in the eagle3 layout, which method 'medusa' does not read"
     ):
-        build_drafter(
-            spec(method="medusa", checkpoint=str(e_path), checkpoint_format="eagle3"), target
-        )
+        build_drafter(spec_of("medusa", checkpoint=e_path, checkpoint_format="eagle3"), target)
     with pytest.raises(JaxspecError, match="draft_confidence works with jaxspec's own EAGLE"):
-        build_drafter(spec(method="eagle", checkpoint=str(e_path), draft_confidence=0.5), target)
-    with pytest.raises(JaxspecError, match="checkpoint_format"):
-        spec(method="eagle", checkpoint=str(e_path), checkpoint_format="gguf")
+        build_drafter(spec_of("eagle", checkpoint=e_path, draft_confidence=0.5), target)
+    with pytest.raises(JaxspecError, match="speculative.eagle.checkpoint_format"):
+        spec_of("eagle", checkpoint=e_path, checkpoint_format="gguf")
+
+
+def spec_of(method, more=(), **options):
+    """The speculative section as a user writes it: speculative.<method>.<key>=value."""
+    from jaxspec.config import load_config
+
+    overrides = [f"speculative.method={method}", "speculative.num_speculative_tokens=2", *more]
+    overrides += [f"speculative.{method}.{k}={v}" for k, v in options.items()]
+    return load_config(None, overrides).speculative
 
 
 def test_published_conversion_cli(tmp_path, target, capsys):
@@ -951,8 +956,7 @@ def test_mtp_stored_with_the_target(tmp_path):
     from conftest import make_tiny_checkpoint
     from safetensors.torch import save_file
 
-    from jaxspec.config import SpeculativeConfig
-    from jaxspec.drafters import build_drafter
+    from jaxspec.build import build_drafter
     from jaxspec.loading import load_model
 
     torch = import_torch()
@@ -964,8 +968,7 @@ def test_mtp_stored_with_the_target(tmp_path):
         mtp_state(torch, head=False, layers=layers, vocab=vocab), str(path / "mtp.safetensors")
     )
     tgt = load_model(str(path), layout="unrolled")
-    spec = SpeculativeConfig(method="mtp", checkpoint=str(path), num_speculative_tokens=2)
-    drafter, dparams = build_drafter(spec, tgt)
+    drafter, dparams = build_drafter(spec_of("mtp", checkpoint=path), tgt)
     assert drafter.hidden_layers == (layers,)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     plain = Engine(tgt).generate(prompts, max_new_tokens=10, batch_size=2)
@@ -980,18 +983,15 @@ def test_mtp_stored_with_the_target(tmp_path):
 
 
 def test_eagle3_tap_ids_as_layer_outputs(tmp_path, target):
-    """speculative.eagle3_layer_ids: output reads explicit ids as SGLang / SpecForge do (id i =
+    """speculative.eagle.eagle3_layer_ids: output reads explicit ids as SGLang / SpecForge do (id i =
     the output of layer i, hidden_states[i + 1]); the default tap set is the same either way."""
-    from jaxspec.config import SpeculativeConfig
-    from jaxspec.drafters import build_drafter
+    from jaxspec.build import build_drafter
 
     torch = import_torch()
     sd = eagle3_state(torch, "eagle3")
     explicit = write_dir(tmp_path / "x", eagle3_config("eagle3", ids=(0, 2, 3)), sd)
     default = write_dir(tmp_path / "d", eagle3_config("eagle3", ids=None), sd)
-    spec = lambda path, conv: SpeculativeConfig(
-        method="eagle", checkpoint=str(path), num_speculative_tokens=2, eagle3_layer_ids=conv
-    )
+    spec = lambda path, conv: spec_of("eagle", checkpoint=path, eagle3_layer_ids=conv)
     assert build_drafter(spec(explicit, "input"), target)[0].hidden_layers == (0, 2, 3)
     assert build_drafter(spec(explicit, "output"), target)[0].hidden_layers == (1, 3, 4)
     for conv in ("input", "output"):
@@ -1000,5 +1000,5 @@ def test_eagle3_tap_ids_as_layer_outputs(tmp_path, target):
     build_drafter(spec(deep, "input"), target)  # 5 < 6 layers: fine as an input id
     with pytest.raises(JaxspecError, match=r"tapped target layer 5 \(output convention\)"):
         build_drafter(spec(deep, "output"), target)
-    with pytest.raises(JaxspecError, match="eagle3_layer_ids"):
+    with pytest.raises(JaxspecError, match="speculative.eagle.eagle3_layer_ids"):
         spec(deep, "middle")

@@ -58,8 +58,8 @@ def test_the_minimum_temperature_gives_finite_probabilities(engine):
 
 @pytest.mark.parametrize("d2t,fragment", [
     ([0, 3, 3, 5], "target id 3 appears 2 times"),
-    ([0, 3, 64], "id 64 is out of range"),
-    ([-1, 3], "id -1 is out of range"),
+    ([0, 3, 64], "target id 64, outside the target vocabulary"),
+    ([-1, 3], "target id -1, outside"),
     ([[0, 1]], "1-D integer array"),
     ([0.0, 1.0], "1-D integer array"),
     ([], "1-D integer array"),

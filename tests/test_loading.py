@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import LoadedModel, load_model, registry
 from jaxspec.loading.gguf_file import permute_qk, unpermute_qk
-from jaxspec.loading.safetensors_dir import _tensor_index, config_from_hf
+from jaxspec.loading.safetensors_dir import tensor_index, config_from_hf
 from jaxspec.models.llama import RopeScaling, param_shapes
 
 # ---------------------------------------------------------------- config.json mapping
@@ -129,7 +129,7 @@ def test_tied_checkpoint_has_no_lm_head(tiny_qwen2_dir):
 
 
 def test_sharded_index_is_read(tiny_llama_sharded_dir):
-    index = _tensor_index(tiny_llama_sharded_dir)
+    index = tensor_index(tiny_llama_sharded_dir)
     assert len({s.file for s in index.values()}) > 1
     assert "model.layers.1.mlp.down_proj.weight" in index
 
@@ -197,7 +197,7 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, qtype=Q.F32, *, extra=()) ->
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_dimension_count(cfg["hidden_size"] // heads)
     w.add_vocab_size(cfg["vocab_size"])
-    tensors = {name: shard.tensor(name) for name, shard in _tensor_index(hf_dir).items()}
+    tensors = {name: shard.tensor(name) for name, shard in tensor_index(hf_dir).items()}
     for name, x in sorted(tensors.items()):
         x = np.asarray(x, np.float32)
         if name.startswith("model.layers."):

@@ -120,7 +120,7 @@ def test_distribution_test_catches_a_broken_drafter(small):
     assert chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)) < FAIL_P
 
 
-# ---- dynamic draft length (speculative.draft_confidence) -------------------------------------
+# ---- dynamic draft length (speculative.eagle.draft_confidence) -------------------------------
 
 
 def test_confidence_gated_eagle_is_token_identical_and_drafts_less(target, plain):
@@ -159,7 +159,7 @@ def test_distribution_test_catches_a_self_gated_drafter(small):
     assert chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)) < FAIL_P
 
 
-# ---- prompt lookup first, the trained drafter elsewhere (speculative.lookup_min_ngram) ---------
+# ---- prompt lookup first, the trained drafter elsewhere (speculative.lookup) -------------------
 
 
 COPY_PROMPT = "Repeat exactly: The old lighthouse keeper climbed the stairs every evening to light the lamp."

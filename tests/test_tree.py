@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from distribution import FAIL_P, PASS_P, pvalue
+from tiny import tiny_model
+
 from jaxspec import acceptance, speculate, tree
 from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.ngram import NgramDrafter
@@ -23,7 +24,6 @@ from jaxspec.loading.params import unpack_params
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, logits_to_probs
 from jaxspec.train import methods
-from tiny import tiny_model
 
 PROMPT_LENGTHS = (5, 17, 9, 30)
 
@@ -63,15 +63,22 @@ def test_bad_tree_choices_are_clear_errors():
 @pytest.mark.parametrize(
     "overrides,word",
     [
-        (["tree.kind=dynamic"], "supported by method eagle"),
-        (["speculative.method=eagle", "tree.kind=static"], "medusa or ngram"),
-        (["speculative.method=medusa", "tree.kind=static"], "needs tree.choices"),
-        (["tree.budget=0"], "tree.budget=0 is invalid"),
-        (["tree.choices=[[0, 1]]"], "no parent"),
-        (["tree.kind=bogus"], "one of chain, static, dynamic"),
-        (["speculative.method=eagle", "tree.kind=dynamic", "tree.budget=60"], "use 1..52"),
-        (["speculative.method=ngram", "tree.kind=static", "tree.branches=20"], "<= 63"),
-        (["speculative.method=eagle", "tree.kind=dynamic", "speculative.lookup_min_ngram=2"],
+        (["speculative.tree.kind=dynamic"], "supported by method draft_model or eagle"),
+        (["speculative.method=eagle", "speculative.tree.kind=dynamic", "speculative.tree.children=gumbel"],
+         "one of top_k, sampled, without_replacement"),
+        (["speculative.method=eagle", "speculative.tree.kind=static"], "medusa or ngram"),
+        (["speculative.method=medusa", "speculative.tree.kind=static"], "needs speculative.tree.choices"),
+        (["speculative.tree.budget=0"], "speculative.tree.budget=0 is invalid"),
+        (["speculative.tree.choices=[[0, 1]]"], "no parent"),
+        (["speculative.tree.kind=bogus"], "one of chain, static, dynamic"),
+        (["speculative.method=eagle", "speculative.tree.kind=dynamic", "speculative.tree.budget=60"],
+         "use 1..52"),
+        (["speculative.method=ngram", "speculative.tree.kind=static", "speculative.tree.branches=20"],
+         "<= 63"),
+        (["speculative.method=eagle", "speculative.tree.kind=dynamic", "speculative.lookup.min_ngram=2"],
+         "does not combine"),
+        (["speculative.method=eagle", "speculative.tree.kind=dynamic",
+          "speculative.eagle.draft_confidence=0.3"],
          "does not combine"),
     ],
 )
@@ -84,16 +91,18 @@ def test_bad_tree_config_is_a_one_line_error(overrides, word):
 
 
 def test_tree_config_builds_the_tree_drafter():
-    from jaxspec.config import load_config
-    from jaxspec.drafters import with_tree
+    from types import SimpleNamespace
 
-    cfg = load_config(None, ["speculative.method=ngram", "tree.kind=static", "tree.branches=2",
-                             "tree.depth=3"])
-    d = with_tree(NgramDrafter(vocab_size=64), cfg.tree)
-    assert (d.tree_nodes, d.tree_depth) == (6, 3)
-    cfg = load_config(None, ["speculative.method=medusa", "tree.kind=static",
-                             "tree.choices=[[1], [0], [0, 0]]"])
-    assert cfg.tree.choices == [[0], [1], [0, 0]]
+    from jaxspec.build import build_drafter
+    from jaxspec.config import load_config
+
+    cfg = load_config(None, ["speculative.method=ngram", "speculative.tree.kind=static",
+                             "speculative.tree.branches=2", "speculative.tree.depth=3"])
+    d, _ = build_drafter(cfg.speculative, SimpleNamespace(cfg=SimpleNamespace(vocab_size=64)))
+    assert isinstance(d, NgramDrafter) and (d.tree_nodes, d.tree_depth) == (6, 3)
+    cfg = load_config(None, ["speculative.method=medusa", "speculative.tree.kind=static",
+                             "speculative.tree.choices=[[1], [0], [0, 0]]"])
+    assert cfg.speculative.tree.choices == [[0], [1], [0, 0]]
 
 
 # ---- the acceptance rule ---------------------------------------------------------------------
@@ -160,13 +169,13 @@ class MixedTreeDrafter:
 
     def propose(self, dparams, tparams, state, ctx, num_tokens, sp, keys):
         b = keys.shape[0]
-        draw = lambda k, q, n: jax.random.categorical(k, jnp.log(q), shape=(n,))  # noqa: E731
+        draw = lambda k, q, n: jax.random.categorical(k, jnp.log(q), shape=(n,))
         k1, k2 = jax.vmap(lambda k: jax.random.split(k), out_axes=1)(keys)
         s1 = jax.vmap(lambda k: draw(k, dparams["q1"], 2))(k1)  # [B, 2]
         s2 = jax.vmap(lambda k: draw(k, dparams["q2"], 2))(k2)
         det = jnp.broadcast_to(dparams["det"], (b, 3))
         tokens = jnp.stack([det[:, 0], s1[:, 0], s1[:, 1], det[:, 1], s2[:, 0], s2[:, 1], det[:, 2]], 1)
-        one = lambda t: jax.nn.one_hot(t, self.vocab)  # noqa: E731
+        one = lambda t: jax.nn.one_hot(t, self.vocab)
         qs = [one(det[:, 0]), *[jnp.broadcast_to(dparams["q1"], (b, self.vocab))] * 2,
               one(det[:, 1]), *[jnp.broadcast_to(dparams["q2"], (b, self.vocab))] * 2, one(det[:, 2])]
         parents = jnp.broadcast_to(jnp.asarray([-1, -1, -1, 0, 0, 1, 4], jnp.int32), (b, 7))
@@ -217,6 +226,59 @@ def test_distribution_test_catches_a_residual_not_updated_between_siblings(small
     assert p < FAIL_P
 
 
+# ---- sampled children of a dynamic tree (draft_model): exact law, and a broken variant ------
+
+
+def sampled_tree_pvalue(target, children, seed=11):
+    """A draft_model tree (its own tiny network, unlike the target) with sampled children:
+    k 3 children per node, 2 levels, 6 of 12 candidates kept; top_k 4 sampling leaves some
+    nodes fewer than 3 tokens to draw, so deterministic siblings past q's support occur too."""
+    from jaxspec.drafters.draft_model import ModelDrafter
+
+    draft = tiny_model(seed=9, scale=0.6, vocab=V, layers=1, hidden=32, eos=(-1,))
+    drafter = ModelDrafter(cfg=draft.cfg, target_vocab=V, tree_top_k=3, tree_levels=2,
+                           tree_budget=6, tree_children=children)
+    sp = SamplingParams.make(**TREE_SP)
+    return pvalue(target, drafter, draft.params, sp, PROMPT, rows=NUM_ROWS, num_tokens=4,
+                  gamma=1, seed=seed)
+
+
+@pytest.mark.parametrize("children", ["without_replacement"])  # i.i.d.: the mixed tree test
+def test_sampled_tree_children_have_the_target_distribution(small_vocab, children):
+    target, _ = small_vocab
+    p, results = sampled_tree_pvalue(target, children)
+    per_depth = np.mean([r.metrics["accepted_per_position"] for r in results], axis=0)
+    assert 0.05 < per_depth[0] < 0.95 and per_depth[1] > 0.01  # rejections and depth-2 accepts
+    assert p > PASS_P
+
+
+def test_distribution_test_catches_without_replacement_siblings_reporting_q(small_vocab, monkeypatch):
+    """Broken: later without-replacement siblings report the un-renormalised q."""
+    target, _ = small_vocab
+    jax.clear_caches()
+    monkeypatch.setattr(tree, "grow", functools.partial(tree.grow, reported_q="shared"))
+    try:
+        p, _ = sampled_tree_pvalue(target, "without_replacement")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert p < FAIL_P
+
+
+def test_without_replacement_children_are_distinct_and_follow_the_support():
+    logp = jnp.log(jnp.asarray([[[0.5, 0.3, 0.15, 0.05]]]))
+    q = jnp.asarray([[[0.6, 0.0, 0.4, 0.0]]])  # two tokens to draw, then the rest by logp
+    keys = jax.random.split(jax.random.key(0), 1)
+    inc, ids = tree.draw_children(logp, q, 3, "without_replacement", keys)
+    np.testing.assert_allclose(inc[0, 0], np.log([0.5, 0.3, 0.15]), rtol=1e-6)
+    assert sorted(np.asarray(ids[0, 0, :2]).tolist()) == [0, 2] and int(ids[0, 0, 2]) == 1
+    earlier = jnp.asarray([[[4, 4], [int(ids[0, 0, 0]), 4], [0, 2]]])  # 4 = absent
+    qs = tree.without_earlier(jnp.broadcast_to(q[0], (1, 3, 4)), ids[0], earlier)
+    np.testing.assert_allclose(qs[0, 0], q[0, 0])
+    np.testing.assert_allclose(qs[0, 1], jax.nn.one_hot(ids[0, 0, 1], 4))  # the other one, surely
+    np.testing.assert_allclose(qs[0, 2], jax.nn.one_hot(1, 4))  # past the support: deterministic
+
+
 # ---- tree drafters on a tiny target: greedy identity, chain equivalence, compaction ----------
 
 
@@ -246,7 +308,7 @@ DRAFT_IDS = np.arange(0, 64, 2, dtype=np.int32)  # a reduced draft vocabulary: 3
 def trained_like(target, name, **tree_kw):
     """A random Medusa / EAGLE drafter on the tiny target (as the training code builds it)."""
     m = {"eagle": methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0),
-         "medusa": methods.Medusa(num_heads=3)}[name]
+         "medusa": methods.Medusa(num_heads=3), "draft_model": methods.Draft()}[name]
     plain = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
     params, frozen = m.init(plain, DRAFT_IDS, jax.random.key(7))
     return dataclasses.replace(m.drafter(target.cfg), **tree_kw), m.runtime(params, frozen)
@@ -258,6 +320,9 @@ TREE_DRAFTERS = {
         t, "medusa", tree_choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1))
     ),
     "eagle": lambda t: trained_like(t, "eagle", tree_top_k=3, tree_levels=3, tree_budget=8),
+    "draft_model": lambda t: trained_like(
+        t, "draft_model", tree_top_k=3, tree_levels=3, tree_budget=8
+    ),
 }
 
 
@@ -334,16 +399,15 @@ def test_committed_kv_after_tree_steps_equals_plain_decoding(target, prompts):
 
 def test_no_recompilation_across_tree_shapes(target):
     """Tree shapes are data: rows and steps with different trees reuse one program."""
-    drafter, dparams = TREE_DRAFTERS["eagle"](target)
-    engine = Engine(target, drafter, dparams, num_speculative_tokens=1)
-    ngram = Engine(target, TREE_DRAFTERS["ngram"](target)[0], num_speculative_tokens=1)
+    engines = [Engine(target, *TREE_DRAFTERS[m](target), num_speculative_tokens=1)
+               for m in ("eagle", "draft_model", "ngram")]
     rng = np.random.default_rng(1)
     requests = [[int(t) for t in rng.integers(1, 64, size=int(n))] for n in rng.integers(17, 30, 6)]
-    for e in (engine, ngram):
+    for e in engines:
         e.generate(requests[:1], max_new_tokens=16)  # warm up
     before = speculate.decode_jit._cache_size()
     for ids in requests:
-        for e in (engine, ngram):
+        for e in engines:
             e.generate([ids], max_new_tokens=16)
     assert speculate.decode_jit._cache_size() == before
 
@@ -361,7 +425,7 @@ def smol_plain(smollm2):
     return Engine(smollm2).generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
 
 
-@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram"])
+@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram", "draft"])
 def test_shipped_tree_config_is_token_identical(smollm2, smol_plain, name):
     from jaxspec.build import build_engine
     from jaxspec.config import load_config
@@ -370,6 +434,6 @@ def test_shipped_tree_config_is_token_identical(smollm2, smol_plain, name):
     results = engine.generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
     assert [r.token_ids for r in results] == [r.token_ids for r in smol_plain]
     assert np.mean([r.metrics["mean_accepted_length"] for r in results]) > 1.1
-    nodes = engine.spec.num_nodes  # eagle, medusa: every step verifies the whole tree
+    nodes = engine.spec.num_nodes  # eagle, medusa, draft: every step verifies the whole tree
     assert all(r.metrics["nodes_per_step"] == nodes or name == "ngram" for r in results)
     assert all(r.metrics["nodes_per_step"] > 0 for r in results)

@@ -15,8 +15,15 @@ Token bookkeeping shared by every drafter (row b):
              token; lengths advance. `window` and `hidden` hold the path (root first), so a
              drafter that reads them needs no tree logic.
 
-A tree drafter also sets `tree_nodes` (N) and `tree_depth` (its deepest path): the loop verifies
-1 + N window entries and commits at most tree_depth + 1 tokens per step.
+Optional attributes (read through `traits`, never with getattr elsewhere):
+  tree_nodes, tree_depth  a tree drafter: N nodes per proposal, its deepest path; the loop verifies
+                          1 + N window entries and commits at most tree_depth + 1 tokens per step
+                          (None or absent: a chain of γ nodes)
+  max_context             a drafter with its own position limit (a draft model's context)
+  cfg                     the ModelConfig of a drafter with its own transformer layers: its params
+                          are placed on a mesh by the target's rules (sharding.place_drafter)
+  advance                 (dparams, tparams, state, ctx) -> state: update the state for the last
+                          committed token without drafting (EAGLE; used by prompt lookup first)
 """
 
 from __future__ import annotations
@@ -53,6 +60,25 @@ class CommitContext(NamedTuple):
     num_accepted: jax.Array  # int32[B]
     hidden: jax.Array | None  # [len(hidden_layers), B, D+1, D] target hidden states on the path
     path: jax.Array | None = None  # int32[B, D+1] window indices of the path (0 = root)
+
+
+class Traits(NamedTuple):
+    tree_nodes: int | None  # None: a chain
+    tree_depth: int | None
+    max_context: int | None  # None: no limit of its own
+    model_cfg: Any  # llama.ModelConfig or None
+    advance: Any  # bound method or None
+
+
+def traits(drafter: Drafter) -> Traits:
+    """The optional protocol attributes of `drafter`, with their defaults."""
+    return Traits(
+        tree_nodes=getattr(drafter, "tree_nodes", None) or None,
+        tree_depth=getattr(drafter, "tree_depth", None) or None,
+        max_context=getattr(drafter, "max_context", None),
+        model_cfg=getattr(drafter, "cfg", None),
+        advance=getattr(drafter, "advance", None),
+    )
 
 
 class Drafter(Protocol):

@@ -7,18 +7,30 @@ has nothing to do: every proposal starts with a 2-token window [tokens[L-2], tok
 included — then γ-1 single-token steps on its own samples (lax.scan); with
 `DraftContext.max_nodes` (adaptive speculation) only as many as the longest row may verify (a
 while loop, same keys, same drafts).
+
+Dynamic tree (EAGLE-2, `tree_top_k` > 0; built by `jaxspec.tree.grow`, shared with eagle): after
+the same 2-token catch-up, each level runs the draft over every node expanded so far (depth d at
+position L - 1 + d) with the ancestor mask, reading the committed prefix of its cache and writing
+nothing (`forward(write_cache=False, window_mask=...)`): no scratch slots, nothing to roll back.
+A level recomputes the earlier levels' nodes (k, 2k, ... rows): cheap next to the weight reads of
+one forward on a CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxspec import sampling
+from jaxspec import sampling, tree
 from jaxspec.cache import KVCache, init_cache
+from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.draft_vocab import scatter_to_target
+from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 
@@ -49,6 +61,20 @@ class ModelDrafter:
     shared_layers: int = 0  # > 0: layer_skip, the draft IS the target's first `shared_layers` layers
     hidden_layers: tuple[int, ...] = ()
     variable_length: bool = False
+    # Dynamic tree (EAGLE-2): expand the tree_top_k best nodes per level into tree_top_k children,
+    # tree_levels levels, keep the best tree_budget nodes; tree_top_k = 0: a chain.
+    tree_top_k: int = 0
+    tree_levels: int = 0
+    tree_budget: int = 0
+    tree_children: str = "top_k"  # top_k | sampled | without_replacement (jaxspec.tree.CHILDREN)
+
+    @property
+    def tree_nodes(self) -> int | None:
+        return self.tree_budget if self.tree_top_k else None
+
+    @property
+    def tree_depth(self) -> int | None:
+        return self.tree_levels if self.tree_top_k else None
 
     @property
     def max_context(self) -> int:
@@ -72,33 +98,44 @@ class ModelDrafter:
         )
         return llama.forward(params, prompt_tokens, cache, c).cache
 
-    def _probs(self, params, hidden, sp):  # [B, D] -> f32[B, V_target]
+    def _logits(self, params, hidden):
+        """hidden [..., D] -> (draft logits f32[..., Nd], target ids int32[Nd] of the draft
+        entries, or None when Nd is the target vocabulary)."""
         if "draft_head" in params:  # reduced draft vocabulary (distilled drafts): N head rows + ids
-            logits = llama.linear(hidden, params["draft_head"]).astype(jnp.float32)  # [B, N]
-            probs = sampling.logits_to_probs(logits, sp)
-            full = jnp.zeros((hidden.shape[0], self.target_vocab), jnp.float32)
-            return full.at[:, params["draft_ids"]].set(probs)  # zeros elsewhere: never drawn
+            return llama.linear(hidden, params["draft_head"]).astype(jnp.float32), params["draft_ids"]
         logits = llama.lm_head(params, hidden)
         v, vd = self.target_vocab, logits.shape[-1]
         if vd > v:  # draft padding rows: never proposed
-            logits = logits[:, :v]
+            logits = logits[..., :v]
         elif vd < v:  # draft vocab is a prefix of the target's
-            logits = jnp.pad(logits, [(0, 0), (0, v - vd)], constant_values=-jnp.inf)
-        return sampling.logits_to_probs(logits, sp)
+            pad = [(0, 0)] * (logits.ndim - 1) + [(0, v - vd)]
+            logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
+        return logits, None
 
-    def propose(self, dparams, tparams, state: KVCache, ctx: DraftContext, num_tokens, sp, keys):
-        params = self.params(dparams, tparams)
-        b = ctx.lengths.shape[0]
+    def _probs(self, params, hidden, sp):  # [B, D] -> f32[B, V_target]
+        logits, ids = self._logits(params, hidden)  # zeros outside the draft vocabulary: never drawn
+        return scatter_to_target(sampling.logits_to_probs(logits, sp), ids, self.target_vocab)
+
+    def _catch_up(self, params, state: KVCache, ctx: DraftContext):
+        """(Re)write the two newest committed slots -> (hidden at L - 1 [B, 1, D], cache)."""
         start = jnp.maximum(ctx.lengths - 2, 0)  # [B]
         pos = start[:, None] + jnp.arange(2)[None]  # [B, 2]
         window = jnp.take_along_axis(ctx.tokens, pos, axis=1)
         out = llama.forward(params, window, state.with_lengths(start), self.cfg)
         last = jnp.take_along_axis(out.hidden, (ctx.lengths - 1 - start)[:, None, None], axis=1)
+        return last, out.cache
+
+    def propose(self, dparams, tparams, state: KVCache, ctx: DraftContext, num_tokens, sp, keys):
+        params = self.params(dparams, tparams)
+        b = ctx.lengths.shape[0]
+        last, cache = self._catch_up(params, state, ctx)
+        if self.tree_top_k:
+            return self._propose_tree(params, cache, last, ctx, sp, keys)
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
         probs = self._probs(params, last[:, 0], sp)
         token = sampling.sample_rows(step_keys[:, 0], probs)
         if ctx.max_nodes is not None:  # adaptive speculation: stop once no row wants more
-            return self._propose_up_to(params, ctx, num_tokens, sp, step_keys, out.cache, token, probs)
+            return self._propose_up_to(params, ctx, num_tokens, sp, step_keys, cache, token, probs)
 
         def step(carry, key_col):
             cache, token, position = carry
@@ -107,7 +144,7 @@ class ModelDrafter:
             nxt = sampling.sample_rows(key_col, probs)
             return (out.cache, nxt, position + 1), (nxt, probs)
 
-        carry = (out.cache, token, ctx.lengths)
+        carry = (cache, token, ctx.lengths)
         (cache, _, _), (tokens, all_probs) = jax.lax.scan(
             step, carry, jnp.swapaxes(step_keys[:, 1:], 0, 1)
         )
@@ -142,6 +179,38 @@ class ModelDrafter:
         num = jnp.clip(ctx.max_nodes, 0, num_tokens).astype(jnp.int32)
         return Proposal(drafts, q, num), cache
 
+    def _propose_tree(self, params, cache: KVCache, last, ctx: DraftContext, sp, keys):
+        """EAGLE-2 dynamic tree (jaxspec.tree.grow): level l runs the window of every node
+        expanded so far, k per level, at positions L + its level under the ancestor mask."""
+        k, levels = self.tree_top_k, self.tree_levels
+        b = ctx.lengths.shape[0]
+        root_logits, ids = self._logits(params, last[:, 0])
+        to_target = (lambda i: i) if ids is None else (lambda i: ids[i])
+
+        def expand(carry, level, front: tree.Frontier):
+            win_tokens, win_parents = carry  # [B, level*k] expanded so far, their window parents
+            offset = (level - 1) * k  # window index of the previous frontier's first node
+            parent = jnp.where(front.parent < 0, -1, front.parent + offset).astype(jnp.int32)
+            win_tokens = jnp.concatenate([win_tokens, to_target(front.ids)], axis=1)
+            win_parents = jnp.concatenate([win_parents, parent], axis=1)
+            t = win_tokens.shape[1]
+            mask = tree.ancestors(win_parents, jnp.full((b,), t, jnp.int32))[:, 1:, 1:]
+            depth = jnp.asarray(np.repeat(np.arange(level + 1, dtype=np.int32), k))
+            positions = ctx.lengths[:, None] + depth[None]  # depth-1 nodes at L
+            out = llama.forward(params, win_tokens, cache.with_lengths(ctx.lengths), self.cfg,
+                                write_cache=False, positions=positions, window_mask=mask)
+            logits, _ = self._logits(params, out.hidden[:, -k:])  # [B, K, Nd]
+            return (win_tokens, win_parents), logits
+
+        empty = jnp.zeros((b, 0), jnp.int32)
+        grown, _ = tree.grow(
+            expand, (empty, empty), root_logits, sp, keys, top_k=k, levels=levels,
+            budget=self.tree_budget, children=self.tree_children,
+        )
+        probs = scatter_to_target(grown.q, ids, self.target_vocab)
+        num = jnp.full((b,), self.tree_budget, jnp.int32)
+        return Proposal(to_target(grown.ids), probs, num, grown.parents), cache
+
     def commit(self, dparams, tparams, state, ctx: CommitContext):
         return state
 
@@ -149,7 +218,7 @@ class ModelDrafter:
 def layer_skip_drafter(target_cfg: llama.ModelConfig, num_layers: int) -> ModelDrafter:
     if not 1 <= num_layers < target_cfg.num_layers:
         raise JaxspecError(
-            f"layer_skip_layers={num_layers} is out of range: the target has "
+            f"speculative.layer_skip.layers={num_layers} is out of range: the target has "
             f"{target_cfg.num_layers} layers, use 1..{target_cfg.num_layers - 1}"
         )
     cfg = dataclasses.replace(target_cfg, num_layers=num_layers)
@@ -163,3 +232,37 @@ def draft_model_drafter(draft, target) -> ModelDrafter:
     check_vocab(draft.cfg.vocab_size, target.cfg.vocab_size, draft.tokenizer, target.tokenizer)
     # A shorter draft context is not fatal: the engine checks each request against `max_context`.
     return ModelDrafter(cfg=draft.cfg, target_vocab=target.cfg.vocab_size)
+
+
+# ---- method "draft_model" ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DraftModelOptions(trained.CheckpointOptions):
+    """speculative.draft_model: a distilled draft (checkpoint) or any model sharing the target's
+    vocabulary (model: short name, HF dir or .gguf)."""
+
+    SECTION: ClassVar[str] = "speculative.draft_model"
+    model: str | None = None
+
+
+def build(options: DraftModelOptions, ctx: BuildContext):
+    drafter, dparams = _load(options, ctx)
+    if ctx.spec.tree.kind == "dynamic":
+        drafter = dataclasses.replace(drafter, **tree.dynamic_fields(ctx.spec.tree))
+    return drafter, dparams
+
+
+def _load(options: DraftModelOptions, ctx: BuildContext):
+    if options.checkpoint is not None:
+        return trained.load("draft_model", options, ctx)
+    if options.model is None:
+        raise JaxspecError(
+            "speculative.method: draft_model needs speculative.draft_model.checkpoint (a distilled "
+            "draft, e.g. checkpoints/smollm2-135m-draft) or speculative.draft_model.model (a model "
+            "name or path)"
+        )
+    target = ctx.target
+    draft = ctx.load_model(options.model, dtype=target.cfg.dtype, layout=target.layout)
+    return draft_model_drafter(draft, target), draft.params
+
+
+register_drafter("draft_model", build, options=DraftModelOptions, tree_kinds=("dynamic",))

@@ -21,27 +21,30 @@ Lossless over the full vocabulary: draft probs come from `logits_to_probs` over 
 and are scattered to the target vocabulary (zeros elsewhere); the draft token is sampled from
 exactly that distribution.
 
-Dynamic tree (EAGLE-2, `tree_top_k` > 0): depth 1 holds the top-k tokens of the root; at each
-further depth the top-k nodes of the newest level by path score (sum of the drafter's log
-probabilities along the path) are expanded, each into its top-k children; finally the best
-`tree_budget` nodes of all levels by path score form the tree (ancestor-closed: a path's score
-only falls, and ties keep the earlier-made parent). Nodes are deterministic given the context, so
-each node's q is the one-hot of its token (lossless, see acceptance.accept_tree_row). Expanded
-nodes write provisional k/v past the committed prefix (slot L + level * k + i, see init's
-scratch) and attend the prefix plus their own ancestors; commit() writes the real entries of the
-accepted path as for a chain.
+Dynamic tree (EAGLE-2, `tree_top_k` > 0; built by `jaxspec.tree.grow`, shared with draft_model):
+depth 1 holds top-k children of the root; at each further depth the top-k nodes of the newest
+level by score are expanded, each into top-k children; the best `tree_budget` nodes form the
+tree. Children are the top-k tokens (one-hot q, the default) or sampled from the draft
+distribution, i.i.d. or without replacement (`tree_children`; lossless, see jaxspec.tree).
+Expanded nodes write provisional k/v past the committed prefix (slot L + level * k + i, see
+init's scratch) and attend the prefix plus their own ancestors; commit() writes the real entries
+of the accepted path as for a chain.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec import kernels, sampling
+from jaxspec import kernels, sampling, tree
+from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.draft_vocab import scatter_to_target
+from jaxspec.drafters.registry import BuildContext, register_drafter
+from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 
 
@@ -133,6 +136,7 @@ class EagleDrafter:
     tree_top_k: int = 0
     tree_levels: int = 0
     tree_budget: int = 0
+    tree_children: str = "top_k"  # top_k | sampled | without_replacement (jaxspec.tree.CHILDREN)
 
     @property
     def tree_nodes(self) -> int | None:
@@ -183,8 +187,7 @@ class EagleDrafter:
         """Draft-vocab logits [B, N] -> (draft index [B], full-vocab probs [B, V])."""
         probs_n = sampling.logits_to_probs(logits, sp)  # [B, N]
         idx = sampling.sample_rows(keys, probs_n)
-        probs = jnp.zeros((logits.shape[0], self.target_vocab), jnp.float32)
-        return idx, probs.at[:, dparams["d2t"]].set(probs_n)
+        return idx, scatter_to_target(probs_n, dparams["d2t"], self.target_vocab)
 
     def _probs(self, dparams, h, sp, keys):
         """h [B, D] -> (target token [B], full-vocab probs [B, V]) sampled from the draft vocab."""
@@ -205,7 +208,7 @@ class EagleDrafter:
 
     def propose(self, dparams, tparams, state: EagleState, ctx: DraftContext, num_tokens, sp, keys):
         if self.tree_top_k:
-            return self._propose_tree(dparams, tparams, state, ctx)
+            return self._propose_tree(dparams, tparams, state, ctx, sp, keys)
         b = ctx.lengths.shape[0]
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
         h, k, v = self._enter_last(dparams, tparams, state, ctx)
@@ -283,31 +286,28 @@ class EagleDrafter:
         drafts = jnp.where(jnp.arange(num_tokens)[None] < num[:, None], drafts, 0)
         return Proposal(drafts, q, num), state._replace(k=k, v=v)
 
-    def _propose_tree(self, dparams, tparams, state: EagleState, ctx: DraftContext):
-        """EAGLE-2 dynamic tree (see the module docstring): candidates[B, M] with M = k + (levels
-        - 1) * k * k, then the best `tree_budget` of them in topological order."""
-        k, levels, budget = self.tree_top_k, self.tree_levels, self.tree_budget
+    def _propose_tree(self, dparams, tparams, state: EagleState, ctx: DraftContext, sp, keys):
+        """EAGLE-2 dynamic tree (jaxspec.tree.grow): a frontier node takes its parent's h as its
+        feature, writes provisional k/v at scratch slot L + level * k + i and attends the
+        committed prefix plus its ancestors' scratch slots."""
+        k, levels = self.tree_top_k, self.tree_levels
         cfg = self.cfg
         h, kc, vc = self._enter_last(dparams, tparams, state, ctx)  # h [B, 1, D]
         b = h.shape[0]
-        logp = jax.nn.log_softmax(head_logits(dparams, h[:, 0]), axis=-1)  # [B, Nd]
-        score, idx = jax.lax.top_k(logp, k)  # [B, K]
-        tokens = [dparams["d2t"][idx]]
-        scores = [score]
-        parents = [jnp.full((b, k), -1, jnp.int32)]  # candidate index of the parent
-        # the frontier: candidate ids [B, K], their parent's hidden state, their ancestor slots
-        front = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
-        front_h = jnp.broadcast_to(h, (b, k, h.shape[-1]))
         m_slots = levels * k
-        front_anc = jnp.zeros((b, k, m_slots), bool)  # scratch slots each frontier node attends
-        cand_anc = front_anc  # per candidate of the newest level (before selection)
-        n_cand = k
         inv_freq = llama.rope_frequencies(cfg)
         slots = jnp.arange(kc.shape[2])
-        for level in range(levels - 1):
-            tok = jnp.concatenate(tokens, axis=1)
-            f_tok = jnp.take_along_axis(tok, front, axis=1)  # [B, K]
-            x = layer_input(dparams, tparams, f_tok, front_h).astype(cfg.compute_dtype)
+        d2t = dparams["d2t"]
+
+        def expand(carry, level, front: tree.Frontier):
+            kc, vc, prev_h, prev_anc = carry  # prev_*: the previous frontier's h [B, K, D], slots
+            if level == 0:
+                front_h = jnp.broadcast_to(h, (b, k, h.shape[-1]))
+                front_anc = jnp.zeros((b, k, m_slots), bool)
+            else:
+                front_h = jnp.take_along_axis(prev_h, front.parent[..., None], axis=1)
+                front_anc = jnp.take_along_axis(prev_anc, front.parent[..., None], axis=1)
+            x = layer_input(dparams, tparams, d2t[front.ids], front_h).astype(cfg.compute_dtype)
             pos = jnp.broadcast_to((ctx.lengths + level)[:, None], (b, k))  # depth level + 1
             own = level * k + jnp.arange(k)  # scratch slot of each frontier node
             anc = front_anc | jax.nn.one_hot(own, m_slots, dtype=bool)[None]  # [B, K, M]
@@ -322,34 +322,16 @@ class EagleDrafter:
             ))  # [B, K, S]
             attn = llama.masked_attention(q, kc, vc, mask)
             h_new = _finish(cfg, dparams["layer"], x, attn)  # [B, K, D]
-            logp = jax.nn.log_softmax(head_logits(dparams, h_new), axis=-1)  # [B, K, Nd]
-            f_score = jnp.take_along_axis(jnp.concatenate(scores, axis=1), front, axis=1)
-            child_score, child_idx = jax.lax.top_k(logp, k)  # [B, K, K]
-            child_score = (f_score[:, :, None] + child_score).reshape(b, k * k)
-            tokens.append(dparams["d2t"][child_idx].reshape(b, k * k))
-            scores.append(child_score)
-            parents.append(jnp.repeat(front, k, axis=1))
-            cand_anc = jnp.repeat(anc, k, axis=1)  # [B, K*K, M]: a child attends its parent's
-            cand_h = jnp.repeat(h_new, k, axis=1)  # the child's input feature: its parent's h
-            best = jax.lax.top_k(child_score, k)[1]  # [B, K] next frontier (within this level)
-            front = (n_cand + best).astype(jnp.int32)
-            front_h = jnp.take_along_axis(cand_h, best[..., None], axis=1)
-            front_anc = jnp.take_along_axis(cand_anc, best[..., None], axis=1)
-            n_cand += k * k
-        tok = jnp.concatenate(tokens, axis=1)  # [B, M]
-        score = jnp.concatenate(scores, axis=1)
-        parent = jnp.concatenate(parents, axis=1)
-        sel = jnp.sort(jax.lax.top_k(score, budget)[1], axis=1)  # [B, budget] topological
-        node_of = jnp.full((b, tok.shape[1]), -2, jnp.int32)
-        node_of = node_of.at[jnp.arange(b)[:, None], sel].set(jnp.arange(budget, dtype=jnp.int32))
-        sel_parent = jnp.take_along_axis(parent, sel, axis=1)
-        par = jnp.where(
-            sel_parent < 0, -1, jnp.take_along_axis(node_of, jnp.maximum(sel_parent, 0), axis=1)
+            return (kc, vc, h_new, anc), head_logits(dparams, h_new)
+
+        carry = (kc, vc, jnp.zeros((b, k, h.shape[-1]), h.dtype), jnp.zeros((b, k, m_slots), bool))
+        grown, (kc, vc, _, _) = tree.grow(
+            expand, carry, head_logits(dparams, h[:, 0]), sp, keys, top_k=k, levels=levels,
+            budget=self.tree_budget, children=self.tree_children,
         )
-        out_tokens = jnp.take_along_axis(tok, sel, axis=1)
-        probs = jax.nn.one_hot(out_tokens, self.target_vocab, dtype=jnp.float32)
-        num = jnp.full((b,), budget, jnp.int32)
-        return Proposal(out_tokens, probs, num, par), state._replace(k=kc, v=vc)
+        probs = scatter_to_target(grown.q, d2t, self.target_vocab)
+        num = jnp.full((b,), self.tree_budget, jnp.int32)
+        return Proposal(d2t[grown.ids], probs, num, grown.parents), state._replace(k=kc, v=vc)
 
     def commit(self, dparams, tparams, state: EagleState, ctx: CommitContext):
         """Real entries for window positions 1..G (x_L.. with target features f_{L-1}..); entries
@@ -360,3 +342,50 @@ class EagleDrafter:
         )
         feature = jnp.take_along_axis(f, ctx.num_accepted[:, None, None], axis=1)[:, 0]
         return EagleState(k, v, feature)
+
+
+# ---- method "eagle" ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EagleOptions(trained.Eagle3LayoutOptions):
+    """speculative.eagle: jaxspec's EAGLE checkpoints, or published EAGLE-3 / speculators ones."""
+
+    SECTION: ClassVar[str] = "speculative.eagle"
+    # dynamic draft length: stop drafting once the drafter's confidence that its draft is accepted
+    # (product of its probabilities of the tokens drafted so far, times the next one's top
+    # probability) falls below this; 0: always γ drafts. jaxspec's own EAGLE checkpoints only.
+    draft_confidence: float = 0.0
+
+    def _validate(self):
+        if not 0.0 <= self.draft_confidence < 1.0:
+            self._fail("draft_confidence", "use a number in [0, 1); 0 drafts γ tokens always")
+
+    def check(self, spec):
+        if self.draft_confidence and spec.tree.kind != "chain":
+            raise JaxspecError(
+                f"speculative.tree.kind={spec.tree.kind} does not combine with "
+                "speculative.eagle.draft_confidence: set it to 0 or use speculative.tree.kind=chain"
+            )
+
+
+def build(options: EagleOptions, ctx: BuildContext):
+    drafter, dparams = trained.load("eagle", options, ctx)
+    own = isinstance(drafter, EagleDrafter)  # not a published EAGLE-3 head
+    for wanted, setting in ((options.draft_confidence > 0, "eagle.draft_confidence"),
+                            (ctx.spec.tree.kind == "dynamic", "tree.kind=dynamic")):
+        if wanted and not own:
+            raise JaxspecError(
+                f"speculative.{setting} works with jaxspec's own EAGLE checkpoints only, not with "
+                f"the {drafter.name} head in {options.checkpoint}: drop it"
+            )
+    if options.draft_confidence > 0:
+        drafter = dataclasses.replace(
+            drafter, min_confidence=options.draft_confidence, variable_length=True
+        )
+    if ctx.spec.tree.kind == "dynamic":  # its levels are multi-row matmuls: CPU panel kernel
+        drafter = dataclasses.replace(drafter, **tree.dynamic_fields(ctx.spec.tree))
+        if kernels.available() and llama.uses_cpu_kernels(ctx.target.params):
+            dparams = pack_for_cpu(dparams)
+    return drafter, dparams
+
+
+register_drafter("eagle", build, options=EagleOptions, tree_kinds=("dynamic",))

@@ -21,10 +21,13 @@ of layer i (HF `hidden_states[i]`, 0 = embeddings); the default is (2, L//2, L-3
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 
+from jaxspec.drafters import trained
 from jaxspec.drafters.feature_chain import ChainDrafter, linear
+from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.models import llama
 
 
@@ -58,3 +61,18 @@ class Eagle3Drafter(ChainDrafter):
     def draft_logits(self, dparams, tparams, h):
         x = llama.rms_norm(h.astype(jnp.float32), dparams["norm"], self.cfg.rms_norm_eps)
         return linear(x, dparams["lm_head"]).astype(jnp.float32)
+
+
+# ---- method "eagle3" --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3Options(trained.Eagle3LayoutOptions):
+    """speculative.eagle3: EAGLE-3 heads (published layouts, or jaxspec's trained `eagle3`)."""
+
+    SECTION: ClassVar[str] = "speculative.eagle3"
+
+
+def build(options: Eagle3Options, ctx: BuildContext):
+    return trained.load("eagle3", options, ctx)
+
+
+register_drafter("eagle3", build, options=Eagle3Options)

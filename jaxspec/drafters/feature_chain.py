@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jaxspec import sampling
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.models import llama
 
 
@@ -161,8 +162,7 @@ class ChainDrafter(abc.ABC):
         ids = self.draft_ids(dparams)
         if ids is None:  # full vocabulary
             return idx, probs_n
-        probs = jnp.zeros((h.shape[0], self.target_vocab), jnp.float32)
-        return ids[idx], probs.at[:, ids].set(probs_n)
+        return ids[idx], scatter_to_target(probs_n, ids, self.target_vocab)
 
     # ---- protocol -----------------------------------------------------------------------------
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):

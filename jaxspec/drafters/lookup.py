@@ -1,6 +1,6 @@
-"""Prompt lookup first, a drafter elsewhere (`speculative.lookup_min_ngram`).
+"""Prompt lookup first, a drafter elsewhere (`speculative.lookup`).
 
-Per row and step: where the last n committed tokens (lookup_min_ngram <= n <= max_ngram) occur
+Per row and step: where the last n committed tokens (lookup.min_ngram <= n <= lookup.max_ngram) occur
 earlier in the context, propose what followed them (as the ngram drafter does); elsewhere
 propose the inner drafter's draft. Summaries, retrieval answers and translations copy names and
 phrases from the prompt, which a small trained drafter rarely predicts and lookup gets for free.
@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, traits
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.errors import JaxspecError
 
@@ -33,10 +33,10 @@ class LookupFirst:
     variable_length: bool = True  # a lookup continuation may be shorter than γ
 
     def __post_init__(self):
-        if getattr(self.inner, "tree_nodes", None) or self.lookup.branches:
+        if traits(self.inner).tree_nodes or self.lookup.branches:
             raise JaxspecError(
-                "prompt lookup first works with chain drafters only: use a chain (tree.kind=chain) "
-                "or drop lookup_min_ngram"
+                "prompt lookup first works with chain drafters only: use a chain "
+                "(speculative.tree.kind=chain) or set speculative.lookup.min_ngram=0"
             )
 
     @property
@@ -53,7 +53,7 @@ class LookupFirst:
             own, state = self.inner.propose(dparams, tparams, state, ctx, num_tokens, sampling, keys)
             return self._merge(found, own), state
 
-        advance = getattr(self.inner, "advance", None)  # state update without drafting
+        advance = traits(self.inner).advance  # state update without drafting
         if advance is None:
             return both(state)
         every_row_found = jnp.all((found.num_proposed > 0) | ~ctx.active)

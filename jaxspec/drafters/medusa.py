@@ -19,12 +19,16 @@ the accepted position in commit).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec import sampling, tree
+from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.draft_vocab import scatter_to_target
+from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 
@@ -98,11 +102,42 @@ class MedusaDrafter:
         probs_n = sampling.logits_to_probs(head_logits(sub, state), sp)  # [G, B, N]
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
         idx = jax.vmap(sampling.sample_rows, in_axes=(1, 0), out_axes=1)(step_keys, probs_n)
-        probs = jnp.zeros((b, num_tokens, self.target_vocab), jnp.float32)
-        probs = probs.at[:, :, dparams["d2t"]].set(jnp.swapaxes(probs_n, 0, 1))
+        probs = scatter_to_target(jnp.swapaxes(probs_n, 0, 1), dparams["d2t"], self.target_vocab)
         num = jnp.full((b,), num_tokens, jnp.int32)
         return Proposal(dparams["d2t"][idx], probs, num), state
 
     def commit(self, dparams, tparams, state, ctx: CommitContext):
         h = ctx.hidden[0]  # [B, D+1, D] on the path; path entry n produced the newest token
         return jnp.take_along_axis(h, ctx.num_accepted[:, None, None], axis=1)[:, 0]
+
+
+# ---- method "medusa" --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MedusaOptions(trained.CheckpointOptions):
+    """speculative.medusa: jaxspec's Medusa heads, or vLLM / FasterDecoding layouts. A static tree
+    (speculative.tree.kind=static) takes its paths from speculative.tree.choices."""
+
+    SECTION: ClassVar[str] = "speculative.medusa"
+
+    def check(self, spec):
+        if spec.tree.kind == "static" and spec.tree.choices is None:
+            raise JaxspecError(
+                "speculative.tree.kind=static with medusa needs speculative.tree.choices, "
+                "e.g. [[0], [1], [0, 0]]"
+            )
+
+
+def build(options: MedusaOptions, ctx: BuildContext):
+    drafter, dparams = trained.load("medusa", options, ctx)
+    tree = ctx.spec.tree
+    if tree.kind == "static":
+        if not isinstance(drafter, MedusaDrafter):
+            raise JaxspecError(
+                f"speculative.tree.kind=static works with jaxspec's own Medusa heads, not the "
+                f"{drafter.name} heads in {options.checkpoint}: use speculative.tree.kind=chain"
+            )
+        drafter = dataclasses.replace(drafter, tree_choices=tuple(tuple(p) for p in tree.choices))
+    return drafter, dparams
+
+
+register_drafter("medusa", build, options=MedusaOptions, tree_kinds=("static",))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxspec import sampling
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.feature_chain import linear
 from jaxspec.errors import JaxspecError
 
@@ -62,8 +63,7 @@ class MedusaBlocksDrafter:
         probs_n = sampling.logits_to_probs(head_logits(dparams, state, num_tokens), sp)  # [G, B, N]
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
         idx = jax.vmap(sampling.sample_rows, in_axes=(1, 0), out_axes=1)(step_keys, probs_n)
-        probs = jnp.zeros((b, num_tokens, self.target_vocab), jnp.float32)
-        probs = probs.at[:, :, dparams["d2t"]].set(jnp.swapaxes(probs_n, 0, 1))
+        probs = scatter_to_target(jnp.swapaxes(probs_n, 0, 1), dparams["d2t"], self.target_vocab)
         num = jnp.full((b,), num_tokens, jnp.int32)
         return Proposal(dparams["d2t"][idx], probs, num), state
 

@@ -16,10 +16,13 @@ and h' (before head_norm) is the next step's feature. Params: {"enorm", "hnorm",
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 
+from jaxspec.drafters import trained
 from jaxspec.drafters.feature_chain import ChainDrafter, linear
+from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.models import llama
 
 
@@ -54,3 +57,18 @@ class MtpDrafter(ChainDrafter):
 
     def draft_ids(self, dparams):
         return None
+
+
+# ---- method "mtp" -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MtpOptions(trained.CheckpointOptions):
+    """speculative.mtp: the MTP module stored with the target (checkpoint: the target's dir)."""
+
+    SECTION: ClassVar[str] = "speculative.mtp"
+
+
+def build(options: MtpOptions, ctx: BuildContext):
+    return trained.load("mtp", options, ctx)
+
+
+register_drafter("mtp", build, options=MtpOptions)

@@ -14,11 +14,13 @@ padding, parent -2).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.registry import BuildContext, DrafterOptions, register_drafter
 from jaxspec.errors import JaxspecError
 
 MAX_NGRAM = 16
@@ -134,3 +136,43 @@ class NgramDrafter:
 
     def commit(self, dparams, tparams, state, ctx: CommitContext):
         return state
+
+
+# ---- method "ngram" ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NgramOptions(DrafterOptions):
+    """speculative.ngram; a static tree (speculative.tree.kind=static) uses tree.branches x depth."""
+
+    SECTION: ClassVar[str] = "speculative.ngram"
+    min_ngram: int = 1  # shortest suffix to look up
+    max_ngram: int = 3  # longest suffix to look up
+
+    def _validate(self):
+        if not 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM:
+            raise JaxspecError(
+                f"{self.SECTION}.min_ngram={self.min_ngram}, {self.SECTION}.max_ngram="
+                f"{self.max_ngram} are invalid: need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}"
+            )
+
+    def check(self, spec):
+        if spec.lookup.min_ngram:
+            raise JaxspecError(
+                "speculative.lookup adds prompt lookup to a drafter; method 'ngram' is prompt "
+                "lookup already: set speculative.lookup.min_ngram=0 (tune speculative.ngram instead)"
+            )
+
+
+def build(options: NgramOptions, ctx: BuildContext) -> tuple[NgramDrafter, tuple]:
+    tree = ctx.spec.tree
+    static = tree.kind == "static"
+    drafter = NgramDrafter(
+        vocab_size=ctx.target.cfg.vocab_size,
+        min_ngram=options.min_ngram,
+        max_ngram=options.max_ngram,
+        branches=tree.branches if static else 0,
+        depth=tree.depth if static else 0,
+    )
+    return drafter, ()
+
+
+register_drafter("ngram", build, options=NgramOptions, tree_kinds=("static",))

@@ -54,7 +54,7 @@ def detect_format(path) -> str:
             return fmt
     raise JaxspecError(
         f"{path}/config.json is not a drafter layout jaxspec knows (EAGLE-3 original or "
-        f"speculators, Medusa FasterDecoding or vLLM, MTP): set speculative.checkpoint_format "
+        f"speculators, Medusa FasterDecoding or vLLM, MTP): set speculative.<method>.checkpoint_format "
         f"to one of {', '.join(FORMATS)}"
     )
 
@@ -81,7 +81,7 @@ def load_drafter_checkpoint(
     are read (formats.eagle3.check_target: input = vLLM, output = SGLang / SpecForge)."""
     if path is None:
         raise JaxspecError(
-            f"speculative.checkpoint is required for method '{method}': point it to a drafter "
+            f"speculative.{method}.checkpoint is required for method '{method}': point it to a drafter "
             f"checkpoint directory (jaxspec, EAGLE-3, speculators, Medusa or MTP layout)"
         )
     got = detect_format(path) if fmt == "auto" else fmt
@@ -89,7 +89,7 @@ def load_drafter_checkpoint(
     if got not in allowed:
         raise JaxspecError(
             f"drafter checkpoint {path} is in the {got} layout, which method '{method}' does not "
-            f"read (it reads {', '.join(allowed)}): change speculative.method or checkpoint_format"
+            f"read (it reads {', '.join(allowed)}): change speculative.method or speculative.{method}.checkpoint_format"
         )
     if got == "jaxspec":
         from jaxspec.train.load import load_trained_drafter

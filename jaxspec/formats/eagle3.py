@@ -15,7 +15,7 @@ vocabulary; jaxspec keeps absolute ids. Tapped layers: ids in a checkpoint are r
 them (id i = the input of target layer i = HF `hidden_states[i]`, jaxspec's `hidden_layers`);
 without ids both vLLM and SGLang tap the inputs of layers 2, L//2, L-3. SGLang reads explicit ids
 as layer OUTPUTS (it taps `hidden_states[i + 1]`), and SpecForge-trained heads name them so:
-`speculative.eagle3_layer_ids: output` reads them that way (default `input`, vLLM's reading).
+`speculative.eagle.eagle3_layer_ids: output` (or speculative.eagle3.) reads them that way (default `input`, vLLM's reading).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.drafters.draft_vocab import check_d2t
 from jaxspec.drafters.eagle3 import Eagle3Drafter, default_layers
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import tensors as T
@@ -212,7 +213,7 @@ def read(path, layout: str) -> Eagle3Head:
             params[TOP_NAMES[name]] = np.asarray(a, np.float32)
     if "d2t" in raw:
         d2t = np.arange(nd, dtype=np.int64) + raw["d2t"].astype(np.int64)
-        T.check_draft_ids(where, "d2t (target id = i + d2t[i])", d2t, v)
+        check_d2t(d2t, v, f"{where}: d2t (target id = i + d2t[i])")
         t2d = raw["t2d"].astype(bool)
         if t2d.sum() != nd or not t2d[d2t].all():
             raise JaxspecError(

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.drafters.draft_vocab import check_d2t
 from jaxspec.drafters.medusa_blocks import MedusaBlocksDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import tensors as T
@@ -104,7 +105,7 @@ def read(path, layout: str) -> MedusaHead:
             T.check_tensor(where, head_name(i), raw[head_name(i)], (rows, d))
     if token_map is not None:
         T.check_tensor(where, "token_map", token_map, (n,), "int")
-        T.check_draft_ids(where, "token_map", token_map.astype(np.int64), vocab)
+        check_d2t(token_map.astype(np.int64), vocab, f"{where}: token_map")
         if rows not in (n, vocab):
             raise JaxspecError(
                 f"{where}: lm_heads have {rows} rows, expected {n} (token_map) or {vocab}"

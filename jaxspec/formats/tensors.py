@@ -8,26 +8,13 @@ only, never arbitrary unpickling. Write: one `model.safetensors` (safetensors' o
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
 from jaxspec.errors import JaxspecError
-
-_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
+from jaxspec.loading.safetensors_file import SafetensorsFile
 
 
 def read_config(path: Path) -> dict:
@@ -44,29 +31,8 @@ def read_config(path: Path) -> dict:
 
 
 def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
-    try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        mm = np.memmap(file, dtype=np.uint8, mode="r")
-        out = {}
-        for name, info in header.items():
-            if info["dtype"] not in _DTYPES:
-                raise JaxspecError(
-                    f"{file}: tensor {name} has dtype {info['dtype']}, which jaxspec does not read: "
-                    f"convert it to float32/bfloat16/float16 (int64/bool for d2t/t2d)"
-                )
-            begin, end = info["data_offsets"]
-            raw = mm[8 + n + begin : 8 + n + end]
-            out[name] = raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-        return out
-    except (OSError, struct.error, ValueError, KeyError) as e:
-        if isinstance(e, JaxspecError):
-            raise
-        raise JaxspecError(
-            f"{file} is not a readable safetensors file ({e}): re-download it"
-        ) from None
+    f = SafetensorsFile(file)
+    return {name: f.tensor(name) for name in f.names()}
 
 
 def _read_torch(file: Path) -> dict[str, np.ndarray]:
@@ -167,19 +133,3 @@ def check_tensor(where, name, a: np.ndarray, shape, kind="float") -> None:
     }[kind]
     if not ok:
         raise JaxspecError(f"{where}: tensor {name} has dtype {a.dtype}, expected a {kind} tensor")
-
-
-def check_draft_ids(where, name, ids: np.ndarray, vocab: int) -> None:
-    """Absolute target ids of a draft vocabulary: in range and distinct."""
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        bad = int(ids[(ids < 0) | (ids >= vocab)][0])
-        raise JaxspecError(
-            f"{where}: {name} maps to target id {bad}, outside the target vocabulary "
-            f"[0, {vocab}): the checkpoint is for another tokenizer or is corrupt"
-        )
-    uniq, counts = np.unique(ids, return_counts=True)
-    if (counts > 1).any():
-        raise JaxspecError(
-            f"{where}: {name} maps {int(counts.max())} draft ids to target id "
-            f"{int(uniq[counts > 1][0])}: a draft vocabulary must list each target token once"
-        )

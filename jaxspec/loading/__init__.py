@@ -31,6 +31,7 @@ from jaxspec.loading.params import (
 from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packaged_file, resolve
 from jaxspec.loading.safetensors_dir import config_from_hf, load_hf_tensors, read_hf_config
 from jaxspec.loading.tokenizer import load_dir_tokenizer, load_gguf_tokenizer, stop_token_ids
+from jaxspec.models import attention
 from jaxspec.models.llama import ModelConfig, Params
 
 __all__ = [
@@ -64,6 +65,15 @@ class LoadedModel:
     @property
     def layout(self) -> str:
         return layout_of(self.params)
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation decode/verify run on this backend: "cpu kernels" (packed
+        layout), else `attention.resolve_impl("auto", ...)` ("xla", "pallas_tpu", "pallas_gpu";
+        JAXSPEC_ATTENTION overrides)."""
+        if self.layout == "packed":
+            return "cpu kernels"
+        return attention.resolve_impl("auto", cache_dtype=self.cfg.compute_dtype)
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache in the layout (per-layer or stacked) and dtype of these params."""

@@ -85,12 +85,12 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_finite(name: str, tensor, source: str) -> None:
     """Refuse NaN or inf in a loaded weight (they would silently poison every token)."""
     values = np.asarray(tensor)
-    if values.dtype.kind in "fc" or values.dtype.name == "bfloat16":
-        if not np.isfinite(values.astype(np.float32, copy=False)).all():
-            raise JaxspecError(
-                f"{source}: tensor {name} holds NaN or inf values: the checkpoint is corrupt — "
-                f"re-download or re-convert it"
-            )
+    floating = values.dtype.kind in "fc" or values.dtype.name == "bfloat16"
+    if floating and not np.isfinite(values.astype(np.float32, copy=False)).all():
+        raise JaxspecError(
+            f"{source}: tensor {name} holds NaN or inf values: the checkpoint is corrupt — "
+            f"re-download or re-convert it"
+        )
 
 
 def assemble(cfg: ModelConfig, flat: Mapping[str, object], *, source: str) -> Params:

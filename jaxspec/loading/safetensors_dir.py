@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 import warnings
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from jaxspec.loading.safetensors_file import SafetensorsFile
 from jaxspec.models.llama import ModelConfig, RopeScaling
 
 ARCHITECTURES = {
@@ -51,18 +50,6 @@ LAYER_NAMES = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints saved
 
-_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
 
 
 def read_hf_config(path: Path) -> dict:
@@ -162,7 +149,7 @@ def load_hf_tensors(
     """Every tensor under our flat names (`embed`, `layers.3.wq`, ...), memory-mapped.
     `skip_from_layer`: ignore `model.layers.{i}.*` for i >= it (MTP modules stored with the
     target, `num_nextn_predict_layers`: read as a drafter by jaxspec.formats.mtp)."""
-    index = _tensor_index(path)
+    index = tensor_index(path)
     flat: dict[str, np.ndarray] = {}
     unknown = []
     for hf_name, shard in index.items():
@@ -200,37 +187,8 @@ def _our_name(hf_name: str) -> str | None:
     return None
 
 
-class _Shard:
-    """One .safetensors file, memory-mapped."""
-
-    def __init__(self, file: Path):
-        self.file = file
-        try:
-            with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self.header = json.loads(f.read(n))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise JaxspecError(
-                f"{file} is not a readable safetensors file ({e}): re-download it"
-            ) from e
-        self.header.pop("__metadata__", None)
-        self.offset = 8 + n
-        self._mm = None
-
-    def tensor(self, name: str) -> np.ndarray:
-        info = self.header[name]
-        if info["dtype"] not in _DTYPES:
-            raise JaxspecError(
-                f"{self.file}: tensor {name} has dtype {info['dtype']}, not supported"
-            )
-        if self._mm is None:
-            self._mm = np.memmap(self.file, dtype=np.uint8, mode="r")
-        begin, end = info["data_offsets"]
-        raw = self._mm[self.offset + begin : self.offset + end]
-        return raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-
-
-def _tensor_index(path: Path) -> dict[str, _Shard]:
+def tensor_index(path: Path) -> dict[str, SafetensorsFile]:
+    """Tensor name -> the file holding it (from model.safetensors.index.json, else every file)."""
     index_file = path / "model.safetensors.index.json"
     if index_file.is_file():
         weight_map = json.loads(index_file.read_text())["weight_map"]
@@ -240,7 +198,7 @@ def _tensor_index(path: Path) -> dict[str, _Shard]:
             raise JaxspecError(
                 f"{path}: shard {missing[0]} listed in the index is missing: re-download"
             )
-        shards = {f: _Shard(path / f) for f in files}
+        shards = {f: SafetensorsFile(path / f) for f in files}
         return {name: shards[f] for name, f in weight_map.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -250,4 +208,4 @@ def _tensor_index(path: Path) -> dict[str, _Shard]:
             else ""
         )
         raise JaxspecError(f"{path} has no *.safetensors files{hint}")
-    return {name: shard for shard in map(_Shard, files) for name in shard.header}
+    return {name: shard for shard in map(SafetensorsFile, files) for name in shard.header}

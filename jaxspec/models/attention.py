@@ -10,16 +10,27 @@ ancestor mask fits the same argument). Softmax runs over both parts together.
 Backends (`impl`):
   "xla"        the reference, any backend. It loops over the cache in blocks of `block` slots up
                to the batch's longest valid prefix (online softmax), so it reads only valid
-               blocks and an empty cache (prefill) not at all (per-layer caches; a stack is read
-               in one pass, see _cache_part_xla). Per-layer caches `[B, K, S, H]` are contracted with
-               dot_general (XLA's canonical batch order: no transpose of the cache). A stacked
+               blocks and an empty cache (prefill) one block only, per-layer or stacked (a stack's
+               blocks are sliced at the traced layer inside the loop; tests/test_accelerator_path
+               checks XLA copies no cache for it). Per-layer caches `[B, K, S, H]` are contracted
+               with dot_general (XLA's canonical batch order: no transpose of the cache). A stacked
                cache `[L, B, K, S, H]` with a traced `layer` is read as multiply + reduce, which XLA
                fuses with the layer's dynamic slice: a dot would first copy the layer's cache out
                of the stack, every layer, every step (see jaxspec.hlo).
-  "pallas_gpu" the cache part by `jax.experimental.pallas.ops.gpu.decode_attention`'s per-(row,
-               kv head) kernel, which stops at lengths[b] (reads only valid slots), merged with the
-               window part by log-sum-exp. Runs in interpret mode on CPU (tests).
-  "auto"       "pallas_gpu" on a GPU backend, else "xla".
+  "pallas_tpu" the cache part by `jax.experimental.pallas.ops.tpu.paged_attention`'s kernel on a
+               zero-copy paged view of the cache (per-layer or the stack at a traced layer), which
+               DMAs only pages below lengths[b]; merged with the window part by log-sum-exp
+               (see jaxspec.models.attention_kernels). Any window mask (chains and trees).
+  "pallas_gpu" per-layer caches: the cache part by `jax.experimental.pallas.ops.gpu.
+               decode_attention`'s per-(row, kv head) kernel, which stops at lengths[b] (reads only
+               valid slots); a stack: our own Pallas (Triton) flash-decoding kernel, which takes the
+               whole stack and loads layer `layer`'s valid blocks by address (no copy). Merged the
+               same way.
+  "auto"       by backend (`resolve_impl`): for bfloat16 caches TPU "pallas_tpu", GPU
+               "pallas_gpu"; else "xla". The environment variable
+               JAXSPEC_ATTENTION=xla (or another impl) overrides "auto", e.g. to force the
+               reference path on a device.
+Both Pallas impls run on CPU in interpret mode (`interpret=True`), which is how tests check them.
 
 Prefill windows (long T) are split into query chunks so no `[B, K, G, T, T]` float32 score block
 larger than `chunk` queries is ever live.
@@ -27,14 +38,18 @@ larger than `chunk` queries is ever live.
 
 from __future__ import annotations
 
-import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla", "pallas_gpu")
+from jaxspec.models import attention_kernels
+
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+ENV_OVERRIDE = "JAXSPEC_ATTENTION"  # overrides impl="auto" (e.g. JAXSPEC_ATTENTION=xla)
+PALLAS_MAX_QUERIES = 256  # query rows (G heads x T positions) per kv head a Pallas kernel takes
 PREFILL_CHUNK = 512  # queries per chunk for long windows
-CACHE_BLOCK = 256  # cache slots per step of the XLA path's loop over the valid prefix
+CACHE_BLOCK = 512  # cache slots per step of the XLA path's loop over the valid prefix
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked part adds exp(..) = 0
 
 
@@ -42,12 +57,37 @@ def causal_mask(batch: int, t: int) -> jax.Array:  # bool[B, T, T]
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
-def resolve_impl(impl: str = "auto") -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl {impl!r}: use one of {IMPLS}")
+def resolve_impl(impl: str = "auto", *, cache_dtype=None, backend: str | None = None) -> str:
+    """The implementation `attend` runs for `impl`. "auto" (unless JAXSPEC_ATTENTION names another
+    impl): for a bfloat16 cache (the accelerator default) "pallas_tpu" on TPU and "pallas_gpu" on
+    GPU; a float32 cache keeps the exact XLA path (the TPU kernel rounds K/V to bfloat16, the GPU
+    one may use tf32), and every other backend runs "xla". Each impl takes per-layer caches and
+    stacks."""
     if impl == "auto":
-        return "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
-    return impl
+        impl = os.environ.get(ENV_OVERRIDE, "") or "auto"
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r} (argument or ${ENV_OVERRIDE}): use one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    backend = backend or jax.default_backend()
+    if cache_dtype is None or jnp.dtype(cache_dtype) != jnp.bfloat16:
+        return "xla"
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "xla")
+
+
+def cache_block_size(slots: int, block: int | None = CACHE_BLOCK) -> int | None:
+    """Slots per block of the XLA path's loop over a per-layer cache of `slots` slots (None: one
+    pass). At least two blocks: a dot on the whole per-layer cache made XLA:CPU copy the cache at
+    batch 1 (its layout is free there)."""
+    block = min(block, slots // 2) if block else None
+    return block if block and slots % block == 0 else None
+
+
+def cache_loop_trips(valid: int, slots: int) -> int:
+    """Trips of the XLA path's loop over a per-layer cache's blocks for `valid` slots (block 0 runs
+    before the loop)."""
+    block = cache_block_size(slots)
+    return max(-(-valid // block) - 1, 0) if block else 0
 
 
 def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mask=None,
@@ -72,7 +112,7 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
         return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
     if window_mask is None:
         window_mask = causal_mask(b, t)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, cache_dtype=k_cache.dtype)
     kv = k_win.shape[2]
     g = n // kv
     scale = h**-0.5
@@ -83,8 +123,17 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
     wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
     s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
-    if impl == "pallas_gpu" and layer is None:
-        o_c, m_c, l_c = _cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret)
+    # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
+    pallas_fits = g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, k_cache.shape[-2])
+    if impl == "pallas_tpu" and pallas_fits:
+        o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
+            qg, k_cache, v_cache, lengths, layer, scale, interpret)
+    elif impl == "pallas_gpu" and pallas_fits and layer is None:
+        o_c, m_c, l_c = attention_kernels.cache_part_pallas_gpu(
+            qg, k_cache, v_cache, lengths, scale, interpret)
+    elif impl == "pallas_gpu" and pallas_fits:
+        o_c, m_c, l_c = attention_kernels.cache_part_pallas_gpu_stacked(
+            qg, k_cache, v_cache, lengths, layer, scale, interpret)
     else:
         o_c, m_c, l_c = _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block)
     # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c
@@ -103,12 +152,10 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
 
     block: slots per step of a loop that stops after the batch's longest valid prefix (an online
     softmax over blocks, as flash decoding does): only blocks below max(lengths) are read, and an
-    empty cache (prefill) reads nothing. None: one pass over every slot."""
-    b, kv, gt, h = qg.shape
+    empty cache (prefill) only the first block. None: one pass over every slot."""
     slots = k_cache.shape[-2]
-    if block is None or block >= slots or slots % block or layer is not None:
-        # a stack is read in one pass: around a loop, XLA:CPU re-lays the whole stack out (copies
-        # it) at batch 1, where the size-1 batch dim leaves its layout free
+    block = cache_block_size(slots, block)
+    if block is None:
         return _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, slots)
 
     def body(j, carry):
@@ -118,10 +165,11 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
         a, a_b = jnp.exp(m - m_new), jnp.exp(m_b - m_new)
         return a[..., None] * o + a_b[..., None] * o_b, m_new, a * l + a_b * l_b
 
-    init = (jnp.zeros((b, kv, gt, h), jnp.float32), jnp.full((b, kv, gt), _NEG, jnp.float32),
-            jnp.zeros((b, kv, gt), jnp.float32))
-    n = (jnp.max(lengths) + block - 1) // block  # blocks holding any valid slot
-    return jax.lax.fori_loop(0, n, body, init)
+    # block 0 outside the loop starts the carry (no zero-filled accumulators; an empty cache gives
+    # o = 0, m = _NEG, l = 0); the loop runs over the other blocks holding any valid slot
+    first = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, block)
+    n = (jnp.max(lengths) + block - 1) // block
+    return jax.lax.fori_loop(1, n, body, first)
 
 
 def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
@@ -142,10 +190,15 @@ def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
         qc = qg.astype(jnp.float32).reshape(b, kv, gt, 1, *f)
         kc = k_b.astype(jnp.float32).reshape(b, kv, 1, size, *f)
         s = jnp.sum(qc * kc, axis=tuple(range(-len(f), 0))) * scale  # [B, K, GT, Sb]
-    s = jnp.where(valid, s, _NEG)
-    m = s.max(-1)
-    p = jnp.exp(s - m[..., None])  # masked slots: exp(_NEG - m) = 0 unless every slot is masked
-    p = jnp.where(valid, p, 0.0)
+    red = _factors(size)  # reduce as [.., *red] with every reduced dim <= 32: XLA:CPU then fuses
+    axes = tuple(range(-len(red), 0))  # the mask into the reduce (a split reduce materialises s)
+    valid = valid.reshape(*valid.shape[:-1], *red)
+    s = jnp.where(valid, s.reshape(*s.shape[:-1], *red), _NEG)
+    m = s.max(axes)
+    m_safe = jnp.where(m > 0.5 * _NEG, m, 0.0)  # a block with no valid slot: exp(_NEG - 0) = 0
+    p = jnp.exp(s - m_safe.reshape(*m.shape, *(1,) * len(red)))  # masked slots: 0
+    l = p.sum(axes)
+    p = p.reshape(*p.shape[:-len(red)], size)
     if layer is None:
         pv = (((3,), (2,)), ((0, 1), (0, 1)))
         o = jax.lax.dot_general(p.astype(v_b.dtype), v_b, pv, preferred_element_type=jnp.float32)
@@ -154,7 +207,7 @@ def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
         pc = p.reshape(b, kv, gt, *f, 1)
         vc = v_b.astype(jnp.float32).reshape(b, kv, 1, *f, h)
         o = jnp.sum(pc * vc, axis=tuple(range(-len(f) - 1, -1)))  # [B, K, GT, H]
-    return o, m, p.sum(-1)
+    return o, m, l
 
 
 def _factors(n: int, most: int = 32) -> tuple[int, ...]:
@@ -167,28 +220,3 @@ def _factors(n: int, most: int = 32) -> tuple[int, ...]:
         dims.append(c)
         n //= c
     return (n, *dims)
-
-
-def _cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret):
-    """The cache part by Pallas GPU's decode kernel, vmapped over (row, kv head) on our [B, K, S, H]
-    layout (no transpose); it reads slots < lengths[b] only. Returns the same triple as XLA's."""
-    from jax.experimental.pallas.ops.gpu import decode_attention as da
-
-    b, kv, gt, _ = qg.shape
-    slots = k_cache.shape[2]
-    block_k = min(128, slots)
-    k_splits = max(1, slots // block_k) if slots % block_k == 0 else 1
-    if slots % (block_k * k_splits):
-        block_k, k_splits = slots, 1
-    inner = functools.partial(
-        da.decode_attn_unbatched, sm_scale=scale, block_h=max(16, 1 << (gt - 1).bit_length()),
-        block_k=block_k,
-        k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=interpret,
-        debug=False, return_residuals=True, normalize_output=False,
-    )
-    start = jnp.zeros((b, kv), jnp.int32)
-    lens = jnp.broadcast_to(lengths[:, None], (b, kv)).astype(jnp.int32)
-    o, (l, m) = jax.vmap(jax.vmap(inner))(qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype),
-                                          start, lens)
-    # the kernel's m is the max of scaled scores; an empty prefix has l == 0
-    return o.astype(jnp.float32), m.astype(jnp.float32), l.astype(jnp.float32)

@@ -343,7 +343,7 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, 
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
     else:  # the valid cache prefix (blocks up to the longest row) + the window; prompts in chunks
         attn = attention.attend(
-            q, k_cache, v_cache, k, v, lengths, window_mask=window_mask, impl="xla"
+            q, k_cache, v_cache, k, v, lengths, window_mask=window_mask, impl="auto"
         ).astype(q.dtype)
     out = _out_and_mlp(cfg, lp, x, attn)
     return (out, k_cache, v_cache) if write else (out, k, v)
@@ -363,7 +363,7 @@ def stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i, wi
         k_all = write_kv(k_all, k, positions, layer=i)
         v_all = write_kv(v_all, v, positions, layer=i)
     attn = attention.attend(
-        q, k_all, v_all, k, v, positions[:, 0], layer=i, window_mask=window_mask, impl="xla"
+        q, k_all, v_all, k, v, positions[:, 0], layer=i, window_mask=window_mask, impl="auto"
     )
     x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
     return (x, k_all, v_all), (x if collect else None, None if write else (k, v))

@@ -20,29 +20,22 @@ from jaxspec.train import methods as methods_lib
 
 
 def load_trained_drafter(method: str, path, target):
-    """method: eagle | eagle3 | medusa | draft_model; target: LoadedModel (or anything with cfg/params)."""
+    """method: a registered trained method (train.methods.METHODS: eagle, eagle3, medusa,
+    draft_model); target: LoadedModel (or anything with cfg/params)."""
     if path is None:
         raise JaxspecError(
-            f"speculative.checkpoint is required for method '{method}': point it to a trained "
+            f"speculative.{method}.checkpoint is required for method '{method}': point it to a trained "
             f"drafter, e.g. checkpoints/smollm2-135m-{'draft' if method == 'draft_model' else method}"
         )
     meta, stored = ckpt.load_drafter(path, method, target.cfg, target.params)
     if is_packed(target.params):  # drafter init copies target weights: from plain [out, in] arrays
         target = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
-    arch = dict(meta["arch"])
-    arch.pop("draft_vocab", None)
-    if method == "eagle":
-        arch.pop("ttt_steps", None)
-        m = methods_lib.Eagle(hidden_layers=tuple(arch["hidden_layers"]))
-    elif method == "eagle3":
-        m = methods_lib.Eagle3(
-            hidden_layers=tuple(arch["hidden_layers"]),
-            norm_before_residual=bool(arch.get("norm_before_residual", False)),
+    if method not in methods_lib.METHODS:
+        raise JaxspecError(
+            f"drafter checkpoint {path}: method '{method}' has no trained head registered "
+            f"(jaxspec.train.methods.register_method): use one of {', '.join(methods_lib.METHODS)}"
         )
-    elif method == "medusa":
-        m = methods_lib.Medusa(num_heads=arch["num_heads"])
-    else:
-        m = methods_lib.Draft(layers_from=tuple(arch["layers_from"]))
+    m = methods_lib.from_arch(method, meta["arch"])
     d2t = jnp.asarray(check_d2t(stored.pop("d2t"), target.cfg.vocab_size, str(path)))
     if isinstance(stored.get("layers"), list):  # orbax stores tuples as lists
         stored["layers"] = tuple(stored["layers"])
@@ -59,7 +52,7 @@ def load_trained_drafter(method: str, path, target):
             f"this model"
         )
     d2t_np = jax.device_get(d2t)
-    frozen = methods_lib._frozen(target, d2t_np)
+    frozen = methods_lib.frozen_pieces(target, d2t_np)
     return m.drafter(target.cfg), m.runtime(params, frozen)
 
 

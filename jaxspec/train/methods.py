@@ -14,6 +14,10 @@ turn params into a runtime drafter:
   draft   a few target layers (initialised from it) + final norm, tied to the target's embedding;
           learns the target's next-token distribution at every position.
 
+Each method registers itself (`register_method`, bottom of this file): training (`train.make_method`)
+and loading an exported checkpoint (`train.load`, `from_arch` of its meta.json "arch") look it up
+by name, so a new trained method is a class here (or in its own module) plus one registration.
+
 All losses are soft cross-entropies against the target's top-K next-token probabilities over the
 draft vocabulary (the N most frequent target tokens; `d2t` maps back to the target's ids).
 """
@@ -77,7 +81,9 @@ def _copy_layer(target, index):
     return {k: jnp.asarray(v, jnp.float32) for k, v in lp.items()}
 
 
-def _frozen(target, d2t):
+def frozen_pieces(target, d2t):
+    """What a head takes from the target, untrained: its embedding, the LM-head rows of the draft
+    vocabulary, the vocabulary maps."""
     return {
         "embed": jnp.asarray(target.params["embed"], jnp.float32),
         "head": jnp.asarray(target.params.get("lm_head", target.params["embed"]), jnp.float32)[d2t],
@@ -126,7 +132,7 @@ class Eagle:
             "layer": _copy_layer(target, init_layer),
             "norm": final_norm,
         }
-        return params, _frozen(target, d2t)
+        return params, frozen_pieces(target, d2t)
 
     def runtime(self, params, frozen):
         return {**params, "head": frozen["head"], "d2t": frozen["d2t"]}
@@ -195,7 +201,7 @@ class Medusa:
     def init(self, target, d2t, key):
         d = target.cfg.hidden_size
         w = 0.001 * jax.random.normal(key, (self.num_heads, d, d))
-        return {"w": w, "b": jnp.zeros((self.num_heads, d))}, _frozen(target, d2t)
+        return {"w": w, "b": jnp.zeros((self.num_heads, d))}, frozen_pieces(target, d2t)
 
     def runtime(self, params, frozen):
         return {**params, "head": frozen["head"], "d2t": frozen["d2t"]}
@@ -231,18 +237,27 @@ class Medusa:
 
 @dataclasses.dataclass(frozen=True)
 class Draft:
-    layers_from: tuple[int, ...] = (0, 14, 29)  # target layers the draft model starts from
+    # target layers the draft model starts from; None: first, middle, last (0, L//2 - 1, L - 1)
+    layers_from: tuple[int, ...] | None = None
     name: str = "draft_model"
     feature_slots: tuple[int, ...] = ()
 
+    def sources(self, target_cfg) -> tuple[int, ...]:
+        if self.layers_from is not None:
+            return tuple(self.layers_from)
+        n = target_cfg.num_layers
+        return tuple(sorted({0, max(n // 2 - 1, 0), n - 1}))
+
     def cfg(self, target_cfg):
-        return dataclasses.replace(target_cfg, num_layers=len(self.layers_from), dtype="float32")
+        return dataclasses.replace(
+            target_cfg, num_layers=len(self.sources(target_cfg)), dtype="float32"
+        )
 
     def init(self, target, d2t, key):
         n = target.cfg.num_layers
-        layers = tuple(_copy_layer(target, i % n) for i in self.layers_from)
+        layers = tuple(_copy_layer(target, i % n) for i in self.sources(target.cfg))
         final_norm = jnp.asarray(target.params["final_norm"], jnp.float32)
-        return {"layers": layers, "final_norm": final_norm}, _frozen(target, d2t)
+        return {"layers": layers, "final_norm": final_norm}, frozen_pieces(target, d2t)
 
     def runtime(self, params, frozen):
         return {
@@ -257,7 +272,7 @@ class Draft:
         return ModelDrafter(cfg=self.cfg(target_cfg), target_vocab=target_cfg.vocab_size)
 
     def arch(self, target_cfg):
-        return {"layers_from": list(self.layers_from)}
+        return {"layers_from": list(self.sources(target_cfg))}
 
     def loss(self, params, frozen, batch, target_cfg):
         cfg = self.cfg(target_cfg)
@@ -304,7 +319,7 @@ class Eagle3:
             "w_down": src["w_down"],
         }
         final_norm = jnp.asarray(target.params["final_norm"], jnp.float32)
-        return {"fc": fc, "layer": layer, "norm": final_norm}, _frozen(target, d2t)
+        return {"fc": fc, "layer": layer, "norm": final_norm}, frozen_pieces(target, d2t)
 
     def runtime(self, params, frozen):
         return {**params, "lm_head": frozen["head"], "d2t": frozen["d2t"]}
@@ -367,4 +382,27 @@ class Eagle3:
         return jnp.sum(jnp.stack(losses) * w), metrics
 
 
-METHODS = {"eagle": Eagle, "eagle3": Eagle3, "medusa": Medusa, "draft_model": Draft}
+METHODS: dict[str, type] = {}  # method name -> head class (init, loss, runtime, drafter, arch)
+
+
+def register_method(name: str, cls: type) -> None:
+    """Make `method: name` trainable (train configs) and loadable from its exported checkpoints.
+    `cls` is a frozen dataclass; its fields named in a checkpoint's "arch" are restored from it."""
+    if METHODS.get(name, cls) is not cls:
+        raise ValueError(f"trained method '{name}' is already registered")
+    METHODS[name] = cls
+
+
+def from_arch(name: str, arch: dict):
+    """The head of method `name` as exported with `arch` (its meta.json "arch"): the class's
+    fields found there (lists back to tuples); the rest keep their defaults."""
+    cls = METHODS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    tupled = lambda v: tuple(v) if isinstance(v, list) else v
+    return cls(**{k: tupled(v) for k, v in arch.items() if k in fields})
+
+
+register_method("eagle", Eagle)
+register_method("eagle3", Eagle3)
+register_method("medusa", Medusa)
+register_method("draft_model", Draft)

@@ -1,0 +1,218 @@
+"""JAX's own Pallas attention kernels as the cache part of `jaxspec.models.attention.attend`.
+
+Each function reads a cache's valid prefix (slots < lengths[b]) for grouped queries
+qg `[B, K, GT, H]` (the G query heads of each kv head times the T window positions, which all
+see the same prefix) and returns what attend merges with the window part by log-sum-exp:
+(unnormalised out f32[B, K, GT, H], running max f32[B, K, GT], weight sum f32[B, K, GT]).
+
+  cache_part_pallas_tpu  jax.experimental.pallas.ops.tpu.paged_attention's kernel on a zero-copy
+                         paged view of our contiguous cache (per-layer `[B, K, S, H]` or a
+                         stack `[L, B, K, S, H]` indexed by a traced layer; see below).
+  cache_part_pallas_gpu  jax.experimental.pallas.ops.gpu.decode_attention's per-(row, kv head)
+                         kernel, vmapped on a per-layer `[B, K, S, H]` cache.
+  cache_part_pallas_gpu_stacked  our own Pallas (Triton) flash-decoding kernel on a stack
+                         `[L, B, K, S, H]` at a traced layer (JAX's kernel takes a per-layer
+                         operand, which would copy the layer out of the stack).
+
+Both run on CPU in Pallas interpret mode (`interpret=True`), which is how tests check them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+def takes(impl: str, slots: int) -> bool:
+    """Whether `impl`'s kernel takes a cache of `slots` slots (its pages / power-of-two blocks
+    divide it); attend runs the XLA path otherwise."""
+    if impl == "pallas_tpu":
+        return slots % 16 == 0
+    if impl == "pallas_gpu":
+        return slots % 128 == 0
+    return False
+
+
+TPU_BLOCK_SLOTS = 512  # cache slots per step of the TPU kernel's flash loop (pages x page size)
+_EMPTY = -0.7 * float(jnp.finfo(jnp.float32).max)  # a prefix with no valid slot: weight 0
+
+
+def tpu_pages(slots: int) -> tuple[int, int]:
+    """(page size, pages per compute block) for a cache of `slots` slots: the largest page of
+    128/64/32/16 slots dividing it, and about TPU_BLOCK_SLOTS slots per kernel step."""
+    page = next((p for p in (128, 64, 32, 16) if slots % p == 0), None)
+    if page is None:
+        raise ValueError(f"pallas_tpu attention needs a cache capacity divisible by 16, got {slots}")
+    per_seq = slots // page
+    per_block = max(1, min(per_seq, TPU_BLOCK_SLOTS // page))
+    while per_seq % per_block:
+        per_block -= 1
+    return page, per_block
+
+
+def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret=False):
+    """The cache part by the TPU paged-attention kernel, without copying the cache.
+
+    A contiguous cache is already paged: `[B, K, S, H]` (or the whole stack `[L, B, K, S, H]`)
+    reshaped to `[1, B*K*S/P, P, H]` (a bitcast) is a table of pages of P slots, and each
+    (row, kv head) is one sequence with ONE kv head whose pages are consecutive:
+    page_indices[(b, k)] = layer * B*K*S/P + (b*K + k) * S/P + arange(S/P). The query heads of that
+    sequence are qg[b, k] (G heads x T window positions: all see lengths[b] slots). The kernel
+    DMAs only the pages below lengths[b] into VMEM; the rest of the stack is never read.
+
+    The public `paged_attention` returns the normalised output only, so this launches the same
+    kernel (`paged_flash_attention_kernel_inline_seq_dim`) with its running max and weight sum
+    kept, which the merge with the window part needs (exact, no second pass over the cache).
+    The kernel computes q.k and p.v with K/V rounded to bfloat16 (it dequantises to bf16), so it
+    is exact for bf16 caches and bf16-accurate for float32 ones."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention_kernel as pak
+
+    b, kv, gt, h = qg.shape
+    slots = k_cache.shape[-2]
+    page, per_block = tpu_pages(slots)
+    per_seq = slots // page
+    pages = k_cache.size // (h * page)
+    k_pages, v_pages = (c.reshape(1, pages, page, h) for c in (k_cache, v_cache))  # bitcasts
+    first = 0 if layer is None else layer.astype(jnp.int32) * (b * kv * per_seq)
+    page_indices = first + jnp.arange(b * kv * per_seq, dtype=jnp.int32)  # [(B*K) * S/P]
+    lens = jnp.repeat(lengths.astype(jnp.int32), kv)  # [B*K]
+    rows = -(-gt // 8) * 8  # query rows padded to the TPU's 8 sublanes
+    q = (qg.astype(jnp.float32) * scale).reshape(b * kv, gt, h)  # one sequence per (row, head)
+    q = jnp.pad(q, ((0, 0), (0, rows - gt), (0, 0)))
+    # q, o, and the running max / weight sum (kept lane-broadcast, as the kernel writes them) all
+    # in blocks equal to their arrays' last two dims, which Mosaic accepts for any G*T and H
+    q_spec = pl.BlockSpec((None, rows, h), lambda core, s, head, *_: (s, 0, 0))
+    buffer = lambda c: pltpu.VMEM((2, per_block, page, h), c.dtype)  # double-buffered
+    kernel = functools.partial(
+        pak.paged_flash_attention_kernel_inline_seq_dim, pages_per_sequence=per_seq,
+        batch_size=b * kv, pages_per_compute_block=per_block, mask_value=pak.DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=None, megacore_mode=None,
+    )
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,  # lengths, page indices, buffer index, init flag
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), None,
+                      pl.BlockSpec(memory_space=pl.ANY), None],
+            out_specs=[q_spec, q_spec, q_spec],
+            grid=(1, b * kv, 1),
+            scratch_shapes=(buffer(k_pages), None, buffer(v_pages), None,
+                            pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))),
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32)] * 3,
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(lens, page_indices, jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), q,
+      k_pages, None, v_pages, None)
+    o, m, l = (x[:, :gt].reshape(b, kv, gt, h) for x in (o, m, l))
+    m = jnp.maximum(m[..., 0], _EMPTY)  # an empty prefix leaves -inf (and l = 0)
+    l = l[..., 0]
+    return o * l[..., None], m, l  # the kernel's o is normalised by l
+
+
+def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False):
+    """The cache part by Pallas GPU's decode kernel, vmapped over (row, kv head) on our
+    [B, K, S, H] layout (no transpose); it reads slots < lengths[b] only."""
+    from jax.experimental.pallas.ops.gpu import decode_attention as da
+
+    b, kv, gt, _ = qg.shape
+    slots = k_cache.shape[2]
+    block_k = min(128, slots)
+    k_splits = max(1, slots // block_k) if slots % block_k == 0 else 1
+    if slots % (block_k * k_splits):
+        block_k, k_splits = slots, 1
+    inner = functools.partial(
+        da.decode_attn_unbatched, sm_scale=scale, block_h=max(16, 1 << (gt - 1).bit_length()),
+        block_k=block_k,
+        k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=interpret,
+        debug=False, return_residuals=True, normalize_output=False,
+    )
+    start = jnp.zeros((b, kv), jnp.int32)
+    lens = jnp.broadcast_to(lengths[:, None], (b, kv)).astype(jnp.int32)
+    o, (l, m) = jax.vmap(jax.vmap(inner))(qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype),
+                                          start, lens)
+    # the kernel's m is the max of scaled scores; an empty prefix has l == 0
+    return o.astype(jnp.float32), m.astype(jnp.float32), l.astype(jnp.float32)
+
+
+GPU_BLOCK_SLOTS = 64  # cache slots per step of the stacked GPU kernel's loop
+GPU_SPLITS = 8  # programs per (row, kv head) in the stacked GPU kernel, each over a slot range
+
+
+def _stacked_decode_kernel(layer_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                           block_k: int, split_len: int):
+    """One (row b, kv head h, split j) program: cache slots [j*split_len, (j+1)*split_len) below
+    lengths[b] of layer `layer` of the stack, in blocks of block_k (online softmax)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    start = j * split_len
+    stop = jnp.minimum(lengths_ref[b], start + split_len)
+    q = q_ref[...]  # [rows, H] f32, pre-scaled
+    rows = q.shape[0]
+
+    def body(i, carry):
+        o, m, l = carry
+        at = start + i * block_k
+        k = k_ref[layer, b, h, pl.ds(at, block_k), :]  # [block_k, H] straight from the stack
+        s = plgpu.dot(q.astype(k.dtype), k, trans_b=True, allow_tf32=False)  # [rows, block_k]
+        s = jnp.where((at + jnp.arange(block_k))[None, :] < stop, s.astype(jnp.float32), _EMPTY)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[:, None])
+        a = jnp.exp(m - m_new)
+        v = v_ref[layer, b, h, pl.ds(at, block_k), :]
+        o = a[:, None] * o + plgpu.dot(p.astype(v.dtype), v, allow_tf32=False).astype(jnp.float32)
+        return o, m_new, a * l + p.sum(axis=-1)
+
+    init = (jnp.zeros((rows, q.shape[1]), jnp.float32), jnp.full((rows,), _EMPTY, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    n = jnp.maximum(pl.cdiv(stop - start, block_k), 0)
+    o, m, l = jax.lax.fori_loop(0, n, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def cache_part_pallas_gpu_stacked(qg, k_all, v_all, lengths, layer, scale, interpret=False):
+    """The cache part on a stacked cache `[L, B, K, S, H]` at a traced layer, by a Pallas GPU
+    (Triton) flash-decoding kernel of ours: the stack goes in whole (no copy of the layer), each
+    program loads its blocks from (layer, b, h) by address, below lengths[b] only. The cache slots
+    are split over GPU_SPLITS programs per (row, kv head) and merged here by log-sum-exp."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    b, kv, gt, h = qg.shape
+    slots = k_all.shape[-2]
+    block_k = GPU_BLOCK_SLOTS if slots % GPU_BLOCK_SLOTS == 0 else slots
+    splits = min(GPU_SPLITS, slots // block_k)
+    while (slots // block_k) % splits:
+        splits -= 1
+    rows = max(16, 1 << (gt - 1).bit_length())  # tl.dot: power-of-two rows >= 16
+    q = jnp.pad(qg.astype(jnp.float32) * scale, ((0, 0), (0, 0), (0, rows - gt), (0, 0)))
+    whole = pl.no_block_spec  # the whole array: the kernel indexes it by address
+    q_spec = pl.BlockSpec((None, None, rows, h), lambda i, k, j: (i, k, 0, 0))
+    out_spec = lambda *shape: pl.BlockSpec(
+        (None, None, None, *shape), lambda i, k, j: (j, i, k) + (0,) * len(shape))
+    o, m, l = pl.pallas_call(
+        functools.partial(_stacked_decode_kernel, block_k=block_k, split_len=slots // splits),
+        grid=(b, kv, splits),
+        in_specs=[whole, whole, q_spec, whole, whole],
+        out_specs=[out_spec(rows, h), out_spec(rows), out_spec(rows)],
+        out_shape=[jax.ShapeDtypeStruct((splits, b, kv, rows, h), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),  # Triton (not Mosaic GPU)
+        interpret=interpret,
+        name="jaxspec_stacked_decode",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths.astype(jnp.int32), q, k_all, v_all)
+    m_all = m.max(axis=0)  # merge the splits: [B, K, rows]
+    a = jnp.exp(m - m_all[None])
+    o = (a[..., None] * o).sum(axis=0)
+    l = (a * l).sum(axis=0)
+    return o[:, :, :gt], jnp.maximum(m_all[:, :, :gt], _EMPTY), l[:, :, :gt]
