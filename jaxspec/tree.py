@@ -19,6 +19,7 @@ depth order: exactly what plain decoding attends once that path is committed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -155,6 +156,27 @@ def chain_choices(depth: int, width: int = 1) -> tuple[tuple[int, ...], ...]:
 # `without_replacement` the argmax followed by the next tokens by log-probability (= top_k).
 
 CHILDREN = ("top_k", "sampled", "without_replacement")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DynamicTreeDrafter:
+    """Fields of a drafter that grows EAGLE-2 dynamic trees (eagle, draft_model): expand the
+    tree_top_k best nodes per level into tree_top_k children, tree_levels levels, keep the best
+    tree_budget nodes; tree_top_k = 0: a chain. Keyword-only, so subclasses keep their own
+    positional fields."""
+
+    tree_top_k: int = 0
+    tree_levels: int = 0
+    tree_budget: int = 0
+    tree_children: str = "top_k"  # top_k | sampled | without_replacement (CHILDREN)
+
+    @property
+    def tree_nodes(self) -> int | None:
+        return self.tree_budget if self.tree_top_k else None
+
+    @property
+    def tree_depth(self) -> int | None:
+        return self.tree_levels if self.tree_top_k else None
 
 
 def dynamic_fields(tree_config) -> dict:

@@ -54,27 +54,14 @@ def check_vocab(draft_vocab: int, target_vocab: int, draft_tokenizer=None, targe
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(tree.DynamicTreeDrafter):
     cfg: llama.ModelConfig  # the draft network's architecture
     target_vocab: int
     name: str = "draft_model"
     shared_layers: int = 0  # > 0: layer_skip, the draft IS the target's first `shared_layers` layers
     hidden_layers: tuple[int, ...] = ()
     variable_length: bool = False
-    # Dynamic tree (EAGLE-2): expand the tree_top_k best nodes per level into tree_top_k children,
-    # tree_levels levels, keep the best tree_budget nodes; tree_top_k = 0: a chain.
-    tree_top_k: int = 0
-    tree_levels: int = 0
-    tree_budget: int = 0
-    tree_children: str = "top_k"  # top_k | sampled | without_replacement (jaxspec.tree.CHILDREN)
-
-    @property
-    def tree_nodes(self) -> int | None:
-        return self.tree_budget if self.tree_top_k else None
-
-    @property
-    def tree_depth(self) -> int | None:
-        return self.tree_levels if self.tree_top_k else None
+    # tree_top_k, tree_levels, tree_budget, tree_children: tree.DynamicTreeDrafter
 
     @property
     def max_context(self) -> int:

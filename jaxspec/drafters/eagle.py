@@ -122,7 +122,7 @@ def train_layer(cfg, lp, x, positions, mask, k_ctx=None, v_ctx=None, ctx_mask=No
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(tree.DynamicTreeDrafter):
     cfg: llama.ModelConfig  # the drafter layer's shape (num_layers=1), dims of the target
     target_vocab: int
     hidden_layers: tuple[int, ...] = ()  # the fused target layers (methods.Eagle.taps)
@@ -131,20 +131,7 @@ class EagleDrafter:
     # Dynamic draft length: keep drafting while the drafter's estimate that its draft is accepted
     # (see _gate) stays >= min_confidence; 0: always γ drafts.
     min_confidence: float = 0.0
-    # Dynamic tree (EAGLE-2): expand the tree_top_k best nodes per level into their top-k
-    # children, tree_depth levels, keep the best tree_budget nodes; tree_top_k = 0: a chain.
-    tree_top_k: int = 0
-    tree_levels: int = 0
-    tree_budget: int = 0
-    tree_children: str = "top_k"  # top_k | sampled | without_replacement (jaxspec.tree.CHILDREN)
-
-    @property
-    def tree_nodes(self) -> int | None:
-        return self.tree_budget if self.tree_top_k else None
-
-    @property
-    def tree_depth(self) -> int | None:
-        return self.tree_levels if self.tree_top_k else None
+    # tree_top_k, tree_levels, tree_budget, tree_children: tree.DynamicTreeDrafter
 
     def _step(self, dparams, x, k_cache, v_cache, positions, kernel: bool):
         """x [B, T, D] at positions [B, T]: write k/v there, attend to slots <= position.
