@@ -124,7 +124,8 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
     s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
     # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
-    pallas_fits = g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, k_cache.shape[-2])
+    slots = k_cache.shape[-2]
+    pallas_fits = slots > 0 and g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, slots)
     if impl == "pallas_tpu" and pallas_fits:
         o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
             qg, k_cache, v_cache, lengths, layer, scale, interpret)
@@ -134,6 +135,10 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     elif impl == "pallas_gpu" and pallas_fits:
         o_c, m_c, l_c = attention_kernels.cache_part_pallas_gpu_stacked(
             qg, k_cache, v_cache, lengths, layer, scale, interpret)
+    elif slots == 0:  # no cache (a training forward): the window is everything
+        o_c = jnp.zeros((b, kv, g * t, h), jnp.float32)
+        m_c = jnp.full((b, kv, g * t), _NEG, jnp.float32)
+        l_c = jnp.zeros((b, kv, g * t), jnp.float32)
     else:
         o_c, m_c, l_c = _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block)
     # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c

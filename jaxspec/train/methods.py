@@ -278,9 +278,11 @@ class Draft:
         cfg = self.cfg(target_cfg)
         tok = batch["tokens"]
         b, t = tok.shape
-        cache = init_cache(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
+        # no history: a zero-slot cache, the window attends itself (the cache part's block loop
+        # has a data-dependent trip count, which reverse-mode differentiation cannot take)
+        cache = init_cache(cfg.num_layers, b, 0, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
         dp = self.runtime(params, frozen)
-        out = llama.forward(dp, tok, cache, cfg)
+        out = llama.forward(dp, tok, cache, cfg, write_cache=False)
         logits = llama.linear(out.hidden, frozen["head"]).astype(jnp.float32)
         loss, top1 = soft_ce(logits, batch["topk_ids"], batch["topk_probs"], frozen["t2d"], _valid(batch))
         return loss, {"top1": top1}
