@@ -42,6 +42,27 @@ def import_torch():
     return torch
 
 
+# The files that take longest, first (measured: BENCHMARKS.md, session 7). scripts/test.sh runs
+# two worker processes that each take whole files in collection order; starting the longest first
+# keeps one long file from running alone at the end while the other worker idles.
+LONGEST_FIRST = (
+    "test_tree.py",
+    "test_formats.py",
+    "test_distributions.py",
+    "test_sharding.py",
+    "test_speculative.py",
+    "test_trained_drafters.py",
+    "test_cli.py",
+    "test_bench.py",
+    "test_parity.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """Drop every compiled program after each test module. The suite compiles many hundreds of

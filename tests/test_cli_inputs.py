@@ -119,7 +119,7 @@ def test_every_input_runs_or_is_one_error_line(tiny_dir, capsys, monkeypatch, ov
         assert as_json or len(summaries) == len(prompts), (argv, err)
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
+@settings(max_examples=5, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
     method=st.sampled_from(["ngram", "layer_skip", "none"]),
