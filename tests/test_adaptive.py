@@ -297,6 +297,7 @@ def test_adaptive_config(target, tmp_path, monkeypatch):
     auto = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
                   adaptive=Options(step_costs=COSTS))
     assert auto.step_costs(1) == pytest.approx([c + 0.1 for c in COSTS])
-    with pytest.raises(JaxspecError, match="adaptive.draft_cost"):
-        load_config(None, ["adaptive.draft_cost=-1"])
-    assert load_config(None, ["adaptive.draft_cost=0.2"]).adaptive.draft_cost == 0.2
+    with pytest.raises(JaxspecError, match=r"speculative\.adaptive\.draft_cost=-1.* is invalid"):
+        load_config(None, ["speculative.adaptive.draft_cost=-1"])
+    got = load_config(None, ["speculative.adaptive.draft_cost=0.2"]).speculative.adaptive
+    assert got.draft_cost == 0.2
