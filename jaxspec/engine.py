@@ -244,7 +244,8 @@ class Engine:
         return 2.0 if run is None else adaptive_mod.realized_gain(self.step_costs(batch), *run)
 
     # ---- running -------------------------------------------------------------------------
-    def _prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
+    def _prefill_args(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
+        """(the prefill program's positional arguments, its capacity) for this batch."""
         b = max(batch_size, len(batch_ids))
         p = bucket(max(len(ids) for ids in batch_ids))
         prompt = np.zeros((b, p), np.int32)
@@ -261,31 +262,31 @@ class Engine:
             put, sp, key = self.plan.put_batch, self.plan.put_replicated(sp), self.plan.put_replicated(key)
         else:
             put = jnp.asarray
-        spec = self.spec_for(b)
-        state = speculate.prefill_jit(
-            spec,
-            self.model.params,
-            self.drafter_params,
-            put(prompt),
-            put(lengths),
-            put(max_new),
-            sp,
-            key,
-            put(rows),
-            capacity=self._capacity(p, max_new_tokens),
-        )
-        if spec.adaptive is not None:
-            state = dataclasses.replace(state, adaptive=spec.adaptive.init(b, self.step_costs(b)))
-        return state
+        args = (self.spec_for(b), self.model.params, self.drafter_params, put(prompt),
+                put(lengths), put(max_new), sp, key, put(rows))
+        return args, self._capacity(p, max_new_tokens)
 
-    def _decode(self, state, sp, max_steps: int):
+    def _with_adaptive(self, state):
+        """The adaptive controller's state, when this batch's program adapts."""
+        adaptive = self.spec_for(state.lengths.shape[0]).adaptive
+        if adaptive is None:
+            return state
+        b = state.lengths.shape[0]
+        return dataclasses.replace(state, adaptive=adaptive.init(b, self.step_costs(b)))
+
+    def _prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
+        args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size)
+        return self._with_adaptive(speculate.prefill_jit(*args, capacity=capacity))
+
+    def _decode_args(self, state, sp, max_steps: int):
         spec = self.spec_for(state.lengths.shape[0])
         steps = jnp.int32(max_steps)
         if self.plan is not None:
             sp, steps = self.plan.put_replicated((sp, steps))
-        return speculate.decode_jit(
-            spec, self.model.params, self.drafter_params, state, sp, steps
-        )
+        return spec, self.model.params, self.drafter_params, state, sp, steps
+
+    def _decode(self, state, sp, max_steps: int):
+        return speculate.decode_jit(*self._decode_args(state, sp, max_steps))
 
     def generate(
         self,
@@ -315,16 +316,23 @@ class Engine:
         return results
 
     def _ensure_compiled(self, batch_ids, max_new_tokens, sp, batch_size) -> float:
-        """Compile (by running once) the programs for this shape, so timings exclude compilation.
-        Returns the seconds spent; 0.0 when this shape was already warm."""
+        """Compile the programs for this shape ahead of time (lowered on the batch's arguments,
+        the decode program on the prefill's abstract output: nothing runs), so timings exclude
+        compilation. Returns the seconds spent; 0.0 when this shape was already warm."""
         b = max(batch_size, len(batch_ids))
         plain = self.spec_for(b) is self._plain_spec
         key = (b, bucket(max(len(ids) for ids in batch_ids)), bucket(max_new_tokens), sp.mode, plain)
         if key in self._warm_shapes:
             return 0.0
         t0 = time.perf_counter()
-        state = self._prefill(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
-        jax.block_until_ready(self._decode(state, sp, 1).tokens)
+        args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
+        lowered = speculate.prefill_jit.lower(*args, capacity=capacity)
+        shardings = lowered.compile().output_shardings
+        state = jax.tree.map(  # on one device the real call's arrays are uncommitted: no sharding
+            lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where if self.plan else None),
+            lowered.out_info, shardings,
+        )
+        speculate.decode_jit.lower(*self._decode_args(self._with_adaptive(state), sp, 1)).compile()
         self._warm_shapes.add(key)
         return time.perf_counter() - t0
 

@@ -22,27 +22,46 @@ from jaxspec.sharding import ShardingRules, check_batch, check_model, make_mesh,
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_check(mode: str) -> dict:
+MODES = "parity,inside,collectives,loading,smollm2"
+
+
+@pytest.fixture(scope="module")
+def mesh_checks() -> dict:
+    """Every 8-device check in one subprocess (one jax start, not five): {mode: its result}."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     proc = subprocess.run(
-        [sys.executable, "tests/mesh_check.py", mode],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        [sys.executable, "tests/mesh_check.py", MODES],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_meshes_give_the_tokens_of_one_device_for_every_method():
-    """(1, 8), (2, 4), (8, 1) against one device: plain, ngram, a draft model and EAGLE
-    (replicated, and on (2, 4) also sharded by the target's rules), greedy, 8 mixed prompts."""
-    out = run_check("parity")
-    assert len(out) == 4 * 3 + 2  # + draft model and EAGLE sharded by the target's rules on (2, 4)
+def mesh_check_meshes() -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mesh_check
+
+    return mesh_check.MESHES
+
+
+def check(mesh_checks: dict, mode: str) -> dict:
+    out = mesh_checks[mode]
+    assert "error" not in out, out.get("error")
+    return out
+
+
+def test_meshes_give_the_tokens_of_one_device_for_every_method(mesh_checks):
+    """Against one device, greedy, 8 mixed prompts: plain, ngram, a draft model and EAGLE on
+    (2, 4), the draft model and EAGLE also sharded by the target's rules there; plain on (1, 8)
+    and (8, 1), EAGLE on (1, 8), ngram on (8, 1) (mesh_check.MESHES)."""
+    out = check(mesh_checks, "parity")
+    assert len(out) == sum(len(m) for m in mesh_check_meshes().values()), out
     assert all(out.values()), {k: v for k, v in out.items() if not v}
 
 
-def test_params_cache_tokens_and_drafter_state_stay_sharded_in_the_loop():
-    out = run_check("inside")
+def test_params_cache_tokens_and_drafter_state_stay_sharded_in_the_loop(mesh_checks):
+    out = check(mesh_checks, "inside")
     # (2, 4) mesh, 8 query heads of 8 dims: wq [64, 64] -> 2 whole heads (16 rows) per device;
     # 4 kv heads -> 1 per device; cache [B=8, K=4, S, H] -> [4, 1, S, 8] per device.
     assert out["wq_shard"] == [16, 64]
@@ -54,12 +73,12 @@ def test_params_cache_tokens_and_drafter_state_stay_sharded_in_the_loop():
     assert out["inside"]["drafter_state"] == "('data', 'model')", out  # draft model, shard_drafter
 
 
-def test_decode_step_needs_two_all_reduces_per_layer():
+def test_decode_step_needs_two_all_reduces_per_layer(mesh_checks):
     """Collectives in the optimised HLO of the decode loop, for 2 and 4 layers: each layer adds
     exactly 2 all-reduces (attention out, mlp down) and nothing else; the rest is a constant
     (embedding lookup over the vocab shards, argmax, the loop condition). ngram verifies one of
     3 window widths (a lax.switch, one branch runs per step): 2 per layer per branch."""
-    out = run_check("collectives")
+    out = check(mesh_checks, "collectives")
     for mesh in ("1x8", "2x4"):
         two, four = out[f"2 {mesh} plain"], out[f"4 {mesh} plain"]
         assert four["all-reduce"] - two["all-reduce"] == 2 * 2, out
@@ -123,11 +142,11 @@ def test_rules_refuse_one_mesh_axis_twice():
     assert tuple(ShardingRules().spec("batch", None, "heads")) == ("data", None, "model")
 
 
-def test_loading_builds_each_leaf_on_its_shards():
+def test_loading_builds_each_leaf_on_its_shards(mesh_checks):
     """An HF checkpoint loaded onto a (2, 4) mesh, unrolled and stacked: the peak bytes on any
     device while loading stay within its final shards plus one layer tensor; the old path (load
     onto one device, then shard) puts the whole model on device 0 and breaks that bound."""
-    out = run_check("loading")
+    out = check(mesh_checks, "loading")
     for layout in ("unrolled", "stacked"):
         r = out[layout]
         assert r["sharded"] and r["same_values"] and r["tokens_match"], r
@@ -182,10 +201,10 @@ def test_two_processes_form_one_mesh_and_match_one_process():
         assert first[name] == mesh_check.generate(target, drafter, dparams), name
 
 
-def test_smollm2_loads_onto_a_mesh_by_whole_kv_heads_and_keeps_its_tokens():
+def test_smollm2_loads_onto_a_mesh_by_whole_kv_heads_and_keeps_its_tokens(mesh_checks):
     """The real GGUF (9 heads, 3 kv heads) on (2, 3): one kv head per device, dequantised one
     tensor at a time onto the mesh; n-gram speculation there equals plain decoding on one device."""
-    out = run_check("smollm2")
+    out = check(mesh_checks, "smollm2")
     assert out == {"same": True, "layout": "unrolled", "wk_shard": [64, 576]}, out
 
 

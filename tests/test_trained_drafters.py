@@ -61,7 +61,8 @@ def test_shipped_drafter_greedy_is_token_identical(target, plain, method, path, 
 
 V = 8
 DRAFT_IDS = np.array([0, 2, 3, 5, 6], np.int32)  # 5 of the 8 target tokens
-NUM_ROWS = 16000
+NUM_ROWS = 16000  # a correct drafter must pass at this size
+BROKEN_ROWS = 6000  # each broken variant below fails far under FAIL_P here (p <= 2e-11 seen)
 NUM_TOKENS = 3
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -89,15 +90,15 @@ def drafter_for(target, name, noise=0.3):
     return m.drafter(target.cfg), m.runtime(params, frozen)
 
 
-def sample(target, drafter, dparams, sp, gamma=2, prompt=PROMPT):
-    """(counts of each generated NUM_TOKENS-sequence over NUM_ROWS rows, the rows' results)."""
-    results = sample_rows(target, drafter, dparams, sp, [prompt], rows=NUM_ROWS,
+def sample(target, drafter, dparams, sp, gamma=2, prompt=PROMPT, rows=NUM_ROWS):
+    """(counts of each generated NUM_TOKENS-sequence over `rows` rows, the rows' results)."""
+    results = sample_rows(target, drafter, dparams, sp, [prompt], rows=rows,
                           num_tokens=NUM_TOKENS, gamma=gamma)
     return counts_of([r.token_ids for r in results], V, NUM_TOKENS), results
 
 
-def sampled_counts(target, drafter, dparams, sp, gamma=2):
-    counts, results = sample(target, drafter, dparams, sp, gamma)
+def sampled_counts(target, drafter, dparams, sp, gamma=2, rows=NUM_ROWS):
+    counts, results = sample(target, drafter, dparams, sp, gamma, rows=rows)
     return counts, np.mean([r.metrics["acceptance_rate"] for r in results])
 
 
@@ -116,7 +117,7 @@ def test_distribution_test_catches_a_broken_drafter(small):
     good, dparams = drafter_for(small, "eagle")
     broken = ArgmaxTokenEagle(cfg=good.cfg, target_vocab=good.target_vocab,
                               hidden_layers=good.hidden_layers)
-    counts, _ = sampled_counts(small, broken, dparams, sp)
+    counts, _ = sampled_counts(small, broken, dparams, sp, rows=BROKEN_ROWS)
     assert chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)) < FAIL_P
 
 
@@ -155,7 +156,7 @@ def test_distribution_test_catches_a_self_gated_drafter(small):
     good, dparams = drafter_for(small, "eagle")
     broken = SelfGatedEagle(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)}
                             | {"min_confidence": 0.6, "variable_length": True})
-    counts, _ = sample(small, broken, dparams, sp)
+    counts, _ = sample(small, broken, dparams, sp, rows=BROKEN_ROWS)
     assert chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)) < FAIL_P
 
 
@@ -230,5 +231,5 @@ def test_distribution_test_catches_a_lookup_with_the_wrong_q(small):
     good, dparams = drafter_for(small, "eagle")
     drafter = DraftingEagle(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)})
     broken = StaleQLookup(drafter, NgramDrafter(V, 1, 2))
-    counts, _ = sample(small, broken, dparams, sp, gamma=3, prompt=REPEATING)
+    counts, _ = sample(small, broken, dparams, sp, gamma=3, prompt=REPEATING, rows=BROKEN_ROWS)
     assert chi_square_pvalue(counts, exact_law(small, REPEATING, sp, NUM_TOKENS)) < FAIL_P
