@@ -13,6 +13,7 @@ import pytest
 from tiny import tiny_model
 
 from jaxspec import hlo, speculate
+from jaxspec.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
@@ -214,6 +215,70 @@ def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatc
             forced = attention.attend(*args, window_mask=tree, impl="pallas_tpu")
         np.testing.assert_allclose(np.asarray(forced, np.float32), np.asarray(got, np.float32),
                                    rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attend_prefill_on_tpu_kernels_matches_reference_in_interpret_mode(monkeypatch, stacked,
+                                                                            dtype):
+    """A prompt on TPU (G*T > PALLAS_MAX_QUERIES): splash attention for the causal window, the
+    paged kernel in query-row chunks for an earlier cache, merged by log-sum-exp, against the XLA
+    reference, in Pallas's TPU interpreter. T = 300 is padded to 384 (3 x 3 splash blocks of 128,
+    the diagonal blocks partly masked); 600 query rows per kv head make 3 paged-kernel sequences;
+    earlier-cache lengths 0 (an engine prefill), 17 and 61 cross 16-slot pages and 2-page blocks.
+    Row 0 has no earlier cache, so its output is splash's alone: exact in float32 (the paged
+    kernel rounds K/V to bfloat16, hence the looser tolerance of the other rows)."""
+    pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+    from jaxspec.models import attention_kernels
+
+    monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))  # 4 pages, 2 blocks
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=300, n=4, kv=2, s=64, h=32,
+                                             layers=3 if stacked else None)
+    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    lengths = jnp.asarray([0, 17, 61], jnp.int32)
+    layer = jnp.int32(1) if stacked else None
+    args = (q, kc, vc, kw, vw, lengths)
+    want = attention.attend(*args, layer=layer, impl="xla", chunk=100)  # 3 query chunks
+    run = jax.jit(lambda *a: attention.attend(*a, layer=layer, impl="pallas_tpu", interpret=True))
+    got = np.asarray(run(*args), np.float32)
+    want = np.asarray(want, np.float32)
+    tol = 3e-2 if dtype == "bfloat16" else 1e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    if dtype == "float32":
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(lambda *a: attention.attend(
+        *a, layer=layer, impl="pallas_tpu", interpret=True))(*args))
+    assert "splash_mha_fwd" in jaxpr and jaxpr.count("pallas_call") == 2
+    # a tree mask keeps the XLA path (splash's mask is static and causal)
+    tree = attention.causal_mask(3, 300).at[:, 2, 1].set(False)
+    assert not _runs_a_kernel(*args, layer=layer, window_mask=tree, impl="pallas_tpu")
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "stacked"])
+def test_prefill_forward_on_tpu_kernels_matches_xla(monkeypatch, layout):
+    """The model's prefill forward with JAXSPEC_ATTENTION=pallas_tpu, under jax's switch for TPU
+    interpret mode: right-padded prompts of 300, 129 and 7 tokens in one [3, 300] batch (129 ends
+    one past a 128-block edge) give the XLA path's hidden states at every valid position. Pad
+    keys come after each row's tokens, so the causal mask alone keeps them out of valid rows."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    m = _model(layout)
+    lens = np.asarray([300, 129, 7])
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(np.where(np.arange(300)[None] < lens[:, None],
+                                  rng.integers(1, 64, (3, 300)), 0), jnp.int32)
+    cache = init_cache(m.cfg.num_layers, 3, 320, m.cfg.num_kv_heads, m.cfg.head_dim,
+                       m.cfg.compute_dtype, layout == "stacked")
+    hidden = {}
+    for impl in ("xla", "pallas_tpu"):  # the impl is read at trace time: a fresh function each
+        monkeypatch.setenv(attention.ENV_OVERRIDE, impl)
+        fwd = lambda p, tok, c: llama.forward(p, tok, c, m.cfg).hidden
+        assert ("splash_mha_fwd" in str(jax.make_jaxpr(fwd)(m.params, tokens, cache))) == (
+            impl == "pallas_tpu")
+        with pltpu.force_tpu_interpret_mode():
+            hidden[impl] = np.asarray(jax.jit(fwd)(m.params, tokens, cache))
+    for row, n in enumerate(lens):
+        np.testing.assert_allclose(hidden["pallas_tpu"][row, :n], hidden["xla"][row, :n],
+                                   rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("platform, impl, stacked", [

@@ -32,8 +32,12 @@ Backends (`impl`):
                reference path on a device.
 Both Pallas impls run on CPU in interpret mode (`interpret=True`), which is how tests check them.
 
-Prefill windows (long T) are split into query chunks so no `[B, K, G, T, T]` float32 score block
-larger than `chunk` queries is ever live.
+Prefill (a causal window with more than PALLAS_MAX_QUERIES query rows per kv head): on "pallas_tpu"
+the window's own causal attention runs on JAX's splash attention kernel and the earlier cache
+(none at an engine prefill; a prompt chunk's earlier chunks otherwise) on the paged kernel, merged
+by log-sum-exp (`_attend_prefill_tpu`). Everywhere else prefill windows are split into query chunks
+of `chunk` queries, so no score block larger than `[B, K, G*chunk, block]` (cache part) and
+`[B, K, G*chunk, T]` (window part) float32 is ever live, never the full capacity.
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     (causal) -> [B, T, N*H] in q's dtype."""
     b, t, n, h = q.shape
     tw = k_win.shape[1]  # window keys (== t, except inside a prefill chunk)
+    if _prefill_kernel(impl, q, k_cache, k_win, window_mask):  # TPU: splash + paged, no chunks
+        return _attend_prefill_tpu(q, k_cache, v_cache, k_win, v_win, lengths, layer, interpret)
     if t > chunk and t % chunk == 0:  # prefill: one query chunk at a time
         outs = []  # a Python loop: straight-line chunks, each [B, K, G, C, S + T] at most
         for start in range(0, t, chunk):
@@ -150,6 +156,41 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     o = a_c[..., None] * o_c + jax.lax.dot_general(p_win, vw.astype(jnp.float32), pv)
     o = (o / denom[..., None]).astype(q.dtype)  # [B, K, GT, H]
     return o.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+
+
+def _prefill_kernel(impl, q, k_cache, k_win, window_mask) -> bool:
+    """Whether attend runs a causal window too long for the decode kernels (more than
+    PALLAS_MAX_QUERIES query rows per kv head: a prompt, or a prompt chunk over an earlier cache)
+    on the TPU prefill kernels. A tree mask or a zero-slot cache (training: the kernels have no
+    gradient) keeps the XLA path."""
+    _, t, n, _ = q.shape
+    g = n // k_win.shape[2]
+    slots = k_cache.shape[-2]
+    return (window_mask is None and k_win.shape[1] == t and g * t > PALLAS_MAX_QUERIES
+            and slots > 0 and resolve_impl(impl, cache_dtype=k_cache.dtype) == "pallas_tpu"
+            and attention_kernels.takes("pallas_tpu", slots))
+
+
+def _attend_prefill_tpu(q, k_cache, v_cache, k_win, v_win, lengths, layer, interpret):
+    """A causal window (prompt) on TPU: its self-attention by splash attention (causal, blocks
+    above the diagonal skipped), the earlier cache's valid pages (slots < lengths[b]; none at an
+    engine prefill) by the paged kernel in query-row chunks, merged exactly by log-sum-exp. No
+    score block of either part is ever materialised in HBM."""
+    b, t, n, h = q.shape
+    kv = k_win.shape[2]
+    g = n // kv
+    scale = h**-0.5
+    qh = q.transpose(0, 2, 1, 3)  # [B, N, T, H]; head n = kv head n // G, so this is [B, K, G*T, H]
+    kw, vw = (w.transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
+    o_w, lse_w = attention_kernels.window_part_splash_tpu(qh, kw, vw, scale, interpret)
+    qg = qh.reshape(b, kv, g * t, h)
+    o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
+        qg, k_cache, v_cache, lengths, layer, scale, interpret)  # [B, K, GT, H], [B, K, GT] x 2
+    o_w, lse_w = o_w.reshape(b, kv, g * t, h), lse_w.reshape(b, kv, g * t)
+    m = jnp.maximum(m_c, lse_w)  # the window part is never empty (a query sees itself)
+    a_c, a_w = jnp.exp(m_c - m), jnp.exp(lse_w - m)
+    o = (a_c[..., None] * o_c + a_w[..., None] * o_w) / (a_c * l_c + a_w)[..., None]
+    return o.astype(q.dtype).reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
 def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
