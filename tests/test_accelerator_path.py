@@ -281,17 +281,19 @@ def test_prefill_forward_on_tpu_kernels_matches_xla(monkeypatch, layout):
                                    rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("platform, impl, stacked", [
-    ("tpu", "pallas_tpu", False), ("tpu", "pallas_tpu", True), ("cuda", "pallas_gpu", False),
-    ("cuda", "pallas_gpu", True),
+@pytest.mark.parametrize("platform, impl, stacked, t", [
+    ("tpu", "pallas_tpu", False, 5), ("tpu", "pallas_tpu", True, 5), ("cuda", "pallas_gpu", False, 5),
+    ("cuda", "pallas_gpu", True, 5), ("tpu", "pallas_tpu", False, 200), ("tpu", "pallas_tpu", True, 200),
 ])
-def test_attention_kernels_lower_for_their_device(platform, impl, stacked):
+def test_attention_kernels_lower_for_their_device(platform, impl, stacked, t):
     """jax.export lowers the Pallas kernels for a TPU (Mosaic) / GPU (Triton) without one, which
     checks what interpret mode does not: block shapes the device compiler takes. SmolLM2 heads
-    (H = 64, G*T = 15 query rows: neither a multiple of 128 nor of 8), bfloat16."""
+    (H = 64, G*T = 15 query rows: neither a multiple of 128 nor of 8), bfloat16. T = 200 is a
+    TPU prefill: splash attention (T padded to 256) and the paged kernel over 600 query rows per
+    kv head (3 sequences of 256 rows, the last part padding)."""
     from jax import export
 
-    b, t, n, kv, h, s = 2, 5, 9, 3, 64, 256
+    b, n, kv, h, s = 2, 9, 3, 64, 256
     bf = jnp.bfloat16
     cache = jax.ShapeDtypeStruct((3, b, kv, s, h) if stacked else (b, kv, s, h), bf)
     args = (jax.ShapeDtypeStruct((b, t, n, h), bf), cache, cache,
@@ -302,7 +304,10 @@ def test_attention_kernels_lower_for_their_device(platform, impl, stacked):
     target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
     exp = export.export(fn, platforms=(platform,),
                         disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
-    assert target in exp.mlir_module()
+    module = exp.mlir_module()
+    assert target in module
+    if t > 5:  # the prefill runs splash for the window and the paged kernel for the cache
+        assert "splash_mha_fwd" in module and module.count(f"@{target}(") == 2
 
 
 @pytest.mark.parametrize("backend, dtype, want", [
