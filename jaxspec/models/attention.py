@@ -125,12 +125,20 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B,K,GT,H]
     # the window part: tiny (T keys), any mask
     kw, vw = (w.astype(q.dtype).transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
-    dims = (((3,), (3,)), ((0, 1), (0, 1)))
-    s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
+    slots = k_cache.shape[-2]
+    # the stacked XLA path takes q as it comes ([B, T, K, G, H], a bitcast of the projection) and
+    # regroups it inside each fusion that reads it: a dot (or a loop carry) wants qg laid out on
+    # its own, which XLA:CPU materialised three times per layer (transpose, re-layout, copy)
+    stacked_xla = layer is not None and slots > 0 and impl not in ("pallas_tpu", "pallas_gpu")
+    q5 = q.reshape(b, t, kv, g, h)
+    if stacked_xla:
+        s_win = _scores_fused(q5, kw) * scale
+    else:
+        dims = (((3,), (3,)), ((0, 1), (0, 1)))
+        s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
     wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
     s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
     # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
-    slots = k_cache.shape[-2]
     pallas_fits = slots > 0 and g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, slots)
     if impl == "pallas_tpu" and pallas_fits:
         o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
@@ -146,7 +154,8 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
         m_c = jnp.full((b, kv, g * t), _NEG, jnp.float32)
         l_c = jnp.zeros((b, kv, g * t), jnp.float32)
     else:
-        o_c, m_c, l_c = _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block)
+        o_c, m_c, l_c = _cache_part_xla(q5 if stacked_xla else qg, k_cache, v_cache, lengths,
+                                        layer, scale, block)
     # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c
     m = jnp.maximum(m_c, s_win.max(-1))  # [B, K, GT]
     p_win = jnp.exp(s_win - m[..., None])
@@ -193,8 +202,22 @@ def _attend_prefill_tpu(q, k_cache, v_cache, k_win, v_win, lengths, layer, inter
     return o.astype(q.dtype).reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
+def _scores_fused(q5, keys):
+    """q5 [B, T, K, G, H] . keys [B, K, S, H] -> f32 [B, K, G*T, S] as one multiply + reduce
+    fusion: q's regrouping to [B, K, G*T, H] happens inside it (nothing q-sized is copied), and
+    a keys operand sliced out of a stack is read in place. Every reduced dim <= 32, or XLA:CPU
+    splits the reduce and materialises the product."""
+    b, t, kv, g, h = q5.shape
+    f = _factors(h)
+    qc = q5.astype(jnp.float32).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, 1, *f)
+    kc = keys.astype(jnp.float32).reshape(b, kv, 1, keys.shape[2], *f)
+    return jnp.sum(qc * kc, axis=tuple(range(-len(f), 0)))
+
+
 def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
     """-> (unnormalised out f32[B, K, GT, H], max f32[B, K, GT], weight sum f32[B, K, GT]).
+
+    qg: [B, K, G*T, H]; for a stack (`layer` given) q as it comes, [B, T, K, G, H] (see attend).
 
     block: slots per step of a loop that stops after the batch's longest valid prefix (an online
     softmax over blocks, as flash decoding does): only blocks below max(lengths) are read, and an
@@ -220,7 +243,7 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
 
 def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
     """Slots start..start+size of the cache (one layer's, or layer `layer` of a stack)."""
-    b, kv, gt, h = qg.shape
+    b, kv, h = k_cache.shape[-4], k_cache.shape[-3], k_cache.shape[-1]
     whole = size == k_cache.shape[-2]
     valid = ((start + jnp.arange(size))[None, :] < lengths[:, None])[:, None, None]  # [B,1,1,Sb]
     if layer is None:
@@ -232,10 +255,8 @@ def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
     else:  # multiply + reduce: fused with the layer's slice of the stack, nothing copied
         k_b, v_b = (jax.lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, kv, size, h))[0]
                     for c in (k_cache, v_cache))
-        f = _factors(h)  # every reduced dim <= 32, or XLA:CPU splits the reduce, copying the product
-        qc = qg.astype(jnp.float32).reshape(b, kv, gt, 1, *f)
-        kc = k_b.astype(jnp.float32).reshape(b, kv, 1, size, *f)
-        s = jnp.sum(qc * kc, axis=tuple(range(-len(f), 0))) * scale  # [B, K, GT, Sb]
+        s = _scores_fused(qg, k_b) * scale  # qg is [B, T, K, G, H] here -> [B, K, GT, Sb]
+    gt = s.shape[2]
     red = _factors(size)  # reduce as [.., *red] with every reduced dim <= 32: XLA:CPU then fuses
     axes = tuple(range(-len(red), 0))  # the mask into the reduce (a split reduce materialises s)
     valid = valid.reshape(*valid.shape[:-1], *red)
