@@ -5,6 +5,7 @@ layout's tokens, and the attention op's backends agree with the XLA reference.""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,36 @@ def test_copy_counter_sees_a_cache_through_scan_xs():
         compiler_options=ACCEL_LIKE).as_text()
     traffic = hlo.cache_traffic(text, shape[1:])
     assert traffic.copies or traffic.zero_fills
+
+
+def stack_prefix_slices(text: str, stacked_shapes, n: int) -> list[str]:
+    """Buffers in the optimised HLO shaped like the first n layers of a stacked weight
+    ([n, ...] of an [L, ...] leaf): what slicing the target's stack for a drafter costs per step."""
+    per_layer = {tuple(s[1:]) for s in stacked_shapes}
+    out = []
+    for name, instrs in hlo.parse(text).items():
+        if name.startswith("fused") or "wrapped" in name or "computation" in name:
+            continue  # inside a fusion: no buffer of its own
+        for ins in instrs:
+            if ins.opcode in ("parameter", "get-tuple-element", "tuple", "bitcast"):
+                continue
+            for dims in re.findall(r"\w+\[([\d,]*)\]", hlo._shape_of(ins.line)):
+                shape = tuple(int(d) for d in dims.split(",") if d)
+                if len(shape) >= 2 and shape[0] == n and shape[1:] in per_layer:
+                    out.append(ins.line.strip()[:120])
+    return out
+
+
+def test_layer_skip_on_a_stack_slices_no_layers_per_step():
+    """layer_skip shares the target's [L, ...] weights: on the stacked layout its forward runs the
+    first n layers of the stack in place, so the decode loop holds no [n, ...] slice of any weight
+    (slicing the stack would copy n layers of weights every step). Distinct dims (L=5, n=3, D=40,
+    F=80) keep weight shapes apart from every other buffer."""
+    m = tiny_model(seed=0, layers=5, hidden=40)
+    m = dataclasses.replace(m, params=llama.stack_layers(m.params))
+    shapes = [x.shape for x in jax.tree.leaves(m.params["layers"])]
+    text = decode_hlo(m, layer_skip_drafter(m.cfg, 3), None)
+    assert stack_prefix_slices(text, shapes, 3) == []
 
 
 @pytest.mark.parametrize("method", ["none", "ngram", "layer_skip"])
