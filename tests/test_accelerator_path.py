@@ -250,39 +250,43 @@ def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatc
 
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_attend_prefill_on_tpu_kernels_matches_reference_in_interpret_mode(monkeypatch, stacked,
-                                                                            dtype):
-    """A prompt on TPU (G*T > PALLAS_MAX_QUERIES): splash attention for the causal window, the
-    paged kernel in query-row chunks for an earlier cache, merged by log-sum-exp, against the XLA
-    reference, in Pallas's TPU interpreter. T = 300 is padded to 384 (3 x 3 splash blocks of 128,
-    the diagonal blocks partly masked); 600 query rows per kv head make 3 paged-kernel sequences;
-    earlier-cache lengths 0 (an engine prefill), 17 and 61 cross 16-slot pages and 2-page blocks.
-    Row 0 has no earlier cache, so its output is splash's alone: exact in float32 (the paged
-    kernel rounds K/V to bfloat16, hence the looser tolerance of the other rows)."""
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_attend_prefill_on_kernels_matches_reference_in_interpret_mode(monkeypatch, impl, stacked,
+                                                                        dtype):
+    """A prompt (G*T > PALLAS_MAX_QUERIES) on the kernels: JAX's flash kernel for the causal window
+    (TPU splash attention; GPU Pallas's Triton flash attention), the decode kernels in query-row
+    chunks for an earlier cache, merged by log-sum-exp, against the XLA reference, in Pallas's
+    interpreter (TPU's for pallas_tpu). T = 300 is padded to 384 (3 x 3 flash blocks of 128, the
+    diagonal ones partly masked); 600 query rows per kv head make 3 chunks of 256; earlier-cache
+    lengths 0 (an engine prefill), 17 and 141 cross TPU pages (16 slots, 2-page blocks) and the GPU
+    kernels' 64/128-slot blocks. Row 0 has no earlier cache, so its output is the flash kernel's
+    alone: exact in float32 (the TPU paged kernel rounds K/V to bfloat16, hence the looser
+    tolerance of the other rows there). On a device scripts/bench_device.sh runs them compiled."""
     pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
     from jaxspec.models import attention_kernels
 
-    monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))  # 4 pages, 2 blocks
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=300, n=4, kv=2, s=64, h=32,
+    monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=300, n=4, kv=2, s=256, h=32,
                                              layers=3 if stacked else None)
     q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
-    lengths = jnp.asarray([0, 17, 61], jnp.int32)
+    lengths = jnp.asarray([0, 17, 141], jnp.int32)
     layer = jnp.int32(1) if stacked else None
     args = (q, kc, vc, kw, vw, lengths)
     want = attention.attend(*args, layer=layer, impl="xla", chunk=100)  # 3 query chunks
-    run = jax.jit(lambda *a: attention.attend(*a, layer=layer, impl="pallas_tpu", interpret=True))
-    got = np.asarray(run(*args), np.float32)
+    run = lambda *a: attention.attend(*a, layer=layer, impl=impl, interpret=True)
+    got = np.asarray(jax.jit(run)(*args), np.float32)
     want = np.asarray(want, np.float32)
-    tol = 3e-2 if dtype == "bfloat16" else 1e-2
+    bf16 = dtype == "bfloat16"
+    tol = 3e-2 if bf16 else (1e-2 if impl == "pallas_tpu" else 1e-5)
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
-    if dtype == "float32":
+    if not bf16:
         np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
-    jaxpr = str(jax.make_jaxpr(lambda *a: attention.attend(
-        *a, layer=layer, impl="pallas_tpu", interpret=True))(*args))
-    assert "splash_mha_fwd" in jaxpr and jaxpr.count("pallas_call") == 2
-    # a tree mask keeps the XLA path (splash's mask is static and causal)
+    jaxpr = str(jax.make_jaxpr(run)(*args))
+    flash = {"pallas_tpu": "splash_mha_fwd", "pallas_gpu": "mha_forward"}[impl]
+    assert flash in jaxpr and jaxpr.count("pallas_call") == 2
+    # a tree mask keeps the XLA path (the flash kernels' masks are causal)
     tree = attention.causal_mask(3, 300).at[:, 2, 1].set(False)
-    assert not _runs_a_kernel(*args, layer=layer, window_mask=tree, impl="pallas_tpu")
+    assert not _runs_a_kernel(*args, layer=layer, window_mask=tree, impl=impl)
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "stacked"])
@@ -315,13 +319,15 @@ def test_prefill_forward_on_tpu_kernels_matches_xla(monkeypatch, layout):
 @pytest.mark.parametrize("platform, impl, stacked, t", [
     ("tpu", "pallas_tpu", False, 5), ("tpu", "pallas_tpu", True, 5), ("cuda", "pallas_gpu", False, 5),
     ("cuda", "pallas_gpu", True, 5), ("tpu", "pallas_tpu", False, 200), ("tpu", "pallas_tpu", True, 200),
+    ("cuda", "pallas_gpu", False, 200), ("cuda", "pallas_gpu", True, 200),
 ])
 def test_attention_kernels_lower_for_their_device(platform, impl, stacked, t):
     """jax.export lowers the Pallas kernels for a TPU (Mosaic) / GPU (Triton) without one, which
     checks what interpret mode does not: block shapes the device compiler takes. SmolLM2 heads
     (H = 64, G*T = 15 query rows: neither a multiple of 128 nor of 8), bfloat16. T = 200 is a
-    TPU prefill: splash attention (T padded to 256) and the paged kernel over 600 query rows per
-    kv head (3 sequences of 256 rows, the last part padding)."""
+    prefill: the flash kernel (TPU splash attention, GPU Pallas's Triton flash attention; T padded
+    to 256) and the decode kernel over 600 query rows per kv head (3 chunks of 256 rows, the last
+    part padding)."""
     from jax import export
 
     b, n, kv, h, s = 2, 9, 3, 64, 256
@@ -337,8 +343,9 @@ def test_attention_kernels_lower_for_their_device(platform, impl, stacked, t):
                         disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
     module = exp.mlir_module()
     assert target in module
-    if t > 5:  # the prefill runs splash for the window and the paged kernel for the cache
-        assert "splash_mha_fwd" in module and module.count(f"@{target}(") == 2
+    if t > 5:  # the prefill runs the flash kernel for the window and a decode kernel for the cache
+        flash = {"tpu": "splash_mha_fwd", "cuda": "mha_forward"}[platform]
+        assert flash in module and module.count(f"@{target}(") == 2
 
 
 @pytest.mark.parametrize("backend, dtype, want", [

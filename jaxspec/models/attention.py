@@ -32,12 +32,13 @@ Backends (`impl`):
                reference path on a device.
 Both Pallas impls run on CPU in interpret mode (`interpret=True`), which is how tests check them.
 
-Prefill (a causal window with more than PALLAS_MAX_QUERIES query rows per kv head): on "pallas_tpu"
-the window's own causal attention runs on JAX's splash attention kernel and the earlier cache
-(none at an engine prefill; a prompt chunk's earlier chunks otherwise) on the paged kernel, merged
-by log-sum-exp (`_attend_prefill_tpu`). Everywhere else prefill windows are split into query chunks
-of `chunk` queries, so no score block larger than `[B, K, G*chunk, block]` (cache part) and
-`[B, K, G*chunk, T]` (window part) float32 is ever live, never the full capacity.
+Prefill (a causal window with more than PALLAS_MAX_QUERIES query rows per kv head, `_attend_prefill`):
+the window's own causal attention runs on JAX's flash kernels, on "pallas_tpu" splash attention and
+on "pallas_gpu" Pallas's Triton flash attention (`ops.gpu.attention.mha`); the earlier cache (none
+at an engine prefill) on the same decode kernels as above, in query-row chunks; merged by
+log-sum-exp. On "xla" prefill windows are split into query chunks of `chunk` queries, so no score
+block larger than `[B, K, G*chunk, block]` (cache part) and `[B, K, G*chunk, T]` (window part)
+float32 is ever live, never the full capacity.
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     (causal) -> [B, T, N*H] in q's dtype."""
     b, t, n, h = q.shape
     tw = k_win.shape[1]  # window keys (== t, except inside a prefill chunk)
-    if _prefill_kernel(impl, q, k_cache, k_win, window_mask):  # TPU: splash + paged, no chunks
-        return _attend_prefill_tpu(q, k_cache, v_cache, k_win, v_win, lengths, layer, interpret)
+    prefill = _prefill_kernel(impl, q, k_cache, k_win, window_mask)  # a prompt on the kernels
+    if prefill:
+        return _attend_prefill(prefill, q, k_cache, v_cache, k_win, v_win, lengths, layer,
+                               interpret)
     if t > chunk and t % chunk == 0:  # prefill: one query chunk at a time
         outs = []  # a Python loop: straight-line chunks, each [B, K, G, C, S + T] at most
         for start in range(0, t, chunk):
@@ -126,10 +129,12 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     # the window part: tiny (T keys), any mask
     kw, vw = (w.astype(q.dtype).transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
     slots = k_cache.shape[-2]
+    # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
+    pallas_fits = slots > 0 and g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, slots)
     # the stacked XLA path takes q as it comes ([B, T, K, G, H], a bitcast of the projection) and
     # regroups it inside each fusion that reads it: a dot (or a loop carry) wants qg laid out on
     # its own, which XLA:CPU materialised three times per layer (transpose, re-layout, copy)
-    stacked_xla = layer is not None and slots > 0 and impl not in ("pallas_tpu", "pallas_gpu")
+    stacked_xla = layer is not None and slots > 0 and not pallas_fits
     q5 = q.reshape(b, t, kv, g, h)
     if stacked_xla:
         s_win = _scores_fused(q5, kw) * scale
@@ -138,8 +143,6 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
         s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
     wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
     s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
-    # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
-    pallas_fits = slots > 0 and g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, slots)
     if impl == "pallas_tpu" and pallas_fits:
         o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
             qg, k_cache, v_cache, lengths, layer, scale, interpret)
@@ -167,34 +170,47 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     return o.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
-def _prefill_kernel(impl, q, k_cache, k_win, window_mask) -> bool:
-    """Whether attend runs a causal window too long for the decode kernels (more than
-    PALLAS_MAX_QUERIES query rows per kv head: a prompt, or a prompt chunk over an earlier cache)
-    on the TPU prefill kernels. A tree mask or a zero-slot cache (training: the kernels have no
-    gradient) keeps the XLA path."""
+def _prefill_kernel(impl, q, k_cache, k_win, window_mask) -> str | None:
+    """The kernel impl ("pallas_tpu" / "pallas_gpu") that runs a causal window too long for the
+    decode kernels alone (more than PALLAS_MAX_QUERIES query rows per kv head: a prompt, or a
+    prompt chunk over an earlier cache), or None: the XLA path. A tree mask or a zero-slot cache
+    (training: the kernels have no gradient) keeps the XLA path."""
     _, t, n, _ = q.shape
     g = n // k_win.shape[2]
     slots = k_cache.shape[-2]
-    return (window_mask is None and k_win.shape[1] == t and g * t > PALLAS_MAX_QUERIES
-            and slots > 0 and resolve_impl(impl, cache_dtype=k_cache.dtype) == "pallas_tpu"
-            and attention_kernels.takes("pallas_tpu", slots))
+    if window_mask is not None or k_win.shape[1] != t or g * t <= PALLAS_MAX_QUERIES or slots == 0:
+        return None
+    impl = resolve_impl(impl, cache_dtype=k_cache.dtype)
+    takes = impl in ("pallas_tpu", "pallas_gpu") and attention_kernels.takes(impl, slots)
+    return impl if takes else None
 
 
-def _attend_prefill_tpu(q, k_cache, v_cache, k_win, v_win, lengths, layer, interpret):
-    """A causal window (prompt) on TPU: its self-attention by splash attention (causal, blocks
-    above the diagonal skipped), the earlier cache's valid pages (slots < lengths[b]; none at an
-    engine prefill) by the paged kernel in query-row chunks, merged exactly by log-sum-exp. No
-    score block of either part is ever materialised in HBM."""
+def _attend_prefill(impl, q, k_cache, v_cache, k_win, v_win, lengths, layer, interpret):
+    """A causal window (a prompt) on the kernels: its own causal attention by JAX's flash kernel
+    (TPU: splash attention; GPU: Pallas's Triton flash attention), blocks above the diagonal
+    skipped; the earlier cache's valid slots (slots < lengths[b]; none at an engine prefill) by the
+    decode kernels in query-row chunks; merged exactly by log-sum-exp. No score block of either
+    part is materialised in HBM."""
     b, t, n, h = q.shape
     kv = k_win.shape[2]
     g = n // kv
     scale = h**-0.5
     qh = q.transpose(0, 2, 1, 3)  # [B, N, T, H]; head n = kv head n // G, so this is [B, K, G*T, H]
-    kw, vw = (w.transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
-    o_w, lse_w = attention_kernels.window_part_splash_tpu(qh, kw, vw, scale, interpret)
     qg = qh.reshape(b, kv, g * t, h)
-    o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
-        qg, k_cache, v_cache, lengths, layer, scale, interpret)  # [B, K, GT, H], [B, K, GT] x 2
+    kw, vw = (w.transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
+    if impl == "pallas_tpu":
+        o_w, lse_w = attention_kernels.window_part_splash_tpu(qh, kw, vw, scale, interpret)
+        o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(  # row chunks: several sequences
+            qg, k_cache, v_cache, lengths, layer, scale, interpret)
+    else:
+        o_w, lse_w = attention_kernels.window_part_flash_gpu(q, k_win, v_win, scale, interpret)
+        if layer is None:
+            part = lambda x: attention_kernels.cache_part_pallas_gpu(
+                x, k_cache, v_cache, lengths, scale, interpret)
+        else:
+            part = lambda x: attention_kernels.cache_part_pallas_gpu_stacked(
+                x, k_cache, v_cache, lengths, layer, scale, interpret)
+        o_c, m_c, l_c = attention_kernels.cache_part_in_row_chunks(part, qg)
     o_w, lse_w = o_w.reshape(b, kv, g * t, h), lse_w.reshape(b, kv, g * t)
     m = jnp.maximum(m_c, lse_w)  # the window part is never empty (a query sees itself)
     a_c, a_w = jnp.exp(m_c - m), jnp.exp(lse_w - m)

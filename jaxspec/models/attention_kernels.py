@@ -16,6 +16,11 @@ see the same prefix) and returns what attend merges with the window part by log-
   window_part_splash_tpu  jax.experimental.pallas.ops.tpu.splash_attention on a prompt window's
                          causal self-attention (prefill), with its log-sum-exp kept for the merge;
                          GQA as splash's own grouped heads (no K/V repeat).
+  window_part_flash_gpu  jax.experimental.pallas.ops.gpu.attention's flash attention (Triton) on
+                         a prompt window's causal self-attention (prefill), log-sum-exp kept;
+                         K/V repeated to the N query heads (it takes equal heads).
+  cache_part_in_row_chunks  a cache-part kernel over more query rows than its blocks take, in
+                         chunks of PREFILL_ROWS rows (a prompt chunk over an earlier cache).
 
 Both run on CPU in Pallas interpret mode (`interpret=True`), which is how tests check them.
 """
@@ -166,6 +171,50 @@ def window_part_splash_tpu(qh, k_win, v_win, scale, interpret=False):
     out, (lse,) = kernel(*(x.reshape(-1, padded, h) for x in (q, k, v)))  # [B*N, Tp, H], [B*N, Tp]
     out, lse = out.reshape(b, n, padded, h), lse.reshape(b, n, padded)
     return out[:, :, :t].astype(jnp.float32), lse[:, :, :t]
+
+
+GPU_FLASH_BLOCK = 128  # the GPU flash kernel's q / kv block (its default); windows padded to it
+PREFILL_ROWS = 256  # query rows per call of a decode kernel over an earlier cache (GPU prefill)
+
+
+def window_part_flash_gpu(q, k_win, v_win, scale, interpret=False):
+    """A prompt window's causal self-attention by JAX's Pallas GPU flash attention kernel
+    (`jax.experimental.pallas.ops.gpu.attention.mha`, Triton), the part of a GPU prefill the cache
+    part does not cover.
+
+    q: [B, T, N, H]; k_win, v_win: [B, T, K, H] (the layouts the kernel takes, no transpose) ->
+    (out f32 [B, N, T, H] normalised, log-sum-exp f32 [B, N, T]). The kernel takes as many kv
+    heads as query heads, so K/V are repeated G times (prompt-sized, not cache-sized). Its causal
+    loop stops at the diagonal block. The window is padded to a multiple of GPU_FLASH_BLOCK: a
+    padded key sits after every real query (hidden by the causal mask), padded queries are
+    dropped; a right-padded prompt's pad keys likewise come after its real tokens."""
+    from jax.experimental.pallas.ops.gpu import attention as fa
+
+    t, n = q.shape[1:3]
+    g = n // k_win.shape[2]
+    padded = -(-t // GPU_FLASH_BLOCK) * GPU_FLASH_BLOCK
+    pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
+    k, v = (jnp.pad(jnp.repeat(w.astype(q.dtype), g, axis=2), pad) for w in (k_win, v_win))
+    blocks = fa.BlockSizes(block_q=GPU_FLASH_BLOCK, block_k=GPU_FLASH_BLOCK)
+    # positional: mha is a custom_vjp with non-differentiable arguments 4..13
+    out, lse2 = fa.mha(jnp.pad(q, pad), k, v, None, scale, True, blocks, "triton", None, 2, None,
+                       interpret, False, True)  # [B, Tp, N, H], [B, N, Tp] (base 2)
+    out = out[:, :t].astype(jnp.float32).transpose(0, 2, 1, 3)  # [B, N, T, H]
+    return out, lse2[:, :, :t] * jnp.log(2.0).astype(jnp.float32)
+
+
+def cache_part_in_row_chunks(part, qg, *args):
+    """`part(qg_chunk, *args)` (a cache-part kernel, G*T <= PREFILL_ROWS) over qg [B, K, GT, H] in
+    chunks of PREFILL_ROWS query rows, one after another (lax.map: the cache goes in whole,
+    read-only, once per chunk and only its valid blocks) -> the same (out, max, sum) as one call."""
+    b, kv, gt, h = qg.shape
+    chunks = -(-gt // PREFILL_ROWS)
+    qc = jnp.pad(qg, ((0, 0), (0, 0), (0, chunks * PREFILL_ROWS - gt), (0, 0)))
+    qc = qc.reshape(b, kv, chunks, PREFILL_ROWS, h).transpose(2, 0, 1, 3, 4)  # [C, B, K, R, H]
+    o, m, l = jax.lax.map(lambda x: part(x, *args), qc)
+    o = o.transpose(1, 2, 0, 3, 4).reshape(b, kv, chunks * PREFILL_ROWS, h)[:, :, :gt]
+    m, l = (x.transpose(1, 2, 0, 3).reshape(b, kv, chunks * PREFILL_ROWS)[:, :, :gt] for x in (m, l))
+    return o, m, l
 
 
 def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False):
