@@ -178,6 +178,12 @@ def test_attend_prefill_chunks_match_one_block():
     whole = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=64)
     chunked = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=8)
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    ragged = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=12)  # 12, 12, 8
+    np.testing.assert_allclose(ragged, whole, rtol=1e-5, atol=1e-5)
+    # any T is chunked: no score block has more than `chunk` queries (a 32-query one would)
+    jaxpr = str(jax.make_jaxpr(lambda *a: attention.attend(*a, impl="xla", chunk=12))(
+        q, kc, vc, kw, vw, lengths))
+    assert "f32[2,2,64,32]" not in jaxpr and "f32[2,2,24,32]" in jaxpr  # [B, K, G*C, Tw]
 
 
 def _runs_a_kernel(*args, **kw) -> bool:

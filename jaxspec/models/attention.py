@@ -107,15 +107,16 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     if prefill:
         return _attend_prefill(prefill, q, k_cache, v_cache, k_win, v_win, lengths, layer,
                                interpret)
-    if t > chunk and t % chunk == 0:  # prefill: one query chunk at a time
+    if t > chunk:  # prefill: one query chunk at a time (the last one may be shorter)
         outs = []  # a Python loop: straight-line chunks, each [B, K, G, C, S + T] at most
         for start in range(0, t, chunk):
+            size = min(chunk, t - start)
             if window_mask is None:  # causal, built per chunk (never a [T, T] block)
-                rows = start + jnp.arange(chunk)[:, None]
-                mc = jnp.broadcast_to(rows >= jnp.arange(tw)[None, :], (b, chunk, tw))
+                rows = start + jnp.arange(size)[:, None]
+                mc = jnp.broadcast_to(rows >= jnp.arange(tw)[None, :], (b, size, tw))
             else:
-                mc = window_mask[:, start : start + chunk]
-            outs.append(attend(q[:, start : start + chunk], k_cache, v_cache, k_win, v_win, lengths,
+                mc = window_mask[:, start : start + size]
+            outs.append(attend(q[:, start : start + size], k_cache, v_cache, k_win, v_win, lengths,
                                layer=layer, window_mask=mc, impl=impl, chunk=chunk,
                                block=block, interpret=interpret))
         return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
