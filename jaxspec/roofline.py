@@ -199,8 +199,8 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    from jaxspec.config import load_config
     from jaxspec.cli_support import ArgumentParser
+    from jaxspec.config import load_config
 
     p = ArgumentParser(prog="python -m jaxspec.roofline", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         if layout == "auto":  # this backend's choice; the CPU kernel's layout is not abstract
             from jaxspec.loading.params import resolve_layout
 
-            layout = resolve_layout("auto", "float32" if args.dtype is None else args.dtype)
+            layout, _ = resolve_layout("auto", "float32" if args.dtype is None else args.dtype)
             layout = "unrolled" if layout == "packed" else layout
         if layout == "packed":
             raise JaxspecError("layout 'packed' is the CPU kernel's: use --layout stacked or unrolled")

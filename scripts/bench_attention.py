@@ -8,6 +8,11 @@ attention on a zero-copy view of the cache; GPU: "pallas_gpu", JAX's Pallas deco
 per-layer cache, jaxspec's own Pallas kernel on a stack). `(auto)` marks the one attend picks
 here; `max |Δ|` is the largest difference from xla.
 
+A second table times prefill: a prompt window of T tokens (G*T > attention.PALLAS_MAX_QUERIES,
+so the kernel impls run JAX's flash kernels: TPU splash attention, GPU Pallas's Triton flash
+attention) over an empty cache (an engine prefill) and over an earlier cache (a prompt chunk),
+against XLA's chunked path, in causal-attention TFLOP/s (prefill is compute-bound).
+
     python scripts/bench_attention.py            # on a TPU / GPU: XLA vs this backend's kernel
     python scripts/bench_attention.py --smoke    # tiny shapes, every kernel in Pallas interpret mode
 """
@@ -82,6 +87,47 @@ def main() -> None:
                 ref = out if impl == "xla" else ref
                 diff = "" if ref is None else f"{float(jnp.max(jnp.abs(out - ref))):.2e}"
                 print(f"{row} {sec * 1e6:.1f} | {need / 1e6:.2f} MB | {need / sec / 1e9:.1f} | {diff} |")
+    prefill(args.smoke, dtype, reps)
+
+
+def prefill(smoke: bool, dtype, reps: int) -> None:
+    """Prompt windows (causal) over an empty or partly filled cache: the flash kernels vs XLA."""
+    # (B, T, N, K, H, S, earlier valid slots)
+    shapes = [(2, 300, 4, 2, 32, 256, 0), (2, 300, 4, 2, 32, 256, 37)] if smoke else [
+        (1, 1024, 9, 3, 64, 2048, 0), (8, 512, 9, 3, 64, 2048, 0),
+        (1, 2048, 32, 8, 128, 4096, 0), (8, 1024, 32, 8, 128, 2048, 0),
+        (1, 1024, 32, 8, 128, 4096, 1024),
+    ]
+    print()
+    print(f"prefill: backend {jax.default_backend()}, {jnp.dtype(dtype).name}, one layer, causal")
+    print("| B | T | N/K | H | S | earlier valid | cache | impl | ms | TFLOP/s | max \\|Δ\\| vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for b, t, n, kv, h, s, valid in shapes:
+        ks = jax.random.split(jax.random.key(1), 5)
+        q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+        kw, vw = (jax.random.normal(k, (b, t, kv, h), dtype) for k in ks[3:5])
+        lengths = jnp.full((b,), valid, jnp.int32)
+        flops = 4 * b * n * h * (t * (t + 1) // 2 + t * valid)  # q.k and p.v over what is seen
+        for cache in ("per-layer", "stacked"):
+            shape = (b, kv, s, h) if cache == "per-layer" else (STACK, b, kv, s, h)
+            kc, vc = (jax.random.normal(k, shape, dtype) for k in ks[1:3])
+            layer = None if cache == "per-layer" else jnp.int32(2)
+            auto = attention.resolve_impl("auto", cache_dtype=dtype)
+            ref = None
+            for impl in impls_here(smoke):
+                fn = jax.jit(lambda *a, impl=impl, layer=layer: attention.attend(
+                    *a, layer=layer, impl=impl, interpret=smoke and impl != "xla"))
+                label = f"{impl} (auto)" if impl == auto else impl
+                row = f"| {b} | {t} | {n}/{kv} | {h} | {s} | {valid} | {cache} | {label} |"
+                try:
+                    sec = bench(fn, q, kc, vc, kw, vw, lengths, reps=reps)
+                    out = fn(q, kc, vc, kw, vw, lengths).astype(jnp.float32)
+                except Exception as e:  # noqa: BLE001  a kernel that does not build here: say so
+                    print(f"{row} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | |")
+                    continue
+                ref = out if impl == "xla" else ref
+                diff = "" if ref is None else f"{float(jnp.max(jnp.abs(out - ref))):.2e}"
+                print(f"{row} {sec * 1e3:.2f} | {flops / sec / 1e12:.2f} | {diff} |")
 
 
 if __name__ == "__main__":

@@ -64,10 +64,13 @@ fi
 JAXSPEC_ATTENTION=xla "$py" -m jaxspec.roofline --config configs/smollm2-135m.yaml "${roof[@]}" \
   | tee "$out/roofline.md"
 # 2. the attention op: this backend's Pallas kernels (TPU paged attention, GPU decode) vs XLA, on
-#    per-layer and stacked caches, against the bandwidth floor, with their difference from XLA
+#    per-layer and stacked caches, against the bandwidth floor, with their difference from XLA;
+#    then prefill (prompt windows): the flash kernels (TPU splash attention, GPU Pallas's Triton
+#    flash attention) vs XLA's chunked path, in TFLOP/s
 "$py" scripts/bench_attention.py "${attn[@]}" | tee "$out/attention.md"
-# the bench below runs attention "auto" (the Pallas kernel for bf16 on TPU/GPU); results.json
-# machine.attention and each row's metrics.attention name it (JAXSPEC_ATTENTION=xla forces XLA)
+# the bench below runs attention "auto" (the Pallas kernels for bf16 on TPU/GPU, the flash kernels
+# for prompts longer than 256 / G tokens); results.json machine.attention and each row's
+# metrics.attention name it (JAXSPEC_ATTENTION=xla forces XLA)
 # 3. every method vs plain decoding, one run; SIGINT at the limit makes the bench write what it
 #    has (exit 130)
 status=0

@@ -5,6 +5,7 @@ layout's tokens, and the attention op's backends agree with the XLA reference.""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import pytest
 from tiny import tiny_model
 
 from jaxspec import hlo, speculate
+from jaxspec.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
@@ -81,6 +83,36 @@ def test_copy_counter_sees_a_cache_through_scan_xs():
     assert traffic.copies or traffic.zero_fills
 
 
+def stack_prefix_slices(text: str, stacked_shapes, n: int) -> list[str]:
+    """Buffers in the optimised HLO shaped like the first n layers of a stacked weight
+    ([n, ...] of an [L, ...] leaf): what slicing the target's stack for a drafter costs per step."""
+    per_layer = {tuple(s[1:]) for s in stacked_shapes}
+    out = []
+    for name, instrs in hlo.parse(text).items():
+        if name.startswith("fused") or "wrapped" in name or "computation" in name:
+            continue  # inside a fusion: no buffer of its own
+        for ins in instrs:
+            if ins.opcode in ("parameter", "get-tuple-element", "tuple", "bitcast"):
+                continue
+            for dims in re.findall(r"\w+\[([\d,]*)\]", hlo._shape_of(ins.line)):
+                shape = tuple(int(d) for d in dims.split(",") if d)
+                if len(shape) >= 2 and shape[0] == n and shape[1:] in per_layer:
+                    out.append(ins.line.strip()[:120])
+    return out
+
+
+def test_layer_skip_on_a_stack_slices_no_layers_per_step():
+    """layer_skip shares the target's [L, ...] weights: on the stacked layout its forward runs the
+    first n layers of the stack in place, so the decode loop holds no [n, ...] slice of any weight
+    (slicing the stack would copy n layers of weights every step). Distinct dims (L=5, n=3, D=40,
+    F=80) keep weight shapes apart from every other buffer."""
+    m = tiny_model(seed=0, layers=5, hidden=40)
+    m = dataclasses.replace(m, params=llama.stack_layers(m.params))
+    shapes = [x.shape for x in jax.tree.leaves(m.params["layers"])]
+    text = decode_hlo(m, layer_skip_drafter(m.cfg, 3), None)
+    assert stack_prefix_slices(text, shapes, 3) == []
+
+
 @pytest.mark.parametrize("method", ["none", "ngram", "layer_skip"])
 def test_stacked_layout_gives_unrolled_tokens(method):
     rng = np.random.default_rng(3)
@@ -146,6 +178,12 @@ def test_attend_prefill_chunks_match_one_block():
     whole = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=64)
     chunked = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=8)
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    ragged = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=12)  # 12, 12, 8
+    np.testing.assert_allclose(ragged, whole, rtol=1e-5, atol=1e-5)
+    # any T is chunked: no score block has more than `chunk` queries (a 32-query one would)
+    jaxpr = str(jax.make_jaxpr(lambda *a: attention.attend(*a, impl="xla", chunk=12))(
+        q, kc, vc, kw, vw, lengths))
+    assert "f32[2,2,64,32]" not in jaxpr and "f32[2,2,24,32]" in jaxpr  # [B, K, G*C, Tw]
 
 
 def _runs_a_kernel(*args, **kw) -> bool:
@@ -216,17 +254,89 @@ def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatc
                                    rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("platform, impl, stacked", [
-    ("tpu", "pallas_tpu", False), ("tpu", "pallas_tpu", True), ("cuda", "pallas_gpu", False),
-    ("cuda", "pallas_gpu", True),
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_attend_prefill_on_kernels_matches_reference_in_interpret_mode(monkeypatch, impl, stacked,
+                                                                        dtype):
+    """A prompt (G*T > PALLAS_MAX_QUERIES) on the kernels: JAX's flash kernel for the causal window
+    (TPU splash attention; GPU Pallas's Triton flash attention), the decode kernels in query-row
+    chunks for an earlier cache, merged by log-sum-exp, against the XLA reference, in Pallas's
+    interpreter (TPU's for pallas_tpu). T = 300 is padded to 384 (3 x 3 flash blocks of 128, the
+    diagonal ones partly masked); 600 query rows per kv head make 3 chunks of 256; earlier-cache
+    lengths 0 (an engine prefill), 17 and 141 cross TPU pages (16 slots, 2-page blocks) and the GPU
+    kernels' 64/128-slot blocks. Row 0 has no earlier cache, so its output is the flash kernel's
+    alone: exact in float32 (the TPU paged kernel rounds K/V to bfloat16, hence the looser
+    tolerance of the other rows there). On a device scripts/bench_device.sh runs them compiled."""
+    pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+    from jaxspec.models import attention_kernels
+
+    monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=300, n=4, kv=2, s=256, h=32,
+                                             layers=3 if stacked else None)
+    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    lengths = jnp.asarray([0, 17, 141], jnp.int32)
+    layer = jnp.int32(1) if stacked else None
+    args = (q, kc, vc, kw, vw, lengths)
+    want = attention.attend(*args, layer=layer, impl="xla", chunk=100)  # 3 query chunks
+    run = lambda *a: attention.attend(*a, layer=layer, impl=impl, interpret=True)
+    got = np.asarray(jax.jit(run)(*args), np.float32)
+    want = np.asarray(want, np.float32)
+    bf16 = dtype == "bfloat16"
+    tol = 3e-2 if bf16 else (1e-2 if impl == "pallas_tpu" else 1e-5)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    if not bf16:
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    jaxpr = str(jax.make_jaxpr(run)(*args))
+    flash = {"pallas_tpu": "splash_mha_fwd", "pallas_gpu": "mha_forward"}[impl]
+    assert flash in jaxpr and jaxpr.count("pallas_call") == 2
+    # a tree mask keeps the XLA path (the flash kernels' masks are causal)
+    tree = attention.causal_mask(3, 300).at[:, 2, 1].set(False)
+    assert not _runs_a_kernel(*args, layer=layer, window_mask=tree, impl=impl)
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "stacked"])
+def test_prefill_forward_on_tpu_kernels_matches_xla(monkeypatch, layout):
+    """The model's prefill forward with JAXSPEC_ATTENTION=pallas_tpu, under jax's switch for TPU
+    interpret mode: right-padded prompts of 300, 129 and 7 tokens in one [3, 300] batch (129 ends
+    one past a 128-block edge) give the XLA path's hidden states at every valid position. Pad
+    keys come after each row's tokens, so the causal mask alone keeps them out of valid rows."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    m = _model(layout)
+    lens = np.asarray([300, 129, 7])
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(np.where(np.arange(300)[None] < lens[:, None],
+                                  rng.integers(1, 64, (3, 300)), 0), jnp.int32)
+    cache = init_cache(m.cfg.num_layers, 3, 320, m.cfg.num_kv_heads, m.cfg.head_dim,
+                       m.cfg.compute_dtype, layout == "stacked")
+    hidden = {}
+    for impl in ("xla", "pallas_tpu"):  # the impl is read at trace time: a fresh function each
+        monkeypatch.setenv(attention.ENV_OVERRIDE, impl)
+        fwd = lambda p, tok, c: llama.forward(p, tok, c, m.cfg).hidden
+        assert ("splash_mha_fwd" in str(jax.make_jaxpr(fwd)(m.params, tokens, cache))) == (
+            impl == "pallas_tpu")
+        with pltpu.force_tpu_interpret_mode():
+            hidden[impl] = np.asarray(jax.jit(fwd)(m.params, tokens, cache))
+    for row, n in enumerate(lens):
+        np.testing.assert_allclose(hidden["pallas_tpu"][row, :n], hidden["xla"][row, :n],
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("platform, impl, stacked, t", [
+    ("tpu", "pallas_tpu", False, 5), ("tpu", "pallas_tpu", True, 5), ("cuda", "pallas_gpu", False, 5),
+    ("cuda", "pallas_gpu", True, 5), ("tpu", "pallas_tpu", False, 200), ("tpu", "pallas_tpu", True, 200),
+    ("cuda", "pallas_gpu", False, 200), ("cuda", "pallas_gpu", True, 200),
 ])
-def test_attention_kernels_lower_for_their_device(platform, impl, stacked):
+def test_attention_kernels_lower_for_their_device(platform, impl, stacked, t):
     """jax.export lowers the Pallas kernels for a TPU (Mosaic) / GPU (Triton) without one, which
     checks what interpret mode does not: block shapes the device compiler takes. SmolLM2 heads
-    (H = 64, G*T = 15 query rows: neither a multiple of 128 nor of 8), bfloat16."""
+    (H = 64, G*T = 15 query rows: neither a multiple of 128 nor of 8), bfloat16. T = 200 is a
+    prefill: the flash kernel (TPU splash attention, GPU Pallas's Triton flash attention; T padded
+    to 256) and the decode kernel over 600 query rows per kv head (3 chunks of 256 rows, the last
+    part padding)."""
     from jax import export
 
-    b, t, n, kv, h, s = 2, 5, 9, 3, 64, 256
+    b, n, kv, h, s = 2, 9, 3, 64, 256
     bf = jnp.bfloat16
     cache = jax.ShapeDtypeStruct((3, b, kv, s, h) if stacked else (b, kv, s, h), bf)
     args = (jax.ShapeDtypeStruct((b, t, n, h), bf), cache, cache,
@@ -237,7 +347,11 @@ def test_attention_kernels_lower_for_their_device(platform, impl, stacked):
     target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
     exp = export.export(fn, platforms=(platform,),
                         disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
-    assert target in exp.mlir_module()
+    module = exp.mlir_module()
+    assert target in module
+    if t > 5:  # the prefill runs the flash kernel for the window and a decode kernel for the cache
+        flash = {"tpu": "splash_mha_fwd", "cuda": "mha_forward"}[platform]
+        assert flash in module and module.count(f"@{target}(") == 2
 
 
 @pytest.mark.parametrize("backend, dtype, want", [

@@ -30,6 +30,10 @@ def test_attention_table_smoke():
     for cache in ("per-layer", "stacked"):  # every kernel ran (interpret mode) on both caches
         assert f"| {cache} | pallas_tpu |" in out and f"| {cache} | pallas_gpu |" in out
     assert "failed" not in out
+    prefill = out[out.index("prefill:"):]  # the prompt table: the flash kernels (interpret mode)
+    for cache in ("per-layer", "stacked"):
+        assert f"| {cache} | pallas_tpu |" in prefill and f"| {cache} | pallas_gpu |" in prefill
+        assert f"| 37 | {cache} | pallas_tpu |" in prefill  # a prompt over an earlier cache
 
 
 @pytest.mark.skipif(os.environ.get("JAXSPEC_DEVICE_SMOKE") != "1", reason="set JAXSPEC_DEVICE_SMOKE=1")

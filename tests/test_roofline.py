@@ -81,3 +81,20 @@ def test_cli_json_fields(capsys, monkeypatch, layout):
     for x in lines:
         assert {"program", "batch", "window", "bytes", "min_bytes", "ratio", "cache_copies",
                 "collectives"} <= set(x)
+
+
+@pytest.mark.parametrize("backend, want", [("tpu", "stacked"), ("cpu", "unrolled")])
+def test_cli_auto_layout_is_this_backends(capsys, monkeypatch, backend, want):
+    """layout auto (the configs' default, as scripts/bench_device.sh runs it) measures the layout
+    the backend would run: resolve_layout returns (layout, why), and the tuple once fell through
+    to the unrolled programs on every backend."""
+    from jaxspec.loading import params as lp
+
+    monkeypatch.setattr(lp.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(lp.kernels, "available", lambda: False)
+    monkeypatch.setitem(roofline.MODEL_SHAPES, "tiny", {
+        "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+        "num_kv_heads": 2, "head_dim": 16})
+    assert roofline.main(["--model-shape", "tiny", "--dtype", "float32", "--batch", "1",
+                          "--window", "1", "--capacity", "96", "--no-prefill", "--json"]) == 0
+    assert [json.loads(x)["layout"] for x in capsys.readouterr().out.splitlines()] == [want]

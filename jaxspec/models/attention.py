@@ -32,8 +32,13 @@ Backends (`impl`):
                reference path on a device.
 Both Pallas impls run on CPU in interpret mode (`interpret=True`), which is how tests check them.
 
-Prefill windows (long T) are split into query chunks so no `[B, K, G, T, T]` float32 score block
-larger than `chunk` queries is ever live.
+Prefill (a causal window with more than PALLAS_MAX_QUERIES query rows per kv head, `_attend_prefill`):
+the window's own causal attention runs on JAX's flash kernels, on "pallas_tpu" splash attention and
+on "pallas_gpu" Pallas's Triton flash attention (`ops.gpu.attention.mha`); the earlier cache (none
+at an engine prefill) on the same decode kernels as above, in query-row chunks; merged by
+log-sum-exp. On "xla" prefill windows are split into query chunks of `chunk` queries, so no score
+block larger than `[B, K, G*chunk, block]` (cache part) and `[B, K, G*chunk, T]` (window part)
+float32 is ever live, never the full capacity.
 """
 
 from __future__ import annotations
@@ -98,15 +103,20 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     (causal) -> [B, T, N*H] in q's dtype."""
     b, t, n, h = q.shape
     tw = k_win.shape[1]  # window keys (== t, except inside a prefill chunk)
-    if t > chunk and t % chunk == 0:  # prefill: one query chunk at a time
+    prefill = _prefill_kernel(impl, q, k_cache, k_win, window_mask)  # a prompt on the kernels
+    if prefill:
+        return _attend_prefill(prefill, q, k_cache, v_cache, k_win, v_win, lengths, layer,
+                               interpret)
+    if t > chunk:  # prefill: one query chunk at a time (the last one may be shorter)
         outs = []  # a Python loop: straight-line chunks, each [B, K, G, C, S + T] at most
         for start in range(0, t, chunk):
+            size = min(chunk, t - start)
             if window_mask is None:  # causal, built per chunk (never a [T, T] block)
-                rows = start + jnp.arange(chunk)[:, None]
-                mc = jnp.broadcast_to(rows >= jnp.arange(tw)[None, :], (b, chunk, tw))
+                rows = start + jnp.arange(size)[:, None]
+                mc = jnp.broadcast_to(rows >= jnp.arange(tw)[None, :], (b, size, tw))
             else:
-                mc = window_mask[:, start : start + chunk]
-            outs.append(attend(q[:, start : start + chunk], k_cache, v_cache, k_win, v_win, lengths,
+                mc = window_mask[:, start : start + size]
+            outs.append(attend(q[:, start : start + size], k_cache, v_cache, k_win, v_win, lengths,
                                layer=layer, window_mask=mc, impl=impl, chunk=chunk,
                                block=block, interpret=interpret))
         return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
@@ -119,13 +129,21 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     qg = q.reshape(b, t, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B,K,GT,H]
     # the window part: tiny (T keys), any mask
     kw, vw = (w.astype(q.dtype).transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
-    dims = (((3,), (3,)), ((0, 1), (0, 1)))
-    s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
+    slots = k_cache.shape[-2]
+    # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
+    pallas_fits = slots > 0 and g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, slots)
+    # the stacked XLA path takes q as it comes ([B, T, K, G, H], a bitcast of the projection) and
+    # regroups it inside each fusion that reads it: a dot (or a loop carry) wants qg laid out on
+    # its own, which XLA:CPU materialised three times per layer (transpose, re-layout, copy)
+    stacked_xla = layer is not None and slots > 0 and not pallas_fits
+    q5 = q.reshape(b, t, kv, g, h)
+    if stacked_xla:
+        s_win = _scores_fused(q5, kw) * scale
+    else:
+        dims = (((3,), (3,)), ((0, 1), (0, 1)))
+        s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
     wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
     s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
-    # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
-    slots = k_cache.shape[-2]
-    pallas_fits = slots > 0 and g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, slots)
     if impl == "pallas_tpu" and pallas_fits:
         o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
             qg, k_cache, v_cache, lengths, layer, scale, interpret)
@@ -140,7 +158,8 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
         m_c = jnp.full((b, kv, g * t), _NEG, jnp.float32)
         l_c = jnp.zeros((b, kv, g * t), jnp.float32)
     else:
-        o_c, m_c, l_c = _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block)
+        o_c, m_c, l_c = _cache_part_xla(q5 if stacked_xla else qg, k_cache, v_cache, lengths,
+                                        layer, scale, block)
     # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c
     m = jnp.maximum(m_c, s_win.max(-1))  # [B, K, GT]
     p_win = jnp.exp(s_win - m[..., None])
@@ -152,8 +171,70 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     return o.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
+def _prefill_kernel(impl, q, k_cache, k_win, window_mask) -> str | None:
+    """The kernel impl ("pallas_tpu" / "pallas_gpu") that runs a causal window too long for the
+    decode kernels alone (more than PALLAS_MAX_QUERIES query rows per kv head: a prompt, or a
+    prompt chunk over an earlier cache), or None: the XLA path. A tree mask or a zero-slot cache
+    (training: the kernels have no gradient) keeps the XLA path."""
+    _, t, n, _ = q.shape
+    g = n // k_win.shape[2]
+    slots = k_cache.shape[-2]
+    if window_mask is not None or k_win.shape[1] != t or g * t <= PALLAS_MAX_QUERIES or slots == 0:
+        return None
+    impl = resolve_impl(impl, cache_dtype=k_cache.dtype)
+    takes = impl in ("pallas_tpu", "pallas_gpu") and attention_kernels.takes(impl, slots)
+    return impl if takes else None
+
+
+def _attend_prefill(impl, q, k_cache, v_cache, k_win, v_win, lengths, layer, interpret):
+    """A causal window (a prompt) on the kernels: its own causal attention by JAX's flash kernel
+    (TPU: splash attention; GPU: Pallas's Triton flash attention), blocks above the diagonal
+    skipped; the earlier cache's valid slots (slots < lengths[b]; none at an engine prefill) by the
+    decode kernels in query-row chunks; merged exactly by log-sum-exp. No score block of either
+    part is materialised in HBM."""
+    b, t, n, h = q.shape
+    kv = k_win.shape[2]
+    g = n // kv
+    scale = h**-0.5
+    qh = q.transpose(0, 2, 1, 3)  # [B, N, T, H]; head n = kv head n // G, so this is [B, K, G*T, H]
+    qg = qh.reshape(b, kv, g * t, h)
+    kw, vw = (w.transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
+    if impl == "pallas_tpu":
+        o_w, lse_w = attention_kernels.window_part_splash_tpu(qh, kw, vw, scale, interpret)
+        o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(  # row chunks: several sequences
+            qg, k_cache, v_cache, lengths, layer, scale, interpret)
+    else:
+        o_w, lse_w = attention_kernels.window_part_flash_gpu(q, k_win, v_win, scale, interpret)
+        if layer is None:
+            part = lambda x: attention_kernels.cache_part_pallas_gpu(
+                x, k_cache, v_cache, lengths, scale, interpret)
+        else:
+            part = lambda x: attention_kernels.cache_part_pallas_gpu_stacked(
+                x, k_cache, v_cache, lengths, layer, scale, interpret)
+        o_c, m_c, l_c = attention_kernels.cache_part_in_row_chunks(part, qg)
+    o_w, lse_w = o_w.reshape(b, kv, g * t, h), lse_w.reshape(b, kv, g * t)
+    m = jnp.maximum(m_c, lse_w)  # the window part is never empty (a query sees itself)
+    a_c, a_w = jnp.exp(m_c - m), jnp.exp(lse_w - m)
+    o = (a_c[..., None] * o_c + a_w[..., None] * o_w) / (a_c * l_c + a_w)[..., None]
+    return o.astype(q.dtype).reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+
+
+def _scores_fused(q5, keys):
+    """q5 [B, T, K, G, H] . keys [B, K, S, H] -> f32 [B, K, G*T, S] as one multiply + reduce
+    fusion: q's regrouping to [B, K, G*T, H] happens inside it (nothing q-sized is copied), and
+    a keys operand sliced out of a stack is read in place. Every reduced dim <= 32, or XLA:CPU
+    splits the reduce and materialises the product."""
+    b, t, kv, g, h = q5.shape
+    f = _factors(h)
+    qc = q5.astype(jnp.float32).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, 1, *f)
+    kc = keys.astype(jnp.float32).reshape(b, kv, 1, keys.shape[2], *f)
+    return jnp.sum(qc * kc, axis=tuple(range(-len(f), 0)))
+
+
 def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
     """-> (unnormalised out f32[B, K, GT, H], max f32[B, K, GT], weight sum f32[B, K, GT]).
+
+    qg: [B, K, G*T, H]; for a stack (`layer` given) q as it comes, [B, T, K, G, H] (see attend).
 
     block: slots per step of a loop that stops after the batch's longest valid prefix (an online
     softmax over blocks, as flash decoding does): only blocks below max(lengths) are read, and an
@@ -179,7 +260,7 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
 
 def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
     """Slots start..start+size of the cache (one layer's, or layer `layer` of a stack)."""
-    b, kv, gt, h = qg.shape
+    b, kv, h = k_cache.shape[-4], k_cache.shape[-3], k_cache.shape[-1]
     whole = size == k_cache.shape[-2]
     valid = ((start + jnp.arange(size))[None, :] < lengths[:, None])[:, None, None]  # [B,1,1,Sb]
     if layer is None:
@@ -191,10 +272,8 @@ def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
     else:  # multiply + reduce: fused with the layer's slice of the stack, nothing copied
         k_b, v_b = (jax.lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, kv, size, h))[0]
                     for c in (k_cache, v_cache))
-        f = _factors(h)  # every reduced dim <= 32, or XLA:CPU splits the reduce, copying the product
-        qc = qg.astype(jnp.float32).reshape(b, kv, gt, 1, *f)
-        kc = k_b.astype(jnp.float32).reshape(b, kv, 1, size, *f)
-        s = jnp.sum(qc * kc, axis=tuple(range(-len(f), 0))) * scale  # [B, K, GT, Sb]
+        s = _scores_fused(qg, k_b) * scale  # qg is [B, T, K, G, H] here -> [B, K, GT, Sb]
+    gt = s.shape[2]
     red = _factors(size)  # reduce as [.., *red] with every reduced dim <= 32: XLA:CPU then fuses
     axes = tuple(range(-len(red), 0))  # the mask into the reduce (a split reduce materialises s)
     valid = valid.reshape(*valid.shape[:-1], *red)

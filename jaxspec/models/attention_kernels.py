@@ -13,6 +13,14 @@ see the same prefix) and returns what attend merges with the window part by log-
   cache_part_pallas_gpu_stacked  our own Pallas (Triton) flash-decoding kernel on a stack
                          `[L, B, K, S, H]` at a traced layer (JAX's kernel takes a per-layer
                          operand, which would copy the layer out of the stack).
+  window_part_splash_tpu  jax.experimental.pallas.ops.tpu.splash_attention on a prompt window's
+                         causal self-attention (prefill), with its log-sum-exp kept for the merge;
+                         GQA as splash's own grouped heads (no K/V repeat).
+  window_part_flash_gpu  jax.experimental.pallas.ops.gpu.attention's flash attention (Triton) on
+                         a prompt window's causal self-attention (prefill), log-sum-exp kept;
+                         K/V repeated to the N query heads (it takes equal heads).
+  cache_part_in_row_chunks  a cache-part kernel over more query rows than its blocks take, in
+                         chunks of PREFILL_ROWS rows (a prompt chunk over an earlier cache).
 
 Both run on CPU in Pallas interpret mode (`interpret=True`), which is how tests check them.
 """
@@ -23,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
 
 def takes(impl: str, slots: int) -> bool:
     """Whether `impl`'s kernel takes a cache of `slots` slots (its pages / power-of-two blocks
@@ -35,6 +44,7 @@ def takes(impl: str, slots: int) -> bool:
 
 
 TPU_BLOCK_SLOTS = 512  # cache slots per step of the TPU kernel's flash loop (pages x page size)
+TPU_MAX_ROWS = 256  # query rows per paged-kernel sequence (longer windows: several sequences)
 _EMPTY = -0.7 * float(jnp.finfo(jnp.float32).max)  # a prefix with no valid slot: weight 0
 
 
@@ -65,7 +75,11 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
     kernel (`paged_flash_attention_kernel_inline_seq_dim`) with its running max and weight sum
     kept, which the merge with the window part needs (exact, no second pass over the cache).
     The kernel computes q.k and p.v with K/V rounded to bfloat16 (it dequantises to bf16), so it
-    is exact for bf16 caches and bf16-accurate for float32 ones."""
+    is exact for bf16 caches and bf16-accurate for float32 ones.
+
+    More than TPU_MAX_ROWS query rows (a prompt chunk over an earlier cache) are split into
+    sequences of at most TPU_MAX_ROWS rows each, which share their (row, kv head)'s pages: the
+    kernel's q, out, max and sum blocks stay small in VMEM, and each still reads valid pages only."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention_kernel as pak
@@ -76,19 +90,21 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
     per_seq = slots // page
     pages = k_cache.size // (h * page)
     k_pages, v_pages = (c.reshape(1, pages, page, h) for c in (k_cache, v_cache))  # bitcasts
+    rows = min(-(-gt // 8) * 8, TPU_MAX_ROWS)  # query rows per sequence, a multiple of 8 sublanes
+    chunks = -(-gt // rows)  # sequences per (row, kv head): 1 unless a prompt chunk
     first = 0 if layer is None else layer.astype(jnp.int32) * (b * kv * per_seq)
-    page_indices = first + jnp.arange(b * kv * per_seq, dtype=jnp.int32)  # [(B*K) * S/P]
-    lens = jnp.repeat(lengths.astype(jnp.int32), kv)  # [B*K]
-    rows = -(-gt // 8) * 8  # query rows padded to the TPU's 8 sublanes
+    page_indices = first + jnp.arange(b * kv * per_seq, dtype=jnp.int32).reshape(b * kv, per_seq)
+    page_indices = jnp.repeat(page_indices, chunks, axis=0).reshape(-1)  # [(B*K*chunks) * S/P]
+    lens = jnp.repeat(lengths.astype(jnp.int32), kv * chunks)  # [B*K*chunks]
     q = (qg.astype(jnp.float32) * scale).reshape(b * kv, gt, h)  # one sequence per (row, head)
-    q = jnp.pad(q, ((0, 0), (0, rows - gt), (0, 0)))
+    q = jnp.pad(q, ((0, 0), (0, rows * chunks - gt), (0, 0))).reshape(b * kv * chunks, rows, h)
     # q, o, and the running max / weight sum (kept lane-broadcast, as the kernel writes them) all
     # in blocks equal to their arrays' last two dims, which Mosaic accepts for any G*T and H
     q_spec = pl.BlockSpec((None, rows, h), lambda core, s, head, *_: (s, 0, 0))
     buffer = lambda c: pltpu.VMEM((2, per_block, page, h), c.dtype)  # double-buffered
     kernel = functools.partial(
         pak.paged_flash_attention_kernel_inline_seq_dim, pages_per_sequence=per_seq,
-        batch_size=b * kv, pages_per_compute_block=per_block, mask_value=pak.DEFAULT_MASK_VALUE,
+        batch_size=b * kv * chunks, pages_per_compute_block=per_block, mask_value=pak.DEFAULT_MASK_VALUE,
         attn_logits_soft_cap=None, megacore_mode=None,
     )
     o, m, l = pl.pallas_call(
@@ -98,7 +114,7 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), None,
                       pl.BlockSpec(memory_space=pl.ANY), None],
             out_specs=[q_spec, q_spec, q_spec],
-            grid=(1, b * kv, 1),
+            grid=(1, b * kv * chunks, 1),
             scratch_shapes=(buffer(k_pages), None, buffer(v_pages), None,
                             pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))),
         ),
@@ -108,10 +124,97 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
         interpret=pltpu.InterpretParams() if interpret else False,
     )(lens, page_indices, jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), q,
       k_pages, None, v_pages, None)
-    o, m, l = (x[:, :gt].reshape(b, kv, gt, h) for x in (o, m, l))
+    o, m, l = (x.reshape(b, kv, chunks * rows, h)[:, :, :gt] for x in (o, m, l))
     m = jnp.maximum(m[..., 0], _EMPTY)  # an empty prefix leaves -inf (and l = 0)
     l = l[..., 0]
     return o * l[..., None], m, l  # the kernel's o is normalised by l
+
+
+SPLASH_BLOCKS = (512, 256, 128)  # splash attention's q / kv block: the largest dividing the window
+
+
+def splash_blocks(t: int) -> tuple[int, int]:
+    """(padded window, block) for splash attention on a window of t positions: t padded to a
+    multiple of 128 (the TPU's lanes; splash's smallest block), then the largest block dividing it."""
+    padded = -(-t // 128) * 128
+    return padded, next(blk for blk in SPLASH_BLOCKS if padded % blk == 0)
+
+
+def window_part_splash_tpu(qh, k_win, v_win, scale, interpret=False):
+    """A prompt window's causal self-attention by JAX's splash attention (TPU), the part of a
+    prefill that the cache part (earlier cache slots) does not cover.
+
+    qh: [B, N, T, H] (head n = kv head n // G, as `attend` groups them); k_win, v_win: [B, K, T, H]
+    -> (out f32 [B, N, T, H], normalised; log-sum-exp f32 [B, N, T]) for the log-sum-exp merge.
+    Splash's grouped-query mode takes the K kv heads as they are (no repeat to N heads). Its
+    static causal mask skips the blocks above the diagonal; nothing T x T is materialised. The
+    window is padded to a multiple of 128 positions: a padded key sits after every real query,
+    so the causal mask hides it, and padded queries are dropped. A right-padded prompt needs no
+    segment ids for the same reason: its pad keys come after every real token of its row."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    b, n, t, h = qh.shape
+    padded, blk = splash_blocks(t)
+    pad = ((0, 0), (0, 0), (0, padded - t), (0, 0))
+    q = jnp.pad((qh.astype(jnp.float32) * scale).astype(qh.dtype), pad)
+    k, v = (jnp.pad(w.astype(qh.dtype), pad) for w in (k_win, v_win))
+    # the batch folded into the heads (no vmap over the kernel): head b*N + n of q reads kv head
+    # (b*N + n) // G = b*K + n // G, which is row b's kv head of query head n
+    mask = sm.MultiHeadMask([sm.CausalMask((padded, padded))] * (b * n))
+    kernel = sk.make_splash_mha(
+        mask, block_sizes=sk.BlockSizes(block_q=blk, block_kv=blk, block_kv_compute=blk),
+        head_shards=1, q_seq_shards=1, save_residuals=True,
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )
+    out, (lse,) = kernel(*(x.reshape(-1, padded, h) for x in (q, k, v)))  # [B*N, Tp, H], [B*N, Tp]
+    out, lse = out.reshape(b, n, padded, h), lse.reshape(b, n, padded)
+    return out[:, :, :t].astype(jnp.float32), lse[:, :, :t]
+
+
+GPU_FLASH_BLOCK = 128  # the GPU flash kernel's q / kv block (its default); windows padded to it
+PREFILL_ROWS = 256  # query rows per call of a decode kernel over an earlier cache (GPU prefill)
+
+
+def window_part_flash_gpu(q, k_win, v_win, scale, interpret=False):
+    """A prompt window's causal self-attention by JAX's Pallas GPU flash attention kernel
+    (`jax.experimental.pallas.ops.gpu.attention.mha`, Triton), the part of a GPU prefill the cache
+    part does not cover.
+
+    q: [B, T, N, H]; k_win, v_win: [B, T, K, H] (the layouts the kernel takes, no transpose) ->
+    (out f32 [B, N, T, H] normalised, log-sum-exp f32 [B, N, T]). The kernel takes as many kv
+    heads as query heads, so K/V are repeated G times (prompt-sized, not cache-sized). Its causal
+    loop stops at the diagonal block. The window is padded to a multiple of GPU_FLASH_BLOCK: a
+    padded key sits after every real query (hidden by the causal mask), padded queries are
+    dropped; a right-padded prompt's pad keys likewise come after its real tokens."""
+    from jax.experimental.pallas.ops.gpu import attention as fa
+
+    t, n = q.shape[1:3]
+    g = n // k_win.shape[2]
+    padded = -(-t // GPU_FLASH_BLOCK) * GPU_FLASH_BLOCK
+    pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
+    k, v = (jnp.pad(jnp.repeat(w.astype(q.dtype), g, axis=2), pad) for w in (k_win, v_win))
+    blocks = fa.BlockSizes(block_q=GPU_FLASH_BLOCK, block_k=GPU_FLASH_BLOCK)
+    # positional: mha is a custom_vjp with non-differentiable arguments 4..13
+    out, lse2 = fa.mha(jnp.pad(q, pad), k, v, None, scale, True, blocks, "triton", None, 2, None,
+                       interpret, False, True)  # [B, Tp, N, H], [B, N, Tp] (base 2)
+    out = out[:, :t].astype(jnp.float32).transpose(0, 2, 1, 3)  # [B, N, T, H]
+    return out, lse2[:, :, :t] * jnp.log(2.0).astype(jnp.float32)
+
+
+def cache_part_in_row_chunks(part, qg, *args):
+    """`part(qg_chunk, *args)` (a cache-part kernel, G*T <= PREFILL_ROWS) over qg [B, K, GT, H] in
+    chunks of PREFILL_ROWS query rows, one after another (lax.map: the cache goes in whole,
+    read-only, once per chunk and only its valid blocks) -> the same (out, max, sum) as one call."""
+    b, kv, gt, h = qg.shape
+    chunks = -(-gt // PREFILL_ROWS)
+    qc = jnp.pad(qg, ((0, 0), (0, 0), (0, chunks * PREFILL_ROWS - gt), (0, 0)))
+    qc = qc.reshape(b, kv, chunks, PREFILL_ROWS, h).transpose(2, 0, 1, 3, 4)  # [C, B, K, R, H]
+    o, m, l = jax.lax.map(lambda x: part(x, *args), qc)
+    o = o.transpose(1, 2, 0, 3, 4).reshape(b, kv, chunks * PREFILL_ROWS, h)[:, :, :gt]
+    m, l = (x.transpose(1, 2, 0, 3).reshape(b, kv, chunks * PREFILL_ROWS)[:, :, :gt] for x in (m, l))
+    return o, m, l
 
 
 def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False):
