@@ -13,14 +13,20 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# Tests run many small programs, so compile time dominates: XLA:CPU's LLVM optimisation (measured
-# ~35% less compile at level 0) and its MLIR fusion emitters (about half the compile time again
-# with the classic emitters: an EAGLE engine's two programs 6.4 -> 3.1 s, and no slower to run)
-# cost more than they save on tiny models. Both are code-generation settings (the optimised HLO is
-# the same); the sums greedy identity rests on are elementwise adds in a fixed order
-# (llama.fixed_order_sum) or inside the CPU kernels, which neither setting touches. Must precede
-# the first jax import; a flag already in XLA_FLAGS wins.
-for flag, value in (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false")):
+# Tests run many small programs, so compile time dominates. XLA:CPU's LLVM optimisation costs more
+# compile time than it saves at run time on tiny models (measured ~35% less compile at level 0).
+# With JAXSPEC_TEST_FAST_CODEGEN=1 (scripts/test.sh sets it for every module but PRODUCTION_CODEGEN)
+# the classic fusion emitters replace the MLIR ones as well: about half the compile time again
+# (an EAGLE engine's two programs 6.4 -> 3.1 s, no slower to run). That changes fusion, so the
+# compiled programs are not the ones users run: the modules that measure compiled programs (HLO
+# bytes and copies) or depend on their last bit (greedy identity at a near-tie, which the classic
+# emitters break at batch 8) run without it. Must precede the first jax import; a flag already in
+# XLA_FLAGS wins.
+PRODUCTION_CODEGEN = ("test_greedy_identity.py", "test_roofline.py", "test_accelerator_path.py")
+CODEGEN = [("xla_backend_optimization_level", "0")]
+if os.environ.get("JAXSPEC_TEST_FAST_CODEGEN") == "1":
+    CODEGEN.append(("xla_cpu_use_fusion_emitters", "false"))
+for flag, value in CODEGEN:
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}={value}".strip()
 
@@ -84,6 +90,13 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(items):
+    if "xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", ""):
+        wrong = sorted({i.path.name for i in items if i.path.name in PRODUCTION_CODEGEN})
+        if wrong:
+            raise pytest.UsageError(
+                f"{', '.join(wrong)} measure the compiled programs users run: run them without "
+                "JAXSPEC_TEST_FAST_CODEGEN=1 (scripts/test.sh does)"
+            )
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
 
