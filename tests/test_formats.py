@@ -513,9 +513,11 @@ def test_loaded_heads_keep_the_target_distribution(tmp_path, kind):
         path = write_dir(tmp_path / "m", mtp_config() | {"vocab_size": V}, sd)
         drafter, dparams = formats.load_drafter_checkpoint("mtp", path, small)
     sp = SamplingParams.make(temperature=1.0)
-    counts, results = sample(small, drafter, dparams, sp)
+    # 8000 rows: what a file can get wrong here (the draft-vocabulary map, a head's weights) moves
+    # q grossly; the subtle rule bugs are test_trained_drafters' and test_distributions' (16000)
+    counts, results = sample(small, drafter, dparams, sp, rows=8000)
     rate = np.mean([r.metrics["acceptance_rate"] for r in results])
-    assert 0.02 < rate < 0.95, rate  # both happen, thousands of times over 16000 rows
+    assert 0.02 < rate < 0.95, rate  # both happen, thousands of times over 8000 rows
     assert chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)) > 1e-3
 
 
