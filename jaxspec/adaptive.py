@@ -169,8 +169,8 @@ def expected_tokens(alpha: jax.Array) -> jax.Array:
 
 def best_gain(costs, acceptance) -> float:
     """Host side: the best expected speedup over plain for a row accepting node k with
-    probability acceptance[k-1] (a float: every node), on the cost curve `costs` ([G+1],
-    costs[0] = 1)."""
+    probability acceptance[k-1] (a float: every node), on the cost curve `costs` ([G+1] in
+    plain steps; costs[0] ~ 1: the loop's plain step). 1.0: the plain program is best."""
     g = len(costs) - 1
     if isinstance(acceptance, (int, float)):
         acceptance = [acceptance] * g
