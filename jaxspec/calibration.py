@@ -8,8 +8,9 @@ at batch 32 costs several plain steps while at batch 1 it costs little more than
     draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # [γ+1] in plain steps
 
 Verify: `speculate.verify` (the loop's own verify, same kernels) over a chain window on a cache
-holding `FILL` tokens; with no node the adaptive loop runs plain decoding's own step (the
-plain-step branch of speculate.decode_step), so its verify cost is 1 by definition. Draft: the
+holding `FILL` tokens; with no node the adaptive loop runs one entry through the window path
+(speculate.decode_step's plain-step branch: the cache is only read inside a branch), measured as
+width 0 ("w1") next to plain's in-place step. Draft: the
 drafter's `propose` with `max_nodes` = k (EAGLE's early-stopping loop then runs k drafter steps;
 a drafter that ignores it drafts γ whatever k) followed by its `commit`; for k = 0 a drafter with
 `commit_plain` runs only that (what the plain-step branch runs), one without runs propose (0
@@ -111,14 +112,14 @@ def step_costs(
 ) -> list[float]:
     """Relative verify cost for k = 0..γ draft nodes at this batch size: time(window of 1 + k
     entries) / time(the plain program's 1-entry forward, which writes the cache in place). k = 0
-    is 1: the adaptive loop runs that very forward when no node is verified. Reads the cache;
-    measures (and writes it) what it lacks, or all with recalibrate. measure(model, batch,
-    widths) -> seconds each."""
+    is the adaptive loop's own 1-entry step, one entry through the window path (width 0 below).
+    Reads the cache; measures (and writes it) what it lacks, or all with recalibrate.
+    measure(model, batch, widths) -> seconds each."""
     measure = measure or measure_verify
-    names = [str(w) for w in range(1, gamma + 2)]
-    run = lambda todo: measure(model, batch, [int(n) for n in todo])
+    names = ["1", "w1"] + [str(w) for w in range(2, gamma + 2)]
+    run = lambda todo: measure(model, batch, [0 if n == "w1" else int(n) for n in todo])
     times = _cached(calibration_key(model), batch, names, run, recalibrate)
-    return [times[n] / times["1"] for n in names]
+    return [times[n] / times["1"] for n in names[1:]]
 
 
 def draft_costs(
@@ -156,7 +157,8 @@ def _verify(spec, tparams, cache, window, sp, width):
 
 def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
     """Seconds for one target forward over a chain window of each width at this batch size
-    (width 1: plain's in-place forward). The widths are timed in interleaved rounds and each
+    (width 1: plain's in-place forward; width 0: one entry through the window path, as the
+    adaptive loop's 1-entry step runs it). The widths are timed in interleaved rounds and each
     keeps its fastest run: on a shared machine load comes and goes, and the minimum is the cost
     the program itself has."""
     cfg = model.cfg
@@ -168,7 +170,7 @@ def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
     sp = SamplingParams.make()
     runs = {}
     for width in widths:
-        n = width - 1
+        n = max(width - 1, 1 if width == 0 else 0)  # width 0: a 2-entry window, 1 verified
         window = tree.build_window(
             jnp.ones((batch,), jnp.int32),
             cache.lengths,
@@ -176,7 +178,9 @@ def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
             tree.chain_parents(batch, n),
             jnp.full((batch,), n, jnp.int32),
         )
-        runs[width] = functools.partial(_verify, spec, model.params, cache, window, sp, width)
+        runs[width] = functools.partial(
+            _verify, spec, model.params, cache, window, sp, max(width, 1)
+        )
         jax.block_until_ready(runs[width]())  # compile
     best = {w: math.inf for w in widths}
     for _ in range(REPS):

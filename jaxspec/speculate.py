@@ -68,7 +68,7 @@ class LoopSpec:
     # so params, cache, tokens and drafter state stay sharded through the loop.
     mesh: Any = None
     # Adaptive speculation (jaxspec/adaptive.py): per-row lengths as data; every window width
-    # 2..γ+1 and plain decoding's one-token step are compiled into the one program.
+    # 2..γ+1 and a one-token step (no drafting) are compiled into the one program.
     adaptive: adaptive.Controller | None = None
 
     @property
@@ -242,12 +242,16 @@ def commit_kv(cache: KVCache, window_kv, path: jax.Array) -> KVCache:
 
 
 class _Outcome(NamedTuple):
-    """What one step leaves, per row (either branch of an adaptive step returns one)."""
+    """What one step leaves, per row (either branch of an adaptive step returns one). The target
+    cache is written after the branches (commit_kv of `window_kv` along `path`), never inside
+    one: XLA:CPU copies a whole cache that a lax.cond branch updates, every step."""
 
     tokens: jax.Array  # int32[B, W]
     lengths: jax.Array  # int32[B]
     done: jax.Array  # bool[B]
-    cache: KVCache  # target k/v written, lengths not yet advanced
+    cache: Any  # KVCache written in place (plain decoding's 1-entry verify), else None
+    window_kv: Any  # the window's k/v (None when written in place)
+    path: jax.Array  # int32[B, D+1] window entries kept
     drafter_state: Any
     num_nodes: jax.Array  # int32[B] nodes verified
     num_accepted: jax.Array  # int32[B]
@@ -257,13 +261,14 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
     """One draft -> verify -> accept -> commit step.
 
     Adaptive (spec.adaptive): when no row may verify a node (the controller's cap c* is 0) or
-    none was proposed (prompt lookup without a match), the step runs plain decoding's own
-    one-token step instead -- the target over the last token with its k/v written in place, no
-    window, no drafting; a drafter with `commit_plain` only keeps its state current (EAGLE: one
-    layer over the token, so a later probe drafts from a complete cache); one without runs
-    propose (0 nodes) + commit. That branch draws the very token the window step would (same
-    uniform, `acceptance.root_token`): it is the same step, computed the cheap way, and its
-    choice reads only the controller's lengths (past steps) and the proposal's size."""
+    none was proposed (prompt lookup without a match), the step runs a one-token step instead
+    -- the target over the last token alone, no drafting, no acceptance over γ nodes; a drafter
+    with `commit_plain` only keeps its state current (EAGLE: one layer over the token, so a
+    later probe drafts from a complete cache); one without runs propose (0 nodes) + commit.
+    That branch draws the very token the window step would (same uniform,
+    `acceptance.root_token`): it is the same step, computed the cheap way, and its choice reads
+    only the controller's lengths (past steps) and the proposal's size. Both branches only read
+    the target cache; its write (one entry, or the accepted path) follows the branches."""
     active = ~state.done
     keys = sampling.row_keys(state.key, state.row_ids, state.row_steps)
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
@@ -281,6 +286,7 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         out = jax.lax.cond(jnp.max(allowed) == 0, plain, drafted)
     else:
         out = drafted()
+    cache = commit_kv(state.cache if out.cache is None else out.cache, out.window_kv, out.path)
     d = spec.depth
     pos_accepted = jnp.arange(max(d, 1))[None] < out.num_accepted[:, None]  # [B, max(D,1)]
     act = active.astype(jnp.int32)
@@ -293,7 +299,7 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         tokens=out.tokens,
         lengths=out.lengths,
         done=out.done,
-        cache=out.cache.with_lengths(out.lengths - 1),
+        cache=cache.with_lengths(out.lengths - 1),
         drafter_state=out.drafter_state,
         row_steps=state.row_steps + act,
         num_draft=state.num_draft + out.num_nodes * act,
@@ -348,7 +354,7 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
     tokens, lengths, _, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
-    cache = commit_kv(cache, window_kv, path)
+    cache = cache if window_kv is None else None  # read-only: decode_step commits window_kv
     if spec.drafter is not None:
         commit_ctx = CommitContext(
             tokens=tokens,
@@ -360,39 +366,41 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
             path=path,
         )
         dstate = spec.drafter.commit(dparams, tparams, dstate, commit_ctx)
-    return _Outcome(tokens, lengths, done, cache, dstate, num_nodes, num_acc)
+    return _Outcome(tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc)
 
 
 def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate) -> _Outcome:
-    """Adaptive speculation's step without nodes, as the plain program runs it: the target over
-    the last token alone, its k/v written in place (no window, no compaction). `dstate`: None
-    when nothing was drafted (the drafter's commit_plain updates the state from before the
-    step), else the state after a 0-node propose (commit updates it, with the usual D+1-wide
-    context: the root, then padding)."""
+    """Adaptive speculation's step without nodes: the target over the last token alone (one
+    entry of the window path: the cache is only read, decode_step writes the entry after the
+    branch), no drafting. `dstate`: None when nothing was drafted (the drafter's commit_plain
+    updates the state from before the step), else the state after a 0-node propose (commit
+    updates it, with the usual D+1-wide context: the root, then padding)."""
     b = state.lengths.shape[0]
-    d = spec.depth
+    d, n = spec.depth, spec.num_nodes
     last = _last_token(state)
-    none = jnp.zeros((b, 0), jnp.int32)
-    window = tree.build_window(last, state.cache.lengths, none, none, jnp.zeros((b,), jnp.int32))
-    p, hidden, cache, _ = verify(spec, tparams, state.cache, window, sp, 1)  # in place
-    next_token = acceptance.root_token(p[:, 0], k_accept, spec.num_nodes)
+    pad = jnp.zeros((b, n), jnp.int32)  # node slots, none real: a 1 + N window, 1 entry run
+    window = tree.build_window(
+        last, state.cache.lengths, pad, tree.chain_parents(b, n), jnp.zeros((b,), jnp.int32)
+    )
+    p, hidden, _, window_kv = verify(spec, tparams, state.cache, window, sp, 1)
+    next_token = acceptance.root_token(p[:, 0], k_accept, n)
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
+    path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
     if dstate is None:  # root only: window [B, 1], hidden [nl, B, 1, D]
         ctx = CommitContext(
-            tokens, lengths, state.lengths, last[:, None], zeros, hidden, jnp.zeros((b, 1), jnp.int32)
+            tokens, lengths, state.lengths, last[:, None], zeros,
+            None if hidden is None else hidden[:, :, :1], jnp.zeros((b, 1), jnp.int32),
         )
         dstate = traits(spec.drafter).commit_plain(dparams, tparams, state.drafter_state, ctx)
     else:
-        pad = lambda x, axis: jnp.pad(x, [(0, d if i == axis else 0) for i in range(x.ndim)])
         ctx = CommitContext(
             tokens=tokens, lengths=lengths, prev_lengths=state.lengths,
-            window=pad(last[:, None], 1), num_accepted=zeros,
-            hidden=None if hidden is None else pad(hidden, 2),
-            path=jnp.zeros((b, d + 1), jnp.int32),
+            window=jnp.take_along_axis(window.tokens, path, axis=1), num_accepted=zeros,
+            hidden=None if hidden is None else tree.gather_path(hidden, path, axis=2), path=path,
         )
         dstate = spec.drafter.commit(dparams, tparams, dstate, ctx)
-    return _Outcome(tokens, lengths, done, cache, dstate, zeros, zeros)
+    return _Outcome(tokens, lengths, done, None, window_kv, path, dstate, zeros, zeros)
 
 
 def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, max_steps):

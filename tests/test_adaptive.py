@@ -260,22 +260,22 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
 
     def fake(model, batch, widths):
         calls.extend((model.name, batch, w) for w in widths)
-        return [0.01 * (1 + 0.25 * (w - 1)) for w in widths]
+        return [0.01 * (1.1 if w == 0 else 1 + 0.25 * (w - 1)) for w in widths]
 
-    # k = 0: the adaptive loop's plain-step branch, plain's own in-place step: 1
-    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.0, 1.25, 1.5])
-    assert len(calls) == 3
-    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.0, 1.25, 1.5])
-    assert len(calls) == 3  # reused from the file
+    # k = 0: the adaptive loop's 1-entry step (window path, width 0), next to plain's in place
+    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.1, 1.25, 1.5])
+    assert len(calls) == 4
+    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.1, 1.25, 1.5])
+    assert len(calls) == 4  # reused from the file
     calibration.step_costs(target, 2, 3, measure=fake)
-    assert calls[3:] == [("tiny", 2, 1), ("tiny", 2, 4)]  # the missing width, with plain
+    assert calls[4:] == [("tiny", 2, 1), ("tiny", 2, 4)]  # the missing width, with plain
     other = dataclasses.replace(target, name="tiny-2")  # a different key: measured afresh
     assert cache_file_differs(target, other)
     calibration.step_costs(other, 2, 2, measure=fake)
-    assert len(calls) == 8
+    assert len(calls) == 10
     calibration.step_costs(target, 2, 2, measure=fake, recalibrate=True)
-    assert len(calls) == 11
-    assert min(calibration.measure_verify(target, 1, [1, 2])) > 0  # the real measurement runs
+    assert len(calls) == 14
+    assert min(calibration.measure_verify(target, 1, [1, 0, 2])) > 0  # the real measurement runs
     # the drafter's step: cached per drafter (its settings are in the key), ratios to plain
     drafts = []
 
