@@ -14,10 +14,10 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
                    nodes can ever be committed, so E_b(c) = E[b, min(c, room[b] - 1)]
     cost[c]      = (verify(1 + c entries) + drafter's step with c nodes) / plain step, at this
                    batch size (jaxspec.calibration measures both; the plain program's step is
-                   1.0). With no node verified the loop runs plain decoding's own step
-                   (speculate.decode_step's plain branch: in-place k/v, no window), so cost[0] =
-                   1 + the drafter's bookkeeping (EAGLE: one layer over one token; n-gram:
-                   none). alpha counts nodes the drafter filled: an allowed node it left empty
+                   1.0). With no node verified the loop runs a one-token step without
+                   drafting (speculate.decode_step's plain branch: one entry through the window
+                   path), so cost[0] = that verify (~1.0-1.1) + the drafter's bookkeeping
+                   (EAGLE: one layer over one token; n-gram: its match). alpha counts nodes the drafter filled: an allowed node it left empty
                    (prompt lookup without a match) shrinks the window, so is not paid for.
 
 The policy, and why it is the optimal one under this cost model. A batch steps in lockstep:
@@ -207,7 +207,7 @@ class Options:
     """Host-side settings of adaptive speculation (Engine(..., adaptive=Options())).
 
     step_costs: the verify cost curve, relative ([γ+1] plain-step units for 1..γ+1 window
-    entries; the first is the loop's plain step, 1 when measured): None measures it (jaxspec.calibration, cached), a sequence is used for every batch
+    entries; the first is the loop's 1-entry step, ~1 when measured): None measures it (jaxspec.calibration, cached), a sequence is used for every batch
     size, a callable maps the batch size to one. draft_cost: "auto" measures the drafter's work
     per step (propose with c nodes + commit, jaxspec.calibration, cached) and adds it to the
     verify cost of c nodes; a number overrides it: that many plain steps per drafted node.
