@@ -121,3 +121,14 @@ def accept_tree(tokens, parents, q, p, num_nodes, keys, path_len: int, update_re
     """[B, N], [B, N], [B, N, V], [B, 1+N, V], [B], keys[B] -> path [B, P], n [B], next [B]."""
     row = lambda *a: accept_tree_row(*a, path_len, update_residual)  # noqa: E731
     return jax.vmap(row)(tokens, parents, q, p, num_nodes, keys)
+
+
+def root_token(p_root: jax.Array, keys: jax.Array, num_nodes: int) -> jax.Array:
+    """p_root f32[B, V], keys[B] -> int32[B]: the token `accept_tree` emits for a window of
+    `num_nodes` (static) node slots none of which is real -- drawn from p_root with the same
+    uniform (u[N]). Adaptive speculation's plain steps skip the window but keep the draw."""
+
+    def row(p, key):
+        return draw(jax.random.uniform(key, (num_nodes + 1,))[num_nodes], p)
+
+    return jax.vmap(row)(p_root, keys)

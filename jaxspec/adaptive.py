@@ -14,9 +14,11 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
                    nodes can ever be committed, so E_b(c) = E[b, min(c, room[b] - 1)]
     cost[c]      = (verify(1 + c entries) + drafter's step with c nodes) / plain step, at this
                    batch size (jaxspec.calibration measures both; the plain program's step is
-                   1.0; cost[0] > 1: the adaptive loop's 1-entry step runs the window path and
-                   the drafter). alpha counts nodes the drafter filled: an allowed node it left
-                   empty (prompt lookup without a match) shrinks the window, so is not paid for.
+                   1.0). With no node verified the loop runs a one-token step without
+                   drafting (speculate.decode_step's plain branch: one entry through the window
+                   path), so cost[0] = that verify (~1.0-1.1) + the drafter's bookkeeping
+                   (EAGLE: one layer over one token; n-gram: its match). alpha counts nodes the drafter filled: an allowed node it left empty
+                   (prompt lookup without a match) shrinks the window, so is not paid for.
 
 The policy, and why it is the optimal one under this cost model. A batch steps in lockstep:
 one target forward over B x (1 + c) entries, c = the longest row's length, and one drafter
@@ -40,14 +42,19 @@ step) enters through cost[c], measured, so a long chain stops where its drafting
 its expected tokens. (Were some cost per row and node, e.g. ragged kernels, each row would stop
 where its marginal E[b, k+1] - E[b, k] drops below the rate times that cost; with dense kernels
 that cost is zero, so that rule gives the cap.) When c* = 0, every `probe_every`-th step verifies
-`probe_length` nodes anyway, so the estimates can recover. The host side (engine.spec_for) runs
-a whole batch on the plain program instead when the cost model says the adaptive one cannot win
-(`best_gain` at the acceptance measured so far) or did not (`realized_gain` of its last batch
-of that size: steps of each window, priced by cost, against the plain program's steps).
+`probe_length` nodes anyway, so the estimates can recover. Every row starts a request from
+`prior`: at batch 1 the row is the request, and a request's choices read its own steps only.
+The host side (engine.spec_for) runs a whole batch on the plain program instead when this
+size's cost curve says speculation cannot pay (`best_gain`); above batch 1 also at the
+acceptance earlier batches measured, or when the last adaptive batch of the size did not win
+(`realized_gain`: steps of each window, priced by cost, against the plain program's steps).
 
 Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`,
 the step counter and the rows' committed lengths only -- functions of committed history and of
-past steps' acceptance counts -- before this step's draft or target draws exist. Conditional on
+past steps' acceptance counts -- before this step's draft or target draws exist. (Whether the
+step takes the plain branch reads those lengths and the proposal's size, never a draw; that
+branch is the 0-node step itself, drawing its token from the target at the root with the same
+uniform, so it changes the program's cost, not its output.) Conditional on
 the past, the step is then the usual rejection-sampling step on a proposal whose length is fixed
 in advance, which emits tokens with the target's law for any fixed length (acceptance.py).
 Cutting a chain after its k-th node keeps each kept node's q unchanged. A length that looked at
@@ -162,8 +169,8 @@ def expected_tokens(alpha: jax.Array) -> jax.Array:
 
 def best_gain(costs, acceptance) -> float:
     """Host side: the best expected speedup over plain for a row accepting node k with
-    probability acceptance[k-1] (a float: every node), on the cost curve `costs` ([G+1],
-    costs[0] = 1)."""
+    probability acceptance[k-1] (a float: every node), on the cost curve `costs` ([G+1] in
+    plain steps; costs[0] ~ 1: the loop's plain step). 1.0: the plain program is best."""
     g = len(costs) - 1
     if isinstance(acceptance, (int, float)):
         acceptance = [acceptance] * g
@@ -200,13 +207,14 @@ class Options:
     """Host-side settings of adaptive speculation (Engine(..., adaptive=Options())).
 
     step_costs: the verify cost curve, relative ([γ+1] plain-step units for 1..γ+1 window
-    entries): None measures it (jaxspec.calibration, cached), a sequence is used for every batch
+    entries; the first is the loop's 1-entry step, ~1 when measured): None measures it (jaxspec.calibration, cached), a sequence is used for every batch
     size, a callable maps the batch size to one. draft_cost: "auto" measures the drafter's work
     per step (propose with c nodes + commit, jaxspec.calibration, cached) and adds it to the
     verify cost of c nodes; a number overrides it: that many plain steps per drafted node.
     switch_off_acceptance: a batch whose cost curve gives no gain over plain even for rows
     accepting each node with this probability runs the plain program (no drafter, a 1-token
-    window), not the adaptive one."""
+    window), not the adaptive one (above batch 1 the acceptance earlier batches measured
+    replaces it once there is one: engine.spec_for)."""
 
     decay: float = 0.9
     prior: float = 0.6

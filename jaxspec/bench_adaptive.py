@@ -8,11 +8,14 @@ Batch sweep prompts: one Spec-Bench question per category whose chat-formatted p
 length bucket (one compile per engine and batch size), cycled to fill `rounds` batches of b
 requests. Per category (batch 1, every category): the first `--per-category` questions of each
 category in that category's most common prompt bucket (few compiles), each run by every engine
-in turn; speedup = mean over the category's prompts of decode tok/s / plain's (Spec-Bench's
+in turn (`--rounds` times over the whole list); speedup = mean over the category's prompts of decode tok/s / plain's (Spec-Bench's
 protocol), "all" = over every prompt.
 Per batch size: each engine is compiled (and an adaptive one calibrated) untimed, then the
 engines run the same batches interleaved (plain, A, B, plain, A, B ...), so machine noise hits
-all alike. Throughput = generated tokens / wall time (compilation excluded: an adaptive
+all alike. Each part -- the per-category table first, then each batch size -- runs in its own
+process (fresh engines: no history carried between parts, and compiled programs of one batch
+size never pile up next to the next size's; `--in-process` runs all in this one), and
+results.json / summary.md are rewritten after every part, so a stopped run keeps what finished. Throughput = generated tokens / wall time (compilation excluded: an adaptive
 engine that switches programs compiles the other one on first use). At batch 1 the per-category speedups are
 per prompt. Greedy: every output is checked against plain's. Writes results.json and summary.md.
 """
@@ -25,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.bench import DEFAULT_DATA, int_list, label_of, read_questions, select
+from jaxspec.bench import DEFAULT_DATA, int_list, read_questions, select
+from jaxspec.bench_plan import label_of
 from jaxspec.errors import JaxspecError
 
 
@@ -38,14 +42,63 @@ def main(argv=None) -> int:
     p.add_argument("--bucket", type=int, default=64, help="prompt-length bucket (tokens)")
     p.add_argument("--per-category", type=int, default=2,
                    help="batch-1 prompts per category (0: skip the per-category run)")
+    p.add_argument("--categories", default="",
+                   help="per-category run: only these (comma-separated; default: every category)")
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--out", required=True)
+    p.add_argument("--in-process", action="store_true",
+                   help="run every part in this process (default: one process per part)")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child: categories|sweep
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
     try:
+        if a.part is None and not a.in_process:
+            return run_parts(a, argv)
         return run(a)
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def run_parts(a, argv) -> int:
+    """One child process per part (the per-category table, then each batch size), merged."""
+    import resource
+    import subprocess
+
+    outdir = Path(a.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    parts = [("categories", [])] if a.per_category > 0 else []
+    parts += [(f"batch{b}", ["--batch-sizes", str(b), "--per-category", "0"]) for b in a.batch_sizes]
+    out: dict = {"settings": vars(a) | {"parts": {}}, "points": []}
+    names = None
+    for name, extra in parts:
+        sub = outdir / name
+        cmd = [sys.executable, "-m", "jaxspec.bench_adaptive", *argv, *extra,
+               "--part", "categories" if name == "categories" else "sweep", "--out", str(sub)]
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, check=False).returncode
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # MB, largest so far
+        out["settings"]["parts"][name] = {
+            "returncode": rc, "seconds": time.perf_counter() - t0, "max_rss_mb_so_far": rss,
+        }
+        print(json.dumps({"part": name, "rc": rc, "max_rss_mb": round(rss)}), file=sys.stderr,
+              flush=True)
+        try:
+            got = json.loads((sub / "results.json").read_text())
+        except (OSError, ValueError):
+            continue
+        names = got.get("engines", names)
+        out["settings"]["categories"] = got["settings"].get("categories")
+        out["points"] += got.get("points", [])
+        if "categories" in got:
+            out["categories"] = got["categories"]
+        out["engines"] = names
+        (outdir / "results.json").write_text(json.dumps(out, indent=1))
+        if names:
+            (outdir / "summary.md").write_text(summary(out, names))
+    if names:
+        print(summary(out, names))
+    return 0 if names else 1
 
 
 def run(a) -> int:
@@ -70,11 +123,15 @@ def run(a) -> int:
             picked.append((q["category"], ids))
     if not picked:
         raise JaxspecError(f"no prompt fits bucket {a.bucket}: pass another --bucket")
-    out = {"settings": vars(a) | {"categories": [c for c, _ in picked]}, "points": []}
+    out = {"settings": vars(a) | {"categories": [c for c, _ in picked]}, "points": [],
+           "engines": list(engines)}
     outdir = Path(a.out)
     outdir.mkdir(parents=True, exist_ok=True)
     m = a.max_new_tokens
-    for b in a.batch_sizes:
+    if a.part != "categories" and a.per_category > 0:  # in process: the main table first
+        out["categories"] = per_category(a, engines, questions)
+        (outdir / "results.json").write_text(json.dumps(out, indent=1))
+    for b in a.batch_sizes if a.part != "categories" else []:
         reqs = [
             picked[i % len(picked)][1]
             for i in range(max(b * a.rounds, len(picked) if b == 1 else 0))
@@ -130,7 +187,7 @@ def run(a) -> int:
             file=sys.stderr,
             flush=True,
         )
-    if a.per_category > 0:
+    if a.part == "categories":
         out["categories"] = per_category(a, engines, questions)
         (outdir / "results.json").write_text(json.dumps(out, indent=1))
     (outdir / "summary.md").write_text(summary(out, list(engines)))
@@ -146,39 +203,59 @@ def per_category(a, engines, questions) -> dict:
 
     plain = engines["plain"]
     by_cat: dict[str, list] = {}
+    only = {c.strip() for c in a.categories.split(",") if c.strip()}
     for q in questions:
-        by_cat.setdefault(q["category"], []).append((q, plain.encode(q["prompt"])))
+        if not only or q["category"] in only:
+            by_cat.setdefault(q["category"], []).append((q, plain.encode(q["prompt"])))
     runs = []  # (category, ids)
     for cat, rows in by_cat.items():
         common = Counter(bucket(len(ids)) for _, ids in rows).most_common(1)[0][0]
         runs += [(cat, ids) for _, ids in rows if bucket(len(ids)) == common][: a.per_category]
-    ratios: dict[str, dict[str, list]] = {}
+    tps: dict[tuple[int, str], list[float]] = {}  # (prompt, engine) -> decode tok/s per round
     outputs_match: dict[str, bool] = {n: True for n in engines}
     extra: dict[str, dict[str, list]] = {}
-    for cat, ids in runs:
-        got = {}
-        for name, engine in engines.items():
-            engine.warmup(ids, max_new_tokens=a.max_new_tokens)  # compile untimed
-            got[name] = engine.generate([ids], max_new_tokens=a.max_new_tokens)[0]
-        base = got["plain"].decode_tokens_per_s
-        for name, r in got.items():
-            for key in (cat, "all"):
-                ratios.setdefault(key, {}).setdefault(name, []).append(r.decode_tokens_per_s / base)
+    for _ in range(a.rounds):  # the whole list again: each prompt's runs spread over the run
+        for i, (cat, ids) in enumerate(runs):
+            got = {}
+            for name, engine in engines.items():
+                engine.warmup(ids, max_new_tokens=a.max_new_tokens)  # compile untimed
+                got[name] = engine.generate([ids], max_new_tokens=a.max_new_tokens)[0]
+            for name, r in got.items():
+                tps.setdefault((i, name), []).append(r.decode_tokens_per_s)
                 if "adaptive_gamma_mean" in r.metrics:
-                    e = extra.setdefault(key, {}).setdefault(name, [])
-                    e.append((r.metrics["adaptive_gamma_mean"], r.metrics["adaptive_plain_fraction"]))
-            outputs_match[name] &= r.token_ids == got["plain"].token_ids
+                    for key in (cat, "all"):
+                        e = extra.setdefault(key, {}).setdefault(name, [])
+                        e.append((r.metrics["adaptive_gamma_mean"],
+                                  r.metrics["adaptive_plain_fraction"],
+                                  r.metrics["adaptive_switched_off"]))
+                outputs_match[name] &= r.token_ids == got["plain"].token_ids
+    # per prompt: best round / plain's best round (a load spike slows a run, never speeds one
+    # up), and the mean over rounds of the per-round ratio; then the mean over prompts
+    best: dict[str, dict[str, list]] = {}
+    mean: dict[str, dict[str, list]] = {}
+    for i, (cat, _) in enumerate(runs):
+        for name in engines:
+            xs, base = tps[(i, name)], tps[(i, "plain")]
+            for key in (cat, "all"):
+                best.setdefault(key, {}).setdefault(name, []).append(max(xs) / max(base))
+                per_round = [x / y for x, y in zip(xs, base)]
+                mean.setdefault(key, {}).setdefault(name, []).append(sum(per_round) / len(xs))
     table = {}
-    for key, per in ratios.items():
+    for key, per in best.items():
         table[key] = {}
         for name, xs in per.items():
-            entry = {"speedup": sum(xs) / len(xs), "prompts": len(xs)}
+            ms = mean[key][name]
+            entry = {"speedup": sum(xs) / len(xs), "speedup_mean_of_rounds": sum(ms) / len(ms),
+                     "prompts": len(xs), "rounds": a.rounds,
+                     "per_prompt": [round(x, 3) for x in xs]}
             if name in extra.get(key, {}):
                 gs = extra[key][name]
-                entry["gamma_mean"] = sum(g for g, _ in gs) / len(gs)
-                entry["plain_fraction"] = sum(f for _, f in gs) / len(gs)
+                entry["gamma_mean"] = sum(g for g, _, _ in gs) / len(gs)
+                entry["plain_fraction"] = sum(f for _, f, _ in gs) / len(gs)
+                entry["switched_off"] = sum(o for _, _, o in gs) / len(gs)  # prompts run plain
             table[key][name] = entry
-    return {"table": table, "outputs_match": outputs_match}
+    raw = {f"{runs[i][0]}#{i}|{n}": v for (i, n), v in tps.items()}
+    return {"table": table, "outputs_match": outputs_match, "raw_tokens_per_s": raw}
 
 
 def summary(out, names) -> str:
@@ -202,7 +279,8 @@ def summary(out, names) -> str:
         )
     cats = out.get("categories")
     if cats:
-        title = "Batch 1 per category (mean per-prompt decode speedup over plain; adaptive: γ mean"
+        title = ("Batch 1 per category (mean over prompts of decode tok/s, best round, over "
+                 "plain's best round; adaptive: γ mean")
         lines += ["", title + " / plain steps):", ""]
         lines.append("| category | prompts | " + " | ".join(names[1:]) + " |")
         lines.append("|" + "---|" * (len(names) + 1))
@@ -212,7 +290,8 @@ def summary(out, names) -> str:
                 e = per[n]
                 cell = f"{e['speedup']:.2f}x"
                 if "gamma_mean" in e:
-                    cell += f" ({e['gamma_mean']:.2f} / {e['plain_fraction']:.0%})"
+                    off = f", {e['switched_off']:.0%} off" if e.get("switched_off") else ""
+                    cell += f" ({e['gamma_mean']:.2f} / {e['plain_fraction']:.0%}{off})"
                 cells.append(cell)
             lines.append(f"| {cat} | {per['plain']['prompts']} | " + " | ".join(cells) + " |")
         lines.append(f"\noutputs equal to plain: {cats['outputs_match']}")

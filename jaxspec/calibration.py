@@ -8,10 +8,14 @@ at batch 32 costs several plain steps while at batch 1 it costs little more than
     draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # [γ+1] in plain steps
 
 Verify: `speculate.verify` (the loop's own verify, same kernels) over a chain window on a cache
-holding `FILL` tokens. Draft: the drafter's `propose` with `max_nodes` = k (EAGLE's early-stopping
-loop then runs k drafter steps; a drafter that ignores it drafts γ whatever k) followed by its
-`commit`, on a state whose rows hold `FILL` tokens, timed in the same rounds as a 1-entry verify
-so its ratio to a plain step comes from one sitting. Measured once per key and batch size and
+holding `FILL` tokens; with no node the adaptive loop runs one entry through the window path
+(speculate.decode_step's plain-step branch: the cache is only read inside a branch), measured as
+width 0 ("w1") next to plain's in-place step. Draft: the
+drafter's `propose` with `max_nodes` = k (EAGLE's early-stopping loop then runs k drafter steps;
+a drafter that ignores it drafts γ whatever k) followed by its `commit`; for k = 0 a drafter with
+`commit_plain` runs only that (what the plain-step branch runs), one without runs propose (0
+nodes) + commit. On a state whose rows hold `FILL` tokens, timed in the same rounds as a plain
+1-entry verify so its ratio to a plain step comes from one sitting. Measured once per key and batch size and
 kept as JSON under <jaxspec cache>/calibration/<key hash>.json; the key holds the model, dtype,
 layout, device kind and kernel switches (draft: also the drafter's settings and its parameters'
 shapes, and γ). A changed key is a different file, so a new model, drafter or device measures
@@ -36,7 +40,7 @@ import jax.numpy as jnp
 
 from jaxspec import paths, speculate, tree
 from jaxspec.cache import init_cache
-from jaxspec.drafters.base import CommitContext, DraftContext
+from jaxspec.drafters.base import CommitContext, DraftContext, traits
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 
@@ -69,7 +73,10 @@ def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
     """The target's key plus what the drafter's step time depends on."""
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)]
     shapes = hashlib.sha256(repr((jax.tree.structure(dparams), leaves)).encode()).hexdigest()
-    return calibration_key(model) | {"drafter": repr(drafter), "dparams": shapes, "gamma": gamma}
+    k0 = "commit_plain" if traits(drafter).commit_plain else "propose+commit"  # what k = 0 runs
+    return calibration_key(model) | {
+        "drafter": repr(drafter), "dparams": shapes, "gamma": gamma, "k0": k0
+    }
 
 
 def cache_file(model, key: dict | None = None) -> Path:
@@ -105,9 +112,9 @@ def step_costs(
 ) -> list[float]:
     """Relative verify cost for k = 0..γ draft nodes at this batch size: time(window of 1 + k
     entries) / time(the plain program's 1-entry forward, which writes the cache in place). k = 0
-    is the adaptive loop's own 1-entry step, through the window path (width 0 below), which
-    costs more than plain's. Reads the cache; measures (and writes it) what it lacks, or all
-    with recalibrate. measure(model, batch, widths) -> seconds each."""
+    is the adaptive loop's own 1-entry step, one entry through the window path (width 0 below).
+    Reads the cache; measures (and writes it) what it lacks, or all with recalibrate.
+    measure(model, batch, widths) -> seconds each."""
     measure = measure or measure_verify
     names = ["1", "w1"] + [str(w) for w in range(2, gamma + 2)]
     run = lambda todo: measure(model, batch, [0 if n == "w1" else int(n) for n in todo])
@@ -190,10 +197,15 @@ def _draft_step(drafter, gamma, dparams, tparams, dstate, ctx, sp, keys, commit_
     return drafter.commit(dparams, tparams, dstate, commit_ctx)
 
 
+@functools.partial(jax.jit, static_argnames=("drafter",))
+def _plain_draft_step(drafter, dparams, tparams, dstate, commit_ctx):
+    return traits(drafter).commit_plain(dparams, tparams, dstate, commit_ctx)
+
+
 def measure_draft(model, drafter, dparams, batch: int, gamma: int, ks: list[int]):
     """(seconds of a 1-entry verify, [seconds of the drafter's step with max_nodes = k for k in
-    ks]): propose + commit on a state whose rows hold FILL tokens, all timed in interleaved
-    rounds, each keeping its fastest run."""
+    ks]): propose + commit (k = 0 with commit_plain: that alone) on a state whose rows hold FILL
+    tokens, all timed in interleaved rounds, each keeping its fastest run."""
     cfg = model.cfg
     spec = speculate.LoopSpec(cfg=cfg, drafter=drafter, num_speculative_tokens=gamma, eos_ids=())
     prompt = 16  # the drafter's init runs over a short prompt; the rows then claim FILL tokens
@@ -217,7 +229,16 @@ def measure_draft(model, drafter, dparams, batch: int, gamma: int, ks: list[int]
     sp = SamplingParams.make()
     keys = jax.random.split(jax.random.key(1), b)
     runs = {}
+    plain_ctx = commit_ctx._replace(
+        window=tokens[:, :1], hidden=None if hidden is None else hidden[:, :, :1],
+        path=jnp.zeros((b, 1), jnp.int32),
+    )
     for k in ks:
+        if k == 0 and traits(drafter).commit_plain:  # the adaptive loop's plain step
+            runs[k] = functools.partial(
+                _plain_draft_step, drafter, dparams, model.params, state.drafter_state, plain_ctx
+            )
+            continue
         ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.full((b,), k, jnp.int32))
         runs[k] = functools.partial(
             _draft_step, drafter, gamma, dparams, model.params, state.drafter_state, ctx, sp,

@@ -30,6 +30,8 @@ from jaxspec.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
 REPROBE_BATCHES = 8  # adaptive: a switched-off engine re-measures acceptance every 8th batch
+# adaptive: batch sizes whose rows decide for themselves, request by request (Engine.spec_for)
+PER_REQUEST_MAX_BATCH = 1
 
 
 @dataclasses.dataclass
@@ -223,17 +225,28 @@ class Engine:
 
     def spec_for(self, batch: int) -> speculate.LoopSpec:
         """The program a batch of this size runs: the plain one where the cost model says
-        verification does not pay (load-aware switch-off) at the acceptance adaptive batches
-        measured (`observed_acceptance`; before any: `switch_off_acceptance`). Every REPROBE_BATCHES-th
-        batch that would run plain runs adaptive instead, so the estimate can recover. The
-        choice depends on earlier batches only: lossless. Also switched off: a batch size whose
-        last adaptive batch did not beat plain by the cost model (`realized_gain`: e.g. it ran
-        mostly 1-entry steps, which cost the adaptive program more than the plain one)."""
+        verification does not pay (load-aware switch-off), else the adaptive one.
+
+        Up to PER_REQUEST_MAX_BATCH rows (batch 1: the row is the request) only this size's
+        cost curve decides, at `switch_off_acceptance`: whether speculation can pay on this
+        machine at all. Acceptance belongs to the request, and the adaptive program's own
+        plain-step branch costs about one plain step, so each request finds its own way in
+        the loop (from the prior, re-probing); nothing an earlier request did carries over.
+        Larger batches step in lockstep over rows of different requests, so the history of
+        earlier batches decides too: the cost curve at the acceptance they measured
+        (`observed_acceptance`; before any: `switch_off_acceptance`), and the last adaptive
+        batch of this size must have beaten plain by the cost model (`realized_gain`). Every
+        REPROBE_BATCHES-th batch that would run plain runs adaptive instead, so the estimate
+        can recover. The choice depends on earlier batches only: lossless."""
         if self.adaptive is None:
             return self.spec
-        acc = self.observed_acceptance or self.adaptive.switch_off_acceptance
-        pays = adaptive_mod.best_gain(self.step_costs(batch), acc) > 1.0
-        if pays and self.realized_gain(batch) > 1.0:
+        costs = self.step_costs(batch)
+        if batch <= PER_REQUEST_MAX_BATCH:
+            pays = adaptive_mod.best_gain(costs, self.adaptive.switch_off_acceptance) > 1.0
+        else:
+            acc = self.observed_acceptance or self.adaptive.switch_off_acceptance
+            pays = adaptive_mod.best_gain(costs, acc) > 1.0 and self.realized_gain(batch) > 1.0
+        if pays:
             return self.spec
         return self.spec if (self._off_batches + 1) % REPROBE_BATCHES == 0 else self._plain_spec
 

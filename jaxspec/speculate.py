@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +68,7 @@ class LoopSpec:
     # so params, cache, tokens and drafter state stay sharded through the loop.
     mesh: Any = None
     # Adaptive speculation (jaxspec/adaptive.py): per-row lengths as data; every window width
-    # 1..γ+1 is compiled into the one program.
+    # 2..γ+1 and a one-token step (no drafting) are compiled into the one program.
     adaptive: adaptive.Controller | None = None
 
     @property
@@ -85,8 +85,8 @@ class LoopSpec:
 
     def verify_windows(self) -> tuple[int, ...]:
         g1 = self.num_nodes + 1
-        if self.drafter is not None and self.adaptive is not None:
-            return tuple(range(1, g1 + 1))
+        if self.drafter is not None and self.adaptive is not None:  # 1 entry: decode_step's
+            return tuple(range(2, g1 + 1))  # plain branch (a need of 1 would take width 2)
         if self.drafter is None or not self.drafter.variable_length:
             return (g1,)
         return tuple(sorted({w for w in self.windows if w < g1} | {1, g1}))
@@ -241,14 +241,37 @@ def commit_kv(cache: KVCache, window_kv, path: jax.Array) -> KVCache:
     return llama.write_window(cache, kept, cache.positions(path.shape[1]))
 
 
+class _Outcome(NamedTuple):
+    """What one step leaves, per row (either branch of an adaptive step returns one). The target
+    cache is written after the branches (commit_kv of `window_kv` along `path`), never inside
+    one: XLA:CPU copies a whole cache that a lax.cond branch updates, every step."""
+
+    tokens: jax.Array  # int32[B, W]
+    lengths: jax.Array  # int32[B]
+    done: jax.Array  # bool[B]
+    cache: Any  # KVCache written in place (plain decoding's 1-entry verify), else None
+    window_kv: Any  # the window's k/v (None when written in place)
+    path: jax.Array  # int32[B, D+1] window entries kept
+    drafter_state: Any
+    num_nodes: jax.Array  # int32[B] nodes verified
+    num_accepted: jax.Array  # int32[B]
+
+
 def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams):
-    b = state.lengths.shape[0]
-    d = spec.depth
+    """One draft -> verify -> accept -> commit step.
+
+    Adaptive (spec.adaptive): when no row may verify a node (the controller's cap c* is 0) or
+    none was proposed (prompt lookup without a match), the step runs a one-token step instead
+    -- the target over the last token alone, no drafting, no acceptance over γ nodes; a drafter
+    with `commit_plain` only keeps its state current (EAGLE: one layer over the token, so a
+    later probe drafts from a complete cache); one without runs propose (0 nodes) + commit.
+    That branch draws the very token the window step would (same uniform,
+    `acceptance.root_token`): it is the same step, computed the cheap way, and its choice reads
+    only the controller's lengths (past steps) and the proposal's size. Both branches only read
+    the target cache; its write (one entry, or the accepted path) follows the branches."""
     active = ~state.done
     keys = sampling.row_keys(state.key, state.row_ids, state.row_steps)
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
-    last = jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]  # [B]
-    dstate = state.drafter_state
     ctl = spec.adaptive if spec.drafter is not None else None
     # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
     if ctl is not None:
@@ -256,6 +279,45 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         allowed = ctl.choose(state.adaptive, state.row_steps, active, room)
     else:
         allowed = None
+    drafted = lambda: _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
+    commit_plain = traits(spec.drafter).commit_plain if ctl is not None else None
+    if commit_plain is not None:  # c* = 0: no drafting at all
+        plain = lambda: _plain_step(spec, tparams, dparams, state, sp, k_accept, None)
+        out = jax.lax.cond(jnp.max(allowed) == 0, plain, drafted)
+    else:
+        out = drafted()
+    cache = commit_kv(state.cache if out.cache is None else out.cache, out.window_kv, out.path)
+    d = spec.depth
+    pos_accepted = jnp.arange(max(d, 1))[None] < out.num_accepted[:, None]  # [B, max(D,1)]
+    act = active.astype(jnp.int32)
+    astate = state.adaptive
+    if ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
+        astate = ctl.update(astate, allowed, out.num_nodes, out.num_accepted, active)
+    state = dataclasses.replace(
+        state,
+        adaptive=astate,
+        tokens=out.tokens,
+        lengths=out.lengths,
+        done=out.done,
+        cache=cache.with_lengths(out.lengths - 1),
+        drafter_state=out.drafter_state,
+        row_steps=state.row_steps + act,
+        num_draft=state.num_draft + out.num_nodes * act,
+        num_accepted=state.num_accepted + out.num_accepted * act,
+        accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
+    )
+    return _place(spec, state)
+
+
+def _last_token(state: DecodeState) -> jax.Array:  # int32[B] the last committed token
+    return jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]
+
+
+def _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed) -> _Outcome:
+    b = state.lengths.shape[0]
+    active = ~state.done
+    dstate = state.drafter_state
+    ctl = spec.adaptive if spec.drafter is not None else None
     if spec.drafter is None:
         proposal = empty_proposal(b, spec.cfg.vocab_size)
     else:
@@ -265,19 +327,34 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         )
         if ctl is not None:
             proposal = ctl.limit(proposal, allowed)
-    n_nodes = proposal.tokens.shape[1]
+    num_nodes = jnp.where(active, proposal.num_proposed, 0)
+    window_step = lambda: _window_step(
+        spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes
+    )
+    if ctl is not None and (spec.drafter.variable_length or not traits(spec.drafter).commit_plain):
+        # nothing to verify (no match, or c* = 0 for a drafter without commit_plain): plain step
+        plain = lambda: _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate)
+        return jax.lax.cond(jnp.max(num_nodes) == 0, plain, window_step)
+    return window_step()
+
+
+def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes):
+    """Verify the proposal's window, accept, emit, compact the kept k/v, commit the drafter."""
+    b = state.lengths.shape[0]
+    d = spec.depth
     parents = proposal.parents
     if parents is None:
-        parents = tree.chain_parents(b, n_nodes)
-    num_nodes = jnp.where(active, proposal.num_proposed, 0)
-    window = tree.build_window(last, state.cache.lengths, proposal.tokens, parents, num_nodes)
+        parents = tree.chain_parents(b, proposal.tokens.shape[1])
+    window = tree.build_window(
+        _last_token(state), state.cache.lengths, proposal.tokens, parents, num_nodes
+    )
     p, hidden, cache, window_kv = _verify_any_width(spec, tparams, state.cache, window, sp, num_nodes)
     path, num_acc, next_token = acceptance.accept_tree(
         proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, d + 1
     )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
-    tokens, lengths, count, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
-    cache = commit_kv(cache, window_kv, path)
+    tokens, lengths, _, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
+    cache = cache if window_kv is None else None  # read-only: decode_step commits window_kv
     if spec.drafter is not None:
         commit_ctx = CommitContext(
             tokens=tokens,
@@ -289,25 +366,41 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
             path=path,
         )
         dstate = spec.drafter.commit(dparams, tparams, dstate, commit_ctx)
-    pos_accepted = jnp.arange(max(d, 1))[None] < num_acc[:, None]  # [B, max(D,1)] by depth
-    act = active.astype(jnp.int32)
-    astate = state.adaptive
-    if ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
-        astate = ctl.update(astate, allowed, num_nodes, num_acc, active)
-    state = dataclasses.replace(
-        state,
-        adaptive=astate,
-        tokens=tokens,
-        lengths=lengths,
-        done=done,
-        cache=cache.with_lengths(lengths - 1),
-        drafter_state=dstate,
-        row_steps=state.row_steps + act,
-        num_draft=state.num_draft + num_nodes * act,
-        num_accepted=state.num_accepted + num_acc * act,
-        accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
+    return _Outcome(tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc)
+
+
+def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate) -> _Outcome:
+    """Adaptive speculation's step without nodes: the target over the last token alone (one
+    entry of the window path: the cache is only read, decode_step writes the entry after the
+    branch), no drafting. `dstate`: None when nothing was drafted (the drafter's commit_plain
+    updates the state from before the step), else the state after a 0-node propose (commit
+    updates it, with the usual D+1-wide context: the root, then padding)."""
+    b = state.lengths.shape[0]
+    d, n = spec.depth, spec.num_nodes
+    last = _last_token(state)
+    pad = jnp.zeros((b, n), jnp.int32)  # node slots, none real: a 1 + N window, 1 entry run
+    window = tree.build_window(
+        last, state.cache.lengths, pad, tree.chain_parents(b, n), jnp.zeros((b,), jnp.int32)
     )
-    return _place(spec, state)
+    p, hidden, _, window_kv = verify(spec, tparams, state.cache, window, sp, 1)
+    next_token = acceptance.root_token(p[:, 0], k_accept, n)
+    zeros = jnp.zeros((b,), jnp.int32)
+    tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
+    path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
+    if dstate is None:  # root only: window [B, 1], hidden [nl, B, 1, D]
+        ctx = CommitContext(
+            tokens, lengths, state.lengths, last[:, None], zeros,
+            None if hidden is None else hidden[:, :, :1], jnp.zeros((b, 1), jnp.int32),
+        )
+        dstate = traits(spec.drafter).commit_plain(dparams, tparams, state.drafter_state, ctx)
+    else:
+        ctx = CommitContext(
+            tokens=tokens, lengths=lengths, prev_lengths=state.lengths,
+            window=jnp.take_along_axis(window.tokens, path, axis=1), num_accepted=zeros,
+            hidden=None if hidden is None else tree.gather_path(hidden, path, axis=2), path=path,
+        )
+        dstate = spec.drafter.commit(dparams, tparams, dstate, ctx)
+    return _Outcome(tokens, lengths, done, None, window_kv, path, dstate, zeros, zeros)
 
 
 def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, max_steps):

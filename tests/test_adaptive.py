@@ -14,9 +14,10 @@ import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import tiny_model
 
-from jaxspec import adaptive, calibration, speculate
+from jaxspec import acceptance, adaptive, calibration, speculate, tree
 from jaxspec.adaptive import Options
 from jaxspec.config import load_config
+from jaxspec.drafters.base import CommitContext, DraftContext
 from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
@@ -67,13 +68,80 @@ def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size)
     assert hist[0] > 0 and hist[1:].sum() > 0  # plain and drafted steps
     if batch_size > 1:  # lengths beyond {plain, cap}: the cap follows the rows' estimates, a
         assert (hist > 0).sum() >= 3  # row near its end verifies only what it can commit
-    if batch_size == 1:  # lengths are data: other requests reuse the one program
-        engine.spec_for = lambda batch: engine.spec  # pinned: no host switch-off in this check
-        engine.generate(prompts[:4], max_new_tokens=24, batch_size=1)  # both prompt buckets
+    if batch_size == 1:  # lengths are data: other requests reuse the one program (at batch 1
+        # only the cost curve can switch off: every request runs the adaptive program)
+        assert not any(r.metrics["adaptive_switched_off"] for r in results)
         before = speculate.decode_jit._cache_size()
         again = engine.generate(prompts[4:], max_new_tokens=24, batch_size=1)  # new requests
         assert speculate.decode_jit._cache_size() == before
         assert [r.token_ids for r in again] == [r.token_ids for r in plain[4:]]
+
+
+@pytest.mark.parametrize("method,batch_size", [("eagle", 1), ("ngram", 2)])
+def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_size):
+    """A cost curve where no node pays at the prior (0.6) but some would at 0.8: c* = 0 until a
+    probe (every 3rd step) raises a row's estimate, so most steps run the plain-step branch
+    (EAGLE: without propose, its state kept by commit_plain; n-gram: after its match) --
+    greedy-identical to the plain program, one program for all."""
+    plain = Engine(target).generate(prompts[:4], max_new_tokens=20, batch_size=batch_size)
+    drafter, dparams = (
+        eagle_like(target) if method == "eagle" else (NgramDrafter(64, min_ngram=1), None)
+    )
+    opts = Options(step_costs=[1.0, 1.7, 2.2, 2.5], draft_cost=0.0, probe_every=3, decay=0.5)
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
+    assert engine.spec_for(batch_size) is engine.spec  # at 0.8 one node pays: 1.8 / 1.7
+    engine.spec_for = lambda batch: engine.spec  # no host switch-off after a batch here
+    results = engine.generate(prompts[:4], max_new_tokens=20, batch_size=batch_size)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
+    assert hist[0] >= 20 and hist[1:].sum() > 0  # plain-branch steps, and the probes
+    # sampling: the plain branch draws the token the 0-node window step would (same uniform)
+    p = jax.nn.softmax(jax.random.normal(jax.random.key(3), (5, 64)))
+    keys = jax.random.split(jax.random.key(4), 5)
+    empty = jnp.zeros((5, 3), jnp.int32)
+    _, n, via_window = acceptance.accept_tree(
+        empty, tree.chain_parents(5, 3), jnp.zeros((5, 3, 64)),
+        jnp.concatenate([p[:, None], jnp.zeros((5, 3, 64))], axis=1), jnp.zeros((5,), jnp.int32),
+        keys, 4,
+    )
+    np.testing.assert_array_equal(acceptance.root_token(p, keys, 3), via_window)
+    assert not n.any()
+
+
+def test_eagle_commit_plain_leaves_the_state_propose_and_commit_leave(target):
+    """commit_plain (a plain step's bookkeeping: one layer over the root) == propose with 0 nodes
+    + commit of a step that accepted nothing, on every slot the next proposal reads."""
+    drafter, dparams = eagle_like(target)
+    b, length, g = 2, 9, 3
+    rng = np.random.default_rng(1)
+    prompt = jnp.asarray(rng.integers(1, 64, size=(b, length)), jnp.int32)
+    cap = 32
+    hidden_in = jax.random.normal(jax.random.key(2), (len(drafter.hidden_layers), b, length, 64))
+    state = drafter.init(dparams, target.params, prompt, jnp.full((b,), length), hidden_in, cap)
+    tokens = jnp.zeros((b, cap), jnp.int32).at[:, :length].set(prompt)
+    tokens = tokens.at[:, length].set(5)  # the step's target token
+    lengths = jnp.full((b,), length)  # before the step: last committed token at length - 1
+    root_hidden = jax.random.normal(jax.random.key(3), (len(drafter.hidden_layers), b, 1, 64))
+    sp = SamplingParams.make()
+    ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32))
+    proposal, after = drafter.propose(
+        dparams, target.params, state, ctx, g, sp, jax.random.split(jax.random.key(4), b)
+    )
+    assert not proposal.num_proposed.any()
+    pad = lambda x, axis: jnp.pad(x, [(0, g if i == axis else 0) for i in range(x.ndim)])
+    last = tokens[:, length - 1 : length]
+    full = drafter.commit(dparams, target.params, after, CommitContext(
+        tokens, lengths + 1, lengths, pad(last, 1), jnp.zeros((b,), jnp.int32),
+        pad(root_hidden, 2), jnp.zeros((b, g + 1), jnp.int32),
+    ))
+    cheap = drafter.commit_plain(dparams, target.params, state, CommitContext(
+        tokens, lengths + 1, lengths, last, jnp.zeros((b,), jnp.int32), root_hidden,
+        jnp.zeros((b, 1), jnp.int32),
+    ))
+    np.testing.assert_allclose(cheap.feature, full.feature, rtol=1e-5, atol=1e-6)
+    for a, c in ((cheap.k, full.k), (cheap.v, full.v)):  # slots < the new length - 1 = length
+        np.testing.assert_allclose(a[:, :, :length], c[:, :, :length], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(state.k[:, :, length - 1], cheap.k[:, :, length - 1])  # written
 
 
 # ---- the exact law, with lengths that adapt -----------------------------------------------
@@ -130,6 +198,9 @@ def test_adaptive_sampling_has_the_target_distribution(small_vocab):
     p, results = adaptive_pvalue(*small_vocab, adaptive.Controller)
     hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
     assert (hist > 100).sum() >= 2  # rows verified different lengths after their first step
+    # among them 0 nodes: a row with one token left steps through the plain-step branch (a
+    # room of 1 leaves no node for any row), drawing its token as the 0-node window would
+    assert hist[0] > 100
     assert p > PASS_P
 
 
@@ -191,7 +262,7 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
         calls.extend((model.name, batch, w) for w in widths)
         return [0.01 * (1.1 if w == 0 else 1 + 0.25 * (w - 1)) for w in widths]
 
-    # k = 0: the adaptive loop's 1-entry window path (width 0), next to plain's in-place step
+    # k = 0: the adaptive loop's 1-entry step (window path, width 0), next to plain's in place
     assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.1, 1.25, 1.5])
     assert len(calls) == 4
     assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.1, 1.25, 1.5])
@@ -219,8 +290,12 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     assert len(drafts) == 1  # reused
     calibration.draft_costs(target, NgramDrafter(64, max_ngram=2), None, 2, 2, measure=fake_draft)
     assert len(drafts) == 2  # another drafter: another key
+    # the real measurement runs: k = 0 EAGLE's commit_plain (the plain-step branch's
+    # bookkeeping), k = 3 its max_nodes loop + commit
     plain_s, each = calibration.measure_draft(target, *eagle_like(target), 2, 3, [0, 3])
-    assert plain_s > 0 and min(each) > 0  # the real measurement runs (EAGLE's max_nodes loop)
+    assert plain_s > 0 and min(each) > 0
+    k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in (eagle_like(target)[0], ngram)]
+    assert k0 == ["commit_plain", "propose+commit"]  # in the key: what k = 0 measured
 
 
 def cache_file_differs(a, b) -> bool:
@@ -266,6 +341,32 @@ def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, pro
     assert engine.realized_gain(2) == pytest.approx(16 / 13)
     engine.last_runs = {"any": ([0, 10, 0, 0], [12])}
     assert engine.spec_for(2) is not engine.spec  # 12 tokens for 10 steps of 1.3: a loss
+
+
+def test_batch_one_decides_per_request(target, prompts):
+    """At batch 1 the row is the request: an earlier request that did not pay (low acceptance,
+    realized gain < 1) switches the next batches of size 4 off, never the next request at
+    batch 1 -- it runs the adaptive program and speculates from its own statistics. Only the
+    cost curve (no gain even at switch_off_acceptance) switches batch 1 off."""
+    costs = lambda b: [1.0, 1.3, 1.6, 1.9] if b < 8 else [1.0, 1.9, 2.9, 3.9]
+    engine = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
+                    num_speculative_tokens=3, adaptive=Options(step_costs=costs, draft_cost=0.0))
+    random_prompt = [int(t) for t in np.random.default_rng(5).permutation(np.arange(1, 64))[:30]]
+    first = engine.generate([random_prompt], max_new_tokens=12, batch_size=1)[0]
+    assert not first.metrics["adaptive_switched_off"]
+    engine.observed_acceptance = [0.05, 0.05, 0.05]  # what a losing request leaves
+    engine.last_runs = {1: ([30, 0, 0, 0], [12]), "any": ([30, 0, 0, 0], [12])}
+    assert engine.realized_gain(1) < 1.0 and engine.realized_gain(4) < 1.0
+    assert engine.spec_for(4) is engine._plain_spec  # lockstep batches: history decides
+    assert engine.spec_for(1) is engine.spec  # a request: its own statistics decide
+    motif = prompts[3]  # a repeated motif: prompt lookup matches
+    again = engine.generate([motif], max_new_tokens=16, batch_size=1)[0]
+    assert not again.metrics["adaptive_switched_off"]
+    assert sum(again.metrics["adaptive_gamma_hist"][1:]) > 0 and again.metrics["num_accepted_tokens"] > 0
+    assert engine.spec_for(8) is engine._plain_spec  # the cost curve rules 8 out at 0.8
+    one_off = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
+                     adaptive=Options(step_costs=[1.0, 1.9, 2.9, 3.9], draft_cost=0.0))
+    assert one_off.spec_for(1) is one_off._plain_spec  # ... and batch 1 where it says so
 
 
 def test_adaptive_config(target, tmp_path, monkeypatch):

@@ -24,6 +24,11 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
                           are placed on a mesh by the target's rules (sharding.place_drafter)
   advance                 (dparams, tparams, state, ctx) -> state: update the state for the last
                           committed token without drafting (EAGLE; used by prompt lookup first)
+  commit_plain            (dparams, tparams, state, ctx: CommitContext) -> state: the state after
+                          a step that drafted nothing and ran the target over the root alone
+                          (ctx.window [B, 1], ctx.hidden [nl, B, 1, D], num_accepted 0): adaptive
+                          speculation's plain steps, without propose. Absent: the loop runs
+                          propose (max_nodes 0) and commit instead.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class Traits(NamedTuple):
     max_context: int | None  # None: no limit of its own
     model_cfg: Any  # llama.ModelConfig or None
     advance: Any  # bound method or None
+    commit_plain: Any  # bound method or None
 
 
 def traits(drafter: Drafter) -> Traits:
@@ -78,6 +84,7 @@ def traits(drafter: Drafter) -> Traits:
         max_context=getattr(drafter, "max_context", None),
         model_cfg=getattr(drafter, "cfg", None),
         advance=getattr(drafter, "advance", None),
+        commit_plain=getattr(drafter, "commit_plain", None),
     )
 
 

@@ -330,6 +330,17 @@ class EagleDrafter(tree.DynamicTreeDrafter):
         feature = jnp.take_along_axis(f, ctx.num_accepted[:, None, None], axis=1)[:, 0]
         return EagleState(k, v, feature)
 
+    def commit_plain(self, dparams, tparams, state: EagleState, ctx: CommitContext):
+        """A step that verified the root alone (adaptive speculation's plain step): the entry
+        propose's first step would have written for the root (at prev_lengths - 1, with the
+        feature before it), and the root's own target feature for the next proposal -- what
+        propose + commit leave for a step that accepted nothing, at one layer over one token."""
+        _, k, v = self._run(
+            dparams, tparams, ctx.window[:, :1], state.feature[:, None], state.k, state.v,
+            ctx.prev_lengths - 1,
+        )
+        return EagleState(k, v, fuse(dparams, ctx.hidden[:, :, :1])[:, 0])
+
 
 # ---- method "eagle" ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
