@@ -73,19 +73,25 @@ def import_torch():
     return torch
 
 
-# The files that take longest, first (measured: BENCHMARKS.md, session 7). scripts/test.sh runs
+# The files that take longest, first (measured: BENCHMARKS.md, session 8). scripts/test.sh runs
 # two worker processes that each take whole files in collection order; starting the longest first
-# keeps one long file from running alone at the end while the other worker idles.
+# keeps one long file (the notebook, the device-script smoke) from running alone at the end while
+# the other worker idles.
 LONGEST_FIRST = (
-    "test_tree.py",
-    "test_formats.py",
-    "test_distributions.py",
     "test_sharding.py",
-    "test_speculative.py",
+    "test_distributions.py",
     "test_trained_drafters.py",
-    "test_cli.py",
+    "test_tree.py",
     "test_bench.py",
+    "test_formats.py",
+    "test_notebooks.py",
+    "test_speculative.py",
+    "test_cli.py",
     "test_parity.py",
+    "test_adaptive.py",
+    "test_bench_device.py",
+    "test_train.py",
+    "test_ngram_ceiling.py",
 )
 
 
