@@ -62,31 +62,10 @@ def main() -> None:
     print("| B | T | N/K | H | S | valid | cache | impl | µs | valid bytes | GB/s | max \\|Δ\\| vs xla |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b, t, n, kv, h, s, valid in shapes:
-        ks = jax.random.split(jax.random.key(0), 5)
-        q = jax.random.normal(ks[0], (b, t, n, h), dtype)
-        kw, vw = (jax.random.normal(k, (b, t, kv, h), dtype) for k in ks[3:5])
-        lengths = jnp.full((b,), valid, jnp.int32)
         need = 2 * b * kv * valid * h * jnp.dtype(dtype).itemsize
-        for cache in ("per-layer", "stacked"):
-            shape = (b, kv, s, h) if cache == "per-layer" else (STACK, b, kv, s, h)
-            kc, vc = (jax.random.normal(k, shape, dtype) for k in ks[1:3])
-            layer = None if cache == "per-layer" else jnp.int32(2)
-            auto = attention.resolve_impl("auto", cache_dtype=dtype)
-            ref = None
-            for impl in impls_here(args.smoke):
-                fn = jax.jit(lambda *a, impl=impl, layer=layer: attention.attend(
-                    *a, layer=layer, impl=impl, interpret=args.smoke and impl != "xla"))
-                label = f"{impl} (auto)" if impl == auto else impl
-                row = f"| {b} | {t} | {n}/{kv} | {h} | {s} | {valid} | {cache} | {label} |"
-                try:
-                    sec = bench(fn, q, kc, vc, kw, vw, lengths, reps=reps)
-                    out = fn(q, kc, vc, kw, vw, lengths).astype(jnp.float32)
-                except Exception as e:  # noqa: BLE001  a kernel that does not build here: say so
-                    print(f"{row} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |")
-                    continue
-                ref = out if impl == "xla" else ref
-                diff = "" if ref is None else f"{float(jnp.max(jnp.abs(out - ref))):.2e}"
-                print(f"{row} {sec * 1e6:.1f} | {need / 1e6:.2f} MB | {need / sec / 1e9:.1f} | {diff} |")
+        shape = (b, t, n, kv, h, s, valid)
+        for row, sec, diff in timed_impls(shape, dtype, args.smoke, reps, seed=0, empty="| | | |"):
+            print(f"{row} {sec * 1e6:.1f} | {need / 1e6:.2f} MB | {need / sec / 1e9:.1f} | {diff} |")
     prefill(args.smoke, dtype, reps)
 
 
@@ -103,32 +82,40 @@ def prefill(smoke: bool, dtype, reps: int) -> None:
     print("| B | T | N/K | H | S | earlier valid | cache | impl | ms | TFLOP/s | max \\|Δ\\| vs xla |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b, t, n, kv, h, s, valid in shapes:
-        ks = jax.random.split(jax.random.key(1), 5)
-        q = jax.random.normal(ks[0], (b, t, n, h), dtype)
-        kw, vw = (jax.random.normal(k, (b, t, kv, h), dtype) for k in ks[3:5])
-        lengths = jnp.full((b,), valid, jnp.int32)
         flops = 4 * b * n * h * (t * (t + 1) // 2 + t * valid)  # q.k and p.v over what is seen
-        for cache in ("per-layer", "stacked"):
-            shape = (b, kv, s, h) if cache == "per-layer" else (STACK, b, kv, s, h)
-            kc, vc = (jax.random.normal(k, shape, dtype) for k in ks[1:3])
-            layer = None if cache == "per-layer" else jnp.int32(2)
-            auto = attention.resolve_impl("auto", cache_dtype=dtype)
-            ref = None
-            for impl in impls_here(smoke):
-                fn = jax.jit(lambda *a, impl=impl, layer=layer: attention.attend(
-                    *a, layer=layer, impl=impl, interpret=smoke and impl != "xla"))
-                label = f"{impl} (auto)" if impl == auto else impl
-                row = f"| {b} | {t} | {n}/{kv} | {h} | {s} | {valid} | {cache} | {label} |"
-                try:
-                    sec = bench(fn, q, kc, vc, kw, vw, lengths, reps=reps)
-                    out = fn(q, kc, vc, kw, vw, lengths).astype(jnp.float32)
-                except Exception as e:  # noqa: BLE001  a kernel that does not build here: say so
-                    print(f"{row} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | |")
-                    continue
-                ref = out if impl == "xla" else ref
-                diff = "" if ref is None else f"{float(jnp.max(jnp.abs(out - ref))):.2e}"
-                print(f"{row} {sec * 1e3:.2f} | {flops / sec / 1e12:.2f} | {diff} |")
+        shape = (b, t, n, kv, h, s, valid)
+        for row, sec, diff in timed_impls(shape, dtype, smoke, reps, seed=1, empty="| | |"):
+            print(f"{row} {sec * 1e3:.2f} | {flops / sec / 1e12:.2f} | {diff} |")
 
+
+def timed_impls(shape, dtype, smoke: bool, reps: int, *, seed: int, empty: str):
+    """For one (B, T, N, K, H, S, valid) shape, each cache layout and each impl here: (the row's
+    leading cells, seconds per call, max |Δ| vs xla). A kernel that does not build here gets its
+    row printed as failed (`empty` fills the remaining cells) and is skipped."""
+    b, t, n, kv, h, s, valid = shape
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (b, t, n, h), dtype)
+    kw, vw = (jax.random.normal(k, (b, t, kv, h), dtype) for k in ks[3:5])
+    lengths = jnp.full((b,), valid, jnp.int32)
+    auto = attention.resolve_impl("auto", cache_dtype=dtype)
+    for cache in ("per-layer", "stacked"):
+        cache_shape = (b, kv, s, h) if cache == "per-layer" else (STACK, b, kv, s, h)
+        kc, vc = (jax.random.normal(k, cache_shape, dtype) for k in ks[1:3])
+        layer = None if cache == "per-layer" else jnp.int32(2)
+        ref = None
+        for impl in impls_here(smoke):
+            fn = jax.jit(lambda *a, impl=impl, layer=layer: attention.attend(
+                *a, layer=layer, impl=impl, interpret=smoke and impl != "xla"))
+            label = f"{impl} (auto)" if impl == auto else impl
+            row = f"| {b} | {t} | {n}/{kv} | {h} | {s} | {valid} | {cache} | {label} |"
+            try:
+                sec = bench(fn, q, kc, vc, kw, vw, lengths, reps=reps)
+                out = fn(q, kc, vc, kw, vw, lengths).astype(jnp.float32)
+            except Exception as e:  # noqa: BLE001  a kernel that does not build here: say so
+                print(f"{row} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} {empty}")
+                continue
+            ref = out if impl == "xla" else ref
+            yield row, sec, "" if ref is None else f"{float(jnp.max(jnp.abs(out - ref))):.2e}"
 
 if __name__ == "__main__":
     main()
