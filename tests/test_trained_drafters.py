@@ -129,8 +129,9 @@ def test_confidence_gated_eagle_is_token_identical_and_drafts_less(target, plain
     fixed = Engine(target, drafter, dparams, num_speculative_tokens=4)
     gated = Engine(target, dataclasses.replace(drafter, min_confidence=0.5, variable_length=True),
                    dparams, num_speculative_tokens=4)
-    res_fixed = fixed.generate(PROMPTS, max_new_tokens=32, batch_size=1)
-    res_gated = gated.generate(PROMPTS, max_new_tokens=32, batch_size=1)
+    # batch 2: the fixed engine's program is test_shipped_drafter_greedy_is_token_identical's
+    res_fixed = fixed.generate(PROMPTS, max_new_tokens=32, batch_size=2)
+    res_gated = gated.generate(PROMPTS, max_new_tokens=32, batch_size=2)
     for a, b in zip(plain, res_gated):
         assert a.token_ids == b.token_ids
     drafted = lambda rs: sum(r.metrics["num_draft_tokens"] for r in rs)
@@ -171,10 +172,12 @@ def test_lookup_first_eagle_is_token_identical_and_copies_in_fewer_steps(target,
     mixed = LookupFirst(drafter, NgramDrafter(target.cfg.vocab_size, 2, 3))
     res = Engine(target, mixed, dparams, num_speculative_tokens=3).generate(
         PROMPTS + [COPY_PROMPT], max_new_tokens=32, batch_size=3)
-    copy_plain = Engine(target).generate([COPY_PROMPT], max_new_tokens=32)
+    # plain and EAGLE alone at batch 2 and EAGLE's γ = 4: the programs this module compiled above
+    copy_plain = Engine(target).generate([COPY_PROMPT], max_new_tokens=32, batch_size=2)
     for a, b in zip(plain + copy_plain, res):
         assert a.token_ids == b.token_ids
-    alone = Engine(target, drafter, dparams, num_speculative_tokens=3).generate([COPY_PROMPT], max_new_tokens=32)
+    alone = Engine(target, drafter, dparams, num_speculative_tokens=4).generate(
+        [COPY_PROMPT], max_new_tokens=32, batch_size=2)
     assert res[2].metrics["num_steps"] < alone[0].metrics["num_steps"]  # lookup copied the sentence
     # batch 1: steps where lookup found a continuation skip EAGLE's drafting (advance only)
     single = Engine(target, mixed, dparams, num_speculative_tokens=3).generate([COPY_PROMPT], max_new_tokens=32)
