@@ -90,6 +90,7 @@ LONGEST_FIRST = (
     "test_parity.py",
     "test_adaptive.py",
     "test_bench_device.py",
+    "test_attention_impls.py",
     "test_train.py",
     "test_ngram_ceiling.py",
 )

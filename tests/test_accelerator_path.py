@@ -1,6 +1,6 @@
 """The accelerator path, measured device-independently on CPU: the compiled decode loop copies and
 zero-fills no cache-sized buffer (every layout x drafter), the stacked layout gives the unrolled
-layout's tokens, and the attention op's backends agree with the XLA reference."""
+layout's tokens, accelerator defaults. The attention op's backends: tests/test_attention_impls.py."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ import pytest
 from tiny import tiny_model
 
 from jaxspec import hlo, speculate
-from jaxspec.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
-from jaxspec.models import attention, llama
+from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 
 # XLA:CPU's YNNPACK library fusion (CPU only, absent on TPU/GPU) takes reductions out of XLA's own
@@ -126,249 +125,6 @@ def test_stacked_layout_gives_unrolled_tokens(method):
     assert out["stacked"] == out["unrolled"]
 
 
-# ---------------------------------------------------------------------------- the attention op
-
-
-def _attention_inputs(seed=0, b=2, t=3, n=4, kv=2, s=64, h=16, layers=None):
-    ks = jax.random.split(jax.random.key(seed), 5)
-    cache_shape = (b, kv, s, h) if layers is None else (layers, b, kv, s, h)
-    q = jax.random.normal(ks[0], (b, t, n, h))
-    kc, vc = jax.random.normal(ks[1], cache_shape), jax.random.normal(ks[2], cache_shape)
-    kw, vw = jax.random.normal(ks[3], (b, t, kv, h)), jax.random.normal(ks[4], (b, t, kv, h))
-    lengths = jnp.asarray([5, 40][:b], jnp.int32)
-    return q, kc, vc, kw, vw, lengths
-
-
-def _dense_reference(q, kc, vc, kw, vw, lengths, window_mask):
-    """Plain softmax over [valid cache slots ; masked window], in float64 numpy."""
-    q, kc, vc, kw, vw = (np.asarray(a, np.float64) for a in (q, kc, vc, kw, vw))
-    b, t, n, h = q.shape
-    kv = kc.shape[1]
-    out = np.zeros((b, t, n, h))
-    for i in range(b):
-        for j in range(n):
-            g = j // (n // kv)
-            keys = np.concatenate([kc[i, g, : lengths[i]], kw[i, :, g]])
-            vals = np.concatenate([vc[i, g, : lengths[i]], vw[i, :, g]])
-            for u in range(t):
-                sc = keys @ q[i, u, j] / np.sqrt(h)
-                ok = np.concatenate([np.ones(int(lengths[i]), bool), np.asarray(window_mask[i, u])])
-                sc = np.where(ok, sc, -np.inf)
-                w = np.exp(sc - sc.max())
-                out[i, u, j] = (w / w.sum()) @ vals
-    return out.reshape(b, t, n * h)
-
-
-@pytest.mark.parametrize("tree", [False, True])
-def test_attend_xla_matches_dense_reference(tree):
-    q, kc, vc, kw, vw, lengths = _attention_inputs()
-    mask = attention.causal_mask(2, 3)
-    if tree:  # node 2 is a sibling of node 1: it sees the root and itself only
-        mask = mask.at[:, 2, 1].set(False)
-    want = _dense_reference(q, kc, vc, kw, vw, lengths, mask)
-    got = attention.attend(q, kc, vc, kw, vw, lengths, window_mask=mask, impl="xla")
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    stacked = [jnp.stack([jnp.zeros_like(kc), kc, jnp.ones_like(kc)]) for kc in (kc, vc)]
-    got_l = attention.attend(q, *stacked, kw, vw, lengths, layer=jnp.int32(1), window_mask=mask, impl="xla")
-    np.testing.assert_allclose(got_l, want, rtol=1e-5, atol=1e-5)
-
-
-def test_attend_prefill_chunks_match_one_block():
-    q, kc, vc, kw, vw, lengths = _attention_inputs(t=32, s=64)
-    whole = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=64)
-    chunked = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=8)
-    np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
-    ragged = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=12)  # 12, 12, 8
-    np.testing.assert_allclose(ragged, whole, rtol=1e-5, atol=1e-5)
-    # any T is chunked: no score block has more than `chunk` queries (a 32-query one would)
-    jaxpr = str(jax.make_jaxpr(lambda *a: attention.attend(*a, impl="xla", chunk=12))(
-        q, kc, vc, kw, vw, lengths))
-    assert "f32[2,2,64,32]" not in jaxpr and "f32[2,2,24,32]" in jaxpr  # [B, K, G*C, Tw]
-
-
-def _runs_a_kernel(*args, **kw) -> bool:
-    """Whether attend(*args, **kw) calls a Pallas kernel (not the XLA fallback)."""
-    return "pallas_call" in str(jax.make_jaxpr(lambda *a: attention.attend(*a, **kw))(*args))
-
-
-def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
-    """Pallas GPU decode kernel (reads slots < lengths only), run by the Pallas interpreter on
-    CPU; on a GPU scripts/bench_device.sh runs it compiled."""
-    pytest.importorskip("jax.experimental.pallas.ops.gpu.decode_attention")
-    q, kc, vc, kw, vw, lengths = _attention_inputs(t=2, s=128)
-    want = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla")
-    got = attention.attend(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    assert _runs_a_kernel(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
-    # a capacity the kernel's blocks do not divide runs the XLA path
-    assert not _runs_a_kernel(q, kc[:, :, :96], vc[:, :, :96], kw, vw, lengths, impl="pallas_gpu")
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_attend_pallas_gpu_stacked_kernel_matches_reference_in_interpret_mode(dtype):
-    """Our Pallas GPU kernel on a stack at a traced layer (the stacked layout's GPU path): chain
-    and tree windows, an empty prefix, a prefix ending mid-block, several splits."""
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=256, layers=3)
-    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
-    lengths = jnp.asarray([0, 17, 250], jnp.int32)
-    tol = 2e-2 if dtype == "bfloat16" else 1e-5
-    for mask in (None, attention.causal_mask(3, 3).at[:, 2, 1].set(False)):
-        args = (q, kc, vc, kw, vw, lengths)
-        want = attention.attend(*args, layer=jnp.int32(1), window_mask=mask, impl="xla")
-        got = attention.attend(*args, layer=jnp.int32(1), window_mask=mask, impl="pallas_gpu",
-                               interpret=True)
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                   rtol=tol, atol=tol)
-    assert _runs_a_kernel(*args, layer=jnp.int32(1), impl="pallas_gpu", interpret=True)
-
-
-@pytest.mark.parametrize("stacked", [False, True])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatch, stacked, dtype):
-    """JAX's TPU paged-attention kernel on the zero-copy paged view of our cache (a stack indexed
-    at a traced layer included), run by Pallas's TPU interpreter on CPU; chain and tree windows, a
-    row with an empty prefix (prefill), lengths across page and block edges. On a TPU
-    scripts/bench_device.sh runs it compiled. The kernel rounds K/V to bf16: bf16 tolerance."""
-    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
-    from jaxspec.models import attention_kernels
-
-    monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))  # 4 pages, 2 blocks
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=64, layers=3 if stacked else None)
-    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
-    lengths = jnp.asarray([0, 17, 64 - 3], jnp.int32)
-    layer = jnp.int32(1) if stacked else None
-    tree = attention.causal_mask(3, 3).at[:, 2, 1].set(False)
-    tol = 2e-2 if dtype == "bfloat16" else 1e-2
-    for mask in (None, tree):
-        args = (q, kc, vc, kw, vw, lengths)
-        want = attention.attend(*args, layer=layer, window_mask=mask, impl="xla")
-        got = jax.jit(lambda *a, mask=mask: attention.attend(
-            *a, layer=layer, window_mask=mask, impl="pallas_tpu", interpret=True))(*args)
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                   rtol=tol, atol=tol)
-    assert _runs_a_kernel(*args, layer=layer, impl="pallas_tpu", interpret=True)
-    if not stacked:  # the same kernel under jax's own switch for TPU interpret mode
-        with pltpu.force_tpu_interpret_mode():
-            forced = attention.attend(*args, window_mask=tree, impl="pallas_tpu")
-        np.testing.assert_allclose(np.asarray(forced, np.float32), np.asarray(got, np.float32),
-                                   rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("stacked", [False, True])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
-def test_attend_prefill_on_kernels_matches_reference_in_interpret_mode(monkeypatch, impl, stacked,
-                                                                        dtype):
-    """A prompt (G*T > PALLAS_MAX_QUERIES) on the kernels: JAX's flash kernel for the causal window
-    (TPU splash attention; GPU Pallas's Triton flash attention), the decode kernels in query-row
-    chunks for an earlier cache, merged by log-sum-exp, against the XLA reference, in Pallas's
-    interpreter (TPU's for pallas_tpu). T = 300 is padded to 384 (3 x 3 flash blocks of 128, the
-    diagonal ones partly masked); 600 query rows per kv head make 3 chunks of 256; earlier-cache
-    lengths 0 (an engine prefill), 17 and 141 cross TPU pages (16 slots, 2-page blocks) and the GPU
-    kernels' 64/128-slot blocks. Row 0 has no earlier cache, so its output is the flash kernel's
-    alone: exact in float32 (the TPU paged kernel rounds K/V to bfloat16, hence the looser
-    tolerance of the other rows there). On a device scripts/bench_device.sh runs them compiled."""
-    pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
-    from jaxspec.models import attention_kernels
-
-    monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=300, n=4, kv=2, s=256, h=32,
-                                             layers=3 if stacked else None)
-    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
-    lengths = jnp.asarray([0, 17, 141], jnp.int32)
-    layer = jnp.int32(1) if stacked else None
-    args = (q, kc, vc, kw, vw, lengths)
-    want = attention.attend(*args, layer=layer, impl="xla", chunk=100)  # 3 query chunks
-    run = lambda *a: attention.attend(*a, layer=layer, impl=impl, interpret=True)
-    got = np.asarray(jax.jit(run)(*args), np.float32)
-    want = np.asarray(want, np.float32)
-    bf16 = dtype == "bfloat16"
-    tol = 3e-2 if bf16 else (1e-2 if impl == "pallas_tpu" else 1e-5)
-    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
-    if not bf16:
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
-    jaxpr = str(jax.make_jaxpr(run)(*args))
-    flash = {"pallas_tpu": "splash_mha_fwd", "pallas_gpu": "mha_forward"}[impl]
-    assert flash in jaxpr and jaxpr.count("pallas_call") == 2
-    # a tree mask keeps the XLA path (the flash kernels' masks are causal)
-    tree = attention.causal_mask(3, 300).at[:, 2, 1].set(False)
-    assert not _runs_a_kernel(*args, layer=layer, window_mask=tree, impl=impl)
-
-
-@pytest.mark.parametrize("layout", ["unrolled", "stacked"])
-def test_prefill_forward_on_tpu_kernels_matches_xla(monkeypatch, layout):
-    """The model's prefill forward with JAXSPEC_ATTENTION=pallas_tpu, under jax's switch for TPU
-    interpret mode: right-padded prompts of 300, 129 and 7 tokens in one [3, 300] batch (129 ends
-    one past a 128-block edge) give the XLA path's hidden states at every valid position. Pad
-    keys come after each row's tokens, so the causal mask alone keeps them out of valid rows."""
-    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
-    m = _model(layout)
-    lens = np.asarray([300, 129, 7])
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(np.where(np.arange(300)[None] < lens[:, None],
-                                  rng.integers(1, 64, (3, 300)), 0), jnp.int32)
-    cache = init_cache(m.cfg.num_layers, 3, 320, m.cfg.num_kv_heads, m.cfg.head_dim,
-                       m.cfg.compute_dtype, layout == "stacked")
-    hidden = {}
-    for impl in ("xla", "pallas_tpu"):  # the impl is read at trace time: a fresh function each
-        monkeypatch.setenv(attention.ENV_OVERRIDE, impl)
-        fwd = lambda p, tok, c: llama.forward(p, tok, c, m.cfg).hidden
-        assert ("splash_mha_fwd" in str(jax.make_jaxpr(fwd)(m.params, tokens, cache))) == (
-            impl == "pallas_tpu")
-        with pltpu.force_tpu_interpret_mode():
-            hidden[impl] = np.asarray(jax.jit(fwd)(m.params, tokens, cache))
-    for row, n in enumerate(lens):
-        np.testing.assert_allclose(hidden["pallas_tpu"][row, :n], hidden["xla"][row, :n],
-                                   rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("platform, impl, stacked, t", [
-    ("tpu", "pallas_tpu", False, 5), ("tpu", "pallas_tpu", True, 5), ("cuda", "pallas_gpu", False, 5),
-    ("cuda", "pallas_gpu", True, 5), ("tpu", "pallas_tpu", False, 200), ("tpu", "pallas_tpu", True, 200),
-    ("cuda", "pallas_gpu", False, 200), ("cuda", "pallas_gpu", True, 200),
-])
-def test_attention_kernels_lower_for_their_device(platform, impl, stacked, t):
-    """jax.export lowers the Pallas kernels for a TPU (Mosaic) / GPU (Triton) without one, which
-    checks what interpret mode does not: block shapes the device compiler takes. SmolLM2 heads
-    (H = 64, G*T = 15 query rows: neither a multiple of 128 nor of 8), bfloat16. T = 200 is a
-    prefill: the flash kernel (TPU splash attention, GPU Pallas's Triton flash attention; T padded
-    to 256) and the decode kernel over 600 query rows per kv head (3 chunks of 256 rows, the last
-    part padding)."""
-    from jax import export
-
-    b, n, kv, h, s = 2, 9, 3, 64, 256
-    bf = jnp.bfloat16
-    cache = jax.ShapeDtypeStruct((3, b, kv, s, h) if stacked else (b, kv, s, h), bf)
-    args = (jax.ShapeDtypeStruct((b, t, n, h), bf), cache, cache,
-            jax.ShapeDtypeStruct((b, t, kv, h), bf), jax.ShapeDtypeStruct((b, t, kv, h), bf),
-            jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    fn = jax.jit(lambda q, kc, vc, kw, vw, lengths, i: attention.attend(
-        q, kc, vc, kw, vw, lengths, layer=i if stacked else None, impl=impl))
-    target = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}[platform]
-    exp = export.export(fn, platforms=(platform,),
-                        disabled_checks=[export.DisabledSafetyCheck.custom_call(target)])(*args)
-    module = exp.mlir_module()
-    assert target in module
-    if t > 5:  # the prefill runs the flash kernel for the window and a decode kernel for the cache
-        flash = {"tpu": "splash_mha_fwd", "cuda": "mha_forward"}[platform]
-        assert flash in module and module.count(f"@{target}(") == 2
-
-
-@pytest.mark.parametrize("backend, dtype, want", [
-    ("tpu", "bfloat16", "pallas_tpu"), ("tpu", "float32", "xla"), ("gpu", "bfloat16", "pallas_gpu"),
-    ("gpu", "float32", "xla"), ("cpu", "bfloat16", "xla"), ("cpu", "float32", "xla"),
-])
-def test_attention_impl_follows_the_backend(monkeypatch, backend, dtype, want):
-    monkeypatch.delenv(attention.ENV_OVERRIDE, raising=False)
-    assert attention.resolve_impl("auto", cache_dtype=dtype, backend=backend) == want
-    monkeypatch.setenv(attention.ENV_OVERRIDE, "xla")  # the override forces the reference path
-    assert attention.resolve_impl("auto", cache_dtype=dtype, backend=backend) == "xla"
-    assert attention.resolve_impl("pallas_tpu", backend=backend) == "pallas_tpu"  # explicit wins
-    monkeypatch.setenv(attention.ENV_OVERRIDE, "flash")
-    with pytest.raises(ValueError, match="JAXSPEC_ATTENTION"):
-        attention.resolve_impl("auto", backend=backend)
-
-
 # ---------------------------------------------------------------------------- accelerator defaults
 
 
@@ -423,21 +179,6 @@ def test_compare_greedy_tells_a_near_tie_from_a_real_difference(tiny_llama_dir):
     same, tie, gap = compare_greedy(m, prompt, plain, other, margin=1e9)
     assert not same and tie and gap > 0
     assert compare_greedy(m, prompt, plain, other, margin=0.0)[1] is False
-
-
-@pytest.mark.parametrize("stacked", [False, True])
-def test_attend_blocked_cache_loop_matches_one_pass(stacked):
-    q, kc, vc, kw, vw, lengths = _attention_inputs(t=3, s=64, layers=2 if stacked else None)
-    layer = jnp.int32(1) if stacked else None
-    one = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=None)
-    for block in (16, 32):
-        got = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=block)
-        np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5)
-    empty = jnp.zeros_like(lengths)  # prefill: the loop reads no block
-    np.testing.assert_allclose(
-        attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=16),
-        attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=None),
-        rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["stacked", "unrolled"])

@@ -148,6 +148,7 @@ def test_greedy_tree_rule_takes_the_deepest_argmax_path():
 
 V = 6
 NUM_ROWS = 12000
+BROKEN_ROWS = 6000  # p = 6e-89 (residual not updated) and 0.0 (siblings' q) at this size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +200,9 @@ TREE_SP = dict(temperature=0.7, top_k=4, top_p=0.9)
 PROMPT = [1, 2, 3, 4, 5]
 
 
-def tree_pvalue(target, dparams):
+def tree_pvalue(target, dparams, rows=NUM_ROWS):
     sp = SamplingParams.make(**TREE_SP)
-    return pvalue(target, MixedTreeDrafter(V), dparams, sp, PROMPT, rows=NUM_ROWS, num_tokens=3,
+    return pvalue(target, MixedTreeDrafter(V), dparams, sp, PROMPT, rows=rows, num_tokens=3,
                   gamma=1, seed=11)
 
 
@@ -219,7 +220,7 @@ def test_distribution_test_catches_a_residual_not_updated_between_siblings(small
     broken = functools.partial(acceptance.accept_tree, update_residual=False)
     monkeypatch.setattr(acceptance, "accept_tree", broken)  # speculate reads it
     try:
-        p, _ = tree_pvalue(target, dparams)
+        p, _ = tree_pvalue(target, dparams, rows=BROKEN_ROWS)
     finally:
         monkeypatch.undo()
         jax.clear_caches()
@@ -229,7 +230,7 @@ def test_distribution_test_catches_a_residual_not_updated_between_siblings(small
 # ---- sampled children of a dynamic tree (draft_model): exact law, and a broken variant ------
 
 
-def sampled_tree_pvalue(target, children, seed=11):
+def sampled_tree_pvalue(target, children, seed=11, rows=NUM_ROWS):
     """A draft_model tree (its own tiny network, unlike the target) with sampled children:
     k 3 children per node, 2 levels, 6 of 12 candidates kept; top_k 4 sampling leaves some
     nodes fewer than 3 tokens to draw, so deterministic siblings past q's support occur too."""
@@ -239,7 +240,7 @@ def sampled_tree_pvalue(target, children, seed=11):
     drafter = ModelDrafter(cfg=draft.cfg, target_vocab=V, tree_top_k=3, tree_levels=2,
                            tree_budget=6, tree_children=children)
     sp = SamplingParams.make(**TREE_SP)
-    return pvalue(target, drafter, draft.params, sp, PROMPT, rows=NUM_ROWS, num_tokens=4,
+    return pvalue(target, drafter, draft.params, sp, PROMPT, rows=rows, num_tokens=4,
                   gamma=1, seed=seed)
 
 
@@ -258,7 +259,7 @@ def test_distribution_test_catches_without_replacement_siblings_reporting_q(smal
     jax.clear_caches()
     monkeypatch.setattr(tree, "grow", functools.partial(tree.grow, reported_q="shared"))
     try:
-        p, _ = sampled_tree_pvalue(target, "without_replacement")
+        p, _ = sampled_tree_pvalue(target, "without_replacement", rows=BROKEN_ROWS)
     finally:
         monkeypatch.undo()
         jax.clear_caches()
