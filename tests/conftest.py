@@ -44,7 +44,29 @@ if os.environ.get("JAXSPEC_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CAC
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 
+# Where the suite's time goes: JAXSPEC_TEST_COMPILE_STATS=DIR makes every test process (xdist
+# workers included; not the subprocesses tests start) write the seconds JAX spent tracing,
+# lowering and compiling (XLA) and the count of each to DIR/<pid>.json when it finishes.
+COMPILE_STATS: dict[str, list[float]] = {}
+if os.environ.get("JAXSPEC_TEST_COMPILE_STATS"):
+    import jax.monitoring
+
+    def _record(event: str, seconds: float, **_) -> None:
+        if event.startswith("/jax/core/compile/"):
+            total = COMPILE_STATS.setdefault(event.rsplit("/", 1)[-1], [0.0, 0])
+            total[0] += seconds
+            total[1] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(_record)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if COMPILE_STATS:
+        import json
+
+        out = Path(os.environ["JAXSPEC_TEST_COMPILE_STATS"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{os.getpid()}.json").write_text(json.dumps(COMPILE_STATS))
     if RUN_XLA_CACHE is not None:  # only the process that made it (the xdist controller)
         shutil.rmtree(RUN_XLA_CACHE, ignore_errors=True)
 
