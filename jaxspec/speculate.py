@@ -276,7 +276,7 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
     # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
     if ctl is not None:
         room = state.max_lengths - state.lengths  # tokens each row may still emit
-        allowed = ctl.choose(state.adaptive, state.row_steps, active, room)
+        allowed = ctl.choose(state.adaptive, state.row_steps, active, room, state.lengths)
     else:
         allowed = None
     drafted = lambda: _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
@@ -292,7 +292,9 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
     act = active.astype(jnp.int32)
     astate = state.adaptive
     if ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
-        astate = ctl.update(astate, allowed, out.num_nodes, out.num_accepted, active)
+        astate = ctl.update(
+            astate, allowed, out.num_nodes, out.num_accepted, active, state.lengths
+        )
     state = dataclasses.replace(
         state,
         adaptive=astate,
