@@ -14,7 +14,7 @@ import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import tiny_model
 
-from jaxspec import acceptance, adaptive, calibration, speculate, tree
+from jaxspec import acceptance, adaptive, calibration, hlo, speculate, tree
 from jaxspec.adaptive import Options
 from jaxspec.config import load_config
 from jaxspec.drafters.base import CommitContext, DraftContext
@@ -26,6 +26,8 @@ from jaxspec.loading.params import unpack_params
 from jaxspec.sampling import SamplingParams
 from jaxspec.train import methods
 
+# compile as the accelerator compilers fuse (tests/test_accelerator_path.py)
+ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
 COSTS = [1.0, 1.2, 1.4, 1.6]  # γ = 3: a verify curve where 2 nodes pay best at the prior
 
 
@@ -80,9 +82,11 @@ def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size)
 @pytest.mark.parametrize("method,batch_size", [("eagle", 1), ("ngram", 2)])
 def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_size):
     """A cost curve where no node pays at the prior (0.6) but some would at 0.8: c* = 0 until a
-    probe (every 3rd step) raises a row's estimate, so most steps run the plain-step branch
-    (EAGLE: without propose, its state kept by commit_plain; n-gram: after its match) --
-    greedy-identical to the plain program, one program for all."""
+    probe (every 3rd step) raises a row's estimate, so most steps run the plain loop (plain
+    decoding's in-place step; the drafter's state kept by commit_plain, nothing proposed) --
+    greedy-identical to the plain program, one program for all, and that program copies no
+    cache-sized buffer (session 8's lax.cond around the plain step copied EAGLE's drafter cache
+    4 times a step: the counter below sees those)."""
     plain = Engine(target).generate(prompts[:4], max_new_tokens=20, batch_size=batch_size)
     drafter, dparams = (
         eagle_like(target) if method == "eagle" else (NgramDrafter(64, min_ngram=1), None)
@@ -95,6 +99,18 @@ def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_s
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
     assert hist[0] >= 20 and hist[1:].sum() > 0  # plain-branch steps, and the probes
+    if method != "eagle":  # one compile suffices: both run decode's plain loop
+        return
+    b, cap, c = batch_size, 200, target.cfg  # capacity 200: no other dim of the model
+    args = (target.params, dparams, jnp.zeros((b, 32), jnp.int32), jnp.full((b,), 5, jnp.int32),
+            jnp.full((b,), 8, jnp.int32), SamplingParams.make(), jax.random.key(0),
+            jnp.arange(b, dtype=jnp.int32))
+    state = jax.eval_shape(lambda *a: speculate.prefill(engine.spec, *a, capacity=cap), *args)
+    lowered = speculate.decode_jit.lower(engine.spec, target.params, dparams,
+                                         engine._with_adaptive(state), args[5], jnp.int32(1))
+    text = lowered.compile(compiler_options=ACCEL_LIKE).as_text()
+    traffic = hlo.cache_traffic(text, (b, c.num_kv_heads, cap, c.head_dim))  # target's, EAGLE's
+    assert traffic.copies == () and traffic.zero_fills == ()
     # sampling: the plain branch draws the token the 0-node window step would (same uniform)
     p = jax.nn.softmax(jax.random.normal(jax.random.key(3), (5, 64)))
     keys = jax.random.split(jax.random.key(4), 5)
@@ -306,8 +322,25 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     # bookkeeping), k = 3 its max_nodes loop + commit
     plain_s, each = calibration.measure_draft(target, *eagle_like(target), 2, 3, [0, 3])
     assert plain_s > 0 and min(each) > 0
-    k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in (eagle_like(target)[0], ngram)]
-    assert k0 == ["commit_plain", "propose+commit"]  # in the key: what k = 0 measured
+    drafters = (eagle_like(target)[0], ngram, ModelDrafter(cfg=target.cfg, target_vocab=64))
+    k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
+    assert k0 == ["commit_plain"] * 2 + ["propose+commit"]  # in the key: what k = 0 measured
+
+
+def test_calibration_ratios_are_per_round_medians(monkeypatch):
+    """Load that hits one round hits the reference and the window in it alike: a name's cost is
+    the median of its per-round ratios to the reference (a minimum per name pairs a quiet run of
+    one with a quiet run of the other: here 12 / 10 instead of 1.3)."""
+    clock = [0.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(calibration, "REPS", 3)
+
+    def run(durations):  # the first call compiles (untimed)
+        it = iter(durations)
+        return lambda: clock.__setitem__(0, clock[0] + next(it))
+
+    got = calibration.timed({"ref": run([9, 10, 20, 20]), "w": run([9, 13, 26, 12])})
+    assert got["ref"] == pytest.approx(10) and got["w"] / got["ref"] == pytest.approx(1.3)
 
 
 def test_the_cost_curve_follows_the_context():

@@ -137,6 +137,10 @@ class NgramDrafter:
     def commit(self, dparams, tparams, state, ctx: CommitContext):
         return state
 
+    def commit_plain(self, dparams, tparams, state, ctx: CommitContext):
+        """Adaptive plain steps: nothing to keep (the match reads the committed tokens)."""
+        return state
+
 
 # ---- method "ngram" ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
