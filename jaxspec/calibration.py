@@ -13,9 +13,10 @@ reads each row's valid prefix, so a window's cost relative to a plain step grows
 width serves every fill (the cache holds max(FILLS) + 64 slots).
 
 Verify: `speculate.verify` (the loop's own verify, same kernels) over a chain window on a cache
-holding `fill` tokens; with no node the adaptive loop runs one entry through the window path
-(speculate.decode_step's plain-step branch: the cache is only read inside a branch), measured as
-width 0 ("w1") next to plain's in-place step (the reference: cost 1 at that fill). Draft: the
+holding `fill` tokens, next to plain's in-place step (the reference: cost 1 at that fill, and
+what speculate.decode's plain loop runs for a drafter with `commit_plain`). Width 0 ("w1"): one
+entry through the window path, the 0-node step of a drafter without commit_plain (or of prompt
+lookup without a match), inside a lax.cond branch that only reads the cache. Draft: the
 drafter's `propose` with `max_nodes` = k (EAGLE's early-stopping loop then runs k drafter steps;
 a drafter that ignores it drafts γ whatever k) followed by its `commit`; for k = 0 a drafter with
 `commit_plain` runs only that (what the plain-step branch runs), one without runs propose (0

@@ -199,7 +199,9 @@ class Engine:
         """{fill: step cost with c = 0..γ draft nodes} at this batch size, rows holding `fill`
         committed tokens, in steps of the plain program: verify of 1 + c entries (measured per
         fill, or given) + the drafter's work with c nodes (measured per fill with draft_cost
-        "auto", else draft_cost per node); once per engine and batch size. A given curve (one
+        "auto", else draft_cost per node); once per engine and batch size. With c = 0 a drafter
+        with commit_plain runs the plain program's step itself (speculate.decode's plain loop):
+        measured verify cost[0] is 1 there; others run one entry through the window path ("w1"). A given curve (one
         list) holds for every context (fill 0); a dict gives one per fill."""
         if batch not in self._costs:
             opts, g = self.adaptive, self.spec.num_speculative_tokens
@@ -216,6 +218,8 @@ class Engine:
                         f"adaptive step_costs {curve!r} must be {g + 1} positive numbers (window "
                         f"1..{g + 1} entries): give one per window width"
                     )
+            if src is None and traits(self.drafter).commit_plain:  # c* = 0: decode's plain
+                verify = {f: [1.0, *c[1:]] for f, c in verify.items()}  # loop, plain's own step
             if opts.draft_cost == "auto":
                 draft = calibration.draft_costs(
                     self.model, self.drafter, self.drafter_params, batch, g,
