@@ -248,8 +248,11 @@ class Engine:
         the loop (from the prior, re-probing); nothing an earlier request did carries over.
         Larger batches step in lockstep over rows of different requests, so the history of
         earlier batches decides too: the cost curve at the acceptance they measured
-        (`observed_acceptance`; before any: `switch_off_acceptance`), and the last adaptive
-        batch of this size must have beaten plain by the cost model (`realized_gain`). Every
+        (`observed_acceptance`; before any: `prior`, where the loop's estimates start -- a
+        size whose curve gives no gain there would start the adaptive program on its plain
+        loop, paying the drafter's bookkeeping and probes for nothing known), and the last
+        adaptive batch of this size must have beaten plain by the cost model
+        (`realized_gain`). Every
         REPROBE_BATCHES-th batch that would run plain runs adaptive instead, so the estimate
         can recover. The choice depends on earlier batches only: lossless."""
         if self.adaptive is None:
@@ -259,7 +262,7 @@ class Engine:
             acc = self.adaptive.switch_off_acceptance
             pays = max(adaptive_mod.best_gain(c, acc) for c in curves) > 1.0
         else:
-            acc = self.observed_acceptance or self.adaptive.switch_off_acceptance
+            acc = self.observed_acceptance or self.adaptive.prior
             pays = max(adaptive_mod.best_gain(c, acc) for c in curves) > 1.0
             pays = pays and self.realized_gain(batch) > 1.0
         if pays:

@@ -434,6 +434,11 @@ def test_batch_one_decides_per_request(target, prompts):
     assert not again.metrics["adaptive_switched_off"]
     assert sum(again.metrics["adaptive_gamma_hist"][1:]) > 0 and again.metrics["num_accepted_tokens"] > 0
     assert engine.spec_for(8) is engine._plain_spec  # the cost curve rules 8 out at 0.8
+    # a size with no history whose curve pays at 0.8 but not at the prior (0.6), where the
+    # loop's estimates start: batch 1 (a request) tries it, a lockstep batch runs plain
+    fresh = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
+                   adaptive=Options(step_costs=[1.0, 1.7, 2.2, 2.5], draft_cost=0.0))
+    assert fresh.spec_for(1) is fresh.spec and fresh.spec_for(4) is fresh._plain_spec
     one_off = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
                      adaptive=Options(step_costs=[1.0, 1.9, 2.9, 3.9], draft_cost=0.0))
     assert one_off.spec_for(1) is one_off._plain_spec  # ... and batch 1 where it says so
