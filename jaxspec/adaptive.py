@@ -18,13 +18,15 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
                    context is 1.0). The step reads the curve at the mean committed length of
                    the active rows, interpolated linearly between the measured fills (clamped
                    at the ends): the attention over the cache grows with the context, so a
-                   window of 1 + c entries costs relatively more at 800 cached tokens than at
-                   128 (SmolLM2-135M, batch 1: 3 EAGLE nodes 1.2 plain steps at 128, more at
-                   1024), and one curve would keep speculating where it loses. With no node verified the loop runs a one-token step without
-                   drafting (speculate.decode_step's plain branch: one entry through the window
-                   path), so cost[0] = that verify (~1.0-1.1) + the drafter's bookkeeping
-                   (EAGLE: one layer over one token; n-gram: its match). alpha counts nodes the drafter filled: an allowed node it left empty
-                   (prompt lookup without a match) shrinks the window, so is not paid for.
+                   window of 1 + c entries may cost relatively more at 1024 cached tokens than
+                   at 128 (SmolLM2-135M, batch 2, measured: one EAGLE node 1.34 plain steps at
+                   128, 1.51 at 1024). With c = 0 a drafter with commit_plain runs the plain
+                   program's own step in speculate.decode's plain loop, so cost[0] = 1 + the
+                   drafter's bookkeeping (EAGLE: one layer over one token; n-gram: none); a
+                   drafter without it runs one entry through the window path + propose(0) +
+                   commit (measured as such). alpha counts nodes the drafter filled: an allowed
+                   node it left empty (prompt lookup without a match) shrinks the window, so is
+                   not paid for.
 
 The policy, and why it is the optimal one under this cost model. A batch steps in lockstep:
 one target forward over B x (1 + c) entries, c = the longest row's length, and one drafter
@@ -52,14 +54,15 @@ that cost is zero, so that rule gives the cap.) When c* = 0, every `probe_every`
 `prior`: at batch 1 the row is the request, and a request's choices read its own steps only.
 The host side (engine.spec_for) runs a whole batch on the plain program instead when this
 size's cost curve says speculation cannot pay (`best_gain`); above batch 1 also at the
-acceptance earlier batches measured, or when the last adaptive batch of the size did not win
-(`realized_gain`: steps of each window, priced by cost, against the plain program's steps).
+acceptance earlier batches measured (before any: the prior), or when the last adaptive batch of
+the size did not win (`realized_gain`: its steps, each priced at its context -- `spent` --
+against the plain program's steps).
 
 Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`,
 the step counter and the rows' committed lengths only -- functions of committed history and of
 past steps' acceptance counts -- before this step's draft or target draws exist. (Whether the
-step takes the plain branch reads those lengths and the proposal's size, never a draw; that
-branch is the 0-node step itself, drawing its token from the target at the root with the same
+step runs in decode's plain loop or takes the plain branch reads those lengths and the
+proposal's size, never a draw; that step is the 0-node step itself, drawing its token from the target at the root with the same
 uniform, so it changes the program's cost, not its output.) Conditional on
 the past, the step is then the usual rejection-sampling step on a proposal whose length is fixed
 in advance, which emits tokens with the target's law for any fixed length (acceptance.py).
