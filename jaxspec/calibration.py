@@ -127,10 +127,10 @@ def step_costs(
     lacks, or all with recalibrate. measure(model, batch, widths, fill) -> seconds each (the
     first width is the reference)."""
     measure = measure or measure_verify
+    widths = lambda todo: [0 if n.startswith("w1@") else int(n.split("@")[0]) for n in todo]
     out = {}
     for fill in FILLS:
         names = [f"{n}@{fill}" for n in ["1", "w1", *map(str, range(2, gamma + 2))]]
-        widths = lambda todo: [0 if n.startswith("w1@") else int(n.split("@")[0]) for n in todo]
         run = lambda todo, fill=fill: measure(model, batch, widths(todo), fill)
         times = _cached(calibration_key(model), batch, names, run, recalibrate)
         out[fill] = [times[n] / times[names[0]] for n in names[1:]]
