@@ -93,8 +93,9 @@ def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_s
     )
     opts = Options(step_costs=[1.0, 1.7, 2.2, 2.5], draft_cost=0.0, probe_every=3, decay=0.5)
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
-    assert engine.spec_for(batch_size) is engine.spec  # at 0.8 one node pays: 1.8 / 1.7
-    engine.spec_for = lambda batch: engine.spec  # no host switch-off after a batch here
+    assert engine.spec_for(1) is engine.spec  # at 0.8 one node pays: 1.8 / 1.7 (a lockstep
+    engine.spec_for = lambda batch: engine.spec  # batch starts from the prior: plain) -- no
+    # host switch-off here
     results = engine.generate(prompts[:4], max_new_tokens=20, batch_size=batch_size)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
