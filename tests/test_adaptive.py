@@ -277,6 +277,7 @@ def test_controller_picks_the_length_that_pays_and_probes():
 
 def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "REPS", 2)  # the real measurements below: that they run
     calls = []
 
     def fake(model, batch, widths, fill):  # a window entry costs more at a longer context
