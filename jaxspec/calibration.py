@@ -83,7 +83,7 @@ def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
     """The target's key plus what the drafter's step time depends on."""
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)]
     shapes = hashlib.sha256(repr((jax.tree.structure(dparams), leaves)).encode()).hexdigest()
-    k0 = "commit_plain" if traits(drafter).commit_plain else "propose+commit"  # what k = 0 runs
+    k0 = "commit_plain" if _plain_commit_only(drafter) else "propose+commit"  # what k = 0 runs
     return calibration_key(model) | {
         "drafter": repr(drafter), "dparams": shapes, "gamma": gamma, "k0": k0
     }
@@ -253,6 +253,13 @@ def _plain_draft_step(dstate, dparams, tparams, commit_ctx, drafter):
     return traits(drafter).commit_plain(dparams, tparams, dstate, commit_ctx), None
 
 
+def _plain_commit_only(drafter) -> bool:
+    """What the drafter does in a plain step: commit_plain alone, or (prompt lookup: its match
+    decides plain or drafted before the step, speculate.decode) propose + commit."""
+    t = traits(drafter)
+    return t.commit_plain is not None and not t.drafts_from_tokens
+
+
 def measure_draft(
     model, drafter, dparams, batch: int, gamma: int, ks: list[int], fill: int = FILLS[0]
 ):
@@ -287,7 +294,7 @@ def measure_draft(
         path=jnp.zeros((b, 1), jnp.int32),
     )
     for k in ks:
-        if k == 0 and traits(drafter).commit_plain:  # the adaptive loop's plain step
+        if k == 0 and _plain_commit_only(drafter):  # the adaptive loop's plain step
             runs[k] = _carried(
                 _plain_draft_step, state.drafter_state, dparams, model.params, plain_ctx,
                 drafter=drafter,

@@ -421,7 +421,9 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
     Adaptive with a drafter that has `commit_plain`: two loops inside one, each step in the one
     its controller's choice (past steps only) selects -- while no row may verify a node, plain
     steps (decode_step plain=True: plain decoding's in-place step, no lax.cond around the
-    cache, which XLA:CPU would copy whole every step), then drafted steps while some row may."""
+    cache, which XLA:CPU would copy whole every step), then drafted steps while some row may.
+    Prompt lookup (`drafts_from_tokens`): also while no row has a match -- the match is a
+    function of committed tokens, computed before the step, never a draw."""
 
     def cond(carry):
         s, i = carry
@@ -435,7 +437,17 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
     ctl = spec.adaptive if spec.drafter is not None else None
     if ctl is None or traits(spec.drafter).commit_plain is None:
         return jax.lax.while_loop(cond, body, carry)[0]
-    none_allowed = lambda c: jnp.max(_allowed(ctl, c[0])) == 0
+    def none_allowed(c):  # nothing to verify: c* = 0 (or, prompt lookup, no match)
+        s = c[0]
+        allowed = _allowed(ctl, s)
+        if traits(spec.drafter).drafts_from_tokens:  # a function of committed tokens only
+            b = s.lengths.shape[0]
+            ctx = DraftContext(tokens=s.tokens, lengths=s.lengths, active=~s.done, max_nodes=allowed)
+            keys = jax.random.split(jax.random.key(0), b)  # unused: no draws
+            p, _ = spec.drafter.propose(dparams, tparams, s.drafter_state, ctx, spec.num_nodes, sp, keys)
+            allowed = jnp.where(~s.done, jnp.minimum(p.num_proposed, allowed), 0)
+        return jnp.max(allowed) == 0
+
     plain_cond = lambda c: cond(c) & none_allowed(c)
     drafted_cond = lambda c: cond(c) & ~none_allowed(c)
 

@@ -326,7 +326,7 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     assert plain_s > 0 and min(each) > 0
     drafters = (eagle_like(target)[0], ngram, ModelDrafter(cfg=target.cfg, target_vocab=64))
     k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
-    assert k0 == ["commit_plain"] * 2 + ["propose+commit"]  # in the key: what k = 0 measured
+    assert k0 == ["commit_plain"] + ["propose+commit"] * 2  # in the key: what k = 0 measured
 
 
 def test_calibration_ratios_are_per_round_medians(monkeypatch):

@@ -34,6 +34,7 @@ class NgramDrafter:
     name: str = "ngram"
     hidden_layers: tuple[int, ...] = ()
     variable_length: bool = True
+    drafts_from_tokens: bool = True  # the match reads committed tokens only
     branches: int = 0  # > 0: a tree of this many distinct continuations, `depth` nodes each
     depth: int = 0
 
