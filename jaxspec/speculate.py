@@ -281,7 +281,7 @@ def decode_step(
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
     ctl = spec.adaptive if spec.drafter is not None else None
     # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
-    allowed = None if ctl is None else _allowed(ctl, state)
+    allowed = None if ctl is None else _allowed(spec, tparams, dparams, state, sp)
     if plain:  # the loop checked: every row's allowed length is 0
         out = _plain_step(spec, tparams, dparams, state, sp, k_accept, None, in_place=True)
     else:
@@ -311,10 +311,23 @@ def decode_step(
     return _place(spec, state)
 
 
-def _allowed(ctl, state: DecodeState) -> jax.Array:
-    """int32[B] nodes each row may verify this step (the controller: past steps only)."""
+def _allowed(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> jax.Array:
+    """int32[B] nodes each row may verify this step (the controller: past steps only). Prompt
+    lookup (`drafts_from_tokens`: its proposal is a function of the committed tokens, no draw):
+    a row can use at most the nodes its match has, so the controller prices each row at that
+    (a lockstep window wide enough for one row's match costs every row; rows without a match
+    gain nothing from it), and no match anywhere leaves nothing to verify."""
     room = state.max_lengths - state.lengths  # tokens each row may still emit
-    return ctl.choose(state.adaptive, state.row_steps, ~state.done, room, state.lengths)
+    if traits(spec.drafter).drafts_from_tokens:
+        b = state.lengths.shape[0]
+        full = jnp.full((b,), spec.num_nodes, jnp.int32)
+        ctx = DraftContext(state.tokens, state.lengths, ~state.done, full)
+        keys = jax.random.split(jax.random.key(0), b)  # unused: no draws
+        p, _ = spec.drafter.propose(
+            dparams, tparams, state.drafter_state, ctx, spec.num_nodes, sp, keys
+        )
+        room = jnp.minimum(room, p.num_proposed + 1)  # nodes it can commit <= its match
+    return spec.adaptive.choose(state.adaptive, state.row_steps, ~state.done, room, state.lengths)
 
 
 def _last_token(state: DecodeState) -> jax.Array:  # int32[B] the last committed token
@@ -437,16 +450,7 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
     ctl = spec.adaptive if spec.drafter is not None else None
     if ctl is None or traits(spec.drafter).commit_plain is None:
         return jax.lax.while_loop(cond, body, carry)[0]
-    def none_allowed(c):  # nothing to verify: c* = 0 (or, prompt lookup, no match)
-        s = c[0]
-        allowed = _allowed(ctl, s)
-        if traits(spec.drafter).drafts_from_tokens:  # a function of committed tokens only
-            b = s.lengths.shape[0]
-            ctx = DraftContext(tokens=s.tokens, lengths=s.lengths, active=~s.done, max_nodes=allowed)
-            keys = jax.random.split(jax.random.key(0), b)  # unused: no draws
-            p, _ = spec.drafter.propose(dparams, tparams, s.drafter_state, ctx, spec.num_nodes, sp, keys)
-            allowed = jnp.where(~s.done, jnp.minimum(p.num_proposed, allowed), 0)
-        return jnp.max(allowed) == 0
+    none_allowed = lambda c: jnp.max(_allowed(spec, tparams, dparams, c[0], sp)) == 0
 
     plain_cond = lambda c: cond(c) & none_allowed(c)
     drafted_cond = lambda c: cond(c) & ~none_allowed(c)
