@@ -178,10 +178,19 @@ def _verify(cache, tparams, window, sp, spec, width):
     return cache, (probs, window_kv)
 
 
-def _carried(fn, state, *args, **static):
+@functools.partial(jax.jit, static_argnames=("spec", "width"))
+def _verify_read(cache, tparams, window, sp, spec, width):
+    """A window with nodes (or width 0's 2-entry window): the cache is only read, so every such
+    width shares one cache, undonated (at batch 64 and 1088 slots a cache is ~3 GB)."""
+    probs, _, _, window_kv = speculate.verify(spec, tparams, cache, window, sp, width)
+    return probs, window_kv
+
+
+def _carried(fn, state, *args, own: bool = False, **static):
     """A zero-argument run of fn(state, *args, **static) -> (state, out) that hands the state it
-    returns to its next call, on a copy of `state` of its own (fn donates it)."""
-    held = [jax.tree.map(jnp.copy, state)]
+    returns to its next call (fn donates it), on a copy of `state` of its own unless `own` (the
+    caller hands `state` over and never uses it again)."""
+    held = [state if own else jax.tree.map(jnp.copy, state)]
 
     def run():
         held[0], out = fn(held[0], *args, **static)
@@ -234,9 +243,12 @@ def measure_verify(model, batch: int, widths: list[int], fill: int = FILLS[0]) -
             tree.chain_parents(batch, n),
             jnp.full((batch,), n, jnp.int32),
         )
-        runs[width] = _carried(
-            _verify, cache, model.params, window, sp, spec=spec, width=max(width, 1)
-        )
+        if width == 1:  # plain's in-place step writes its (donated) copy
+            runs[width] = _carried(_verify, cache, model.params, window, sp, spec=spec, width=1)
+        else:
+            runs[width] = functools.partial(
+                _verify_read, cache, model.params, window, sp, spec=spec, width=max(width, 1)
+            )
     best = timed(runs)
     return [best[w] for w in widths]
 
@@ -271,11 +283,11 @@ def measure_draft(
     prompt = 16  # the drafter's init runs over a short prompt; the rows then claim `fill` tokens
     cap = max(FILLS) + 2 * gamma + 8  # every fill in one capacity: one compile
     b = batch
-    state = speculate.prefill_jit(
+    dstate = speculate.prefill_jit(
         spec, model.params, dparams, jnp.ones((b, prompt), jnp.int32),
         jnp.full((b,), prompt, jnp.int32), jnp.full((b,), cap, jnp.int32),
         SamplingParams.make(), jax.random.key(0), jnp.arange(b, dtype=jnp.int32), capacity=cap,
-    )
+    ).drafter_state  # the target's cache it also fills: dropped at once (~3 GB at batch 64)
     tokens = (jnp.arange(cap, dtype=jnp.int32)[None] % 7 + 1) * jnp.ones((b, 1), jnp.int32)
     lengths = jnp.full((b,), fill, jnp.int32)
     d1 = max(spec.depth, 1) + 1
@@ -296,26 +308,26 @@ def measure_draft(
     for k in ks:
         if k == 0 and _plain_commit_only(drafter):  # the adaptive loop's plain step
             runs[k] = _carried(
-                _plain_draft_step, state.drafter_state, dparams, model.params, plain_ctx,
+                _plain_draft_step, dstate, dparams, model.params, plain_ctx,
                 drafter=drafter,
             )
             continue
         ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.full((b,), k, jnp.int32))
         runs[k] = _carried(
-            _draft_step, state.drafter_state, dparams, model.params, ctx, sp, keys, commit_ctx,
+            _draft_step, dstate, dparams, model.params, ctx, sp, keys, commit_ctx,
             drafter=drafter, gamma=gamma,
         )
     verify_cache = init_cache(
         cfg.num_layers, b, max(FILLS) + 64, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype,
         isinstance(model.params["layers"], dict),
-    ).with_lengths(lengths)
+    ).with_lengths(lengths + 0)  # its own buffer: the cache is donated
     window = tree.build_window(
         jnp.ones((b,), jnp.int32), lengths, jnp.ones((b, 0), jnp.int32), tree.chain_parents(b, 0),
         jnp.zeros((b,), jnp.int32),
     )
     plain_spec = dataclasses.replace(spec, drafter=None, num_speculative_tokens=0)
     runs["plain"] = _carried(
-        _verify, verify_cache, model.params, window, sp, spec=plain_spec, width=1
+        _verify, verify_cache, model.params, window, sp, own=True, spec=plain_spec, width=1
     )
     best = timed({"plain": runs.pop("plain")} | runs)
     return best["plain"], [best[k] for k in ks]
