@@ -54,7 +54,7 @@ from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 
 FILLS = (128, 1024)  # committed tokens per row the costs are measured at (prompt buckets)
-REPS = 9  # timed rounds over all names; each keeps the median of its per-round ratio
+REPS = 7  # timed rounds over all names; each keeps the median of its per-round ratio
 
 Measure = Callable[[Any, int, list[int]], list[float]]  # (model, batch, widths) -> seconds each
 
