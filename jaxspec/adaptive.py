@@ -13,12 +13,20 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
     room[b]      = tokens the row may still emit (max length - length): at most room[b] - 1
                    nodes can ever be committed, so E_b(c) = E[b, min(c, room[b] - 1)]
     cost[c]      = (verify(1 + c entries) + drafter's step with c nodes) / plain step, at this
-                   batch size (jaxspec.calibration measures both; the plain program's step is
-                   1.0). With no node verified the loop runs a one-token step without
-                   drafting (speculate.decode_step's plain branch: one entry through the window
-                   path), so cost[0] = that verify (~1.0-1.1) + the drafter's bookkeeping
-                   (EAGLE: one layer over one token; n-gram: its match). alpha counts nodes the drafter filled: an allowed node it left empty
-                   (prompt lookup without a match) shrinks the window, so is not paid for.
+                   batch size and the batch's current context (jaxspec.calibration measures both
+                   at a few context lengths `fills`; the plain program's step at the same
+                   context is 1.0). The step reads the curve at the mean committed length of
+                   the active rows, interpolated linearly between the measured fills (clamped
+                   at the ends): the attention over the cache grows with the context, so a
+                   window of 1 + c entries may cost relatively more at 1024 cached tokens than
+                   at 128 (SmolLM2-135M, batch 2, measured: one EAGLE node 1.34 plain steps at
+                   128, 1.51 at 1024). With c = 0 a drafter with commit_plain runs the plain
+                   program's own step in speculate.decode's plain loop, so cost[0] = 1 + the
+                   drafter's bookkeeping (EAGLE: one layer over one token; n-gram: none); a
+                   drafter without it runs one entry through the window path + propose(0) +
+                   commit (measured as such). alpha counts nodes the drafter filled: an allowed
+                   node it left empty (prompt lookup without a match) shrinks the window, so is
+                   not paid for.
 
 The policy, and why it is the optimal one under this cost model. A batch steps in lockstep:
 one target forward over B x (1 + c) entries, c = the longest row's length, and one drafter
@@ -46,14 +54,15 @@ that cost is zero, so that rule gives the cap.) When c* = 0, every `probe_every`
 `prior`: at batch 1 the row is the request, and a request's choices read its own steps only.
 The host side (engine.spec_for) runs a whole batch on the plain program instead when this
 size's cost curve says speculation cannot pay (`best_gain`); above batch 1 also at the
-acceptance earlier batches measured, or when the last adaptive batch of the size did not win
-(`realized_gain`: steps of each window, priced by cost, against the plain program's steps).
+acceptance earlier batches measured (before any: the prior), or when the last adaptive batch of
+the size did not win (`realized_gain`: its steps, each priced at its context -- `spent` --
+against the plain program's steps).
 
 Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`,
 the step counter and the rows' committed lengths only -- functions of committed history and of
 past steps' acceptance counts -- before this step's draft or target draws exist. (Whether the
-step takes the plain branch reads those lengths and the proposal's size, never a draw; that
-branch is the 0-node step itself, drawing its token from the target at the root with the same
+step runs in decode's plain loop or takes the plain branch reads those lengths and the
+proposal's size, never a draw; that step is the 0-node step itself, drawing its token from the target at the root with the same
 uniform, so it changes the program's cost, not its output.) Conditional on
 the past, the step is then the usual rejection-sampling step on a proposal whose length is fixed
 in advance, which emits tokens with the target's law for any fixed length (acceptance.py).
@@ -80,13 +89,15 @@ from jaxspec.drafters.base import Proposal
 @dataclasses.dataclass(frozen=True)
 class AdaptiveState:
     alpha: jax.Array  # f32[B, G] decayed conditional acceptance per draft position
-    costs: jax.Array  # f32[G+1] step cost with c = 0..G nodes, in plain-program steps (>= 1)
+    costs: jax.Array  # f32[F, G+1] step cost with c = 0..G nodes at each fill, in plain steps
+    fills: jax.Array  # f32[F] context lengths (committed tokens) the rows of `costs` are for
     lengths: jax.Array  # int32[B] nodes each row was allowed this step (metrics, next update)
     length_hist: jax.Array  # int32[B, G+1] steps in which the row used k nodes
     plain_steps: jax.Array  # int32[B] steps in which the whole batch verified a 1-token window
     window_hist: jax.Array  # int32[G+1] steps in which the batch's window held 1 + c entries
     reached: jax.Array  # int32[B, G] steps in which draft position i was reached (allowed)
     hits: jax.Array  # int32[B, G] ... and accepted (hits / reached: the batch's mean alpha)
+    spent: jax.Array  # f32[] the steps' cost so far, in plain steps at their context (realized)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,31 +111,41 @@ class Controller:
     probe_length: int = 1  # nodes a probe verifies
 
     def init(self, batch: int, costs) -> AdaptiveState:
+        """costs: one curve [G+1] (every context) or {fill: curve} (jaxspec.calibration)."""
         g = self.gamma
-        costs = jnp.asarray(costs, jnp.float32)  # [G+1]
+        fills, table = cost_table(costs)
         return AdaptiveState(
             alpha=jnp.full((batch, g), self.prior, jnp.float32),
-            costs=costs,
+            costs=jnp.asarray(table, jnp.float32),  # [F, G+1]
+            fills=jnp.asarray(fills, jnp.float32),  # [F]
             lengths=jnp.zeros((batch,), jnp.int32),
             length_hist=jnp.zeros((batch, g + 1), jnp.int32),
             plain_steps=jnp.zeros((batch,), jnp.int32),
             window_hist=jnp.zeros((g + 1,), jnp.int32),
             reached=jnp.zeros((batch, g), jnp.int32),
             hits=jnp.zeros((batch, g), jnp.int32),
+            spent=jnp.zeros((), jnp.float32),
         )
 
     def choose(
-        self, st: AdaptiveState, row_steps: jax.Array, active: jax.Array, room: jax.Array
+        self,
+        st: AdaptiveState,
+        row_steps: jax.Array,
+        active: jax.Array,
+        room: jax.Array,
+        context: jax.Array,
     ) -> jax.Array:
         """-> int32[B] nodes each row may verify this step: min(c*, room - 1) (module docstring).
-        Reads only past-step statistics (alpha, costs), the step counter and room (tokens each
-        row may still emit: committed history): never this step's draws."""
+        Reads only past-step statistics (alpha, costs), the step counter, room (tokens each row
+        may still emit) and context (int32[B] committed tokens): committed history, never this
+        step's draws."""
         g = self.gamma
+        costs = step_cost(st, context, active)  # [G+1] at the batch's context
         expected = expected_tokens(st.alpha)  # [B, G+1]
         useful = jnp.clip(room - 1, 0, g).astype(jnp.int32)  # [B] nodes a row can still commit
         ks = jnp.arange(g + 1)
         by_cap = jnp.take_along_axis(expected, jnp.minimum(ks[None], useful[:, None]), axis=1)
-        total = jnp.sum(jnp.where(active[:, None], by_cap, 0.0), axis=0) / st.costs  # [G+1]
+        total = jnp.sum(jnp.where(active[:, None], by_cap, 0.0), axis=0) / costs  # [G+1]
         cap = jnp.argmax(total).astype(jnp.int32)  # ties: the shorter window
         step = jnp.max(jnp.where(active, row_steps, 0))  # rows of a batch step together
         probe = (self.probe_every > 0) & (step % max(self.probe_every, 1) == 0)
@@ -135,12 +156,15 @@ class Controller:
         """Cut each row's chain to its chosen length (the rest become padding)."""
         return proposal._replace(num_proposed=jnp.minimum(proposal.num_proposed, lengths))
 
-    def update(self, st: AdaptiveState, lengths, num_nodes, num_accepted, active) -> AdaptiveState:
+    def update(
+        self, st: AdaptiveState, lengths, num_nodes, num_accepted, active, context
+    ) -> AdaptiveState:
         """After acceptance: position i (1-based) was reached when i <= min(n+1, verified nodes);
         a reached position was accepted when i <= n. Only reached positions move their estimate.
         A position the row was allowed but its drafter did not fill (prompt lookup without a
         match) is no evidence: the window shrinks to the nodes proposed, so an unfilled node is
-        not paid for (a 1-entry step is: `window_hist`, and the engine's realized gain)."""
+        not paid for (a 1-entry step is: `window_hist`, and the engine's realized gain).
+        context: int32[B] committed tokens before the step (what `choose` priced it at)."""
         i = jnp.arange(1, self.gamma + 1)[None]  # [1, G]
         reached = (i <= jnp.minimum(num_accepted + 1, num_nodes)[:, None]) & active[:, None]
         hit = (i <= num_accepted[:, None]).astype(jnp.float32)
@@ -158,7 +182,25 @@ class Controller:
             window_hist=st.window_hist + stepped,
             reached=st.reached + reached.astype(jnp.int32),
             hits=st.hits + (reached & (hit > 0)).astype(jnp.int32),
+            spent=st.spent + jnp.any(active) * step_cost(st, context, active)[window],
         )
+
+
+def cost_table(costs) -> tuple[list[float], list[list[float]]]:
+    """One curve [G+1] (every context: fills [0]) or {fill: curve} -> (fills ascending, rows)."""
+    if isinstance(costs, dict):
+        fills = sorted(costs, key=float)
+        return [float(f) for f in fills], [[float(c) for c in costs[f]] for f in fills]
+    return [0.0], [[float(c) for c in costs]]
+
+
+def step_cost(st: AdaptiveState, context: jax.Array, active: jax.Array) -> jax.Array:
+    """-> f32[G+1] the cost curve at the mean committed length of the active rows (each row's
+    attention reads its own prefix, so the batch's attention work goes with the mean),
+    linear between the measured fills, clamped outside them."""
+    n = jnp.maximum(jnp.sum(active), 1)
+    x = jnp.sum(jnp.where(active, context, 0)).astype(jnp.float32) / n
+    return jax.vmap(lambda col: jnp.interp(x, st.fills, col), in_axes=1)(st.costs)
 
 
 def expected_tokens(alpha: jax.Array) -> jax.Array:

@@ -46,6 +46,8 @@ def main(argv=None) -> int:
                    help="per-category run: only these (comma-separated; default: every category)")
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--out", required=True)
+    p.add_argument("--sweep-first", action="store_true",
+                   help="run the batch sizes before the per-category table (one process each)")
     p.add_argument("--in-process", action="store_true",
                    help="run every part in this process (default: one process per part)")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child: categories|sweep
@@ -68,7 +70,8 @@ def run_parts(a, argv) -> int:
     outdir = Path(a.out)
     outdir.mkdir(parents=True, exist_ok=True)
     parts = [("categories", [])] if a.per_category > 0 else []
-    parts += [(f"batch{b}", ["--batch-sizes", str(b), "--per-category", "0"]) for b in a.batch_sizes]
+    sweep = [(f"batch{b}", ["--batch-sizes", str(b), "--per-category", "0"]) for b in a.batch_sizes]
+    parts = sweep + parts if a.sweep_first else parts + sweep
     out: dict = {"settings": vars(a) | {"parts": {}}, "points": []}
     names = None
     for name, extra in parts:
@@ -255,7 +258,9 @@ def per_category(a, engines, questions) -> dict:
                 entry["switched_off"] = sum(o for _, _, o in gs) / len(gs)  # prompts run plain
             table[key][name] = entry
     raw = {f"{runs[i][0]}#{i}|{n}": v for (i, n), v in tps.items()}
-    return {"table": table, "outputs_match": outputs_match, "raw_tokens_per_s": raw}
+    costs = {n: e.step_costs(1) for n, e in engines.items() if e.adaptive is not None}
+    return {"table": table, "outputs_match": outputs_match, "raw_tokens_per_s": raw,
+            "step_costs": costs}
 
 
 def summary(out, names) -> str:

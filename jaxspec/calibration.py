@@ -4,18 +4,28 @@ verifying a window of 1..γ+1 entries, and how long the drafter's work of one st
 divides expected tokens by these costs, so it learns e.g. that on a 2-core CPU a 5-entry window
 at batch 32 costs several plain steps while at batch 1 it costs little more than one.
 
-    costs = step_costs(model, batch=8, gamma=4)       # [γ+1] in plain steps (1-entry window: ~1)
-    draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # [γ+1] in plain steps
+    costs = step_costs(model, batch=8, gamma=4)  # {fill: [γ+1]} in plain steps (1 entry: ~1)
+    draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # {fill: [γ+1]} likewise
+
+Each curve is measured at every context length in `FILLS` (committed tokens per row): attention
+reads each row's valid prefix, so a window's cost relative to a plain step grows with the context
+(adaptive.py interpolates between the fills in the loop). The lengths are data: one compile per
+width serves every fill (the cache holds max(FILLS) + 64 slots).
 
 Verify: `speculate.verify` (the loop's own verify, same kernels) over a chain window on a cache
-holding `FILL` tokens; with no node the adaptive loop runs one entry through the window path
-(speculate.decode_step's plain-step branch: the cache is only read inside a branch), measured as
-width 0 ("w1") next to plain's in-place step. Draft: the
+holding `fill` tokens, next to plain's in-place step (the reference: cost 1 at that fill, and
+what speculate.decode's plain loop runs for a drafter with `commit_plain`). Width 0 ("w1"): one
+entry through the window path, the 0-node step of a drafter without commit_plain (or of prompt
+lookup without a match), inside a lax.cond branch that only reads the cache. Draft: the
 drafter's `propose` with `max_nodes` = k (EAGLE's early-stopping loop then runs k drafter steps;
 a drafter that ignores it drafts γ whatever k) followed by its `commit`; for k = 0 a drafter with
 `commit_plain` runs only that (what the plain-step branch runs), one without runs propose (0
-nodes) + commit. On a state whose rows hold `FILL` tokens, timed in the same rounds as a plain
-1-entry verify so its ratio to a plain step comes from one sitting. Measured once per key and batch size and
+nodes) + commit. On a state whose rows hold `fill` tokens, timed in the same rounds as a plain
+1-entry verify. Each round times every name once after the reference (the plain step); a name's
+cost is the median over rounds of its time / the reference's time in that round -- load on a
+shared machine comes and goes between rounds, and a ratio taken within one round sees it on both
+(a minimum per name, as session 8 kept, pairs a quiet run of one with a quiet run of another,
+and a noisy batch-2 calibration under-priced speculation ~2x). Measured once per key and batch size and
 kept as JSON under <jaxspec cache>/calibration/<key hash>.json; the key holds the model, dtype,
 layout, device kind and kernel switches (draft: also the drafter's settings and its parameters'
 shapes, and γ). A changed key is a different file, so a new model, drafter or device measures
@@ -28,7 +38,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -44,8 +53,8 @@ from jaxspec.drafters.base import CommitContext, DraftContext, traits
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 
-FILL = 128  # committed tokens in the calibration cache (a typical prompt + some output)
-REPS = 7  # timed rounds over all windows; each window's fastest run is kept
+FILLS = (128, 1024)  # committed tokens per row the costs are measured at (prompt buckets)
+REPS = 7  # timed rounds over all names; each keeps the median of its per-round ratio
 
 Measure = Callable[[Any, int, list[int]], list[float]]  # (model, batch, widths) -> seconds each
 
@@ -65,7 +74,8 @@ def calibration_key(model) -> dict[str, Any]:
             os.environ.get("JAXSPEC_CPU_KERNELS", ""),
             os.environ.get("JAXSPEC_CPU_ATTENTION", ""),
         ],
-        "fill": FILL,
+        "fills": list(FILLS),
+        "estimate": "median-ratio",
     }
 
 
@@ -73,7 +83,7 @@ def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
     """The target's key plus what the drafter's step time depends on."""
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)]
     shapes = hashlib.sha256(repr((jax.tree.structure(dparams), leaves)).encode()).hexdigest()
-    k0 = "commit_plain" if traits(drafter).commit_plain else "propose+commit"  # what k = 0 runs
+    k0 = "commit_plain" if _plain_commit_only(drafter) else "propose+commit"  # what k = 0 runs
     return calibration_key(model) | {
         "drafter": repr(drafter), "dparams": shapes, "gamma": gamma, "k0": k0
     }
@@ -109,36 +119,45 @@ def _cached(key: dict, batch: int, names: list[str], measure, recalibrate: bool)
 
 def step_costs(
     model, batch: int, gamma: int, *, recalibrate: bool = False, measure: Measure | None = None
-) -> list[float]:
-    """Relative verify cost for k = 0..γ draft nodes at this batch size: time(window of 1 + k
-    entries) / time(the plain program's 1-entry forward, which writes the cache in place). k = 0
-    is the adaptive loop's own 1-entry step, one entry through the window path (width 0 below).
-    Reads the cache; measures (and writes it) what it lacks, or all with recalibrate.
-    measure(model, batch, widths) -> seconds each."""
+) -> dict[int, list[float]]:
+    """Relative verify cost for k = 0..γ draft nodes at this batch size, per fill: time(window
+    of 1 + k entries) / time(the plain program's 1-entry forward, which writes the cache in
+    place), rows holding `fill` tokens. k = 0 is the adaptive loop's own 1-entry step, one entry
+    through the window path (width 0 below). Reads the cache; measures (and writes it) what it
+    lacks, or all with recalibrate. measure(model, batch, widths, fill) -> seconds each (the
+    first width is the reference)."""
     measure = measure or measure_verify
-    names = ["1", "w1"] + [str(w) for w in range(2, gamma + 2)]
-    run = lambda todo: measure(model, batch, [0 if n == "w1" else int(n) for n in todo])
-    times = _cached(calibration_key(model), batch, names, run, recalibrate)
-    return [times[n] / times["1"] for n in names[1:]]
+    widths = lambda todo: [0 if n.startswith("w1@") else int(n.split("@")[0]) for n in todo]
+    out = {}
+    for fill in FILLS:
+        names = [f"{n}@{fill}" for n in ["1", "w1", *map(str, range(2, gamma + 2))]]
+        run = lambda todo, fill=fill: measure(model, batch, widths(todo), fill)
+        times = _cached(calibration_key(model), batch, names, run, recalibrate)
+        out[fill] = [times[n] / times[names[0]] for n in names[1:]]
+    return out
 
 
 def draft_costs(
     model, drafter, dparams, batch: int, gamma: int, *, recalibrate: bool = False, measure=None
-) -> list[float]:
+) -> dict[int, list[float]]:
     """The drafter's work per step with k = 0..γ nodes (propose + commit), in plain steps (a
-    1-entry verify at this batch size, timed in the same rounds). measure(model, drafter,
-    dparams, batch, gamma, ks) -> (plain seconds, [seconds per k]); default `measure_draft`."""
+    1-entry verify at this batch size and fill, timed in the same rounds), per fill.
+    measure(model, drafter, dparams, batch, gamma, ks, fill) -> (plain seconds, [seconds per
+    k]); default `measure_draft`."""
     measure = measure or measure_draft
-
-    def run(todo):
-        ks = [int(n) for n in todo[1:]]
-        plain, each = measure(model, drafter, dparams, batch, gamma, ks)
-        return [plain, *each]
-
-    names = ["plain"] + [str(k) for k in range(gamma + 1)]
     key = draft_key(model, drafter, dparams, gamma)
-    times = _cached(key, batch, names, run, recalibrate)
-    return [times[str(k)] / times["plain"] for k in range(gamma + 1)]
+    out = {}
+    for fill in FILLS:
+
+        def run(todo, fill=fill):
+            ks = [int(n.split("@")[0]) for n in todo[1:]]
+            plain, each = measure(model, drafter, dparams, batch, gamma, ks, fill)
+            return [plain, *each]
+
+        names = [f"plain@{fill}"] + [f"{k}@{fill}" for k in range(gamma + 1)]
+        times = _cached(key, batch, names, run, recalibrate)
+        out[fill] = [times[f"{k}@{fill}"] / times[names[0]] for k in range(gamma + 1)]
+    return out
 
 
 def _read(path: Path) -> dict:
@@ -149,24 +168,70 @@ def _read(path: Path) -> dict:
     return data if isinstance(data, dict) and isinstance(data.get("batches"), dict) else {}
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "width"))
-def _verify(spec, tparams, cache, window, sp, width):
+@functools.partial(jax.jit, static_argnames=("spec", "width"), donate_argnums=0)
+def _verify(cache, tparams, window, sp, spec, width):
+    """-> (cache, (probs, window k/v)). The cache is donated and handed back (`_carried`): a
+    1-entry window writes it in place, as the decode loop does; undonated, every call would copy
+    the whole cache first (at 1088 slots that inflated the plain reference, so every ratio to it
+    came out low: cost[0] 0.90 at fill 1024, batch 2)."""
     probs, _, cache, window_kv = speculate.verify(spec, tparams, cache, window, sp, width)
-    return probs, cache, window_kv
+    return cache, (probs, window_kv)
 
 
-def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
-    """Seconds for one target forward over a chain window of each width at this batch size
-    (width 1: plain's in-place forward; width 0: one entry through the window path, as the
-    adaptive loop's 1-entry step runs it). The widths are timed in interleaved rounds and each
-    keeps its fastest run: on a shared machine load comes and goes, and the minimum is the cost
-    the program itself has."""
+@functools.partial(jax.jit, static_argnames=("spec", "width"))
+def _verify_read(cache, tparams, window, sp, spec, width):
+    """A window with nodes (or width 0's 2-entry window): the cache is only read, so every such
+    width shares one cache, undonated (at batch 64 and 1088 slots a cache is ~3 GB)."""
+    probs, _, _, window_kv = speculate.verify(spec, tparams, cache, window, sp, width)
+    return probs, window_kv
+
+
+def _carried(fn, state, *args, own: bool = False, **static):
+    """A zero-argument run of fn(state, *args, **static) -> (state, out) that hands the state it
+    returns to its next call (fn donates it), on a copy of `state` of its own unless `own` (the
+    caller hands `state` over and never uses it again)."""
+    held = [state if own else jax.tree.map(jnp.copy, state)]
+
+    def run():
+        held[0], out = fn(held[0], *args, **static)
+        return out, held[0]
+
+    return run
+
+
+def timed(runs: dict) -> dict:
+    """{name: seconds} for {name: run}; the first name is the reference. Rounds of one run each,
+    in order; a name's seconds = the median over rounds of its time / the reference's time in
+    the same round, times the reference's fastest run (so ratios to the reference are the
+    medians: load that comes and goes between rounds hits both sides of each ratio)."""
+    names = list(runs)
+    for run in runs.values():
+        jax.block_until_ready(run())  # compile (and warm)
+    rounds = []
+    for _ in range(REPS):
+        got = {}
+        for n in names:
+            t0 = time.perf_counter()
+            jax.block_until_ready(runs[n]())
+            got[n] = time.perf_counter() - t0
+        rounds.append(got)
+    ref = min(r[names[0]] for r in rounds)
+    median = lambda xs: sorted(xs)[len(xs) // 2]
+    return {n: ref * median([r[n] / r[names[0]] for r in rounds]) for n in names}
+
+
+def measure_verify(model, batch: int, widths: list[int], fill: int = FILLS[0]) -> list[float]:
+    """Seconds for one target forward over a chain window of each width at this batch size,
+    rows holding `fill` tokens (width 1: plain's in-place forward; width 0: one entry through
+    the window path, as the adaptive loop's 1-entry step runs it), by `timed` with the first
+    width the reference."""
     cfg = model.cfg
     spec = speculate.LoopSpec(cfg=cfg, drafter=None, num_speculative_tokens=0, eos_ids=())
     stacked = isinstance(model.params["layers"], dict)
-    cache = init_cache(
-        cfg.num_layers, batch, FILL + 64, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype, stacked
-    ).with_lengths(jnp.full((batch,), FILL, jnp.int32))
+    cache = init_cache(  # one capacity for every fill: the lengths are data, one compile
+        cfg.num_layers, batch, max(FILLS) + 64, cfg.num_kv_heads, cfg.head_dim,
+        cfg.compute_dtype, stacked,
+    ).with_lengths(jnp.full((batch,), fill, jnp.int32))
     sp = SamplingParams.make()
     runs = {}
     for width in widths:
@@ -178,46 +243,53 @@ def measure_verify(model, batch: int, widths: list[int]) -> list[float]:
             tree.chain_parents(batch, n),
             jnp.full((batch,), n, jnp.int32),
         )
-        runs[width] = functools.partial(
-            _verify, spec, model.params, cache, window, sp, max(width, 1)
-        )
-        jax.block_until_ready(runs[width]())  # compile
-    best = {w: math.inf for w in widths}
-    for _ in range(REPS):
-        for width in widths:
-            t0 = time.perf_counter()
-            jax.block_until_ready(runs[width]())
-            best[width] = min(best[width], time.perf_counter() - t0)
+        if width == 1:  # plain's in-place step writes its (donated) copy
+            runs[width] = _carried(_verify, cache, model.params, window, sp, spec=spec, width=1)
+        else:
+            runs[width] = functools.partial(
+                _verify_read, cache, model.params, window, sp, spec=spec, width=max(width, 1)
+            )
+    best = timed(runs)
     return [best[w] for w in widths]
 
 
-@functools.partial(jax.jit, static_argnames=("drafter", "gamma"))
-def _draft_step(drafter, gamma, dparams, tparams, dstate, ctx, sp, keys, commit_ctx):
-    _, dstate = drafter.propose(dparams, tparams, dstate, ctx, gamma, sp, keys)
-    return drafter.commit(dparams, tparams, dstate, commit_ctx)
+@functools.partial(jax.jit, static_argnames=("drafter", "gamma"), donate_argnums=0)
+def _draft_step(dstate, dparams, tparams, ctx, sp, keys, commit_ctx, drafter, gamma):
+    """-> (state, proposal's tokens): the state donated, updated in place as in the loop."""
+    proposal, dstate = drafter.propose(dparams, tparams, dstate, ctx, gamma, sp, keys)
+    return drafter.commit(dparams, tparams, dstate, commit_ctx), proposal.tokens
 
 
-@functools.partial(jax.jit, static_argnames=("drafter",))
-def _plain_draft_step(drafter, dparams, tparams, dstate, commit_ctx):
-    return traits(drafter).commit_plain(dparams, tparams, dstate, commit_ctx)
+@functools.partial(jax.jit, static_argnames=("drafter",), donate_argnums=0)
+def _plain_draft_step(dstate, dparams, tparams, commit_ctx, drafter):
+    return traits(drafter).commit_plain(dparams, tparams, dstate, commit_ctx), None
 
 
-def measure_draft(model, drafter, dparams, batch: int, gamma: int, ks: list[int]):
+def _plain_commit_only(drafter) -> bool:
+    """What the drafter does in a plain step: commit_plain alone, or (prompt lookup: its match
+    decides plain or drafted before the step, speculate.decode) propose + commit."""
+    t = traits(drafter)
+    return t.commit_plain is not None and not t.drafts_from_tokens
+
+
+def measure_draft(
+    model, drafter, dparams, batch: int, gamma: int, ks: list[int], fill: int = FILLS[0]
+):
     """(seconds of a 1-entry verify, [seconds of the drafter's step with max_nodes = k for k in
-    ks]): propose + commit (k = 0 with commit_plain: that alone) on a state whose rows hold FILL
-    tokens, all timed in interleaved rounds, each keeping its fastest run."""
+    ks]): propose + commit (k = 0 with commit_plain: that alone) on a state whose rows hold
+    `fill` tokens, by `timed` with the plain verify the reference."""
     cfg = model.cfg
     spec = speculate.LoopSpec(cfg=cfg, drafter=drafter, num_speculative_tokens=gamma, eos_ids=())
-    prompt = 16  # the drafter's init runs over a short prompt; the rows then claim FILL tokens
-    cap = FILL + 2 * gamma + 8
+    prompt = 16  # the drafter's init runs over a short prompt; the rows then claim `fill` tokens
+    cap = max(FILLS) + 2 * gamma + 8  # every fill in one capacity: one compile
     b = batch
-    state = speculate.prefill_jit(
+    dstate = speculate.prefill_jit(
         spec, model.params, dparams, jnp.ones((b, prompt), jnp.int32),
         jnp.full((b,), prompt, jnp.int32), jnp.full((b,), cap, jnp.int32),
         SamplingParams.make(), jax.random.key(0), jnp.arange(b, dtype=jnp.int32), capacity=cap,
-    )
+    ).drafter_state  # the target's cache it also fills: dropped at once (~3 GB at batch 64)
     tokens = (jnp.arange(cap, dtype=jnp.int32)[None] % 7 + 1) * jnp.ones((b, 1), jnp.int32)
-    lengths = jnp.full((b,), FILL, jnp.int32)
+    lengths = jnp.full((b,), fill, jnp.int32)
     d1 = max(spec.depth, 1) + 1
     nh = len(drafter.hidden_layers)
     hidden = jnp.zeros((nh, b, d1, cfg.hidden_size), cfg.compute_dtype) if nh else None
@@ -234,34 +306,28 @@ def measure_draft(model, drafter, dparams, batch: int, gamma: int, ks: list[int]
         path=jnp.zeros((b, 1), jnp.int32),
     )
     for k in ks:
-        if k == 0 and traits(drafter).commit_plain:  # the adaptive loop's plain step
-            runs[k] = functools.partial(
-                _plain_draft_step, drafter, dparams, model.params, state.drafter_state, plain_ctx
+        if k == 0 and _plain_commit_only(drafter):  # the adaptive loop's plain step
+            runs[k] = _carried(
+                _plain_draft_step, dstate, dparams, model.params, plain_ctx,
+                drafter=drafter,
             )
             continue
         ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.full((b,), k, jnp.int32))
-        runs[k] = functools.partial(
-            _draft_step, drafter, gamma, dparams, model.params, state.drafter_state, ctx, sp,
-            keys, commit_ctx,
+        runs[k] = _carried(
+            _draft_step, dstate, dparams, model.params, ctx, sp, keys, commit_ctx,
+            drafter=drafter, gamma=gamma,
         )
     verify_cache = init_cache(
-        cfg.num_layers, b, FILL + 64, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype,
+        cfg.num_layers, b, max(FILLS) + 64, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype,
         isinstance(model.params["layers"], dict),
-    ).with_lengths(lengths)
+    ).with_lengths(lengths + 0)  # its own buffer: the cache is donated
     window = tree.build_window(
         jnp.ones((b,), jnp.int32), lengths, jnp.ones((b, 0), jnp.int32), tree.chain_parents(b, 0),
         jnp.zeros((b,), jnp.int32),
     )
     plain_spec = dataclasses.replace(spec, drafter=None, num_speculative_tokens=0)
-    runs["plain"] = functools.partial(
-        _verify, plain_spec, model.params, verify_cache, window, sp, 1
+    runs["plain"] = _carried(
+        _verify, verify_cache, model.params, window, sp, own=True, spec=plain_spec, width=1
     )
-    for run in runs.values():
-        jax.block_until_ready(run())  # compile
-    best = {n: math.inf for n in runs}
-    for _ in range(REPS):
-        for n, run in runs.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            best[n] = min(best[n], time.perf_counter() - t0)
+    best = timed({"plain": runs.pop("plain")} | runs)
     return best["plain"], [best[k] for k in ks]

@@ -116,14 +116,14 @@ class Engine:
             cfg=model.cfg, drafter=None, num_speculative_tokens=0, eos_ids=tuple(model.eos_token_ids),
             mesh=self.plan,
         )
-        self._costs: dict[int, list[float]] = {}
+        self._costs: dict[int, dict[int, list[float]]] = {}
         # per-position acceptance (accepted / reached), halved into the previous value after
         # each adaptive batch (None: none yet; starts from switch_off_acceptance)
         self.observed_acceptance: list[float] | None = None
         self._off_batches = 0  # batches run switched off (every REPROBE_BATCHES-th re-measures)
         # batch size -> (window_hist, decode tokens per row) of the last adaptive batch of that
         # size; "any": of the last adaptive batch of any size (priced with this size's costs)
-        self.last_runs: dict[int | str, tuple[list[int], list[int]]] = {}
+        self.last_runs: dict[int | str, tuple[list[int], list[int], float]] = {}
 
     @property
     def method(self) -> str:
@@ -195,32 +195,46 @@ class Engine:
             )
 
     # ---- adaptive speculation -------------------------------------------------------------
-    def step_costs(self, batch: int) -> list[float]:
-        """Step cost with c = 0..γ draft nodes at this batch size, in steps of the plain
-        program: verify of 1 + c entries (measured or given, in plain steps) + the drafter's
-        work with c nodes (measured with draft_cost "auto", else draft_cost per node); once per
-        engine and batch size."""
+    def step_costs(self, batch: int) -> dict[int, list[float]]:
+        """{fill: step cost with c = 0..γ draft nodes} at this batch size, rows holding `fill`
+        committed tokens, in steps of the plain program: verify of 1 + c entries (measured per
+        fill, or given) + the drafter's work with c nodes (measured per fill with draft_cost
+        "auto", else draft_cost per node); once per engine and batch size. With c = 0 a drafter
+        with commit_plain runs the plain program's step itself (speculate.decode's plain loop):
+        measured verify cost[0] is 1 there; others run one entry through the window path ("w1"). A given curve (one
+        list) holds for every context (fill 0); a dict gives one per fill."""
         if batch not in self._costs:
             opts, g = self.adaptive, self.spec.num_speculative_tokens
             src = opts.step_costs
             if src is None:
                 verify = calibration.step_costs(self.model, batch, g, recalibrate=opts.recalibrate)
             else:
-                verify = list(src(batch) if callable(src) else src)
-            if len(verify) != g + 1 or min(verify) <= 0:
-                raise JaxspecError(
-                    f"adaptive step_costs {verify!r} must be {g + 1} positive numbers (window "
-                    f"1..{g + 1} entries): give one per window width"
-                )
+                verify = src(batch) if callable(src) else src
+                verify = {int(f): list(c) for f, c in verify.items()} if isinstance(
+                    verify, dict) else {0: list(verify)}
+            for curve in verify.values():
+                if len(curve) != g + 1 or min(curve) <= 0:
+                    raise JaxspecError(
+                        f"adaptive step_costs {curve!r} must be {g + 1} positive numbers (window "
+                        f"1..{g + 1} entries): give one per window width"
+                    )
+            if src is None and traits(self.drafter).commit_plain:  # c* = 0: decode's plain
+                verify = {f: [1.0, *c[1:]] for f, c in verify.items()}  # loop, plain's own step
             if opts.draft_cost == "auto":
                 draft = calibration.draft_costs(
                     self.model, self.drafter, self.drafter_params, batch, g,
                     recalibrate=opts.recalibrate,
                 )
+                if set(draft) != set(verify):  # given verify costs: the drafter's at each fill
+                    fills, rows = adaptive_mod.cost_table(draft)
+                    draft = {f: [float(np.interp(f, fills, col)) for col in zip(*rows)]
+                             for f in verify}
             else:
-                draft = [k * float(opts.draft_cost) for k in range(g + 1)]
-            total = [v + d for v, d in zip(verify, draft)]
-            self._costs[batch] = list(itertools.accumulate(total, max))  # more: never cheaper
+                draft = {f: [k * float(opts.draft_cost) for k in range(g + 1)] for f in verify}
+            self._costs[batch] = {  # more nodes: never cheaper
+                f: list(itertools.accumulate([v + d for v, d in zip(curve, draft[f])], max))
+                for f, curve in sorted(verify.items())
+            }
         return self._costs[batch]
 
     def spec_for(self, batch: int) -> speculate.LoopSpec:
@@ -234,27 +248,40 @@ class Engine:
         the loop (from the prior, re-probing); nothing an earlier request did carries over.
         Larger batches step in lockstep over rows of different requests, so the history of
         earlier batches decides too: the cost curve at the acceptance they measured
-        (`observed_acceptance`; before any: `switch_off_acceptance`), and the last adaptive
-        batch of this size must have beaten plain by the cost model (`realized_gain`). Every
+        (`observed_acceptance`; before any: `prior`, where the loop's estimates start -- a
+        size whose curve gives no gain there would start the adaptive program on its plain
+        loop, paying the drafter's bookkeeping and probes for nothing known), and the last
+        adaptive batch of this size must have beaten plain by the cost model
+        (`realized_gain`). Every
         REPROBE_BATCHES-th batch that would run plain runs adaptive instead, so the estimate
         can recover. The choice depends on earlier batches only: lossless."""
         if self.adaptive is None:
             return self.spec
-        costs = self.step_costs(batch)
+        curves = self.step_costs(batch).values()  # per context: the loop reads the one it is at
         if batch <= PER_REQUEST_MAX_BATCH:
-            pays = adaptive_mod.best_gain(costs, self.adaptive.switch_off_acceptance) > 1.0
+            acc = self.adaptive.switch_off_acceptance
+            pays = max(adaptive_mod.best_gain(c, acc) for c in curves) > 1.0
         else:
-            acc = self.observed_acceptance or self.adaptive.switch_off_acceptance
-            pays = adaptive_mod.best_gain(costs, acc) > 1.0 and self.realized_gain(batch) > 1.0
+            acc = self.observed_acceptance or self.adaptive.prior
+            pays = max(adaptive_mod.best_gain(c, acc) for c in curves) > 1.0
+            pays = pays and self.realized_gain(batch) > 1.0
         if pays:
             return self.spec
         return self.spec if (self._off_batches + 1) % REPROBE_BATCHES == 0 else self._plain_spec
 
     def realized_gain(self, batch: int) -> float:
         """The speedup over plain, by this size's cost model, of the steps the last adaptive batch
-        of this size ran (before any: of any size; before any at all: 2.0, i.e. try)."""
-        run = self.last_runs.get(batch) or self.last_runs.get("any")
-        return 2.0 if run is None else adaptive_mod.realized_gain(self.step_costs(batch), *run)
+        of this size ran, each priced in the loop at its context (`AdaptiveState.spent`); before
+        one of this size: the last of any size, its window histogram priced with this size's
+        curve at the smallest fill; before any at all: 2.0, i.e. try."""
+        if batch in self.last_runs:
+            _, tokens, spent = self.last_runs[batch]
+            return max(tokens, default=0) / spent if spent > 0 else 1.0
+        run = self.last_runs.get("any")
+        if run is None:
+            return 2.0
+        curve = next(iter(self.step_costs(batch).values()))
+        return adaptive_mod.realized_gain(curve, run[0], run[1])
 
     # ---- running -------------------------------------------------------------------------
     def _prefill_args(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
@@ -377,7 +404,8 @@ class Engine:
                     0.5 * (p + h / r) if r else p for h, r, p in zip(hits, reached, prev)
                 ]  # without a single match must not switch speculation off for the next
                 tokens = [r.num_generated_tokens - 1 for r in results]  # decode steps' tokens
-                run = (np.asarray(state.adaptive.window_hist).tolist(), tokens)
+                hist = np.asarray(state.adaptive.window_hist).tolist()
+                run = (hist, tokens, float(state.adaptive.spent))
                 self.last_runs[state.lengths.shape[0]] = self.last_runs["any"] = run
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above

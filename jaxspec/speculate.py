@@ -257,8 +257,15 @@ class _Outcome(NamedTuple):
     num_accepted: jax.Array  # int32[B]
 
 
-def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams):
+def decode_step(
+    spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, plain: bool = False
+):
     """One draft -> verify -> accept -> commit step.
+
+    plain=True (adaptive, a drafter with `commit_plain`; `decode` runs it while the controller's
+    cap is 0): the plain program's step itself -- the target over the last token, its entry
+    written in place -- plus the drafter's commit_plain and the controller's bookkeeping. No
+    lax.cond anywhere: the step costs what a plain step costs (+ commit_plain).
 
     Adaptive (spec.adaptive): when no row may verify a node (the controller's cap c* is 0) or
     none was proposed (prompt lookup without a match), the step runs a one-token step instead
@@ -274,25 +281,20 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
     ctl = spec.adaptive if spec.drafter is not None else None
     # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
-    if ctl is not None:
-        room = state.max_lengths - state.lengths  # tokens each row may still emit
-        allowed = ctl.choose(state.adaptive, state.row_steps, active, room)
+    allowed = None if ctl is None else _allowed(spec, tparams, dparams, state, sp)
+    if plain:  # the loop checked: every row's allowed length is 0
+        out = _plain_step(spec, tparams, dparams, state, sp, k_accept, None, in_place=True)
     else:
-        allowed = None
-    drafted = lambda: _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
-    commit_plain = traits(spec.drafter).commit_plain if ctl is not None else None
-    if commit_plain is not None:  # c* = 0: no drafting at all
-        plain = lambda: _plain_step(spec, tparams, dparams, state, sp, k_accept, None)
-        out = jax.lax.cond(jnp.max(allowed) == 0, plain, drafted)
-    else:
-        out = drafted()
+        out = _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
     cache = commit_kv(state.cache if out.cache is None else out.cache, out.window_kv, out.path)
     d = spec.depth
     pos_accepted = jnp.arange(max(d, 1))[None] < out.num_accepted[:, None]  # [B, max(D,1)]
     act = active.astype(jnp.int32)
     astate = state.adaptive
     if ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
-        astate = ctl.update(astate, allowed, out.num_nodes, out.num_accepted, active)
+        astate = ctl.update(
+            astate, allowed, out.num_nodes, out.num_accepted, active, state.lengths
+        )
     state = dataclasses.replace(
         state,
         adaptive=astate,
@@ -307,6 +309,25 @@ def decode_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: Sampli
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
     )
     return _place(spec, state)
+
+
+def _allowed(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> jax.Array:
+    """int32[B] nodes each row may verify this step (the controller: past steps only). Prompt
+    lookup (`drafts_from_tokens`: its proposal is a function of the committed tokens, no draw):
+    a row can use at most the nodes its match has, so the controller prices each row at that
+    (a lockstep window wide enough for one row's match costs every row; rows without a match
+    gain nothing from it), and no match anywhere leaves nothing to verify."""
+    room = state.max_lengths - state.lengths  # tokens each row may still emit
+    if traits(spec.drafter).drafts_from_tokens:
+        b = state.lengths.shape[0]
+        full = jnp.full((b,), spec.num_nodes, jnp.int32)
+        ctx = DraftContext(state.tokens, state.lengths, ~state.done, full)
+        keys = jax.random.split(jax.random.key(0), b)  # unused: no draws
+        p, _ = spec.drafter.propose(
+            dparams, tparams, state.drafter_state, ctx, spec.num_nodes, sp, keys
+        )
+        room = jnp.minimum(room, p.num_proposed + 1)  # nodes it can commit <= its match
+    return spec.adaptive.choose(state.adaptive, state.row_steps, ~state.done, room, state.lengths)
 
 
 def _last_token(state: DecodeState) -> jax.Array:  # int32[B] the last committed token
@@ -369,20 +390,23 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     return _Outcome(tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc)
 
 
-def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate) -> _Outcome:
-    """Adaptive speculation's step without nodes: the target over the last token alone (one
-    entry of the window path: the cache is only read, decode_step writes the entry after the
-    branch), no drafting. `dstate`: None when nothing was drafted (the drafter's commit_plain
-    updates the state from before the step), else the state after a 0-node propose (commit
-    updates it, with the usual D+1-wide context: the root, then padding)."""
+def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False) -> _Outcome:
+    """Adaptive speculation's step without nodes: the target over the last token alone, no
+    drafting. in_place: plain decoding's forward, the entry written into the cache (outside any
+    lax.cond only: `decode`'s plain loop); else one entry of the window path (the cache is only
+    read, decode_step writes the entry after the branch). `dstate`: None when nothing was
+    drafted (the drafter's commit_plain updates the state from before the step), else the state
+    after a 0-node propose (commit updates it, with the usual D+1-wide context: the root, then
+    padding)."""
     b = state.lengths.shape[0]
     d, n = spec.depth, spec.num_nodes
     last = _last_token(state)
-    pad = jnp.zeros((b, n), jnp.int32)  # node slots, none real: a 1 + N window, 1 entry run
+    m = 0 if in_place else n  # node slots, none real: a 1 + m window, 1 entry run
     window = tree.build_window(
-        last, state.cache.lengths, pad, tree.chain_parents(b, n), jnp.zeros((b,), jnp.int32)
+        last, state.cache.lengths, jnp.zeros((b, m), jnp.int32), tree.chain_parents(b, m),
+        jnp.zeros((b,), jnp.int32),
     )
-    p, hidden, _, window_kv = verify(spec, tparams, state.cache, window, sp, 1)
+    p, hidden, cache, window_kv = verify(spec, tparams, state.cache, window, sp, 1)
     next_token = acceptance.root_token(p[:, 0], k_accept, n)
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
@@ -400,22 +424,42 @@ def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate) -> _Outcome
             hidden=None if hidden is None else tree.gather_path(hidden, path, axis=2), path=path,
         )
         dstate = spec.drafter.commit(dparams, tparams, dstate, ctx)
-    return _Outcome(tokens, lengths, done, None, window_kv, path, dstate, zeros, zeros)
+    cache = cache if in_place else None
+    return _Outcome(tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros)
 
 
 def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, max_steps):
-    """Run up to `max_steps` (an int32 array: no recompiles) steps, or until every row is done."""
+    """Run up to `max_steps` (an int32 array: no recompiles) steps, or until every row is done.
+
+    Adaptive with a drafter that has `commit_plain`: two loops inside one, each step in the one
+    its controller's choice (past steps only) selects -- while no row may verify a node, plain
+    steps (decode_step plain=True: plain decoding's in-place step, no lax.cond around the
+    cache, which XLA:CPU would copy whole every step), then drafted steps while some row may.
+    Prompt lookup (`drafts_from_tokens`): also while no row has a match -- the match is a
+    function of committed tokens, computed before the step, never a draw."""
 
     def cond(carry):
         s, i = carry
         return (i < max_steps) & ~jnp.all(s.done)
 
-    def body(carry):
+    def body(carry, plain=False):
         s, i = carry
-        return decode_step(spec, tparams, dparams, _place(spec, s), sp), i + 1
+        return decode_step(spec, tparams, dparams, _place(spec, s), sp, plain), i + 1
 
-    state, _ = jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))
-    return state
+    carry = (state, jnp.zeros((), jnp.int32))
+    ctl = spec.adaptive if spec.drafter is not None else None
+    if ctl is None or traits(spec.drafter).commit_plain is None:
+        return jax.lax.while_loop(cond, body, carry)[0]
+    none_allowed = lambda c: jnp.max(_allowed(spec, tparams, dparams, c[0], sp)) == 0
+
+    plain_cond = lambda c: cond(c) & none_allowed(c)
+    drafted_cond = lambda c: cond(c) & ~none_allowed(c)
+
+    def segment(c):  # plain steps while c* = 0, then drafted steps while c* > 0: at least one
+        c = jax.lax.while_loop(plain_cond, functools.partial(body, plain=True), c)
+        return jax.lax.while_loop(drafted_cond, body, c)
+
+    return jax.lax.while_loop(cond, segment, carry)[0]
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("spec", "capacity"))

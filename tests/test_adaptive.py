@@ -14,7 +14,7 @@ import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import tiny_model
 
-from jaxspec import acceptance, adaptive, calibration, speculate, tree
+from jaxspec import acceptance, adaptive, calibration, hlo, speculate, tree
 from jaxspec.adaptive import Options
 from jaxspec.config import load_config
 from jaxspec.drafters.base import CommitContext, DraftContext
@@ -26,6 +26,8 @@ from jaxspec.loading.params import unpack_params
 from jaxspec.sampling import SamplingParams
 from jaxspec.train import methods
 
+# compile as the accelerator compilers fuse (tests/test_accelerator_path.py)
+ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
 COSTS = [1.0, 1.2, 1.4, 1.6]  # γ = 3: a verify curve where 2 nodes pay best at the prior
 
 
@@ -66,8 +68,10 @@ def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size)
     hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
     assert hist.sum() == sum(r.metrics["num_steps"] for r in results)
     assert hist[0] > 0 and hist[1:].sum() > 0  # plain and drafted steps
-    if batch_size > 1:  # lengths beyond {plain, cap}: the cap follows the rows' estimates, a
-        assert (hist > 0).sum() >= 3  # row near its end verifies only what it can commit
+    if batch_size > 1 and method == "eagle":  # lengths beyond {plain, cap}: the cap follows
+        assert (hist > 0).sum() >= 3  # the estimates, a row near its end verifies only what
+        # it can commit (prompt lookup prices each row at its match: here a window pays only
+        # where several rows match, and then 1 node)
     if batch_size == 1:  # lengths are data: other requests reuse the one program (at batch 1
         # only the cost curve can switch off: every request runs the adaptive program)
         assert not any(r.metrics["adaptive_switched_off"] for r in results)
@@ -80,21 +84,36 @@ def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size)
 @pytest.mark.parametrize("method,batch_size", [("eagle", 1), ("ngram", 2)])
 def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_size):
     """A cost curve where no node pays at the prior (0.6) but some would at 0.8: c* = 0 until a
-    probe (every 3rd step) raises a row's estimate, so most steps run the plain-step branch
-    (EAGLE: without propose, its state kept by commit_plain; n-gram: after its match) --
-    greedy-identical to the plain program, one program for all."""
+    probe (every 3rd step) raises a row's estimate, so most steps run the plain loop (plain
+    decoding's in-place step; the drafter's state kept by commit_plain, nothing proposed) --
+    greedy-identical to the plain program, one program for all, and that program copies no
+    cache-sized buffer (session 8's lax.cond around the plain step copied EAGLE's drafter cache
+    4 times a step: the counter below sees those)."""
     plain = Engine(target).generate(prompts[:4], max_new_tokens=20, batch_size=batch_size)
     drafter, dparams = (
         eagle_like(target) if method == "eagle" else (NgramDrafter(64, min_ngram=1), None)
     )
     opts = Options(step_costs=[1.0, 1.7, 2.2, 2.5], draft_cost=0.0, probe_every=3, decay=0.5)
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
-    assert engine.spec_for(batch_size) is engine.spec  # at 0.8 one node pays: 1.8 / 1.7
-    engine.spec_for = lambda batch: engine.spec  # no host switch-off after a batch here
+    assert engine.spec_for(1) is engine.spec  # at 0.8 one node pays: 1.8 / 1.7 (a lockstep
+    engine.spec_for = lambda batch: engine.spec  # batch starts from the prior: plain) -- no
+    # host switch-off here
     results = engine.generate(prompts[:4], max_new_tokens=20, batch_size=batch_size)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
     assert hist[0] >= 20 and hist[1:].sum() > 0  # plain-branch steps, and the probes
+    if method != "eagle":  # one compile suffices: both run decode's plain loop
+        return
+    b, cap, c = batch_size, 200, target.cfg  # capacity 200: no other dim of the model
+    args = (target.params, dparams, jnp.zeros((b, 32), jnp.int32), jnp.full((b,), 5, jnp.int32),
+            jnp.full((b,), 8, jnp.int32), SamplingParams.make(), jax.random.key(0),
+            jnp.arange(b, dtype=jnp.int32))
+    state = jax.eval_shape(lambda *a: speculate.prefill(engine.spec, *a, capacity=cap), *args)
+    lowered = speculate.decode_jit.lower(engine.spec, target.params, dparams,
+                                         engine._with_adaptive(state), args[5], jnp.int32(1))
+    text = lowered.compile(compiler_options=ACCEL_LIKE).as_text()
+    traffic = hlo.cache_traffic(text, (b, c.num_kv_heads, cap, c.head_dim))  # target's, EAGLE's
+    assert traffic.copies == () and traffic.zero_fills == ()
     # sampling: the plain branch draws the token the 0-node window step would (same uniform)
     p = jax.nn.softmax(jax.random.normal(jax.random.key(3), (5, 64)))
     keys = jax.random.split(jax.random.key(4), 5)
@@ -106,6 +125,28 @@ def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_s
     )
     np.testing.assert_array_equal(acceptance.root_token(p, keys, 3), via_window)
     assert not n.any()
+
+
+def test_prompt_lookup_rows_are_priced_at_their_match(target):
+    """Prompt lookup's proposal is a function of the committed tokens: the controller prices
+    each row at the nodes its match has (a row without one gains nothing from a window its
+    batch mate's match would pay for), and no match anywhere leaves nothing to verify."""
+    def allowed(costs, motif_rows):
+        engine = Engine(target, NgramDrafter(64, min_ngram=2, max_ngram=3), None,
+                        num_speculative_tokens=3,
+                        adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0))
+        state = engine._prefill([[1, 2]] * 2, 32, SamplingParams.make(), 0, [0, 1], 2)
+        motif, distinct = [5, 6, 7, 8] * 4, list(range(10, 26))
+        rows = [motif if r < motif_rows else distinct for r in range(2)]
+        tokens = state.tokens.at[:, :16].set(jnp.asarray(rows, jnp.int32))
+        state = dataclasses.replace(state, tokens=tokens, lengths=jnp.full((2,), 16, jnp.int32))
+        return speculate._allowed(engine.spec, target.params, None, state, SamplingParams.make())
+
+    cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.5, 1.9, 2.2]
+    np.testing.assert_array_equal(allowed(cheap, 1), [1, 0])  # 2.6 / 1.2 beats 2 / 1
+    np.testing.assert_array_equal(allowed(dear, 1), [0, 0])  # one match: 2.6 / 1.5 < 2
+    np.testing.assert_array_equal(allowed(dear, 2), [1, 1])  # both: 3.2 / 1.5 > 2
+    np.testing.assert_array_equal(allowed(cheap, 0), [0, 0])  # no match: the plain loop
 
 
 def test_eagle_commit_plain_leaves_the_state_propose_and_commit_leave(target):
@@ -225,22 +266,25 @@ def test_controller_picks_the_length_that_pays_and_probes():
     room = jnp.full((3,), 20)
     # the batch pays for 3 nodes (row 0 pulls the cap up); row 1 alone would not gain from
     # speculating, but its batch mates pay the window: it verifies the cap too
-    np.testing.assert_array_equal(ctl.choose(st, jnp.full((3,), 5), active, room), [3, 3, 3])
+    ctx = jnp.full((3,), 40)  # committed tokens (one curve: every context)
+    np.testing.assert_array_equal(ctl.choose(st, jnp.full((3,), 5), active, room, ctx), [3, 3, 3])
     # a row with 2 tokens left verifies 1 node (more could never be committed)
     np.testing.assert_array_equal(
-        ctl.choose(st, jnp.full((3,), 5), active, jnp.asarray([20, 2, 1])), [3, 1, 0]
+        ctl.choose(st, jnp.full((3,), 5), active, jnp.asarray([20, 2, 1]), ctx), [3, 1, 0]
     )
     # a measured draft cost that grows with the nodes makes the 3rd not worth it: cap 2
-    drafty = dataclasses.replace(st, costs=jnp.asarray([1.0, 1.3, 1.6, 2.4]))
-    np.testing.assert_array_equal(ctl.choose(drafty, jnp.full((3,), 5), active, room), [2, 2, 2])
-    slow = dataclasses.replace(st, costs=jnp.asarray([1.0, 1.9, 2.9, 3.9]))  # a loaded batch
-    np.testing.assert_array_equal(ctl.choose(slow, jnp.full((3,), 5), active, room), [0, 0, 0])
-    np.testing.assert_array_equal(ctl.choose(slow, jnp.full((3,), 8), active, room), [1, 1, 1])
+    drafty = dataclasses.replace(st, costs=jnp.asarray([[1.0, 1.3, 1.6, 2.4]]))
+    np.testing.assert_array_equal(
+        ctl.choose(drafty, jnp.full((3,), 5), active, room, ctx), [2, 2, 2]
+    )
+    slow = dataclasses.replace(st, costs=jnp.asarray([[1.0, 1.9, 2.9, 3.9]]))  # a loaded batch
+    np.testing.assert_array_equal(ctl.choose(slow, jnp.full((3,), 5), active, room, ctx), [0, 0, 0])
+    np.testing.assert_array_equal(ctl.choose(slow, jnp.full((3,), 8), active, room, ctx), [1, 1, 1])
     assert adaptive.best_gain([1.0, 1.9, 2.9, 3.9], 0.8) <= 1.0 < adaptive.best_gain(COSTS, 0.8)
     # after a step: row 0 accepted 2 of 3, row 1 was allowed 3 but its drafter proposed none and
     # row 2 was allowed none (no evidence: unchanged)
     after = ctl.update(st, jnp.asarray([3, 3, 0]), jnp.asarray([3, 0, 0]), jnp.asarray([2, 0, 0]),
-                       active)
+                       active, ctx)
     d = 1 - ctl.decay
     np.testing.assert_allclose(after.alpha[0], [0.95 + d * 0.05, 0.95 + d * 0.05, 0.95 * (1 - d)])
     np.testing.assert_allclose(after.alpha[1], alpha[1])
@@ -249,6 +293,7 @@ def test_controller_picks_the_length_that_pays_and_probes():
     np.testing.assert_array_equal(after.reached, [[1, 1, 1], [0, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(after.hits, [[1, 1, 0], [0, 0, 0], [0, 0, 0]])
     np.testing.assert_array_equal(after.window_hist, [0, 0, 0, 1])  # the batch verified 3
+    assert float(after.spent) == pytest.approx(1.6)  # priced at its context: cost[3]
     # by the cost model: 10 one-entry steps at 1.1 for 10 tokens lose to plain, 5 at 1.3 win
     assert adaptive.realized_gain([1.1, 1.3], [10, 0], [10, 7]) < 1.0
     assert adaptive.realized_gain([1.1, 1.3], [0, 5], [10, 7]) == pytest.approx(10 / 6.5)
@@ -256,46 +301,97 @@ def test_controller_picks_the_length_that_pays_and_probes():
 
 def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "REPS", 2)  # the real measurements below: that they run
     calls = []
 
-    def fake(model, batch, widths):
-        calls.extend((model.name, batch, w) for w in widths)
-        return [0.01 * (1.1 if w == 0 else 1 + 0.25 * (w - 1)) for w in widths]
+    def fake(model, batch, widths, fill):  # a window entry costs more at a longer context
+        calls.extend((model.name, batch, w, fill) for w in widths)
+        per = 0.25 * fill / 128
+        return [0.01 * (1.1 if w == 0 else 1 + per * (w - 1)) for w in widths]
 
-    # k = 0: the adaptive loop's 1-entry step (window path, width 0), next to plain's in place
-    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.1, 1.25, 1.5])
-    assert len(calls) == 4
-    assert calibration.step_costs(target, 2, 2, measure=fake) == pytest.approx([1.1, 1.25, 1.5])
-    assert len(calls) == 4  # reused from the file
+    # per fill; k = 0: the loop's 1-entry step (window path, width 0), next to plain's in place
+    want = {128: [1.1, 1.25, 1.5], 1024: [1.1, 3.0, 5.0]}
+    assert calibration.FILLS == (128, 1024)
+    got = calibration.step_costs(target, 2, 2, measure=fake)
+    assert list(got) == [128, 1024] and all(got[f] == pytest.approx(want[f]) for f in want)
+    assert len(calls) == 8
+    got = calibration.step_costs(target, 2, 2, measure=fake)
+    assert len(calls) == 8 and got[1024] == pytest.approx(want[1024])  # reused from the file
     calibration.step_costs(target, 2, 3, measure=fake)
-    assert calls[4:] == [("tiny", 2, 1), ("tiny", 2, 4)]  # the missing width, with plain
+    assert calls[8:] == [("tiny", 2, 1, 128), ("tiny", 2, 4, 128), ("tiny", 2, 1, 1024),
+                         ("tiny", 2, 4, 1024)]  # the missing width, with plain, at each fill
     other = dataclasses.replace(target, name="tiny-2")  # a different key: measured afresh
     assert cache_file_differs(target, other)
     calibration.step_costs(other, 2, 2, measure=fake)
-    assert len(calls) == 10
+    assert len(calls) == 20
     calibration.step_costs(target, 2, 2, measure=fake, recalibrate=True)
-    assert len(calls) == 14
-    assert min(calibration.measure_verify(target, 1, [1, 0, 2])) > 0  # the real measurement runs
+    assert len(calls) == 28
+    assert "fills" in calibration.calibration_key(target)  # session 8's files (one fill): not read
+    long, short = (calibration.measure_verify(target, 1, [1, 0, 2], f) for f in (1024, 128))
+    assert min(long + short) > 0  # the real measurement runs, one compile for both fills
     # the drafter's step: cached per drafter (its settings are in the key), ratios to plain
     drafts = []
 
-    def fake_draft(model, drafter, dparams, batch, gamma, ks):
-        drafts.append((drafter.max_ngram, batch, tuple(ks)))
-        return 0.01, [0.001 * (k + 1) for k in ks]
+    def fake_draft(model, drafter, dparams, batch, gamma, ks, fill):
+        drafts.append((drafter.max_ngram, batch, tuple(ks), fill))
+        return 0.01, [0.001 * (k + 1) * fill / 128 for k in ks]
 
     ngram = NgramDrafter(64, min_ngram=1, max_ngram=3)
     got = calibration.draft_costs(target, ngram, None, 2, 2, measure=fake_draft)
-    assert got == pytest.approx([0.1, 0.2, 0.3]) and drafts == [(3, 2, (0, 1, 2))]
+    assert got[128] == pytest.approx([0.1, 0.2, 0.3]) and got[1024] == pytest.approx([0.8, 1.6, 2.4])
+    assert drafts == [(3, 2, (0, 1, 2), 128), (3, 2, (0, 1, 2), 1024)]
     calibration.draft_costs(target, ngram, None, 2, 2, measure=fake_draft)
-    assert len(drafts) == 1  # reused
+    assert len(drafts) == 2  # reused
     calibration.draft_costs(target, NgramDrafter(64, max_ngram=2), None, 2, 2, measure=fake_draft)
-    assert len(drafts) == 2  # another drafter: another key
+    assert len(drafts) == 4  # another drafter: another key
     # the real measurement runs: k = 0 EAGLE's commit_plain (the plain-step branch's
     # bookkeeping), k = 3 its max_nodes loop + commit
     plain_s, each = calibration.measure_draft(target, *eagle_like(target), 2, 3, [0, 3])
     assert plain_s > 0 and min(each) > 0
-    k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in (eagle_like(target)[0], ngram)]
-    assert k0 == ["commit_plain", "propose+commit"]  # in the key: what k = 0 measured
+    drafters = (eagle_like(target)[0], ngram, ModelDrafter(cfg=target.cfg, target_vocab=64))
+    k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
+    assert k0 == ["commit_plain"] + ["propose+commit"] * 2  # in the key: what k = 0 measured
+
+
+def test_calibration_ratios_are_per_round_medians(monkeypatch):
+    """Load that hits one round hits the reference and the window in it alike: a name's cost is
+    the median of its per-round ratios to the reference (a minimum per name pairs a quiet run of
+    one with a quiet run of the other: here 12 / 10 instead of 1.3)."""
+    clock = [0.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(calibration, "REPS", 3)
+
+    def run(durations):  # the first call compiles (untimed)
+        it = iter(durations)
+        return lambda: clock.__setitem__(0, clock[0] + next(it))
+
+    got = calibration.timed({"ref": run([9, 10, 20, 20]), "w": run([9, 13, 26, 12])})
+    assert got["ref"] == pytest.approx(10) and got["w"] / got["ref"] == pytest.approx(1.3)
+
+
+def test_the_cost_curve_follows_the_context():
+    """Costs measured at two fills: the step reads the curve at the active rows' mean committed
+    length, linear in between, clamped outside -- 3 nodes pay at 128 cached tokens, nothing at
+    1024 (a window reads the long prefix once per entry), one node around 576. The step's cost
+    is priced at its context (`spent`, the realized gain's denominator)."""
+    ctl = adaptive.Controller(gamma=3, probe_every=0)
+    st = ctl.init(2, {1024: [1.0, 1.9, 2.9, 3.9], 128: [1.0, 1.2, 1.4, 1.6]})
+    np.testing.assert_array_equal(st.fills, [128, 1024])
+    st = dataclasses.replace(st, alpha=jnp.full((2, 3), 0.8))
+    pick = lambda *lengths, active=(True, True): ctl.choose(
+        st, jnp.full((2,), 5), jnp.asarray(active), jnp.full((2,), 50), jnp.asarray(lengths)
+    )
+    np.testing.assert_array_equal(pick(100, 100), [3, 3])  # below the first fill: its curve
+    np.testing.assert_array_equal(pick(1000, 1200), [0, 0])  # past the last: its curve
+    np.testing.assert_array_equal(pick(700, 452), [1, 1])  # mean 576: (1.55, 2.15, 2.75)
+    np.testing.assert_array_equal(pick(100, 2000, active=(True, False)), [3, 0])  # active only
+    np.testing.assert_allclose(
+        adaptive.step_cost(st, jnp.asarray([700, 452]), jnp.ones((2,), bool)),
+        [1.0, 1.55, 2.15, 2.75], rtol=1e-6,
+    )
+    after = ctl.update(st, jnp.asarray([1, 1]), jnp.asarray([1, 1]), jnp.asarray([1, 0]),
+                       jnp.ones((2,), bool), jnp.asarray([700, 452]))
+    assert float(after.spent) == pytest.approx(1.55)
 
 
 def cache_file_differs(a, b) -> bool:
@@ -335,11 +431,11 @@ def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, pro
     # a batch size whose last adaptive batch did not beat plain by the cost model: off too
     # (before one of that size: the last of any size, priced with this size's costs)
     engine.observed_acceptance, engine._off_batches = None, 0
-    engine.last_runs = {4: ([10, 0, 0, 0], [10]), "any": ([0, 10, 0, 0], [16])}
+    engine.last_runs = {4: ([10, 0, 0, 0], [10], 10.0), "any": ([0, 10, 0, 0], [16], 13.0)}
     assert engine.realized_gain(4) == pytest.approx(10 / 10)
     assert engine.spec_for(4) is not engine.spec and engine.spec_for(2) is engine.spec
     assert engine.realized_gain(2) == pytest.approx(16 / 13)
-    engine.last_runs = {"any": ([0, 10, 0, 0], [12])}
+    engine.last_runs = {"any": ([0, 10, 0, 0], [12], 13.0)}
     assert engine.spec_for(2) is not engine.spec  # 12 tokens for 10 steps of 1.3: a loss
 
 
@@ -355,7 +451,7 @@ def test_batch_one_decides_per_request(target, prompts):
     first = engine.generate([random_prompt], max_new_tokens=12, batch_size=1)[0]
     assert not first.metrics["adaptive_switched_off"]
     engine.observed_acceptance = [0.05, 0.05, 0.05]  # what a losing request leaves
-    engine.last_runs = {1: ([30, 0, 0, 0], [12]), "any": ([30, 0, 0, 0], [12])}
+    engine.last_runs = {1: ([30, 0, 0, 0], [12], 30.0), "any": ([30, 0, 0, 0], [12], 30.0)}
     assert engine.realized_gain(1) < 1.0 and engine.realized_gain(4) < 1.0
     assert engine.spec_for(4) is engine._plain_spec  # lockstep batches: history decides
     assert engine.spec_for(1) is engine.spec  # a request: its own statistics decide
@@ -364,6 +460,11 @@ def test_batch_one_decides_per_request(target, prompts):
     assert not again.metrics["adaptive_switched_off"]
     assert sum(again.metrics["adaptive_gamma_hist"][1:]) > 0 and again.metrics["num_accepted_tokens"] > 0
     assert engine.spec_for(8) is engine._plain_spec  # the cost curve rules 8 out at 0.8
+    # a size with no history whose curve pays at 0.8 but not at the prior (0.6), where the
+    # loop's estimates start: batch 1 (a request) tries it, a lockstep batch runs plain
+    fresh = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
+                   adaptive=Options(step_costs=[1.0, 1.7, 2.2, 2.5], draft_cost=0.0))
+    assert fresh.spec_for(1) is fresh.spec and fresh.spec_for(4) is fresh._plain_spec
     one_off = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
                      adaptive=Options(step_costs=[1.0, 1.9, 2.9, 3.9], draft_cost=0.0))
     assert one_off.spec_for(1) is one_off._plain_spec  # ... and batch 1 where it says so
@@ -394,10 +495,16 @@ def test_adaptive_config(target, tmp_path, monkeypatch):
         ).step_costs(1)
     # draft_cost "auto": the measured drafter step (here faked) is added to the verify cost
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(calibration, "measure_draft", lambda m, d, p, b, g, ks: (1.0, [0.1] * len(ks)))
+    monkeypatch.setattr(calibration, "measure_draft",
+                        lambda m, d, p, b, g, ks, f: (1.0, [0.1 * f / 128] * len(ks)))
     auto = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
-                  adaptive=Options(step_costs=COSTS))
-    assert auto.step_costs(1) == pytest.approx([c + 0.1 for c in COSTS])
+                  adaptive=Options(step_costs={128: COSTS, 1024: COSTS}))
+    got = auto.step_costs(1)
+    assert got[128] == pytest.approx([c + 0.1 for c in COSTS])
+    assert got[1024] == pytest.approx([c + 0.8 for c in COSTS])
+    one = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
+                 adaptive=Options(step_costs=COSTS))  # one curve: the drafter's at fill 0
+    assert one.step_costs(1) == {0: pytest.approx([c + 0.1 for c in COSTS])}
     with pytest.raises(JaxspecError, match=r"speculative\.adaptive\.draft_cost=-1.* is invalid"):
         load_config(None, ["speculative.adaptive.draft_cost=-1"])
     got = load_config(None, ["speculative.adaptive.draft_cost=0.2"]).speculative.adaptive

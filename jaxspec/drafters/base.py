@@ -29,6 +29,9 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
                           (ctx.window [B, 1], ctx.hidden [nl, B, 1, D], num_accepted 0): adaptive
                           speculation's plain steps, without propose. Absent: the loop runs
                           propose (max_nodes 0) and commit instead.
+  drafts_from_tokens      True when propose is a function of ctx alone (no state, no draws: prompt
+                          lookup): adaptive speculation may then look at the proposal's size
+                          before the step and run a step with nothing to verify as a plain step
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class Traits(NamedTuple):
     model_cfg: Any  # llama.ModelConfig or None
     advance: Any  # bound method or None
     commit_plain: Any  # bound method or None
+    drafts_from_tokens: bool  # propose reads ctx.tokens/lengths/max_nodes only (no state, draws)
 
 
 def traits(drafter: Drafter) -> Traits:
@@ -85,6 +89,7 @@ def traits(drafter: Drafter) -> Traits:
         model_cfg=getattr(drafter, "cfg", None),
         advance=getattr(drafter, "advance", None),
         commit_plain=getattr(drafter, "commit_plain", None),
+        drafts_from_tokens=bool(getattr(drafter, "drafts_from_tokens", False)),
     )
 
 

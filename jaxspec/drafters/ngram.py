@@ -34,6 +34,7 @@ class NgramDrafter:
     name: str = "ngram"
     hidden_layers: tuple[int, ...] = ()
     variable_length: bool = True
+    drafts_from_tokens: bool = True  # the match reads committed tokens only
     branches: int = 0  # > 0: a tree of this many distinct continuations, `depth` nodes each
     depth: int = 0
 
@@ -135,6 +136,10 @@ class NgramDrafter:
         return (jnp.maximum(top, 0) + best_n).astype(jnp.int32), count
 
     def commit(self, dparams, tparams, state, ctx: CommitContext):
+        return state
+
+    def commit_plain(self, dparams, tparams, state, ctx: CommitContext):
+        """Adaptive plain steps: nothing to keep (the match reads the committed tokens)."""
         return state
 
 
