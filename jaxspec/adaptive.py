@@ -58,12 +58,32 @@ acceptance earlier batches measured (before any: the prior), or when the last ad
 the size did not win (`realized_gain`: its steps, each priced at its context -- `spent` --
 against the plain program's steps).
 
+The estimate. Each row's alpha[i] is a decayed mean of its outcomes at draft position i with
+the prior worth `prior_weight` observations: weight w <- decay * w + 1 and alpha <- alpha +
+(outcome - alpha) / w at each reached position (w starts at prior_weight). The steady-state
+step is 1 - decay, as an exponential average; the first outcomes move the estimate fast, so a
+batch whose drafts miss finds out in a few steps, not ~20 (prior_weight = 1 / (1 - decay) is
+the plain exponential average).
+
+Hand-off (lockstep batches only, B > PER_REQUEST_MAX_BATCH; every drafter but prompt lookup,
+whose plain steps carry no bookkeeping). Inside the adaptive program a step without nodes still pays the drafter's bookkeeping
+(EAGLE: ~8% of a plain step on SmolLM2) and the loop's; the plain program does not. Once the
+batch has taken `handoff_after` steps (its estimates mostly evidence by then, or still the
+prior where the loop never verified a node) and they say no window c >= 1 beats the plain
+program (sum_b E_b(c) / cost[c] < active rows), the rest of the batch
+runs plain decoding's own step in a loop of its own: no drafting, no bookkeeping, the drafter's
+state left as it is (never read again in this batch), each step priced at 1 plain step. The
+host's next choice for this batch size reads the whole batch (`spent`). At batch 1 the row is
+the request and keeps its plain loop with probes: a request whose text turns predictable later
+can come back.
+
 Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`,
 the step counter and the rows' committed lengths only -- functions of committed history and of
 past steps' acceptance counts -- before this step's draft or target draws exist. (Whether the
 step runs in decode's plain loop or takes the plain branch reads those lengths and the
 proposal's size, never a draw; that step is the 0-node step itself, drawing its token from the target at the root with the same
-uniform, so it changes the program's cost, not its output.) Conditional on
+uniform, so it changes the program's cost, not its output; the hand-off reads the same
+statistics, and its steps are that 0-node step too.) Conditional on
 the past, the step is then the usual rejection-sampling step on a proposal whose length is fixed
 in advance, which emits tokens with the target's law for any fixed length (acceptance.py).
 Cutting a chain after its k-th node keeps each kept node's q unchanged. A length that looked at
@@ -98,6 +118,11 @@ class AdaptiveState:
     reached: jax.Array  # int32[B, G] steps in which draft position i was reached (allowed)
     hits: jax.Array  # int32[B, G] ... and accepted (hits / reached: the batch's mean alpha)
     spent: jax.Array  # f32[] the steps' cost so far, in plain steps at their context (realized)
+    weight: jax.Array  # f32[B, G] observations behind alpha (decayed; starts at prior_weight)
+    handoff_at: jax.Array  # int32[] the step from which plain decoding's step ran, -1: none
+
+
+PER_REQUEST_MAX_BATCH = 1  # batch sizes whose rows decide for themselves (no hand-off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +134,8 @@ class Controller:
     prior: float = 0.6  # initial per-position acceptance estimate
     probe_every: int = 16  # steps between re-probes of a row that runs plain (0: never)
     probe_length: int = 1  # nodes a probe verifies
+    prior_weight: float = 2.0  # observations the prior is worth (1 / (1 - decay): plain EMA)
+    handoff_after: int = 8  # lockstep: steps before a hand-off (0: never)
 
     def init(self, batch: int, costs) -> AdaptiveState:
         """costs: one curve [G+1] (every context) or {fill: curve} (jaxspec.calibration)."""
@@ -125,6 +152,8 @@ class Controller:
             reached=jnp.zeros((batch, g), jnp.int32),
             hits=jnp.zeros((batch, g), jnp.int32),
             spent=jnp.zeros((), jnp.float32),
+            weight=jnp.full((batch, g), self.prior_weight, jnp.float32),
+            handoff_at=jnp.full((), -1, jnp.int32),
         )
 
     def choose(
@@ -140,13 +169,8 @@ class Controller:
         may still emit) and context (int32[B] committed tokens): committed history, never this
         step's draws."""
         g = self.gamma
-        costs = step_cost(st, context, active)  # [G+1] at the batch's context
-        expected = expected_tokens(st.alpha)  # [B, G+1]
         useful = jnp.clip(room - 1, 0, g).astype(jnp.int32)  # [B] nodes a row can still commit
-        ks = jnp.arange(g + 1)
-        by_cap = jnp.take_along_axis(expected, jnp.minimum(ks[None], useful[:, None]), axis=1)
-        total = jnp.sum(jnp.where(active[:, None], by_cap, 0.0), axis=0) / costs  # [G+1]
-        cap = jnp.argmax(total).astype(jnp.int32)  # ties: the shorter window
+        cap = jnp.argmax(batch_rates(st, active, useful, context)).astype(jnp.int32)  # ties: shorter
         step = jnp.max(jnp.where(active, row_steps, 0))  # rows of a batch step together
         probe = (self.probe_every > 0) & (step % max(self.probe_every, 1) == 0)
         cap = jnp.where(probe & (cap == 0), min(self.probe_length, g), cap)
@@ -168,7 +192,8 @@ class Controller:
         i = jnp.arange(1, self.gamma + 1)[None]  # [1, G]
         reached = (i <= jnp.minimum(num_accepted + 1, num_nodes)[:, None]) & active[:, None]
         hit = (i <= num_accepted[:, None]).astype(jnp.float32)
-        alpha = jnp.where(reached, self.decay * st.alpha + (1 - self.decay) * hit, st.alpha)
+        weight = jnp.where(reached, self.decay * st.weight + 1.0, st.weight)
+        alpha = jnp.where(reached, st.alpha + (hit - st.alpha) / weight, st.alpha)
         used = jax.nn.one_hot(num_nodes, self.gamma + 1, dtype=jnp.int32) * active[:, None]
         window = jnp.max(jnp.where(active, num_nodes, 0))  # the step's verified nodes
         plain = (window == 0) & active
@@ -176,6 +201,7 @@ class Controller:
         return dataclasses.replace(
             st,
             alpha=alpha,
+            weight=weight,
             lengths=lengths,
             length_hist=st.length_hist + used,
             plain_steps=st.plain_steps + plain.astype(jnp.int32),
@@ -184,6 +210,41 @@ class Controller:
             hits=st.hits + (reached & (hit > 0)).astype(jnp.int32),
             spent=st.spent + jnp.any(active) * step_cost(st, context, active)[window],
         )
+
+
+    def hands_off(self, st: AdaptiveState, row_steps, active, room, context) -> jax.Array:
+        """-> bool[]: whether the rest of this lockstep batch runs plain decoding's step (module
+        docstring): the batch has taken `handoff_after` steps, and no window of c >= 1 nodes is
+        expected to beat the plain program (1 token per active row per plain step). Past
+        statistics, the step counter and committed history only."""
+        if self.handoff_after <= 0:
+            return jnp.zeros((), bool)
+        useful = jnp.clip(room - 1, 0, self.gamma).astype(jnp.int32)
+        rate = batch_rates(st, active, useful, context)  # [G+1]
+        step = jnp.max(jnp.where(active, row_steps, 0))  # rows of a batch step together
+        return (step >= self.handoff_after) & (jnp.max(rate[1:]) < jnp.sum(active))
+
+    def update_handed_off(self, st: AdaptiveState, active, step) -> AdaptiveState:
+        """A step of plain decoding's own after the hand-off: no node, no evidence, 1 plain step."""
+        any_active = jnp.any(active)
+        return dataclasses.replace(
+            st,
+            lengths=jnp.zeros_like(st.lengths),
+            length_hist=st.length_hist.at[:, 0].add(active.astype(jnp.int32)),
+            plain_steps=st.plain_steps + active.astype(jnp.int32),
+            window_hist=st.window_hist.at[0].add(any_active.astype(jnp.int32)),
+            spent=st.spent + any_active.astype(jnp.float32),
+            handoff_at=jnp.where(st.handoff_at < 0, step, st.handoff_at),
+        )
+
+
+def batch_rates(st: AdaptiveState, active, useful, context) -> jax.Array:
+    """-> f32[G+1] the batch's expected tokens per plain step with a cap of c = 0..G nodes:
+    sum over active rows of E_b(min(c, useful_b)) / cost[c] (cost at the batch's context)."""
+    expected = expected_tokens(st.alpha)  # [B, G+1]
+    ks = jnp.arange(expected.shape[1])
+    by_cap = jnp.take_along_axis(expected, jnp.minimum(ks[None], useful[:, None]), axis=1)
+    return jnp.sum(jnp.where(active[:, None], by_cap, 0.0), axis=0) / step_cost(st, context, active)
 
 
 def cost_table(costs) -> tuple[list[float], list[list[float]]]:
@@ -256,7 +317,9 @@ class Options:
     switch_off_acceptance: a batch whose cost curve gives no gain over plain even for rows
     accepting each node with this probability runs the plain program (no drafter, a 1-token
     window), not the adaptive one (above batch 1 the acceptance earlier batches measured
-    replaces it once there is one: engine.spec_for)."""
+    replaces it once there is one: engine.spec_for). prior_weight: observations the prior
+    acceptance is worth; handoff_after: steps before a lockstep batch may hand
+    the rest of its steps to plain decoding's step (0: never; module docstring)."""
 
     decay: float = 0.9
     prior: float = 0.6
@@ -264,6 +327,8 @@ class Options:
     probe_length: int = 1
     draft_cost: float | str = "auto"
     switch_off_acceptance: float = 0.8
+    prior_weight: float = 2.0
+    handoff_after: int = 8
     step_costs: Any = None
     recalibrate: bool = False
 
@@ -274,4 +339,6 @@ class Options:
             prior=self.prior,
             probe_every=self.probe_every,
             probe_length=self.probe_length,
+            prior_weight=self.prior_weight,
+            handoff_after=self.handoff_after,
         )

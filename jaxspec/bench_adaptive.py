@@ -30,15 +30,19 @@ from pathlib import Path
 
 from jaxspec.bench import DEFAULT_DATA, int_list, read_questions, select
 from jaxspec.bench_plan import label_of
+from jaxspec.cli_support import ArgumentParser
 from jaxspec.errors import JaxspecError
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxspec.bench_adaptive")
+    p = ArgumentParser(prog="python -m jaxspec.bench_adaptive")
     p.add_argument("--config", nargs="+", required=True, help="speculative configs (plain added)")
     p.add_argument("--batch-sizes", type=int_list("--batch-sizes", 1, 256), default=[1, 2, 4, 8])
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="timed batches per engine and size")
+    p.add_argument("--min-rows", type=int, default=0,
+                   help="batch sweep: at least this many requests per engine and size (more "
+                        "batches at small sizes: a serving-like run, not the first two batches)")
     p.add_argument("--bucket", type=int, default=64, help="prompt-length bucket (tokens)")
     p.add_argument("--per-category", type=int, default=2,
                    help="batch-1 prompts per category (0: skip the per-category run)")
@@ -52,8 +56,13 @@ def main(argv=None) -> int:
                    help="run every part in this process (default: one process per part)")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child: categories|sweep
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = p.parse_args(argv)
     try:
+        a = p.parse_args(argv)
+        for flag, value, least in (("--rounds", a.rounds, 1), ("--min-rows", a.min_rows, 0),
+                                   ("--max-new-tokens", a.max_new_tokens, 1),
+                                   ("--per-category", a.per_category, 0)):
+            if value < least:
+                p.error(f"{flag}={value}: use an integer >= {least}")
         if a.part is None and not a.in_process:
             return run_parts(a, argv)
         return run(a)
@@ -135,11 +144,12 @@ def run(a) -> int:
         out["categories"] = per_category(a, engines, questions)
         (outdir / "results.json").write_text(json.dumps(out, indent=1))
     for b in a.batch_sizes if a.part != "categories" else []:
+        rounds = max(a.rounds, -(-a.min_rows // b))  # batches per engine at this size
         reqs = [
             picked[i % len(picked)][1]
-            for i in range(max(b * a.rounds, len(picked) if b == 1 else 0))
+            for i in range(max(b * rounds, len(picked) if b == 1 else 0))
         ]
-        point = {"batch_size": b, "num_requests": len(reqs)}
+        point = {"batch_size": b, "num_requests": len(reqs), "batches": -(-len(reqs) // b)}
         prep = {}
         for name, engine in engines.items():  # compile (+ calibrate) untimed
             t0 = time.perf_counter()

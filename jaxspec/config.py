@@ -160,6 +160,10 @@ class AdaptiveConfig(Section):
     # jaxspec/calibration.py); a number overrides it: plain target steps per drafted node
     draft_cost: float | Literal["auto"] = "auto"
     switch_off_acceptance: float = 0.8  # batch runs plain if even this acceptance cannot pay
+    prior_weight: float = 2.0  # observations the prior is worth (1 / (1 - decay): a plain EMA)
+    # batch > 1: steps after which a batch whose estimates say no window beats
+    # the plain program runs the rest as plain decoding, drafter untouched (0: never)
+    handoff_after: int = 8
     recalibrate: bool = False  # measure the step-cost curve again (CLI: --recalibrate)
 
     def _validate(self):
@@ -177,12 +181,16 @@ class AdaptiveConfig(Section):
             self._fail("draft_cost", 'use "auto" (measured) or a finite number >= 0')
         if not 0.0 <= self.switch_off_acceptance <= 1.0:
             self._fail("switch_off_acceptance", "use a number in [0, 1]")
+        if not (math.isfinite(self.prior_weight) and self.prior_weight > 0):
+            self._fail("prior_weight", "use a finite number > 0 (observations the prior is worth)")
+        if self.handoff_after < 0:
+            self._fail("handoff_after", "use an integer >= 0 (0: never hand off)")
 
     def options(self):
         from jaxspec.adaptive import Options  # jax: only when adaptive is configured
 
         fields = ("decay", "prior", "probe_every", "probe_length", "draft_cost",
-                  "switch_off_acceptance", "recalibrate")
+                  "switch_off_acceptance", "prior_weight", "handoff_after", "recalibrate")
         return Options(**{f: getattr(self, f) for f in fields})
 
 

@@ -30,8 +30,6 @@ from jaxspec.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
 REPROBE_BATCHES = 8  # adaptive: a switched-off engine re-measures acceptance every 8th batch
-# adaptive: batch sizes whose rows decide for themselves, request by request (Engine.spec_for)
-PER_REQUEST_MAX_BATCH = 1
 
 
 @dataclasses.dataclass
@@ -241,7 +239,7 @@ class Engine:
         """The program a batch of this size runs: the plain one where the cost model says
         verification does not pay (load-aware switch-off), else the adaptive one.
 
-        Up to PER_REQUEST_MAX_BATCH rows (batch 1: the row is the request) only this size's
+        Up to adaptive.PER_REQUEST_MAX_BATCH rows (batch 1: the row is the request) only this size's
         cost curve decides, at `switch_off_acceptance`: whether speculation can pay on this
         machine at all. Acceptance belongs to the request, and the adaptive program's own
         plain-step branch costs about one plain step, so each request finds its own way in
@@ -258,7 +256,7 @@ class Engine:
         if self.adaptive is None:
             return self.spec
         curves = self.step_costs(batch).values()  # per context: the loop reads the one it is at
-        if batch <= PER_REQUEST_MAX_BATCH:
+        if batch <= adaptive_mod.PER_REQUEST_MAX_BATCH:
             acc = self.adaptive.switch_off_acceptance
             pays = max(adaptive_mod.best_gain(c, acc) for c in curves) > 1.0
         else:
@@ -477,9 +475,9 @@ class Engine:
             hist, plain = [steps] + [0] * g, steps
         else:
             hist, plain = state.adaptive.length_hist[row], state.adaptive.plain_steps[row]
-        return {"adaptive_switched_off": state.adaptive is None} | adaptive_mod.summarize(
-            hist, plain, steps
-        )
+        handoff = -1 if state.adaptive is None else int(state.adaptive.handoff_at)
+        return {"adaptive_switched_off": state.adaptive is None,
+                "adaptive_handoff_step": handoff} | adaptive_mod.summarize(hist, plain, steps)
 
     def stream(
         self,

@@ -258,14 +258,16 @@ class _Outcome(NamedTuple):
 
 
 def decode_step(
-    spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, plain: bool = False
+    spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, mode: str = "drafted"
 ):
     """One draft -> verify -> accept -> commit step.
 
-    plain=True (adaptive, a drafter with `commit_plain`; `decode` runs it while the controller's
-    cap is 0): the plain program's step itself -- the target over the last token, its entry
-    written in place -- plus the drafter's commit_plain and the controller's bookkeeping. No
-    lax.cond anywhere: the step costs what a plain step costs (+ commit_plain).
+    mode "plain" (adaptive, a drafter with `commit_plain`; `decode` runs it while the
+    controller's cap is 0): the plain program's step itself -- the target over the last token,
+    its entry written in place -- plus the drafter's commit_plain and the controller's
+    bookkeeping. No lax.cond anywhere: the step costs what a plain step costs (+ commit_plain).
+    mode "handed_off" (a lockstep batch after the controller's hand-off): the same step without
+    the drafter at all (its state is left as it is) and the bookkeeping of a 1-step counter.
 
     Adaptive (spec.adaptive): when no row may verify a node (the controller's cap c* is 0) or
     none was proposed (prompt lookup without a match), the step runs a one-token step instead
@@ -281,8 +283,13 @@ def decode_step(
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
     ctl = spec.adaptive if spec.drafter is not None else None
     # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
-    allowed = None if ctl is None else _allowed(spec, tparams, dparams, state, sp)
-    if plain:  # the loop checked: every row's allowed length is 0
+    need_lengths = ctl is not None and mode != "handed_off"
+    allowed = _allowed(spec, tparams, dparams, state, sp) if need_lengths else None
+    if mode == "handed_off":  # the loop checked: the controller handed the batch off
+        out = _plain_step(
+            spec, tparams, dparams, state, sp, k_accept, None, in_place=True, commit=False
+        )
+    elif mode == "plain":  # the loop checked: every row's allowed length is 0
         out = _plain_step(spec, tparams, dparams, state, sp, k_accept, None, in_place=True)
     else:
         out = _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
@@ -291,7 +298,9 @@ def decode_step(
     pos_accepted = jnp.arange(max(d, 1))[None] < out.num_accepted[:, None]  # [B, max(D,1)]
     act = active.astype(jnp.int32)
     astate = state.adaptive
-    if ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
+    if ctl is not None and mode == "handed_off":
+        astate = ctl.update_handed_off(astate, active, jnp.max(state.row_steps))
+    elif ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
         astate = ctl.update(
             astate, allowed, out.num_nodes, out.num_accepted, active, state.lengths
         )
@@ -390,14 +399,16 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     return _Outcome(tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc)
 
 
-def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False) -> _Outcome:
+def _plain_step(
+    spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False, commit=True
+) -> _Outcome:
     """Adaptive speculation's step without nodes: the target over the last token alone, no
     drafting. in_place: plain decoding's forward, the entry written into the cache (outside any
-    lax.cond only: `decode`'s plain loop); else one entry of the window path (the cache is only
+    lax.cond only: `decode`'s plain loops); else one entry of the window path (the cache is only
     read, decode_step writes the entry after the branch). `dstate`: None when nothing was
     drafted (the drafter's commit_plain updates the state from before the step), else the state
     after a 0-node propose (commit updates it, with the usual D+1-wide context: the root, then
-    padding)."""
+    padding). commit=False (after a hand-off): the drafter's state is left as it is."""
     b = state.lengths.shape[0]
     d, n = spec.depth, spec.num_nodes
     last = _last_token(state)
@@ -411,7 +422,9 @@ def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=Fa
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
-    if dstate is None:  # root only: window [B, 1], hidden [nl, B, 1, D]
+    if not commit:
+        dstate = state.drafter_state
+    elif dstate is None:  # root only: window [B, 1], hidden [nl, B, 1, D]
         ctx = CommitContext(
             tokens, lengths, state.lengths, last[:, None], zeros,
             None if hidden is None else hidden[:, :, :1], jnp.zeros((b, 1), jnp.int32),
@@ -436,30 +449,56 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
     steps (decode_step plain=True: plain decoding's in-place step, no lax.cond around the
     cache, which XLA:CPU would copy whole every step), then drafted steps while some row may.
     Prompt lookup (`drafts_from_tokens`): also while no row has a match -- the match is a
-    function of committed tokens, computed before the step, never a draw."""
+    function of committed tokens, computed before the step, never a draw.
+
+    Adaptive at a lockstep batch size (B > adaptive.PER_REQUEST_MAX_BATCH), every drafter but
+    prompt lookup (its plain steps carry no bookkeeping): once the controller hands the batch off (`Controller.hands_off`: past
+    statistics only), a last loop runs the rest in mode "handed_off": plain decoding's step,
+    the drafter untouched. The hand-off is kept in the state (`handoff_at`), so a later call
+    (streaming's chunks) resumes there."""
 
     def cond(carry):
         s, i = carry
         return (i < max_steps) & ~jnp.all(s.done)
 
-    def body(carry, plain=False):
+    def body(carry, mode="drafted"):
         s, i = carry
-        return decode_step(spec, tparams, dparams, _place(spec, s), sp, plain), i + 1
+        return decode_step(spec, tparams, dparams, _place(spec, s), sp, mode), i + 1
 
     carry = (state, jnp.zeros((), jnp.int32))
     ctl = spec.adaptive if spec.drafter is not None else None
-    if ctl is None or traits(spec.drafter).commit_plain is None:
+    if ctl is None:
         return jax.lax.while_loop(cond, body, carry)[0]
-    none_allowed = lambda c: jnp.max(_allowed(spec, tparams, dparams, c[0], sp)) == 0
+    t = traits(spec.drafter)
+    lockstep = state.lengths.shape[0] > adaptive.PER_REQUEST_MAX_BATCH
+    handoff = lockstep and ctl.handoff_after > 0 and not t.drafts_from_tokens
+    go_on = cond
+    if handoff:
+        off = lambda c: (c[0].adaptive.handoff_at >= 0) | _hands_off(spec, c[0])
+        go_on = lambda c: cond(c) & ~off(c)
+    if t.commit_plain is None:
+        carry = jax.lax.while_loop(go_on, body, carry)
+    else:
+        none_allowed = lambda c: jnp.max(_allowed(spec, tparams, dparams, c[0], sp)) == 0
+        plain_cond = lambda c: go_on(c) & none_allowed(c)
+        drafted_cond = lambda c: go_on(c) & ~none_allowed(c)
 
-    plain_cond = lambda c: cond(c) & none_allowed(c)
-    drafted_cond = lambda c: cond(c) & ~none_allowed(c)
+        def segment(c):  # plain steps while c* = 0, then drafted steps while c* > 0: >= one
+            c = jax.lax.while_loop(plain_cond, functools.partial(body, mode="plain"), c)
+            return jax.lax.while_loop(drafted_cond, body, c)
 
-    def segment(c):  # plain steps while c* = 0, then drafted steps while c* > 0: at least one
-        c = jax.lax.while_loop(plain_cond, functools.partial(body, plain=True), c)
-        return jax.lax.while_loop(drafted_cond, body, c)
+        carry = jax.lax.while_loop(go_on, segment, carry)
+    if handoff:  # runs only where the loops above stopped at the hand-off
+        carry = jax.lax.while_loop(cond, functools.partial(body, mode="handed_off"), carry)
+    return carry[0]
 
-    return jax.lax.while_loop(cond, segment, carry)[0]
+
+def _hands_off(spec: LoopSpec, state: DecodeState) -> jax.Array:
+    """bool[]: the controller's hand-off, on past statistics and committed history."""
+    room = state.max_lengths - state.lengths
+    return spec.adaptive.hands_off(
+        state.adaptive, state.row_steps, ~state.done, room, state.lengths
+    )
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("spec", "capacity"))

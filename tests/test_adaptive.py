@@ -104,16 +104,7 @@ def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_s
     assert hist[0] >= 20 and hist[1:].sum() > 0  # plain-branch steps, and the probes
     if method != "eagle":  # one compile suffices: both run decode's plain loop
         return
-    b, cap, c = batch_size, 200, target.cfg  # capacity 200: no other dim of the model
-    args = (target.params, dparams, jnp.zeros((b, 32), jnp.int32), jnp.full((b,), 5, jnp.int32),
-            jnp.full((b,), 8, jnp.int32), SamplingParams.make(), jax.random.key(0),
-            jnp.arange(b, dtype=jnp.int32))
-    state = jax.eval_shape(lambda *a: speculate.prefill(engine.spec, *a, capacity=cap), *args)
-    lowered = speculate.decode_jit.lower(engine.spec, target.params, dparams,
-                                         engine._with_adaptive(state), args[5], jnp.int32(1))
-    text = lowered.compile(compiler_options=ACCEL_LIKE).as_text()
-    traffic = hlo.cache_traffic(text, (b, c.num_kv_heads, cap, c.head_dim))  # target's, EAGLE's
-    assert traffic.copies == () and traffic.zero_fills == ()
+    assert cache_copies(engine, target, dparams, batch_size) == ((), ())
     # sampling: the plain branch draws the token the 0-node window step would (same uniform)
     p = jax.nn.softmax(jax.random.normal(jax.random.key(3), (5, 64)))
     keys = jax.random.split(jax.random.key(4), 5)
@@ -125,6 +116,21 @@ def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_s
     )
     np.testing.assert_array_equal(acceptance.root_token(p, keys, 3), via_window)
     assert not n.any()
+
+
+def cache_copies(engine, target, dparams, b) -> tuple[tuple, tuple]:
+    """(copies, zero-fills) of cache-sized buffers (the target's or EAGLE's) in the engine's
+    compiled decode program at batch b, compiled as accelerators fuse."""
+    cap, c = 200, target.cfg  # capacity 200: no other dim of the model
+    args = (target.params, dparams, jnp.zeros((b, 32), jnp.int32), jnp.full((b,), 5, jnp.int32),
+            jnp.full((b,), 8, jnp.int32), SamplingParams.make(), jax.random.key(0),
+            jnp.arange(b, dtype=jnp.int32))
+    state = jax.eval_shape(lambda *a: speculate.prefill(engine.spec, *a, capacity=cap), *args)
+    lowered = speculate.decode_jit.lower(engine.spec, target.params, dparams,
+                                         engine._with_adaptive(state), args[5], jnp.int32(1))
+    text = lowered.compile(compiler_options=ACCEL_LIKE).as_text()
+    traffic = hlo.cache_traffic(text, (b, c.num_kv_heads, cap, c.head_dim))
+    return traffic.copies, traffic.zero_fills
 
 
 def test_prompt_lookup_rows_are_priced_at_their_match(target):
@@ -285,8 +291,9 @@ def test_controller_picks_the_length_that_pays_and_probes():
     # row 2 was allowed none (no evidence: unchanged)
     after = ctl.update(st, jnp.asarray([3, 3, 0]), jnp.asarray([3, 0, 0]), jnp.asarray([2, 0, 0]),
                        active, ctx)
-    d = 1 - ctl.decay
+    d = 1 / (ctl.decay * ctl.prior_weight + 1)  # the prior is worth prior_weight outcomes
     np.testing.assert_allclose(after.alpha[0], [0.95 + d * 0.05, 0.95 + d * 0.05, 0.95 * (1 - d)])
+    np.testing.assert_allclose(after.weight[0], ctl.decay * ctl.prior_weight + 1)
     np.testing.assert_allclose(after.alpha[1], alpha[1])
     np.testing.assert_allclose(after.alpha[2], alpha[2])
     np.testing.assert_array_equal(after.length_hist, [[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]])
@@ -297,6 +304,85 @@ def test_controller_picks_the_length_that_pays_and_probes():
     # by the cost model: 10 one-entry steps at 1.1 for 10 tokens lose to plain, 5 at 1.3 win
     assert adaptive.realized_gain([1.1, 1.3], [10, 0], [10, 7]) < 1.0
     assert adaptive.realized_gain([1.1, 1.3], [0, 5], [10, 7]) == pytest.approx(10 / 6.5)
+
+
+def test_estimates_start_fast_and_settle_to_the_exponential_average():
+    """The prior is worth prior_weight outcomes: after 4 misses from 0.6 the estimate is under
+    0.2 (the exponential average alone, prior_weight = 1 / (1 - decay), is still at 0.39),
+    and in the long run each outcome moves it by 1 - decay either way."""
+    active, ctx = jnp.ones((1,), bool), jnp.full((1,), 40)
+    one, miss = jnp.asarray([1]), jnp.asarray([0])
+    for weight, after_four in ((2.0, 0.2), (10.0, 0.6 * 0.9**4)):
+        ctl = adaptive.Controller(gamma=1, prior=0.6, decay=0.9, prior_weight=weight)
+        st = ctl.init(1, [1.0, 1.2])
+        for _ in range(4):
+            st = ctl.update(st, one, one, miss, active, ctx)
+        if weight == 10.0:
+            assert float(st.alpha[0, 0]) == pytest.approx(after_four)
+        else:
+            assert float(st.alpha[0, 0]) < after_four
+        for _ in range(200):
+            st = ctl.update(st, one, one, miss, active, ctx)
+        before = float(st.alpha[0, 0])
+        st = ctl.update(st, one, one, one, active, ctx)
+        assert float(st.alpha[0, 0]) - before == pytest.approx(0.1 * (1 - before), rel=1e-3)
+
+
+def test_controller_hands_a_losing_lockstep_batch_off():
+    """hands_off: only from the batch's handoff_after-th step, and only where no window is
+    expected to beat the plain program's 1 token per row and step."""
+    ctl = adaptive.Controller(gamma=2, handoff_after=3)
+    st = ctl.init(2, [1.05, 1.3, 1.5])
+    active, room, ctx = jnp.ones((2,), bool), jnp.full((2,), 20), jnp.full((2,), 40)
+    steps = jnp.full((2,), 3)
+    low = dataclasses.replace(st, alpha=jnp.full((2, 2), 0.2))
+    assert bool(ctl.hands_off(low, steps, active, room, ctx))  # 1.2 / 1.3 < 1, 1.24 / 1.5 < 1
+    assert not bool(ctl.hands_off(dataclasses.replace(low, alpha=jnp.full((2, 2), 0.5)),
+                                  steps, active, room, ctx))  # 1.5 / 1.3 > 1
+    assert not bool(ctl.hands_off(low, steps - 1, active, room, ctx))  # too early
+    assert bool(ctl.hands_off(low, jnp.asarray([3, 9]), jnp.asarray([True, False]), room, ctx))
+    # a row with 1 token left cannot use a node: it counts a token per step either way
+    one_left = dataclasses.replace(st, alpha=jnp.asarray([[0.2, 0.2], [0.9, 0.9]]))
+    assert not bool(ctl.hands_off(one_left, steps, active, room, ctx))
+    assert bool(ctl.hands_off(one_left, steps, active, jnp.asarray([20, 1]), ctx))
+    never = dataclasses.replace(ctl, handoff_after=0)
+    assert not bool(never.hands_off(low, steps, active, room, ctx))
+    st = ctl.update_handed_off(low, jnp.asarray([True, False]), jnp.int32(7))
+    st = ctl.update_handed_off(st, jnp.asarray([True, False]), jnp.int32(8))
+    assert int(st.handoff_at) == 7 and float(st.spent) == pytest.approx(2.0)
+    np.testing.assert_array_equal(st.plain_steps, [2, 0])
+    np.testing.assert_array_equal(st.window_hist, [2, 0, 0])
+    np.testing.assert_array_equal(st.alpha, low.alpha)  # no evidence
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_lockstep_hand_off_is_plain_decoding(target, prompts, batch_size):
+    """An untrained EAGLE drafter on a lockstep batch: from its 2nd step, once the estimates say
+    no window pays, the rest of the batch is plain decoding's step with the
+    drafter untouched -- greedy-identical to plain, one program. Batch 1 (a request) never hands
+    off: it keeps its plain loop with probes."""
+    plain = Engine(target).generate(prompts[:4], max_new_tokens=24, batch_size=batch_size)
+    drafter, dparams = eagle_like(target)
+    opts = Options(step_costs=[1.1, 1.3, 1.5, 1.7], draft_cost=0.0, handoff_after=2,
+                   prior_weight=1.0, probe_every=4)
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
+    engine.spec_for = lambda batch: engine.spec  # the adaptive program at every size
+    results = engine.generate(prompts[:4], max_new_tokens=24, batch_size=batch_size)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    handoff = [r.metrics["adaptive_handoff_step"] for r in results]
+    if batch_size == 1:
+        assert handoff == [-1] * 4
+        return
+    assert 2 <= handoff[0] < 12  # after the evidence, well before the end
+    m = results[0].metrics
+    assert m["adaptive_plain_fraction"] > 0.5 and m["num_steps"] > 20
+    assert cache_copies(engine, target, dparams, batch_size) == ((), ())  # the third loop too
+    engine.spec = dataclasses.replace(  # never hands off: same tokens, far fewer plain steps
+        engine.spec, adaptive=dataclasses.replace(engine.spec.adaptive, handoff_after=0)
+    )
+    kept = engine.generate(prompts[:4], max_new_tokens=24, batch_size=batch_size)
+    assert [r.token_ids for r in kept] == [r.token_ids for r in plain]
+    assert kept[0].metrics["adaptive_handoff_step"] == -1
 
 
 def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
