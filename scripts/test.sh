@@ -23,9 +23,9 @@ run() {
   fi
 }
 # Two parts (tests/conftest.py says why): every module but three with XLA:CPU's faster-compiling
-# classic fusion emitters, and, at the same time in one more process, the modules that measure the
-# compiled programs users run (HLO bytes and copies, greedy identity at a near-tie) with XLA's
-# default code generation; its report is printed after the first part's.
+# code generation (classic fusion emitters, LLVM level 0), and, at the same time in one more
+# process, the modules that measure the compiled programs users run (HLO bytes and copies, greedy
+# identity at a near-tie) compiled as users compile (XLA's defaults); its report follows.
 production=(tests/test_greedy_identity.py tests/test_roofline.py tests/test_accelerator_path.py)
 status=0
 keep() { [ "$1" -eq 0 ] || [ "$1" -eq 5 ] || status=$1; }  # 5: a filter left a part empty
