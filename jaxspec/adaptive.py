@@ -38,15 +38,21 @@ non-decreasing in k: every active row's best length is the cap itself, cut to wh
 commit, len_b = min(c, room[b] - 1). A shorter row never saves time here; in particular a row
 whose own estimate says speculation does not pay (max_k E[b, k] / cost[k] <= 1) should still
 verify the c nodes its batch mates pay for (they are free to it), not run "plain" inside the
-batch. What each row's acceptance decides is the cap:
+batch. What each row's acceptance decides is the cap. A batch's rows are not replaced as they
+finish: the batch takes as long as its slowest row, and a window that speeds up the other rows
+only adds to the cost of the steps that row still needs. So the cap minimises the expected
+time until the last active row is done,
 
-    c* = argmax_{c in 0..γ}  sum_{active b} E_b(c) / cost[c]        (c = 0: a 1-entry window)
+    c* = argmin_{c in 0..γ}  max_{active b} room_b / E_b(min(c, useful_b)) * cost[c]
 
-i.e. expected tokens of the whole batch per unit time, the quantity throughput is. A row with
-a high estimate pulls c up, rows with low ones pull it down, a row near its end stops counting
-past its room. The per-row lengths therefore differ within a step (room) and across steps (c
-follows the estimates); the drafter's own per-node cost (EAGLE: one decoder layer + head per
-step) enters through cost[c], measured, so a long chain stops where its drafting is not worth
+(c = 0: a 1-entry window; useful_b = room_b - 1, and for prompt lookup at most the nodes its
+match has), re-chosen every step as estimates, rooms and the active set change. (Summing the
+rows' expected tokens instead, session 8's rule, is right where finished rows are replaced by
+new requests; with static batches it let a fast row pull the cap up while a slow row set the
+batch's time: EAGLE at batch 2 on SmolLM2 took 1.23 tokens per row and step where batch 1 took
+1.53 on the same prompts.) At batch 1 this is max_k E(k) / cost[k]. The per-row lengths differ
+within a step (room) and c follows the estimates across steps; the drafter's own per-node cost
+(EAGLE: one decoder layer + head per step) enters through cost[c], measured, so a long chain stops where its drafting is not worth
 its expected tokens. (Were some cost per row and node, e.g. ragged kernels, each row would stop
 where its marginal E[b, k+1] - E[b, k] drops below the rate times that cost; with dense kernels
 that cost is zero, so that rule gives the cap.) When c* = 0, every `probe_every`-th step verifies
@@ -66,16 +72,16 @@ batch whose drafts miss finds out in a few steps, not ~20 (prior_weight = 1 / (1
 the plain exponential average).
 
 Hand-off (lockstep batches only, B > PER_REQUEST_MAX_BATCH; every drafter but prompt lookup,
-whose plain steps carry no bookkeeping). Inside the adaptive program a step without nodes still pays the drafter's bookkeeping
-(EAGLE: ~8% of a plain step on SmolLM2) and the loop's; the plain program does not. Once the
-batch has taken `handoff_after` steps (its estimates mostly evidence by then, or still the
-prior where the loop never verified a node) and they say no window c >= 1 beats the plain
-program (sum_b E_b(c) / cost[c] < active rows), the rest of the batch
-runs plain decoding's own step in a loop of its own: no drafting, no bookkeeping, the drafter's
-state left as it is (never read again in this batch), each step priced at 1 plain step. The
-host's next choice for this batch size reads the whole batch (`spent`). At batch 1 the row is
-the request and keeps its plain loop with probes: a request whose text turns predictable later
-can come back.
+whose plain steps carry no bookkeeping). Inside the adaptive program a step without nodes still
+pays the drafter's bookkeeping (EAGLE: ~8% of a plain step on SmolLM2) and the loop's; the plain
+program does not. Once the batch has taken `handoff_after` steps (its estimates mostly evidence
+by then, or still the prior where the loop never verified a node) and they say no window
+c >= 1 finishes the batch sooner than the plain program (min_{c>=1} of the finish time above >
+max_b room_b), the rest of the batch runs plain decoding's own step in a loop of its own: no
+drafting, no bookkeeping, the drafter's state left as it is (never read again in this batch),
+each step priced at 1 plain step. The host's next choice for this batch size reads the whole
+batch (`spent`). At batch 1 the row is the request and keeps its plain loop with probes: a
+request whose text turns predictable later can come back.
 
 Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`,
 the step counter and the rows' committed lengths only -- functions of committed history and of
@@ -163,14 +169,18 @@ class Controller:
         active: jax.Array,
         room: jax.Array,
         context: jax.Array,
+        useful: jax.Array | None = None,
     ) -> jax.Array:
-        """-> int32[B] nodes each row may verify this step: min(c*, room - 1) (module docstring).
+        """-> int32[B] nodes each row may verify this step: min(c*, useful) (module docstring).
         Reads only past-step statistics (alpha, costs), the step counter, room (tokens each row
-        may still emit) and context (int32[B] committed tokens): committed history, never this
-        step's draws."""
+        may still emit), context (int32[B] committed tokens) and useful (int32[B] nodes a row
+        can commit this step; default room - 1; prompt lookup: also its match): committed
+        history, never this step's draws."""
         g = self.gamma
-        useful = jnp.clip(room - 1, 0, g).astype(jnp.int32)  # [B] nodes a row can still commit
-        cap = jnp.argmax(batch_rates(st, active, useful, context)).astype(jnp.int32)  # ties: shorter
+        if useful is None:
+            useful = jnp.clip(room - 1, 0, g).astype(jnp.int32)  # [B] nodes a row can commit
+        times = finish_times(st, active, useful, room, context)  # [G+1]
+        cap = jnp.argmin(times).astype(jnp.int32)  # ties: the shorter window
         step = jnp.max(jnp.where(active, row_steps, 0))  # rows of a batch step together
         probe = (self.probe_every > 0) & (step % max(self.probe_every, 1) == 0)
         cap = jnp.where(probe & (cap == 0), min(self.probe_length, g), cap)
@@ -215,14 +225,15 @@ class Controller:
     def hands_off(self, st: AdaptiveState, row_steps, active, room, context) -> jax.Array:
         """-> bool[]: whether the rest of this lockstep batch runs plain decoding's step (module
         docstring): the batch has taken `handoff_after` steps, and no window of c >= 1 nodes is
-        expected to beat the plain program (1 token per active row per plain step). Past
-        statistics, the step counter and committed history only."""
+        expected to finish the batch sooner than the plain program (its slowest row's room at 1
+        token per plain step). Past statistics, the step counter and committed history only."""
         if self.handoff_after <= 0:
             return jnp.zeros((), bool)
         useful = jnp.clip(room - 1, 0, self.gamma).astype(jnp.int32)
-        rate = batch_rates(st, active, useful, context)  # [G+1]
+        times = finish_times(st, active, useful, room, context)  # [G+1]
+        plain = jnp.max(jnp.where(active, room, 0)).astype(jnp.float32)  # plain program: 1/step
         step = jnp.max(jnp.where(active, row_steps, 0))  # rows of a batch step together
-        return (step >= self.handoff_after) & (jnp.max(rate[1:]) < jnp.sum(active))
+        return (step >= self.handoff_after) & jnp.any(active) & (jnp.min(times[1:]) > plain)
 
     def update_handed_off(self, st: AdaptiveState, active, step) -> AdaptiveState:
         """A step of plain decoding's own after the hand-off: no node, no evidence, 1 plain step."""
@@ -238,13 +249,16 @@ class Controller:
         )
 
 
-def batch_rates(st: AdaptiveState, active, useful, context) -> jax.Array:
-    """-> f32[G+1] the batch's expected tokens per plain step with a cap of c = 0..G nodes:
-    sum over active rows of E_b(min(c, useful_b)) / cost[c] (cost at the batch's context)."""
+def finish_times(st: AdaptiveState, active, useful, room, context) -> jax.Array:
+    """-> f32[G+1] the batch's expected time to finish, in plain steps, if every step verified
+    a cap of c = 0..G nodes: the slowest active row's room_b / E_b(min(c, useful_b)) steps, each
+    costing cost[c] (at the batch's context). A batch ends with its last row (rows are not
+    replaced), so a window pays only where it shortens that row's remaining time."""
     expected = expected_tokens(st.alpha)  # [B, G+1]
     ks = jnp.arange(expected.shape[1])
     by_cap = jnp.take_along_axis(expected, jnp.minimum(ks[None], useful[:, None]), axis=1)
-    return jnp.sum(jnp.where(active[:, None], by_cap, 0.0), axis=0) / step_cost(st, context, active)
+    steps = jnp.where(active[:, None], room[:, None].astype(jnp.float32) / by_cap, 0.0)
+    return jnp.max(steps, axis=0) * step_cost(st, context, active)
 
 
 def cost_table(costs) -> tuple[list[float], list[list[float]]]:

@@ -327,6 +327,7 @@ def _allowed(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> jax.Ar
     (a lockstep window wide enough for one row's match costs every row; rows without a match
     gain nothing from it), and no match anywhere leaves nothing to verify."""
     room = state.max_lengths - state.lengths  # tokens each row may still emit
+    useful = jnp.clip(room - 1, 0, spec.adaptive.gamma).astype(jnp.int32)
     if traits(spec.drafter).drafts_from_tokens:
         b = state.lengths.shape[0]
         full = jnp.full((b,), spec.num_nodes, jnp.int32)
@@ -335,8 +336,10 @@ def _allowed(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> jax.Ar
         p, _ = spec.drafter.propose(
             dparams, tparams, state.drafter_state, ctx, spec.num_nodes, sp, keys
         )
-        room = jnp.minimum(room, p.num_proposed + 1)  # nodes it can commit <= its match
-    return spec.adaptive.choose(state.adaptive, state.row_steps, ~state.done, room, state.lengths)
+        useful = jnp.minimum(useful, p.num_proposed)  # nodes it can commit <= its match
+    return spec.adaptive.choose(
+        state.adaptive, state.row_steps, ~state.done, room, state.lengths, useful
+    )
 
 
 def _last_token(state: DecodeState) -> jax.Array:  # int32[B] the last committed token

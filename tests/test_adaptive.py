@@ -141,6 +141,7 @@ def test_prompt_lookup_rows_are_priced_at_their_match(target):
         engine = Engine(target, NgramDrafter(64, min_ngram=2, max_ngram=3), None,
                         num_speculative_tokens=3,
                         adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0))
+        engine.spec_for = lambda batch: engine.spec  # the adaptive program whatever the costs
         state = engine._prefill([[1, 2]] * 2, 32, SamplingParams.make(), 0, [0, 1], 2)
         motif, distinct = [5, 6, 7, 8] * 4, list(range(10, 26))
         rows = [motif if r < motif_rows else distinct for r in range(2)]
@@ -148,10 +149,12 @@ def test_prompt_lookup_rows_are_priced_at_their_match(target):
         state = dataclasses.replace(state, tokens=tokens, lengths=jnp.full((2,), 16, jnp.int32))
         return speculate._allowed(engine.spec, target.params, None, state, SamplingParams.make())
 
-    cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.5, 1.9, 2.2]
-    np.testing.assert_array_equal(allowed(cheap, 1), [1, 0])  # 2.6 / 1.2 beats 2 / 1
-    np.testing.assert_array_equal(allowed(dear, 1), [0, 0])  # one match: 2.6 / 1.5 < 2
-    np.testing.assert_array_equal(allowed(dear, 2), [1, 1])  # both: 3.2 / 1.5 > 2
+    cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.7, 2.2, 2.6]
+    # one row matches: the other, with nothing to verify, still needs a step per token and
+    # would pay every window's cost -- no window finishes the batch sooner
+    np.testing.assert_array_equal(allowed(cheap, 1), [0, 0])
+    np.testing.assert_array_equal(allowed(cheap, 2), [2, 2])  # both: 1.96 tokens for 1.4
+    np.testing.assert_array_equal(allowed(dear, 2), [0, 0])  # 1.6 tokens for 1.7: plain
     np.testing.assert_array_equal(allowed(cheap, 0), [0, 0])  # no match: the plain loop
 
 
@@ -270,22 +273,27 @@ def test_controller_picks_the_length_that_pays_and_probes():
     st = dataclasses.replace(st, alpha=alpha)
     active = jnp.ones((3,), bool)
     room = jnp.full((3,), 20)
-    # the batch pays for 3 nodes (row 0 pulls the cap up); row 1 alone would not gain from
-    # speculating, but its batch mates pay the window: it verifies the cap too
+    steps = jnp.full((3,), 5)
     ctx = jnp.full((3,), 40)  # committed tokens (one curve: every context)
-    np.testing.assert_array_equal(ctl.choose(st, jnp.full((3,), 5), active, room, ctx), [3, 3, 3])
-    # a row with 2 tokens left verifies 1 node (more could never be committed)
+    # the batch ends with its slowest row: row 1 (0.1) gains nothing from a window, so none pays
+    # although row 0 alone would verify 3 (the summed-tokens rule took 3 here)
+    np.testing.assert_array_equal(ctl.choose(st, steps, active, room, ctx), [0, 0, 0])
+    # row 1 done: row 2 (0.6) is the slowest; 2 nodes finish it soonest (20 / 1.96 * 1.4)
     np.testing.assert_array_equal(
-        ctl.choose(st, jnp.full((3,), 5), active, jnp.asarray([20, 2, 1]), ctx), [3, 1, 0]
+        ctl.choose(st, steps, jnp.asarray([True, False, True]), room, ctx), [2, 0, 2]
     )
+    # rows near their end do not hold the batch: row 0 sets its time, and a row with 2 tokens
+    # left verifies 1 node (more could never be committed), one with 1 left none
+    near_end = jnp.asarray([20, 2, 1])
+    np.testing.assert_array_equal(ctl.choose(st, steps, active, near_end, ctx), [3, 1, 0])
     # a measured draft cost that grows with the nodes makes the 3rd not worth it: cap 2
     drafty = dataclasses.replace(st, costs=jnp.asarray([[1.0, 1.3, 1.6, 2.4]]))
-    np.testing.assert_array_equal(
-        ctl.choose(drafty, jnp.full((3,), 5), active, room, ctx), [2, 2, 2]
-    )
-    slow = dataclasses.replace(st, costs=jnp.asarray([[1.0, 1.9, 2.9, 3.9]]))  # a loaded batch
-    np.testing.assert_array_equal(ctl.choose(slow, jnp.full((3,), 5), active, room, ctx), [0, 0, 0])
-    np.testing.assert_array_equal(ctl.choose(slow, jnp.full((3,), 8), active, room, ctx), [1, 1, 1])
+    np.testing.assert_array_equal(ctl.choose(drafty, steps, active, near_end, ctx), [2, 1, 0])
+    even = dataclasses.replace(st, alpha=jnp.full((3, 3), 0.6))
+    slow = dataclasses.replace(even, costs=jnp.asarray([[1.0, 1.9, 2.9, 3.9]]))  # loaded batch
+    np.testing.assert_array_equal(ctl.choose(even, steps, active, room, ctx), [2, 2, 2])
+    np.testing.assert_array_equal(ctl.choose(slow, steps, active, room, ctx), [0, 0, 0])
+    np.testing.assert_array_equal(ctl.choose(slow, steps + 3, active, room, ctx), [1, 1, 1])
     assert adaptive.best_gain([1.0, 1.9, 2.9, 3.9], 0.8) <= 1.0 < adaptive.best_gain(COSTS, 0.8)
     # after a step: row 0 accepted 2 of 3, row 1 was allowed 3 but its drafter proposed none and
     # row 2 was allowed none (no evidence: unchanged)
@@ -330,7 +338,7 @@ def test_estimates_start_fast_and_settle_to_the_exponential_average():
 
 def test_controller_hands_a_losing_lockstep_batch_off():
     """hands_off: only from the batch's handoff_after-th step, and only where no window is
-    expected to beat the plain program's 1 token per row and step."""
+    expected to finish the batch sooner than the plain program (1 token per row and step)."""
     ctl = adaptive.Controller(gamma=2, handoff_after=3)
     st = ctl.init(2, [1.05, 1.3, 1.5])
     active, room, ctx = jnp.ones((2,), bool), jnp.full((2,), 20), jnp.full((2,), 40)
@@ -341,10 +349,11 @@ def test_controller_hands_a_losing_lockstep_batch_off():
                                   steps, active, room, ctx))  # 1.5 / 1.3 > 1
     assert not bool(ctl.hands_off(low, steps - 1, active, room, ctx))  # too early
     assert bool(ctl.hands_off(low, jnp.asarray([3, 9]), jnp.asarray([True, False]), room, ctx))
-    # a row with 1 token left cannot use a node: it counts a token per step either way
-    one_left = dataclasses.replace(st, alpha=jnp.asarray([[0.2, 0.2], [0.9, 0.9]]))
-    assert not bool(ctl.hands_off(one_left, steps, active, room, ctx))
-    assert bool(ctl.hands_off(one_left, steps, active, jnp.asarray([20, 1]), ctx))
+    # the slowest row sets the batch's time: a fast batch mate does not keep the window ...
+    mixed = dataclasses.replace(st, alpha=jnp.asarray([[0.2, 0.2], [0.9, 0.9]]))
+    assert bool(ctl.hands_off(mixed, steps, active, room, ctx))
+    # ... unless the slow row is near its end (1 token left): the fast row's 20 take longer
+    assert not bool(ctl.hands_off(mixed, steps, active, jnp.asarray([1, 20]), ctx))
     never = dataclasses.replace(ctl, handoff_after=0)
     assert not bool(never.hands_off(low, steps, active, room, ctx))
     st = ctl.update_handed_off(low, jnp.asarray([True, False]), jnp.int32(7))
