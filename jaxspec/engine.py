@@ -394,6 +394,8 @@ class Engine:
             if state.adaptive is None:
                 self._off_batches += 1
             else:  # per position: accepted / reached over the batch's real rows and steps
+                self._off_batches = 0  # a re-probe starts the count again (else every batch
+                # after it would re-probe)
                 n = len(batch_ids)
                 reached = np.asarray(state.adaptive.reached[:n]).sum(axis=0)
                 hits = np.asarray(state.adaptive.hits[:n]).sum(axis=0)

@@ -523,6 +523,10 @@ def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, pro
         picks.append(engine.spec_for(4) is engine.spec)
         engine._off_batches += not picks[-1]  # what a run of the plain program records
     assert picks == [False] * 7 + [True]
+    # the re-probe runs (and does not pay): the next 7 run plain again, not every one after it
+    engine.generate(prompts[:4], max_new_tokens=16, batch_size=4)
+    engine.observed_acceptance = [0.2, 0.2, 0.2]
+    assert engine._off_batches == 0 and engine.spec_for(4) is not engine.spec
     # a batch size whose last adaptive batch did not beat plain by the cost model: off too
     # (before one of that size: the last of any size, priced with this size's costs)
     engine.observed_acceptance, engine._off_batches = None, 0
