@@ -52,12 +52,13 @@ new requests; with static batches it let a fast row pull the cap up while a slow
 batch's time: EAGLE at batch 2 on SmolLM2 took 1.23 tokens per row and step where batch 1 took
 1.53 on the same prompts.) At batch 1 this is max_k E(k) / cost[k]. The per-row lengths differ
 within a step (room) and c follows the estimates across steps; the drafter's own per-node cost
-(EAGLE: one decoder layer + head per step) enters through cost[c], measured, so a long chain stops where its drafting is not worth
-its expected tokens. (Were some cost per row and node, e.g. ragged kernels, each row would stop
-where its marginal E[b, k+1] - E[b, k] drops below the rate times that cost; with dense kernels
-that cost is zero, so that rule gives the cap.) When c* = 0, every `probe_every`-th step verifies
-`probe_length` nodes anyway, so the estimates can recover. Every row starts a request from
-`prior`: at batch 1 the row is the request, and a request's choices read its own steps only.
+(EAGLE: one decoder layer + head per step) enters through cost[c], measured, so a long chain stops
+where its drafting is not worth its expected tokens. (Were some cost per row and node, e.g. ragged
+kernels, each row would stop where its marginal E[b, k+1] - E[b, k] drops below the rate times that
+cost; with dense kernels that cost is zero, so that rule gives the cap.) When c* = 0, every
+`probe_every`-th step verifies `probe_length` nodes anyway, so the estimates can recover. Every
+row starts a request from `prior`: at batch 1 the row is the request, and a request's choices
+read its own steps only.
 The host side (engine.spec_for) runs a whole batch on the plain program instead when this
 size's cost curve says speculation cannot pay (`best_gain`); above batch 1 also at the
 acceptance earlier batches measured (before any: the prior), or when the last adaptive batch of
@@ -86,9 +87,10 @@ request whose text turns predictable later can come back.
 Why this is lossless: the lengths are computed at the start of the step from `AdaptiveState`,
 the step counter and the rows' committed lengths only -- functions of committed history and of
 past steps' acceptance counts -- before this step's draft or target draws exist. (Whether the
-step runs in decode's plain loop or takes the plain branch reads those lengths and the
-proposal's size, never a draw; that step is the 0-node step itself, drawing its token from the target at the root with the same
-uniform, so it changes the program's cost, not its output; the hand-off reads the same
+step runs in decode's plain loop or takes the plain branch reads those lengths and the proposal's
+size, never a draw; that step is the 0-node step itself, drawing its token from the target at the
+root with the same uniform, so it changes the program's cost, not its output; the hand-off reads the
+same
 statistics, and its steps are that 0-node step too.) Conditional on
 the past, the step is then the usual rejection-sampling step on a proposal whose length is fixed
 in advance, which emits tokens with the target's law for any fixed length (acceptance.py).
@@ -323,11 +325,12 @@ def summarize(length_hist, plain_steps, steps: int) -> dict:
 class Options:
     """Host-side settings of adaptive speculation (Engine(..., adaptive=Options())).
 
-    step_costs: the verify cost curve, relative ([γ+1] plain-step units for 1..γ+1 window
-    entries; the first is the loop's 1-entry step, ~1 when measured): None measures it (jaxspec.calibration, cached), a sequence is used for every batch
-    size, a callable maps the batch size to one. draft_cost: "auto" measures the drafter's work
-    per step (propose with c nodes + commit, jaxspec.calibration, cached) and adds it to the
-    verify cost of c nodes; a number overrides it: that many plain steps per drafted node.
+    step_costs: the verify cost curve, relative ([γ+1] plain-step units for 1..γ+1 window entries;
+    the first is the loop's 1-entry step, ~1 when measured): None measures it (jaxspec.calibration,
+    cached), a sequence is used for every batch size, a callable maps the batch size to one.
+    draft_cost: "auto" measures the drafter's work per step (propose with c nodes + commit,
+    jaxspec.calibration, cached) and adds it to the verify cost of c nodes; a number overrides
+    it: that many plain steps per drafted node.
     switch_off_acceptance: a batch whose cost curve gives no gain over plain even for rows
     accepting each node with this probability runs the plain program (no drafter, a 1-token
     window), not the adaptive one (above batch 1 the acceptance earlier batches measured

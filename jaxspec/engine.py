@@ -199,8 +199,9 @@ class Engine:
         fill, or given) + the drafter's work with c nodes (measured per fill with draft_cost
         "auto", else draft_cost per node); once per engine and batch size. With c = 0 a drafter
         with commit_plain runs the plain program's step itself (speculate.decode's plain loop):
-        measured verify cost[0] is 1 there; others run one entry through the window path ("w1"). A given curve (one
-        list) holds for every context (fill 0); a dict gives one per fill."""
+        measured verify cost[0] is 1 there; others run one entry through the window path
+        ("w1"). A given curve (one list) holds for every context (fill 0); a dict gives one per
+        fill."""
         if batch not in self._costs:
             opts, g = self.adaptive, self.spec.num_speculative_tokens
             src = opts.step_costs
@@ -239,8 +240,8 @@ class Engine:
         """The program a batch of this size runs: the plain one where the cost model says
         verification does not pay (load-aware switch-off), else the adaptive one.
 
-        Up to adaptive.PER_REQUEST_MAX_BATCH rows (batch 1: the row is the request) only this size's
-        cost curve decides, at `switch_off_acceptance`: whether speculation can pay on this
+        Up to adaptive.PER_REQUEST_MAX_BATCH rows (batch 1: the row is the request) only this
+        size's cost curve decides, at `switch_off_acceptance`: whether speculation can pay on this
         machine at all. Acceptance belongs to the request, and the adaptive program's own
         plain-step branch costs about one plain step, so each request finds its own way in
         the loop (from the prior, re-probing); nothing an earlier request did carries over.
@@ -249,10 +250,10 @@ class Engine:
         (`observed_acceptance`; before any: `prior`, where the loop's estimates start -- a
         size whose curve gives no gain there would start the adaptive program on its plain
         loop, paying the drafter's bookkeeping and probes for nothing known), and the last
-        adaptive batch of this size must have beaten plain by the cost model
-        (`realized_gain`). Every
-        REPROBE_BATCHES-th batch that would run plain runs adaptive instead, so the estimate
-        can recover. The choice depends on earlier batches only: lossless."""
+        adaptive batch of this size must have beaten plain by the cost model (`realized_gain`).
+        Every REPROBE_BATCHES-th batch that would run plain runs adaptive instead, so the
+        estimate can recover (the count restarts after it). The choice depends on earlier
+        batches only: lossless."""
         if self.adaptive is None:
             return self.spec
         curves = self.step_costs(batch).values()  # per context: the loop reads the one it is at

@@ -323,9 +323,9 @@ def decode_step(
 def _allowed(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> jax.Array:
     """int32[B] nodes each row may verify this step (the controller: past steps only). Prompt
     lookup (`drafts_from_tokens`: its proposal is a function of the committed tokens, no draw):
-    a row can use at most the nodes its match has, so the controller prices each row at that
-    (a lockstep window wide enough for one row's match costs every row; rows without a match
-    gain nothing from it), and no match anywhere leaves nothing to verify."""
+    a row can use at most the nodes its match has (`useful`; a row without one gains nothing
+    from a window its batch mates' matches would fill, and still pays for it), and no match
+    anywhere leaves nothing to verify."""
     room = state.max_lengths - state.lengths  # tokens each row may still emit
     useful = jnp.clip(room - 1, 0, spec.adaptive.gamma).astype(jnp.int32)
     if traits(spec.drafter).drafts_from_tokens:
@@ -449,16 +449,16 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
 
     Adaptive with a drafter that has `commit_plain`: two loops inside one, each step in the one
     its controller's choice (past steps only) selects -- while no row may verify a node, plain
-    steps (decode_step plain=True: plain decoding's in-place step, no lax.cond around the
+    steps (decode_step mode "plain": plain decoding's in-place step, no lax.cond around the
     cache, which XLA:CPU would copy whole every step), then drafted steps while some row may.
     Prompt lookup (`drafts_from_tokens`): also while no row has a match -- the match is a
     function of committed tokens, computed before the step, never a draw.
 
     Adaptive at a lockstep batch size (B > adaptive.PER_REQUEST_MAX_BATCH), every drafter but
-    prompt lookup (its plain steps carry no bookkeeping): once the controller hands the batch off (`Controller.hands_off`: past
-    statistics only), a last loop runs the rest in mode "handed_off": plain decoding's step,
-    the drafter untouched. The hand-off is kept in the state (`handoff_at`), so a later call
-    (streaming's chunks) resumes there."""
+    prompt lookup (its plain steps carry no bookkeeping): once the controller hands the batch
+    off (`Controller.hands_off`: past statistics only), a last loop runs the rest in mode
+    "handed_off": plain decoding's step, the drafter untouched. The hand-off is kept in the state
+    (`handoff_at`), so a later call (streaming's chunks) resumes there."""
 
     def cond(carry):
         s, i = carry
