@@ -223,7 +223,6 @@ class Controller:
             spent=st.spent + jnp.any(active) * step_cost(st, context, active)[window],
         )
 
-
     def hands_off(self, st: AdaptiveState, row_steps, active, room, context) -> jax.Array:
         """-> bool[]: whether the rest of this lockstep batch runs plain decoding's step (module
         docstring): the batch has taken `handoff_after` steps, and no window of c >= 1 nodes is
