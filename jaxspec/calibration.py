@@ -19,8 +19,9 @@ entry through the window path, the 0-node step of a drafter without commit_plain
 lookup without a match), inside a lax.cond branch that only reads the cache. Draft: the
 drafter's `propose` with `max_nodes` = k (EAGLE's early-stopping loop then runs k drafter steps;
 a drafter that ignores it drafts γ whatever k) followed by its `commit`; for k = 0 a drafter with
-`commit_plain` runs only that (what the plain-step branch runs), one without runs propose (0
-nodes) + commit. On a state whose rows hold `fill` tokens, timed in the same rounds as a plain
+`commit_plain` runs only that, over a full plain run of speculate.MAX_PLAIN_RUN roots, divided by
+their number (decode's plain loop enters a run in one pass), one without runs propose (0 nodes) +
+commit. On a state whose rows hold `fill` tokens, timed in the same rounds as a plain
 1-entry verify. Each round times every name once after the reference (the plain step); a name's
 cost is the median over rounds of its time / the reference's time in that round -- load on a
 shared machine comes and goes between rounds, and a ratio taken within one round sees it on both
@@ -83,7 +84,9 @@ def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
     """The target's key plus what the drafter's step time depends on."""
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)]
     shapes = hashlib.sha256(repr((jax.tree.structure(dparams), leaves)).encode()).hexdigest()
-    k0 = "commit_plain" if _plain_commit_only(drafter) else "propose+commit"  # what k = 0 runs
+    # what k = 0 runs: a plain run's catch-up (per step of a full run), or propose + commit
+    run = f"commit_plain/{speculate.MAX_PLAIN_RUN}"
+    k0 = run if _plain_commit_only(drafter) else "propose+commit"
     return calibration_key(model) | {
         "drafter": repr(drafter), "dparams": shapes, "gamma": gamma, "k0": k0
     }
@@ -276,8 +279,8 @@ def measure_draft(
     model, drafter, dparams, batch: int, gamma: int, ks: list[int], fill: int = FILLS[0]
 ):
     """(seconds of a 1-entry verify, [seconds of the drafter's step with max_nodes = k for k in
-    ks]): propose + commit (k = 0 with commit_plain: that alone) on a state whose rows hold
-    `fill` tokens, by `timed` with the plain verify the reference."""
+    ks]): propose + commit (k = 0 with commit_plain: a full plain run's catch-up, per step) on
+    a state whose rows hold `fill` tokens, by `timed` with the plain verify the reference."""
     cfg = model.cfg
     spec = speculate.LoopSpec(cfg=cfg, drafter=drafter, num_speculative_tokens=gamma, eos_ids=())
     prompt = 16  # the drafter's init runs over a short prompt; the rows then claim `fill` tokens
@@ -301,15 +304,16 @@ def measure_draft(
     sp = SamplingParams.make()
     keys = jax.random.split(jax.random.key(1), b)
     runs = {}
-    plain_ctx = commit_ctx._replace(
-        window=tokens[:, :1], hidden=None if hidden is None else hidden[:, :, :1],
-        path=jnp.zeros((b, 1), jnp.int32),
+    m = speculate.MAX_PLAIN_RUN  # a full plain run: M roots, entered in one pass
+    run_hidden = jnp.zeros((nh, b, m, cfg.hidden_size), cfg.compute_dtype) if nh else None
+    run_ctx = commit_ctx._replace(
+        lengths=lengths + m, window=tokens[:, :m], hidden=run_hidden,
+        path=jnp.zeros((b, m), jnp.int32),
     )
     for k in ks:
-        if k == 0 and _plain_commit_only(drafter):  # the adaptive loop's plain step
+        if k == 0 and _plain_commit_only(drafter):  # the adaptive loop's plain run
             runs[k] = _carried(
-                _plain_draft_step, dstate, dparams, model.params, plain_ctx,
-                drafter=drafter,
+                _plain_draft_step, dstate, dparams, model.params, run_ctx, drafter=drafter
             )
             continue
         ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.full((b,), k, jnp.int32))
@@ -330,4 +334,5 @@ def measure_draft(
         _verify, verify_cache, model.params, window, sp, own=True, spec=plain_spec, width=1
     )
     best = timed({"plain": runs.pop("plain")} | runs)
-    return best["plain"], [best[k] for k in ks]
+    per_step = lambda k: best[k] / m if k == 0 and _plain_commit_only(drafter) else best[k]
+    return best["plain"], [per_step(k) for k in ks]

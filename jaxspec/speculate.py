@@ -255,17 +255,26 @@ class _Outcome(NamedTuple):
     drafter_state: Any
     num_nodes: jax.Array  # int32[B] nodes verified
     num_accepted: jax.Array  # int32[B]
+    root_hidden: Any = None  # [nl, B, D] the root's target features (plain-run steps only)
 
 
 def decode_step(
-    spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, mode: str = "drafted"
+    spec: LoopSpec,
+    tparams,
+    dparams,
+    state: DecodeState,
+    sp: SamplingParams,
+    mode: str = "drafted",
+    allowed: jax.Array | None = None,
 ):
-    """One draft -> verify -> accept -> commit step.
+    """One draft -> verify -> accept -> commit step. `allowed` (adaptive): the controller's
+    lengths for this state (`allowed_lengths`), when the caller has them already; else computed.
 
     mode "plain" (adaptive, a drafter with `commit_plain`; `decode` runs it while the
     controller's cap is 0): the plain program's step itself -- the target over the last token,
-    its entry written in place -- plus the drafter's commit_plain and the controller's
-    bookkeeping. No lax.cond anywhere: the step costs what a plain step costs (+ commit_plain).
+    its entry written in place -- and the controller's bookkeeping; the drafter is left behind
+    (`plain_run_step` keeps the root's target features, `catch_up` enters them). No lax.cond
+    anywhere: the step costs what a plain step costs.
     mode "handed_off" (a lockstep batch after the controller's hand-off): the same step without
     the drafter at all (its state is left as it is) and the bookkeeping of a 1-step counter.
 
@@ -278,18 +287,19 @@ def decode_step(
     `acceptance.root_token`): it is the same step, computed the cheap way, and its choice reads
     only the controller's lengths (past steps) and the proposal's size. Both branches only read
     the target cache; its write (one entry, or the accepted path) follows the branches."""
+    return _step(spec, tparams, dparams, state, sp, mode, allowed)[0]
+
+
+def _step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp, mode, allowed):
+    """decode_step -> (state, the root's target features [nl, B, D] of a plain step, else None)."""
     active = ~state.done
     keys = sampling.row_keys(state.key, state.row_ids, state.row_steps)
     k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
     ctl = spec.adaptive if spec.drafter is not None else None
     # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
-    need_lengths = ctl is not None and mode != "handed_off"
-    allowed = _allowed(spec, tparams, dparams, state, sp) if need_lengths else None
-    if mode == "handed_off":  # the loop checked: the controller handed the batch off
-        out = _plain_step(
-            spec, tparams, dparams, state, sp, k_accept, None, in_place=True, commit=False
-        )
-    elif mode == "plain":  # the loop checked: every row's allowed length is 0
+    if ctl is not None and mode != "handed_off" and allowed is None:
+        allowed = allowed_lengths(spec, tparams, dparams, state, sp)
+    if mode in ("handed_off", "plain"):  # the loop checked: handed off / every length is 0
         out = _plain_step(spec, tparams, dparams, state, sp, k_accept, None, in_place=True)
     else:
         out = _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
@@ -317,10 +327,10 @@ def decode_step(
         num_accepted=state.num_accepted + out.num_accepted * act,
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
     )
-    return _place(spec, state)
+    return _place(spec, state), out.root_hidden
 
 
-def _allowed(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> jax.Array:
+def allowed_lengths(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> jax.Array:
     """int32[B] nodes each row may verify this step (the controller: past steps only). Prompt
     lookup (`drafts_from_tokens`: its proposal is a function of the committed tokens, no draw):
     a row can use at most the nodes its match has (`useful`; a row without one gains nothing
@@ -402,16 +412,15 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     return _Outcome(tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc)
 
 
-def _plain_step(
-    spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False, commit=True
-) -> _Outcome:
+def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False) -> _Outcome:
     """Adaptive speculation's step without nodes: the target over the last token alone, no
     drafting. in_place: plain decoding's forward, the entry written into the cache (outside any
     lax.cond only: `decode`'s plain loops); else one entry of the window path (the cache is only
     read, decode_step writes the entry after the branch). `dstate`: None when nothing was
-    drafted (the drafter's commit_plain updates the state from before the step), else the state
-    after a 0-node propose (commit updates it, with the usual D+1-wide context: the root, then
-    padding). commit=False (after a hand-off): the drafter's state is left as it is."""
+    drafted (the drafter's state is left as it is: a plain run's `catch_up` enters the step
+    later, or a handed-off batch never reads it again), else the state after a 0-node propose
+    (commit updates it, with the usual D+1-wide context: the root, then padding). The outcome
+    carries the root's target features (`root_hidden`) for the plain run."""
     b = state.lengths.shape[0]
     d, n = spec.depth, spec.num_nodes
     last = _last_token(state)
@@ -421,18 +430,13 @@ def _plain_step(
         jnp.zeros((b,), jnp.int32),
     )
     p, hidden, cache, window_kv = verify(spec, tparams, state.cache, window, sp, 1)
+    root_hidden = None if hidden is None else hidden[:, :, 0]  # [nl, B, D]
     next_token = acceptance.root_token(p[:, 0], k_accept, n)
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
-    if not commit:
+    if dstate is None:  # nothing drafted: the drafter catches up later (`catch_up`)
         dstate = state.drafter_state
-    elif dstate is None:  # root only: window [B, 1], hidden [nl, B, 1, D]
-        ctx = CommitContext(
-            tokens, lengths, state.lengths, last[:, None], zeros,
-            None if hidden is None else hidden[:, :, :1], jnp.zeros((b, 1), jnp.int32),
-        )
-        dstate = traits(spec.drafter).commit_plain(dparams, tparams, state.drafter_state, ctx)
     else:
         ctx = CommitContext(
             tokens=tokens, lengths=lengths, prev_lengths=state.lengths,
@@ -441,18 +445,84 @@ def _plain_step(
         )
         dstate = spec.drafter.commit(dparams, tparams, dstate, ctx)
     cache = cache if in_place else None
-    return _Outcome(tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros)
+    return _Outcome(
+        tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden
+    )
+
+
+class PlainRun(NamedTuple):
+    """Adaptive speculation's plain steps since the drafter was last current (decode's plain
+    loop, a drafter with `commit_plain`): the drafter is left behind during the run and enters
+    all of it in one pass afterwards (`catch_up`), so a plain step costs what the plain program's
+    does. Rows advance one token per step while active, so slot i holds each row's step i."""
+
+    hidden: jax.Array | None  # [nl, B, M, D] target features of each step's root; None: no taps
+    start: jax.Array  # int32[B] committed lengths when the run began
+    count: jax.Array  # int32[] steps recorded (<= M)
+
+
+MAX_PLAIN_RUN = 16  # plain steps a run may hold (the drafter's catch-up window)
+
+
+def plain_run_length(spec: LoopSpec) -> int:
+    """M: steps a plain run holds before the drafter catches up -- one probe interval (a probe
+    ends a run anyway), at most MAX_PLAIN_RUN (what calibration prices a plain step with)."""
+    every = spec.adaptive.probe_every
+    return every if 0 < every <= MAX_PLAIN_RUN else MAX_PLAIN_RUN
+
+
+def new_plain_run(spec: LoopSpec, state: DecodeState) -> PlainRun:
+    b, nl = state.lengths.shape[0], len(spec.drafter.hidden_layers)
+    hidden = None
+    if nl:
+        shape = (nl, b, plain_run_length(spec), spec.cfg.hidden_size)
+        hidden = jnp.zeros(shape, spec.cfg.compute_dtype)
+    return PlainRun(hidden, state.lengths, jnp.zeros((), jnp.int32))
+
+
+def plain_run_step(spec: LoopSpec, tparams, dparams, state, sp, allowed, run: PlainRun):
+    """decode_step in mode "plain" (every row's `allowed` is 0), its root's features kept in
+    the run -> (state, run)."""
+    state, root_hidden = _step(spec, tparams, dparams, state, sp, "plain", allowed)
+    hidden = run.hidden
+    if hidden is not None:  # [nl, B, D] into slot `count`
+        hidden = jax.lax.dynamic_update_index_in_dim(
+            hidden, root_hidden.astype(hidden.dtype), run.count, axis=2
+        )
+    return state, run._replace(hidden=hidden, count=run.count + 1)
+
+
+def catch_up(spec: LoopSpec, tparams, dparams, state: DecodeState, run: PlainRun) -> DecodeState:
+    """The drafter's state after the run's steps, entered in one pass (its commit_plain over the
+    run's roots): what drafting nothing and committing each step's root would have left."""
+    b = state.lengths.shape[0]
+    m = plain_run_length(spec)
+    slots = jnp.clip(run.start[:, None] - 1 + jnp.arange(m), 0, state.tokens.shape[1] - 1)
+    ctx = CommitContext(
+        tokens=state.tokens,
+        lengths=state.lengths,
+        prev_lengths=run.start,
+        window=jnp.take_along_axis(state.tokens, slots, axis=1),  # [B, M] the run's roots
+        num_accepted=jnp.zeros((b,), jnp.int32),
+        hidden=run.hidden,
+        path=jnp.zeros((b, m), jnp.int32),
+    )
+    dstate = traits(spec.drafter).commit_plain(dparams, tparams, state.drafter_state, ctx)
+    return dataclasses.replace(state, drafter_state=dstate)
 
 
 def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, max_steps):
     """Run up to `max_steps` (an int32 array: no recompiles) steps, or until every row is done.
 
-    Adaptive with a drafter that has `commit_plain`: two loops inside one, each step in the one
-    its controller's choice (past steps only) selects -- while no row may verify a node, plain
-    steps (decode_step mode "plain": plain decoding's in-place step, no lax.cond around the
-    cache, which XLA:CPU would copy whole every step), then drafted steps while some row may.
-    Prompt lookup (`drafts_from_tokens`): also while no row has a match -- the match is a
-    function of committed tokens, computed before the step, never a draw.
+    Adaptive: the controller's lengths for the next step (`allowed_lengths`: past steps only)
+    are computed once per step, after it, and carried to the loop conditions and the step.
+    With a drafter that has `commit_plain`: two loops inside one, each step in the one its
+    controller's choice selects -- while no row may verify a node, a plain run (`PlainRun`:
+    decode_step mode "plain", plain decoding's in-place step, no lax.cond around the cache,
+    which XLA:CPU would copy whole every step; the drafter catches up after the run, at most
+    `plain_run_length` steps), then drafted steps while some row may. Prompt lookup
+    (`drafts_from_tokens`): also while no row has a match -- the match is a function of
+    committed tokens, computed before the step, never a draw.
 
     Adaptive at a lockstep batch size (B > adaptive.PER_REQUEST_MAX_BATCH), every drafter but
     prompt lookup (its plain steps carry no bookkeeping): once the controller hands the batch
@@ -461,17 +531,21 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
     (`handoff_at`), so a later call (streaming's chunks) resumes there."""
 
     def cond(carry):
-        s, i = carry
+        s, i = carry[:2]
         return (i < max_steps) & ~jnp.all(s.done)
 
-    def body(carry, mode="drafted"):
-        s, i = carry
-        return decode_step(spec, tparams, dparams, _place(spec, s), sp, mode), i + 1
-
-    carry = (state, jnp.zeros((), jnp.int32))
     ctl = spec.adaptive if spec.drafter is not None else None
     if ctl is None:
-        return jax.lax.while_loop(cond, body, carry)[0]
+        body = lambda c: (decode_step(spec, tparams, dparams, _place(spec, c[0]), sp), c[1] + 1)
+        return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
+    lengths_for = lambda s: allowed_lengths(spec, tparams, dparams, s, sp)
+
+    def body(carry):  # (state, steps, the state's allowed lengths)
+        s, i, allowed = carry
+        s = decode_step(spec, tparams, dparams, _place(spec, s), sp, "drafted", allowed)
+        return s, i + 1, lengths_for(s)
+
+    carry = (state, jnp.zeros((), jnp.int32), lengths_for(state))
     t = traits(spec.drafter)
     lockstep = state.lengths.shape[0] > adaptive.PER_REQUEST_MAX_BATCH
     handoff = lockstep and ctl.handoff_after > 0 and not t.drafts_from_tokens
@@ -482,17 +556,27 @@ def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingPar
     if t.commit_plain is None:
         carry = jax.lax.while_loop(go_on, body, carry)
     else:
-        none_allowed = lambda c: jnp.max(_allowed(spec, tparams, dparams, c[0], sp)) == 0
-        plain_cond = lambda c: go_on(c) & none_allowed(c)
-        drafted_cond = lambda c: go_on(c) & ~none_allowed(c)
+        m = plain_run_length(spec)
 
-        def segment(c):  # plain steps while c* = 0, then drafted steps while c* > 0: >= one
-            c = jax.lax.while_loop(plain_cond, functools.partial(body, mode="plain"), c)
+        def plain_body(c):
+            (s, i, allowed), run = c
+            s, run = plain_run_step(spec, tparams, dparams, _place(spec, s), sp, allowed, run)
+            return (s, i + 1, lengths_for(s)), run
+
+        plain_cond = lambda c: go_on(c[0]) & (jnp.max(c[0][2]) == 0) & (c[1].count < m)
+        drafted_cond = lambda c: go_on(c) & (jnp.max(c[2]) > 0)
+
+        def segment(c):  # a plain run while c* = 0, the catch-up, drafted steps while c* > 0
+            c, run = jax.lax.while_loop(plain_cond, plain_body, (c, new_plain_run(spec, c[0])))
+            c = (catch_up(spec, tparams, dparams, c[0], run), *c[1:])
             return jax.lax.while_loop(drafted_cond, body, c)
 
         carry = jax.lax.while_loop(go_on, segment, carry)
     if handoff:  # runs only where the loops above stopped at the hand-off
-        carry = jax.lax.while_loop(cond, functools.partial(body, mode="handed_off"), carry)
+        handed_off = lambda c: (
+            decode_step(spec, tparams, dparams, _place(spec, c[0]), sp, "handed_off"), c[1] + 1
+        )
+        carry = jax.lax.while_loop(cond, handed_off, carry[:2])
     return carry[0]
 
 

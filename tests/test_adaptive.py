@@ -147,7 +147,7 @@ def test_prompt_lookup_rows_are_priced_at_their_match(target):
         rows = [motif if r < motif_rows else distinct for r in range(2)]
         tokens = state.tokens.at[:, :16].set(jnp.asarray(rows, jnp.int32))
         state = dataclasses.replace(state, tokens=tokens, lengths=jnp.full((2,), 16, jnp.int32))
-        return speculate._allowed(engine.spec, target.params, None, state, SamplingParams.make())
+        return speculate.allowed_lengths(engine.spec, target.params, None, state, SamplingParams.make())
 
     cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.7, 2.2, 2.6]
     # one row matches: the other, with nothing to verify, still needs a step per token and
@@ -158,40 +158,48 @@ def test_prompt_lookup_rows_are_priced_at_their_match(target):
     np.testing.assert_array_equal(allowed(cheap, 0), [0, 0])  # no match: the plain loop
 
 
-def test_eagle_commit_plain_leaves_the_state_propose_and_commit_leave(target):
-    """commit_plain (a plain step's bookkeeping: one layer over the root) == propose with 0 nodes
-    + commit of a step that accepted nothing, on every slot the next proposal reads."""
+@pytest.mark.parametrize("steps", [1, 3, 0])
+def test_eagle_catch_up_leaves_the_state_propose_and_commit_leave(target, steps):
+    """commit_plain over a plain run of `steps` steps (M = 4 roots, one pass: the catch-up) ==
+    propose with 0 nodes + commit of a step that accepted nothing, once per step, on every slot
+    the next proposal reads (0 steps: the state as it was)."""
     drafter, dparams = eagle_like(target)
-    b, length, g = 2, 9, 3
+    b, length, g, m = 2, 9, 3, 4
+    nl = len(drafter.hidden_layers)
     rng = np.random.default_rng(1)
     prompt = jnp.asarray(rng.integers(1, 64, size=(b, length)), jnp.int32)
     cap = 32
-    hidden_in = jax.random.normal(jax.random.key(2), (len(drafter.hidden_layers), b, length, 64))
+    hidden_in = jax.random.normal(jax.random.key(2), (nl, b, length, 64))
     state = drafter.init(dparams, target.params, prompt, jnp.full((b,), length), hidden_in, cap)
     tokens = jnp.zeros((b, cap), jnp.int32).at[:, :length].set(prompt)
-    tokens = tokens.at[:, length].set(5)  # the step's target token
-    lengths = jnp.full((b,), length)  # before the step: last committed token at length - 1
-    root_hidden = jax.random.normal(jax.random.key(3), (len(drafter.hidden_layers), b, 1, 64))
+    tokens = tokens.at[:, length : length + m].set(jnp.asarray(rng.integers(1, 64, (b, m))))
+    roots_hidden = jax.random.normal(jax.random.key(3), (nl, b, m, 64))  # garbage past `steps`
     sp = SamplingParams.make()
-    ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32))
-    proposal, after = drafter.propose(
-        dparams, target.params, state, ctx, g, sp, jax.random.split(jax.random.key(4), b)
-    )
-    assert not proposal.num_proposed.any()
     pad = lambda x, axis: jnp.pad(x, [(0, g if i == axis else 0) for i in range(x.ndim)])
-    last = tokens[:, length - 1 : length]
-    full = drafter.commit(dparams, target.params, after, CommitContext(
-        tokens, lengths + 1, lengths, pad(last, 1), jnp.zeros((b,), jnp.int32),
-        pad(root_hidden, 2), jnp.zeros((b, g + 1), jnp.int32),
+    slow = state
+    for i in range(steps):  # the step-by-step bookkeeping a plain run replaces
+        lengths = jnp.full((b,), length + i)  # before the step: last committed at length + i - 1
+        ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32))
+        proposal, after = drafter.propose(
+            dparams, target.params, slow, ctx, g, sp, jax.random.split(jax.random.key(4), b)
+        )
+        assert not proposal.num_proposed.any()
+        root = tokens[:, length + i - 1 : length + i]
+        slow = drafter.commit(dparams, target.params, after, CommitContext(
+            tokens, lengths + 1, lengths, pad(root, 1), jnp.zeros((b,), jnp.int32),
+            pad(roots_hidden[:, :, i : i + 1], 2), jnp.zeros((b, g + 1), jnp.int32),
+        ))
+    start = jnp.full((b,), length)
+    run = drafter.commit_plain(dparams, target.params, state, CommitContext(
+        tokens, start + steps, start, tokens[:, length - 1 : length - 1 + m],
+        jnp.zeros((b,), jnp.int32), roots_hidden, jnp.zeros((b, m), jnp.int32),
     ))
-    cheap = drafter.commit_plain(dparams, target.params, state, CommitContext(
-        tokens, lengths + 1, lengths, last, jnp.zeros((b,), jnp.int32), root_hidden,
-        jnp.zeros((b, 1), jnp.int32),
-    ))
-    np.testing.assert_allclose(cheap.feature, full.feature, rtol=1e-5, atol=1e-6)
-    for a, c in ((cheap.k, full.k), (cheap.v, full.v)):  # slots < the new length - 1 = length
-        np.testing.assert_allclose(a[:, :, :length], c[:, :, :length], rtol=1e-5, atol=1e-6)
-    assert not np.allclose(state.k[:, :, length - 1], cheap.k[:, :, length - 1])  # written
+    np.testing.assert_allclose(run.feature, slow.feature, rtol=1e-5, atol=1e-6)
+    valid = length - 1 + steps  # slots below the new length - 1
+    for a, c in ((run.k, slow.k), (run.v, slow.v)):
+        np.testing.assert_allclose(a[:, :, :valid], c[:, :, :valid], rtol=1e-5, atol=1e-6)
+    if steps:
+        assert not np.allclose(state.k[:, :, length - 1], run.k[:, :, length - 1])  # written
 
 
 # ---- the exact law, with lengths that adapt -----------------------------------------------
@@ -439,13 +447,14 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     assert len(drafts) == 2  # reused
     calibration.draft_costs(target, NgramDrafter(64, max_ngram=2), None, 2, 2, measure=fake_draft)
     assert len(drafts) == 4  # another drafter: another key
-    # the real measurement runs: k = 0 EAGLE's commit_plain (the plain-step branch's
-    # bookkeeping), k = 3 its max_nodes loop + commit
+    # the real measurement runs: k = 0 EAGLE's commit_plain (a plain run's catch-up, per
+    # step), k = 3 its max_nodes loop + commit
     plain_s, each = calibration.measure_draft(target, *eagle_like(target), 2, 3, [0, 3])
     assert plain_s > 0 and min(each) > 0
     drafters = (eagle_like(target)[0], ngram, ModelDrafter(cfg=target.cfg, target_vocab=64))
     k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
-    assert k0 == ["commit_plain"] + ["propose+commit"] * 2  # in the key: what k = 0 measured
+    run = f"commit_plain/{speculate.MAX_PLAIN_RUN}"  # in the key: what k = 0 measured
+    assert k0 == [run] + ["propose+commit"] * 2
 
 
 def test_calibration_ratios_are_per_round_medians(monkeypatch):

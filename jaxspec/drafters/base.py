@@ -25,10 +25,13 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
   advance                 (dparams, tparams, state, ctx) -> state: update the state for the last
                           committed token without drafting (EAGLE; used by prompt lookup first)
   commit_plain            (dparams, tparams, state, ctx: CommitContext) -> state: the state after
-                          a step that drafted nothing and ran the target over the root alone
-                          (ctx.window [B, 1], ctx.hidden [nl, B, 1, D], num_accepted 0): adaptive
-                          speculation's plain steps, without propose. Absent: the loop runs
-                          propose (max_nodes 0) and commit instead.
+                          a plain run -- n = ctx.lengths - ctx.prev_lengths steps (n <= M) that
+                          drafted nothing and ran the target over the root alone: ctx.window
+                          [B, M] the run's roots (the tokens from prev_lengths - 1 on),
+                          ctx.hidden [nl, B, M, D] their target features, entries past n
+                          garbage; adaptive speculation's plain loop, without propose (the
+                          drafter is left behind during the run and catches up in one pass).
+                          Absent: the loop runs propose (max_nodes 0) and commit instead.
   drafts_from_tokens      True when propose is a function of ctx alone (no state, no draws: prompt
                           lookup): adaptive speculation may then look at the proposal's size
                           before the step and run a step with nothing to verify as a plain step

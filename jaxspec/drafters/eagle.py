@@ -331,15 +331,21 @@ class EagleDrafter(tree.DynamicTreeDrafter):
         return EagleState(k, v, feature)
 
     def commit_plain(self, dparams, tparams, state: EagleState, ctx: CommitContext):
-        """A step that verified the root alone (adaptive speculation's plain step): the entry
-        propose's first step would have written for the root (at prev_lengths - 1, with the
-        feature before it), and the root's own target feature for the next proposal -- what
-        propose + commit leave for a step that accepted nothing, at one layer over one token."""
+        """A plain run (adaptive speculation: n = lengths - prev_lengths steps that each verified
+        the root alone, n <= M): its roots ctx.window [B, M] (the tokens at prev_lengths - 1..)
+        with their target features ctx.hidden [nl, B, M, D], in one pass -- the entries
+        propose's first step would have written for each root (root i with the feature before
+        it: the state's for i = 0, root i-1's after), and the last root's feature for the next
+        proposal. What propose + commit leave for n steps that accepted nothing, at one layer
+        over M tokens; entries past the n-th are garbage beyond the committed length."""
+        f = fuse(dparams, ctx.hidden)  # [B, M, D]; f[:, i] follows root i
+        before = jnp.concatenate([state.feature[:, None].astype(f.dtype), f[:, :-1]], axis=1)
         _, k, v = self._run(
-            dparams, tparams, ctx.window[:, :1], state.feature[:, None], state.k, state.v,
-            ctx.prev_lengths - 1,
+            dparams, tparams, ctx.window, before, state.k, state.v, ctx.prev_lengths - 1
         )
-        return EagleState(k, v, fuse(dparams, ctx.hidden[:, :, :1])[:, 0])
+        n = ctx.lengths - ctx.prev_lengths  # [B] steps in the run
+        last = jnp.take_along_axis(f, jnp.clip(n - 1, 0, None)[:, None, None], axis=1)[:, 0]
+        return EagleState(k, v, jnp.where((n > 0)[:, None], last, state.feature))
 
 
 # ---- method "eagle" ---------------------------------------------------------------------------
