@@ -30,7 +30,8 @@ and a noisy batch-2 calibration under-priced speculation ~2x). Measured once per
 kept as JSON under <jaxspec cache>/calibration/<key hash>.json; the key holds the model, dtype,
 layout, device kind and kernel switches (draft: also the drafter's settings and its parameters'
 shapes, and γ). A changed key is a different file, so a new model, drafter or device measures
-afresh; `recalibrate=True` (the CLI's --recalibrate) measures again and overwrites.
+afresh; `recalibrate=True` (the CLI's --recalibrate) measures again and overwrites, and so does
+the engine when the plain step has drifted more than DRIFT from the cached one (`drifted`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from jaxspec.sampling import SamplingParams
 
 FILLS = (128, 1024)  # committed tokens per row the costs are measured at (prompt buckets)
 REPS = 7  # timed rounds over all names; each keeps the median of its per-round ratio
+DRIFT = 0.2  # a plain step this far (relative) from the cached one: the file is measured again
 
 Measure = Callable[[Any, int, list[int]], list[float]]  # (model, batch, widths) -> seconds each
 
@@ -99,25 +101,39 @@ def cache_file(model, key: dict | None = None) -> Path:
 
 
 def _cached(key: dict, batch: int, names: list[str], measure, recalibrate: bool) -> dict:
-    """Seconds for each name at this batch size: from the cache file of `key`, measuring (and
-    writing) the missing ones -- all with recalibrate. measure(names) -> seconds each; its
-    first name is the reference (the plain step) and is always measured with the others, so
+    """Seconds for each name ("what@fill", one fill) at this batch size: from the cache file of
+    `key`, or measured (and written) all together when any is missing or with recalibrate.
+    measure(names) -> seconds each; its first name is the reference (the plain step), so the
     ratios to it come from one sitting."""
     path = cache_file(None, key)
     data = _read(path)
     if data.get("key") != key:
         data = {"key": key, "batches": {}}
-    times = {} if recalibrate else dict(data["batches"].get(str(batch), {}))
-    missing = [n for n in names if n not in times]
-    if missing:
-        todo = [names[0]] + [n for n in missing if n != names[0]]
-        times |= dict(zip(todo, measure(todo)))
+    times = dict(data["batches"].get(str(batch), {}))
+    if recalibrate or any(n not in times for n in names):  # every name of this fill in one
+        fill = names[0].split("@")[-1]  # sitting (ratios to one reference); other fills stay
+        times = {n: t for n, t in times.items() if n.split("@")[-1] != fill}
+        times |= dict(zip(names, measure(names)))
     data["batches"][str(batch)] = times
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(path)
     return times
+
+
+def drifted(model, batch: int, *, measure: Measure | None = None) -> bool:
+    """Whether this machine's plain step at this batch size (FILLS[0]) now takes more than
+    DRIFT away from what the cached calibration measured: load on a shared machine changes the
+    cost ratios along with the plain step's time (session 9: costs an hour old put adaptive
+    EAGLE at 0.82-0.96x plain where fresh ones gave 0.94-1.11x), so such a file is measured
+    again. No cached file for this batch size: False (it will be measured anyway)."""
+    times = _read(cache_file(None, calibration_key(model)))["batches"].get(str(batch), {})
+    ref = times.get(f"1@{FILLS[0]}") if isinstance(times, dict) else None
+    if not ref:
+        return False
+    now = (measure or measure_verify)(model, batch, [1], FILLS[0])[0]
+    return abs(now / ref - 1.0) > DRIFT
 
 
 def step_costs(
@@ -168,7 +184,8 @@ def _read(path: Path) -> dict:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return data if isinstance(data, dict) and isinstance(data.get("batches"), dict) else {}
+    good = isinstance(data, dict) and isinstance(data.get("batches"), dict)
+    return data if good else {"batches": {}}
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "width"), donate_argnums=0)

@@ -201,12 +201,15 @@ class Engine:
         with commit_plain runs the plain program's step itself (speculate.decode's plain loop):
         measured verify cost[0] is 1 there; others run one entry through the window path
         ("w1"). A given curve (one list) holds for every context (fill 0); a dict gives one per
-        fill."""
+        fill. A cached calibration whose plain step this machine no longer matches
+        (`calibration.drifted`) is measured again."""
         if batch not in self._costs:
             opts, g = self.adaptive, self.spec.num_speculative_tokens
             src = opts.step_costs
+            # a calibration this machine has drifted away from is measured again (both curves)
+            again = opts.recalibrate or (src is None and calibration.drifted(self.model, batch))
             if src is None:
-                verify = calibration.step_costs(self.model, batch, g, recalibrate=opts.recalibrate)
+                verify = calibration.step_costs(self.model, batch, g, recalibrate=again)
             else:
                 verify = src(batch) if callable(src) else src
                 verify = {int(f): list(c) for f, c in verify.items()} if isinstance(
@@ -221,8 +224,7 @@ class Engine:
                 verify = {f: [1.0, *c[1:]] for f, c in verify.items()}  # loop, plain's own step
             if opts.draft_cost == "auto":
                 draft = calibration.draft_costs(
-                    self.model, self.drafter, self.drafter_params, batch, g,
-                    recalibrate=opts.recalibrate,
+                    self.model, self.drafter, self.drafter_params, batch, g, recalibrate=again
                 )
                 if set(draft) != set(verify):  # given verify costs: the drafter's at each fill
                     fills, rows = adaptive_mod.cost_table(draft)

@@ -420,16 +420,27 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     assert len(calls) == 8
     got = calibration.step_costs(target, 2, 2, measure=fake)
     assert len(calls) == 8 and got[1024] == pytest.approx(want[1024])  # reused from the file
-    calibration.step_costs(target, 2, 3, measure=fake)
-    assert calls[8:] == [("tiny", 2, 1, 128), ("tiny", 2, 4, 128), ("tiny", 2, 1, 1024),
-                         ("tiny", 2, 4, 1024)]  # the missing width, with plain, at each fill
+    calibration.step_costs(target, 2, 3, measure=fake)  # a missing width: its fill's whole
+    assert calls[8:] == [("tiny", 2, w, f) for f in (128, 1024) for w in (1, 0, 2, 3, 4)]
+    # curve again, one sitting for the ratios to one reference
     other = dataclasses.replace(target, name="tiny-2")  # a different key: measured afresh
     assert cache_file_differs(target, other)
     calibration.step_costs(other, 2, 2, measure=fake)
-    assert len(calls) == 20
-    calibration.step_costs(target, 2, 2, measure=fake, recalibrate=True)
-    assert len(calls) == 28
+    assert len(calls) == 26
+    calibration.step_costs(target, 2, 3, measure=fake, recalibrate=True)
+    assert len(calls) == 36
+    calibration.step_costs(target, 2, 3, measure=fake)  # every fill kept by the recalibration
+    assert len(calls) == 36
     assert "fills" in calibration.calibration_key(target)  # session 8's files (one fill): not read
+    # drift: the plain step re-timed against the cached one (0.01 s at 128), within DRIFT or not
+    speed = [1.0]
+    slower = lambda model, batch, widths, fill: [t * speed[0] for t in fake(model, batch, widths, fill)]
+    assert not calibration.drifted(target, 2, measure=slower)
+    assert not calibration.drifted(target, 4, measure=slower)  # nothing cached: nothing to compare
+    speed[0] = 1.3
+    assert calibration.drifted(target, 2, measure=slower)
+    speed[0] = 0.7
+    assert calibration.drifted(target, 2, measure=slower)
     long, short = (calibration.measure_verify(target, 1, [1, 0, 2], f) for f in (1024, 128))
     assert min(long + short) > 0  # the real measurement runs, one compile for both fills
     # the drafter's step: cached per drafter (its settings are in the key), ratios to plain
@@ -617,3 +628,18 @@ def test_adaptive_config(target, tmp_path, monkeypatch):
         load_config(None, ["speculative.adaptive.draft_cost=-1"])
     got = load_config(None, ["speculative.adaptive.draft_cost=0.2"]).speculative.adaptive
     assert got.draft_cost == 0.2
+
+
+@pytest.mark.parametrize("drift", [False, True])
+def test_engine_measures_a_drifted_calibration_again(target, monkeypatch, drift):
+    """A cached calibration this machine has drifted away from (calibration.drifted) is measured
+    again, both curves; else both are read from the cache."""
+    seen = []
+    monkeypatch.setattr(calibration, "drifted", lambda model, batch: drift)
+    monkeypatch.setattr(calibration, "step_costs", lambda m, b, g, recalibrate: seen.append(
+        ("verify", recalibrate)) or {128: COSTS})
+    monkeypatch.setattr(calibration, "draft_costs", lambda m, d, p, b, g, recalibrate: seen.append(
+        ("draft", recalibrate)) or {128: [0.0] * 4})
+    engine = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3, adaptive=Options())
+    assert engine.step_costs(1) == {128: pytest.approx(COSTS)}
+    assert seen == [("verify", drift), ("draft", drift)]
