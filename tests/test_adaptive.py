@@ -5,14 +5,13 @@ draw failing it), one program for every length, the calibration cache, the switc
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
-from tiny import tiny_model
+from tiny import eagle_like, tiny_model
 
 from jaxspec import acceptance, adaptive, calibration, hlo, speculate, tree
 from jaxspec.adaptive import Options
@@ -22,9 +21,7 @@ from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
-from jaxspec.loading.params import unpack_params
 from jaxspec.sampling import SamplingParams
-from jaxspec.train import methods
 
 # compile as the accelerator compilers fuse (tests/test_accelerator_path.py)
 ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -44,13 +41,6 @@ def prompts():
         motif = list(rng.integers(1, 64, size=4))
         out.append([int(t) for t in (list(rng.integers(1, 64, size=n // 2)) + motif * 4)[:n]])
     return out
-
-
-def eagle_like(target):
-    m = methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0)
-    plain = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
-    params, frozen = m.init(plain, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
-    return m.drafter(target.cfg), m.runtime(params, frozen)
 
 
 @pytest.mark.parametrize("method,batch_size", [("ngram", 1), ("ngram", 8), ("eagle", 8)])

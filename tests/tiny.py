@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
+import numpy as np
 
 from jaxspec import kernels
-from jaxspec.loading.params import pack_params
+from jaxspec.loading.params import pack_params, unpack_params
 from jaxspec.models import llama
 
 
@@ -57,3 +59,14 @@ def near_tie_model(seed=0, delta=1e-6, layers=2, packed=True, **kw) -> TinyModel
     if packed and kernels.available():
         params = pack_params(params)
     return TinyModel(cfg, params, eos_token_ids=(-1,))
+
+
+def eagle_like(target):
+    """An untrained EAGLE drafter (jaxspec's own, taps 1, 2, 2, every other token drafted) and
+    its params, for a tiny packed target."""
+    from jaxspec.train import methods  # training code: only the tests that need it import it
+
+    m = methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0)
+    plain = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
+    params, frozen = m.init(plain, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
+    return m.drafter(target.cfg), m.runtime(params, frozen)

@@ -45,7 +45,7 @@ from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import llama
+from jaxspec.models import attention, llama
 
 
 def rms(x, eps=1e-6):  # weightless RMS normalisation in f32
@@ -134,21 +134,24 @@ class EagleDrafter(tree.DynamicTreeDrafter):
     # tree_top_k, tree_levels, tree_budget, tree_children: tree.DynamicTreeDrafter
 
     def _step(self, dparams, x, k_cache, v_cache, positions, kernel: bool):
-        """x [B, T, D] at positions [B, T]: write k/v there, attend to slots <= position.
-        kernel: attend with the CPU prefix-attention kernel (when the target uses CPU kernels)."""
+        """x [B, T, D] at positions [B, T] = start + arange(T): write the window's k/v there,
+        then attend the cache's slots below start and the window causally -- the target's
+        layer, valid slots only (`attention.attend`; a mask over the whole capacity, as before,
+        made XLA copy the drafter's cache 16 times a step at batch 1).
+        kernel: the CPU prefix-attention kernel (when the target uses CPU kernels)."""
         cfg = self.cfg
         inv_freq = llama.rope_frequencies(cfg)
         q, k, v = _qkv(cfg, dparams["layer"], x, positions, inv_freq)
+        k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+        start = positions[:, 0]
         k_cache = llama.write_kv(k_cache, k, positions)
         v_cache = llama.write_kv(v_cache, v, positions)
-        if kernel and llama.attention_kernel_on(q):  # valid slots only, not the whole capacity
-            attn = kernels.prefix_attention(
-                q, k_cache, v_cache, k, v, positions[:, 0], cfg.head_dim**-0.5
-            ).reshape(*q.shape[:2], -1)
+        if kernel and llama.attention_kernel_on(q):
+            attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, start, cfg.head_dim**-0.5)
+            attn = attn.reshape(*q.shape[:2], -1)
         else:
-            mask = jnp.arange(k_cache.shape[2])[None, None, :] <= positions[..., None]
-            attn = llama.masked_attention(q, k_cache, v_cache, mask)
-        return _finish(cfg, dparams["layer"], x, attn), k_cache, v_cache
+            attn = attention.attend(q, k_cache, v_cache, k, v, start)
+        return _finish(cfg, dparams["layer"], x, attn.astype(x.dtype)), k_cache, v_cache
 
     def _run(self, dparams, tparams, tokens, features, k_cache, v_cache, start):
         """Real (step-0) entries: tokens [B, T] with features [B, T, D] at start[B] + arange(T)."""

@@ -388,12 +388,16 @@ def write_window(cache: KVCache, window_kv, positions: jax.Array) -> KVCache:
     if isinstance(cache.k, tuple):
         k = tuple(write_kv(c, w, positions) for c, w in zip(cache.k, k_win))
         v = tuple(write_kv(c, w, positions) for c, w in zip(cache.v, v_win))
-    else:  # one in-place scatter over the [L*B, K, S, H] view of the stack
-        n, b = k_win.shape[:2]  # n <= L written layers
-        pos = jnp.tile(positions, (n, 1))
-        flat = lambda c, w: write_kv(c.reshape(-1, *c.shape[2:]), w.reshape(n * b, *w.shape[2:]), pos)
-        k = flat(cache.k, k_win).reshape(cache.k.shape)
-        v = flat(cache.v, v_win).reshape(cache.v.shape)
+    else:  # one in-place scatter into the stack itself, batched over (layer, B, K): no view of
+        # it ([L*B, K, S, H], as before, made XLA:CPU copy the stack twice a step at batch 1)
+        n, num_layers, slots = k_win.shape[0], cache.k.shape[0], cache.k.shape[-2]
+        # n <= L written layers ([n, B, T, K, H]); the others get no entry (dropped positions)
+        pos = jnp.where(jnp.arange(num_layers)[:, None, None] < n, positions[None], slots)
+        pad = [(0, num_layers - n)] + [(0, 0)] * (k_win.ndim - 1)
+        one = lambda c, w, p: c.at[p].set(w, mode="drop")  # noqa: E731  [S, H] <- [T, H] at [T]
+        per_row = jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))  # over (B, K)
+        write = lambda c, w: jax.vmap(per_row)(c, jnp.pad(w.astype(c.dtype), pad), pos)  # noqa: E731
+        k, v = write(cache.k, k_win), write(cache.v, v_win)
     return dataclasses.replace(cache, k=k, v=v)
 
 
