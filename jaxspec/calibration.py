@@ -180,10 +180,11 @@ def draft_costs(
 
 
 def _read(path: Path) -> dict:
+    """The cache file's contents; {"batches": {}} when it is missing or unreadable."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return {}
+        data = None
     good = isinstance(data, dict) and isinstance(data.get("batches"), dict)
     return data if good else {"batches": {}}
 

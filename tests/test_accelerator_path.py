@@ -59,7 +59,7 @@ def decode_hlo(m, drafter, dparams, batch=2, prompt=32, capacity=CAPACITY) -> st
 @pytest.mark.parametrize("method", ["none", "ngram", "layer_skip", "draft_model", "eagle"])
 def test_decode_loop_copies_no_cache(layout, method):
     """Batch 2, and batch 1 on the accelerators' layouts: there XLA drops the unit batch dim,
-    and a layout or fusion choice around it copied whole caches (before session 11: EAGLE 16
+    and a layout or fusion choice around it copied whole caches (before session 10: EAGLE 16
     drafter-cache copies a step unrolled, 26 + 10 stacked; n-gram 14 stacked)."""
     m = _model(layout)
     drafter, dparams = _drafter(m, method)

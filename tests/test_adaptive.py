@@ -415,6 +415,7 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     # curve again, one sitting for the ratios to one reference
     other = dataclasses.replace(target, name="tiny-2")  # a different key: measured afresh
     assert cache_file_differs(target, other)
+    assert not calibration.drifted(other, 2, measure=fake)  # no file yet: nothing to compare
     calibration.step_costs(other, 2, 2, measure=fake)
     assert len(calls) == 26
     calibration.step_costs(target, 2, 3, measure=fake, recalibrate=True)
@@ -633,3 +634,21 @@ def test_engine_measures_a_drifted_calibration_again(target, monkeypatch, drift)
     engine = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3, adaptive=Options())
     assert engine.step_costs(1) == {128: pytest.approx(COSTS)}
     assert seen == [("verify", drift), ("draft", drift)]
+
+
+def test_engine_calibrates_on_a_fresh_cache_then_reads_it(target, prompts, tmp_path, monkeypatch):
+    """End to end, nothing faked: the first adaptive engine on an empty cache directory measures
+    both curves (session 10's drift check crashed on the missing file), a second one reads the
+    file (re-timing only the plain step), and generation stays greedy-identical."""
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "REPS", 2)
+    make = lambda: Engine(target, NgramDrafter(64), None, num_speculative_tokens=2,  # noqa: E731
+                          adaptive=Options())
+    first = make().step_costs(1)
+    assert sorted(first) == list(calibration.FILLS) and all(len(c) == 3 for c in first.values())
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2  # verify + draft
+    engine = make()
+    assert sorted(engine.step_costs(1)) == list(calibration.FILLS)
+    plain = Engine(target).generate(prompts[:2], max_new_tokens=12, batch_size=1)
+    got = engine.generate(prompts[:2], max_new_tokens=12, batch_size=1)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
