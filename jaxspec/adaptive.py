@@ -22,7 +22,8 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
                    at 128 (SmolLM2-135M, batch 2, measured: one EAGLE node 1.34 plain steps at
                    128, 1.51 at 1024). With c = 0 a drafter with commit_plain runs the plain
                    program's own step in speculate.decode's plain loop, so cost[0] = 1 + the
-                   drafter's bookkeeping (EAGLE: one layer over one token; n-gram: none); a
+                   drafter's bookkeeping per step (EAGLE: one layer over a plain run's 16
+                   roots after the run, /16 -- cost[0] 1.008 on SmolLM2; n-gram: none); a
                    drafter without it runs one entry through the window path + propose(0) +
                    commit (measured as such). alpha counts nodes the drafter filled: an allowed
                    node it left empty (prompt lookup without a match) shrinks the window, so is
@@ -74,8 +75,8 @@ the plain exponential average).
 
 Hand-off (lockstep batches only, B > PER_REQUEST_MAX_BATCH; every drafter but prompt lookup,
 whose plain steps carry no bookkeeping). Inside the adaptive program a step without nodes still
-pays the drafter's bookkeeping (EAGLE: ~8% of a plain step on SmolLM2) and the loop's; the plain
-program does not. Once the batch has taken `handoff_after` steps (its estimates mostly evidence
+pays the loop's bookkeeping and the drafter's catch-up after each plain run; the plain program
+does not. Once the batch has taken `handoff_after` steps (its estimates mostly evidence
 by then, or still the prior where the loop never verified a node) and they say no window
 c >= 1 finishes the batch sooner than the plain program (min_{c>=1} of the finish time above >
 max_b room_b), the rest of the batch runs plain decoding's own step in a loop of its own: no
