@@ -34,8 +34,8 @@ def _model(layout):
 
 
 def _drafter(m, method):
-    if method == "eagle":  # its params come from the packed form of the same target
-        return eagle_like(_model("packed"))
+    if method == "eagle":  # initialised from the same target (its unrolled form)
+        return eagle_like(_model("unrolled"))
     return {
         "none": (None, None),
         "ngram": (NgramDrafter(64, 1, 3), None),

@@ -63,10 +63,13 @@ def near_tie_model(seed=0, delta=1e-6, layers=2, packed=True, **kw) -> TinyModel
 
 def eagle_like(target):
     """An untrained EAGLE drafter (jaxspec's own, taps 1, 2, 2, every other token drafted) and
-    its params, for a tiny packed target."""
+    its params, for a tiny target (packed for the CPU kernels or not)."""
     from jaxspec.train import methods  # training code: only the tests that need it import it
 
     m = methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0)
-    plain = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
+    params = target.params
+    if llama.uses_cpu_kernels(params):
+        params = unpack_params(params, target.cfg)
+    plain = SimpleNamespace(cfg=target.cfg, params=params)
     params, frozen = m.init(plain, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
     return m.drafter(target.cfg), m.runtime(params, frozen)
