@@ -90,11 +90,10 @@ the step counter and the rows' committed lengths only -- functions of committed 
 past steps' acceptance counts -- before this step's draft or target draws exist. (Whether the
 step runs in decode's plain loop or takes the plain branch reads those lengths and the proposal's
 size, never a draw; that step is the 0-node step itself, drawing its token from the target at the
-root with the same uniform, so it changes the program's cost, not its output; the hand-off reads the
-same
-statistics, and its steps are that 0-node step too.) Conditional on
-the past, the step is then the usual rejection-sampling step on a proposal whose length is fixed
-in advance, which emits tokens with the target's law for any fixed length (acceptance.py).
+root with the same uniform, so it changes the program's cost, not its output; the hand-off reads
+the same statistics, and its steps are that 0-node step too.) Conditional on the past, the step
+is then the usual rejection-sampling step on a proposal whose length is fixed in advance,
+which emits tokens with the target's law for any fixed length (acceptance.py).
 Cutting a chain after its k-th node keeps each kept node's q unchanged. A length that looked at
 the current draws (say, dropping a node the drafter drew with low probability) would bias the
 output: the acceptance rule's correctness assumes the proposal distribution is q, and
