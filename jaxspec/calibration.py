@@ -4,8 +4,14 @@ verifying a window of 1..γ+1 entries, and how long the drafter's work of one st
 divides expected tokens by these costs, so it learns e.g. that on a 2-core CPU a 5-entry window
 at batch 32 costs several plain steps while at batch 1 it costs little more than one.
 
-    costs = step_costs(model, batch=8, gamma=4)  # {fill: [γ+1]} in plain steps (1 entry: ~1)
-    draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # {fill: [γ+1]} likewise
+    costs = loop_costs(model, spec, dparams, batch=8)  # {fill: [γ+1]} in plain steps: the
+    # adaptive loop's whole step with 0..γ nodes (what the engine measures by default)
+    costs = step_costs(model, batch=8, gamma=4)  # {fill: [γ+1]} the verify alone (1 entry: ~1)
+    draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # the drafter's work alone
+
+`loop_costs` times speculate's decode step itself, every row allowed k nodes, against plain
+decoding's step (`measure_loop`); the verify and draft curves are the pieces, used where the
+user gives a verify curve or a per-node draft cost instead.
 
 Each curve is measured at every context length in `FILLS` (committed tokens per row): attention
 reads each row's valid prefix, so a window's cost relative to a plain step grows with the context
@@ -94,6 +100,16 @@ def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
     }
 
 
+def loop_key(model, spec, dparams) -> dict[str, Any]:
+    """The drafter's key plus what the loop's step adds: the decode step timed whole, a plain
+    run's length (what k = 0's catch-up is divided by) and the tree, if any."""
+    run = speculate.plain_run_length(spec) if traits(spec.drafter).commit_plain else 0
+    return draft_key(model, spec.drafter, dparams, spec.num_speculative_tokens) | {
+        "step": "decode_step", "nodes": spec.num_nodes,
+        "k0": f"plain step + catch_up/{run}" if run else "decode_step, 0 nodes",
+    }
+
+
 def cache_file(model, key: dict | None = None) -> Path:
     key = json.dumps(key or calibration_key(model), sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -124,16 +140,24 @@ def _cached(key: dict, batch: int, names: list[str], measure, recalibrate: bool)
 
 def drifted(model, batch: int, *, measure: Measure | None = None) -> bool:
     """Whether this machine's plain step at this batch size (FILLS[0]) now takes more than
-    DRIFT away from what the cached calibration measured: load on a shared machine changes the
-    cost ratios along with the plain step's time (session 9: costs an hour old put adaptive
-    EAGLE at 0.82-0.96x plain where fresh ones gave 0.94-1.11x), so such a file is measured
-    again. No cached file for this batch size: False (it will be measured anyway)."""
-    times = _read(cache_file(None, calibration_key(model)))["batches"].get(str(batch), {})
-    ref = times.get(f"1@{FILLS[0]}") if isinstance(times, dict) else None
-    if not ref:
-        return False
-    now = (measure or measure_verify)(model, batch, [1], FILLS[0])[0]
-    return abs(now / ref - 1.0) > DRIFT
+    DRIFT away from what the cached verify calibration measured: load on a shared machine
+    changes the cost ratios along with the plain step's time (session 9: costs an hour old put
+    adaptive EAGLE at 0.82-0.96x plain where fresh ones gave 0.94-1.11x), so such a file is
+    measured again. No cached file for this batch size: False (it will be measured anyway)."""
+    now = lambda: (measure or measure_verify)(model, batch, [1], FILLS[0])[0]
+    return _drifted(calibration_key(model), batch, f"1@{FILLS[0]}", now)
+
+
+def loop_drifted(model, spec, dparams, batch: int, *, measure=None) -> bool:
+    """`drifted` for the file of `loop_costs`: its plain decode step re-timed."""
+    now = lambda: (measure or measure_loop)(model, spec, dparams, batch, [], FILLS[0])[0]
+    return _drifted(loop_key(model, spec, dparams), batch, f"plain@{FILLS[0]}", now)
+
+
+def _drifted(key: dict, batch: int, ref: str, now: Callable[[], float]) -> bool:
+    times = _read(cache_file(None, key))["batches"].get(str(batch), {})
+    cached = times.get(ref) if isinstance(times, dict) else None
+    return bool(cached) and abs(now() / cached - 1.0) > DRIFT
 
 
 def step_costs(
@@ -164,13 +188,34 @@ def draft_costs(
     measure(model, drafter, dparams, batch, gamma, ks, fill) -> (plain seconds, [seconds per
     k]); default `measure_draft`."""
     measure = measure or measure_draft
-    key = draft_key(model, drafter, dparams, gamma)
+    run = lambda ks, fill: measure(model, drafter, dparams, batch, gamma, ks, fill)
+    return _curves(draft_key(model, drafter, dparams, gamma), batch, gamma, run, recalibrate)
+
+
+def loop_costs(
+    model, spec, dparams, batch: int, *, recalibrate: bool = False, measure=None
+) -> dict[int, list[float]]:
+    """The adaptive loop's whole step with k = 0..γ nodes, in plain decoding's steps, per fill:
+    what adaptive.py divides expected tokens by when the drafter's work is measured ("auto").
+    Timed as speculate.decode runs it (`measure_loop`), not summed from a verify and a drafter
+    timed apart: session 10's summed curve priced EAGLE's 3-node step at 1.25 plain steps where
+    the loop's own took 1.33-1.42, so the controller drafted a third node at a loss.
+    measure(model, spec, dparams, batch, ks, fill) -> (plain seconds, [seconds per k]); default
+    `measure_loop`."""
+    measure = measure or measure_loop
+    run = lambda ks, fill: measure(model, spec, dparams, batch, ks, fill)
+    key = loop_key(model, spec, dparams)
+    return _curves(key, batch, spec.num_speculative_tokens, run, recalibrate)
+
+
+def _curves(key: dict, batch: int, gamma: int, measure_fill, recalibrate: bool):
+    """{fill: [cost of k = 0..γ]} from the cache file of `key` (names "plain@fill", "k@fill"),
+    measuring a fill's missing names by measure_fill(ks, fill) -> (plain seconds, [seconds])."""
     out = {}
     for fill in FILLS:
 
         def run(todo, fill=fill):
-            ks = [int(n.split("@")[0]) for n in todo[1:]]
-            plain, each = measure(model, drafter, dparams, batch, gamma, ks, fill)
+            plain, each = measure_fill([int(n.split("@")[0]) for n in todo[1:]], fill)
             return [plain, *each]
 
         names = [f"plain@{fill}"] + [f"{k}@{fill}" for k in range(gamma + 1)]
@@ -207,11 +252,13 @@ def _verify_read(cache, tparams, window, sp, spec, width):
     return probs, window_kv
 
 
-def _carried(fn, state, *args, own: bool = False, **static):
+def _carried(fn, state, *args, own: bool = False, held: list | None = None, **static):
     """A zero-argument run of fn(state, *args, **static) -> (state, out) that hands the state it
     returns to its next call (fn donates it), on a copy of `state` of its own unless `own` (the
-    caller hands `state` over and never uses it again)."""
-    held = [state if own else jax.tree.map(jnp.copy, state)]
+    caller hands `state` over and never uses it again) or `held` (a one-item list holding the
+    state, shared by runs whose fn hands it back as it came: one buffer for them all)."""
+    if held is None:
+        held = [state if own else jax.tree.map(jnp.copy, state)]
 
     def run():
         held[0], out = fn(held[0], *args, **static)
@@ -354,3 +401,80 @@ def measure_draft(
     best = timed({"plain": runs.pop("plain")} | runs)
     per_step = lambda k: best[k] / m if k == 0 and _plain_commit_only(drafter) else best[k]
     return best["plain"], [per_step(k) for k in ks]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "mode"), donate_argnums=0)
+def _loop_step(state, tparams, dparams, sp, allowed, spec, mode):
+    """-> (state, the next step's lengths): speculate.decode's loop body -- the step, then the
+    controller's lengths for the next one (prompt lookup's match runs there) -- on a donated
+    state (written in place, as in the loop), handed back at the committed lengths it came
+    with, so every timed call runs at the same fill over the same tokens."""
+    out = speculate.decode_step(spec, tparams, dparams, state, sp, mode, allowed)
+    nxt = None if spec.adaptive is None else speculate.allowed_lengths(spec, tparams, dparams, out, sp)
+    out = dataclasses.replace(
+        out, lengths=state.lengths, done=state.done,
+        cache=out.cache.with_lengths(state.cache.lengths),
+    )
+    return out, nxt
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=0)
+def _catch_up(state, tparams, dparams, run, spec):
+    return speculate.catch_up(spec, tparams, dparams, state, run), None
+
+
+def _loop_state(model, spec, dparams, batch: int, fill: int, capacity: int):
+    """A decode state whose rows hold `fill` committed tokens of a period-7 pattern (prompt
+    lookup always has a match; the drafter's init ran over the first 16), nothing done."""
+    b, prompt = batch, 16
+    pattern = (jnp.arange(capacity, dtype=jnp.int32)[None] % 7 + 1) * jnp.ones((b, 1), jnp.int32)
+    state = speculate.prefill_jit(
+        spec, model.params, dparams, pattern[:, :prompt], jnp.full((b,), prompt, jnp.int32),
+        jnp.full((b,), capacity, jnp.int32), SamplingParams.make(), jax.random.key(0),
+        jnp.arange(b, dtype=jnp.int32), capacity=capacity,
+    )
+    lengths = jnp.full((b,), fill, jnp.int32)
+    state = dataclasses.replace(
+        state, tokens=pattern, lengths=lengths, max_lengths=lengths + 32,
+        done=jnp.zeros((b,), bool), cache=state.cache.with_lengths(lengths - 1),
+    )
+    if spec.adaptive is not None:  # the controller's state (its costs do not matter here)
+        costs = [1.0] * (spec.adaptive.gamma + 1)
+        state = dataclasses.replace(state, adaptive=spec.adaptive.init(b, costs))
+    return state
+
+
+def measure_loop(model, spec, dparams, batch: int, ks: list[int], fill: int = FILLS[0]):
+    """(seconds of plain decoding's step, [seconds of the adaptive loop's step with k nodes for
+    k in ks]) at this batch size, rows holding `fill` tokens, by `timed` with plain's the
+    reference. k >= 1: `speculate.decode_step` with every row allowed k (the drafter proposes
+    k nodes, a (k+1)-entry verify, acceptance, commits) and the next step's lengths. k = 0, a
+    drafter with `commit_plain`: the plain loop's step (mode "plain") plus 1/M of the catch-up
+    after a run of M = plain_run_length steps; else the step with 0 nodes allowed (its
+    one-token branch). spec: the engine's adaptive LoopSpec (its mesh and end tokens unused)."""
+    spec = dataclasses.replace(spec, eos_ids=(), mesh=None)
+    plain_spec = speculate.LoopSpec(cfg=model.cfg, drafter=None, num_speculative_tokens=0, eos_ids=())
+    cap = max(FILLS) + 64  # every fill in one capacity: one compile
+    sp, b = SamplingParams.make(), batch
+    runs = {"plain": _carried(
+        _loop_step, _loop_state(model, plain_spec, None, b, fill, cap), model.params, None, sp,
+        None, own=True, spec=plain_spec, mode="drafted",
+    )}
+    m = speculate.plain_run_length(spec)
+    with_runs = traits(spec.drafter).commit_plain is not None
+    held = [_loop_state(model, spec, dparams, b, fill, cap)] if ks else []  # one state for
+    for k in ks:  # every k (each call hands it back at `fill`): a single cache (~3 GB at 64)
+        allowed = jnp.full((b,), k, jnp.int32)
+        mode = "plain" if k == 0 and with_runs else "drafted"
+        runs[k] = _carried(
+            _loop_step, None, model.params, dparams, sp, allowed, held=held, spec=spec, mode=mode
+        )
+    if 0 in ks and with_runs:  # a full run's catch-up: M roots entered in one pass
+        lengths = held[0].lengths
+        run = speculate.new_plain_run(spec, held[0])._replace(
+            start=lengths - m, count=jnp.asarray(m, jnp.int32)
+        )
+        runs["catch_up"] = _carried(_catch_up, None, model.params, dparams, run, held=held, spec=spec)
+    best = timed(runs)
+    each = [best[k] + (best["catch_up"] / m if k == 0 and with_runs else 0.0) for k in ks]
+    return best["plain"], each

@@ -195,48 +195,60 @@ class Engine:
     # ---- adaptive speculation -------------------------------------------------------------
     def step_costs(self, batch: int) -> dict[int, list[float]]:
         """{fill: step cost with c = 0..γ draft nodes} at this batch size, rows holding `fill`
-        committed tokens, in steps of the plain program: verify of 1 + c entries (measured per
-        fill, or given) + the drafter's work with c nodes (measured per fill with draft_cost
-        "auto", else draft_cost per node); once per engine and batch size. With c = 0 a drafter
-        with commit_plain runs the plain program's step itself (speculate.decode's plain loop):
-        measured verify cost[0] is 1 there; others run one entry through the window path
-        ("w1"). A given curve (one list) holds for every context (fill 0); a dict gives one per
-        fill. A cached calibration whose plain step this machine no longer matches
-        (`calibration.drifted`) is measured again."""
+        committed tokens, in steps of the plain program; once per engine and batch size.
+        Measured (no step_costs given, draft_cost "auto"): the adaptive loop's own step with c
+        nodes, timed whole (`calibration.loop_costs`). Else the verify of 1 + c entries
+        (measured per fill, or given) + the drafter's work with c nodes (measured per fill with
+        draft_cost "auto", else draft_cost per node); with c = 0 a drafter with commit_plain
+        runs the plain program's step itself (speculate.decode's plain loop): measured verify
+        cost[0] is 1 there; others run one entry through the window path ("w1"). A given curve
+        (one list) holds for every context (fill 0); a dict gives one per fill. A cached
+        calibration whose plain step this machine no longer matches (`calibration.drifted`) is
+        measured again."""
         if batch not in self._costs:
-            opts, g = self.adaptive, self.spec.num_speculative_tokens
-            src = opts.step_costs
-            # a calibration this machine has drifted away from is measured again (both curves)
-            again = opts.recalibrate or (src is None and calibration.drifted(self.model, batch))
-            if src is None:
-                verify = calibration.step_costs(self.model, batch, g, recalibrate=again)
+            opts = self.adaptive
+            if opts.step_costs is None and opts.draft_cost == "auto":
+                model, dparams = self.model, self.drafter_params
+                again = opts.recalibrate or calibration.loop_drifted(model, self.spec, dparams, batch)
+                costs = calibration.loop_costs(model, self.spec, dparams, batch, recalibrate=again)
             else:
-                verify = src(batch) if callable(src) else src
-                verify = {int(f): list(c) for f, c in verify.items()} if isinstance(
-                    verify, dict) else {0: list(verify)}
-            for curve in verify.values():
-                if len(curve) != g + 1 or min(curve) <= 0:
-                    raise JaxspecError(
-                        f"adaptive step_costs {curve!r} must be {g + 1} positive numbers (window "
-                        f"1..{g + 1} entries): give one per window width"
-                    )
-            if src is None and traits(self.drafter).commit_plain:  # c* = 0: decode's plain
-                verify = {f: [1.0, *c[1:]] for f, c in verify.items()}  # loop, plain's own step
-            if opts.draft_cost == "auto":
-                draft = calibration.draft_costs(
-                    self.model, self.drafter, self.drafter_params, batch, g, recalibrate=again
-                )
-                if set(draft) != set(verify):  # given verify costs: the drafter's at each fill
-                    fills, rows = adaptive_mod.cost_table(draft)
-                    draft = {f: [float(np.interp(f, fills, col)) for col in zip(*rows)]
-                             for f in verify}
-            else:
-                draft = {f: [k * float(opts.draft_cost) for k in range(g + 1)] for f in verify}
+                costs = self._summed_costs(batch)
             self._costs[batch] = {  # more nodes: never cheaper
-                f: list(itertools.accumulate([v + d for v, d in zip(curve, draft[f])], max))
-                for f, curve in sorted(verify.items())
+                f: list(itertools.accumulate(curve, max)) for f, curve in sorted(costs.items())
             }
         return self._costs[batch]
+
+    def _summed_costs(self, batch: int) -> dict[int, list[float]]:
+        """step_costs from a verify curve (measured or given) + the drafter's work."""
+        opts, g = self.adaptive, self.spec.num_speculative_tokens
+        src = opts.step_costs
+        # a calibration this machine has drifted away from is measured again (both curves)
+        again = opts.recalibrate or (src is None and calibration.drifted(self.model, batch))
+        if src is None:
+            verify = calibration.step_costs(self.model, batch, g, recalibrate=again)
+        else:
+            verify = src(batch) if callable(src) else src
+            verify = {int(f): list(c) for f, c in verify.items()} if isinstance(
+                verify, dict) else {0: list(verify)}
+        for curve in verify.values():
+            if len(curve) != g + 1 or min(curve) <= 0:
+                raise JaxspecError(
+                    f"adaptive step_costs {curve!r} must be {g + 1} positive numbers (window "
+                    f"1..{g + 1} entries): give one per window width"
+                )
+        if src is None and traits(self.drafter).commit_plain:  # c* = 0: decode's plain
+            verify = {f: [1.0, *c[1:]] for f, c in verify.items()}  # loop, plain's own step
+        if opts.draft_cost == "auto":
+            draft = calibration.draft_costs(
+                self.model, self.drafter, self.drafter_params, batch, g, recalibrate=again
+            )
+            if set(draft) != set(verify):  # given verify costs: the drafter's at each fill
+                fills, rows = adaptive_mod.cost_table(draft)
+                draft = {f: [float(np.interp(f, fills, col)) for col in zip(*rows)]
+                         for f in verify}
+        else:
+            draft = {f: [k * float(opts.draft_cost) for k in range(g + 1)] for f in verify}
+        return {f: [v + d for v, d in zip(curve, draft[f])] for f, curve in verify.items()}
 
     def spec_for(self, batch: int) -> speculate.LoopSpec:
         """The program a batch of this size runs: the plain one where the cost model says

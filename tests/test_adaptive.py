@@ -192,6 +192,29 @@ def test_eagle_catch_up_leaves_the_state_propose_and_commit_leave(target, steps)
         assert not np.allclose(state.k[:, :, length - 1], run.k[:, :, length - 1])  # written
 
 
+@pytest.mark.parametrize("limit", [1, 2])
+def test_eagle_drafts_no_further_than_the_rows_allow(target, limit):
+    """propose with max_nodes = k runs k drafter steps, no more: its last step (drafter layer +
+    head) writes the drafter cache at slot length + k - 2, nothing at length + k - 1. Session
+    10's loop ran one step past every row's limit and threw the token away (EAGLE γ = 3 at one
+    node: 1.24 plain steps where fixed γ = 1 took 1.14), which is what kept adaptive EAGLE below
+    its best fixed γ."""
+    drafter, dparams = eagle_like(target)
+    b, length, g, cap = 2, 9, 3, 32
+    prompt = jnp.asarray(np.random.default_rng(1).integers(1, 64, size=(b, length)), jnp.int32)
+    hidden_in = jax.random.normal(jax.random.key(2), (len(drafter.hidden_layers), b, length, 64))
+    state = drafter.init(dparams, target.params, prompt, jnp.full((b,), length), hidden_in, cap)
+    tokens = jnp.zeros((b, cap), jnp.int32).at[:, :length].set(prompt)
+    ctx = DraftContext(tokens, jnp.full((b,), length), jnp.ones((b,), bool),
+                       jnp.full((b,), limit, jnp.int32))
+    keys = jax.random.split(jax.random.key(4), b)
+    proposal, after = drafter.propose(dparams, target.params, state, ctx, g, SamplingParams.make(), keys)
+    np.testing.assert_array_equal(proposal.num_proposed, [limit] * b)
+    written = lambda slot: not np.allclose(after.k[:, :, slot], state.k[:, :, slot])
+    assert written(length - 1) and written(length + limit - 2)  # the root, the last draft's input
+    assert not written(length + limit - 1)  # no step past the limit
+
+
 # ---- the exact law, with lengths that adapt -----------------------------------------------
 
 V, NUM_ROWS, PROMPT = 6, 12000, [1, 2, 3, 4, 5]
@@ -457,6 +480,34 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
     run = f"commit_plain/{speculate.MAX_PLAIN_RUN}"  # in the key: what k = 0 measured
     assert k0 == [run] + ["propose+commit"] * 2
+    # the loop's whole step (what the engine measures): cached per loop, ratios to plain's step
+    loops = []
+
+    def fake_loop(model, spec, dparams, batch, ks, fill):
+        loops.append((spec.num_speculative_tokens, batch, tuple(ks), fill))
+        return 0.01, [0.01 * (1 + 0.1 * k) for k in ks]
+
+    spec = lambda g, **kw: Engine(target, ngram, None, num_speculative_tokens=g,  # noqa: E731
+                                  adaptive=Options(**kw)).spec
+    got = calibration.loop_costs(target, spec(2), None, 2, measure=fake_loop)
+    assert got == {f: pytest.approx([1.0, 1.1, 1.2]) for f in (128, 1024)}
+    assert loops == [(2, 2, (0, 1, 2), 128), (2, 2, (0, 1, 2), 1024)]
+    calibration.loop_costs(target, spec(2), None, 2, measure=fake_loop)
+    assert len(loops) == 2  # reused
+    assert not calibration.loop_drifted(target, spec(2), None, 2, measure=fake_loop)
+    assert loops[2] == (2, 2, (), 128)  # the drift check times plain's step alone
+    slow_loop = lambda *a: (0.02, [])  # noqa: E731  the plain step twice as slow
+    assert calibration.loop_drifted(target, spec(2), None, 2, measure=slow_loop)
+    calibration.loop_costs(target, spec(3), None, 2, measure=fake_loop)  # another γ, another
+    calibration.loop_costs(target, spec(2, probe_every=4), None, 2, measure=fake_loop)  # run
+    assert len(loops) == 7
+    # the real measurement runs: EAGLE (k = 0: the plain loop's step + a run's catch-up) and
+    # prompt lookup (k >= 1 on a pattern it always matches)
+    eagle, eparams = eagle_like(target)
+    espec = Engine(target, eagle, eparams, num_speculative_tokens=3, adaptive=Options()).spec
+    for s, p in ((espec, eparams), (spec(3), None)):
+        plain_s, each = calibration.measure_loop(target, s, p, 2, [0, 1, 3], 1024)
+        assert plain_s > 0 and len(each) == 3 and min(each) > 0
 
 
 def test_calibration_ratios_are_per_round_medians(monkeypatch):
@@ -623,30 +674,28 @@ def test_adaptive_config(target, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("drift", [False, True])
 def test_engine_measures_a_drifted_calibration_again(target, monkeypatch, drift):
-    """A cached calibration this machine has drifted away from (calibration.drifted) is measured
-    again, both curves; else both are read from the cache."""
+    """A cached calibration this machine has drifted away from (calibration.loop_drifted) is
+    measured again; else it is read from the cache. Measured costs never fall with more nodes."""
     seen = []
-    monkeypatch.setattr(calibration, "drifted", lambda model, batch: drift)
-    monkeypatch.setattr(calibration, "step_costs", lambda m, b, g, recalibrate: seen.append(
-        ("verify", recalibrate)) or {128: COSTS})
-    monkeypatch.setattr(calibration, "draft_costs", lambda m, d, p, b, g, recalibrate: seen.append(
-        ("draft", recalibrate)) or {128: [0.0] * 4})
+    monkeypatch.setattr(calibration, "loop_drifted", lambda model, spec, dparams, batch: drift)
+    monkeypatch.setattr(calibration, "loop_costs", lambda m, s, p, b, recalibrate: seen.append(
+        (s.num_speculative_tokens, recalibrate)) or {128: [1.0, 1.3, 1.2, 1.6]})
     engine = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3, adaptive=Options())
-    assert engine.step_costs(1) == {128: pytest.approx(COSTS)}
-    assert seen == [("verify", drift), ("draft", drift)]
+    assert engine.step_costs(1) == {128: pytest.approx([1.0, 1.3, 1.3, 1.6])}
+    assert seen == [(3, drift)]
 
 
 def test_engine_calibrates_on_a_fresh_cache_then_reads_it(target, prompts, tmp_path, monkeypatch):
     """End to end, nothing faked: the first adaptive engine on an empty cache directory measures
-    both curves (session 10's drift check crashed on the missing file), a second one reads the
-    file (re-timing only the plain step), and generation stays greedy-identical."""
+    its loop's steps (session 10's drift check crashed on the missing file), a second one reads
+    the file (re-timing only the plain step), and generation stays greedy-identical."""
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "REPS", 2)
     make = lambda: Engine(target, NgramDrafter(64), None, num_speculative_tokens=2,  # noqa: E731
                           adaptive=Options())
     first = make().step_costs(1)
     assert sorted(first) == list(calibration.FILLS) and all(len(c) == 3 for c in first.values())
-    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2  # verify + draft
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1  # the loop's steps
     engine = make()
     assert sorted(engine.step_costs(1)) == list(calibration.FILLS)
     plain = Engine(target).generate(prompts[:2], max_new_tokens=12, batch_size=1)

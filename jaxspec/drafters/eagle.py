@@ -256,9 +256,9 @@ class EagleDrafter(tree.DynamicTreeDrafter):
         q = jnp.zeros((b, num_tokens, vocab), jnp.float32).at[:, 0].set(probs)
         kernel = llama.uses_cpu_kernels(tparams)
 
-        def cond(c):
-            i, alive = c[0], c[6]
-            return (i < num_tokens) & jnp.any(alive)
+        def cond(c):  # some row still drafting and wanting draft i: a row past its limit
+            i, alive = c[0], c[6]  # never pays for another drafter step
+            return (i < num_tokens) & jnp.any(alive & (i < limit))
 
         def body(c):
             i, k, v, token, h, conf, alive, num, drafts, q = c
