@@ -487,7 +487,7 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
         loops.append((spec.num_speculative_tokens, batch, tuple(ks), fill))
         return 0.01, [0.01 * (1 + 0.1 * k) for k in ks]
 
-    spec = lambda g, **kw: Engine(target, ngram, None, num_speculative_tokens=g,  # noqa: E731
+    spec = lambda g, **kw: Engine(target, ngram, None, num_speculative_tokens=g,
                                   adaptive=Options(**kw)).spec
     got = calibration.loop_costs(target, spec(2), None, 2, measure=fake_loop)
     assert got == {f: pytest.approx([1.0, 1.1, 1.2]) for f in (128, 1024)}
@@ -496,7 +496,7 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     assert len(loops) == 2  # reused
     assert not calibration.loop_drifted(target, spec(2), None, 2, measure=fake_loop)
     assert loops[2] == (2, 2, (), 128)  # the drift check times plain's step alone
-    slow_loop = lambda *a: (0.02, [])  # noqa: E731  the plain step twice as slow
+    slow_loop = lambda *a: (0.02, [])  # the plain step twice as slow
     assert calibration.loop_drifted(target, spec(2), None, 2, measure=slow_loop)
     calibration.loop_costs(target, spec(3), None, 2, measure=fake_loop)  # another γ, another
     calibration.loop_costs(target, spec(2, probe_every=4), None, 2, measure=fake_loop)  # run
@@ -691,7 +691,7 @@ def test_engine_calibrates_on_a_fresh_cache_then_reads_it(target, prompts, tmp_p
     the file (re-timing only the plain step), and generation stays greedy-identical."""
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "REPS", 2)
-    make = lambda: Engine(target, NgramDrafter(64), None, num_speculative_tokens=2,  # noqa: E731
+    make = lambda: Engine(target, NgramDrafter(64), None, num_speculative_tokens=2,
                           adaptive=Options())
     first = make().step_costs(1)
     assert sorted(first) == list(calibration.FILLS) and all(len(c) == 3 for c in first.values())
