@@ -12,10 +12,11 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
     E[b, k]      = 1 + sum_{i<=k} prod_{j<=i} alpha[b, j]      expected tokens with k nodes
     room[b]      = tokens the row may still emit (max length - length): at most room[b] - 1
                    nodes can ever be committed, so E_b(c) = E[b, min(c, room[b] - 1)]
-    cost[c]      = (verify(1 + c entries) + drafter's step with c nodes) / plain step, at this
-                   batch size and the batch's current context (jaxspec.calibration measures both
-                   at a few context lengths `fills`; the plain program's step at the same
-                   context is 1.0). The step reads the curve at the mean committed length of
+    cost[c]      = the loop's step with c nodes (draft, verify of 1 + c entries, accept,
+                   commit) / plain decoding's step, at this batch size and the batch's current
+                   context (jaxspec.calibration.loop_costs times the loop's own step at a few
+                   context lengths `fills`, every row allowed c; session 10 summed a verify
+                   and a drafter timed apart, which under-priced EAGLE's wide steps). The step reads the curve at the mean committed length of
                    the active rows, interpolated linearly between the measured fills (clamped
                    at the ends): the attention over the cache grows with the context, so a
                    window of 1 + c entries may cost relatively more at 1024 cached tokens than
@@ -28,6 +29,12 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
                    commit (measured as such). alpha counts nodes the drafter filled: an allowed
                    node it left empty (prompt lookup without a match) shrinks the window, so is
                    not paid for.
+
+Trees (a static or dynamic tree drafter): the length is a depth. A tree is cut to the levels
+1..c before verification (`Controller.limit`: whole levels, so the kept set is ancestor-closed
+with whole sibling lists, as the acceptance walk needs), alpha[b, i] estimates P(some node at
+depth i+1 accepted | depth i accepted), and cost[c] is the loop's step with the tree cut to c
+levels (the drafter still grows the whole tree: its cost is in every cost[c >= 1]).
 
 The policy, and why it is the optimal one under this cost model. A batch steps in lockstep:
 one target forward over B x (1 + c) entries, c = the longest row's length, and one drafter
@@ -110,6 +117,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec import tree
 from jaxspec.drafters.base import Proposal
 
 
@@ -189,25 +197,41 @@ class Controller:
         return jnp.where(active, jnp.minimum(cap, useful), 0).astype(jnp.int32)
 
     def limit(self, proposal: Proposal, lengths: jax.Array) -> Proposal:
-        """Cut each row's chain to its chosen length (the rest become padding)."""
-        return proposal._replace(num_proposed=jnp.minimum(proposal.num_proposed, lengths))
+        """Cut each row's chain to its chosen length (the rest become padding); a tree to its
+        nodes no deeper than that: deeper ones become padding (parent -2: never tried), and the
+        window ends at the last node kept -- a prefix for trees laid out level by level, as
+        every tree drafter here lists them. Whole levels stay: the kept set is ancestor-closed
+        and keeps every sibling list whole (the acceptance walk needs both, tree.py). The
+        depth is chosen before the step's draws: lossless."""
+        if proposal.parents is None:
+            return proposal._replace(num_proposed=jnp.minimum(proposal.num_proposed, lengths))
+        depths = node_depths(proposal)  # [B, N], 0 for padding
+        keep = (depths > 0) & (depths <= lengths[:, None])
+        n = jnp.arange(1, depths.shape[1] + 1, dtype=jnp.int32)[None]
+        return proposal._replace(
+            num_proposed=jnp.max(jnp.where(keep, n, 0), axis=1, initial=0),
+            parents=jnp.where(keep, proposal.parents, -2).astype(jnp.int32),
+        )
 
     def update(
-        self, st: AdaptiveState, lengths, num_nodes, num_accepted, active, context
+        self, st: AdaptiveState, lengths, depths, num_accepted, active, context
     ) -> AdaptiveState:
-        """After acceptance: position i (1-based) was reached when i <= min(n+1, verified nodes);
-        a reached position was accepted when i <= n. Only reached positions move their estimate.
-        A position the row was allowed but its drafter did not fill (prompt lookup without a
-        match) is no evidence: the window shrinks to the nodes proposed, so an unfilled node is
-        not paid for (a 1-entry step is: `window_hist`, and the engine's realized gain).
-        context: int32[B] committed tokens before the step (what `choose` priced it at)."""
+        """After acceptance: position i (1-based) was reached when i <= min(n+1, verified
+        depth); a reached position was accepted when i <= n. Only reached positions move their
+        estimate. depths: int32[B] each row's deepest verified node (a chain: its nodes; a tree
+        whose accepted path ends at a leaf still counts the next depth as a miss, which only
+        lowers the estimate). A position the row was allowed but its drafter did not fill
+        (prompt lookup without a match) is no evidence: the window shrinks to the nodes
+        proposed, so an unfilled node is not paid for (a 1-entry step is: `window_hist`, and
+        the engine's realized gain). context: int32[B] committed tokens before the step (what
+        `choose` priced it at)."""
         i = jnp.arange(1, self.gamma + 1)[None]  # [1, G]
-        reached = (i <= jnp.minimum(num_accepted + 1, num_nodes)[:, None]) & active[:, None]
+        reached = (i <= jnp.minimum(num_accepted + 1, depths)[:, None]) & active[:, None]
         hit = (i <= num_accepted[:, None]).astype(jnp.float32)
         weight = jnp.where(reached, self.decay * st.weight + 1.0, st.weight)
         alpha = jnp.where(reached, st.alpha + (hit - st.alpha) / weight, st.alpha)
-        used = jax.nn.one_hot(num_nodes, self.gamma + 1, dtype=jnp.int32) * active[:, None]
-        window = jnp.max(jnp.where(active, num_nodes, 0))  # the step's verified nodes
+        used = jax.nn.one_hot(depths, self.gamma + 1, dtype=jnp.int32) * active[:, None]
+        window = jnp.max(jnp.where(active, depths, 0))  # the step's depth: its cost
         plain = (window == 0) & active
         stepped = jax.nn.one_hot(window, self.gamma + 1, dtype=jnp.int32) * jnp.any(active)
         return dataclasses.replace(
@@ -248,6 +272,26 @@ class Controller:
             spent=st.spent + any_active.astype(jnp.float32),
             handoff_at=jnp.where(st.handoff_at < 0, step, st.handoff_at),
         )
+
+
+def node_depths(proposal: Proposal) -> jax.Array:
+    """int32[B, N] each proposed node's depth (1: a child of the root), 0 for padding (past
+    num_proposed, or a parent outside -1..i-1); a chain's node i sits at depth i + 1."""
+    n = proposal.tokens.shape[1]
+    idx = jnp.arange(n, dtype=jnp.int32)[None]
+    real = idx < proposal.num_proposed[:, None]
+    if proposal.parents is None:
+        return jnp.where(real, idx + 1, 0)
+    parents = proposal.parents
+    real = real & (parents >= -1) & (parents < idx)
+    mask = tree.ancestors(parents, proposal.num_proposed)  # [B, 1+N, 1+N]
+    depth = jnp.sum(mask, axis=-1, dtype=jnp.int32)[:, 1:] - 1
+    return jnp.where(real, depth, 0)
+
+
+def proposal_depth(proposal: Proposal) -> jax.Array:
+    """int32[B] the deepest proposed node (a chain: its length; 0: nothing proposed)."""
+    return jnp.max(node_depths(proposal), axis=1, initial=0)
 
 
 def finish_times(st: AdaptiveState, active, useful, room, context) -> jax.Array:
@@ -324,12 +368,13 @@ def summarize(length_hist, plain_steps, steps: int) -> dict:
 class Options:
     """Host-side settings of adaptive speculation (Engine(..., adaptive=Options())).
 
-    step_costs: the verify cost curve, relative ([γ+1] plain-step units for 1..γ+1 window entries;
-    the first is the loop's 1-entry step, ~1 when measured): None measures it (jaxspec.calibration,
-    cached), a sequence is used for every batch size, a callable maps the batch size to one.
-    draft_cost: "auto" measures the drafter's work per step (propose with c nodes + commit,
-    jaxspec.calibration, cached) and adds it to the verify cost of c nodes; a number overrides
-    it: that many plain steps per drafted node.
+    step_costs: None with draft_cost "auto" (the default): the loop's whole step with 0..γ
+    nodes (a tree: cut to 0..D levels) is measured against plain decoding's step
+    (jaxspec.calibration.loop_costs, cached). Else the verify cost curve, relative ([γ+1]
+    plain-step units for 1..γ+1 window entries, the first the loop's 1-entry step; a tree: per
+    depth): None measures it (chains), a sequence is used for every batch size, a callable maps
+    the batch size to one; draft_cost "auto" then measures the drafter's work per step (propose
+    with c nodes + commit) and adds it, a number adds that many plain steps per drafted node.
     switch_off_acceptance: a batch whose cost curve gives no gain over plain even for rows
     accepting each node with this probability runs the plain program (no drafter, a 1-token
     window), not the adaptive one (above batch 1 the acceptance earlier batches measured

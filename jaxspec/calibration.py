@@ -205,7 +205,7 @@ def loop_costs(
     measure = measure or measure_loop
     run = lambda ks, fill: measure(model, spec, dparams, batch, ks, fill)
     key = loop_key(model, spec, dparams)
-    return _curves(key, batch, spec.num_speculative_tokens, run, recalibrate)
+    return _curves(key, batch, spec.adaptive.gamma, run, recalibrate)  # a tree: its depth
 
 
 def _curves(key: dict, batch: int, gamma: int, measure_fill, recalibrate: bool):

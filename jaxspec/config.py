@@ -156,8 +156,8 @@ class AdaptiveConfig(Section):
     prior: float = 0.6  # acceptance estimate a row starts from
     probe_every: int = 16  # a row running plain re-probes every this many steps (0: never)
     probe_length: int = 1  # draft nodes a probe verifies
-    # drafter work per step: "auto" = measured (propose + commit per batch size and length,
-    # jaxspec/calibration.py); a number overrides it: plain target steps per drafted node
+    # step costs: "auto" = measured (the loop's whole step with 0..γ nodes per batch size,
+    # jaxspec/calibration.py); a number: a measured verify + this many plain steps per node
     draft_cost: float | Literal["auto"] = "auto"
     switch_off_acceptance: float = 0.8  # batch runs plain if even this acceptance cannot pay
     prior_weight: float = 2.0  # observations the prior is worth (1 / (1 - decay): a plain EMA)
@@ -239,11 +239,6 @@ class SpeculativeConfig(Section):
             raise JaxspecError(
                 "speculative.adaptive.enabled needs a drafter: set speculative.method (e.g. ngram) "
                 "or speculative.adaptive.enabled=false"
-            )
-        if self.adaptive.enabled and kind != "chain":
-            raise JaxspecError(
-                f"adaptive speculation picks chain lengths, not speculative.tree.kind={kind}: use "
-                "speculative.tree.kind=chain or speculative.adaptive.enabled=false"
             )
         if self.lookup.min_ngram and self.method == "none":
             raise JaxspecError(

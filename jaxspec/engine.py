@@ -95,11 +95,8 @@ class Engine:
         self.system_prompt = system_prompt
         self._warm_shapes: set[tuple[int, int, int, str, bool]] = set()
         self.adaptive = adaptive if drafter is not None else None
-        if self.adaptive is not None and traits(drafter).tree_nodes:
-            raise JaxspecError(
-                "adaptive speculation picks chain lengths: use speculative.tree.kind=chain or set "
-                "speculative.adaptive.enabled=false"
-            )
+        # adaptive: a chain's length, or the depth a tree is cut to (its levels)
+        depth = (traits(drafter).tree_depth if drafter is not None else None) or num_speculative_tokens
         self.spec = speculate.LoopSpec(
             cfg=model.cfg,
             drafter=drafter,
@@ -107,7 +104,7 @@ class Engine:
             eos_ids=tuple(model.eos_token_ids),
             windows=(1, 2),  # prompt lookup with no or a 1-token match: a cheaper, shorter window
             mesh=self.plan,
-            adaptive=None if self.adaptive is None else self.adaptive.controller(num_speculative_tokens),
+            adaptive=None if self.adaptive is None else self.adaptive.controller(depth),
         )
         # adaptive switch-off: a batch size where verification cannot pay runs this program
         self._plain_spec = speculate.LoopSpec(
@@ -220,8 +217,13 @@ class Engine:
 
     def _summed_costs(self, batch: int) -> dict[int, list[float]]:
         """step_costs from a verify curve (measured or given) + the drafter's work."""
-        opts, g = self.adaptive, self.spec.num_speculative_tokens
+        opts, g = self.adaptive, self.spec.adaptive.gamma
         src = opts.step_costs
+        if src is None and self.spec.num_nodes != g:  # a verify curve by width: chains only
+            raise JaxspecError(
+                "adaptive trees are priced by the loop's own steps: set "
+                "speculative.adaptive.draft_cost=auto or give step_costs (one per depth 0..D)"
+            )
         # a calibration this machine has drifted away from is measured again (both curves)
         again = opts.recalibrate or (src is None and calibration.drifted(self.model, batch))
         if src is None:
@@ -487,7 +489,7 @@ class Engine:
         }
 
     def _adaptive_metrics(self, state, row: int, steps: int) -> dict[str, Any]:
-        g = self.spec.num_speculative_tokens
+        g = self.spec.adaptive.gamma  # a chain's length, a tree's depth
         if state.adaptive is None:  # switched off: every step plain
             hist, plain = [steps] + [0] * g, steps
         else:

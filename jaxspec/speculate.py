@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -86,7 +87,11 @@ class LoopSpec:
     def verify_windows(self) -> tuple[int, ...]:
         g1 = self.num_nodes + 1
         if self.drafter is not None and self.adaptive is not None:  # 1 entry: decode_step's
-            return tuple(range(2, g1 + 1))  # plain branch (a need of 1 would take width 2)
+            if not traits(self.drafter).tree_nodes:  # plain branch (a need of 1: width 2)
+                return tuple(range(2, g1 + 1))
+            # a tree cut to a depth: any node count, so widths doubling up to the whole tree
+            # (a window at most ~2x what it needs, log2(N) compiled forwards)
+            return tuple(sorted({min(2**i + 1, g1) for i in range(math.ceil(math.log2(g1)) + 1)}))
         if self.drafter is None or not self.drafter.variable_length:
             return (g1,)
         return tuple(sorted({w for w in self.windows if w < g1} | {1, g1}))
@@ -256,6 +261,7 @@ class _Outcome(NamedTuple):
     num_nodes: jax.Array  # int32[B] nodes verified
     num_accepted: jax.Array  # int32[B]
     root_hidden: Any = None  # [nl, B, D] the root's target features (plain-run steps only)
+    depth: Any = None  # int32[B] the deepest node verified (a chain: num_nodes); adaptive only
 
 
 def decode_step(
@@ -311,9 +317,7 @@ def _step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp, mode, allowe
     if ctl is not None and mode == "handed_off":
         astate = ctl.update_handed_off(astate, active, jnp.max(state.row_steps))
     elif ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
-        astate = ctl.update(
-            astate, allowed, out.num_nodes, out.num_accepted, active, state.lengths
-        )
+        astate = ctl.update(astate, allowed, out.depth, out.num_accepted, active, state.lengths)
     state = dataclasses.replace(
         state,
         adaptive=astate,
@@ -346,7 +350,7 @@ def allowed_lengths(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) ->
         p, _ = spec.drafter.propose(
             dparams, tparams, state.drafter_state, ctx, spec.num_nodes, sp, keys
         )
-        useful = jnp.minimum(useful, p.num_proposed)  # nodes it can commit <= its match
+        useful = jnp.minimum(useful, adaptive.proposal_depth(p))  # <= its match's depth
     return spec.adaptive.choose(
         state.adaptive, state.row_steps, ~state.done, room, state.lengths, useful
     )
@@ -409,7 +413,11 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
             path=path,
         )
         dstate = spec.drafter.commit(dparams, tparams, dstate, commit_ctx)
-    return _Outcome(tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc)
+    verified = jnp.arange(window.depth.shape[1])[None] <= num_nodes[:, None]  # [B, T]
+    depth = jnp.max(jnp.where(verified, window.depth, 0), axis=1)
+    return _Outcome(
+        tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc, depth=depth
+    )
 
 
 def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False) -> _Outcome:
@@ -446,7 +454,7 @@ def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=Fa
         dstate = spec.drafter.commit(dparams, tparams, dstate, ctx)
     cache = cache if in_place else None
     return _Outcome(
-        tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden
+        tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden, zeros
     )
 
 

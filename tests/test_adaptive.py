@@ -16,7 +16,7 @@ from tiny import eagle_like, tiny_model
 from jaxspec import acceptance, adaptive, calibration, hlo, speculate, tree
 from jaxspec.adaptive import Options
 from jaxspec.config import load_config
-from jaxspec.drafters.base import CommitContext, DraftContext
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
@@ -69,6 +69,56 @@ def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size)
         again = engine.generate(prompts[4:], max_new_tokens=24, batch_size=1)  # new requests
         assert speculate.decode_jit._cache_size() == before
         assert [r.token_ids for r in again] == [r.token_ids for r in plain[4:]]
+
+
+def tree_drafter(target, method):
+    """A static prompt-lookup tree (3 branches x 3) or EAGLE's dynamic tree (top 2, 3 levels,
+    5 nodes), depth 3, and its params."""
+    if method == "ngram":
+        return NgramDrafter(64, min_ngram=1, max_ngram=3, branches=3, depth=3), None
+    drafter, dparams = eagle_like(target)
+    return dataclasses.replace(drafter, tree_top_k=2, tree_levels=3, tree_budget=5), dparams
+
+
+@pytest.mark.parametrize("method,batch_size", [("ngram", 1), ("ngram", 8), ("eagle", 1), ("eagle", 8)])
+def test_adaptive_trees_are_token_identical(target, prompts, method, batch_size):
+    """Adaptive depth on trees: each step's tree cut to the depth the controller picks (its
+    levels are the lengths), greedy output == plain, several depths used, one program."""
+    plain = Engine(target).generate(prompts, max_new_tokens=24, batch_size=batch_size)
+    drafter, dparams = tree_drafter(target, method)
+    opts = Options(step_costs=[1.0, 1.1, 1.25, 1.45], draft_cost=0.0, probe_every=4, decay=0.5)
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
+    assert engine.spec.num_nodes > engine.spec.adaptive.gamma == 3  # nodes > depth: a tree
+    results = engine.generate(prompts, max_new_tokens=24, batch_size=batch_size)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
+    assert len(hist) == 4 and (hist > 0).sum() >= 2 and hist[1:].sum() > 0
+    assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
+
+
+def test_a_tree_is_cut_to_whole_levels():
+    """Controller.limit on a tree: nodes deeper than the row's depth become padding (parent -2:
+    never tried) and the window ends at the last node kept; padding stays padding."""
+    ctl = adaptive.Controller(gamma=3)
+    parents = jnp.asarray([[-1, -1, 0, 1, 2], [-1, -2, 0, -2, 2]], jnp.int32)  # level by level
+    proposal = Proposal(jnp.ones((2, 5), jnp.int32), jnp.zeros((2, 5, 8)),
+                        jnp.asarray([5, 5], jnp.int32), parents)
+    np.testing.assert_array_equal(adaptive.node_depths(proposal), [[1, 1, 2, 2, 3], [1, 0, 2, 0, 3]])
+    for cap, num in ((0, [0, 0]), (1, [2, 1]), (2, [4, 3]), (3, [5, 5])):
+        cut = ctl.limit(proposal, jnp.full((2,), cap, jnp.int32))
+        np.testing.assert_array_equal(cut.num_proposed, num)
+        depth = np.asarray(adaptive.node_depths(proposal))
+        want = np.where((depth > 0) & (depth <= cap), np.asarray(parents), -2)
+        np.testing.assert_array_equal(cut.parents, want)
+    # prompt lookup's tree is laid out level by level: a cut to depth c keeps a prefix
+    ngram = NgramDrafter(16, min_ngram=1, max_ngram=1, branches=2, depth=3)
+    tokens = jnp.asarray([[5, 1, 2, 3, 5, 6, 7, 8, 5, 0, 0, 0]], jnp.int32)  # 5 -> (6 7 8), (1 2 3)
+    ctx = DraftContext(tokens, jnp.asarray([9]), jnp.ones((1,), bool), None)
+    tree_prop, _ = ngram.propose(None, None, (), ctx, 6, SamplingParams.make(), None)
+    np.testing.assert_array_equal(tree_prop.tokens, [[6, 1, 7, 2, 8, 3]])
+    np.testing.assert_array_equal(tree_prop.parents, [[-1, -1, 0, 1, 2, 3]])
+    np.testing.assert_array_equal(adaptive.proposal_depth(tree_prop), [3])
+    np.testing.assert_array_equal(ctl.limit(tree_prop, jnp.asarray([2])).num_proposed, [4])
 
 
 @pytest.mark.parametrize("method,batch_size", [("eagle", 1), ("ngram", 2)])
@@ -222,7 +272,8 @@ V, NUM_ROWS, PROMPT = 6, 12000, [1, 2, 3, 4, 5]
 
 class PeekingController(adaptive.Controller):
     """Broken on purpose: also cuts a row's chain before its first node that is not the draft's
-    likeliest token -- the length then depends on this step's draw (biased)."""
+    likeliest token (a tree: to as many levels as its leading such nodes) -- the length then
+    depends on this step's draw (biased)."""
 
     def limit(self, proposal, lengths):
         top = jnp.argmax(proposal.probs, axis=-1) == proposal.tokens  # [B, N]
@@ -241,18 +292,19 @@ def small_vocab():
     return target, dparams
 
 
-def adaptive_pvalue(target, dparams, controller_cls):
+def adaptive_pvalue(target, dparams, controller_cls, shape="chain"):
+    """shape "tree": a dynamic tree of sampled children (top 2, 2 levels, 3 nodes) cut to the
+    chosen depth."""
     sp = SamplingParams.make(temperature=0.9)
     # decay 0: a row's estimate is its last step's outcome, so step 2's length (0, 1 or 2 nodes)
     # is decided by step 1's draws
     opts = Options(step_costs=[1.0, 1.2, 1.3], draft_cost=0.0, decay=0.0, probe_every=0)
-    engine = Engine(
-        target,
-        ModelDrafter(cfg=target.cfg, target_vocab=V),
-        dparams,
-        num_speculative_tokens=2,
-        adaptive=opts,
-    )
+    drafter = ModelDrafter(cfg=target.cfg, target_vocab=V)
+    if shape == "tree":
+        drafter = dataclasses.replace(
+            drafter, tree_top_k=2, tree_levels=2, tree_budget=3, tree_children="sampled"
+        )
+    engine = Engine(target, drafter, dparams, num_speculative_tokens=2, adaptive=opts)
     fields = {
         f.name: getattr(engine.spec.adaptive, f.name)
         for f in dataclasses.fields(adaptive.Controller)
@@ -265,8 +317,9 @@ def adaptive_pvalue(target, dparams, controller_cls):
     return chi_square_pvalue(counts, exact_law(target, PROMPT, sp, 3)), results
 
 
-def test_adaptive_sampling_has_the_target_distribution(small_vocab):
-    p, results = adaptive_pvalue(*small_vocab, adaptive.Controller)
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_adaptive_sampling_has_the_target_distribution(small_vocab, shape):
+    p, results = adaptive_pvalue(*small_vocab, adaptive.Controller, shape)
     hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
     assert (hist > 100).sum() >= 2  # rows verified different lengths after their first step
     # among them 0 nodes: a row with one token left steps through the plain-step branch (a
@@ -275,10 +328,11 @@ def test_adaptive_sampling_has_the_target_distribution(small_vocab):
     assert p > PASS_P
 
 
-def test_distribution_test_catches_a_length_that_peeks_at_the_draw(small_vocab):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_distribution_test_catches_a_length_that_peeks_at_the_draw(small_vocab, shape):
     jax.clear_caches()
     try:
-        p, _ = adaptive_pvalue(*small_vocab, PeekingController)
+        p, _ = adaptive_pvalue(*small_vocab, PeekingController, shape)
     finally:
         jax.clear_caches()
     assert p < FAIL_P
@@ -635,17 +689,19 @@ def test_adaptive_config(target, tmp_path, monkeypatch):
     config = load_config("configs/smollm2-135m-ngram-adaptive.yaml")
     assert config.speculative.adaptive.enabled and config.speculative.method == "ngram"
     assert load_config("configs/smollm2-135m-eagle-adaptive.yaml").speculative.adaptive.enabled
+    assert load_config("configs/smollm2-135m-eagle-tree-adaptive.yaml").speculative.adaptive.enabled
     for overrides, word in [
         (["speculative.adaptive.decay=1.5"], "speculative.adaptive.decay"),
         (["speculative.adaptive.probe_length=0"], "speculative.adaptive.probe_length"),
         (["speculative.adaptive.enabled=true"], "speculative.method"),
-        (["speculative.method=ngram", "speculative.adaptive.enabled=true",
-          "speculative.tree.kind=static"], "speculative.tree.kind"),
         (["adaptive.enabled=true"], "moved to speculative.adaptive.enabled"),
     ]:
         with pytest.raises(JaxspecError, match=word) as e:
             load_config(None, overrides)
         assert "\n" not in str(e.value)
+    tree = load_config(None, ["speculative.method=ngram", "speculative.adaptive.enabled=true",
+                              "speculative.tree.kind=static"]).speculative  # adaptive depth
+    assert tree.adaptive.enabled and tree.tree.kind == "static"
     with pytest.raises(JaxspecError, match="positive numbers"):
         Engine(
             target,

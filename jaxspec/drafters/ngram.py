@@ -91,21 +91,24 @@ class NgramDrafter:
         return best_start.astype(jnp.int32), best_n
 
     def _propose_tree(self, ctx: DraftContext) -> Proposal:
+        """K branches of D nodes, laid out level by level (depth 1 of every branch, then depth
+        2, ...): parents before children, the root's children in recency order, and a cut to
+        depth c (adaptive speculation) keeps a prefix of c * K nodes."""
         k, d = self.branches, self.depth
         starts, count = jax.vmap(self._match_starts)(ctx.tokens, ctx.lengths)  # [B, K], [B]
-        pos = starts[:, :, None] + jnp.arange(d)[None, None]  # [B, K, D]
-        valid = (jnp.arange(k)[None, :, None] < count[:, None, None]) & (
+        pos = starts[:, None, :] + jnp.arange(d)[None, :, None]  # [B, D, K]
+        valid = (jnp.arange(k)[None, None, :] < count[:, None, None]) & (
             pos < ctx.lengths[:, None, None]
         )  # a branch continues only through committed text
         w = ctx.tokens.shape[1]
         tokens = jnp.take_along_axis(
-            ctx.tokens, jnp.minimum(pos, w - 1).reshape(-1, k * d), axis=1
-        ).reshape(-1, k, d)
-        tokens = jnp.where(valid, tokens, 0).reshape(-1, k * d)  # branch-major: [b0d1, b0d2, ...]
-        node = jnp.arange(k * d, dtype=jnp.int32).reshape(k, d)
-        parents = jnp.where(jnp.arange(d)[None] == 0, -1, node - 1)  # [K, D]
-        parents = jnp.where(valid, parents[None], -2).reshape(-1, k * d)  # -2: padding
-        last_valid = jnp.max(jnp.where(valid.reshape(-1, k * d), node.reshape(-1) + 1, 0), axis=1)
+            ctx.tokens, jnp.minimum(pos, w - 1).reshape(-1, d * k), axis=1
+        ).reshape(-1, d, k)
+        tokens = jnp.where(valid, tokens, 0).reshape(-1, d * k)  # level-major: [d1b0, d1b1, ...]
+        node = jnp.arange(d * k, dtype=jnp.int32).reshape(d, k)
+        parents = jnp.where(jnp.arange(d)[:, None] == 0, -1, node - k)  # [D, K] one level up
+        parents = jnp.where(valid, parents[None], -2).reshape(-1, d * k)  # -2: padding
+        last_valid = jnp.max(jnp.where(valid.reshape(-1, d * k), node.reshape(-1) + 1, 0), axis=1)
         probs = jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
         return Proposal(tokens, probs, last_valid.astype(jnp.int32), parents.astype(jnp.int32))
 
