@@ -164,6 +164,9 @@ class AdaptiveConfig(Section):
     # batch > 1: steps after which a batch whose estimates say no window beats
     # the plain program runs the rest as plain decoding, drafter untouched (0: never)
     handoff_after: int = 8
+    # a row on plain steps tries one node where it pays at the estimate + this many standard
+    # errors (0: only the probes every probe_every steps)
+    explore: float = 1.0
     recalibrate: bool = False  # measure the step-cost curve again (CLI: --recalibrate)
 
     def _validate(self):
@@ -185,12 +188,15 @@ class AdaptiveConfig(Section):
             self._fail("prior_weight", "use a finite number > 0 (observations the prior is worth)")
         if self.handoff_after < 0:
             self._fail("handoff_after", "use an integer >= 0 (0: never hand off)")
+        if not (math.isfinite(self.explore) and self.explore >= 0):
+            self._fail("explore", "use a finite number >= 0 (standard errors; 0: probes only)")
 
     def options(self):
         from jaxspec.adaptive import Options  # jax: only when adaptive is configured
 
         fields = ("decay", "prior", "probe_every", "probe_length", "draft_cost",
-                  "switch_off_acceptance", "prior_weight", "handoff_after", "recalibrate")
+                  "switch_off_acceptance", "prior_weight", "handoff_after", "explore",
+                  "recalibrate")
         return Options(**{f: getattr(self, f) for f in fields})
 
 

@@ -133,7 +133,8 @@ def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_s
     drafter, dparams = (
         eagle_like(target) if method == "eagle" else (NgramDrafter(64, min_ngram=1), None)
     )
-    opts = Options(step_costs=[1.0, 1.7, 2.2, 2.5], draft_cost=0.0, probe_every=3, decay=0.5)
+    opts = Options(step_costs=[1.0, 1.7, 2.2, 2.5], draft_cost=0.0, probe_every=3, decay=0.5,
+                   explore=0.0)  # plain until a probe
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
     assert engine.spec_for(1) is engine.spec  # at 0.8 one node pays: 1.8 / 1.7 (a lockstep
     engine.spec_for = lambda batch: engine.spec  # batch starts from the prior: plain) -- no
@@ -180,7 +181,8 @@ def test_prompt_lookup_rows_are_priced_at_their_match(target):
     def allowed(costs, motif_rows):
         engine = Engine(target, NgramDrafter(64, min_ngram=2, max_ngram=3), None,
                         num_speculative_tokens=3,
-                        adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0))
+                        adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0,
+                                         explore=0.0))  # the estimates' own price
         engine.spec_for = lambda batch: engine.spec  # the adaptive program whatever the costs
         state = engine._prefill([[1, 2]] * 2, 32, SamplingParams.make(), 0, [0, 1], 2)
         motif, distinct = [5, 6, 7, 8] * 4, list(range(10, 26))
@@ -342,7 +344,7 @@ def test_distribution_test_catches_a_length_that_peeks_at_the_draw(small_vocab, 
 
 
 def test_controller_picks_the_length_that_pays_and_probes():
-    ctl = adaptive.Controller(gamma=3, probe_every=4)
+    ctl = adaptive.Controller(gamma=3, probe_every=4, explore=0.0)  # the estimates' own choice
     st = ctl.init(3, [1.0, 1.2, 1.4, 1.6])
     alpha = jnp.asarray([[0.95, 0.95, 0.95], [0.1, 0.1, 0.1], [0.6, 0.6, 0.6]])
     st = dataclasses.replace(st, alpha=alpha)
@@ -387,6 +389,28 @@ def test_controller_picks_the_length_that_pays_and_probes():
     # by the cost model: 10 one-entry steps at 1.1 for 10 tokens lose to plain, 5 at 1.3 win
     assert adaptive.realized_gain([1.1, 1.3], [10, 0], [10, 7]) < 1.0
     assert adaptive.realized_gain([1.1, 1.3], [0, 5], [10, 7]) == pytest.approx(10 / 6.5)
+
+
+def test_a_row_on_plain_tries_a_node_while_its_estimate_is_uncertain():
+    """c* = 0 at the estimate, but one node pays at alpha + 1 standard error: the row verifies
+    one node (explore), not only every probe_every-th step; an estimate that many outcomes put
+    near 0 stays plain, and explore = 0 keeps the estimate's own choice. (A 1091-token
+    summarization prompt: EAGLE's row, its first drafts missed, ran 91% plain at 0.99x where
+    fixed γ = 1 accepted 40% at 1.17x.)"""
+    ctl = adaptive.Controller(gamma=3, probe_every=0)
+    st = ctl.init(1, [1.0, 1.17, 1.4, 1.6])
+    doubt = dataclasses.replace(st, alpha=jnp.full((1, 3), 0.13), weight=jnp.full((1, 3), 3.0))
+    args = (jnp.full((1,), 5), jnp.ones((1,), bool), jnp.full((1,), 50), jnp.full((1,), 100))
+    np.testing.assert_array_equal(ctl.choose(doubt, *args), [1])
+    np.testing.assert_array_equal(dataclasses.replace(ctl, explore=0.0).choose(doubt, *args), [0])
+    assert float(adaptive.optimistic(doubt, 1.0)[0, 0]) == pytest.approx(0.13 + (0.1131 / 3) ** 0.5)
+    settled = dataclasses.replace(st, alpha=jnp.full((1, 3), 0.02), weight=jnp.full((1, 3), 10.0))
+    np.testing.assert_array_equal(ctl.choose(settled, *args), [0])  # 0.02 + 0.07: still a loss
+    good = dataclasses.replace(st, alpha=jnp.full((1, 3), 0.6))  # c* > 0: the estimate decides
+    np.testing.assert_array_equal(ctl.choose(good, *args),
+                                  dataclasses.replace(ctl, explore=0.0).choose(good, *args))
+    with pytest.raises(JaxspecError, match="speculative.adaptive.explore"):
+        load_config(None, ["speculative.adaptive.explore=-1"])
 
 
 def test_estimates_start_fast_and_settle_to_the_exponential_average():
@@ -585,7 +609,7 @@ def test_the_cost_curve_follows_the_context():
     length, linear in between, clamped outside -- 3 nodes pay at 128 cached tokens, nothing at
     1024 (a window reads the long prefix once per entry), one node around 576. The step's cost
     is priced at its context (`spent`, the realized gain's denominator)."""
-    ctl = adaptive.Controller(gamma=3, probe_every=0)
+    ctl = adaptive.Controller(gamma=3, probe_every=0, explore=0.0)
     st = ctl.init(2, {1024: [1.0, 1.9, 2.9, 3.9], 128: [1.0, 1.2, 1.4, 1.6]})
     np.testing.assert_array_equal(st.fills, [128, 1024])
     st = dataclasses.replace(st, alpha=jnp.full((2, 3), 0.8))
