@@ -80,7 +80,7 @@ def tree_drafter(target, method):
     return dataclasses.replace(drafter, tree_top_k=2, tree_levels=3, tree_budget=5), dparams
 
 
-@pytest.mark.parametrize("method,batch_size", [("ngram", 1), ("ngram", 8), ("eagle", 1), ("eagle", 8)])
+@pytest.mark.parametrize("method,batch_size", [("ngram", 1), ("eagle", 8)])
 def test_adaptive_trees_are_token_identical(target, prompts, method, batch_size):
     """Adaptive depth on trees: each step's tree cut to the depth the controller picks (its
     levels are the lengths), greedy output == plain, several depths used, one program."""
