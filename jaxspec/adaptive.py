@@ -16,9 +16,10 @@ The model (Leviathan et al., with measured costs instead of a constant c), per r
                    commit) / plain decoding's step, at this batch size and the batch's current
                    context (jaxspec.calibration.loop_costs times the loop's own step at a few
                    context lengths `fills`, every row allowed c; session 10 summed a verify
-                   and a drafter timed apart, which under-priced EAGLE's wide steps). The step reads the curve at the mean committed length of
-                   the active rows, interpolated linearly between the measured fills (clamped
-                   at the ends): the attention over the cache grows with the context, so a
+                   and a drafter timed apart, which under-priced EAGLE's wide steps). The
+                   step reads the curve at the mean committed length of the active rows,
+                   interpolated linearly between the measured fills (clamped at the ends):
+                   the attention over the cache grows with the context, so a
                    window of 1 + c entries may cost relatively more at 1024 cached tokens than
                    at 128 (SmolLM2-135M, batch 2, measured: one EAGLE node 1.34 plain steps at
                    128, 1.51 at 1024). With c = 0 a drafter with commit_plain runs the plain
@@ -71,9 +72,10 @@ sat on plain steps with only a probe every 16 steps to learn from, and a one-nod
 misses pushes the estimate down again: simulated with independent outcomes at 0.25 (above the
 break-even ~0.17 of a 1.17-step EAGLE node), a row drafted in a quarter of its steps and ran
 1.02x where a fixed γ = 1 runs 1.07x (1.06x with the bonus); on a 1091-token summarization
-prompt EAGLE's row ran 91% plain at 0.99x where fixed γ = 1 accepted 40% at 1.17x. The bonus only lifts c* = 0 to one node: the length is still chosen from the
-estimates, and a row whose drafts really miss settles where even the bonus says no (the
-variance floor keeps it at ~0.07 after 10 outcomes). Every
+prompt EAGLE's row ran 91% plain at 0.99x where fixed γ = 1 accepted 40% at 1.17x. The bonus
+only lifts c* = 0 to one node: the length is still chosen from the estimates, and a row whose
+drafts really miss settles where even the bonus says no (the variance floor keeps it at ~0.07
+after 10 outcomes). Every
 row starts a request from `prior`: at batch 1 the row is the request, and a request's choices
 read its own steps only.
 The host side (engine.spec_for) runs a whole batch on the plain program instead when this
@@ -316,6 +318,8 @@ def node_depths(proposal: Proposal) -> jax.Array:
 
 def proposal_depth(proposal: Proposal) -> jax.Array:
     """int32[B] the deepest proposed node (a chain: its length; 0: nothing proposed)."""
+    if proposal.parents is None:
+        return proposal.num_proposed
     return jnp.max(node_depths(proposal), axis=1, initial=0)
 
 
