@@ -182,8 +182,7 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int):
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
     if in_place:
         return probs, layer_hidden, out.cache, None
-    pad_kv = lambda w: jnp.pad(w, [(0, 0)] * (w.ndim - 3) + [(0, t - width), (0, 0), (0, 0)])
-    return probs, layer_hidden, out.cache, jax.tree.map(pad_kv, out.window_kv)
+    return probs, layer_hidden, out.cache, base.pad_window(spec.target, out.window_kv, t)
 
 
 def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, num_nodes):
@@ -200,7 +199,8 @@ def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, n
     probs, hidden, window_kv = jax.lax.switch(
         branch, [functools.partial(branch_fn, w=w) for w in widths], cache
     )
-    if spec.mesh is not None:  # k/v laid out as the cache (else GSPMD may gather it)
+    if spec.mesh is not None and base.target_traits(spec.target).cache_axes is not None:
+        # k/v laid out as the cache (else GSPMD may gather it)
         window_kv = spec.mesh.constrain_window_kv(window_kv)
     return probs, hidden, cache, window_kv
 

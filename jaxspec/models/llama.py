@@ -600,6 +600,13 @@ class LlamaTarget:
     def head_counts(self) -> dict[str, int]:
         return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
 
+    def pad_window(self, window_kv, entries: int):
+        """Window k/v ([B, T, K, H] per layer, or [L, B, T, K, H]) padded to `entries`."""
+        pad = lambda w: jnp.pad(  # noqa: E731
+            w, [(0, 0)] * (w.ndim - 3) + [(0, entries - w.shape[-3]), (0, 0), (0, 0)]
+        )
+        return jax.tree.map(pad, window_kv)
+
     def layout(self, params: Params) -> str:
         if isinstance(params["layers"], dict):
             return "stacked"
