@@ -103,6 +103,7 @@ def _from_jaxspec(checkpoint, fmt, model, include_embed, target):
     import numpy as np
 
     from jaxspec.formats import eagle3, medusa
+    from jaxspec.models import base
     from jaxspec.train.checkpoint import resolve_path
     from jaxspec.train.load import load_trained_drafter
 
