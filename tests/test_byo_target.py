@@ -227,7 +227,8 @@ def test_what_the_toy_lacks_is_refused_in_one_line(toy):
     with pytest.raises(JaxspecError, match=r"reads target hidden states \[7\].*has 3 layers"):
         Engine(toy, deep, dparams, num_speculative_tokens=2)
     no_embed = base.Model(target=NoEmbed(toy.target.graphdef, LAYERS), params=toy.params)
-    with pytest.raises(JaxspecError, match="'eagle3' cannot run on target 'toy'.*shared token embedding"):
+    refusal = "'eagle3' cannot run on target 'toy'.*shared token embedding"
+    with pytest.raises(JaxspecError, match=refusal):
         Engine(no_embed, drafter, dparams, num_speculative_tokens=2)
 
 

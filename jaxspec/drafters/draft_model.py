@@ -55,7 +55,7 @@ def check_vocab(draft_vocab: int, target_vocab: int, draft_tokenizer=None, targe
 
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(tree.DynamicTreeDrafter):
-    model: Any  # the draft network (a models.base.Target); None for layer_skip (the target's prefix)
+    model: Any  # the draft network (a models.base.Target); None: layer_skip (the target's prefix)
     target_vocab: int
     name: str = "draft_model"
     shared_layers: int = 0  # > 0: layer_skip, the draft IS the target's first `shared_layers` layers
@@ -89,7 +89,8 @@ class ModelDrafter(tree.DynamicTreeDrafter):
         net, params = run
         if isinstance(params, dict) and "draft_head" in params:  # reduced draft vocabulary
             # (distilled drafts): N head rows + their target ids
-            return llama.linear(hidden, params["draft_head"]).astype(jnp.float32), params["draft_ids"]
+            logits = llama.linear(hidden, params["draft_head"]).astype(jnp.float32)
+            return logits, params["draft_ids"]
         logits = net.logits(params, hidden)
         v, vd = self.target_vocab, logits.shape[-1]
         if vd > v:  # draft padding rows: never proposed

@@ -82,7 +82,9 @@ def _valid(batch):  # bool[B, T] positions with a record
 
 def as_target(target_cfg) -> base.Target:
     """The target object (a models.base.Target), from it or from a Llama ModelConfig."""
-    return llama.LlamaTarget(target_cfg) if isinstance(target_cfg, llama.ModelConfig) else target_cfg
+    if isinstance(target_cfg, llama.ModelConfig):
+        return llama.LlamaTarget(target_cfg)
+    return target_cfg
 
 
 def layer_config(target_cfg, who: str, **changes) -> llama.ModelConfig:
@@ -96,7 +98,8 @@ def _copy_layer(model, index, who: str):
     the target does not give its layers in that form (`layer_weights`)."""
     t = base.target_traits(model.target)
     if t.layer_weights is not None:
-        return {k: jnp.asarray(v, jnp.float32) for k, v in t.layer_weights(model.params, index).items()}
+        layer = t.layer_weights(model.params, index)
+        return {k: jnp.asarray(v, jnp.float32) for k, v in layer.items()}
     cfg = layer_config(model.target, who, num_layers=1, dtype="float32")
     return llama.init_params(cfg, jax.random.key(index))["layers"][0]
 
