@@ -16,7 +16,10 @@ from typing import Any
 
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.errors import JaxspecError
+from jaxspec.loading import families
+from jaxspec.loading.gguf_file import ARCHITECTURES as GGUF_ARCHITECTURES
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
+from jaxspec.loading.gguf_header import peek_architecture
 from jaxspec.loading.params import (
     DTYPES,
     LAYOUTS,
@@ -32,6 +35,7 @@ from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packag
 from jaxspec.loading.safetensors_dir import config_from_hf, load_hf_tensors, read_hf_config
 from jaxspec.loading.tokenizer import load_dir_tokenizer, load_gguf_tokenizer, stop_token_ids
 from jaxspec.models import attention
+from jaxspec.models.gemma import GemmaConfig
 from jaxspec.models.llama import ModelConfig, Params
 
 __all__ = [
@@ -123,7 +127,10 @@ def load_model(
         cfg, flat, tokenizer, eos = _read_gguf(src.path, dtype, lazy)
     else:
         cfg, flat, tokenizer, eos = _read_hf_dir(src.path, dtype)
-    params = assemble(cfg, flat, source=str(src.path))
+    if isinstance(cfg, GemmaConfig):  # family hook: its own param shapes
+        params = families.assemble(cfg, flat, source=str(src.path))
+    else:
+        params = assemble(cfg, flat, source=str(src.path))
     if mesh is not None:
         params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
     else:
@@ -141,6 +148,12 @@ def load_model(
 
 
 def _read_gguf(path: Path, dtype: str, lazy: bool = False):
+    arch = peek_architecture(path)  # family hook: decided before any array is parsed
+    if arch in families.GGUF_ARCHITECTURES:
+        return families.read_gguf(path, dtype, lazy)
+    if arch is not None and arch not in GGUF_ARCHITECTURES:
+        known = ", ".join((*GGUF_ARCHITECTURES, *families.GGUF_ARCHITECTURES))
+        raise JaxspecError(f"{path}: GGUF architecture {arch!r} is not supported: use one of {known}")
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, dtype=dtype, source=str(path))
     flat = load_gguf_tensors(reader, cfg, source=str(path), lazy=lazy)
@@ -151,6 +164,8 @@ def _read_gguf(path: Path, dtype: str, lazy: bool = False):
 
 def _read_hf_dir(path: Path, dtype: str):
     hf = read_hf_config(path)
+    if families.hf_model_type(hf) is not None:  # family hook: gemma2, gemma3, phi3
+        return families.read_hf_dir(path, hf, dtype)
     cfg = config_from_hf(hf, dtype=dtype, source=str(path / "config.json"))
     mtp = int(hf.get("num_nextn_predict_layers") or 0)  # MTP modules after the last layer
     flat = load_hf_tensors(path, cfg, skip_from_layer=cfg.num_layers if mtp else None)
