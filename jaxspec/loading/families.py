@@ -25,11 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from jaxspec.errors import JaxspecError
-from jaxspec.models.gemma import GemmaConfig
+from jaxspec.models import phi3, registry
+from jaxspec.models.gemma import GemmaConfig, GemmaTarget
 from jaxspec.models.llama import ModelConfig
 
 HF_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "phi3")
 GGUF_ARCHITECTURES = ("gemma2", "gemma3")
+FAMILIES = ("gemma2", "gemma3", "phi3")  # registry names of the families read here
 _GEMMA3_DEFAULTS = {"rope_local_theta": 10000.0, "rope_theta": 1_000_000.0, "pattern": 6,
                     "query_pre_attn_scalar": 256}
 
@@ -241,7 +243,7 @@ def hf_tensors(path: Path, kind: str, cfg) -> dict[str, np.ndarray]:
             f"{path}: unexpected tensors {', '.join(sorted(unknown)[:3])}{more}: this {kind} "
             f"variant is not supported"
         )
-    return split_phi3(flat, cfg) if kind == "phi3" else flat
+    return phi3.split_fused(flat, cfg) if kind == "phi3" else flat
 
 
 def _our_hf_name(hf_name: str, layer_names: dict) -> str | None:
@@ -257,27 +259,6 @@ def _our_hf_name(hf_name: str, layer_names: dict) -> str | None:
         if m and m.group(2) in layer_names:
             return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
-
-
-def split_phi3(flat: dict, cfg: ModelConfig) -> dict:
-    """qkv_proj [(N + 2K) H, D] -> wq, wk, wv; gate_up_proj [2F, D] -> w_gate, w_up (views)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    out = {}
-    for name, w in flat.items():
-        prefix, _, leaf = name.rpartition(".")
-        if leaf == "wqkv":
-            if w.shape[0] != q + 2 * kv:
-                raise JaxspecError(
-                    f"{name}: qkv_proj has {w.shape[0]} rows, config implies {q + 2 * kv}: the "
-                    f"checkpoint does not match its config"
-                )
-            out |= {f"{prefix}.wq": w[:q], f"{prefix}.wk": w[q : q + kv], f"{prefix}.wv": w[q + kv :]}
-        elif leaf == "w_gate_up":
-            f = w.shape[0] // 2
-            out |= {f"{prefix}.w_gate": w[:f], f"{prefix}.w_up": w[f:]}
-        else:
-            out[name] = w
-    return out
 
 
 # ---------------------------------------------------------------------------------------- GGUF
@@ -401,7 +382,8 @@ def gguf_eos(header) -> list:
 
 
 def read_hf_dir(path: Path, hf: dict, dtype: str):
-    """(config, flat tensors, tokenizer, eos ids) of a gemma2 / gemma3(_text) / phi3 directory."""
+    """(config, flat tensors, tokenizer, eos ids, architecture) of a gemma2 / gemma3(_text) / phi3
+    directory."""
     import json
 
     from jaxspec.loading.tokenizer import load_dir_tokenizer
@@ -413,21 +395,22 @@ def read_hf_dir(path: Path, hf: dict, dtype: str):
     else:
         cfg = gemma_config_from_hf(hf, dtype=dtype, source=source)
     flat = hf_tensors(path, kind, cfg)
+    arch = "phi3" if kind == "phi3" else cfg.family
     eos = _as_list(hf.get("eos_token_id") or (hf.get("text_config") or {}).get("eos_token_id"))
     gen = path / "generation_config.json"
     if gen.is_file():
         eos += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
-    return cfg, flat, load_dir_tokenizer(path), eos
+    return cfg, flat, load_dir_tokenizer(path), eos, arch
 
 
 def read_gguf(path: Path, dtype: str, lazy: bool = False):
-    """(config, flat tensors, tokenizer, eos ids) of a gemma2 / gemma3 GGUF file."""
+    """(config, flat tensors, tokenizer, eos ids, architecture) of a gemma2 / gemma3 GGUF file."""
     from jaxspec.loading.gguf_header import GGUFHeader
 
     header = GGUFHeader(path)
     cfg = gemma_config_from_gguf(header, dtype=dtype, source=str(path))
     flat = gguf_tensors(header, cfg, source=str(path), lazy=lazy)
-    return cfg, flat, gguf_tokenizer(path, header), gguf_eos(header)
+    return cfg, flat, gguf_tokenizer(path, header), gguf_eos(header), cfg.family
 
 
 def assemble(cfg, flat: dict, *, source: str) -> dict:
@@ -464,3 +447,40 @@ def assemble(cfg, flat: dict, *, source: str) -> dict:
 
 def _as_list(x) -> list:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def owns(cfg) -> bool:
+    """Whether `cfg` is a family config this module assembles (Phi-3 assembles as Llama)."""
+    return isinstance(cfg, GemmaConfig)
+
+
+def target_for(cfg, arch: str):
+    """The `models.base.Target` that runs a loaded config."""
+    from jaxspec.models.llama import LlamaTarget
+
+    if isinstance(cfg, GemmaConfig):
+        return GemmaTarget(cfg, name=arch)
+    return phi3.phi3_target(cfg) if arch == "phi3" else LlamaTarget(cfg, name=arch)
+
+
+def _gemma_target_from_hf(hf: dict, *, dtype: str, source: str) -> GemmaTarget:
+    cfg = gemma_config_from_hf(hf, dtype=dtype, source=source)
+    return GemmaTarget(cfg, name=cfg.family)
+
+
+def _gemma_target_from_gguf(header, *, dtype: str, source: str) -> GemmaTarget:
+    cfg = gemma_config_from_gguf(header, dtype=dtype, source=source)
+    return GemmaTarget(cfg, name=cfg.family)
+
+
+def _phi3_target_from_hf(hf: dict, *, dtype: str, source: str):
+    return phi3.phi3_target(phi3_config_from_hf(hf, dtype=dtype, source=source))
+
+
+for _family in (
+    registry.Family("gemma2", ("gemma2",), ("gemma2",), _gemma_target_from_hf, _gemma_target_from_gguf),
+    registry.Family("gemma3", ("gemma3", "gemma3_text"), ("gemma3",), _gemma_target_from_hf,
+                    _gemma_target_from_gguf),
+    registry.Family("phi3", ("phi3",), (), _phi3_target_from_hf),
+):
+    registry.register_family(_family)
