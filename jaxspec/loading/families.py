@@ -203,18 +203,8 @@ def phi3_config_from_hf(hf: dict, *, dtype: str, source: str) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         dtype=dtype,
-        **_llama_window_kwargs(window),
+        sliding_window=int(window) if window else None,
     )
-
-
-def _llama_window_kwargs(window) -> dict:
-    """The Llama config's sliding-window field, where this version of models/llama.py has one."""
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    if window and "sliding_window" in names:
-        return {"sliding_window": int(window)}
-    return {}
 
 
 # ------------------------------------------------------------------------------------- tensors
