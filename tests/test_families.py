@@ -1,0 +1,279 @@
+"""The non-Llama families and sliding-window attention against transformers.
+
+Per family (Gemma 2, Gemma 3, Phi-3, and Mistral / Qwen2 for the Llama family's window) a tiny
+random checkpoint is built with transformers inside the test, float32, with a sliding window
+(6 tokens) far shorter than the prompts (20): logits of a prefill and of a token-by-token decode
+equal transformers' within 1e-4 in every layout, and 32 greedy tokens equal transformers' own
+`generate`. Two broken variants must fail the same comparison: Gemma without its sliding-window
+mask, and Gemma's RMS norm scaling by w instead of (1 + w). The real Gemma 3 270M GGUF runs end to
+end against transformers' own load of the same file.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import import_torch
+from jaxspec.errors import JaxspecError
+from jaxspec.loading import load_model
+from jaxspec.loading.registry import find_packaged_file, short_names
+from jaxspec.models import blocks, gemma
+
+WINDOW = 6
+PROMPT = 20
+VOCAB = 96
+FAMILIES = ("gemma3", "gemma2", "phi3", "mistral", "qwen2")
+
+
+def hf_model(kind: str, seed: int = 0):
+    """A tiny random transformers model of `kind` with a sliding window of WINDOW tokens, its
+    norm weights drawn around their neutral value (so (1 + w) versus w shows)."""
+    torch = import_torch()
+    import transformers as tr
+
+    torch.manual_seed(seed)
+    dims = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW,
+                pad_token_id=0, bos_token_id=2, eos_token_id=1)
+    if kind == "gemma3":
+        cfg = tr.Gemma3TextConfig(
+            **dims, head_dim=16, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 100000.0}})
+        model = tr.Gemma3ForCausalLM(cfg)
+    elif kind == "gemma2":
+        cfg = tr.Gemma2Config(**dims, head_dim=16, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+        model = tr.Gemma2ForCausalLM(cfg)
+    elif kind == "phi3":
+        model = tr.Phi3ForCausalLM(tr.Phi3Config(**dims))
+    elif kind == "mistral":
+        model = tr.MistralForCausalLM(tr.MistralConfig(**dims))
+    else:  # Qwen2: layers from max_window_layers on slide
+        model = tr.Qwen2ForCausalLM(tr.Qwen2Config(**dims, use_sliding_window=True,
+                                                   max_window_layers=1))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((0.0 if kind.startswith("gemma") else 1.0) + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.3)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """kind -> (transformers model, its save_pretrained directory)."""
+    out = {}
+    for kind in FAMILIES:
+        model = hf_model(kind)
+        path = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(path)
+        out[kind] = (model, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    return np.random.default_rng(0).integers(3, VOCAB, size=(2, PROMPT)).astype(np.int32)
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    torch = import_torch()
+    with torch.no_grad():
+        return model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+
+
+def our_logits(target, params, ids, *, incremental: bool) -> np.ndarray:
+    """One prefill over all of `ids`, or 3 tokens then one token per call (decode past the window)."""
+    b, t = ids.shape
+    cache = target.init_cache(params, b, 32)
+    step = jax.jit(lambda p, x, c: target.forward(p, x, c))
+    if not incremental:
+        return np.asarray(target.logits(params, step(params, jnp.asarray(ids), cache).hidden))
+    outs, pos = [], 0
+    for size in (3, *([1] * (t - 3))):
+        out = step(params, jnp.asarray(ids[:, pos : pos + size]), cache)
+        cache = out.cache.with_lengths(cache.lengths + size)
+        outs.append(np.asarray(target.logits(params, out.hidden)))
+        pos += size
+    return np.concatenate(outs, axis=1)
+
+
+LAYOUTS = [(k, layout) for k in FAMILIES for layout in ("unrolled", "stacked", "packed")
+           if k in ("gemma3", "mistral") or layout == "unrolled"]
+
+
+@pytest.mark.parametrize("kind,layout", LAYOUTS)
+def test_logits_match_transformers_past_the_window(checkpoints, prompt_ids, kind, layout):
+    if layout == "packed":
+        from jaxspec import kernels
+
+        if not kernels.available():
+            pytest.skip("the packed layout needs the CPU kernels")
+    model, path = checkpoints[kind]
+    loaded = load_model(path, layout=layout)
+    assert loaded.target.name == kind and loaded.layout == layout
+    ref = hf_logits(model, prompt_ids)
+    for incremental in (False, True):
+        ours = our_logits(loaded.target, loaded.params, prompt_ids, incremental=incremental)
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def greedy(target, params, prompt: list[int], steps: int) -> list[int]:
+    cache = target.init_cache(params, 1, len(prompt) + steps + 1)
+    step = jax.jit(lambda p, x, c: target.forward(p, x, c))
+    out = step(params, jnp.asarray([prompt]), cache)
+    cache = out.cache.with_lengths(cache.lengths + len(prompt))
+    tokens = [int(jnp.argmax(target.logits(params, out.hidden[:, -1])))]
+    while len(tokens) < steps:
+        out = step(params, jnp.asarray([[tokens[-1]]]), cache)
+        cache = out.cache.with_lengths(cache.lengths + 1)
+        tokens.append(int(jnp.argmax(target.logits(params, out.hidden[:, -1]))))
+    return tokens
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """transformers' own generate (its sliding-window cache), EOS disabled."""
+    torch = import_torch()
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=steps, min_length=0, do_sample=False, pad_token_id=0)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # an unset field would fall back to it
+    gen.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), generation_config=gen)
+    model.generation_config.eos_token_id = saved
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_greedy_32_tokens_equal_transformers(checkpoints, prompt_ids, kind):
+    model, path = checkpoints[kind]
+    loaded = load_model(path)
+    prompt = prompt_ids[0, :10].tolist()
+    assert greedy(loaded.target, loaded.params, prompt, 32) == hf_greedy(model, prompt, 32)
+
+
+# --------------------------------------------------------------------- broken variants must fail
+
+
+def broken(variant: str, monkeypatch, loaded):
+    """(target, params) with one Gemma ingredient removed."""
+    import dataclasses
+
+    target = loaded.target
+    if variant == "no_sliding_mask":  # every layer global
+        cfg = dataclasses.replace(target.cfg, sliding_layers=(False,) * target.cfg.num_layers)
+        target = dataclasses.replace(target, cfg=cfg)
+    elif variant == "norm_w_not_1_plus_w":
+        rms = blocks.rms_norm
+        monkeypatch.setattr(blocks, "rms_norm", lambda x, w, eps, offset=0.0: rms(x, w, eps))
+    return target, loaded.params
+
+
+@pytest.mark.parametrize("variant", ["correct", "no_sliding_mask", "norm_w_not_1_plus_w"])
+def test_broken_gemma_variants_fail(checkpoints, prompt_ids, monkeypatch, variant):
+    model, path = checkpoints["gemma3"]
+    target, params = broken(variant, monkeypatch, load_model(path))
+    error = np.abs(our_logits(target, params, prompt_ids, incremental=False)
+                   - hf_logits(model, prompt_ids)).max()
+    if variant == "correct":
+        assert error < 1e-4
+    else:
+        assert error > 1e-2, f"{variant} should not match transformers (max error {error})"
+
+
+def test_sliding_window_boundary():
+    """q - window < k <= q: the query and the window - 1 keys before it (HF's convention)."""
+    vis = blocks.sliding_window_visible(jnp.array([10]), jnp.arange(12), 4)[0]
+    assert np.flatnonzero(np.asarray(vis)).tolist() == [7, 8, 9, 10]
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def _gguf_bytes(arch: str) -> bytes:
+    """A GGUF header: general.architecture, then a vocabulary array cut off mid-way (parsing it
+    would fail as an unreadable file, not as the architecture)."""
+    def s(x: str) -> bytes:
+        return struct.pack("<Q", len(x)) + x.encode()
+
+    kv = s("general.architecture") + struct.pack("<I", 8) + s(arch)
+    kv += s("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 10**6) + s("a")
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + kv
+
+
+def test_unsupported_gguf_refused_before_its_vocabulary(tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(_gguf_bytes("falcon"))
+    with pytest.raises(JaxspecError, match=r"architecture 'falcon' is not supported.*gemma3") as e:
+        load_model(path)
+    assert "\n" not in str(e.value)
+
+
+def test_unsupported_model_type_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "falcon"}')
+    with pytest.raises(JaxspecError, match=r"model_type 'falcon' is not supported.*gemma2"):
+        load_model(tmp_path)
+
+
+# ------------------------------------------------------------------------- Gemma 3 270M (real)
+
+GEMMA = short_names()["gemma3-270m"]
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    if find_packaged_file(GEMMA) is None:
+        pytest.skip(f"Gemma 3 270M is not installed: {GEMMA.install_hint}")
+    start = time.perf_counter()
+    loaded = load_model("gemma3-270m", layout="auto")
+    return loaded, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m_hf(gemma3_270m):
+    torch = import_torch()
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from jaxspec.loading.tokenizer import quiet
+
+    path = Path(gemma3_270m[0].source_path)
+    with quiet():
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32)
+    return model.eval()
+
+
+def test_gemma3_270m_config(gemma3_270m):
+    loaded, _ = gemma3_270m
+    cfg = loaded.cfg
+    assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("gemma3", 18, 640, 262144)
+    assert cfg.sliding_window == 512 and sum(cfg.sliding_layers) == 15
+    assert [i for i, s in enumerate(cfg.sliding_layers) if not s] == [5, 11, 17]
+    assert loaded.eos_token_ids[0] == 1
+
+
+GEMMA_PROMPTS = ("The capital of France is", "def fibonacci(n):",
+                 "Speculative decoding is a technique that")
+
+
+def test_gemma3_270m_greedy_equals_transformers(gemma3_270m, gemma3_270m_hf):
+    loaded, _ = gemma3_270m
+    for text in GEMMA_PROMPTS:
+        prompt = loaded.tokenizer(text)["input_ids"]
+        ours = greedy(loaded.target, loaded.params, prompt, 16)
+        assert ours == hf_greedy(gemma3_270m_hf, prompt, 16), text
