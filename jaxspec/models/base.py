@@ -38,6 +38,11 @@ that needs one the target lacks is refused in one line (`require`):
   layer_config                        a `llama.ModelConfig` with the target's dims (hidden,
                                       heads, head dim, mlp, rope, eps): what a drafter's own
                                       decoder layer is sized from when no checkpoint says
+  layer_weights(params, i) -> dict    layer i in the Llama layer's names (wq .. w_down, norms),
+                                      unpacked: a trained head's layer starts from it
+  final_norm(params) -> [D]           the final norm's weight (a trained head's norm starts there)
+  init_params(key, layout) -> params  random params in a layout ("unrolled" | "stacked"): tests,
+                                      and the roofline's abstract shapes (jax.eval_shape)
   param_axes(params)                  logical axis names of every param leaf (sharding.py)
   cache_axes(cache)                   logical axis names of every cache leaf
   head_counts() -> {"heads": N, "kv_heads": K}   tensor parallelism by whole heads
@@ -95,6 +100,9 @@ class Traits(NamedTuple):
     head_table: Any
     prefix: Any
     layer_config: Any  # llama.ModelConfig or None
+    layer_weights: Any
+    final_norm: Any
+    init_params: Any
     param_axes: Any
     cache_axes: Any
     head_counts: Any
@@ -110,6 +118,9 @@ _WHAT = {
     "head_table": "an LM-head matrix",
     "prefix": "a layer prefix",
     "layer_config": "a decoder-layer shape (layer_config)",
+    "layer_weights": "Llama-named layer weights",
+    "final_norm": "a final norm weight",
+    "init_params": "random params (init_params)",
     "param_axes": "param sharding axes",
     "cache_axes": "cache sharding axes",
     "head_counts": "head counts",
