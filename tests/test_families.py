@@ -277,3 +277,66 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3_270m, gemma3_270m_hf):
         prompt = loaded.tokenizer(text)["input_ids"]
         ours = greedy(loaded.target, loaded.params, prompt, 16)
         assert ours == hf_greedy(gemma3_270m_hf, prompt, 16), text
+
+
+# ------------------------------------------------------- speculation on Gemma 3: greedy identity
+
+ENGINE_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def gemma_engine_model(checkpoints):
+    """The tiny Gemma 3 in the layout the CLI loads ("auto": packed CPU kernels where they build)."""
+    return load_model(checkpoints["gemma3"][1], layout="auto")
+
+
+@pytest.fixture(scope="module")
+def engine_prompts():
+    rng = np.random.default_rng(1)
+    out = []
+    for n in (9, 14, 4, 11):  # a repeated motif, so prompt lookup finds matches; most past WINDOW
+        motif = [int(t) for t in rng.integers(3, VOCAB, size=3)]
+        out.append(([int(t) for t in rng.integers(3, VOCAB, size=n // 2)] + motif * 4)[:n])
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma_plain(gemma_engine_model, engine_prompts):
+    from jaxspec.engine import Engine
+
+    engine = Engine(gemma_engine_model)
+    return [engine.generate([p], max_new_tokens=ENGINE_NEW)[0].token_ids for p in engine_prompts]
+
+
+def _drafter(name: str, model):
+    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.train import methods
+
+    d2t = np.arange(0, VOCAB, 2, dtype=np.int32)  # a reduced draft vocabulary
+    if name == "ngram":
+        return NgramDrafter(VOCAB, 1, 3), None, 4
+    if name == "ngram_tree":
+        return NgramDrafter(vocab_size=VOCAB, min_ngram=1, max_ngram=3, branches=3, depth=3), None, 1
+    m = {"eagle3": methods.Eagle3(hidden_layers=(1, 2, 3)),
+         "eagle_tree": methods.Eagle(hidden_layers=(1, 2, 3), input_scale=1.0)}[name]
+    params, frozen = m.init(model, d2t, jax.random.key(7))
+    drafter = m.drafter(model.target)
+    if name == "eagle_tree":
+        import dataclasses
+
+        drafter = dataclasses.replace(drafter, tree_top_k=3, tree_levels=3, tree_budget=8)
+        return drafter, m.runtime(params, frozen), 1
+    return drafter, m.runtime(params, frozen), 4
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle3", "ngram_tree", "eagle_tree"])
+def test_gemma3_greedy_speculation_is_token_identical(gemma_engine_model, engine_prompts,
+                                                      gemma_plain, name):
+    from jaxspec.engine import Engine
+
+    drafter, dparams, gamma = _drafter(name, gemma_engine_model)
+    engine = Engine(gemma_engine_model, drafter, dparams, num_speculative_tokens=gamma)
+    out = engine.generate(engine_prompts, max_new_tokens=ENGINE_NEW, batch_size=2)
+    assert [r.token_ids for r in out] == gemma_plain
+    if name.startswith("ngram"):  # the motif prompts: drafts get accepted
+        assert sum(r.metrics["num_accepted_tokens"] for r in out) > 0

@@ -44,6 +44,7 @@ from jaxspec.models.llama import (
     ModelConfig,
     attention_kernel_on,
     linear,
+    stack_layers,
     uses_cpu_kernels,
     write_kv,
     write_window,
@@ -428,6 +429,29 @@ class GemmaTarget:
         """LM-head rows (tied: the embedding; Gemma 2's soft-cap applies on top in `logits`)."""
         w = params.get("lm_head", params["embed"])
         return kernels.unpack(w) if isinstance(w, kernels.PackedWeight) else w
+
+    def layer_weights(self, params: Params, index: int) -> Params:
+        """Layer `index` in the Llama layer's names, plain arrays: norms as (1 + w) scales (what a
+        Llama norm multiplies by), the fused panels of the packed layout split."""
+        layers = params["layers"]
+        lp = jax.tree.map(lambda w: w[index], layers) if isinstance(layers, dict) else dict(layers[index])
+        if isinstance(lp.get("wqkv"), kernels.PackedWeight):
+            q_end = self.cfg.num_heads * self.cfg.head_dim
+            k_end = q_end + self.cfg.num_kv_heads * self.cfg.head_dim
+            wq, wk, wv = jnp.split(kernels.unpack(lp.pop("wqkv")), (q_end, k_end))
+            gate, up = jnp.split(kernels.unpack(lp.pop("w_gate_up")), 2)
+            lp |= {"wq": wq, "wk": wk, "wv": wv, "w_gate": gate, "w_up": up,
+                   "wo": kernels.unpack(lp["wo"]), "w_down": kernels.unpack(lp["w_down"])}
+        keys = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        out = {k: lp[k] for k in keys}
+        return out | {"attn_norm": 1.0 + lp["attn_norm"], "mlp_norm": 1.0 + lp["mlp_norm"]}
+
+    def final_norm(self, params: Params) -> jax.Array:
+        return 1.0 + params["final_norm"]
+
+    def init_params(self, key: jax.Array, layout: str = "unrolled") -> Params:
+        params = init_params(self.cfg, key)
+        return stack_layers(params) if layout == "stacked" else params
 
     def prefix(self, num_layers: int) -> GemmaTarget:
         if not 1 <= num_layers <= self.cfg.num_layers:
