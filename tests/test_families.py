@@ -11,6 +11,7 @@ end against transformers' own load of the same file.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import time
 
@@ -340,3 +341,62 @@ def test_gemma3_greedy_speculation_is_token_identical(gemma_engine_model, engine
     assert [r.token_ids for r in out] == gemma_plain
     if name.startswith("ngram"):  # the motif prompts: drafts get accepted
         assert sum(r.metrics["num_accepted_tokens"] for r in out) > 0
+
+
+# ------------------------------------------------- sampled output has the exact law (Gemma 3)
+
+LAW_V = 8
+LAW_PROMPT = [1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 6, 1, 7, 0]  # prompt lookup matches on most steps
+
+
+@pytest.fixture(scope="module")
+def gemma_law_model():
+    """A 2-layer Gemma 3 of vocabulary 8 whose first layer slides over 3 tokens (the prompt is
+    14): flat enough at temperature 0.6 that drafts are both accepted and rejected."""
+    from jaxspec.models import base
+
+    cfg = gemma.GemmaConfig(
+        family="gemma3", vocab_size=LAW_V, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=2, num_kv_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=3,
+        sliding_layers=(True, False), rope_local_theta=10000.0, rope_theta=1e6,
+        max_position_embeddings=64)
+    params = gemma.init_params(cfg, jax.random.key(5), scale=0.3)
+    params["embed"] = params["embed"] * 0.3  # tied head: next-token maxima ~0.25-0.45 at T = 0.6
+    return base.Model(target=gemma.GemmaTarget(cfg), params=params, eos_token_ids=(-1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class MisreportedQ:
+    """Broken: the inner drafter's tokens with q mixed with the uniform law."""
+
+    inner: object
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose(self, dparams, tparams, state, ctx, num_tokens, sp, keys):
+        proposal, state = self.inner.propose(dparams, tparams, state, ctx, num_tokens, sp, keys)
+        return proposal._replace(probs=0.5 * proposal.probs + 0.5 / proposal.probs.shape[-1]), state
+
+
+@pytest.mark.parametrize("broken_q", [False, True])
+def test_gemma3_sampled_speculation_has_the_target_law(gemma_law_model, broken_q):
+    from distribution import FAIL_P, PASS_P, pvalue
+
+    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.sampling import SamplingParams
+
+    drafter = NgramDrafter(LAW_V, 1, 2)
+    sp = SamplingParams.make(temperature=0.6, top_k=6, top_p=0.95, min_p=0.05)
+    if broken_q:
+        p, _ = pvalue(gemma_law_model, MisreportedQ(drafter), None, sp, LAW_PROMPT, rows=6000,
+                      gamma=3)
+        assert p < FAIL_P
+        return
+    p, results = pvalue(gemma_law_model, drafter, None, sp, LAW_PROMPT, rows=12000, gamma=3)
+    drafted = sum(r.metrics["num_draft_tokens"] for r in results)
+    accepted = sum(r.metrics["num_accepted_tokens"] for r in results)
+    assert 0.03 * drafted < accepted < 0.95 * drafted
+    assert p > PASS_P
