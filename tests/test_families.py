@@ -273,11 +273,13 @@ GEMMA_PROMPTS = ("The capital of France is", "def fibonacci(n):",
 
 
 def test_gemma3_270m_greedy_equals_transformers(gemma3_270m, gemma3_270m_hf):
+    from jaxspec.engine import Engine
+
     loaded, _ = gemma3_270m
-    for text in GEMMA_PROMPTS:
-        prompt = loaded.tokenizer(text)["input_ids"]
-        ours = greedy(loaded.target, loaded.params, prompt, 16)
-        assert ours == hf_greedy(gemma3_270m_hf, prompt, 16), text
+    prompts = [loaded.tokenizer(text)["input_ids"] for text in GEMMA_PROMPTS]
+    engine = Engine(dataclasses.replace(loaded, eos_token_ids=()), chat_template=False)
+    ours = [r.token_ids for r in engine.generate(prompts, max_new_tokens=16, batch_size=3)]
+    assert ours == [hf_greedy(gemma3_270m_hf, p, 16) for p in prompts]
 
 
 # ------------------------------------------------------- speculation on Gemma 3: greedy identity
@@ -395,8 +397,31 @@ def test_gemma3_sampled_speculation_has_the_target_law(gemma_law_model, broken_q
                       gamma=3)
         assert p < FAIL_P
         return
-    p, results = pvalue(gemma_law_model, drafter, None, sp, LAW_PROMPT, rows=12000, gamma=3)
+    p, results = pvalue(gemma_law_model, drafter, None, sp, LAW_PROMPT, rows=8000, gamma=3)
     drafted = sum(r.metrics["num_draft_tokens"] for r in results)
     accepted = sum(r.metrics["num_accepted_tokens"] for r in results)
     assert 0.03 * drafted < accepted < 0.95 * drafted
     assert p > PASS_P
+
+
+# ------------------------------------------------------------------------ mesh (1, 2) = one device
+
+
+def test_qwen3_and_gemma3_on_a_1x2_mesh_equal_one_device():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    proc = subprocess.run([sys.executable, "tests/families_mesh_check.py"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out) == {f"{m}/{d}" for m in ("qwen3", "gemma3") for d in ("plain", "ngram")}
+    for name, result in out.items():
+        assert result["equal"], name
+        assert result["wq_shard"] == [32, 64], name  # whole heads per device: 2 of 4 on each
