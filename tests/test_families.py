@@ -421,7 +421,7 @@ def test_qwen3_and_gemma3_on_a_1x2_mesh_equal_one_device():
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(out) == {f"{m}/{d}" for m in ("qwen3", "gemma3") for d in ("plain", "ngram")}
+    assert set(out) == {"qwen3/plain", "gemma3/ngram"}
     for name, result in out.items():
         assert result["equal"], name
         assert result["wq_shard"] == [32, 64], name  # whole heads per device: 2 of 4 on each
