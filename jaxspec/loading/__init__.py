@@ -33,7 +33,8 @@ from jaxspec.loading.params import (
 from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packaged_file, resolve
 from jaxspec.loading.safetensors_dir import config_from_hf, load_hf_tensors, read_hf_config
 from jaxspec.loading.tokenizer import load_dir_tokenizer, load_gguf_tokenizer, stop_token_ids
-from jaxspec.models import attention, base, registry
+from jaxspec.models import attention, base
+from jaxspec.models import registry as targets
 from jaxspec.models.llama import LlamaTarget, ModelConfig, Params
 
 __all__ = [
@@ -144,10 +145,10 @@ def load_model(
 
 def _read_gguf(path: Path, dtype: str, lazy: bool = False):
     arch = peek_architecture(path)  # family hook: refused or dispatched before arrays are parsed
-    if arch is not None and registry.family_for_gguf(arch, str(path)).name in families.FAMILIES:
+    if arch is not None and targets.family_for_gguf(arch, str(path)).name in families.FAMILIES:
         return families.read_gguf(path, dtype, lazy)
     reader = open_gguf(path)
-    registry.family_for_gguf(metadata(reader, "general.architecture", None), str(path))
+    targets.family_for_gguf(metadata(reader, "general.architecture", None), str(path))
     cfg = config_from_gguf(reader, dtype=dtype, source=str(path))
     flat = load_gguf_tensors(reader, cfg, source=str(path), lazy=lazy)
     tokenizer = load_gguf_tokenizer(path, reader)
@@ -158,7 +159,7 @@ def _read_gguf(path: Path, dtype: str, lazy: bool = False):
 def _read_hf_dir(path: Path, dtype: str):
     hf = read_hf_config(path)
     if "model_type" in hf:  # refused before any tensor is read, naming the supported ones
-        family = registry.family_for_model_type(hf["model_type"], str(path / "config.json"))
+        family = targets.family_for_model_type(hf["model_type"], str(path / "config.json"))
         if family.name in families.FAMILIES:  # family hook: gemma2, gemma3, phi3
             return families.read_hf_dir(path, hf, dtype)
     cfg = config_from_hf(hf, dtype=dtype, source=str(path / "config.json"))
