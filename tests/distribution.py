@@ -17,19 +17,17 @@ import numpy as np
 from scipy import stats
 
 from jaxspec import sampling
-from jaxspec.cache import init_cache
 from jaxspec.engine import Engine
-from jaxspec.models import llama
 
 PASS_P = 1e-3  # a correct rule passes at this level
 FAIL_P = 1e-6  # a broken rule must fail below this one
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _target_logits(params, ids, cfg):
-    """i32[R, T] -> the target's logits, f32[R, T, V]."""
-    cache = init_cache(cfg.num_layers, ids.shape[0], ids.shape[1], cfg.num_kv_heads, cfg.head_dim)
-    return llama.forward_logits(params, ids, cache, cfg)[0]
+@functools.partial(jax.jit, static_argnames="target")
+def _target_logits(params, ids, target):
+    """i32[R, T] -> the target's logits, f32[R, T, V] (any models.base.Target)."""
+    cache = target.init_cache(params, ids.shape[0], ids.shape[1])
+    return target.logits(params, target.forward(params, ids, cache).hidden)
 
 
 _LAWS: dict = {}  # the tests ask for the same law many times (one per drafter and broken variant)
@@ -39,7 +37,7 @@ def exact_law(model, prompt, sp, num_tokens: int, eos=()) -> np.ndarray:
     """Exact probability of every generated sequence of `num_tokens` tokens (EOS stops a row)."""
     params = jax.tree.leaves(model.params)
     sampling_values = tuple(float(x) for x in (sp.temperature, sp.top_k, sp.top_p, sp.min_p))
-    key = (model.cfg, tuple(id(x) for x in params), tuple(prompt), sampling_values, num_tokens,
+    key = (model.target, tuple(id(x) for x in params), tuple(prompt), sampling_values, num_tokens,
            tuple(eos))
     if key not in _LAWS:
         _LAWS[key] = (params, _exact_law(model, prompt, sp, num_tokens, eos))  # params: ids stay live
@@ -47,10 +45,10 @@ def exact_law(model, prompt, sp, num_tokens: int, eos=()) -> np.ndarray:
 
 
 def _exact_law(model, prompt, sp, num_tokens: int, eos) -> np.ndarray:
-    v = model.cfg.vocab_size
+    v = model.target.vocab_size
     prefixes = list(itertools.product(range(v), repeat=num_tokens - 1))
     ids = jnp.asarray([list(prompt) + list(seq) for seq in prefixes])  # [V^(n-1), P+n-1]
-    logits = _target_logits(model.params, ids, model.cfg)
+    logits = _target_logits(model.params, ids, model.target)
     # The sampling transform op by op, not fused into one program: XLA:CPU at the suite's backend
     # optimisation level 0 was seen to miscompile it fused (a kept boundary token's weight came
     # out 0; the default level was right). The engine's programs are checked against this law.
@@ -109,7 +107,7 @@ def pvalue(target, drafter, dparams, sp, prompt, *, rows, num_tokens=3, gamma=2,
     """(chi-square p-value of sampled rows against the exact law, the results)."""
     results = sample_rows(target, drafter, dparams, sp, [prompt], rows=rows,
                           num_tokens=num_tokens, gamma=gamma, seed=seed)
-    v = target.cfg.vocab_size
+    v = target.target.vocab_size
     counts = counts_of([r.token_ids for r in results], v, num_tokens)
     law = exact_law(target, prompt, sp, num_tokens, tuple(target.eos_token_ids))
     return chi_square_pvalue(counts, law), results

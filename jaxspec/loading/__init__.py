@@ -16,7 +16,9 @@ from typing import Any
 
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
+from jaxspec.loading import families
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
+from jaxspec.loading.gguf_header import peek_architecture
 from jaxspec.loading.params import (
     DTYPES,
     LAYOUTS,
@@ -30,7 +32,8 @@ from jaxspec.loading.params import (
 from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packaged_file, resolve
 from jaxspec.loading.safetensors_dir import config_from_hf, load_hf_tensors, read_hf_config
 from jaxspec.loading.tokenizer import load_dir_tokenizer, load_gguf_tokenizer, stop_token_ids
-from jaxspec.models import attention, base, registry
+from jaxspec.models import attention, base
+from jaxspec.models import registry as targets
 from jaxspec.models.llama import LlamaTarget, ModelConfig, Params
 
 __all__ = [
@@ -118,7 +121,10 @@ def load_model(
         cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
     else:
         cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype)
-    params = assemble(cfg, flat, source=str(src.path))
+    if families.owns(cfg):  # family hook: the family's own param shapes
+        params = families.assemble(cfg, flat, source=str(src.path))
+    else:
+        params = assemble(cfg, flat, source=str(src.path))
     if mesh is not None:
         params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
     else:
@@ -132,13 +138,16 @@ def load_model(
         source_path=str(src.path),
         load_seconds=time.perf_counter() - start,
         layout_note=layout_note,
-        target=LlamaTarget(cfg, name=arch),
+        target=families.target_for(cfg, arch),
     )
 
 
 def _read_gguf(path: Path, dtype: str, lazy: bool = False):
+    arch = peek_architecture(path)  # family hook: refused or dispatched before arrays are parsed
+    if arch is not None and targets.family_for_gguf(arch, str(path)).name in families.FAMILIES:
+        return families.read_gguf(path, dtype, lazy)
     reader = open_gguf(path)
-    registry.family_for_gguf(metadata(reader, "general.architecture", None), str(path))
+    targets.family_for_gguf(metadata(reader, "general.architecture", None), str(path))
     cfg = config_from_gguf(reader, dtype=dtype, source=str(path))
     flat = load_gguf_tensors(reader, cfg, source=str(path), lazy=lazy)
     tokenizer = load_gguf_tokenizer(path, reader)
@@ -149,7 +158,9 @@ def _read_gguf(path: Path, dtype: str, lazy: bool = False):
 def _read_hf_dir(path: Path, dtype: str):
     hf = read_hf_config(path)
     if "model_type" in hf:  # refused before any tensor is read, naming the supported ones
-        registry.family_for_model_type(hf["model_type"], str(path / "config.json"))
+        family = targets.family_for_model_type(hf["model_type"], str(path / "config.json"))
+        if family.name in families.FAMILIES:  # family hook: gemma2, gemma3, phi3
+            return families.read_hf_dir(path, hf, dtype)
     cfg = config_from_hf(hf, dtype=dtype, source=str(path / "config.json"))
     mtp = int(hf.get("num_nextn_predict_layers") or 0)  # MTP modules after the last layer
     flat = load_hf_tensors(path, cfg, skip_from_layer=cfg.num_layers if mtp else None)

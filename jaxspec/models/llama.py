@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.cache import KVCache, cache_axes, init_cache
-from jaxspec.models import attention, base, registry
+from jaxspec.models import attention, base, blocks, registry
 
 Params = dict[str, Any]
 
@@ -64,6 +64,16 @@ class ModelConfig:
     qk_norm: bool = False
     max_position_embeddings: int = 2048
     dtype: str = "float32"  # compute dtype; params are cast to it at load time
+    # sliding-window attention (Mistral, Phi-3, Qwen2 use_sliding_window): a query at q sees keys
+    # in (q - sliding_window, q]; sliding_layers picks the layers that slide (None: all of them)
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window, or None (full causal attention)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[i]):
+            return None
+        return self.sliding_window
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -324,11 +334,13 @@ def _out_and_mlp(cfg, lp, x, attn):
     return x + linear(y, lp["w_down"])
 
 
-def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, window_mask=None):
+def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, window_mask=None,
+           window=None):
     """One decoder layer. Writes this step's k/v into its cache `[B, K, S, H]` at `positions` and
     returns (x, k_cache, v_cache); with write=False the cache is only read and the window's own
     k/v `[B, T, K, H]` come back instead of the caches, and window entry t attends window entries
-    j with window_mask[b, t, j] (None: causal). Window entry 0 sits at the cache's length."""
+    j with window_mask[b, t, j] (None: causal). Window entry 0 sits at the cache's length.
+    `window`: this layer's sliding window (None: none)."""
     b, t, _ = x.shape
     h = cfg.head_dim
     q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
@@ -338,7 +350,10 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, 
     if write:
         k_cache = write_kv(k_cache, k, positions)
         v_cache = write_kv(v_cache, v, positions)
-    if _kernel_attention(lp, q):  # the cache's prefix mask, valid slots only
+    if window is not None:  # sliding-window hook: the masked XLA path (the kernels know no window)
+        attn = blocks.masked_attention(q, k_cache, v_cache, k, v, lengths, positions,
+                                       scale=h**-0.5, window=window, window_mask=window_mask)
+    elif _kernel_attention(lp, q):  # the cache's prefix mask, valid slots only
         attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, lengths, h**-0.5, window_mask)
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
     else:  # the valid cache prefix (blocks up to the longest row) + the window; prompts in chunks
@@ -362,9 +377,17 @@ def stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i, wi
     if write:  # before the read: nothing reads the old buffer after it, so XLA writes in place
         k_all = write_kv(k_all, k, positions, layer=i)
         v_all = write_kv(v_all, v, positions, layer=i)
-    attn = attention.attend(
-        q, k_all, v_all, k, v, positions[:, 0], layer=i, window_mask=window_mask, impl="auto"
-    )
+    if cfg.sliding_window is not None:  # sliding-window hook: the masked XLA path, window traced
+        slides = jnp.asarray(cfg.sliding_layers or (True,) * cfg.num_layers)[i]
+        window = jnp.where(slides, cfg.sliding_window, blocks.NO_WINDOW)
+        k_l, v_l = (jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False) for c in (k_all, v_all))
+        attn = blocks.masked_attention(q, k_l, v_l, k, v, positions[:, 0], positions,
+                                       scale=cfg.head_dim**-0.5, window=window,
+                                       window_mask=window_mask)
+    else:
+        attn = attention.attend(
+            q, k_all, v_all, k, v, positions[:, 0], layer=i, window_mask=window_mask, impl="auto"
+        )
     x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
     return (x, k_all, v_all), (x if collect else None, None if write else (k, v))
 
@@ -461,9 +484,10 @@ def forward(
         if not isinstance(cache.k, tuple):
             raise ValueError("per-layer params need a per-layer cache: init_cache(..., stacked=False)")
         k_new, v_new = [], []
-        for lp, k_l, v_l in zip(layers, cache.k, cache.v):
+        for i, (lp, k_l, v_l) in enumerate(zip(layers, cache.k, cache.v)):
             x, k_l, v_l = _layer(
-                cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache, window_mask
+                cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache, window_mask,
+                cfg.layer_window(i),
             )
             k_new.append(k_l)
             v_new.append(v_l)
