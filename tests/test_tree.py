@@ -237,7 +237,7 @@ def sampled_tree_pvalue(target, children, seed=11, rows=NUM_ROWS):
     from jaxspec.drafters.draft_model import ModelDrafter
 
     draft = tiny_model(seed=9, scale=0.6, vocab=V, layers=1, hidden=32, eos=(-1,))
-    drafter = ModelDrafter(cfg=draft.cfg, target_vocab=V, tree_top_k=3, tree_levels=2,
+    drafter = ModelDrafter(model=llama.LlamaTarget(draft.cfg), target_vocab=V, tree_top_k=3, tree_levels=2,
                            tree_budget=6, tree_children=children)
     sp = SamplingParams.make(**TREE_SP)
     return pvalue(target, drafter, draft.params, sp, PROMPT, rows=rows, num_tokens=4,
