@@ -5,6 +5,7 @@ layout's tokens, accelerator defaults. The attention op's backends: tests/test_a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -169,7 +170,7 @@ def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():
     prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (5, 40)]
     plain = [r.token_ids for r in Engine(m).generate(prompts, max_new_tokens=12)]
     fixed = Engine(m, max_context=96)
-    assert {fixed._capacity(16, 12), fixed._capacity(64, 12)} == {96}
+    assert {fixed.capacity(16, 12), fixed.capacity(64, 12)} == {96}
     assert [r.token_ids for r in fixed.generate(prompts, max_new_tokens=12)] == plain
     from jaxspec.errors import JaxspecError
 
@@ -214,20 +215,25 @@ def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input")
     for SmolLM2): the config's method, tree, lookup and adaptive settings stay as shipped."""
     from jaxspec.train import methods
 
+    if method == "draft_model":  # the target itself as the draft model
+        return ModelDrafter(model=target.target, target_vocab=64), target.params
     m = {"eagle": methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0),
          "medusa": methods.Medusa(num_heads=3)}[method]
     params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
-    return m.drafter(target.cfg), m.runtime(params, frozen)
+    return m.drafter(target.target), m.runtime(params, frozen)
 
 
-def _device_engine(config_name, dtype):
-    """The engine a shipped config builds on a device, on a tiny random target in the device's
-    defaults (dtype `dtype`, the stacked layout)."""
+@functools.lru_cache(maxsize=2)
+def _device_engine(config_name):
+    """(config, the engine it builds on a device) on a tiny random target in the device's
+    defaults (the config's dtype there: "auto" is bfloat16; the stacked layout)."""
     from jaxspec.config import load_config
     from jaxspec.drafters import registry
 
     config = load_config(Path(__file__).resolve().parents[1] / "configs" / config_name)
-    cfg = dataclasses.replace(_model("unrolled").cfg, dtype=dtype)
+    dtype = {"auto": "bfloat16"}.get(config.model.dtype, config.model.dtype)
+    layers = 10 if config.speculative.method == "layer_skip" else 4  # the config skips from 8
+    cfg = dataclasses.replace(_model("unrolled").cfg, dtype=dtype, num_layers=layers)
     params = llama.stack_layers(llama.init_params(cfg, jax.random.key(0), scale=0.3))
     target = dataclasses.replace(_model("unrolled"), cfg=cfg, params=params)
     spec = config.speculative
@@ -280,9 +286,8 @@ def test_every_shipped_config_compiles_the_kernels_on_the_device(config_name, pl
     from jaxspec.models import attention
 
     backend = {"tpu": "tpu", "cuda": "gpu"}[platform]
-    config, _ = _device_engine(config_name, "float32")
-    dtype = {"auto": "bfloat16"}.get(config.model.dtype, config.model.dtype)
-    _, e = _device_engine(config_name, dtype)
+    config, e = _device_engine(config_name)
+    dtype = e.model.cfg.dtype
     capacity = e.capacity(32, 8, backend=backend)
     assert capacity % attention.KERNEL_SLOTS == 0
     want = KERNEL[platform] if dtype == "bfloat16" else "xla"
