@@ -298,3 +298,73 @@ def test_every_shipped_config_compiles_the_kernels_on_the_device(config_name, pl
         raw = e.capacity(32, 8, backend="cpu")
         assert raw % 16 and all(hlo.compiled_attention(t) == "xla"
                                 for t in exported_programs(e, platform, raw))
+
+
+# ----------------------------------------------------------------------------- loading peak
+
+_PEAK_SCRIPT = """
+import sys, numpy as np, jax
+from jaxspec.loading.params import assemble, place, load_peak_bytes, expected_shapes
+from jaxspec.models.llama import ModelConfig
+
+def status(key):
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith(key))
+
+cfg = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_layers=8,
+                  num_heads=8, num_kv_heads=4, head_dim=128, max_position_embeddings=512)
+params = assemble(cfg, {k: np.ones(s, np.float32) for k, s in expected_shapes(cfg).items()},
+                  source="test")
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the present
+before = status("VmRSS")
+jax.block_until_ready(place(params, "bfloat16", "stacked"))
+print(status("VmHWM") - before)
+"""
+
+
+def test_loading_the_stacked_layout_peaks_at_weights_plus_one_layer():
+    """A 168 MB (bf16) model loaded from float32 host tensors into the stacked layout: the
+    process's peak memory grows by at most the final params + one layer + 5% (stacking after
+    placing every per-layer tensor grew it by ~1.7x the params). glibc's large-allocation
+    threshold is fixed so freed tensors leave the resident set."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxspec.loading.params import expected_shapes, load_peak_bytes
+
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072", "JAX_PLATFORMS": "cpu"}
+    grew = int(subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], env=env, check=True,
+                              capture_output=True, text=True).stdout.split()[-1])
+    cfg = llama.ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2048,
+                            num_layers=8, num_heads=8, num_kv_heads=4, head_dim=128,
+                            max_position_embeddings=512)
+    final = load_peak_bytes(cfg, "bfloat16")["final"]
+    layer = sum(2 * int(np.prod(s)) for k, s in expected_shapes(cfg).items()
+                if k.startswith("layers.0."))
+    assert grew <= 1.05 * final + layer, (grew, final, layer)
+
+
+def test_llama3_8b_stacked_load_fits_weights_plus_one_tensor():
+    """By shape arithmetic (nothing read): Llama-3-8B in bf16 peaks at its 16.06 GB of weights +
+    one tensor (a 117 MB MLP matrix) while stacking, under the 16 GiB of a v5e only with headroom
+    for nothing else, and not at ~2x as before."""
+    from jaxspec.loading.params import load_peak_bytes
+
+    cfg = llama.ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                            max_position_embeddings=8192, tie_word_embeddings=False)
+    got = load_peak_bytes(cfg, "bfloat16")
+    assert got["final"] == 16_060_522_496 and got["largest_tensor"] == 14336 * 4096 * 2
+    assert got["peak"] <= 1.01 * got["final"]
+
+
+def test_bf16_logits_are_not_rounded_to_bf16():
+    """A bf16 model's LM head accumulates and returns f32: logits differ from their bf16 rounding
+    (a head that rounded first would give only bf16-representable values)."""
+    m = _model("unrolled")
+    cfg = dataclasses.replace(m.cfg, dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params)
+    hidden = jax.random.normal(jax.random.key(1), (2, 3, cfg.hidden_size), jnp.bfloat16)
+    logits = llama.lm_head(params, hidden)
+    assert logits.dtype == jnp.float32
+    assert np.any(np.asarray(logits) != np.asarray(logits.astype(jnp.bfloat16).astype(jnp.float32)))

@@ -308,8 +308,8 @@ def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size, dots=
     whole = size == k_cache.shape[-2]
     valid = ((start + jnp.arange(size))[None, :] < lengths[:, None])[:, None, None]  # [B,1,1,Sb]
     if layer is not None and dots:  # the layer's block, [B, K, Sb, H]: a slice of the stack
-        k_cache, v_cache = (jax.lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, kv, size, h))[0]
-                            for c in (k_cache, v_cache))
+        at, size5 = (layer, 0, 0, start, 0), (1, b, kv, size, h)
+        k_cache, v_cache = (jax.lax.dynamic_slice(c, at, size5)[0] for c in (k_cache, v_cache))
         layer, start, whole = None, 0, True
     if layer is None:
         k_b, v_b = (c if whole else jax.lax.dynamic_slice_in_dim(c, start, size, axis=2)

@@ -101,8 +101,8 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
     between them (the kernel's megacore "batch" mode)."""
     b, kv, gt, h = qg.shape
     if gt > TPU_MAX_ROWS:
-        part = lambda x: cache_part_pallas_tpu(x, k_cache, v_cache, lengths, layer, scale,  # noqa: E731
-                                               interpret)
+        def part(x):
+            return cache_part_pallas_tpu(x, k_cache, v_cache, lengths, layer, scale, interpret)
         return cache_part_in_row_chunks(part, qg, rows=TPU_MAX_ROWS)
     return _paged_call(qg, k_cache, v_cache, lengths, layer, scale, interpret, tpu_cores())
 
@@ -282,7 +282,8 @@ def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False)
 
     b, kv, gt, h = qg.shape
     if gt > gpu_rows(h):
-        part = lambda x: cache_part_pallas_gpu(x, k_cache, v_cache, lengths, scale, interpret)  # noqa: E731
+        def part(x):
+            return cache_part_pallas_gpu(x, k_cache, v_cache, lengths, scale, interpret)
         return cache_part_in_row_chunks(part, qg, rows=gpu_rows(h))
     slots = k_cache.shape[2]
     block_k = min(128, slots)
@@ -379,8 +380,8 @@ def cache_part_pallas_gpu_stacked(qg, k_all, v_all, lengths, layer, scale, inter
 
     b, kv, gt, h = qg.shape
     if gt > gpu_rows(h):
-        part = lambda x: cache_part_pallas_gpu_stacked(x, k_all, v_all, lengths, layer, scale,  # noqa: E731
-                                                       interpret)
+        def part(x):
+            return cache_part_pallas_gpu_stacked(x, k_all, v_all, lengths, layer, scale, interpret)
         return cache_part_in_row_chunks(part, qg, rows=gpu_rows(h))
     slots = k_all.shape[-2]
     block_k = GPU_BLOCK_SLOTS if slots % GPU_BLOCK_SLOTS == 0 else slots
