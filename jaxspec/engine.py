@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import adaptive as adaptive_mod
-from jaxspec import calibration, sharding, speculate
+from jaxspec import calibration, hlo, sharding, speculate
 from jaxspec.drafters.base import check_target, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
-from jaxspec.models import base
+from jaxspec.models import attention, base
 from jaxspec.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
@@ -98,6 +98,8 @@ class Engine:
         self.chat_template = chat_template
         self.system_prompt = system_prompt
         self._warm_shapes: set[tuple[int, int, int, str, bool]] = set()
+        self.compiled_attention: dict[str, str] = {}  # the last run shape's, per program
+        self._attention_by_shape: dict[tuple, dict[str, str]] = {}
         self.adaptive = adaptive if drafter is not None else None
         # adaptive: a chain's length, or the depth a tree is cut to (its levels)
         depth = (traits(drafter).tree_depth if drafter is not None else None) or num_speculative_tokens
@@ -162,9 +164,17 @@ class Engine:
         return [int(t) for t in tok.encode(prompt)]
 
     def _capacity(self, prompt_bucket: int, max_new_tokens: int) -> int:
+        return self.capacity(prompt_bucket, max_new_tokens)
+
+    def capacity(self, prompt_bucket: int, max_new_tokens: int, backend: str | None = None) -> int:
+        """KV-cache slots of a batch with prompts padded to `prompt_bucket`: max_context, else the
+        prompt bucket + bucket(max_new_tokens) + the window's nodes + 1; on TPU/GPU (`backend`,
+        default JAX's) rounded up to what the attention kernels take (attention.kernel_capacity)."""
         if self.max_context is not None:  # one capacity: decode compiles once per batch size
-            return max(self.max_context, prompt_bucket)
-        return prompt_bucket + bucket(max_new_tokens) + self.spec.num_nodes + 1
+            need = max(self.max_context, prompt_bucket)
+        else:
+            need = prompt_bucket + bucket(max_new_tokens) + self.spec.num_nodes + 1
+        return attention.kernel_capacity(need, backend)
 
     def _check_fits(self, ids: list[int], max_new_tokens: int) -> None:
         limit, whose = self.model.target.max_position_embeddings, "model's"
@@ -382,16 +392,23 @@ class Engine:
         plain = self.spec_for(b) is self._plain_spec
         key = (b, bucket(max(len(ids) for ids in batch_ids)), bucket(max_new_tokens), sp.mode, plain)
         if key in self._warm_shapes:
+            self.compiled_attention = self._attention_by_shape[key]
             return 0.0
         t0 = time.perf_counter()
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         lowered = speculate.prefill_jit.lower(*args, capacity=capacity)
+        prefill_attention = hlo.compiled_attention(lowered.as_text())
         shardings = lowered.compile().output_shardings
         state = jax.tree.map(  # on one device the real call's arrays are uncommitted: no sharding
             lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where if self.plan else None),
             lowered.out_info, shardings,
         )
-        speculate.decode_jit.lower(*self._decode_args(self._with_adaptive(state), sp, 1)).compile()
+        decode = speculate.decode_jit.lower(*self._decode_args(self._with_adaptive(state), sp, 1))
+        decode.compile()
+        # what the programs hold (their custom calls), not what a setting asked for
+        self.compiled_attention = {"prefill": prefill_attention,
+                                   "decode": hlo.compiled_attention(decode.as_text())}
+        self._attention_by_shape[key] = self.compiled_attention
         self._warm_shapes.add(key)
         return time.perf_counter() - t0
 
@@ -480,7 +497,10 @@ class Engine:
             "method": self.method,
             "layout": base.layout(self.model.target, self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
-            "attention": getattr(self.model, "attention", ""),  # xla / pallas_tpu / pallas_gpu / ...
+            # read from the compiled programs (jaxspec.hlo.compiled_attention): xla / pallas_tpu /
+            # pallas_gpu / cpu kernels; decode (and verify) and prefill
+            "attention": self.compiled_attention.get("decode", ""),
+            "attention_prefill": self.compiled_attention.get("prefill", ""),
             "num_speculative_tokens": g,
             "tree_nodes": self.spec.num_nodes,  # window entries verified after the root
             "nodes_per_step": drafted / steps if steps else 0.0,

@@ -278,3 +278,42 @@ def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_tri
         return total
 
     return comp_bytes(entry) if entry else 0
+
+
+# custom-call targets of the attention implementations, as they appear in a lowered (StableHLO)
+# or compiled (HLO) program: Pallas on TPU lowers to Mosaic's "tpu_custom_call", Pallas on GPU
+# (Triton) to "__gpu$xla.gpu.triton" (Mosaic GPU: "mosaic_gpu..."), the CPU kernels to their FFI
+# names
+ATTENTION_TARGETS = {
+    "tpu_custom_call": "pallas_tpu",
+    "__gpu$xla.gpu.triton": "pallas_gpu",
+    "mosaic_gpu": "pallas_gpu",
+    "mosaic_gpu_v2": "pallas_gpu",
+    "jaxspec_prefix_attention": "cpu kernels",
+}
+_TARGET = re.compile(
+    r'custom_call @"?([\w$.\-]+)"?\(|custom_call_target="([^"]+)"|call_target_name = "([^"]+)"')
+
+
+def custom_calls(text: str) -> dict[str, int]:
+    """{custom-call target: count} in a lowered (StableHLO, `lowered.as_text()` or an export's
+    `mlir_module()`) or compiled (`compiled.as_text()`) program."""
+    counts: dict[str, int] = {}
+    for m in _TARGET.finditer(text):
+        target = next(g for g in m.groups() if g)
+        counts[target] = counts.get(target, 0) + 1
+    return counts
+
+
+def compiled_attention(text: str) -> str:
+    """The attention implementation a program holds, read from its custom calls: "pallas_tpu",
+    "pallas_gpu", "cpu kernels", or "xla" when it calls none of them (the XLA path). A program
+    with several (e.g. kernels for some layers only) names them joined by "+"."""
+    found = {ATTENTION_TARGETS[t] for t in custom_calls(text) if t in ATTENTION_TARGETS}
+    return "+".join(sorted(found)) or "xla"
+
+
+def attention_kernel_calls(text: str) -> int:
+    """How many attention-kernel custom calls a program holds (each layer's in an unrolled
+    program; a scan's body once)."""
+    return sum(n for t, n in custom_calls(text).items() if t in ATTENTION_TARGETS)

@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxspec import hlo
 from jaxspec.models import attention
 
 STACK = 4  # layers in the stacked rows' cache (the row reads layer 2)
@@ -59,8 +60,9 @@ def main() -> None:
     ]
     reps = 2 if args.smoke else 20
     print(f"backend {jax.default_backend()}, {jnp.dtype(dtype).name}, one layer")
-    print("| B | T | N/K | H | S | valid | cache | impl | µs | valid bytes | GB/s | max \\|Δ\\| vs xla |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | T | N/K | H | S | valid | cache | impl | compiled | µs | valid bytes | GB/s | "
+          "max \\|Δ\\| vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b, t, n, kv, h, s, valid in shapes:
         need = 2 * b * kv * valid * h * jnp.dtype(dtype).itemsize
         shape = (b, t, n, kv, h, s, valid)
@@ -79,8 +81,9 @@ def prefill(smoke: bool, dtype, reps: int) -> None:
     ]
     print()
     print(f"prefill: backend {jax.default_backend()}, {jnp.dtype(dtype).name}, one layer, causal")
-    print("| B | T | N/K | H | S | earlier valid | cache | impl | ms | TFLOP/s | max \\|Δ\\| vs xla |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | T | N/K | H | S | earlier valid | cache | impl | compiled | ms | TFLOP/s | "
+          "max \\|Δ\\| vs xla |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b, t, n, kv, h, s, valid in shapes:
         flops = 4 * b * n * h * (t * (t + 1) // 2 + t * valid)  # q.k and p.v over what is seen
         shape = (b, t, n, kv, h, s, valid)
@@ -109,6 +112,10 @@ def timed_impls(shape, dtype, smoke: bool, reps: int, *, seed: int, empty: str):
             label = f"{impl} (auto)" if impl == auto else impl
             row = f"| {b} | {t} | {n}/{kv} | {h} | {s} | {valid} | {cache} | {label} |"
             try:
+                # what the compiled program holds (interpret mode on CPU lowers to plain XLA ops)
+                compiled = hlo.compiled_attention(fn.lower(q, kc, vc, kw, vw, lengths).as_text())
+                compiled += " (interpret)" if smoke and impl != "xla" else ""
+                row = f"{row} {compiled} |"
                 sec = bench(fn, q, kc, vc, kw, vw, lengths, reps=reps)
                 out = fn(q, kc, vc, kw, vw, lengths).astype(jnp.float32)
             except Exception as e:  # noqa: BLE001  a kernel that does not build here: say so

@@ -5,7 +5,9 @@ layout's tokens, accelerator defaults. The attention op's backends: tests/test_a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -168,7 +170,7 @@ def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():
     prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (5, 40)]
     plain = [r.token_ids for r in Engine(m).generate(prompts, max_new_tokens=12)]
     fixed = Engine(m, max_context=96)
-    assert {fixed._capacity(16, 12), fixed._capacity(64, 12)} == {96}
+    assert {fixed.capacity(16, 12), fixed.capacity(64, 12)} == {96}
     assert [r.token_ids for r in fixed.generate(prompts, max_new_tokens=12)] == plain
     from jaxspec.errors import JaxspecError
 
@@ -200,3 +202,169 @@ def test_batch_one_step_copies_no_cache(layout):
     for window in (1, 5):
         r = roofline.measure(target, layout, "verify", 1, window, capacity=512, valid=256)
         assert (r.cache_copies, r.zero_fills) == (0, 0)
+
+
+# ------------------------------------------------- the kernels in every shipped config's programs
+
+CONFIGS = sorted(p.name for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+KERNEL = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
+
+
+def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input"):
+    """An untrained drafter of `method` for the tiny target (the shipped checkpoints are sized
+    for SmolLM2): the config's method, tree, lookup and adaptive settings stay as shipped."""
+    from jaxspec.train import methods
+
+    if method == "draft_model":  # the target itself as the draft model
+        return ModelDrafter(model=target.target, target_vocab=64), target.params
+    m = {"eagle": methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0),
+         "medusa": methods.Medusa(num_heads=3)}[method]
+    params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
+    return m.drafter(target.target), m.runtime(params, frozen)
+
+
+@functools.lru_cache(maxsize=2)
+def _device_engine(config_name):
+    """(config, the engine it builds on a device) on a tiny random target in the device's
+    defaults (the config's dtype there: "auto" is bfloat16; the stacked layout)."""
+    from jaxspec.config import load_config
+    from jaxspec.drafters import registry
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs" / config_name)
+    dtype = {"auto": "bfloat16"}.get(config.model.dtype, config.model.dtype)
+    layers = 10 if config.speculative.method == "layer_skip" else 4  # the config skips from 8
+    cfg = dataclasses.replace(_model("unrolled").cfg, dtype=dtype, num_layers=layers)
+    params = llama.stack_layers(llama.init_params(cfg, jax.random.key(0), scale=0.3))
+    target = dataclasses.replace(_model("unrolled"), cfg=cfg, params=params)
+    spec = config.speculative
+    drafter = dparams = None
+    if spec.method != "none":
+        ctx = registry.BuildContext(target=target, spec=spec, load_checkpoint=_tiny_checkpoint,
+                                    load_model=lambda *a, **k: target)
+        drafter, dparams = registry.get(spec.method).factory(spec.options, ctx)
+        if spec.lookup.min_ngram:
+            from jaxspec.drafters.lookup import LookupFirst
+
+            drafter = LookupFirst(drafter, NgramDrafter(64, spec.lookup.min_ngram,
+                                                        spec.lookup.max_ngram), name="lookup")
+    adaptive = spec.adaptive.options() if spec.adaptive.enabled and drafter else None
+    e = Engine(target, drafter, dparams,
+               num_speculative_tokens=spec.num_speculative_tokens if drafter else 0,
+               adaptive=adaptive)
+    return config, e
+
+
+def exported_programs(e, platform, capacity, batch=1, prompt=32):
+    """(prefill, decode) programs of `e` exported for `platform` (StableHLO text)."""
+    from jax import export
+
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in hlo.ATTENTION_TARGETS]
+    spec = e.spec_for(batch)
+    sp = SamplingParams.make()
+    args = (e.model.params, e.drafter_params, jnp.zeros((batch, prompt), jnp.int32),
+            jnp.ones((batch,), jnp.int32), jnp.full((batch,), 8, jnp.int32), sp,
+            jax.random.key(0), jnp.zeros((batch,), jnp.int32))
+    prefill = export.export(speculate.prefill_jit, platforms=[platform], disabled_checks=checks)(
+        spec, *args, capacity=capacity)
+    state = jax.eval_shape(lambda *a: speculate.prefill(spec, *a, capacity=capacity), *args)
+    if spec.adaptive is not None:  # the controller's state (flat costs: nothing is measured)
+        state = dataclasses.replace(state, adaptive=spec.adaptive.init(
+            batch, [1.0] * (spec.adaptive.gamma + 1)))
+    decode = export.export(speculate.decode_jit, platforms=[platform], disabled_checks=checks)(
+        spec, e.model.params, e.drafter_params, state, sp, jnp.int32(1))
+    return prefill.mlir_module(), decode.mlir_module()
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("config_name", CONFIGS)
+def test_every_shipped_config_compiles_the_kernels_on_the_device(config_name, platform):
+    """Each shipped config's prefill and decode programs, exported for TPU / CUDA as a device run
+    would build them (the config's dtype there: "auto" is bfloat16; the stacked layout; the
+    engine's capacity for the device), hold the attention kernel; float32 configs hold none (the
+    exact XLA path). The capacity before rounding (prompt bucket + bucket(max_new) + nodes + 1)
+    is no kernel size, and exports without any kernel."""
+    from jaxspec.models import attention
+
+    backend = {"tpu": "tpu", "cuda": "gpu"}[platform]
+    config, e = _device_engine(config_name)
+    dtype = e.model.cfg.dtype
+    capacity = e.capacity(32, 8, backend=backend)
+    assert capacity % attention.KERNEL_SLOTS == 0
+    want = KERNEL[platform] if dtype == "bfloat16" else "xla"
+    for text in exported_programs(e, platform, capacity):
+        assert hlo.compiled_attention(text) == want
+        assert (hlo.attention_kernel_calls(text) > 0) == (want != "xla")
+    if want != "xla" and config_name == CONFIGS[0]:  # the old, unrounded capacity: no kernel
+        raw = e.capacity(32, 8, backend="cpu")
+        assert raw % 16 and all(hlo.compiled_attention(t) == "xla"
+                                for t in exported_programs(e, platform, raw))
+
+
+# ----------------------------------------------------------------------------- loading peak
+
+_PEAK_SCRIPT = """
+import sys, numpy as np, jax
+from jaxspec.loading.params import assemble, place, load_peak_bytes, expected_shapes
+from jaxspec.models.llama import ModelConfig
+
+def status(key):
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith(key))
+
+cfg = ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_layers=8,
+                  num_heads=8, num_kv_heads=4, head_dim=128, max_position_embeddings=512)
+params = assemble(cfg, {k: np.ones(s, np.float32) for k, s in expected_shapes(cfg).items()},
+                  source="test")
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the present
+before = status("VmRSS")
+jax.block_until_ready(place(params, "bfloat16", "stacked"))
+print(status("VmHWM") - before)
+"""
+
+
+def test_loading_the_stacked_layout_peaks_at_weights_plus_one_layer():
+    """A 168 MB (bf16) model loaded from float32 host tensors into the stacked layout: the
+    process's peak memory grows by at most the final params + one layer + 5% (stacking after
+    placing every per-layer tensor grew it by ~1.7x the params). glibc's large-allocation
+    threshold is fixed so freed tensors leave the resident set."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxspec.loading.params import expected_shapes, load_peak_bytes
+
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072", "JAX_PLATFORMS": "cpu"}
+    grew = int(subprocess.run([sys.executable, "-c", _PEAK_SCRIPT], env=env, check=True,
+                              capture_output=True, text=True).stdout.split()[-1])
+    cfg = llama.ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2048,
+                            num_layers=8, num_heads=8, num_kv_heads=4, head_dim=128,
+                            max_position_embeddings=512)
+    final = load_peak_bytes(cfg, "bfloat16")["final"]
+    layer = sum(2 * int(np.prod(s)) for k, s in expected_shapes(cfg).items()
+                if k.startswith("layers.0."))
+    assert grew <= 1.05 * final + layer, (grew, final, layer)
+
+
+def test_llama3_8b_stacked_load_fits_weights_plus_one_tensor():
+    """By shape arithmetic (nothing read): Llama-3-8B in bf16 peaks at its 16.06 GB of weights +
+    one tensor (a 117 MB MLP matrix) while stacking, under the 16 GiB of a v5e only with headroom
+    for nothing else, and not at ~2x as before."""
+    from jaxspec.loading.params import load_peak_bytes
+
+    cfg = llama.ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                            max_position_embeddings=8192, tie_word_embeddings=False)
+    got = load_peak_bytes(cfg, "bfloat16")
+    assert got["final"] == 16_060_522_496 and got["largest_tensor"] == 14336 * 4096 * 2
+    assert got["peak"] <= 1.01 * got["final"]
+
+
+def test_bf16_logits_are_not_rounded_to_bf16():
+    """A bf16 model's LM head accumulates and returns f32: logits differ from their bf16 rounding
+    (a head that rounded first would give only bf16-representable values)."""
+    m = _model("unrolled")
+    cfg = dataclasses.replace(m.cfg, dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params)
+    hidden = jax.random.normal(jax.random.key(1), (2, 3, cfg.hidden_size), jnp.bfloat16)
+    logits = llama.lm_head(params, hidden)
+    assert logits.dtype == jnp.float32
+    assert np.any(np.asarray(logits) != np.asarray(logits.astype(jnp.bfloat16).astype(jnp.float32)))

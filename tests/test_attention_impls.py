@@ -273,3 +273,158 @@ def test_attend_blocked_cache_loop_matches_one_pass(stacked):
         attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=16),
         attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=None),
         rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------- kernel details on the accelerators' terms
+
+
+def _kernel_operands(fn, *args) -> list[list[tuple]]:
+    """Per pallas_call in fn's jaxpr (sub-jaxprs included), its operands' shapes."""
+    out = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                out.append([tuple(v.aval.shape) for v in eqn.invars])
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return out
+
+
+def test_gpu_decode_kernel_merges_its_splits_in_float32():
+    """bf16 cache, 16 slot splits of 128 (2048 slots, lengths across them): JAX's wrapper merged
+    the splits' unnormalised outputs in bfloat16, twice the XLA path's error against a float64
+    reference; merged in float32 the kernel is as accurate as the XLA path."""
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=2, t=2, s=2048, h=64)
+    q, kc, vc, kw, vw = (a.astype(jnp.bfloat16) for a in (q, kc, vc, kw, vw))
+    lengths = jnp.asarray([2000, 1500], jnp.int32)
+    want = _dense_reference(q, kc, vc, kw, vw, lengths, attention.causal_mask(2, 2))
+    err = lambda impl, **opts: float(np.abs(np.asarray(  # noqa: E731
+        attention.attend(q, kc, vc, kw, vw, lengths, impl=impl, **opts), np.float64) - want).max())
+    assert err("pallas_gpu", interpret=True) <= 1.25 * err("xla")
+
+
+def test_tpu_page_table_is_per_call_not_per_query_chunk():
+    """A prompt chunk over an earlier cache (600 query rows per kv head, 3 chunks of 256): each
+    kernel call prefetches one table of B*K*S/P entries, not one per chunk; a table too large for
+    SMEM is refused with the fix."""
+    from jaxspec.errors import JaxspecError
+    from jaxspec.models import attention_kernels as ak
+
+    b, kv, gt, s, h = 2, 2, 600, 512, 32
+    qg = jnp.zeros((b, kv, gt, h), jnp.float32)
+    cache = jnp.zeros((b, kv, s, h), jnp.bfloat16)
+    def run(q, c):
+        return ak.cache_part_pallas_tpu(q, c, c, jnp.ones((b,), jnp.int32), None, 1.0)
+    tables = [ops[1] for ops in _kernel_operands(run, qg, cache)]  # scalar prefetch: the table
+    assert tables == [(ak.tpu_page_table_entries(b, kv, s),)] == [(b * kv * s // 128,)]
+    big = jax.ShapeDtypeStruct((64, 8, 65536, h), jnp.bfloat16)  # 64 x 8 x 512 pages
+    with pytest.raises(JaxspecError, match="SMEM"):
+        jax.eval_shape(lambda c: ak.cache_part_pallas_tpu(
+            jnp.zeros((64, 8, 8, h)), c, c, jnp.ones((64,), jnp.int32), None, 1.0), big)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tpu_kernel_on_two_tensorcores_matches_one(monkeypatch, dtype):
+    """Megacore: on a chip with two TensorCores the paged kernel's grid leads with 2 and the
+    sequences are split between the cores; the result is the one-core result (interpret mode)."""
+    from jaxspec.models import attention_kernels as ak
+
+    monkeypatch.setattr(ak, "tpu_pages", lambda slots: (16, 2))
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=64)
+    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    lengths = jnp.asarray([0, 17, 61], jnp.int32)
+    got = {}
+    for cores in (1, 2):
+        monkeypatch.setattr(ak, "tpu_cores", lambda: cores)  # noqa: B023
+        run = lambda *a: attention.attend(*a, impl="pallas_tpu", interpret=True)  # noqa: E731
+        eqn = jax.make_jaxpr(run)(q, kc, vc, kw, vw, lengths).jaxpr
+        grids = [e.params["grid_mapping"].grid for e in eqn.eqns
+                 if e.primitive.name == "pallas_call"]
+        assert grids == [(cores, 3 * 2 // cores, 1)]
+        got[cores] = np.asarray(jax.jit(run)(q, kc, vc, kw, vw, lengths), np.float32)
+    np.testing.assert_array_equal(got[2], got[1])
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_prefill_on_an_empty_cache_runs_no_cache_kernel(impl):
+    """An engine prefill (every length 0): the cache-part kernel sits in a branch taken only when
+    some row has an earlier cache, so only the flash kernel runs; with an earlier cache the branch
+    gives the merged result (interpret mode)."""
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=2, t=300, n=4, kv=2, s=256, h=32)
+    q, kc, vc, kw, vw = (a.astype(jnp.bfloat16) for a in (q, kc, vc, kw, vw))
+    run = lambda *a: attention.attend(*a, impl=impl, interpret=True)  # noqa: E731
+    jaxpr = jax.make_jaxpr(run)(q, kc, vc, kw, vw, jnp.zeros((2,), jnp.int32)).jaxpr
+    top = [e.primitive.name for e in jaxpr.eqns]
+    assert top.count("pallas_call") == 1 and "cond" in top  # flash; the cache's kernel in a branch
+    for lengths in ([0, 0], [0, 37]):
+        lengths = jnp.asarray(lengths, jnp.int32)
+        got = np.asarray(jax.jit(run)(q, kc, vc, kw, vw, lengths), np.float32)
+        want = np.asarray(attention.attend(q, kc, vc, kw, vw, lengths, impl="xla"), np.float32)
+        np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("h, rows", [(64, 128), (128, 64), (256, 32)])
+def test_gpu_tiles_are_sized_to_the_head_dim(h, rows):
+    """The GPU decode kernels hold [rows, H] f32 accumulators: rows shrink as H grows (a 256-row
+    tile at H = 128 spilled registers at 4 warps), longer windows run in row chunks."""
+    from jaxspec.models import attention_kernels as ak
+
+    assert ak.gpu_rows(h) == rows and rows * h <= ak.GPU_ACC_ELEMS
+    qg = jnp.zeros((1, 1, 256, h), jnp.bfloat16)
+    cache = jnp.zeros((1, 1, 256, h), jnp.bfloat16)
+    lens = jnp.ones((1,), jnp.int32)
+    per_layer = lambda q, c: ak.cache_part_pallas_gpu(q, c, c, lens, 1.0)  # noqa: E731
+    stacked = lambda q, c: ak.cache_part_pallas_gpu_stacked(q, c[None], c[None], lens,  # noqa: E731
+                                                            jnp.int32(0), 1.0)
+    for fn in (per_layer, stacked):
+        qs = [ops[0] if fn is per_layer else ops[2] for ops in _kernel_operands(fn, qg, cache)]
+        assert all(shape[-2] <= rows for shape in qs), qs
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_xla_path_with_dots_matches_the_cpu_form(monkeypatch, stacked):
+    """On TPU/GPU the XLA path contracts a stack's layer with dots (the matrix units), on CPU with
+    the multiply + reduce fusion: the same numbers (the dots form run here on CPU), and the dots
+    form is what a TPU export of a float32 stack holds."""
+    from jax import export
+
+    q, kc, vc, kw, vw, lengths = _attention_inputs(t=3, s=64, layers=2 if stacked else None)
+    layer = jnp.int32(1) if stacked else None
+    cpu = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=16)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    dots = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=16)
+    np.testing.assert_allclose(dots, cpu, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    fn = jax.jit(lambda *a: attention.attend(*a, layer=layer))
+    dot_count = {p: export.export(fn, platforms=[p])(q, kc, vc, kw, vw, lengths).mlir_module()
+                 .count("stablehlo.dot_general") for p in ("cpu", "tpu")}
+    assert dot_count["tpu"] > dot_count["cpu"] if stacked else dot_count["tpu"] == dot_count["cpu"]
+
+
+def test_kernel_entry_points_keep_the_signatures_we_call():
+    """The JAX kernels jaxspec launches by keyword (their modules are experimental): a renamed or
+    dropped parameter fails here, not on a device."""
+    import inspect
+
+    from jax.experimental.pallas.ops.gpu import attention as fa
+    from jax.experimental.pallas.ops.gpu import decode_attention as da
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention_kernel as pak
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    def has(fn, *names):
+        params = inspect.signature(fn).parameters
+        missing = [n for n in names if n not in params]
+        assert not missing, f"{fn.__module__}.{fn.__name__} lacks {missing}"
+
+    has(da.attn_forward_kernel, "q_ref", "k_ref", "v_ref", "start_idx_ref", "kv_seq_len_ref",
+        "o_ref", "sm_scale", "block_k", "block_h", "num_heads")
+    has(pak.paged_flash_attention_kernel_inline_seq_dim, "pages_per_sequence", "batch_size",
+        "pages_per_compute_block", "mask_value", "attn_logits_soft_cap", "megacore_mode")
+    assert list(inspect.signature(fa.mha).parameters)[:14] == [  # mha is called positionally
+        "q", "k", "v", "segment_ids", "sm_scale", "causal", "block_sizes", "backend",
+        "num_warps", "num_stages", "grid", "interpret", "debug", "return_residuals"]
+    has(sk.make_splash_mha, "mask", "block_sizes", "head_shards", "q_seq_shards",
+        "save_residuals", "interpret")

@@ -36,9 +36,31 @@ def test_attention_table_smoke():
         assert f"| 37 | {cache} | pallas_tpu |" in prefill  # a prompt over an earlier cache
 
 
-@pytest.mark.skipif(os.environ.get("JAXSPEC_DEVICE_SMOKE") != "1", reason="set JAXSPEC_DEVICE_SMOKE=1")
+def test_device_run_refuses_a_cpu(tmp_path):
+    """Without --smoke on a machine whose jax backend is the CPU (no GPU/TPU here, or a CPU-only
+    jax on a GPU box), the script refuses before measuring anything: exit 3, no figures."""
+    run = subprocess.run(["bash", str(REPO / "scripts/bench_device.sh"), str(tmp_path)],
+                         env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 3, run.stderr
+    assert "error:" in run.stderr and not list(tmp_path.glob("*.md"))
+
+
+def test_script_pins_the_tested_jax():
+    text = (REPO / "scripts/bench_device.sh").read_text()
+    pin = next(x for x in (REPO / "pyproject.toml").read_text().splitlines() if '"jax>=' in x)
+    version = text.split('JAX_VERSION="${JAX_VERSION:-')[1].split("}")[0]
+    assert f">={version}" in pin and "<" in pin  # the script installs the low end of the range
+    assert 'jax[$extra]==$JAX_VERSION' in text
+
+
+@pytest.mark.skipif(os.environ.get("JAXSPEC_DEVICE_SMOKE") != "1",
+                    reason="set JAXSPEC_DEVICE_SMOKE=1")
 def test_bench_device_smoke_end_to_end(tmp_path):
+    """--smoke runs every part on the CPU and marks each table as no device figure."""
     subprocess.run(["bash", str(REPO / "scripts/bench_device.sh"), "--smoke", str(tmp_path)],
                    env=ENV, check=True, timeout=1200)
     for name in ("roofline.md", "attention.md", "summary.md", "results.json"):
         assert (tmp_path / name).stat().st_size > 0
+    for name in ("roofline.md", "attention.md", "summary.md"):
+        assert (tmp_path / name).read_text().startswith("SMOKE (cpu): not a device figure")
+    assert json.loads((tmp_path / "device.json").read_text())["smoke"] is True

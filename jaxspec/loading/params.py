@@ -127,7 +127,13 @@ def assemble(cfg: ModelConfig, flat: Mapping[str, object], *, source: str) -> Pa
 
 
 def place(params: Params, dtype: str, layout: str) -> Params:
-    """Cast every leaf to `dtype` (on the host for numpy inputs) and put it on the device."""
+    """Cast every leaf to `dtype` (on the host for numpy inputs, so a bfloat16 load never holds a
+    float32 copy on the device) and put it on the device.
+
+    The stacked layout is built one layer at a time into a preallocated `[L, ...]` buffer per
+    weight (updated in place, the buffer donated), so the device holds the final params plus one
+    layer's tensor at most, never the per-layer copies and the stack together (`load_peak_bytes`).
+    """
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
 
     def put(x):
@@ -135,10 +141,33 @@ def place(params: Params, dtype: str, layout: str) -> Params:
             x = np.ascontiguousarray(x, dtype=np_dtype)
         return jax.device_put(x).astype(np_dtype)
 
-    params = jax.tree.map(put, params)
-    if layout == "stacked":
-        return stack_layers(params)
-    return pack_params(params) if layout == "packed" else params
+    if layout != "stacked":
+        params = jax.tree.map(put, params)
+        return pack_params(params) if layout == "packed" else params
+    out = {k: jax.tree.map(put, v) for k, v in params.items() if k != "layers"}
+    layers = params["layers"]
+    if isinstance(layers, dict):  # already stacked
+        return out | {"layers": jax.tree.map(put, layers)}
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    stacked = {}
+    for k in layers[0]:
+        buf = _zeros((len(layers), *layers[0][k].shape), np_dtype, device)
+        for i, layer in enumerate(layers):
+            buf = _set_layer(buf, put(layer[k]), i)  # the layer's device copy dies here
+        stacked[k] = buf
+    return out | {"layers": stacked}
+
+
+def load_peak_bytes(cfg: ModelConfig, dtype: str) -> dict[str, int]:
+    """Device bytes while `place` builds the stacked layout, by shape arithmetic (no weights
+    read): {"final": the params, "largest_tensor": one layer's largest weight, "peak": their
+    sum, what the layer-by-layer build holds at most}."""
+    itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
+    flat = expected_shapes(cfg)
+    sizes = {k: int(np.prod(v)) * itemsize for k, v in flat.items()}
+    final = sum(sizes.values())
+    largest = max(v for k, v in sizes.items() if k.startswith("layers."))
+    return {"final": final, "largest_tensor": largest, "peak": final + largest}
 
 
 def place_on_mesh(

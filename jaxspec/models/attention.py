@@ -43,6 +43,7 @@ float32 is ever live, never the full capacity.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -55,6 +56,7 @@ ENV_OVERRIDE = "JAXSPEC_ATTENTION"  # overrides impl="auto" (e.g. JAXSPEC_ATTENT
 PALLAS_MAX_QUERIES = 256  # query rows (G heads x T positions) per kv head a Pallas kernel takes
 PREFILL_CHUNK = 512  # queries per chunk for long windows
 CACHE_BLOCK = 512  # cache slots per step of the XLA path's loop over the valid prefix
+KERNEL_SLOTS = 128  # capacities on TPU/GPU are multiples of this (kernel_capacity)
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked part adds exp(..) = 0
 
 
@@ -95,12 +97,46 @@ def cache_loop_trips(valid: int, slots: int) -> int:
     return max(-(-valid // block) - 1, 0) if block else 0
 
 
+def kernel_capacity(slots: int, backend: str | None = None) -> int:
+    """A cache capacity of at least `slots` that the attention kernels take on `backend`
+    (default: JAX's): on TPU and GPU rounded up to a multiple of KERNEL_SLOTS (TPU pages of 128
+    slots, the GPU kernels' 128-slot blocks), so every prefill, decode and verify program runs the
+    kernels; other backends keep `slots` (the XLA path takes any capacity)."""
+    backend = backend or jax.default_backend()
+    if backend not in ("tpu", "gpu", "cuda", "rocm"):
+        return slots
+    return -(-slots // KERNEL_SLOTS) * KERNEL_SLOTS
+
+
 def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mask=None,
            impl: str = "auto", chunk: int = PREFILL_CHUNK, block: int | None = CACHE_BLOCK,
            interpret: bool = False):
     """q: [B, T, N, H]; k_cache, v_cache: [B, K, S, H] (or [L, B, K, S, H] with `layer`, an int32
     scalar); k_win, v_win: [B, T, K, H]; lengths: int32[B]; window_mask: bool[B, T, T] or None
-    (causal) -> [B, T, N*H] in q's dtype."""
+    (causal) -> [B, T, N*H] in q's dtype.
+
+    impl "auto" (with no JAXSPEC_ATTENTION override) is chosen by the platform the program is
+    lowered for (`lax.platform_dependent`), not by the host's backend: a program exported for
+    TPU or CUDA from a CPU host holds that device's kernels, and jaxspec.hlo reads which ones
+    from the lowered program."""
+    run = functools.partial(_attend, q, k_cache, v_cache, k_win, v_win, lengths, layer=layer,
+                            window_mask=window_mask, chunk=chunk, block=block,
+                            interpret=interpret)
+    if impl == "auto" and not os.environ.get(ENV_OVERRIDE):
+        dt = k_cache.dtype
+        on = lambda backend: functools.partial(  # noqa: E731
+            run, impl=resolve_impl("auto", cache_dtype=dt, backend=backend), dots=True)
+        return jax.lax.platform_dependent(
+            tpu=on("tpu"), cuda=on("gpu"), rocm=on("gpu"),
+            default=functools.partial(run, impl="xla", dots=False))
+    return run(impl=resolve_impl(impl, cache_dtype=k_cache.dtype),
+               dots=jax.default_backend() != "cpu")
+
+
+def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, impl: str,
+            dots: bool, chunk: int, block: int | None, interpret: bool):
+    """attend on a resolved impl; dots: the stacked XLA path contracts with dots (TPU/GPU: the
+    matrix units) rather than the multiply + reduce fusion XLA:CPU wants."""
     b, t, n, h = q.shape
     tw = k_win.shape[1]  # window keys (== t, except inside a prefill chunk)
     prefill = _prefill_kernel(impl, q, k_cache, k_win, window_mask)  # a prompt on the kernels
@@ -116,9 +152,9 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
                 mc = jnp.broadcast_to(rows >= jnp.arange(tw)[None, :], (b, size, tw))
             else:
                 mc = window_mask[:, start : start + size]
-            outs.append(attend(q[:, start : start + size], k_cache, v_cache, k_win, v_win, lengths,
-                               layer=layer, window_mask=mc, impl=impl, chunk=chunk,
-                               block=block, interpret=interpret))
+            outs.append(_attend(q[:, start : start + size], k_cache, v_cache, k_win, v_win,
+                                lengths, layer=layer, window_mask=mc, impl=impl, dots=dots,
+                                chunk=chunk, block=block, interpret=interpret))
         return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
     if window_mask is None:
         window_mask = causal_mask(b, t)
@@ -135,7 +171,7 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     # the stacked XLA path takes q as it comes ([B, T, K, G, H], a bitcast of the projection) and
     # regroups it inside each fusion that reads it: a dot (or a loop carry) wants qg laid out on
     # its own, which XLA:CPU materialised three times per layer (transpose, re-layout, copy)
-    stacked_xla = layer is not None and slots > 0 and not pallas_fits
+    stacked_xla = layer is not None and slots > 0 and not pallas_fits and not dots
     q5 = q.reshape(b, t, kv, g, h)
     if stacked_xla:
         s_win = _scores_fused(q5, kw) * scale
@@ -159,7 +195,7 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
         l_c = jnp.zeros((b, kv, g * t), jnp.float32)
     else:
         o_c, m_c, l_c = _cache_part_xla(q5 if stacked_xla else qg, k_cache, v_cache, lengths,
-                                        layer, scale, block)
+                                        layer, scale, block, dots)
     # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c
     m = jnp.maximum(m_c, s_win.max(-1))  # [B, K, GT]
     p_win = jnp.exp(s_win - m[..., None])
@@ -201,21 +237,27 @@ def _attend_prefill(impl, q, k_cache, v_cache, k_win, v_win, lengths, layer, int
     kw, vw = (w.transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
     if impl == "pallas_tpu":
         o_w, lse_w = attention_kernels.window_part_splash_tpu(qh, kw, vw, scale, interpret)
-        o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(  # row chunks: several sequences
+        cache_part = lambda: attention_kernels.cache_part_pallas_tpu(  # noqa: E731
             qg, k_cache, v_cache, lengths, layer, scale, interpret)
     else:
         o_w, lse_w = attention_kernels.window_part_flash_gpu(q, k_win, v_win, scale, interpret)
         if layer is None:
-            part = lambda x: attention_kernels.cache_part_pallas_gpu(
-                x, k_cache, v_cache, lengths, scale, interpret)
+            cache_part = lambda: attention_kernels.cache_part_pallas_gpu(  # noqa: E731
+                qg, k_cache, v_cache, lengths, scale, interpret)
         else:
-            part = lambda x: attention_kernels.cache_part_pallas_gpu_stacked(
-                x, k_cache, v_cache, lengths, layer, scale, interpret)
-        o_c, m_c, l_c = attention_kernels.cache_part_in_row_chunks(part, qg)
+            cache_part = lambda: attention_kernels.cache_part_pallas_gpu_stacked(  # noqa: E731
+                qg, k_cache, v_cache, lengths, layer, scale, interpret)
     o_w, lse_w = o_w.reshape(b, kv, g * t, h), lse_w.reshape(b, kv, g * t)
-    m = jnp.maximum(m_c, lse_w)  # the window part is never empty (a query sees itself)
-    a_c, a_w = jnp.exp(m_c - m), jnp.exp(lse_w - m)
-    o = (a_c[..., None] * o_c + a_w[..., None] * o_w) / (a_c * l_c + a_w)[..., None]
+
+    def with_cache():  # the earlier cache's part, merged by log-sum-exp
+        o_c, m_c, l_c = cache_part()
+        m = jnp.maximum(m_c, lse_w)  # the window part is never empty (a query sees itself)
+        a_c, a_w = jnp.exp(m_c - m), jnp.exp(lse_w - m)
+        return (a_c[..., None] * o_c + a_w[..., None] * o_w) / (a_c * l_c + a_w)[..., None]
+
+    # an empty cache (an engine prefill) runs no cache-part kernel and writes none of its f32
+    # [B, K, G*T, H] partial outputs: the window part is the whole answer
+    o = jax.lax.cond(jnp.max(lengths) > 0, with_cache, lambda: o_w)
     return o.astype(q.dtype).reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
@@ -231,7 +273,7 @@ def _scores_fused(q5, keys):
     return jnp.sum(qc * kc, axis=tuple(range(-len(f), 0)))
 
 
-def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
+def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None, dots=False):
     """-> (unnormalised out f32[B, K, GT, H], max f32[B, K, GT], weight sum f32[B, K, GT]).
 
     qg: [B, K, G*T, H]; for a stack (`layer` given) q as it comes, [B, T, K, G, H] (see attend).
@@ -242,27 +284,33 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None):
     slots = k_cache.shape[-2]
     block = cache_block_size(slots, block)
     if block is None:
-        return _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, slots)
+        return _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, slots, dots)
 
     def body(j, carry):
         o, m, l = carry
-        o_b, m_b, l_b = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, j * block, block)
+        o_b, m_b, l_b = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, j * block,
+                                     block, dots)
         m_new = jnp.maximum(m, m_b)
         a, a_b = jnp.exp(m - m_new), jnp.exp(m_b - m_new)
         return a[..., None] * o + a_b[..., None] * o_b, m_new, a * l + a_b * l_b
 
     # block 0 outside the loop starts the carry (no zero-filled accumulators; an empty cache gives
     # o = 0, m = _NEG, l = 0); the loop runs over the other blocks holding any valid slot
-    first = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, block)
+    first = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, 0, block, dots)
     n = (jnp.max(lengths) + block - 1) // block
     return jax.lax.fori_loop(1, n, body, first)
 
 
-def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size):
-    """Slots start..start+size of the cache (one layer's, or layer `layer` of a stack)."""
+def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size, dots=False):
+    """Slots start..start+size of the cache (one layer's, or layer `layer` of a stack). dots: a
+    stack's block is sliced out and contracted with dots, as a per-layer cache is (TPU/GPU)."""
     b, kv, h = k_cache.shape[-4], k_cache.shape[-3], k_cache.shape[-1]
     whole = size == k_cache.shape[-2]
     valid = ((start + jnp.arange(size))[None, :] < lengths[:, None])[:, None, None]  # [B,1,1,Sb]
+    if layer is not None and dots:  # the layer's block, [B, K, Sb, H]: a slice of the stack
+        at, size5 = (layer, 0, 0, start, 0), (1, b, kv, size, h)
+        k_cache, v_cache = (jax.lax.dynamic_slice(c, at, size5)[0] for c in (k_cache, v_cache))
+        layer, start, whole = None, 0, True
     if layer is None:
         k_b, v_b = (c if whole else jax.lax.dynamic_slice_in_dim(c, start, size, axis=2)
                     for c in (k_cache, v_cache))  # [B, K, Sb, H]

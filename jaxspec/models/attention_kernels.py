@@ -32,6 +32,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxspec.errors import JaxspecError
+
 
 def takes(impl: str, slots: int) -> bool:
     """Whether `impl`'s kernel takes a cache of `slots` slots (its pages / power-of-two blocks
@@ -44,7 +46,8 @@ def takes(impl: str, slots: int) -> bool:
 
 
 TPU_BLOCK_SLOTS = 512  # cache slots per step of the TPU kernel's flash loop (pages x page size)
-TPU_MAX_ROWS = 256  # query rows per paged-kernel sequence (longer windows: several sequences)
+TPU_MAX_ROWS = 256  # query rows per paged-kernel call (longer windows: one call per chunk)
+TPU_PAGE_TABLE_ENTRIES = 32768  # int32 page-table entries one call prefetches (128 KiB of SMEM)
 _EMPTY = -0.7 * float(jnp.finfo(jnp.float32).max)  # a prefix with no valid slot: weight 0
 
 
@@ -59,6 +62,20 @@ def tpu_pages(slots: int) -> tuple[int, int]:
     while per_seq % per_block:
         per_block -= 1
     return page, per_block
+
+
+def tpu_cores() -> int:
+    """TensorCores per TPU chip that one program can use (megacore): 2 on v4 and v5p, 1 elsewhere
+    (v5e, v6e; and when the program is not traced on a TPU, e.g. exported from a CPU host)."""
+    if jax.default_backend() != "tpu":
+        return 1
+    kind = jax.devices()[0].device_kind.lower()
+    return 2 if "v4" in kind or "v5p" in kind or (kind.endswith("v5") and "lite" not in kind) else 1
+
+
+def tpu_page_table_entries(batch: int, kv_heads: int, slots: int) -> int:
+    """Entries of the page table one paged-kernel call scalar-prefetches into SMEM."""
+    return batch * kv_heads * (slots // tpu_pages(slots)[0])
 
 
 def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret=False):
@@ -77,9 +94,21 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
     The kernel computes q.k and p.v with K/V rounded to bfloat16 (it dequantises to bf16), so it
     is exact for bf16 caches and bf16-accurate for float32 ones.
 
-    More than TPU_MAX_ROWS query rows (a prompt chunk over an earlier cache) are split into
-    sequences of at most TPU_MAX_ROWS rows each, which share their (row, kv head)'s pages: the
-    kernel's q, out, max and sum blocks stay small in VMEM, and each still reads valid pages only."""
+    More than TPU_MAX_ROWS query rows (a prompt chunk over an earlier cache) run as one kernel
+    call per chunk of TPU_MAX_ROWS rows (`cache_part_in_row_chunks`), each with the same
+    per-program page table of B*K*S/P entries (at most TPU_PAGE_TABLE_ENTRIES, the SMEM it is
+    prefetched into). On a chip with two TensorCores (`tpu_cores`) the sequences are split
+    between them (the kernel's megacore "batch" mode)."""
+    b, kv, gt, h = qg.shape
+    if gt > TPU_MAX_ROWS:
+        def part(x):
+            return cache_part_pallas_tpu(x, k_cache, v_cache, lengths, layer, scale, interpret)
+        return cache_part_in_row_chunks(part, qg, rows=TPU_MAX_ROWS)
+    return _paged_call(qg, k_cache, v_cache, lengths, layer, scale, interpret, tpu_cores())
+
+
+def _paged_call(qg, k_cache, v_cache, lengths, layer, scale, interpret, cores):
+    """One paged-kernel call: B*K sequences of <= TPU_MAX_ROWS query rows (see above)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention_kernel as pak
@@ -88,24 +117,31 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
     slots = k_cache.shape[-2]
     page, per_block = tpu_pages(slots)
     per_seq = slots // page
+    entries = tpu_page_table_entries(b, kv, slots)
+    if entries > TPU_PAGE_TABLE_ENTRIES:
+        raise JaxspecError(
+            f"pallas_tpu attention: batch {b} x {kv} kv heads x {per_seq} pages of {page} slots = "
+            f"{entries} page-table entries exceed the {TPU_PAGE_TABLE_ENTRIES} that fit in SMEM: "
+            f"lower generation.batch_size or generation.max_context, or set JAXSPEC_ATTENTION=xla")
+    seqs = b * kv
+    cores = cores if seqs % cores == 0 else 1
     pages = k_cache.size // (h * page)
     k_pages, v_pages = (c.reshape(1, pages, page, h) for c in (k_cache, v_cache))  # bitcasts
-    rows = min(-(-gt // 8) * 8, TPU_MAX_ROWS)  # query rows per sequence, a multiple of 8 sublanes
-    chunks = -(-gt // rows)  # sequences per (row, kv head): 1 unless a prompt chunk
-    first = 0 if layer is None else layer.astype(jnp.int32) * (b * kv * per_seq)
-    page_indices = first + jnp.arange(b * kv * per_seq, dtype=jnp.int32).reshape(b * kv, per_seq)
-    page_indices = jnp.repeat(page_indices, chunks, axis=0).reshape(-1)  # [(B*K*chunks) * S/P]
-    lens = jnp.repeat(lengths.astype(jnp.int32), kv * chunks)  # [B*K*chunks]
-    q = (qg.astype(jnp.float32) * scale).reshape(b * kv, gt, h)  # one sequence per (row, head)
-    q = jnp.pad(q, ((0, 0), (0, rows * chunks - gt), (0, 0))).reshape(b * kv * chunks, rows, h)
+    rows = -(-gt // 8) * 8  # query rows per sequence, a multiple of 8 sublanes
+    first = 0 if layer is None else layer.astype(jnp.int32) * (seqs * per_seq)
+    page_indices = first + jnp.arange(seqs * per_seq, dtype=jnp.int32)  # [B*K * S/P]
+    lens = jnp.repeat(lengths.astype(jnp.int32), kv)  # [B*K]
+    q = (qg.astype(jnp.float32) * scale).reshape(seqs, gt, h)  # one sequence per (row, head)
+    q = jnp.pad(q, ((0, 0), (0, rows - gt), (0, 0)))
     # q, o, and the running max / weight sum (kept lane-broadcast, as the kernel writes them) all
-    # in blocks equal to their arrays' last two dims, which Mosaic accepts for any G*T and H
-    q_spec = pl.BlockSpec((None, rows, h), lambda core, s, head, *_: (s, 0, 0))
-    buffer = lambda c: pltpu.VMEM((2, per_block, page, h), c.dtype)  # double-buffered
+    # in blocks equal to their arrays' last two dims, which Mosaic accepts for any G*T and H;
+    # with two cores, core c takes sequences s * 2 + c (the kernel's "batch" megacore mode)
+    q_spec = pl.BlockSpec((None, rows, h), lambda core, s, head, *_: (s * cores + core, 0, 0))
+    buffer = lambda c: pltpu.VMEM((2, per_block, page, h), c.dtype)  # double-buffered  # noqa: E731
     kernel = functools.partial(
         pak.paged_flash_attention_kernel_inline_seq_dim, pages_per_sequence=per_seq,
-        batch_size=b * kv * chunks, pages_per_compute_block=per_block, mask_value=pak.DEFAULT_MASK_VALUE,
-        attn_logits_soft_cap=None, megacore_mode=None,
+        batch_size=seqs, pages_per_compute_block=per_block, mask_value=pak.DEFAULT_MASK_VALUE,
+        attn_logits_soft_cap=None, megacore_mode="batch" if cores > 1 else None,
     )
     o, m, l = pl.pallas_call(
         kernel,
@@ -114,7 +150,7 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
             in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), None,
                       pl.BlockSpec(memory_space=pl.ANY), None],
             out_specs=[q_spec, q_spec, q_spec],
-            grid=(1, b * kv * chunks, 1),
+            grid=(cores, seqs // cores, 1),
             scratch_shapes=(buffer(k_pages), None, buffer(v_pages), None,
                             pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))),
         ),
@@ -124,7 +160,7 @@ def cache_part_pallas_tpu(qg, k_cache, v_cache, lengths, layer, scale, interpret
         interpret=pltpu.InterpretParams() if interpret else False,
     )(lens, page_indices, jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32), q,
       k_pages, None, v_pages, None)
-    o, m, l = (x.reshape(b, kv, chunks * rows, h)[:, :, :gt] for x in (o, m, l))
+    o, m, l = (x.reshape(b, kv, rows, h)[:, :, :gt] for x in (o, m, l))
     m = jnp.maximum(m[..., 0], _EMPTY)  # an empty prefix leaves -inf (and l = 0)
     l = l[..., 0]
     return o * l[..., None], m, l  # the kernel's o is normalised by l
@@ -203,43 +239,95 @@ def window_part_flash_gpu(q, k_win, v_win, scale, interpret=False):
     return out, lse2[:, :, :t] * jnp.log(2.0).astype(jnp.float32)
 
 
-def cache_part_in_row_chunks(part, qg, *args):
-    """`part(qg_chunk, *args)` (a cache-part kernel, G*T <= PREFILL_ROWS) over qg [B, K, GT, H] in
-    chunks of PREFILL_ROWS query rows, one after another (lax.map: the cache goes in whole,
-    read-only, once per chunk and only its valid blocks) -> the same (out, max, sum) as one call."""
+def cache_part_in_row_chunks(part, qg, *args, rows: int = PREFILL_ROWS):
+    """`part(qg_chunk, *args)` (a cache-part kernel, G*T <= rows) over qg [B, K, GT, H] in chunks
+    of `rows` query rows, one after another (lax.map: the cache goes in whole, read-only, once per
+    chunk and only its valid blocks) -> the same (out, max, sum) as one call."""
     b, kv, gt, h = qg.shape
-    chunks = -(-gt // PREFILL_ROWS)
-    qc = jnp.pad(qg, ((0, 0), (0, 0), (0, chunks * PREFILL_ROWS - gt), (0, 0)))
-    qc = qc.reshape(b, kv, chunks, PREFILL_ROWS, h).transpose(2, 0, 1, 3, 4)  # [C, B, K, R, H]
+    chunks = -(-gt // rows)
+    qc = jnp.pad(qg, ((0, 0), (0, 0), (0, chunks * rows - gt), (0, 0)))
+    qc = qc.reshape(b, kv, chunks, rows, h).transpose(2, 0, 1, 3, 4)  # [C, B, K, R, H]
     o, m, l = jax.lax.map(lambda x: part(x, *args), qc)
-    o = o.transpose(1, 2, 0, 3, 4).reshape(b, kv, chunks * PREFILL_ROWS, h)[:, :, :gt]
-    m, l = (x.transpose(1, 2, 0, 3).reshape(b, kv, chunks * PREFILL_ROWS)[:, :, :gt] for x in (m, l))
+    o = o.transpose(1, 2, 0, 3, 4).reshape(b, kv, chunks * rows, h)[:, :, :gt]
+    m, l = (x.transpose(1, 2, 0, 3).reshape(b, kv, chunks * rows)[:, :, :gt] for x in (m, l))
     return o, m, l
 
 
+GPU_ACC_ELEMS = 64 * 128  # f32 accumulator elements (query rows x head dim) per Triton program
+GPU_WARPS = 4
+
+
+def gpu_rows(head_dim: int) -> int:
+    """Query rows one GPU decode-kernel program holds: its f32 accumulator [rows, H] stays at
+    GPU_ACC_ELEMS (64 registers a thread at 4 warps), so the tile shrinks as the head dim grows
+    (H = 64: 128 rows; H = 128: 64), and never below tl.dot's 16."""
+    return max(16, min(PREFILL_ROWS, 1 << (GPU_ACC_ELEMS // head_dim).bit_length() - 1))
+
+
+def gpu_block_rows(gt: int) -> int:
+    """tl.dot's power-of-two rows >= 16 for gt query rows."""
+    return max(16, 1 << (gt - 1).bit_length())
+
+
 def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False):
-    """The cache part by Pallas GPU's decode kernel, vmapped over (row, kv head) on our
-    [B, K, S, H] layout (no transpose); it reads slots < lengths[b] only."""
+    """The cache part by Pallas GPU's decode kernel (`decode_attention.attn_forward_kernel`), one
+    program per (row, kv head, slot split) on our [B, K, S, H] layout (no transpose); it reads
+    slots < lengths[b] only. JAX's wrapper (`decode_attn_unbatched`) stores each split's
+    unnormalised output in q's dtype and merges the splits there (bfloat16 for a bf16 cache), so
+    this launches the same kernel with f32 outputs and merges in f32. More query rows than
+    `gpu_rows(H)` run in row chunks."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
     from jax.experimental.pallas.ops.gpu import decode_attention as da
 
-    b, kv, gt, _ = qg.shape
+    b, kv, gt, h = qg.shape
+    if gt > gpu_rows(h):
+        def part(x):
+            return cache_part_pallas_gpu(x, k_cache, v_cache, lengths, scale, interpret)
+        return cache_part_in_row_chunks(part, qg, rows=gpu_rows(h))
     slots = k_cache.shape[2]
     block_k = min(128, slots)
-    k_splits = max(1, slots // block_k) if slots % block_k == 0 else 1
-    if slots % (block_k * k_splits):
-        block_k, k_splits = slots, 1
-    inner = functools.partial(
-        da.decode_attn_unbatched, sm_scale=scale, block_h=max(16, 1 << (gt - 1).bit_length()),
-        block_k=block_k,
-        k_splits=k_splits, num_warps=None, num_stages=2, grid=None, interpret=interpret,
-        debug=False, return_residuals=True, normalize_output=False,
-    )
+    splits = max(1, slots // block_k) if slots % block_k == 0 else 1
+    if slots % (block_k * splits):
+        block_k, splits = slots, 1
+    split_len = slots // splits
+    block_h = gpu_block_rows(gt)
+    kernel = functools.partial(da.attn_forward_kernel, sm_scale=scale, block_k=block_k,
+                               block_h=block_h, num_heads=gt)
+
+    def one(q, k, v, start, length):  # q [GT, H]; k, v [S, H] -> per split o, l, m (f32)
+        k, v = (x.reshape(splits, split_len, h) for x in (k, v))
+        return pl.pallas_call(
+            kernel,
+            grid=(1, splits),
+            in_specs=[pl.BlockSpec((block_h, h), lambda i, j: (i, 0)),
+                      pl.BlockSpec((None, split_len, h), lambda i, j: (j, 0, 0)),
+                      pl.BlockSpec((None, split_len, h), lambda i, j: (j, 0, 0)),
+                      pl.BlockSpec((), lambda i, j: ()), pl.BlockSpec((), lambda i, j: ())],
+            out_specs=[pl.BlockSpec((None, block_h, h), lambda i, j: (j, i, 0)),
+                       pl.BlockSpec((None, block_h), lambda i, j: (j, i)),
+                       pl.BlockSpec((None, block_h), lambda i, j: (j, i))],
+            compiler_params=plgpu.CompilerParams(num_warps=GPU_WARPS, num_stages=2),
+            out_shape=[jax.ShapeDtypeStruct((splits, gt, h), jnp.float32),
+                       jax.ShapeDtypeStruct((splits, gt), jnp.float32),
+                       jax.ShapeDtypeStruct((splits, gt), jnp.float32)],
+            interpret=interpret,
+            name="jaxspec_decode",
+        )(q, k, v, start, length)
+
     start = jnp.zeros((b, kv), jnp.int32)
     lens = jnp.broadcast_to(lengths[:, None], (b, kv)).astype(jnp.int32)
-    o, (l, m) = jax.vmap(jax.vmap(inner))(qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype),
-                                          start, lens)
-    # the kernel's m is the max of scaled scores; an empty prefix has l == 0
-    return o.astype(jnp.float32), m.astype(jnp.float32), l.astype(jnp.float32)
+    o, l, m = jax.vmap(jax.vmap(one))(qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype),
+                                      start, lens)  # [B, K, splits, GT(, H)]
+    return _merge_splits(o, m, l, axis=2)
+
+
+def _merge_splits(o, m, l, axis):
+    """Per-split (unnormalised out, max, weight sum) -> one, in f32 (log-sum-exp weights)."""
+    m_all = m.max(axis=axis)
+    a = jnp.exp(m - jnp.expand_dims(m_all, axis))
+    o = (jnp.expand_dims(a, -1) * o).sum(axis=axis)
+    return o, jnp.maximum(m_all, _EMPTY), (a * l).sum(axis=axis)
 
 
 GPU_BLOCK_SLOTS = 64  # cache slots per step of the stacked GPU kernel's loop
@@ -291,12 +379,16 @@ def cache_part_pallas_gpu_stacked(qg, k_all, v_all, lengths, layer, scale, inter
     from jax.experimental.pallas import triton as plgpu
 
     b, kv, gt, h = qg.shape
+    if gt > gpu_rows(h):
+        def part(x):
+            return cache_part_pallas_gpu_stacked(x, k_all, v_all, lengths, layer, scale, interpret)
+        return cache_part_in_row_chunks(part, qg, rows=gpu_rows(h))
     slots = k_all.shape[-2]
     block_k = GPU_BLOCK_SLOTS if slots % GPU_BLOCK_SLOTS == 0 else slots
     splits = min(GPU_SPLITS, slots // block_k)
     while (slots // block_k) % splits:
         splits -= 1
-    rows = max(16, 1 << (gt - 1).bit_length())  # tl.dot: power-of-two rows >= 16
+    rows = gpu_block_rows(gt)
     q = jnp.pad(qg.astype(jnp.float32) * scale, ((0, 0), (0, 0), (0, rows - gt), (0, 0)))
     whole = pl.no_block_spec  # the whole array: the kernel indexes it by address
     q_spec = pl.BlockSpec((None, None, rows, h), lambda i, k, j: (i, k, 0, 0))
@@ -310,12 +402,9 @@ def cache_part_pallas_gpu_stacked(qg, k_all, v_all, lengths, layer, scale, inter
         out_shape=[jax.ShapeDtypeStruct((splits, b, kv, rows, h), jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32),
                    jax.ShapeDtypeStruct((splits, b, kv, rows), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),  # Triton (not Mosaic GPU)
+        compiler_params=plgpu.CompilerParams(num_warps=GPU_WARPS, num_stages=2),  # Triton
         interpret=interpret,
         name="jaxspec_stacked_decode",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths.astype(jnp.int32), q, k_all, v_all)
-    m_all = m.max(axis=0)  # merge the splits: [B, K, rows]
-    a = jnp.exp(m - m_all[None])
-    o = (a[..., None] * o).sum(axis=0)
-    l = (a * l).sum(axis=0)
-    return o[:, :, :gt], jnp.maximum(m_all[:, :, :gt], _EMPTY), l[:, :, :gt]
+    o, m, l = _merge_splits(o, m, l, axis=0)  # [B, K, rows(, H)]
+    return o[:, :, :gt], m[:, :, :gt], l[:, :, :gt]

@@ -504,9 +504,13 @@ def forward(
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     """hidden: [..., D] -> f32 logits [..., V]."""
     w = params.get("lm_head", params["embed"])
-    if not isinstance(w, kernels.PackedWeight):
-        w = w.astype(hidden.dtype)
-    return linear(hidden, w).astype(jnp.float32)
+    if isinstance(w, kernels.PackedWeight):
+        return linear(hidden, w).astype(jnp.float32)
+    # accumulated and returned in f32: a bf16 model's logits are not rounded to bf16 first
+    # (near-tied argmaxes would then turn on the batch's reduction order)
+    dims = (((hidden.ndim - 1,), (1,)), ((), ()))
+    return jax.lax.dot_general(hidden, w.astype(hidden.dtype), dims,
+                               preferred_element_type=jnp.float32)
 
 
 def forward_logits(params, tokens, cache, cfg) -> tuple[jax.Array, KVCache]:
