@@ -426,7 +426,19 @@ class Engine:
                 self.last_runs[state.lengths.shape[0]] = self.last_runs["any"] = run
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
+        self._observe(batch_ids, results)
         return results
+
+    def _observe(self, batch_ids, results) -> None:
+        """A drafter that learns from finished requests (suffix decoding's store) gets this
+        batch's prompts + outputs, between calls: never inside a running batch."""
+        observe = None if self.drafter is None else traits(self.drafter).observe
+        if observe is None:
+            return
+        sequences = [list(ids) + r.token_ids for ids, r in zip(batch_ids, results)]
+        self.drafter_params = observe(self.drafter_params, sequences)
+        if self.plan is not None:
+            self.drafter_params = self.plan.place_drafter(self.drafter_params)
 
     def _fetch(self, state):
         """The fields results read, as numpy (gathered from every process when sharded)."""

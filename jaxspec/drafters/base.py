@@ -32,6 +32,9 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
                           garbage; adaptive speculation's plain loop, without propose (the
                           drafter is left behind during the run and catches up in one pass).
                           Absent: the loop runs propose (max_nodes 0) and commit instead.
+  observe                 (dparams, sequences) -> dparams: host side, after a batch has finished
+                          (never inside the loop): the params given each finished request's
+                          prompt + output token ids (suffix decoding's store of earlier requests)
   drafts_from_tokens      True when propose is a function of ctx alone (no state, no draws: prompt
                           lookup): adaptive speculation may then look at the proposal's size
                           before the step and run a step with nothing to verify as a plain step
@@ -81,6 +84,7 @@ class Traits(NamedTuple):
     advance: Any  # bound method or None
     commit_plain: Any  # bound method or None
     drafts_from_tokens: bool  # propose reads ctx.tokens/lengths/max_nodes only (no state, draws)
+    observe: Any = None  # bound method or None
 
 
 def traits(drafter: Drafter) -> Traits:
@@ -93,6 +97,7 @@ def traits(drafter: Drafter) -> Traits:
         advance=getattr(drafter, "advance", None),
         commit_plain=getattr(drafter, "commit_plain", None),
         drafts_from_tokens=bool(getattr(drafter, "drafts_from_tokens", False)),
+        observe=getattr(drafter, "observe", None),
     )
 
 
