@@ -102,7 +102,9 @@ class Engine:
             drafter=drafter,
             num_speculative_tokens=num_speculative_tokens,
             eos_ids=tuple(model.eos_token_ids),
-            windows=(1, 2),  # prompt lookup with no or a 1-token match: a cheaper, shorter window
+            # prompt lookup with no or a 1-token match: a cheaper, shorter window (and the widths
+            # a drafter of widely varying lengths asks for, suffix decoding's)
+            windows=(1, 2, *(traits(drafter).verify_windows if drafter is not None else ())),
             mesh=self.plan,
             adaptive=None if self.adaptive is None else self.adaptive.controller(depth),
         )

@@ -87,7 +87,7 @@ def test_store_keeps_its_size_bound_and_evicts_oldest_first():
     store = suffix_store.empty_store(20)
     for doc in ([1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13, 14, 15]):
         store = suffix_store.add_documents(store, [doc], "fifo")
-    assert suffix_store.documents(store) == [[1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12, 13, 14, 15]]
+    assert suffix_store.documents(store) == [[1, 2, 3, 4, 5], [6, 7, 8, 9], list(range(10, 16))]
     store = suffix_store.add_documents(store, [[20, 21, 22]], "fifo")  # 19 + 4 > 20: one goes
     assert suffix_store.documents(store) == [[6, 7, 8, 9], [10, 11, 12, 13, 14, 15], [20, 21, 22]]
     assert np.asarray(store.tokens).shape == (20,)

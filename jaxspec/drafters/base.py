@@ -32,6 +32,8 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
                           garbage; adaptive speculation's plain loop, without propose (the
                           drafter is left behind during the run and catches up in one pass).
                           Absent: the loop runs propose (max_nodes 0) and commit instead.
+  verify_windows          extra verify widths (1 + nodes) a variable-length drafter wants compiled:
+                          a proposal is verified in the smallest that fits (default: 1, 2, full)
   observe                 (dparams, sequences) -> dparams: host side, after a batch has finished
                           (never inside the loop): the params given each finished request's
                           prompt + output token ids (suffix decoding's store of earlier requests)
@@ -85,6 +87,7 @@ class Traits(NamedTuple):
     commit_plain: Any  # bound method or None
     drafts_from_tokens: bool  # propose reads ctx.tokens/lengths/max_nodes only (no state, draws)
     observe: Any = None  # bound method or None
+    verify_windows: tuple[int, ...] = ()  # extra verify widths to compile (variable-length)
 
 
 def traits(drafter: Drafter) -> Traits:
@@ -98,6 +101,7 @@ def traits(drafter: Drafter) -> Traits:
         commit_plain=getattr(drafter, "commit_plain", None),
         drafts_from_tokens=bool(getattr(drafter, "drafts_from_tokens", False)),
         observe=getattr(drafter, "observe", None),
+        verify_windows=tuple(getattr(drafter, "verify_windows", ())),
     )
 
 

@@ -58,6 +58,7 @@ class SuffixDrafter:
     hidden_layers: tuple[int, ...] = ()
     variable_length: bool = True
     drafts_from_tokens: bool = True  # committed tokens and the store only: no state, no draw
+    verify_windows: tuple[int, ...] = (3, 5, 9, 17)  # draft lengths vary with the match length
 
     def __post_init__(self):
         if not 1 <= self.min_match <= self.max_match <= MAX_NGRAM:
@@ -220,6 +221,10 @@ class SuffixFirst:
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         return self.inner.hidden_layers
+
+    @property
+    def verify_windows(self) -> tuple[int, ...]:
+        return self.suffix.verify_windows
 
     def observe(self, dparams, sequences):
         inner_params, store = dparams
