@@ -29,7 +29,7 @@ from jaxspec.errors import JaxspecError
 
 def read_sessions(path: str | Path) -> list[dict[str, Any]]:
     """The sessions file -> one prompt per call, in session order: {question_id, category
-    ("call <k>"), messages}."""
+    ("call <k>"), messages, prefix (the forced start of the reply, "" if none)}."""
     path = Path(path)
     if not path.is_file():
         raise JaxspecError(f"--agent-data {path}: no such file (make it with "
@@ -46,8 +46,12 @@ def read_sessions(path: str | Path) -> list[dict[str, Any]]:
                 if not (isinstance(messages, list) and all("role" in m and "content" in m
                                                            for m in messages)):
                     raise KeyError("messages")
+                prefix = call.get("prefix", "")
+                if not isinstance(prefix, str):
+                    raise TypeError("prefix must be a string")
                 prompts.append({"question_id": f"{session['id']}/{k}", "category": f"call {k}",
-                                "messages": messages, "prompt": messages[-1]["content"]})
+                                "messages": messages, "prefix": prefix,
+                                "prompt": messages[-1]["content"]})
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise JaxspecError(
                 f"{path} line {n}: not a session ({type(e).__name__}: {e}); expected "
@@ -56,6 +60,14 @@ def read_sessions(path: str | Path) -> list[dict[str, Any]]:
     if not prompts:
         raise JaxspecError(f"--agent-data {path}: no sessions")
     return prompts
+
+
+def prompt_ids(tokenizer, messages: list[dict], prefix: str = "") -> list[int]:
+    """A call's prompt: the conversation in the chat template with the assistant turn opened, then
+    the forced start of its reply (`prefix`: a forced tool call), as the sessions were made."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+    return [int(t) for t in ids] + tokenizer.encode(prefix, add_special_tokens=False)
 
 
 class AgentBench(Bench):
@@ -91,9 +103,7 @@ class AgentBench(Bench):
             raise JaxspecError("--workload agent needs the model's tokenizer (chat template)")
         self.ids = []
         for p in self.prompts:
-            ids = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-            self.ids.append([int(t) for t in ids])
+            self.ids.append(prompt_ids(tok, p["messages"], p["prefix"]))
 
     def summarise(self) -> None:
         summary = summarise_configs(self.configs, self.plan.config_paths, self.rows)

@@ -17,10 +17,12 @@ from tiny import tiny_model
 from jaxspec import speculate
 from jaxspec.config import load_config
 from jaxspec.drafters import suffix_store
-from jaxspec.drafters.suffix import SuffixDrafter
+from jaxspec.drafters.suffix import SuffixDrafter, SuffixFirst
 from jaxspec.engine import Engine
+from jaxspec.loading.params import unpack_params
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
+from jaxspec.train import methods
 
 V = 64
 LENGTHS = (5, 17, 9, 30, 12, 6, 22, 14)  # batch 8, mixed
@@ -65,6 +67,21 @@ def test_greedy_suffix_is_token_identical(target, prompts, plain, tree, batch_si
     again = engine.generate(prompts, max_new_tokens=24, batch_size=batch_size)
     assert [r.token_ids for r in again] == plain
     assert sum(r.metrics["num_steps"] for r in again) < sum(r.metrics["num_steps"] for r in results)
+
+
+def test_suffix_first_then_eagle_is_token_identical(target, prompts, plain):
+    """speculative.suffix.then: suffix proposals where there is a match, EAGLE's elsewhere."""
+    method = methods.Eagle(hidden_layers=(0, 1, 1), input_scale=1.0)
+    unpacked = dataclasses.replace(target, params=unpack_params(target.params, target.cfg))
+    params, frozen = method.init(unpacked, np.arange(V, dtype=np.int32), jax.random.key(7))
+    suffix = SuffixDrafter(V, store_tokens=512)
+    store = suffix.observe(suffix.empty_store(), history(prompts, plain, range(0, 8, 2)))
+    drafter = SuffixFirst(method.drafter(target.cfg), suffix)
+    engine = Engine(target, drafter, (method.runtime(params, frozen), store),
+                    num_speculative_tokens=3)
+    results = engine.generate(prompts, max_new_tokens=24, batch_size=8)
+    assert [r.token_ids for r in results] == plain
+    assert max(r.metrics["mean_accepted_length"] for r in results) > 2.5
 
 
 def test_output_does_not_depend_on_earlier_requests(target, prompts, plain):
