@@ -544,5 +544,6 @@ class Engine:
                 decode_s = time.perf_counter() - t1
                 result = self._results([prompt], [ids], self._fetch(state), t1 - t0, decode_s)[0]
                 result.metrics["compile_s"] = compile_s
+                self._observe([ids], [result])
                 return result
             state = self._decode(state, sp, steps_per_chunk)
