@@ -226,6 +226,10 @@ class SuffixFirst:
     def verify_windows(self) -> tuple[int, ...]:
         return self.suffix.verify_windows
 
+    def target_needs(self, dparams) -> tuple[str, ...]:
+        needs = traits(self.inner).target_needs
+        return () if needs is None else needs(dparams[0])
+
     def observe(self, dparams, sequences):
         inner_params, store = dparams
         return inner_params, self.suffix.observe(store, sequences)
@@ -326,7 +330,7 @@ def build(options: SuffixOptions, ctx: BuildContext):
     tree = ctx.spec.tree
     dynamic = tree.kind == "dynamic"
     drafter = SuffixDrafter(
-        vocab_size=ctx.target.cfg.vocab_size,
+        vocab_size=ctx.target.target.vocab_size,
         min_match=options.min_match,
         max_match=options.max_match,
         candidates=options.candidates,

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jaxspec.cache import KVCache, init_cache
+from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
 from jaxspec.loading.params import (
@@ -22,7 +22,6 @@ from jaxspec.loading.params import (
     LAYOUTS,
     assemble,
     check_options,
-    layout_of,
     place,
     place_on_mesh,
     resolve_dtype,
@@ -31,8 +30,8 @@ from jaxspec.loading.params import (
 from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packaged_file, resolve
 from jaxspec.loading.safetensors_dir import config_from_hf, load_hf_tensors, read_hf_config
 from jaxspec.loading.tokenizer import load_dir_tokenizer, load_gguf_tokenizer, stop_token_ids
-from jaxspec.models import attention
-from jaxspec.models.llama import ModelConfig, Params
+from jaxspec.models import attention, base, registry
+from jaxspec.models.llama import LlamaTarget, ModelConfig, Params
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -57,14 +56,19 @@ class LoadedModel:
     source_path: str
     load_seconds: float = 0.0
     layout_note: str = ""  # why this layout ran (resolve_layout), e.g. why "auto" fell back
+    target: Any = None  # the models.base.Target that runs params; None: the Llama family's
+
+    def __post_init__(self):
+        if self.target is None:
+            object.__setattr__(self, "target", LlamaTarget(self.cfg))
 
     @property
     def stacked(self) -> bool:
-        return isinstance(self.params["layers"], dict)
+        return base.layout(self.target, self.params) == "stacked"
 
     @property
     def layout(self) -> str:
-        return layout_of(self.params)
+        return base.layout(self.target, self.params)
 
     @property
     def attention(self) -> str:
@@ -77,16 +81,7 @@ class LoadedModel:
 
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty KV cache in the layout (per-layer or stacked) and dtype of these params."""
-        c = self.cfg
-        return init_cache(
-            c.num_layers,
-            batch,
-            capacity,
-            c.num_kv_heads,
-            c.head_dim,
-            dtype=c.compute_dtype,
-            stacked=self.stacked,
-        )
+        return self.target.init_cache(self.params, batch, capacity)
 
 
 def load_model(
@@ -120,9 +115,9 @@ def load_model(
     src = resolve(name_or_path)
     lazy = mesh is not None
     if src.kind == "gguf":
-        cfg, flat, tokenizer, eos = _read_gguf(src.path, dtype, lazy)
+        cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
     else:
-        cfg, flat, tokenizer, eos = _read_hf_dir(src.path, dtype)
+        cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype)
     params = assemble(cfg, flat, source=str(src.path))
     if mesh is not None:
         params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
@@ -137,20 +132,24 @@ def load_model(
         source_path=str(src.path),
         load_seconds=time.perf_counter() - start,
         layout_note=layout_note,
+        target=LlamaTarget(cfg, name=arch),
     )
 
 
 def _read_gguf(path: Path, dtype: str, lazy: bool = False):
     reader = open_gguf(path)
+    registry.family_for_gguf(metadata(reader, "general.architecture", None), str(path))
     cfg = config_from_gguf(reader, dtype=dtype, source=str(path))
     flat = load_gguf_tensors(reader, cfg, source=str(path), lazy=lazy)
     tokenizer = load_gguf_tokenizer(path, reader)
     eos = [metadata(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
-    return cfg, flat, tokenizer, eos
+    return cfg, flat, tokenizer, eos, metadata(reader, "general.architecture")
 
 
 def _read_hf_dir(path: Path, dtype: str):
     hf = read_hf_config(path)
+    if "model_type" in hf:  # refused before any tensor is read, naming the supported ones
+        registry.family_for_model_type(hf["model_type"], str(path / "config.json"))
     cfg = config_from_hf(hf, dtype=dtype, source=str(path / "config.json"))
     mtp = int(hf.get("num_nextn_predict_layers") or 0)  # MTP modules after the last layer
     flat = load_hf_tensors(path, cfg, skip_from_layer=cfg.num_layers if mtp else None)
@@ -159,7 +158,7 @@ def _read_hf_dir(path: Path, dtype: str):
     gen = path / "generation_config.json"
     if gen.is_file():
         eos += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
-    return cfg, flat, tokenizer, eos
+    return cfg, flat, tokenizer, eos, hf.get("model_type", "llama")
 
 
 def _as_list(x) -> list:

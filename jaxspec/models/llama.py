@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.cache import KVCache
-from jaxspec.models import attention
+from jaxspec.cache import KVCache, cache_axes, init_cache
+from jaxspec.models import attention, base, registry
 
 Params = dict[str, Any]
 
@@ -489,3 +489,137 @@ def forward_logits(params, tokens, cache, cfg) -> tuple[jax.Array, KVCache]:
     """Convenience: logits for every query position, and the written cache."""
     out = forward(params, tokens, cache, cfg)
     return lm_head(params, out.hidden), out.cache
+
+
+# ---- the target protocol (models/base.py) ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaTarget:
+    """The Llama family as a `models.base.Target`: every layout (unrolled, stacked, packed CPU
+    kernels) through the functions above. Hashable: part of the jit key."""
+
+    cfg: ModelConfig
+    name: str = "llama"  # the checkpoint's architecture (llama, mistral, qwen2, qwen3)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def dtype(self) -> str:
+        return self.cfg.dtype
+
+    @property
+    def layer_config(self) -> ModelConfig:
+        return self.cfg
+
+    def init_cache(self, params: Params, batch: int, capacity: int) -> KVCache:
+        """An empty cache in the params' layout (a stack for stacked params) and compute dtype."""
+        c = self.cfg
+        stacked = isinstance(params["layers"], dict)
+        return init_cache(
+            c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, c.compute_dtype, stacked
+        )
+
+    def forward(self, params, tokens, cache, *, positions=None, window_mask=None,
+                write_cache=True, taps=()) -> base.TargetOutput:
+        out = forward(params, tokens, cache, self.cfg, tuple(taps), write_cache, positions,
+                      window_mask)
+        return base.TargetOutput(out.hidden, out.layer_hidden, out.window_kv, out.cache)
+
+    def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        return lm_head(params, hidden)
+
+    def commit_window(self, cache: KVCache, window_kv, path, positions) -> KVCache:
+        """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]."""
+        def gather(w):  # [..., B, T, K, H] -> [..., B, P, K, H]
+            idx = path.reshape((1,) * (w.ndim - 4) + path.shape + (1, 1))
+            return jnp.take_along_axis(w, idx, axis=w.ndim - 3)
+
+        return write_window(cache, jax.tree.map(gather, window_kv), positions)
+
+    # optional traits
+    def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
+        return params["embed"][tokens]
+
+    def embedding_table(self, params: Params) -> jax.Array:
+        return params["embed"]
+
+    def head_table(self, params: Params) -> jax.Array:
+        w = params.get("lm_head", params["embed"])
+        return kernels.unpack(w) if isinstance(w, kernels.PackedWeight) else w
+
+    def layer_weights(self, params: Params, index: int) -> Params:
+        """Layer `index` as plain `[out, in]` arrays (the packed layout's fused panels split)."""
+        layers = params["layers"]
+        if isinstance(layers, dict):
+            return jax.tree.map(lambda w: w[index], layers)
+        lp = layers[index]
+        if not isinstance(lp.get("wqkv"), kernels.PackedWeight):
+            return dict(lp)
+        rest = {k: w for k, w in lp.items() if not isinstance(w, kernels.PackedWeight)}
+        wq, wk, wv = jnp.split(kernels.unpack(lp["wqkv"]), qkv_splits(self.cfg))
+        gate, up = jnp.split(kernels.unpack(lp["w_gate_up"]), 2)
+        return rest | {"wq": wq, "wk": wk, "wv": wv, "wo": kernels.unpack(lp["wo"]),
+                       "w_gate": gate, "w_up": up, "w_down": kernels.unpack(lp["w_down"])}
+
+    def final_norm(self, params: Params) -> jax.Array:
+        return params["final_norm"]
+
+    def prefix(self, num_layers: int) -> LlamaTarget:
+        """The first `num_layers` layers of the same params (the unrolled forward zips the layer
+        tuple with a cache of num_layers entries; the stacked one scans the stack's first
+        num_layers), then the final norm and LM head."""
+        if not 1 <= num_layers <= self.cfg.num_layers:
+            raise ValueError(f"prefix of {num_layers} layers: the target has {self.cfg.num_layers}")
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, num_layers=num_layers))
+
+    def init_params(self, key: jax.Array, layout: str = "unrolled") -> Params:
+        params = init_params(self.cfg, key)
+        return stack_layers(params) if layout == "stacked" else params
+
+    def param_axes(self, params: Params) -> Params:
+        return param_axes(self.cfg, stacked=isinstance(params["layers"], dict))
+
+    def cache_axes(self, cache: KVCache) -> KVCache:
+        return cache_axes(self.cfg.num_layers, stacked=not isinstance(cache.k, tuple))
+
+    def head_counts(self) -> dict[str, int]:
+        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
+
+    def pad_window(self, window_kv, entries: int):
+        """Window k/v ([B, T, K, H] per layer, or [L, B, T, K, H]) padded to `entries`."""
+        pad = lambda w: jnp.pad(  # noqa: E731
+            w, [(0, 0)] * (w.ndim - 3) + [(0, entries - w.shape[-3]), (0, 0), (0, 0)]
+        )
+        return jax.tree.map(pad, window_kv)
+
+    def layout(self, params: Params) -> str:
+        if isinstance(params["layers"], dict):
+            return "stacked"
+        return "packed" if uses_cpu_kernels(params) else "unrolled"
+
+    def uses_cpu_kernels(self, params: Params) -> bool:
+        return uses_cpu_kernels(params)
+
+
+registry.register_family(
+    registry.Family(
+        name="llama",
+        model_types=("llama", "mistral", "qwen2", "qwen3"),
+        gguf_architectures=("llama", "qwen2", "qwen3"),
+    )
+)

@@ -1,0 +1,83 @@
+"""The target registry: architecture name -> the family that implements it (`models/base.py`).
+
+A family is one module that builds its `Target` and registers the names checkpoints use for it:
+
+    register_family(Family(
+        name="gemma3",
+        model_types=("gemma3", "gemma3_text"),   # config.json "model_type"
+        gguf_architectures=("gemma3",),          # GGUF "general.architecture"
+        target_from_hf=gemma3_target_from_hf,    # (hf: dict, *, dtype, source) -> Target
+        target_from_gguf=gemma3_target_from_gguf,  # (reader, *, dtype, source) -> Target
+    ))
+
+The loaders pick the family from the checkpoint (`family_for_model_type`, `family_for_gguf`);
+an architecture nobody registered is refused in one line that lists the supported ones. The
+Llama family (llama, mistral, qwen2, qwen3) registers in `models/llama.py` with no
+`target_from_*` hooks: the loaders' own Llama readers build its config. No jax here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # config.json model_type values
+    gguf_architectures: tuple[str, ...] = ()  # GGUF general.architecture values
+    # (hf config dict, *, dtype, source) -> Target; None: the loaders' Llama reader
+    target_from_hf: Callable[..., Any] | None = None
+    # (gguf.GGUFReader, *, dtype, source) -> Target; None: the loaders' Llama reader
+    target_from_gguf: Callable[..., Any] | None = None
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> None:
+    """Make checkpoints whose model_type / GGUF architecture the family names load as it."""
+    if FAMILIES.get(family.name, family) != family:
+        raise ValueError(f"target family {family.name!r} is already registered")
+    for other in FAMILIES.values():
+        if other.name == family.name:
+            continue
+        clash = set(other.model_types) & set(family.model_types)
+        clash |= set(other.gguf_architectures) & set(family.gguf_architectures)
+        if clash:
+            raise ValueError(
+                f"target family {family.name!r}: {sorted(clash)} already belong to {other.name!r}"
+            )
+    FAMILIES[family.name] = family
+
+
+def supported_model_types() -> list[str]:
+    return sorted({t for f in FAMILIES.values() for t in f.model_types})
+
+
+def supported_gguf_architectures() -> list[str]:
+    return sorted({a for f in FAMILIES.values() for a in f.gguf_architectures})
+
+
+def family_for_model_type(model_type: str | None, source: str = "config.json") -> Family:
+    for f in FAMILIES.values():
+        if model_type in f.model_types:
+            return f
+    raise JaxspecError(
+        f"{source}: model_type {model_type!r} is not supported: jaxspec implements "
+        f"{', '.join(supported_model_types())}"
+    )
+
+
+def family_for_gguf(architecture: str | None, source: str = "the GGUF file") -> Family:
+    for f in FAMILIES.values():
+        if architecture in f.gguf_architectures:
+            return f
+    raise JaxspecError(
+        f"{source}: GGUF architecture {architecture!r} is not supported: jaxspec implements "
+        f"{', '.join(supported_gguf_architectures())}"
+    )
