@@ -185,6 +185,19 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     p.add_argument(
+        "--workload",
+        choices=["spec-bench", "agent"],
+        default="spec-bench",
+        help="agent: the multi-turn tool-calling sessions of --agent-data, in order through one "
+        "engine per config (jaxspec/bench_agent.py)",
+    )
+    p.add_argument(
+        "--agent-data",
+        default=str(REPO_ROOT / "data" / "agent_sessions.jsonl"),
+        metavar="FILE.jsonl",
+        help="--workload agent: the sessions (default: <repo>/data/agent_sessions.jsonl)",
+    )
+    p.add_argument(
         "--sweeps-only",
         action="store_true",
         help="skip the Spec-Bench phase: run only the γ / batch sweeps (prompts still come from "
@@ -504,7 +517,10 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
     try:
         args = make_parser().parse_args(argv)
         check_extras(args)
-        bench = Bench(args, argv, target=target, hf_model=hf_model)
+        runner = Bench
+        if args.workload == "agent":
+            from jaxspec.bench_agent import AgentBench as runner
+        bench = runner(args, argv, target=target, hf_model=hf_model)
         bench.prepare()
         bench.load()
         if not args.sweeps_only:

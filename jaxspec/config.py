@@ -232,7 +232,10 @@ class SpeculativeConfig(Section):
     def from_sections(cls, fields: dict[str, Any], methods: dict[str, Any]) -> SpeculativeConfig:
         """`methods`: the method subsections read (each validated); the chosen one's are kept."""
         method = fields.get("method", "none")
-        return cls(**fields, options=methods.get(method) if isinstance(method, str) else None)
+        options = methods.get(method) if isinstance(method, str) else None
+        if options is not None:  # a method composing another keeps that one's section
+            options = options.with_sections(methods)
+        return cls(**fields, options=options)
 
     def _validate(self):
         if self.method != "none":

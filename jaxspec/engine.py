@@ -108,7 +108,9 @@ class Engine:
             drafter=drafter,
             num_speculative_tokens=num_speculative_tokens,
             eos_ids=tuple(model.eos_token_ids),
-            windows=(1, 2),  # prompt lookup with no or a 1-token match: a cheaper, shorter window
+            # prompt lookup with no or a 1-token match: a cheaper, shorter window (and the widths
+            # a drafter of widely varying lengths asks for, suffix decoding's)
+            windows=(1, 2, *(traits(drafter).verify_windows if drafter is not None else ())),
             mesh=self.plan,
             adaptive=None if self.adaptive is None else self.adaptive.controller(depth),
         )
@@ -447,7 +449,19 @@ class Engine:
                 self.last_runs[state.lengths.shape[0]] = self.last_runs["any"] = run
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
+        self._observe(batch_ids, results)
         return results
+
+    def _observe(self, batch_ids, results) -> None:
+        """A drafter that learns from finished requests (suffix decoding's store) gets this
+        batch's prompts + outputs, between calls: never inside a running batch."""
+        observe = None if self.drafter is None else traits(self.drafter).observe
+        if observe is None:
+            return
+        sequences = [list(ids) + r.token_ids for ids, r in zip(batch_ids, results)]
+        self.drafter_params = observe(self.drafter_params, sequences)
+        if self.plan is not None:
+            self.drafter_params = self.plan.place_drafter(self.drafter_params)
 
     def _fetch(self, state):
         """The fields results read, as numpy (gathered from every process when sharded)."""
@@ -554,5 +568,6 @@ class Engine:
                 decode_s = time.perf_counter() - t1
                 result = self._results([prompt], [ids], self._fetch(state), t1 - t0, decode_s)[0]
                 result.metrics["compile_s"] = compile_s
+                self._observe([ids], [result])
                 return result
             state = self._decode(state, sp, steps_per_chunk)

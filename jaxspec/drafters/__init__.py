@@ -21,6 +21,7 @@ from jaxspec.drafters import (  # noqa: F401
     medusa,
     mtp,
     ngram,
+    suffix,
 )
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal
 from jaxspec.drafters.ngram import NgramDrafter

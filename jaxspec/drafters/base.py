@@ -43,6 +43,11 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
   target_needs            (dparams) -> tuple of target-protocol trait names the drafter calls
                           (models/base.py: "embed", "prefix", ...): `check_target` refuses a
                           target without one, in one line, before anything is compiled
+  verify_windows          extra verify widths (1 + nodes) a variable-length drafter wants compiled:
+                          a proposal is verified in the smallest that fits (default: 1, 2, full)
+  observe                 (dparams, sequences) -> dparams: host side, after a batch has finished
+                          (never inside the loop): the params given each finished request's
+                          prompt + output token ids (suffix decoding's store of earlier requests)
   drafts_from_tokens      True when propose is a function of ctx alone (no state, no draws: prompt
                           lookup): adaptive speculation may then look at the proposal's size
                           before the step and run a step with nothing to verify as a plain step
@@ -96,6 +101,8 @@ class Traits(NamedTuple):
     commit_plain: Any  # bound method or None
     drafts_from_tokens: bool  # propose reads ctx.tokens/lengths/max_nodes only (no state, draws)
     target_needs: Any  # bound method (dparams) -> tuple[str, ...], or None
+    observe: Any = None  # bound method or None
+    verify_windows: tuple[int, ...] = ()  # extra verify widths to compile (variable-length)
 
 
 def traits(drafter: Drafter) -> Traits:
@@ -110,6 +117,8 @@ def traits(drafter: Drafter) -> Traits:
         commit_plain=getattr(drafter, "commit_plain", None),
         drafts_from_tokens=bool(getattr(drafter, "drafts_from_tokens", False)),
         target_needs=getattr(drafter, "target_needs", None),
+        observe=getattr(drafter, "observe", None),
+        verify_windows=tuple(getattr(drafter, "verify_windows", ())),
     )
 
 

@@ -38,6 +38,11 @@ class DrafterOptions(Section):
         """Cross-checks against the rest of the speculative section (`spec.tree`, `spec.lookup`,
         `spec.num_speculative_tokens`) once it is built: raise a one-line JaxspecError."""
 
+    def with_sections(self, sections: dict[str, Any]) -> DrafterOptions:
+        """These options given every method section the config read (`{method: options}`): a
+        method that composes another (suffix decoding's `then`) keeps that one's; else self."""
+        return self
+
 
 class BuildContext(NamedTuple):
     """What a factory may use besides its options (jaxspec.build.build_drafter fills it)."""
