@@ -165,19 +165,21 @@ class Scheduler:
         free = self._free_slots()
         while free and self.queue:
             req = self.queue[0]
-            if not self.pool.grow(free[0], self._slots_needed(len(req.prompt_ids), req)):
+            # admitted on its prompt and one step (as vLLM does): growth past it is reserved
+            # call by call, preempting the newest rows where the pool runs short
+            if not self.pool.grow(free[0], self._slots_needed(len(req.prompt_ids), req, 1)):
                 break  # the pool is short: wait for a row to end
             self.queue.popleft()
             slot = free.pop(0)
             self._prefill_into(req, slot)
 
-    def _slots_needed(self, length: int, req: Request) -> int:
-        """Cache slots a row of `length` committed tokens may touch in the next device call:
-        its growth (at most depth + 1 tokens a step, never past max_tokens) plus one verify
-        window of drafted slots."""
+    def _slots_needed(self, length: int, req: Request, steps: int | None = None) -> int:
+        """Cache slots a row of `length` committed tokens may touch in its next `steps` steps
+        (None: a device call's): its growth (at most depth + 1 tokens a step, never past
+        max_tokens) plus one verify window of drafted slots."""
         spec = self.spec
         limit = len(req.prompt_ids) + int(req.sampling.max_tokens)
-        grow = min(length + 1 + self.steps * (spec.depth + 1), limit)
+        grow = min(length + 1 + (steps or self.steps) * (spec.depth + 1), limit)
         return min(grow + spec.num_nodes + 1, self.capacity)
 
     def _prefill_into(self, req: Request, slot: int) -> None:
