@@ -164,16 +164,16 @@ def test_cancelled_request_frees_its_row_and_pages(target, prompts):
 
 
 def test_bad_requests_are_one_line_errors(target):
-    sched = Scheduler(engine_for(target, "plain"), slots=1, max_context=32, max_queue=1)
+    sched = Scheduler(engine_for(target, "plain", context=32), slots=1, max_context=32, max_queue=1)
     with pytest.raises(JaxspecError, match="max_context=32"):
         sched.new_request([1] * 20, Sampling(max_tokens=20), Sink())
     with pytest.raises(JaxspecError, match="out of range"):
-        sched.new_request([1, 999], Sampling(), Sink())
+        sched.new_request([1, 999], Sampling(max_tokens=4), Sink())
     with pytest.raises(JaxspecError, match="top_p"):
         Sampling(temperature=1.0, top_p=0.0)
-    sched.enqueue(sched.new_request([1, 2], Sampling(), Sink()))
+    sched.enqueue(sched.new_request([1, 2], Sampling(max_tokens=4), Sink()))
     with pytest.raises(JaxspecError, match="queue holds 1"):
-        sched.enqueue(sched.new_request([1, 2], Sampling(), Sink()))
+        sched.enqueue(sched.new_request([1, 2], Sampling(max_tokens=4), Sink()))
 
 
 def test_streamed_text_never_shows_part_of_a_stop_string():

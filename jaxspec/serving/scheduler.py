@@ -54,6 +54,7 @@ class Request:
     text: TextState | None = None
     cancelled: bool = False
     preemptions: int = 0
+    peak_pages: int = 0  # the most KV pages the request held at once
     replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
 
 
@@ -79,7 +80,10 @@ class Scheduler:
         kv_pages: int | None = None,
         page_size: int = 16,
         seed: int = 0,
+        static: bool = False,
     ):
+        """static: the static-batching baseline (bench_serve): requests are admitted only into
+        an empty batch, which then runs until its last row ends (same programs otherwise)."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
             raise JaxspecError(
                 f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
@@ -93,6 +97,7 @@ class Scheduler:
         self.engine = engine
         self.slots, self.capacity, self.steps = slots, max_context, steps_per_call
         self.max_queue = max_queue
+        self.static = static
         spec = engine.spec
         if spec.adaptive is not None:  # rows of different requests: no batch-wide hand-off
             spec = dataclasses.replace(
@@ -162,6 +167,8 @@ class Scheduler:
         return [s for s in range(self.slots) if s not in self.active]
 
     def _admit(self) -> None:
+        if self.static and self.active:
+            return
         free = self._free_slots()
         while free and self.queue:
             req = self.queue[0]
@@ -171,6 +178,7 @@ class Scheduler:
                 break  # the pool is short: wait for a row to end
             self.queue.popleft()
             slot = free.pop(0)
+            req.peak_pages = max(req.peak_pages, self.pool.held(slot))
             self._prefill_into(req, slot)
 
     def _slots_needed(self, length: int, req: Request, steps: int | None = None) -> int:
@@ -242,6 +250,8 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is req:
                     break
+            if req.slot >= 0:
+                req.peak_pages = max(req.peak_pages, self.pool.held(req.slot))
 
     def _host_lengths(self) -> np.ndarray:
         return np.asarray(jax.device_get(self.state.lengths))
@@ -323,6 +333,7 @@ class Scheduler:
         metrics: dict[str, Any] = {"method": self.engine.method}
         if host is not None:
             metrics = self.engine.row_metrics(host, req.slot, n)
+        metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.pool.page_size}
         now = time.perf_counter()
         first = req.first_token or now
         text = self.engine.decode_text([t for t in req.generated
