@@ -331,6 +331,26 @@ class DistributedConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ServingConfig(Section):
+    """Continuous batching (jaxspec/serving, `python -m jaxspec.serve`)."""
+
+    SECTION: ClassVar[str] = "serving"
+    slots: int = 4  # rows the decode program runs over (requests in flight)
+    max_context: int = 1024  # KV slots a request may use (prompt + max_tokens + γ + 1)
+    steps_per_call: int = 8  # decode steps per device call (admission happens between calls)
+    max_queue: int = 64  # queued requests beyond which a submit is refused (HTTP 429)
+    kv_pages: int = 0  # pages in the KV pool (0: slots * max_context / page_size)
+    page_size: int = 16  # KV slots per page
+
+    def _validate(self):
+        for name in ("slots", "max_context", "steps_per_call", "max_queue", "page_size"):
+            if getattr(self, name) < 1:
+                self._fail(name, "use an integer >= 1")
+        if self.kv_pages < 0:
+            self._fail("kv_pages", "use 0 (sized from slots and max_context) or a page count")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelLoadConfig = dataclasses.field(default_factory=ModelLoadConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -338,6 +358,7 @@ class Config:
     speculative: SpeculativeConfig = dataclasses.field(default_factory=SpeculativeConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The config in the YAML layout (the method's options under speculative.<method>)."""

@@ -571,3 +571,8 @@ class Engine:
                 self._observe([ids], [result])
                 return result
             state = self._decode(state, sp, steps_per_chunk)
+
+    # the units the serving scheduler (jaxspec/serving) reuses, by their public names
+    check_fits = _check_fits  # (ids, max_new_tokens): a one-line JaxspecError if it cannot run
+    row_metrics = _metrics  # (fetched state, row, num_generated) -> the metrics dict
+    decode_text = _decode_text  # generated ids -> text (EOS dropped, special tokens skipped)

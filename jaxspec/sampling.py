@@ -51,6 +51,17 @@ class SamplingParams:
             min_p=jnp.asarray(mp, jnp.float32),
         )
 
+    @classmethod
+    def rows(cls, settings) -> SamplingParams:
+        """Per-row params (serving: each row its own request's): `settings` one (temperature,
+        top_k, top_p, min_p) per row, each validated as `make` does. Mode "greedy" when every
+        row is greedy (the program carries no sampling code), else "any" (a greedy row's law is
+        still the one-hot argmax)."""
+        made = [cls.make(*s) for s in settings]
+        stack = lambda name: jnp.stack([getattr(m, name) for m in made])  # noqa: E731
+        mode = "greedy" if all(m.mode == "greedy" for m in made) else "any"
+        return cls(stack("temperature"), stack("top_k"), stack("top_p"), stack("min_p"), mode)
+
     @property
     def is_greedy(self) -> bool:
         """Host-side check; only valid on concrete (not traced) params."""
@@ -78,9 +89,28 @@ def logits_to_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     logits = logits.astype(jnp.float32)
     if sp.mode == "greedy":
         return _greedy_probs(logits, sp)
+    if jnp.ndim(sp.temperature) == 1:  # per-row params (serving): each row its own settings
+        return _per_row_probs(logits, sp)
     if sp.mode == "sampled":
         return _sampled_probs(logits, sp)
     return lax.cond(sp.temperature == 0.0, _greedy_probs, _sampled_probs, logits, sp)
+
+
+def _per_row_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
+    """logits_to_probs with per-row params (f32[B] / int32[B] fields, `SamplingParams.rows`):
+    vmapped over the logits' batch axis -- the leading one ([B, ...]), the second ([G, B, N]:
+    per-head logits), or a flattened [B * F, V] -- so a row's law depends on its own settings."""
+    b = sp.temperature.shape[0]
+    fields = (sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+    one = lambda x, t, k, p, m: logits_to_probs(x, SamplingParams(t, k, p, m, mode=sp.mode))  # noqa: E731
+    if logits.shape[0] == b:
+        return jax.vmap(one)(logits, *fields)
+    if logits.ndim >= 3 and logits.shape[1] == b:
+        return jax.vmap(one, in_axes=(1, 0, 0, 0, 0), out_axes=1)(logits, *fields)
+    if logits.ndim == 2 and logits.shape[0] % b == 0:
+        rows = logits.reshape(b, -1, logits.shape[-1])
+        return jax.vmap(one)(rows, *fields).reshape(logits.shape)
+    raise ValueError(f"per-row sampling params for {b} rows do not fit logits {logits.shape}")
 
 
 def _greedy_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:

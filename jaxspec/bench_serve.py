@@ -1,0 +1,149 @@
+"""python -m jaxspec.bench_serve: continuous batching against static batching under Poisson
+arrivals, on Spec-Bench dev prompts (evaluation only) with mixed output lengths, per method.
+
+Each method's engine is built once; for every arrival rate the same requests (same prompts,
+lengths and arrival times) run through the continuous scheduler and the static baseline (the
+same programs, admitting only into an empty batch). Reported per run: throughput (generated
+tokens / makespan), TTFT and time per output token (p50 / p99), and the KV pages each request
+held at its peak against its length (memory proportional to length). Arguments are parsed
+before jax is imported."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+from jaxspec.cli_support import EXIT_USAGE, ArgumentParser
+from jaxspec.errors import JaxspecError
+
+LENGTHS = (16, 32, 64)  # mixed output lengths, cycled
+
+
+def make_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m jaxspec.bench_serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", nargs="+", default=["configs/smollm2-135m.yaml",
+                                                    "configs/smollm2-135m-ngram.yaml"])
+    p.add_argument("--prompts", default="data/spec_bench_dev.jsonl")
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0], help="requests/s")
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--max-context", type=int, default=512)
+    p.add_argument("--max-prompt", type=int, default=192, help="prompt tokens kept (the head)")
+    p.add_argument("--out", help="write the runs as JSON here")
+    return p
+
+
+def _pct(xs, q):
+    import numpy as np
+
+    return float(np.percentile(xs, q)) if xs else 0.0
+
+
+def load_prompts(path: str, n: int) -> list[str]:
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        p = Path("../shared/data") / Path(path).name
+    if not p.is_file():
+        raise JaxspecError(f"--prompts {path}: no such file (the Spec-Bench dev set)")
+    out = []
+    for line in p.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            turns = row.get("turns") or [row.get("prompt") or row.get("text")]
+            out.append(str(turns[0]))
+        if len(out) == n:
+            break
+    return out
+
+
+def run_once(server, requests, arrivals):
+    """Submit each request at its arrival time; wait for all. -> figures of the run."""
+    streams, t0 = [None] * len(requests), time.perf_counter()
+
+    def feed():
+        for i, ((ids, sampling), at) in enumerate(zip(requests, arrivals)):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            streams[i] = server.submit(ids, sampling)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    feeder.join()
+    done = [s.result() for s in streams]
+    makespan = time.perf_counter() - t0
+    tokens = sum(d.num_generated_tokens for d in done)
+    ttft = [d.time_to_first_token_s for d in done]
+    tpot = [d.time_per_output_token_s for d in done if d.num_generated_tokens > 1]
+    pages = [(d.num_prompt_tokens + d.num_generated_tokens, d.metrics["kv_pages"]) for d in done]
+    return {
+        "throughput_tok_s": tokens / makespan, "tokens": tokens, "makespan_s": makespan,
+        "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
+        "pages_per_request": pages,
+        "acceptance": sum(d.metrics.get("num_accepted_tokens", 0) for d in done)
+        / max(1, sum(d.metrics.get("num_draft_tokens", 0) for d in done)),
+    }
+
+
+def run(argv=None) -> int:
+    args = make_parser().parse_args(argv)
+    import dataclasses
+
+    import numpy as np
+
+    from jaxspec.build import build_engine
+    from jaxspec.cli_support import enable_compilation_cache
+    from jaxspec.config import load_config
+    from jaxspec.serving import Sampling, Server
+
+    enable_compilation_cache()
+    texts = load_prompts(args.prompts, args.requests)
+    runs, target = [], None
+    for path in args.configs:
+        config = load_config(path)
+        config = dataclasses.replace(config, generation=dataclasses.replace(
+            config.generation, max_context=args.max_context))
+        engine = build_engine(config, target)
+        target = engine.model
+        requests = []
+        for i, text in enumerate(texts):
+            ids = engine.encode(text)[: args.max_prompt]
+            requests.append((ids, Sampling(max_tokens=LENGTHS[i % len(LENGTHS)])))
+        for static in (False, True):  # warm every prompt bucket and both program paths
+            with Server(engine, slots=args.slots, max_context=args.max_context,
+                        static=static) as server:
+                for ids, _ in requests:
+                    server.generate(ids, Sampling(max_tokens=2))
+        for rate in args.rates:
+            rng = np.random.default_rng(0)
+            arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
+            for static in (False, True):
+                with Server(engine, slots=args.slots, max_context=args.max_context,
+                            static=static) as server:
+                    fig = run_once(server, requests, arrivals)
+                fig |= {"config": path, "method": engine.method, "rate": rate,
+                        "batching": "static" if static else "continuous"}
+                runs.append(fig)
+                print(json.dumps({k: v for k, v in fig.items() if k != "pages_per_request"}),
+                      flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(runs, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except JaxspecError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The Python API: a Server runs the scheduler on its own thread; `submit` returns a Stream of
+text pieces (an iterator and an async iterator) whose `result()` is the Completion.
+
+    server = Server(engine, slots=4, max_context=512)
+    stream = server.submit("Hi!", Sampling(max_tokens=32))
+    for piece in stream: print(piece, end="")          # or: async for piece in stream
+    print(stream.result().usage())
+    server.close()
+
+Every device call happens on the server's thread; submit, cancel and the streams may be used
+from any thread or event loop (a notebook's included).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+from jaxspec.errors import JaxspecError
+from jaxspec.serving.requests import Completion, QueueFull, Sampling
+from jaxspec.serving.scheduler import Scheduler
+
+_END = object()
+
+
+class Stream:
+    """Pieces of one request's text as the scheduler commits them; ends with its Completion."""
+
+    def __init__(self, server: Server):
+        self._server = server
+        self._cond = threading.Condition()
+        self._pieces: list[str] = []
+        self._done: Completion | None = None
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.request = None  # scheduler.Request, set by submit
+
+    # called on the server thread
+    def push(self, piece: str) -> None:
+        with self._cond:
+            self._pieces.append(piece)
+            self._wake()
+
+    def finish(self, completion: Completion | None, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._done, self._error = completion, error
+            self._wake()
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        for loop, event in self._waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    # consumers
+    def _take(self, i: int):
+        """(pieces from index i on, finished?) without waiting."""
+        return self._pieces[i:], self._done is not None or self._error is not None
+
+    def __iter__(self):
+        i = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self._pieces) > i or self._finished())
+                new, finished = self._take(i)
+            i += len(new)
+            yield from new
+            if finished and not new:
+                self._raise()
+                return
+
+    async def __aiter__(self):
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        try:
+            i = 0
+            while True:
+                with self._cond:
+                    new, finished = self._take(i)
+                    if not new and not finished:
+                        event.clear()
+                if not new and not finished:
+                    await event.wait()
+                    continue
+                i += len(new)
+                for piece in new:
+                    yield piece
+                if finished and i == len(self._pieces):
+                    self._raise()
+                    return
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+
+    def _finished(self) -> bool:
+        return self._done is not None or self._error is not None
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the request to end; its Completion (text, tokens, usage, metrics)."""
+        with self._cond:
+            if not self._cond.wait_for(self._finished, timeout):
+                raise TimeoutError("the request did not finish in time")
+        self._raise()
+        return self._done
+
+    def cancel(self) -> None:
+        """Stop the request (a client that went away): its row and pages are freed."""
+        self._server._cancel(self)
+
+
+class Server:
+    """Continuous batching over an Engine (its model, drafter, adaptive options, tokenizer)."""
+
+    def __init__(self, engine, *, slots: int = 4, max_context: int = 512, steps_per_call: int = 8,
+                 max_queue: int = 64, kv_pages: int | None = None, page_size: int = 16,
+                 seed: int = 0, model_name: str | None = None, static: bool = False):
+        self.scheduler = Scheduler(
+            engine, slots=slots, max_context=max_context, steps_per_call=steps_per_call,
+            max_queue=max_queue, kv_pages=kv_pages, page_size=page_size, seed=seed,
+            static=static,
+        )
+        self.engine = engine
+        self.model_name = model_name or getattr(engine.model, "name", "model")
+        self._lock = threading.Condition()  # guards the inbox, the closed flag, cancellations
+        self._inbox: list = []
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="jaxspec-serving", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: str | Sequence[int], sampling: Sampling | None = None, *,
+               request_id: str | None = None) -> Stream:
+        """Queue a request; raises JaxspecError (bad input) or QueueFull at once. Never waits
+        for a device call: the request lands in the scheduler's queue between calls."""
+        if self._closed:
+            raise JaxspecError("the server is closed")
+        if self._failure is not None:
+            raise JaxspecError(f"the serving loop stopped: {self._failure}")
+        stream = Stream(self)
+        s = self.scheduler
+        req = s.new_request(prompt, sampling or Sampling(), stream, request_id)
+        stream.request = req
+        with self._lock:
+            if len(self._inbox) + len(s.queue) >= s.max_queue:
+                raise QueueFull(f"the queue holds {s.max_queue} requests: retry later")
+            self._inbox.append(req)
+            self._lock.notify_all()
+        return stream
+
+    def generate(self, prompt, sampling: Sampling | None = None) -> Completion:
+        return self.submit(prompt, sampling).result()
+
+    def _cancel(self, stream: Stream) -> None:
+        with self._lock:
+            if stream.request is not None:
+                stream.request.cancelled = True
+            self._lock.notify_all()
+
+    def health(self) -> dict:
+        s = self.scheduler
+        return {"status": "ok" if self._failure is None else "failed",
+                "active": len(s.active), "queued": len(s.queue) + len(self._inbox),
+                "slots": s.slots, "free_pages": s.pool.free_pages, "kv_pages": s.pool.num_pages,
+                "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions}
+
+    def _loop(self) -> None:
+        s = self.scheduler
+        try:
+            while True:
+                with self._lock:
+                    self._lock.wait_for(lambda: self._closed or self._inbox or s.busy)
+                    if self._closed:
+                        break
+                    for req in self._inbox:
+                        s.queue.append(req)  # counted against max_queue at submit
+                    self._inbox.clear()
+                s.run_once()  # outside the lock: submit and cancel never wait for the device
+        except BaseException as e:  # noqa: BLE001 -- every waiting stream learns why
+            self._failure = e
+        reason = "the server closed" if self._failure is None else (
+            f"the serving loop stopped: {self._failure}")
+        with self._lock:
+            for req in [*self._inbox, *s.queue, *s.active.values()]:
+                req.sink.finish(None, JaxspecError(reason))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,87 @@
+"""What a request asks (`Sampling`) and what it gets back (`Completion`); validation in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxspec.errors import JaxspecError
+from jaxspec.limits import sampling_problem
+
+
+class QueueFull(JaxspecError):
+    """The scheduler's queue holds `max_queue` requests already (HTTP 429)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Per-request settings. The sampling values are data in the batch (a row's law is its own);
+    stop token ids and stop strings are applied host side, on the stream; `seed` fixes the row's
+    randomness (None: the request's id), so a request's output does not depend on its batch."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        problem = sampling_problem(
+            float(self.temperature), float(self.top_k), float(self.top_p), float(self.min_p)
+        )
+        if problem is not None:
+            name, fix = problem
+            raise JaxspecError(f"{name}={getattr(self, name)!r} is invalid: {fix}")
+        if int(self.max_tokens) < 1:
+            raise JaxspecError(f"max_tokens={self.max_tokens!r} must be at least 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise JaxspecError(f"stop={list(self.stop)!r}: each stop sequence must be a non-empty string")
+        if self.seed is not None and not 0 <= int(self.seed) < 2**31:
+            raise JaxspecError(f"seed={self.seed!r} must be in 0..2**31-1")
+
+    @property
+    def values(self) -> tuple[float, int, float, float]:
+        return (float(self.temperature), int(self.top_k), float(self.top_p), float(self.min_p))
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished request: its text and tokens, why it ended, timings and the loop's metrics."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, a stop id or string) | "length" (max_tokens) | "cancelled"
+    num_prompt_tokens: int
+    time_to_first_token_s: float
+    time_per_output_token_s: float
+    queue_s: float  # submit -> admission (the last one, after a preemption)
+    preemptions: int
+    metrics: dict[str, Any]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage block plus the speculative loop's figures for this request."""
+        m = self.metrics
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_generated_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_generated_tokens,
+            "speculative": {
+                "method": m.get("method", "plain"),
+                "num_steps": m.get("num_steps", 0),
+                "num_draft_tokens": m.get("num_draft_tokens", 0),
+                "num_accepted_tokens": m.get("num_accepted_tokens", 0),
+                "acceptance_rate": m.get("acceptance_rate", 0.0),
+                "mean_accepted_length": m.get("mean_accepted_length", 1.0),
+                "preemptions": self.preemptions,
+                "time_to_first_token_s": self.time_to_first_token_s,
+                "time_per_output_token_s": self.time_per_output_token_s,
+            },
+        }

@@ -1,0 +1,356 @@
+"""Continuous batching: a queue of requests and a fixed set of row slots. Each device call runs
+the speculative loop (`speculate.decode`, the engine's program) for at most `steps_per_call`
+steps over every slot; between calls the host streams what each row committed, releases rows
+that finished (EOS, max_tokens, a stop id or string, a cancelled client) and admits queued
+requests into the free slots (a batch-1 prefill spliced into the slot: `rows.insert_row`).
+
+Lossless and batch-independent: every row carries its own request's sampling values (per-row
+`SamplingParams`), its own key (`row_ids` = the request's seed: `sampling.row_keys`), its own
+drafter and controller state (reset by the splice); greedy output equals a solo run of the
+request whatever shares the batch. Preemption under a short page pool restarts a request from
+its prompt (recompute): the same seed replays the same tokens, and the ones already streamed
+are not sent again.
+
+Not thread-safe: one thread drives it (`api.Server` runs `run_once` in its own).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import speculate
+from jaxspec.engine import bucket
+from jaxspec.errors import JaxspecError
+from jaxspec.sampling import SamplingParams
+from jaxspec.serving import rows
+from jaxspec.serving.pages import PagePool, pages_for
+from jaxspec.serving.requests import Completion, QueueFull, Sampling
+from jaxspec.serving.text import TextState
+
+GREEDY = Sampling().values
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    seed: int
+    sink: Any  # .push(piece) / .finish(Completion): api.Stream
+    submitted: float
+    admitted: float = 0.0
+    first_token: float = 0.0
+    slot: int = -1
+    generated: list[int] = dataclasses.field(default_factory=list)  # tokens streamed so far
+    text: TextState | None = None
+    cancelled: bool = False
+    preemptions: int = 0
+    peak_pages: int = 0  # the most KV pages the request held at once
+    replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
+
+
+@dataclasses.dataclass
+class Stats:
+    device_calls: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    admitted: int = 0
+    finished: int = 0
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine,
+        *,
+        slots: int = 4,
+        max_context: int = 512,
+        steps_per_call: int = 8,
+        max_queue: int = 64,
+        kv_pages: int | None = None,
+        page_size: int = 16,
+        seed: int = 0,
+        static: bool = False,
+    ):
+        """static: the static-batching baseline (bench_serve): requests are admitted only into
+        an empty batch, which then runs until its last row ends (same programs otherwise)."""
+        if slots < 1 or steps_per_call < 1 or max_queue < 1:
+            raise JaxspecError(
+                f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
+                "must each be at least 1"
+            )
+        if engine.max_context not in (None, max_context):
+            raise JaxspecError(
+                f"serving.max_context={max_context} differs from the engine's max_context="
+                f"{engine.max_context}: build the engine with max_context={max_context}"
+            )
+        self.engine = engine
+        self.slots, self.capacity, self.steps = slots, max_context, steps_per_call
+        self.max_queue = max_queue
+        self.static = static
+        spec = engine.spec
+        if spec.adaptive is not None:  # rows of different requests: no batch-wide hand-off
+            spec = dataclasses.replace(
+                spec, adaptive=dataclasses.replace(spec.adaptive, handoff_after=0)
+            )
+        self.spec = spec
+        per_row = pages_for(max_context, page_size)
+        self.pool = PagePool(kv_pages or slots * per_row, page_size)
+        if self.pool.num_pages < per_row:
+            raise JaxspecError(
+                f"serving.kv_pages={self.pool.num_pages} cannot hold one request of max_context="
+                f"{max_context} ({per_row} pages of {page_size}): raise kv_pages"
+            )
+        self.key = jax.random.key(seed)
+        self.queue: collections.deque[Request] = collections.deque()
+        self.active: dict[int, Request] = {}  # slot -> request
+        self.stats = Stats()
+        self._ids = itertools.count()
+        self._axes = rows.batch_axes(self._row_state_shape)
+        self.state = None  # built at the first admission
+        self._sp_rows: list[tuple] = [GREEDY] * slots
+        self.observed_acceptance: float | None = None  # adaptive: over finished requests
+
+    # ---- submission (any thread; the api holds a lock around these) -----------------------
+    def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None) -> Request:
+        ids = self.engine.encode(prompt)
+        self.engine.check_fits(ids, int(sampling.max_tokens))
+        need = len(ids) + int(sampling.max_tokens) + self.spec.depth + 1
+        if need > self.capacity:
+            raise JaxspecError(
+                f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} (+ γ + 1 = {need} "
+                f"slots) exceeds serving.max_context={self.capacity}: shorten the prompt or lower "
+                "max_tokens"
+            )
+        n = next(self._ids)
+        seed = n if sampling.seed is None else int(sampling.seed)
+        return Request(request_id or f"req-{n}", ids, sampling, seed, sink, time.perf_counter(),
+                       text=TextState(tuple(sampling.stop)))
+
+    def enqueue(self, req: Request) -> None:
+        if len(self.queue) >= self.max_queue:
+            raise QueueFull(f"the queue holds {self.max_queue} requests: retry later")
+        self.queue.append(req)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue or self.active)
+
+    # ---- one round: release, admit, one device call, stream -------------------------------
+    def run_once(self) -> bool:
+        """Admit, run one device call, stream and release. False when there was nothing to do."""
+        for slot, req in list(self.active.items()):
+            if req.cancelled:
+                self._finish(req, "cancelled")
+        for req in [r for r in self.queue if r.cancelled]:
+            self.queue.remove(req)
+            req.sink.finish(self._completion(req, "cancelled"))
+        if self.active:  # the running rows' next call first, then new rows with what is left
+            self._reserve_pages()
+        self._admit()
+        if not self.active:
+            return False
+        self._decode_call()
+        return True
+
+    def _free_slots(self) -> list[int]:
+        return [s for s in range(self.slots) if s not in self.active]
+
+    def _admit(self) -> None:
+        if self.static and self.active:
+            return
+        free = self._free_slots()
+        while free and self.queue:
+            req = self.queue[0]
+            # admitted on its prompt and one step (as vLLM does): growth past it is reserved
+            # call by call, preempting the newest rows where the pool runs short
+            if not self.pool.grow(free[0], self._slots_needed(len(req.prompt_ids), req, 1)):
+                break  # the pool is short: wait for a row to end
+            self.queue.popleft()
+            slot = free.pop(0)
+            req.peak_pages = max(req.peak_pages, self.pool.held(slot))
+            self._prefill_into(req, slot)
+
+    def _slots_needed(self, length: int, req: Request, steps: int | None = None) -> int:
+        """Cache slots a row of `length` committed tokens may touch in its next `steps` steps
+        (None: a device call's): its growth (at most depth + 1 tokens a step, never past
+        max_tokens) plus one verify window of drafted slots."""
+        spec = self.spec
+        limit = len(req.prompt_ids) + int(req.sampling.max_tokens)
+        grow = min(length + 1 + (steps or self.steps) * (spec.depth + 1), limit)
+        return min(grow + spec.num_nodes + 1, self.capacity)
+
+    def _prefill_into(self, req: Request, slot: int) -> None:
+        t0 = time.perf_counter()
+        row = self._row_state(self.spec, req)
+        if self.state is None:
+            self.state = rows.tile_rows(row, self.slots, self._axes)
+        self.state = rows.insert_row(self.state, row, jnp.int32(slot), self._axes)
+        req.slot, req.admitted = slot, time.perf_counter()
+        req.replay = len(req.generated)
+        self.active[slot] = req
+        self._sp_rows[slot] = req.sampling.values
+        self.stats.admitted += 1
+        self.stats.prefill_s += time.perf_counter() - t0
+
+    def _row_state(self, spec, req: Request):
+        ids = req.prompt_ids
+        prompt = np.zeros((1, bucket(len(ids))), np.int32)
+        prompt[0, : len(ids)] = ids
+        sp = SamplingParams.rows([req.sampling.values])
+        state = speculate.prefill_jit(
+            spec, self.engine.model.params, self.engine.drafter_params, jnp.asarray(prompt),
+            jnp.asarray([len(ids)], jnp.int32), jnp.asarray([req.sampling.max_tokens], jnp.int32),
+            sp, self.key, jnp.asarray([req.seed], jnp.int32), capacity=self.capacity,
+        )
+        return self._with_adaptive(state, 1)
+
+    def _with_adaptive(self, state, batch: int):
+        if self.spec.adaptive is None:
+            return state
+        costs = self.engine.step_costs(self.slots)  # the program is `slots` rows wide
+        return dataclasses.replace(state, adaptive=self.spec.adaptive.init(batch, costs))
+
+    def _row_state_shape(self, batch: int):
+        """The state a `batch`-row prefill leaves (traced only, for `rows.batch_axes`)."""
+        sp = SamplingParams.rows([GREEDY] * batch)
+        z = jnp.zeros((batch,), jnp.int32)
+        state = speculate.prefill(
+            self.spec, self.engine.model.params, self.engine.drafter_params,
+            jnp.zeros((batch, 16), jnp.int32), z + 1, z + 1, sp, self.key, z, self.capacity,
+        )
+        if self.spec.adaptive is None:
+            return state
+        g = self.spec.adaptive.gamma
+        return dataclasses.replace(state, adaptive=self.spec.adaptive.init(batch, [1.0] * (g + 1)))
+
+    # ---- pages and preemption ---------------------------------------------------------------
+    def _reserve_pages(self) -> None:
+        """Every active row holds pages for the next call's growth; where the pool is short the
+        most recently admitted rows are preempted (their pages freed, the request requeued
+        first, recomputed from its prompt when readmitted)."""
+        lengths = self._host_lengths()
+        by_age = sorted(self.active.values(), key=lambda r: r.admitted)
+        for req in by_age:
+            if req.slot < 0:  # preempted for an older row
+                continue
+            need = self._slots_needed(int(lengths[req.slot]), req)
+            while not self.pool.grow(req.slot, need):
+                victim = max(self.active.values(), key=lambda r: r.admitted)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.slot >= 0:
+                req.peak_pages = max(req.peak_pages, self.pool.held(req.slot))
+
+    def _host_lengths(self) -> np.ndarray:
+        return np.asarray(jax.device_get(self.state.lengths))
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.queue.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.pool.release(req.slot)
+        self.active.pop(req.slot, None)
+        self._sp_rows[req.slot] = GREEDY
+        free = np.zeros((self.slots,), bool)
+        free[req.slot] = True
+        self.state = rows.release_rows(self.state, jnp.asarray(free))
+        req.slot = -1
+
+    # ---- the device call ----------------------------------------------------------------
+    def _decode_call(self) -> None:
+        t0 = time.perf_counter()
+        sp = SamplingParams.rows(self._sp_rows)
+        engine = self.engine
+        self.state = speculate.decode_jit(
+            self.spec, engine.model.params, engine.drafter_params, self.state, sp,
+            jnp.int32(self.steps),
+        )
+        names = ("tokens", "lengths", "done", "row_steps", "num_draft", "num_accepted",
+                 "accepted_per_position")
+        fields = {n: getattr(self.state, n) for n in names}
+        if self.state.adaptive is not None:
+            fields["adaptive"] = self.state.adaptive
+        host = types.SimpleNamespace(**({"adaptive": None} | jax.device_get(fields)))
+        now = time.perf_counter()
+        self.stats.device_calls += 1
+        self.stats.decode_s += now - t0
+        for slot, req in list(self.active.items()):
+            self._stream_row(req, host, now)
+
+    def _stream_row(self, req: Request, host, now: float) -> None:
+        slot, p = req.slot, len(req.prompt_ids)
+        out = host.tokens[slot, p : host.lengths[slot]].tolist()
+        if len(out) < req.replay:  # a restarted row still recomputing what was streamed
+            return
+        req.replay = 0
+        stop_ids = set(req.sampling.stop_token_ids)
+        reason = None
+        cut = next((i for i, t in enumerate(out) if t in stop_ids), None)
+        if cut is not None:
+            out, reason = out[: cut + 1], "stop"
+        elif bool(host.done[slot]):
+            hit_eos = bool(out) and out[-1] in self.engine.model.eos_token_ids
+            reason = "stop" if hit_eos else "length"
+        if len(out) > len(req.generated) and not req.first_token:
+            req.first_token = now
+        req.generated = out
+        text = self.engine.decode_text([t for t in out if t not in stop_ids])
+        piece, stopped = req.text.advance(text, final=reason is not None)
+        if piece:
+            req.sink.push(piece)
+        if stopped:
+            reason = "stop"
+        if reason is not None:
+            self._finish(req, reason, host)
+
+    def _finish(self, req: Request, reason: str, host=None) -> None:
+        done = self._completion(req, reason, host)
+        if host is not None and self.spec.adaptive is not None and done.metrics.get("num_draft_tokens"):
+            acc = done.metrics["acceptance_rate"]  # averaged with earlier requests
+            prev = self.observed_acceptance
+            self.observed_acceptance = acc if prev is None else 0.5 * (prev + acc)
+        self._release(req)
+        self.stats.finished += 1
+        req.sink.finish(done)
+
+    def _completion(self, req: Request, reason: str, host=None) -> Completion:
+        n = len(req.generated)
+        metrics: dict[str, Any] = {"method": self.engine.method}
+        if host is not None:
+            metrics = self.engine.row_metrics(host, req.slot, n)
+        metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.pool.page_size}
+        now = time.perf_counter()
+        first = req.first_token or now
+        text = self.engine.decode_text([t for t in req.generated
+                                        if t not in set(req.sampling.stop_token_ids)])
+        if req.sampling.stop:
+            cut = min((i for i in (text.find(s) for s in req.sampling.stop) if i >= 0),
+                      default=len(text))
+            text = text[:cut]
+        return Completion(
+            request_id=req.id,
+            text=text,
+            token_ids=list(req.generated),
+            finish_reason=reason,
+            num_prompt_tokens=len(req.prompt_ids),
+            time_to_first_token_s=first - req.submitted,
+            time_per_output_token_s=(now - first) / (n - 1) if n > 1 else 0.0,
+            queue_s=(req.admitted or now) - req.submitted,
+            preemptions=req.preemptions,
+            metrics=metrics,
+        )
