@@ -68,7 +68,7 @@ def build_drafter(spec: SpeculativeConfig, target) -> tuple[Any, Any]:
         from jaxspec.drafters.lookup import LookupFirst
 
         lookup = drafters.NgramDrafter(
-            target.cfg.vocab_size, spec.lookup.min_ngram, spec.lookup.max_ngram
+            target.target.vocab_size, spec.lookup.min_ngram, spec.lookup.max_ngram
         )
         drafter = LookupFirst(drafter, lookup, name=f"{drafter.name}+lookup")
     if spec.tree.kind != "chain" and not traits(drafter).tree_nodes:

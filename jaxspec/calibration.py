@@ -56,9 +56,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import paths, speculate, tree
-from jaxspec.cache import init_cache
 from jaxspec.drafters.base import CommitContext, DraftContext, traits
-from jaxspec.models import llama
+from jaxspec.models import base
 from jaxspec.sampling import SamplingParams
 
 FILLS = (128, 1024)  # committed tokens per row the costs are measured at (prompt buckets)
@@ -70,13 +69,11 @@ Measure = Callable[[Any, int, list[int]], list[float]]  # (model, batch, widths)
 
 def calibration_key(model) -> dict[str, Any]:
     """What a measured cost depends on. A field that changes gives a different cache file."""
-    cfg = model.cfg
     return {
         "model": str(getattr(model, "name", "")),
         "source": str(getattr(model, "source_path", "") or ""),
-        "config": repr(cfg),  # shapes and dtypes
-        "layout": str(getattr(model, "layout", ""))
-        or ("packed" if llama.uses_cpu_kernels(model.params) else "unrolled"),
+        "config": repr(model.target),  # architecture, shapes and dtypes
+        "layout": base.layout(model.target, model.params),
         "device": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
         "kernels": [
@@ -293,13 +290,11 @@ def measure_verify(model, batch: int, widths: list[int], fill: int = FILLS[0]) -
     rows holding `fill` tokens (width 1: plain's in-place forward; width 0: one entry through
     the window path, as the adaptive loop's 1-entry step runs it), by `timed` with the first
     width the reference."""
-    cfg = model.cfg
-    spec = speculate.LoopSpec(cfg=cfg, drafter=None, num_speculative_tokens=0, eos_ids=())
-    stacked = isinstance(model.params["layers"], dict)
-    cache = init_cache(  # one capacity for every fill: the lengths are data, one compile
-        cfg.num_layers, batch, max(FILLS) + 64, cfg.num_kv_heads, cfg.head_dim,
-        cfg.compute_dtype, stacked,
-    ).with_lengths(jnp.full((batch,), fill, jnp.int32))
+    target = model.target
+    spec = speculate.LoopSpec(target=target, drafter=None, num_speculative_tokens=0, eos_ids=())
+    # one capacity for every fill: the lengths are data, one compile
+    cache = target.init_cache(model.params, batch, max(FILLS) + 64)
+    cache = cache.with_lengths(jnp.full((batch,), fill, jnp.int32))
     sp = SamplingParams.make()
     runs = {}
     for width in widths:
@@ -323,7 +318,8 @@ def measure_verify(model, batch: int, widths: list[int], fill: int = FILLS[0]) -
 
 @functools.partial(jax.jit, static_argnames=("drafter", "gamma"), donate_argnums=0)
 def _draft_step(dstate, dparams, tparams, ctx, sp, keys, commit_ctx, drafter, gamma):
-    """-> (state, proposal's tokens): the state donated, updated in place as in the loop."""
+    """-> (state, proposal's tokens): the state donated, updated in place as in the loop.
+    tparams: bound to the target (models.base.Bound), as the loop hands them to drafters."""
     proposal, dstate = drafter.propose(dparams, tparams, dstate, ctx, gamma, sp, keys)
     return drafter.commit(dparams, tparams, dstate, commit_ctx), proposal.tokens
 
@@ -346,8 +342,11 @@ def measure_draft(
     """(seconds of a 1-entry verify, [seconds of the drafter's step with max_nodes = k for k in
     ks]): propose + commit (k = 0 with commit_plain: a full plain run's catch-up, per step) on
     a state whose rows hold `fill` tokens, by `timed` with the plain verify the reference."""
-    cfg = model.cfg
-    spec = speculate.LoopSpec(cfg=cfg, drafter=drafter, num_speculative_tokens=gamma, eos_ids=())
+    target = model.target
+    bound = base.bind(target, model.params)
+    spec = speculate.LoopSpec(
+        target=target, drafter=drafter, num_speculative_tokens=gamma, eos_ids=()
+    )
     prompt = 16  # the drafter's init runs over a short prompt; the rows then claim `fill` tokens
     cap = max(FILLS) + 2 * gamma + 8  # every fill in one capacity: one compile
     b = batch
@@ -360,7 +359,8 @@ def measure_draft(
     lengths = jnp.full((b,), fill, jnp.int32)
     d1 = max(spec.depth, 1) + 1
     nh = len(drafter.hidden_layers)
-    hidden = jnp.zeros((nh, b, d1, cfg.hidden_size), cfg.compute_dtype) if nh else None
+    dt = base.compute_dtype(target)
+    hidden = jnp.zeros((nh, b, d1, target.hidden_size), dt) if nh else None
     commit_ctx = CommitContext(
         tokens=tokens, lengths=lengths + 1, prev_lengths=lengths, window=tokens[:, :d1],
         num_accepted=jnp.zeros((b,), jnp.int32), hidden=hidden,
@@ -370,7 +370,7 @@ def measure_draft(
     keys = jax.random.split(jax.random.key(1), b)
     runs = {}
     m = speculate.MAX_PLAIN_RUN  # a full plain run: M roots, entered in one pass
-    run_hidden = jnp.zeros((nh, b, m, cfg.hidden_size), cfg.compute_dtype) if nh else None
+    run_hidden = jnp.zeros((nh, b, m, target.hidden_size), dt) if nh else None
     run_ctx = commit_ctx._replace(
         lengths=lengths + m, window=tokens[:, :m], hidden=run_hidden,
         path=jnp.zeros((b, m), jnp.int32),
@@ -378,18 +378,16 @@ def measure_draft(
     for k in ks:
         if k == 0 and _plain_commit_only(drafter):  # the adaptive loop's plain run
             runs[k] = _carried(
-                _plain_draft_step, dstate, dparams, model.params, run_ctx, drafter=drafter
+                _plain_draft_step, dstate, dparams, bound, run_ctx, drafter=drafter
             )
             continue
         ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.full((b,), k, jnp.int32))
         runs[k] = _carried(
-            _draft_step, dstate, dparams, model.params, ctx, sp, keys, commit_ctx,
+            _draft_step, dstate, dparams, bound, ctx, sp, keys, commit_ctx,
             drafter=drafter, gamma=gamma,
         )
-    verify_cache = init_cache(
-        cfg.num_layers, b, max(FILLS) + 64, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype,
-        isinstance(model.params["layers"], dict),
-    ).with_lengths(lengths + 0)  # its own buffer: the cache is donated
+    verify_cache = target.init_cache(model.params, b, max(FILLS) + 64)
+    verify_cache = verify_cache.with_lengths(lengths + 0)  # its own buffer: the cache is donated
     window = tree.build_window(
         jnp.ones((b,), jnp.int32), lengths, jnp.ones((b, 0), jnp.int32), tree.chain_parents(b, 0),
         jnp.zeros((b,), jnp.int32),
@@ -465,7 +463,9 @@ def measure_loop(model, spec, dparams, batch: int, ks: list[int], fill: int = FI
     after a run of M = plain_run_length steps; else the step with 0 nodes allowed (its
     one-token branch). spec: the engine's adaptive LoopSpec (its mesh and end tokens unused)."""
     spec = dataclasses.replace(spec, eos_ids=(), mesh=None)
-    plain_spec = speculate.LoopSpec(cfg=model.cfg, drafter=None, num_speculative_tokens=0, eos_ids=())
+    plain_spec = speculate.LoopSpec(
+        target=model.target, drafter=None, num_speculative_tokens=0, eos_ids=()
+    )
     cap = max(FILLS) + 64  # every fill in one capacity: one compile
     sp, b = SamplingParams.make(), batch
     runs = {"plain": _carried(

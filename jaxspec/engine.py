@@ -22,10 +22,10 @@ import numpy as np
 
 from jaxspec import adaptive as adaptive_mod
 from jaxspec import calibration, sharding, speculate
-from jaxspec.drafters.base import traits
+from jaxspec.drafters.base import check_target, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
-from jaxspec.loading.params import layout_of
+from jaxspec.models import base
 from jaxspec.sampling import SamplingParams
 
 MIN_PROMPT_BUCKET = 16
@@ -58,7 +58,7 @@ def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
 class Engine:
     def __init__(
         self,
-        model,  # jaxspec.loading.LoadedModel
+        model,  # jaxspec.loading.LoadedModel, or models.base.Model (a target of one's own)
         drafter=None,
         drafter_params: Any = None,
         *,
@@ -76,13 +76,17 @@ class Engine:
                 f"num_speculative_tokens={num_speculative_tokens} is out of range: "
                 f"use 1..{MAX_SPECULATIVE_TOKENS}"
             )
+        if drafter is not None:  # taps and traits this target lacks: refused before compiling
+            check_target(drafter, model.target, drafter_params)
         self.plan = None
         if mesh is not None:
             self.plan = mesh if isinstance(mesh, sharding.MeshPlan) else sharding.MeshPlan(mesh)
-            model = dataclasses.replace(model, params=self.plan.place_target(model.params, model.cfg))
-            drafter_params = self.plan.place_drafter(
-                drafter_params, None if drafter is None else traits(drafter).model_cfg
+            model = dataclasses.replace(
+                model, params=self.plan.place_target(model.params, model.target)
             )
+            t = traits(drafter) if drafter is not None else None
+            own_layer, own_model = (None, None) if t is None else (t.model_cfg, t.model)
+            drafter_params = self.plan.place_drafter(drafter_params, own_layer, own_model)
         if max_context is not None and max_context < 2 + num_speculative_tokens:
             raise JaxspecError(
                 f"max_context={max_context} is too small: use at least {2 + num_speculative_tokens}"
@@ -98,7 +102,7 @@ class Engine:
         # adaptive: a chain's length, or the depth a tree is cut to (its levels)
         depth = (traits(drafter).tree_depth if drafter is not None else None) or num_speculative_tokens
         self.spec = speculate.LoopSpec(
-            cfg=model.cfg,
+            target=model.target,
             drafter=drafter,
             num_speculative_tokens=num_speculative_tokens,
             eos_ids=tuple(model.eos_token_ids),
@@ -108,7 +112,7 @@ class Engine:
         )
         # adaptive switch-off: a batch size where verification cannot pay runs this program
         self._plain_spec = speculate.LoopSpec(
-            cfg=model.cfg, drafter=None, num_speculative_tokens=0, eos_ids=tuple(model.eos_token_ids),
+            target=model.target, drafter=None, num_speculative_tokens=0, eos_ids=tuple(model.eos_token_ids),
             mesh=self.plan,
         )
         self._costs: dict[int, dict[int, list[float]]] = {}
@@ -129,7 +133,7 @@ class Engine:
         kernels, so greedy output is no longer bit-identical across batch and window sizes."""
         note = getattr(self.model, "layout_note", "")
         if note.startswith("auto fell back"):
-            return f"layout {layout_of(self.model.params)} ({note})"
+            return f"layout {base.layout(self.model.target, self.model.params)} ({note})"
         return None
 
     # ---- prompts -------------------------------------------------------------------------
@@ -163,13 +167,13 @@ class Engine:
         return prompt_bucket + bucket(max_new_tokens) + self.spec.num_nodes + 1
 
     def _check_fits(self, ids: list[int], max_new_tokens: int) -> None:
-        limit, whose = self.model.cfg.max_position_embeddings, "model's"
+        limit, whose = self.model.target.max_position_embeddings, "model's"
         draft_limit = None if self.drafter is None else traits(self.drafter).max_context
         if draft_limit is not None and draft_limit < limit:
             limit, whose = draft_limit, "draft model's"
         if not ids:
             raise JaxspecError("empty prompt: give at least one token")
-        vocab = self.model.cfg.vocab_size
+        vocab = self.model.target.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:  # the embedding lookup would clamp it silently
             raise JaxspecError(
@@ -474,7 +478,7 @@ class Engine:
         out = {} if self.adaptive is None else self._adaptive_metrics(state, row, steps)
         return out | {
             "method": self.method,
-            "layout": layout_of(self.model.params),
+            "layout": base.layout(self.model.target, self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
             "attention": getattr(self.model, "attention", ""),  # xla / pallas_tpu / pallas_gpu / ...
             "num_speculative_tokens": g,

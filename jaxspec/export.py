@@ -103,6 +103,7 @@ def _from_jaxspec(checkpoint, fmt, model, include_embed, target):
     import numpy as np
 
     from jaxspec.formats import eagle3, medusa
+    from jaxspec.models import base
     from jaxspec.train.checkpoint import resolve_path
     from jaxspec.train.load import load_trained_drafter
 
@@ -133,7 +134,8 @@ def _from_jaxspec(checkpoint, fmt, model, include_embed, target):
         return medusa.from_jaxspec(dparams, target.cfg.vocab_size), method
     head = eagle3.from_params(drafter, dparams, target.cfg)
     if include_embed:
-        head.params["embed"] = np.asarray(target.params["embed"], np.float32)
+        table = base.require(target.target, "embedding_table", "export --include-embed")
+        head.params["embed"] = np.asarray(table(target.params), np.float32)
     return head, method
 
 

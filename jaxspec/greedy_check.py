@@ -16,13 +16,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.models import llama
 
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.5, "float16": 0.1}  # logit gaps rounding can flip
 
 
 def compare_greedy(model, prompt_ids, a, b, margin: float | None = None):
-    """model: LoadedModel (cfg, params, init_cache); prompt_ids, a, b: token id lists (a, b the
+    """model: LoadedModel or models.base.Model (target, params); prompt_ids, a, b: token id lists (a, b the
     generated tokens). Returns (identical, near_tie, gap): near_tie when at the first position
     where a and b differ the target's two best logits are within `margin` (default by dtype)."""
     a, b = list(a), list(b)
@@ -33,9 +32,11 @@ def compare_greedy(model, prompt_ids, a, b, margin: float | None = None):
     if i == n:  # one stopped earlier (max length / EOS after a shared prefix): not a tie question
         return False, False, float("inf")
     prefix = list(prompt_ids) + a[:i]
-    cache = model.init_cache(1, len(prefix) + 1)
-    logits, _ = llama.forward_logits(model.params, jnp.asarray([prefix], jnp.int32), cache, model.cfg)
+    target = model.target
+    cache = target.init_cache(model.params, 1, len(prefix) + 1)
+    out = target.forward(model.params, jnp.asarray([prefix], jnp.int32), cache)
+    logits = target.logits(model.params, out.hidden)
     top = np.sort(np.asarray(logits[0, -1], np.float64))[-2:]
     gap = float(top[1] - top[0])
-    margin = NEAR_TIE.get(model.cfg.dtype, 0.5) if margin is None else margin
+    margin = NEAR_TIE.get(target.dtype, 0.5) if margin is None else margin
     return False, gap <= margin, gap

@@ -34,9 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import hlo
-from jaxspec.cache import init_cache
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention, llama
+from jaxspec.models import attention, base, llama
 
 ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
@@ -78,22 +77,27 @@ class Program:
                                            "fused_ratio": round(self.fused_bytes / self.min_bytes, 3)}
 
 
-def abstract_params(cfg: llama.ModelConfig, layout: str):
-    params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
-    return jax.eval_shape(llama.stack_layers, params) if layout == "stacked" else params
+def abstract_params(target: base.Target, layout: str):
+    """The target's params as ShapeDtypeStructs (its `init_params` trait, never run)."""
+    init = base.require(target, "init_params", "the roofline")
+    return jax.eval_shape(lambda: init(jax.random.key(0), layout))
 
 
-def _cache(cfg, batch, capacity, stacked, num_layers=None):
-    n = cfg.num_layers if num_layers is None else num_layers
-    return jax.eval_shape(lambda: init_cache(n, batch, capacity, cfg.num_kv_heads, cfg.head_dim,
-                                             cfg.compute_dtype, stacked))
+def abstract_cache(target: base.Target, params, batch, capacity):
+    """The cache the target allocates for these (abstract) params, as ShapeDtypeStructs."""
+    return jax.eval_shape(lambda: target.init_cache(params, batch, capacity))
 
 
-def _step(cfg, last_only):
+def _cache_block(cache) -> tuple[int, ...]:
+    """One layer's cache buffer shape (the size hlo.cache_traffic looks for): [B, K, S, H]."""
+    return max((x.shape[-4:] for x in jax.tree.leaves(cache) if x.ndim >= 4), key=len)
+
+
+def _step(target: base.Target, last_only):
     def step(params, tokens, cache):  # one target forward + logits; the cache is donated
-        out = llama.forward(params, tokens, cache, cfg)
+        out = target.forward(params, tokens, cache)
         hidden = out.hidden[:, -1:] if last_only else out.hidden
-        return llama.lm_head(params, hidden), out.cache
+        return target.logits(params, hidden), out.cache
 
     return jax.jit(step, donate_argnums=2)
 
@@ -108,49 +112,54 @@ def _costs(compiled) -> tuple[float, float]:
     return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
 
 
-def min_bytes(cfg, params, batch, window, valid, logits_rows) -> float:
-    """Weights once + valid KV read + new KV written + f32 logits out."""
-    item = jnp.dtype(cfg.compute_dtype).itemsize
-    leaves = jax.tree.leaves({k: v for k, v in params.items() if k != "embed"})
-    weights = sum(x.size * x.dtype.itemsize for x in leaves)
-    if cfg.tie_word_embeddings:  # the table is the LM head: read whole
-        weights += params["embed"].size * params["embed"].dtype.itemsize
-    else:  # only the gathered rows
-        weights += batch * window * cfg.hidden_size * item
-    per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * item
+def min_bytes(target: base.Target, params, cache, batch, window, valid, logits_rows) -> float:
+    """Weights once + valid KV read + new KV written + f32 logits out. The embedding table
+    (`embedding_table`) counts whole only where it is the LM head (`head_table`), else its
+    gathered rows; a cache slot costs the cache's bytes over its B x S slots."""
+    item = jnp.dtype(target.dtype).itemsize
+    nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize  # noqa: E731
+    weights = sum(nbytes(x) for x in jax.tree.leaves(params))
+    t = base.target_traits(target)
+    table = t.embedding_table(params) if t.embedding_table is not None else None
+    if table is not None and not (t.head_table is not None and t.head_table(params) is table):
+        weights += batch * window * target.hidden_size * item - nbytes(table)  # rows only
+    capacity = _cache_block(cache)[2]
+    per_slot = sum(nbytes(x) for x in jax.tree.leaves(cache) if x.ndim >= 4) / (batch * capacity)
     kv = batch * (valid + window) * per_slot
-    return float(weights + kv + batch * logits_rows * cfg.vocab_size * 4)
+    return float(weights + kv + batch * logits_rows * target.vocab_size * 4)
 
 
-def measure(cfg, layout, program, batch, window, capacity, valid) -> Program:
-    params = abstract_params(cfg, layout)
+def measure(target: base.Target, layout, program, batch, window, capacity, valid) -> Program:
+    params = abstract_params(target, layout)
     last_only = program == "prefill"
     tokens = jax.ShapeDtypeStruct((batch, window), jnp.int32)
-    cache = _cache(cfg, batch, capacity, layout == "stacked")
-    compiled = _compile(_step(cfg, last_only), params, tokens, cache)
+    cache = abstract_cache(target, params, batch, capacity)
+    compiled = _compile(_step(target, last_only), params, tokens, cache)
     flops, xla_bytes = _costs(compiled)
     text = compiled.as_text()
     blocks = attention.cache_loop_trips(valid, capacity)  # the attention's loop over valid cache blocks
-    traffic = hlo.cache_traffic(text, (batch, cfg.num_kv_heads, capacity, cfg.head_dim))
+    traffic = hlo.cache_traffic(text, _cache_block(cache))
     rows = 1 if last_only else window
     return Program(
         program=program, batch=batch, window=window, valid=valid, capacity=capacity,
         flops=flops, xla_bytes=xla_bytes, bytes=float(hlo.device_bytes(text, unknown_trip=blocks)),
         fused_bytes=float(hlo.device_bytes(text, slices_fused_into_dots=True, unknown_trip=blocks)),
-        min_bytes=min_bytes(cfg, params, batch, window, valid, rows),
+        min_bytes=min_bytes(target, params, cache, batch, window, valid, rows),
         cache_copies=len(traffic.copies), zero_fills=len(traffic.zero_fills),
         collectives=len(traffic.collectives),
     )
 
 
-def table(cfg, layout, batches, windows, capacity, fill, prefill=True) -> list[Program]:
+def table(target, layout, batches, windows, capacity, fill, prefill=True) -> list[Program]:
     valid = int(capacity * fill)
     out = []
     for b in batches:
         if prefill:
-            out.append(measure(cfg, layout, "prefill", b, valid, capacity, 0))
+            out.append(measure(target, layout, "prefill", b, valid, capacity, 0))
         for w in windows:
-            out.append(measure(cfg, layout, "decode" if w == 1 else "verify", b, w, capacity, valid))
+            out.append(
+                measure(target, layout, "decode" if w == 1 else "verify", b, w, capacity, valid)
+            )
     return out
 
 
@@ -169,23 +178,33 @@ def format_table(rows: list[Program]) -> str:
     return "\n".join([head, *lines])
 
 
-def model_config(args, config) -> llama.ModelConfig:
+def shape_target(name: str, dtype: str) -> base.Target:
+    """The target of a named MODEL_SHAPES entry: a Llama config's fields, or a callable
+    (dtype) -> Target for another family."""
+    if name not in MODEL_SHAPES:
+        raise JaxspecError(f"unknown --model-shape {name!r}: use one of {', '.join(MODEL_SHAPES)}")
+    shape = MODEL_SHAPES[name]
+    if callable(shape):
+        return shape(dtype)
+    return llama.LlamaTarget(llama.ModelConfig(**shape, dtype=dtype))
+
+
+def model_target(args, config) -> base.Target:
     from jaxspec.loading.params import resolve_dtype
 
     dtype = resolve_dtype(args.dtype or config.model.dtype)  # auto: this backend's choice
     if args.model_shape:
-        if args.model_shape not in MODEL_SHAPES:
-            raise JaxspecError(f"unknown --model-shape {args.model_shape!r}: use one of "
-                               f"{', '.join(MODEL_SHAPES)}")
-        return llama.ModelConfig(**MODEL_SHAPES[args.model_shape], dtype=dtype)
+        return shape_target(args.model_shape, dtype)
     from jaxspec.loading import resolve
     from jaxspec.loading.gguf_file import config_from_gguf, open_gguf
     from jaxspec.loading.safetensors_dir import config_from_hf, read_hf_config
 
     src = resolve(config.model.name)
     if src.kind == "gguf":
-        return config_from_gguf(open_gguf(src.path), dtype=dtype, source=str(src.path))
-    return config_from_hf(read_hf_config(src.path), dtype=dtype, source=str(src.path))
+        cfg = config_from_gguf(open_gguf(src.path), dtype=dtype, source=str(src.path))
+    else:
+        cfg = config_from_hf(read_hf_config(src.path), dtype=dtype, source=str(src.path))
+    return llama.LlamaTarget(cfg)
 
 
 def _ints(text: str) -> list[int]:
@@ -230,17 +249,17 @@ def main(argv=None) -> int:
             raise JaxspecError("layout 'packed' is the CPU kernel's: use --layout stacked or unrolled")
         if not 0 <= args.fill < 1 or args.capacity < 16:
             raise JaxspecError("use --capacity >= 16 and 0 <= --fill < 1")
-        cfg = model_config(args, config)
-        rows = table(cfg, layout, _ints(args.batch), _ints(args.window), args.capacity, args.fill,
+        target = model_target(args, config)
+        rows = table(target, layout, _ints(args.batch), _ints(args.window), args.capacity, args.fill,
                      prefill=not args.no_prefill)
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
         for r in rows:
-            print(json.dumps(r.to_json() | {"layout": layout, "dtype": cfg.dtype}))
+            print(json.dumps(r.to_json() | {"layout": layout, "dtype": target.dtype}))
     else:
-        print(f"{args.model_shape or config.model.name}, {layout}, {cfg.dtype}, capacity "
+        print(f"{args.model_shape or config.model.name}, {layout}, {target.dtype}, capacity "
               f"{args.capacity}, cache {args.fill:.0%} full")
         print(format_table(rows))
     return 0

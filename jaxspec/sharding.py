@@ -1,9 +1,10 @@
-"""Meshes and logical-axis rules: every param and cache leaf names its axes (models.llama.param_axes,
-cache.cache_axes); one rules table maps logical names to mesh axes ("data", "model").
+"""Meshes and logical-axis rules: every param and cache leaf names its axes (the target's
+`param_axes` / `cache_axes` traits, models/base.py); one rules table maps logical names to mesh
+axes ("data", "model").
 
     mesh = make_mesh(data=2, model=4)
     plan = MeshPlan(mesh)
-    params = shard_params(model.params, model.cfg, mesh)   # or load_model(..., mesh=plan)
+    params = shard_params(model.params, model.target, mesh)   # or load_model(..., mesh=plan)
     engine = Engine(model, drafter, mesh=plan)             # cache, tokens, state sharded too
 
 Tensor parallelism is by whole heads: weights keep torch's flattened layout (`wq: [N*H, D]`), and
@@ -24,10 +25,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspec import kernels
 from jaxspec.cache import CACHE_AXES, KVCache
 from jaxspec.errors import JaxspecError
-from jaxspec.models import llama
+from jaxspec.models import base, llama
 
 AXES = ("data", "model")
 
@@ -81,11 +81,23 @@ def _divisors(n: int) -> str:
 
 def check_model(cfg: llama.ModelConfig, mesh: Mesh) -> None:
     """The model axis must give each device whole query heads."""
+    _check_heads(cfg.num_heads, mesh)
+
+
+def check_target(target: base.Target, mesh: Mesh) -> None:
+    """check_model for any target: whole query heads (a target without `head_counts` keeps
+    its params replicated over `model`, see target_shardings)."""
+    counts = base.target_traits(target).head_counts
+    if counts is not None:
+        _check_heads(counts()["heads"], mesh)
+
+
+def _check_heads(num_heads: int, mesh: Mesh) -> None:
     m = mesh.shape["model"]
-    if cfg.num_heads % m:
+    if num_heads % m:
         raise JaxspecError(
-            f"mesh model={m} cannot split num_heads={cfg.num_heads} into whole heads: "
-            f"use mesh.model in ({_divisors(cfg.num_heads)})"
+            f"mesh model={m} cannot split num_heads={num_heads} into whole heads: "
+            f"use mesh.model in ({_divisors(num_heads)})"
         )
 
 
@@ -153,13 +165,28 @@ def param_shardings(
     return shardings_for(param_shapes(cfg, stacked), axes, mesh, rules, head_counts(cfg))
 
 
-def shard_params(params, cfg: llama.ModelConfig, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+def target_shardings(target: base.Target, params, mesh: Mesh, rules: ShardingRules = ShardingRules()):
+    """NamedSharding of every param leaf by the target's `param_axes` (whole heads by its
+    `head_counts`); a target without `param_axes` is replicated."""
+    t = base.target_traits(target)
+    if t.param_axes is None:
+        return jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+    counts = t.head_counts() if t.head_counts is not None else {}
+    return shardings_for(params, t.param_axes(params), mesh, rules, counts)
+
+
+def _refuse_packed(target: base.Target, params) -> None:
+    if base.uses_cpu_kernels(target, params):
+        raise JaxspecError(
+            "packed params (CPU kernel layout) cannot be sharded: load with layout='unrolled'"
+        )
+
+
+def shard_params(params, target: base.Target, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """Place the target's params on the mesh by their logical axes (whole heads per device)."""
-    if isinstance(params.get("lm_head"), kernels.PackedWeight):
-        raise JaxspecError("packed params (CPU kernel layout) cannot be sharded: load with layout='unrolled'")
-    check_model(cfg, mesh)
-    stacked = isinstance(params["layers"], dict)
-    return jax.device_put(params, param_shardings(cfg, mesh, rules, stacked))
+    _refuse_packed(target, params)
+    check_target(target, mesh)
+    return jax.device_put(params, target_shardings(target, params, mesh, rules))
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> KVCache:
@@ -250,25 +277,25 @@ class MeshPlan:
 
         return jax.tree.map(one, tree)
 
-    def place_target(self, params, cfg: llama.ModelConfig):
+    def place_target(self, params, target: base.Target):
         """The target's params on the mesh (a no-op when they already are)."""
-        check_model(cfg, self.mesh)
-        if isinstance(params.get("lm_head"), kernels.PackedWeight):
-            raise JaxspecError(
-                "packed params (CPU kernel layout) cannot be sharded: load with layout='unrolled'"
-            )
-        want = param_shardings(cfg, self.mesh, self.rules, isinstance(params["layers"], dict))
+        check_target(target, self.mesh)
+        _refuse_packed(target, params)
+        want = target_shardings(target, params, self.mesh, self.rules)
         return jax.tree.map(_put_if_needed, params, want)
 
-    def place_drafter(self, dparams, cfg: llama.ModelConfig | None = None):
-        """Drafter params: replicated, or (shard_drafter, a draft model) by the rules."""
+    def place_drafter(self, dparams, cfg: llama.ModelConfig | None = None, model=None):
+        """Drafter params: replicated, or (shard_drafter) by the rules: a draft model by its own
+        target's axes (`model`: drafters.base.traits(d).model), an EAGLE-style decoder layer
+        (`cfg`: traits(d).model_cfg) by the Llama layer's."""
         if dparams is None:
             return None
         rep = NamedSharding(self.mesh, P())
+        if self.shard_drafter and model is not None:  # a draft model: its own target's rules
+            check_target(model, self.mesh)
+            want = target_shardings(model, dparams, self.mesh, self.rules)
+            return jax.tree.map(_put_if_needed, dparams, want)
         if self.shard_drafter and cfg is not None and isinstance(dparams, dict):
-            if "layers" in dparams:  # a draft model: the target's rules
-                want = param_shardings(cfg, self.mesh, self.rules, isinstance(dparams["layers"], dict))
-                return jax.tree.map(_put_if_needed, dparams, want)
             if "layer" in dparams:  # EAGLE: its decoder layer by the same rules, the rest replicated
                 check_model(cfg, self.mesh)
                 want = param_shardings(cfg, self.mesh, self.rules)["layers"][0]
@@ -314,4 +341,5 @@ __all__ = [
     "shard_params",
     "shardings_for",
     "state_shardings",
+    "target_shardings",
 ]

@@ -29,9 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import acceptance, adaptive, sampling, tree
-from jaxspec.cache import KVCache, init_cache
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal, traits
-from jaxspec.models import llama
+from jaxspec.models import base
 from jaxspec.sampling import SamplingParams
 
 
@@ -42,7 +41,7 @@ class DecodeState:
     lengths: jax.Array  # int32[B] committed tokens
     max_lengths: jax.Array  # int32[B] prompt length + max_new_tokens
     done: jax.Array  # bool[B]
-    cache: KVCache  # target cache; lengths == self.lengths - 1
+    cache: Any  # the target's cache (target.init_cache); lengths == self.lengths - 1
     drafter_state: Any
     key: jax.Array  # base PRNG key
     row_ids: jax.Array  # int32[B] request ids: a row's randomness depends on its id only
@@ -58,7 +57,7 @@ class DecodeState:
 class LoopSpec:
     """Everything static about a decode program (hashable: part of the jit cache key)."""
 
-    cfg: llama.ModelConfig
+    target: base.Target  # the model being decoded (models/base.py): hashable
     drafter: Drafter | None
     num_speculative_tokens: int  # γ (the static maximum); 0 for plain decoding
     eos_ids: tuple[int, ...]
@@ -120,19 +119,16 @@ def prefill(
     capacity: int,
 ) -> DecodeState:
     """Run the prompt through the target, sample the first token, set up the drafter."""
-    cfg = spec.cfg
+    target = spec.target
     b, p = prompt_tokens.shape
     g = max(spec.depth, 1)
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
-    stacked = isinstance(tparams["layers"], dict)
-    cache = init_cache(
-        cfg.num_layers, b, capacity, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype, stacked
-    )
+    cache = target.init_cache(tparams, b, capacity)
     if spec.mesh is not None:  # allocated sharded, not allocated whole and then split
         cache = spec.mesh.constrain(cache, b)
-    out = llama.forward(tparams, prompt_tokens, cache, cfg, hidden_layers)
+    out = target.forward(tparams, prompt_tokens, cache, taps=hidden_layers)
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    probs = sampling.logits_to_probs(llama.lm_head(tparams, last), sp)  # [B, V]
+    probs = sampling.logits_to_probs(target.logits(tparams, last), sp)  # [B, V]
     row_steps = jnp.zeros((b,), jnp.int32)
     first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
@@ -141,7 +137,7 @@ def prefill(
     dstate = None
     if spec.drafter is not None:
         dstate = spec.drafter.init(
-            dparams, tparams, prompt_tokens, prompt_lengths, out.layer_hidden, capacity
+            dparams, base.bind(target, tparams), prompt_tokens, prompt_lengths, out.taps, capacity
         )
     zeros = jnp.zeros((b,), jnp.int32)
     state = DecodeState(
@@ -161,7 +157,7 @@ def prefill(
     return _place(spec, state)
 
 
-def verify(spec: LoopSpec, tparams, cache: KVCache, window: tree.Window, sp, width: int):
+def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int):
     """Target over the first `width` window entries -> (probs [B, T, V], hidden
     [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
     entries (past `width`: zeros, never accepted).
@@ -173,24 +169,23 @@ def verify(spec: LoopSpec, tparams, cache: KVCache, window: tree.Window, sp, wid
     t = window.tokens.shape[1]
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
     in_place = t == 1
-    out = llama.forward(
-        tparams, window.tokens[:, :width], cache, spec.cfg, hidden_layers, write_cache=in_place,
-        positions=window.positions[:, :width],
+    out = spec.target.forward(
+        tparams, window.tokens[:, :width], cache, positions=window.positions[:, :width],
         window_mask=None if in_place else window.mask[:, :width, :width],
+        write_cache=in_place, taps=hidden_layers,
     )
-    probs = sampling.logits_to_probs(llama.lm_head(tparams, out.hidden), sp)  # [B, width, V]
+    probs = sampling.logits_to_probs(spec.target.logits(tparams, out.hidden), sp)  # [B, width, V]
     pad = [(0, 0), (0, t - width), (0, 0)]
     probs = jnp.pad(probs, pad)
-    layer_hidden = out.layer_hidden
+    layer_hidden = out.taps
     if layer_hidden is not None:
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
     if in_place:
         return probs, layer_hidden, out.cache, None
-    pad_kv = lambda w: jnp.pad(w, [(0, 0)] * (w.ndim - 3) + [(0, t - width), (0, 0), (0, 0)])
-    return probs, layer_hidden, out.cache, jax.tree.map(pad_kv, out.window_kv)
+    return probs, layer_hidden, out.cache, base.pad_window(spec.target, out.window_kv, t)
 
 
-def _verify_any_width(spec: LoopSpec, tparams, cache: KVCache, window: tree.Window, sp, num_nodes):
+def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, num_nodes):
     widths = spec.verify_windows()
     if len(widths) == 1:
         return verify(spec, tparams, cache, window, sp, widths[0])
@@ -204,7 +199,8 @@ def _verify_any_width(spec: LoopSpec, tparams, cache: KVCache, window: tree.Wind
     probs, hidden, window_kv = jax.lax.switch(
         branch, [functools.partial(branch_fn, w=w) for w in widths], cache
     )
-    if spec.mesh is not None:  # k/v laid out as the cache (else GSPMD may gather it)
+    if spec.mesh is not None and base.target_traits(spec.target).cache_axes is not None:
+        # k/v laid out as the cache (else GSPMD may gather it)
         window_kv = spec.mesh.constrain_window_kv(window_kv)
     return probs, hidden, cache, window_kv
 
@@ -236,14 +232,13 @@ def empty_proposal(batch: int, vocab: int) -> Proposal:
     return Proposal(z, jnp.zeros((batch, 0, vocab), jnp.float32), jnp.zeros((batch,), jnp.int32), z)
 
 
-def commit_kv(cache: KVCache, window_kv, path: jax.Array) -> KVCache:
+def commit_kv(target: base.Target, cache, window_kv, path: jax.Array):
     """Compaction: the path's window k/v (path int32[B, P] window indices) into slots
     cache.lengths .. cache.lengths + P - 1 (entries past the accepted count are garbage past the
     new length: masked, overwritten later). window_kv None: verify already wrote the root."""
     if window_kv is None:
         return cache
-    kept = jax.tree.map(lambda w: tree.gather_path(w, path, axis=-3), window_kv)
-    return llama.write_window(cache, kept, cache.positions(path.shape[1]))
+    return target.commit_window(cache, window_kv, path, cache.positions(path.shape[1]))
 
 
 class _Outcome(NamedTuple):
@@ -309,7 +304,8 @@ def _step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp, mode, allowe
         out = _plain_step(spec, tparams, dparams, state, sp, k_accept, None, in_place=True)
     else:
         out = _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
-    cache = commit_kv(state.cache if out.cache is None else out.cache, out.window_kv, out.path)
+    cache = state.cache if out.cache is None else out.cache
+    cache = commit_kv(spec.target, cache, out.window_kv, out.path)
     d = spec.depth
     pos_accepted = jnp.arange(max(d, 1))[None] < out.num_accepted[:, None]  # [B, max(D,1)]
     act = active.astype(jnp.int32)
@@ -348,7 +344,8 @@ def allowed_lengths(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) ->
         ctx = DraftContext(state.tokens, state.lengths, ~state.done, full)
         keys = jax.random.split(jax.random.key(0), b)  # unused: no draws
         p, _ = spec.drafter.propose(
-            dparams, tparams, state.drafter_state, ctx, spec.num_nodes, sp, keys
+            dparams, base.bind(spec.target, tparams), state.drafter_state, ctx, spec.num_nodes,
+            sp, keys,
         )
         useful = jnp.minimum(useful, adaptive.proposal_depth(p))  # <= its match's depth
     return spec.adaptive.choose(
@@ -366,11 +363,11 @@ def _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
     dstate = state.drafter_state
     ctl = spec.adaptive if spec.drafter is not None else None
     if spec.drafter is None:
-        proposal = empty_proposal(b, spec.cfg.vocab_size)
+        proposal = empty_proposal(b, spec.target.vocab_size)
     else:
         ctx = DraftContext(tokens=state.tokens, lengths=state.lengths, active=active, max_nodes=allowed)
         proposal, dstate = spec.drafter.propose(
-            dparams, tparams, dstate, ctx, spec.num_nodes, sp, k_draft
+            dparams, base.bind(spec.target, tparams), dstate, ctx, spec.num_nodes, sp, k_draft
         )
         if ctl is not None:
             proposal = ctl.limit(proposal, allowed)
@@ -412,7 +409,7 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
             hidden=None if hidden is None else tree.gather_path(hidden, path, axis=2),
             path=path,
         )
-        dstate = spec.drafter.commit(dparams, tparams, dstate, commit_ctx)
+        dstate = spec.drafter.commit(dparams, base.bind(spec.target, tparams), dstate, commit_ctx)
     verified = jnp.arange(window.depth.shape[1])[None] <= num_nodes[:, None]  # [B, T]
     depth = jnp.max(jnp.where(verified, window.depth, 0), axis=1)
     return _Outcome(
@@ -451,7 +448,7 @@ def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=Fa
             window=jnp.take_along_axis(window.tokens, path, axis=1), num_accepted=zeros,
             hidden=None if hidden is None else tree.gather_path(hidden, path, axis=2), path=path,
         )
-        dstate = spec.drafter.commit(dparams, tparams, dstate, ctx)
+        dstate = spec.drafter.commit(dparams, base.bind(spec.target, tparams), dstate, ctx)
     cache = cache if in_place else None
     return _Outcome(
         tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden, zeros
@@ -483,8 +480,8 @@ def new_plain_run(spec: LoopSpec, state: DecodeState) -> PlainRun:
     b, nl = state.lengths.shape[0], len(spec.drafter.hidden_layers)
     hidden = None
     if nl:
-        shape = (nl, b, plain_run_length(spec), spec.cfg.hidden_size)
-        hidden = jnp.zeros(shape, spec.cfg.compute_dtype)
+        shape = (nl, b, plain_run_length(spec), spec.target.hidden_size)
+        hidden = jnp.zeros(shape, base.compute_dtype(spec.target))
     return PlainRun(hidden, state.lengths, jnp.zeros((), jnp.int32))
 
 
@@ -515,7 +512,8 @@ def catch_up(spec: LoopSpec, tparams, dparams, state: DecodeState, run: PlainRun
         hidden=run.hidden,
         path=jnp.zeros((b, m), jnp.int32),
     )
-    dstate = traits(spec.drafter).commit_plain(dparams, tparams, state.drafter_state, ctx)
+    tv = base.bind(spec.target, tparams)
+    dstate = traits(spec.drafter).commit_plain(dparams, tv, state.drafter_state, ctx)
     return dataclasses.replace(state, drafter_state=dstate)
 
 

@@ -51,8 +51,8 @@ def drafters(target):
     return [
         ("plain", None, None, False),
         ("ngram", NgramDrafter(V, 1, 3), (), False),
-        ("draft_model", ModelDrafter(cfg=draft.cfg, target_vocab=V), draft.params, False),
-        ("draft_model_sharded", ModelDrafter(cfg=draft.cfg, target_vocab=V), draft.params, True),
+        ("draft_model", ModelDrafter(model=llama.LlamaTarget(draft.cfg), target_vocab=V), draft.params, False),
+        ("draft_model_sharded", ModelDrafter(model=llama.LlamaTarget(draft.cfg), target_vocab=V), draft.params, True),
         ("eagle", eagle.drafter(target.cfg), eagle.runtime(params, frozen), False),
         ("eagle_sharded", eagle.drafter(target.cfg), eagle.runtime(params, frozen), True),
     ]

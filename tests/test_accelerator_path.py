@@ -39,8 +39,8 @@ def _drafter(m, method):
     return {
         "none": (None, None),
         "ngram": (NgramDrafter(64, 1, 3), None),
-        "layer_skip": (layer_skip_drafter(m.cfg, 2), None),
-        "draft_model": (ModelDrafter(cfg=m.cfg, target_vocab=64), m.params),
+        "layer_skip": (layer_skip_drafter(m.target, 2), None),
+        "draft_model": (ModelDrafter(model=llama.LlamaTarget(m.cfg), target_vocab=64), m.params),
     }[method]
 
 
@@ -117,7 +117,7 @@ def test_layer_skip_on_a_stack_slices_no_layers_per_step():
     m = tiny_model(seed=0, layers=5, hidden=40)
     m = dataclasses.replace(m, params=llama.stack_layers(m.params))
     shapes = [x.shape for x in jax.tree.leaves(m.params["layers"])]
-    text = decode_hlo(m, layer_skip_drafter(m.cfg, 3), None)
+    text = decode_hlo(m, layer_skip_drafter(m.target, 3), None)
     assert stack_prefix_slices(text, shapes, 3) == []
 
 
@@ -196,7 +196,7 @@ def test_batch_one_step_copies_no_cache(layout):
     blocks inside the stacked layer loop made it copy the whole stack (found by the roofline)."""
     from jaxspec import roofline
 
-    cfg = _model("unrolled").cfg
+    target = _model("unrolled").target
     for window in (1, 5):
-        r = roofline.measure(cfg, layout, "verify", 1, window, capacity=512, valid=256)
+        r = roofline.measure(target, layout, "verify", 1, window, capacity=512, valid=256)
         assert (r.cache_copies, r.zero_fills) == (0, 0)

@@ -21,6 +21,7 @@ from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
+from jaxspec.models import base, llama
 from jaxspec.sampling import SamplingParams
 
 # compile as the accelerator compilers fuse (tests/test_accelerator_path.py)
@@ -212,7 +213,7 @@ def test_eagle_catch_up_leaves_the_state_propose_and_commit_leave(target, steps)
     prompt = jnp.asarray(rng.integers(1, 64, size=(b, length)), jnp.int32)
     cap = 32
     hidden_in = jax.random.normal(jax.random.key(2), (nl, b, length, 64))
-    state = drafter.init(dparams, target.params, prompt, jnp.full((b,), length), hidden_in, cap)
+    state = drafter.init(dparams, base.bind(target.target, target.params), prompt, jnp.full((b,), length), hidden_in, cap)
     tokens = jnp.zeros((b, cap), jnp.int32).at[:, :length].set(prompt)
     tokens = tokens.at[:, length : length + m].set(jnp.asarray(rng.integers(1, 64, (b, m))))
     roots_hidden = jax.random.normal(jax.random.key(3), (nl, b, m, 64))  # garbage past `steps`
@@ -223,16 +224,16 @@ def test_eagle_catch_up_leaves_the_state_propose_and_commit_leave(target, steps)
         lengths = jnp.full((b,), length + i)  # before the step: last committed at length + i - 1
         ctx = DraftContext(tokens, lengths, jnp.ones((b,), bool), jnp.zeros((b,), jnp.int32))
         proposal, after = drafter.propose(
-            dparams, target.params, slow, ctx, g, sp, jax.random.split(jax.random.key(4), b)
+            dparams, base.bind(target.target, target.params), slow, ctx, g, sp, jax.random.split(jax.random.key(4), b)
         )
         assert not proposal.num_proposed.any()
         root = tokens[:, length + i - 1 : length + i]
-        slow = drafter.commit(dparams, target.params, after, CommitContext(
+        slow = drafter.commit(dparams, base.bind(target.target, target.params), after, CommitContext(
             tokens, lengths + 1, lengths, pad(root, 1), jnp.zeros((b,), jnp.int32),
             pad(roots_hidden[:, :, i : i + 1], 2), jnp.zeros((b, g + 1), jnp.int32),
         ))
     start = jnp.full((b,), length)
-    run = drafter.commit_plain(dparams, target.params, state, CommitContext(
+    run = drafter.commit_plain(dparams, base.bind(target.target, target.params), state, CommitContext(
         tokens, start + steps, start, tokens[:, length - 1 : length - 1 + m],
         jnp.zeros((b,), jnp.int32), roots_hidden, jnp.zeros((b, m), jnp.int32),
     ))
@@ -255,12 +256,12 @@ def test_eagle_drafts_no_further_than_the_rows_allow(target, limit):
     b, length, g, cap = 2, 9, 3, 32
     prompt = jnp.asarray(np.random.default_rng(1).integers(1, 64, size=(b, length)), jnp.int32)
     hidden_in = jax.random.normal(jax.random.key(2), (len(drafter.hidden_layers), b, length, 64))
-    state = drafter.init(dparams, target.params, prompt, jnp.full((b,), length), hidden_in, cap)
+    state = drafter.init(dparams, base.bind(target.target, target.params), prompt, jnp.full((b,), length), hidden_in, cap)
     tokens = jnp.zeros((b, cap), jnp.int32).at[:, :length].set(prompt)
     ctx = DraftContext(tokens, jnp.full((b,), length), jnp.ones((b,), bool),
                        jnp.full((b,), limit, jnp.int32))
     keys = jax.random.split(jax.random.key(4), b)
-    proposal, after = drafter.propose(dparams, target.params, state, ctx, g, SamplingParams.make(), keys)
+    proposal, after = drafter.propose(dparams, base.bind(target.target, target.params), state, ctx, g, SamplingParams.make(), keys)
     np.testing.assert_array_equal(proposal.num_proposed, [limit] * b)
     written = lambda slot: not np.allclose(after.k[:, :, slot], state.k[:, :, slot])
     assert written(length - 1) and written(length + limit - 2)  # the root, the last draft's input
@@ -301,7 +302,7 @@ def adaptive_pvalue(target, dparams, controller_cls, shape="chain"):
     # decay 0: a row's estimate is its last step's outcome, so step 2's length (0, 1 or 2 nodes)
     # is decided by step 1's draws
     opts = Options(step_costs=[1.0, 1.2, 1.3], draft_cost=0.0, decay=0.0, probe_every=0)
-    drafter = ModelDrafter(cfg=target.cfg, target_vocab=V)
+    drafter = ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=V)
     if shape == "tree":
         drafter = dataclasses.replace(
             drafter, tree_top_k=2, tree_levels=2, tree_budget=3, tree_children="sampled"
@@ -554,7 +555,7 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     # step), k = 3 its max_nodes loop + commit
     plain_s, each = calibration.measure_draft(target, *eagle_like(target), 2, 3, [0, 3])
     assert plain_s > 0 and min(each) > 0
-    drafters = (eagle_like(target)[0], ngram, ModelDrafter(cfg=target.cfg, target_vocab=64))
+    drafters = (eagle_like(target)[0], ngram, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64))
     k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
     run = f"commit_plain/{speculate.MAX_PLAIN_RUN}"  # in the key: what k = 0 measured
     assert k0 == [run] + ["propose+commit"] * 2

@@ -269,7 +269,7 @@ def test_sampling_params_from_config():
 
 
 # ---- drafter registry ----------------------------------------------------------------------
-FAKE_TARGET = SimpleNamespace(cfg=SimpleNamespace(vocab_size=1000))
+FAKE_TARGET = SimpleNamespace(target=SimpleNamespace(vocab_size=1000))
 
 
 def test_ngram_is_registered():

@@ -21,6 +21,7 @@ from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters.draft_model import layer_skip_drafter
 from jaxspec.drafters.lookup import LookupFirst
 from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 from jaxspec.train import methods
 from tiny import tiny_model
@@ -62,7 +63,7 @@ def build(target, name):
     if name == "ngram":
         return NgramDrafter(V, 1, 2), None, REPEATING, 3
     if name == "layer_skip":
-        return layer_skip_drafter(target.cfg, 1), None, PROMPT, 2
+        return layer_skip_drafter(target.target, 1), None, PROMPT, 2
     if name == "draft_model":
         return (*trained(target, methods.Draft(layers_from=(0, 1)), noise=0.15), PROMPT, 2)
     if name == "medusa":
@@ -163,7 +164,7 @@ def eos_target():
     )
     from jaxspec.drafters.draft_model import ModelDrafter
 
-    return target, ModelDrafter(cfg=target.cfg, target_vocab=EOS_V), draft
+    return target, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=EOS_V), draft
 
 
 def mixed_pvalues(eos_target, sp, batch_size, rows=24000):

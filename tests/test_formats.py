@@ -23,7 +23,7 @@ from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import eagle3 as eagle3_fmt
 from jaxspec.formats import medusa as medusa_fmt
-from jaxspec.models import llama
+from jaxspec.models import base, llama
 from jaxspec.sampling import SamplingParams
 
 VOCAB, LAYERS, HIDDEN = 64, 6, 64
@@ -211,7 +211,7 @@ def test_eagle3_logits_match_an_independent_torch_forward(tmp_path, target, name
     assert drafter.hidden_layers == (1, 3, 4)
     feats = target_features(target, TOKENS, drafter.hidden_layers)
     ours = drafter.forward(
-        dparams, target.params, jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None]
+        dparams, base.bind(target.target, target.params), jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None]
     )
     with torch.no_grad():
         g = torch_fc(torch, sd, torch.as_tensor(feats), nbf)
@@ -230,12 +230,12 @@ def test_eagle3_chained_drafts_match_torch(tmp_path, target):
     cap = 32
     buf = jnp.zeros((1, cap), jnp.int32).at[0, : len(TOKENS)].set(jnp.asarray(TOKENS))
     state = drafter.init(
-        dparams, target.params, buf[:, :p], jnp.asarray([p]), jnp.asarray(feats[:, None, :p]), cap
+        dparams, base.bind(target.target, target.params), buf[:, :p], jnp.asarray([p]), jnp.asarray(feats[:, None, :p]), cap
     )
     ctx = DraftContext(tokens=buf, lengths=jnp.asarray([p + 1]), active=jnp.ones((1,), bool))
     sp = SamplingParams.make(temperature=1.0)
     prop, _ = drafter.propose(
-        dparams, target.params, state, ctx, 2, sp, jax.random.split(jax.random.key(1), 1)
+        dparams, base.bind(target.target, target.params), state, ctx, 2, sp, jax.random.split(jax.random.key(1), 1)
     )
     d1 = int(prop.tokens[0, 0])
     d2t = dparams["d2t"]
@@ -423,12 +423,12 @@ def test_mtp_chain_matches_torch(tmp_path, target, own_head):
     cap = 32
     buf = jnp.zeros((1, cap), jnp.int32).at[0, : len(TOKENS)].set(jnp.asarray(TOKENS))
     state = drafter.init(
-        dparams, target.params, buf[:, :p], jnp.asarray([p]), jnp.asarray(feats[:, None, :p]), cap
+        dparams, base.bind(target.target, target.params), buf[:, :p], jnp.asarray([p]), jnp.asarray(feats[:, None, :p]), cap
     )
     ctx = DraftContext(tokens=buf, lengths=jnp.asarray([p + 1]), active=jnp.ones((1,), bool))
     sp = SamplingParams.make(temperature=1.0)
     prop, _ = drafter.propose(
-        dparams, target.params, state, ctx, 3, sp, jax.random.split(jax.random.key(2), 1)
+        dparams, base.bind(target.target, target.params), state, ctx, 3, sp, jax.random.split(jax.random.key(2), 1)
     )
     embed = torch.as_tensor(np.asarray(target.params["embed"]))
     lm_head = torch.as_tensor(np.asarray(target.params["lm_head"]))

@@ -17,6 +17,7 @@ from jaxspec.drafters.lookup import LookupFirst
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
+from jaxspec.models import llama
 from jaxspec.train import methods
 from tiny import near_tie_model
 
@@ -65,9 +66,9 @@ def drafter(name, models):
     if name == "ngram":
         return NgramDrafter(VOCAB, 1, 3), None
     if name == "layer_skip":
-        return layer_skip_drafter(target.cfg, 1), None
+        return layer_skip_drafter(target.target, 1), None
     if name == "draft_model":
-        return ModelDrafter(cfg=target.cfg, target_vocab=VOCAB), unpacked.params
+        return ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=VOCAB), unpacked.params
     if name == "eagle":
         return trained(methods.Eagle(hidden_layers=(1, 1, 2), input_scale=1.0))
     if name == "medusa":

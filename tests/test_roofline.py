@@ -11,6 +11,7 @@ import pytest
 from tiny import tiny_config
 
 from jaxspec import hlo, roofline
+from jaxspec.models import llama
 
 
 def _compile(fn, *args):
@@ -19,14 +20,16 @@ def _compile(fn, *args):
 
 def test_min_bytes_is_the_hand_count():
     cfg = tiny_config(vocab=64, layers=4, hidden=64)  # heads 4, kv heads 2, head dim 16, mlp 128
-    params = roofline.abstract_params(cfg, "unrolled")
+    target = llama.LlamaTarget(cfg)
+    params = roofline.abstract_params(target, "unrolled")
     b, t, valid = 3, 5, 40
+    cache = roofline.abstract_cache(target, params, b, 96)
     layer = 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 64 + 3 * (128 * 64)  # norms, q k v o, mlp
     weights = 4 * (4 * layer + 64 + 64 * 64)  # + final norm + untied LM head, float32
     rows = 4 * b * t * 64  # gathered embedding rows (the table itself is not read)
     kv = 4 * b * (valid + t) * 4 * 2 * 2 * 16  # read prefix + written rows, k and v, 4 layers
     logits = 4 * b * t * 64
-    assert roofline.min_bytes(cfg, params, b, t, valid, t) == weights + rows + kv + logits
+    assert roofline.min_bytes(target, params, cache, b, t, valid, t) == weights + rows + kv + logits
 
 
 def test_device_bytes_of_a_matmul_is_operands_plus_output():
@@ -54,7 +57,7 @@ def test_device_bytes_counts_in_place_rows_times_the_trip_count():
 def test_roofline_table_on_a_tiny_model():
     cfg = tiny_config(vocab=64, layers=4, hidden=64)
     for layout in ("unrolled", "stacked"):
-        rows = roofline.table(cfg, layout, [2], [1, 3], capacity=96, fill=0.5)  # 96: no other dim
+        rows = roofline.table(llama.LlamaTarget(cfg), layout, [2], [1, 3], capacity=96, fill=0.5)
         assert [r.program for r in rows] == ["prefill", "decode", "verify"]
         for r in rows[1:]:
             assert r.cache_copies == 0 and r.zero_fills == 0 and r.collectives == 0

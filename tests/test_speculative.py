@@ -57,9 +57,9 @@ def plain_greedy(target, prompts):
 def drafters(target):
     return {
         "ngram": (NgramDrafter(vocab_size=64, min_ngram=1, max_ngram=3), None),
-        "layer_skip": (layer_skip_drafter(target.cfg, 1), None),
+        "layer_skip": (layer_skip_drafter(target.target, 1), None),
         "draft_model": (
-            ModelDrafter(cfg=target.cfg, target_vocab=64),
+            ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64),
             perturbed(target.params, 1, 0.05),
         ),
     }
@@ -95,7 +95,7 @@ def test_plain_greedy_matches_a_step_by_step_reference(target, prompts, plain_gr
 
 def test_self_draft_accepts_everything(target, prompts):
     no_eos = dataclasses.replace(target, eos_token_ids=(-1,))
-    engine = Engine(no_eos, ModelDrafter(cfg=target.cfg, target_vocab=64), target.params,
+    engine = Engine(no_eos, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64), target.params,
                     num_speculative_tokens=4)
     sp = SamplingParams.make(temperature=1.0)
     for r in engine.generate(prompts, max_new_tokens=30, sampling=sp, batch_size=4):
@@ -111,14 +111,14 @@ def test_eos_inside_the_window_stops_the_row(target, prompts):
     eos_target = dataclasses.replace(target, eos_token_ids=(eos,))
     expected = plain[: first + 1]
     assert Engine(eos_target).generate(prompts[:1], max_new_tokens=30)[0].token_ids == expected
-    engine = Engine(eos_target, ModelDrafter(cfg=target.cfg, target_vocab=64), target.params,
+    engine = Engine(eos_target, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64), target.params,
                     num_speculative_tokens=5)  # α = 1: EOS lands inside an accepted window
     assert engine.generate(prompts[:1], max_new_tokens=30)[0].token_ids == expected
 
 
 def test_max_new_tokens_is_exact(target, prompts):
     no_eos = dataclasses.replace(target, eos_token_ids=(-1,))
-    engine = Engine(no_eos, ModelDrafter(cfg=target.cfg, target_vocab=64), target.params,
+    engine = Engine(no_eos, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64), target.params,
                     num_speculative_tokens=5)
     for r in engine.generate(prompts, max_new_tokens=13, batch_size=4):
         assert r.num_generated_tokens == 13
@@ -175,8 +175,8 @@ def test_bad_speculative_settings_are_clear_errors(target):
     with pytest.raises(JaxspecError, match="ngram"):
         NgramDrafter(vocab_size=64, min_ngram=3, max_ngram=2)
     with pytest.raises(JaxspecError, match="speculative.layer_skip.layers"):
-        layer_skip_drafter(target.cfg, 2)
-    short = ModelDrafter(cfg=dataclasses.replace(target.cfg, max_position_embeddings=40),
+        layer_skip_drafter(target.target, 2)
+    short = ModelDrafter(model=llama.LlamaTarget(dataclasses.replace(target.cfg, max_position_embeddings=40)),
                          target_vocab=64)
     engine = Engine(target, short, target.params, num_speculative_tokens=2)
     with pytest.raises(JaxspecError, match="draft model's context of 40"):
@@ -190,7 +190,7 @@ NUM_ROWS = 12000
 
 
 def sampled_counts(target, draft_params, sp, prompt, num_tokens=3, gamma=2):
-    engine = Engine(target, ModelDrafter(cfg=target.cfg, target_vocab=V), draft_params,
+    engine = Engine(target, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=V), draft_params,
                     num_speculative_tokens=gamma)
     results = engine.generate([prompt] * NUM_ROWS, max_new_tokens=num_tokens, sampling=sp,
                               batch_size=NUM_ROWS, seed=11)

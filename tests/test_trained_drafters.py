@@ -16,6 +16,7 @@ from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters.lookup import LookupFirst
 from jaxspec.engine import Engine
+from jaxspec.models import base
 from jaxspec.sampling import SamplingParams
 from jaxspec.train import methods
 from jaxspec.train.load import load_trained_drafter
@@ -191,12 +192,12 @@ def test_eagle_advance_leaves_the_state_propose_leaves(small):
     tokens = jnp.asarray(rng.integers(0, V, (b, cap)), jnp.int32)
     hidden = jnp.asarray(rng.normal(size=(3, b, p, small.cfg.hidden_size)), jnp.float32)
     lengths = jnp.asarray([p, p - 2], jnp.int32)
-    state = drafter.init(dparams, small.params, tokens[:, :p], lengths, hidden, cap)
+    state = drafter.init(dparams, base.bind(small.target, small.params), tokens[:, :p], lengths, hidden, cap)
     state = state._replace(feature=jnp.asarray(rng.normal(size=state.feature.shape), state.feature.dtype))
     ctx = DraftContext(tokens=tokens, lengths=lengths + 1, active=jnp.ones((b,), bool))
     sp = SamplingParams.make(temperature=1.0)
-    _, proposed = drafter.propose(dparams, small.params, state, ctx, 3, sp, jax.random.split(jax.random.key(0), b))
-    advanced = drafter.advance(dparams, small.params, state, ctx)
+    _, proposed = drafter.propose(dparams, base.bind(small.target, small.params), state, ctx, 3, sp, jax.random.split(jax.random.key(0), b))
+    advanced = drafter.advance(dparams, base.bind(small.target, small.params), state, ctx)
     for row in range(b):
         committed = int(lengths[row]) + 1  # slots below this hold committed text
         for a, c in ((advanced.k, proposed.k), (advanced.v, proposed.v)):

@@ -20,7 +20,6 @@ from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
-from jaxspec.loading.params import unpack_params
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, logits_to_probs
 from jaxspec.train import methods
@@ -91,14 +90,12 @@ def test_bad_tree_config_is_a_one_line_error(overrides, word):
 
 
 def test_tree_config_builds_the_tree_drafter():
-    from types import SimpleNamespace
-
     from jaxspec.build import build_drafter
     from jaxspec.config import load_config
 
     cfg = load_config(None, ["speculative.method=ngram", "speculative.tree.kind=static",
                              "speculative.tree.branches=2", "speculative.tree.depth=3"])
-    d, _ = build_drafter(cfg.speculative, SimpleNamespace(cfg=SimpleNamespace(vocab_size=64)))
+    d, _ = build_drafter(cfg.speculative, SimpleNamespace(target=SimpleNamespace(vocab_size=64)))
     assert isinstance(d, NgramDrafter) and (d.tree_nodes, d.tree_depth) == (6, 3)
     cfg = load_config(None, ["speculative.method=medusa", "speculative.tree.kind=static",
                              "speculative.tree.choices=[[1], [0], [0, 0]]"])
@@ -237,7 +234,7 @@ def sampled_tree_pvalue(target, children, seed=11, rows=NUM_ROWS):
     from jaxspec.drafters.draft_model import ModelDrafter
 
     draft = tiny_model(seed=9, scale=0.6, vocab=V, layers=1, hidden=32, eos=(-1,))
-    drafter = ModelDrafter(cfg=draft.cfg, target_vocab=V, tree_top_k=3, tree_levels=2,
+    drafter = ModelDrafter(model=llama.LlamaTarget(draft.cfg), target_vocab=V, tree_top_k=3, tree_levels=2,
                            tree_budget=6, tree_children=children)
     sp = SamplingParams.make(**TREE_SP)
     return pvalue(target, drafter, draft.params, sp, PROMPT, rows=rows, num_tokens=4,
@@ -310,9 +307,8 @@ def trained_like(target, name, **tree_kw):
     """A random Medusa / EAGLE drafter on the tiny target (as the training code builds it)."""
     m = {"eagle": methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0),
          "medusa": methods.Medusa(num_heads=3), "draft_model": methods.Draft()}[name]
-    plain = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
-    params, frozen = m.init(plain, DRAFT_IDS, jax.random.key(7))
-    return dataclasses.replace(m.drafter(target.cfg), **tree_kw), m.runtime(params, frozen)
+    params, frozen = m.init(target, DRAFT_IDS, jax.random.key(7))  # packed: traits unpack
+    return dataclasses.replace(m.drafter(target.target), **tree_kw), m.runtime(params, frozen)
 
 
 TREE_DRAFTERS = {

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
-
 import jax
 import numpy as np
 
 from jaxspec import kernels
-from jaxspec.loading.params import pack_params, unpack_params
+from jaxspec.loading.params import pack_params
 from jaxspec.models import llama
 
 
@@ -20,6 +18,10 @@ class TinyModel:  # the fields of loading.LoadedModel that the engine reads
     tokenizer: object = None
     eos_token_ids: tuple[int, ...] = (0,)
     name: str = "tiny"
+
+    @property
+    def target(self) -> llama.LlamaTarget:  # the models.base.Target the engine runs
+        return llama.LlamaTarget(self.cfg)
 
 
 def tiny_config(vocab=64, layers=4, hidden=64, **kw) -> llama.ModelConfig:
@@ -67,9 +69,5 @@ def eagle_like(target):
     from jaxspec.train import methods  # training code: only the tests that need it import it
 
     m = methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0)
-    params = target.params
-    if llama.uses_cpu_kernels(params):
-        params = unpack_params(params, target.cfg)
-    plain = SimpleNamespace(cfg=target.cfg, params=params)
-    params, frozen = m.init(plain, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
-    return m.drafter(target.cfg), m.runtime(params, frozen)
+    params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
+    return m.drafter(target.target), m.runtime(params, frozen)

@@ -2,6 +2,12 @@
 are pure functions of (drafter params, target params, drafter state, context); the speculative loop
 calls them inside one jitted `lax.while_loop`.
 
+The target params come bound to their target (`models.base.Bound`: `tparams.params`,
+`tparams.target`, `tparams.embed(tokens)`, `tparams.logits(hidden)`), so a drafter reaches the
+target only through the target protocol (models/base.py), never by a param name; a drafter that
+needs a trait the target lacks (taps, a shared embedding, a layer prefix) says so in one line
+(`models.base.require`).
+
 Token bookkeeping shared by every drafter (row b):
   ctx.tokens[b, :ctx.lengths[b]]  committed tokens: prompt, then generated ones. The last one was
                                   sampled from the target but not yet run through it.
@@ -20,8 +26,10 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
                           1 + N window entries and commits at most tree_depth + 1 tokens per step
                           (None or absent: a chain of γ nodes)
   max_context             a drafter with its own position limit (a draft model's context)
-  cfg                     the ModelConfig of a drafter with its own transformer layers: its params
-                          are placed on a mesh by the target's rules (sharding.place_drafter)
+  cfg                     the llama.ModelConfig of a drafter's own decoder layer (EAGLE-style):
+                          placed on a mesh by the Llama layer's rules (sharding.place_drafter)
+  model                   the Target (models/base.py) a draft model's params run through: placed
+                          on a mesh by its own param axes
   advance                 (dparams, tparams, state, ctx) -> state: update the state for the last
                           committed token without drafting (EAGLE; used by prompt lookup first)
   commit_plain            (dparams, tparams, state, ctx: CommitContext) -> state: the state after
@@ -32,6 +40,9 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
                           garbage; adaptive speculation's plain loop, without propose (the
                           drafter is left behind during the run and catches up in one pass).
                           Absent: the loop runs propose (max_nodes 0) and commit instead.
+  target_needs            (dparams) -> tuple of target-protocol trait names the drafter calls
+                          (models/base.py: "embed", "prefix", ...): `check_target` refuses a
+                          target without one, in one line, before anything is compiled
   drafts_from_tokens      True when propose is a function of ctx alone (no state, no draws: prompt
                           lookup): adaptive speculation may then look at the proposal's size
                           before the step and run a step with nothing to verify as a plain step
@@ -43,6 +54,8 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
+from jaxspec.errors import JaxspecError
+from jaxspec.models import base
 from jaxspec.sampling import SamplingParams
 
 
@@ -78,9 +91,11 @@ class Traits(NamedTuple):
     tree_depth: int | None
     max_context: int | None  # None: no limit of its own
     model_cfg: Any  # llama.ModelConfig or None
+    model: Any  # models.base.Target or None
     advance: Any  # bound method or None
     commit_plain: Any  # bound method or None
     drafts_from_tokens: bool  # propose reads ctx.tokens/lengths/max_nodes only (no state, draws)
+    target_needs: Any  # bound method (dparams) -> tuple[str, ...], or None
 
 
 def traits(drafter: Drafter) -> Traits:
@@ -90,10 +105,27 @@ def traits(drafter: Drafter) -> Traits:
         tree_depth=getattr(drafter, "tree_depth", None) or None,
         max_context=getattr(drafter, "max_context", None),
         model_cfg=getattr(drafter, "cfg", None),
+        model=getattr(drafter, "model", None),
         advance=getattr(drafter, "advance", None),
         commit_plain=getattr(drafter, "commit_plain", None),
         drafts_from_tokens=bool(getattr(drafter, "drafts_from_tokens", False)),
+        target_needs=getattr(drafter, "target_needs", None),
     )
+
+
+def check_target(drafter: Drafter, target: base.Target, dparams: Any = None) -> None:
+    """Refuse, in one line, a drafter this target cannot serve: taps (`hidden_layers`, HF
+    indexing) outside 0..num_layers, or a target trait the drafter needs (`target_needs`)."""
+    n = target.num_layers
+    bad = [i for i in drafter.hidden_layers if not 0 <= i <= n]
+    if bad:
+        raise JaxspecError(
+            f"drafter {drafter.name!r} reads target hidden states {bad}, but target "
+            f"{base.describe(target)} has {n} layers (taps 0..{n}): use a drafter made for it"
+        )
+    needs = traits(drafter).target_needs
+    for trait in needs(dparams) if needs is not None else ():
+        base.require(target, trait, f"drafter {drafter.name!r}")
 
 
 class Drafter(Protocol):

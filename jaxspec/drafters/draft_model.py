@@ -1,5 +1,6 @@
-"""Model drafters: a separate small Llama-family model (`draft_model`), or the target's own first
-N layers + final norm + LM head (`layer_skip`, self-speculation sharing the target's weights).
+"""Model drafters: a separate small model (`draft_model`, any `models.base.Target`, usually a
+small Llama), or the target's own first N layers + final norm + LM head (`layer_skip`,
+self-speculation sharing the target's weights: the target protocol's `prefix` trait).
 
 The drafter keeps its own KV cache; its validity is implied by the committed length L, so commit
 has nothing to do: every proposal starts with a 2-token window [tokens[L-2], tokens[L-1]] that
@@ -19,20 +20,19 @@ one forward on a CPU.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling, tree
-from jaxspec.cache import KVCache, init_cache
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import llama
+from jaxspec.models import base, llama
 
 
 def check_vocab(draft_vocab: int, target_vocab: int, draft_tokenizer=None, target_tokenizer=None):
@@ -55,7 +55,7 @@ def check_vocab(draft_vocab: int, target_vocab: int, draft_tokenizer=None, targe
 
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(tree.DynamicTreeDrafter):
-    cfg: llama.ModelConfig  # the draft network's architecture
+    model: Any  # the draft network (a models.base.Target); None: layer_skip (the target's prefix)
     target_vocab: int
     name: str = "draft_model"
     shared_layers: int = 0  # > 0: layer_skip, the draft IS the target's first `shared_layers` layers
@@ -64,33 +64,34 @@ class ModelDrafter(tree.DynamicTreeDrafter):
     # tree_top_k, tree_levels, tree_budget, tree_children: tree.DynamicTreeDrafter
 
     @property
-    def max_context(self) -> int:
-        return self.cfg.max_position_embeddings
+    def max_context(self) -> int | None:
+        return None if self.model is None else self.model.max_position_embeddings
 
-    def params(self, dparams, tparams):
+    def target_needs(self, dparams) -> tuple[str, ...]:
+        return ("prefix",) if self.shared_layers else ()
+
+    def net(self, dparams, tparams):
+        """(the network that drafts, its params): the draft model, or (layer_skip) the target's
+        first `shared_layers` layers over the target's own params (nothing sliced or copied)."""
         if not self.shared_layers:
-            return dparams
-        layers = tparams["layers"]
-        if not isinstance(layers, tuple):  # stacked: forward runs the first cfg.num_layers of the
-            return tparams  # [L, ...] stack in place; slicing it would copy n layers every step
-        return tparams | {"layers": layers[: self.shared_layers]}
+            return self.model, dparams
+        prefix = base.require(tparams.target, "prefix", "layer_skip")
+        return prefix(self.shared_layers), tparams.params
 
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
-        params = self.params(dparams, tparams)
-        c = self.cfg
-        stacked = isinstance(params["layers"], dict)
-        b = prompt_tokens.shape[0]
-        cache = init_cache(
-            c.num_layers, b, capacity, c.num_kv_heads, c.head_dim, c.compute_dtype, stacked
-        )
-        return llama.forward(params, prompt_tokens, cache, c).cache
+        net, params = self.net(dparams, tparams)
+        cache = net.init_cache(params, prompt_tokens.shape[0], capacity)
+        return net.forward(params, prompt_tokens, cache).cache
 
-    def _logits(self, params, hidden):
+    def _logits(self, run, hidden):
         """hidden [..., D] -> (draft logits f32[..., Nd], target ids int32[Nd] of the draft
         entries, or None when Nd is the target vocabulary)."""
-        if "draft_head" in params:  # reduced draft vocabulary (distilled drafts): N head rows + ids
-            return llama.linear(hidden, params["draft_head"]).astype(jnp.float32), params["draft_ids"]
-        logits = llama.lm_head(params, hidden)
+        net, params = run
+        if isinstance(params, dict) and "draft_head" in params:  # reduced draft vocabulary
+            # (distilled drafts): N head rows + their target ids
+            logits = llama.linear(hidden, params["draft_head"]).astype(jnp.float32)
+            return logits, params["draft_ids"]
+        logits = net.logits(params, hidden)
         v, vd = self.target_vocab, logits.shape[-1]
         if vd > v:  # draft padding rows: never proposed
             logits = logits[..., :v]
@@ -99,35 +100,37 @@ class ModelDrafter(tree.DynamicTreeDrafter):
             logits = jnp.pad(logits, pad, constant_values=-jnp.inf)
         return logits, None
 
-    def _probs(self, params, hidden, sp):  # [B, D] -> f32[B, V_target]
-        logits, ids = self._logits(params, hidden)  # zeros outside the draft vocabulary: never drawn
+    def _probs(self, run, hidden, sp):  # [B, D] -> f32[B, V_target]
+        logits, ids = self._logits(run, hidden)  # zeros outside the draft vocabulary: never drawn
         return scatter_to_target(sampling.logits_to_probs(logits, sp), ids, self.target_vocab)
 
-    def _catch_up(self, params, state: KVCache, ctx: DraftContext):
+    def _catch_up(self, run, state, ctx: DraftContext):
         """(Re)write the two newest committed slots -> (hidden at L - 1 [B, 1, D], cache)."""
+        net, params = run
         start = jnp.maximum(ctx.lengths - 2, 0)  # [B]
         pos = start[:, None] + jnp.arange(2)[None]  # [B, 2]
         window = jnp.take_along_axis(ctx.tokens, pos, axis=1)
-        out = llama.forward(params, window, state.with_lengths(start), self.cfg)
+        out = net.forward(params, window, state.with_lengths(start))
         last = jnp.take_along_axis(out.hidden, (ctx.lengths - 1 - start)[:, None, None], axis=1)
         return last, out.cache
 
-    def propose(self, dparams, tparams, state: KVCache, ctx: DraftContext, num_tokens, sp, keys):
-        params = self.params(dparams, tparams)
+    def propose(self, dparams, tparams, state, ctx: DraftContext, num_tokens, sp, keys):
+        run = self.net(dparams, tparams)  # (the drafting network, its params)
+        net, net_params = run
         b = ctx.lengths.shape[0]
-        last, cache = self._catch_up(params, state, ctx)
+        last, cache = self._catch_up(run, state, ctx)
         if self.tree_top_k:
-            return self._propose_tree(params, cache, last, ctx, sp, keys)
+            return self._propose_tree(run, cache, last, ctx, sp, keys)
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
-        probs = self._probs(params, last[:, 0], sp)
+        probs = self._probs(run, last[:, 0], sp)
         token = sampling.sample_rows(step_keys[:, 0], probs)
         if ctx.max_nodes is not None:  # adaptive speculation: stop once no row wants more
-            return self._propose_up_to(params, ctx, num_tokens, sp, step_keys, cache, token, probs)
+            return self._propose_up_to(run, ctx, num_tokens, sp, step_keys, cache, token, probs)
 
         def step(carry, key_col):
             cache, token, position = carry
-            out = llama.forward(params, token[:, None], cache.with_lengths(position), self.cfg)
-            probs = self._probs(params, out.hidden[:, 0], sp)
+            out = net.forward(net_params, token[:, None], cache.with_lengths(position))
+            probs = self._probs(run, out.hidden[:, 0], sp)
             nxt = sampling.sample_rows(key_col, probs)
             return (out.cache, nxt, position + 1), (nxt, probs)
 
@@ -140,12 +143,13 @@ class ModelDrafter(tree.DynamicTreeDrafter):
         num = jnp.full((b,), num_tokens, jnp.int32)
         return Proposal(drafts, q, num), cache
 
-    def _propose_up_to(self, params, ctx, num_tokens, sp, step_keys, cache, token, probs):
+    def _propose_up_to(self, run, ctx, num_tokens, sp, step_keys, cache, token, probs):
         """The scan's drafts, but only max(ctx.max_nodes) of them (same keys, so the same
         tokens): a while loop. Cache entries are written for the nodes it runs through, which
         covers every node a row may keep (<= its max_nodes); the next proposal rewrites the
         two newest committed slots as always."""
         b, vocab = probs.shape
+        net, net_params = run
         want = jnp.max(jnp.where(ctx.active, jnp.minimum(ctx.max_nodes, num_tokens), 0))
         drafts = jnp.zeros((b, num_tokens), jnp.int32).at[:, 0].set(token)
         q = jnp.zeros((b, num_tokens, vocab), jnp.float32).at[:, 0].set(probs)
@@ -153,8 +157,8 @@ class ModelDrafter(tree.DynamicTreeDrafter):
         def body(c):
             i, cache, token, drafts, q = c
             position = ctx.lengths + i - 1
-            out = llama.forward(params, token[:, None], cache.with_lengths(position), self.cfg)
-            p = self._probs(params, out.hidden[:, 0], sp)
+            out = net.forward(net_params, token[:, None], cache.with_lengths(position))
+            p = self._probs(run, out.hidden[:, 0], sp)
             key_col = jax.lax.dynamic_index_in_dim(step_keys, i, axis=1, keepdims=False)
             nxt = sampling.sample_rows(key_col, p)
             drafts = jax.lax.dynamic_update_index_in_dim(drafts, nxt, i, axis=1)
@@ -166,12 +170,13 @@ class ModelDrafter(tree.DynamicTreeDrafter):
         num = jnp.clip(ctx.max_nodes, 0, num_tokens).astype(jnp.int32)
         return Proposal(drafts, q, num), cache
 
-    def _propose_tree(self, params, cache: KVCache, last, ctx: DraftContext, sp, keys):
+    def _propose_tree(self, run, cache, last, ctx: DraftContext, sp, keys):
         """EAGLE-2 dynamic tree (jaxspec.tree.grow): level l runs the window of every node
         expanded so far, k per level, at positions L + its level under the ancestor mask."""
         k, levels = self.tree_top_k, self.tree_levels
         b = ctx.lengths.shape[0]
-        root_logits, ids = self._logits(params, last[:, 0])
+        net, net_params = run
+        root_logits, ids = self._logits(run, last[:, 0])
         to_target = (lambda i: i) if ids is None else (lambda i: ids[i])
 
         def expand(carry, level, front: tree.Frontier):
@@ -184,9 +189,9 @@ class ModelDrafter(tree.DynamicTreeDrafter):
             mask = tree.ancestors(win_parents, jnp.full((b,), t, jnp.int32))[:, 1:, 1:]
             depth = jnp.asarray(np.repeat(np.arange(level + 1, dtype=np.int32), k))
             positions = ctx.lengths[:, None] + depth[None]  # depth-1 nodes at L
-            out = llama.forward(params, win_tokens, cache.with_lengths(ctx.lengths), self.cfg,
-                                write_cache=False, positions=positions, window_mask=mask)
-            logits, _ = self._logits(params, out.hidden[:, -k:])  # [B, K, Nd]
+            out = net.forward(net_params, win_tokens, cache.with_lengths(ctx.lengths),
+                              positions=positions, window_mask=mask, write_cache=False)
+            logits, _ = self._logits(run, out.hidden[:, -k:])  # [B, K, Nd]
             return (win_tokens, win_parents), logits
 
         empty = jnp.zeros((b, 0), jnp.int32)
@@ -202,23 +207,25 @@ class ModelDrafter(tree.DynamicTreeDrafter):
         return state
 
 
-def layer_skip_drafter(target_cfg: llama.ModelConfig, num_layers: int) -> ModelDrafter:
-    if not 1 <= num_layers < target_cfg.num_layers:
+def layer_skip_drafter(target: base.Target, num_layers: int) -> ModelDrafter:
+    """The target's first `num_layers` layers as its drafter (needs the `prefix` trait)."""
+    base.require(target, "prefix", "speculative.method=layer_skip")
+    if not 1 <= num_layers < target.num_layers:
         raise JaxspecError(
             f"speculative.layer_skip.layers={num_layers} is out of range: the target has "
-            f"{target_cfg.num_layers} layers, use 1..{target_cfg.num_layers - 1}"
+            f"{target.num_layers} layers, use 1..{target.num_layers - 1}"
         )
-    cfg = dataclasses.replace(target_cfg, num_layers=num_layers)
     return ModelDrafter(
-        cfg=cfg, target_vocab=target_cfg.vocab_size, name="layer_skip", shared_layers=num_layers
+        model=None, target_vocab=target.vocab_size, name="layer_skip", shared_layers=num_layers
     )
 
 
 def draft_model_drafter(draft, target) -> ModelDrafter:
-    """draft, target: LoadedModel. Checks the vocabularies and the draft's context length."""
-    check_vocab(draft.cfg.vocab_size, target.cfg.vocab_size, draft.tokenizer, target.tokenizer)
-    # A shorter draft context is not fatal: the engine checks each request against `max_context`.
-    return ModelDrafter(cfg=draft.cfg, target_vocab=target.cfg.vocab_size)
+    """draft, target: LoadedModel (or models.base.Model). Checks the vocabularies; a shorter
+    draft context is not fatal (the engine checks each request against `max_context`)."""
+    d, t = draft.target, target.target
+    check_vocab(d.vocab_size, t.vocab_size, draft.tokenizer, target.tokenizer)
+    return ModelDrafter(model=d, target_vocab=t.vocab_size)
 
 
 # ---- method "draft_model" ---------------------------------------------------------------------
@@ -248,7 +255,7 @@ def _load(options: DraftModelOptions, ctx: BuildContext):
             "name or path)"
         )
     target = ctx.target
-    draft = ctx.load_model(options.model, dtype=target.cfg.dtype, layout=target.layout)
+    draft = ctx.load_model(options.model, dtype=target.target.dtype, layout=target.layout)
     return draft_model_drafter(draft, target), draft.params
 
 

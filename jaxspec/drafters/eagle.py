@@ -45,7 +45,7 @@ from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention, llama
+from jaxspec.models import attention, base, llama
 
 
 def rms(x, eps=1e-6):  # weightless RMS normalisation in f32
@@ -58,8 +58,7 @@ def fuse(dparams, feats):  # [nl, ..., D] target features -> [..., D]
     return llama.linear(x, dparams["fuse"])
 
 
-def layer_input(dparams, tparams, tokens, feature):  # int[...], [..., D] -> [..., D]
-    emb = tparams["embed"][tokens]
+def layer_input(dparams, emb, feature):  # embedded tokens [..., D], [..., D] -> [..., D]
     return llama.linear(jnp.concatenate([rms(emb), rms(feature)], axis=-1), dparams["in_proj"])
 
 
@@ -133,6 +132,9 @@ class EagleDrafter(tree.DynamicTreeDrafter):
     min_confidence: float = 0.0
     # tree_top_k, tree_levels, tree_budget, tree_children: tree.DynamicTreeDrafter
 
+    def target_needs(self, dparams) -> tuple[str, ...]:
+        return ("embed",)  # its layer input is the target's token embedding
+
     def _step(self, dparams, x, k_cache, v_cache, positions, kernel: bool):
         """x [B, T, D] at positions [B, T] = start + arange(T): write the window's k/v there,
         then attend the cache's slots below start and the window causally -- the target's
@@ -156,8 +158,8 @@ class EagleDrafter(tree.DynamicTreeDrafter):
     def _run(self, dparams, tparams, tokens, features, k_cache, v_cache, start):
         """Real (step-0) entries: tokens [B, T] with features [B, T, D] at start[B] + arange(T)."""
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        x = layer_input(dparams, tparams, tokens, features).astype(self.cfg.compute_dtype)
-        kernel = llama.uses_cpu_kernels(tparams)
+        x = layer_input(dparams, tparams.embed(tokens), features).astype(self.cfg.compute_dtype)
+        kernel = tparams.uses_cpu_kernels
         return self._step(dparams, x, k_cache, v_cache, positions, kernel)
 
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
@@ -210,8 +212,9 @@ class EagleDrafter(tree.DynamicTreeDrafter):
 
         def step(carry, key_col):
             k, v, token, h, pos = carry
-            x = layer_input(dparams, tparams, token[:, None], h).astype(self.cfg.compute_dtype)
-            h, k, v = self._step(dparams, x, k, v, pos[:, None], llama.uses_cpu_kernels(tparams))
+            emb = tparams.embed(token[:, None])
+            x = layer_input(dparams, emb, h).astype(self.cfg.compute_dtype)
+            h, k, v = self._step(dparams, x, k, v, pos[:, None], tparams.uses_cpu_kernels)
             nxt, p = self._probs(dparams, h[:, 0], sp, key_col)
             return (k, v, nxt, h, pos + 1), (nxt, p)
 
@@ -254,7 +257,7 @@ class EagleDrafter(tree.DynamicTreeDrafter):
         alive = (self._gate(jnp.ones_like(top), top, own) >= self.min_confidence) & (limit > 0)
         drafts = jnp.zeros((b, num_tokens), jnp.int32).at[:, 0].set(token)
         q = jnp.zeros((b, num_tokens, vocab), jnp.float32).at[:, 0].set(probs)
-        kernel = llama.uses_cpu_kernels(tparams)
+        kernel = tparams.uses_cpu_kernels
 
         def cond(c):  # some row still drafting and wanting draft i: a row past its limit
             i, alive = c[0], c[6]  # never pays for another drafter step
@@ -262,7 +265,8 @@ class EagleDrafter(tree.DynamicTreeDrafter):
 
         def body(c):
             i, k, v, token, h, conf, alive, num, drafts, q = c
-            x = layer_input(dparams, tparams, token[:, None], h).astype(self.cfg.compute_dtype)
+            emb = tparams.embed(token[:, None])
+            x = layer_input(dparams, emb, h).astype(self.cfg.compute_dtype)
             h, k, v = self._step(dparams, x, k, v, (ctx.lengths + i - 1)[:, None], kernel)
             key_col = jax.lax.dynamic_index_in_dim(step_keys, i, axis=1, keepdims=False)
             nxt, p, top, own = self._draft_token(dparams, h[:, 0], sp, key_col)
@@ -297,7 +301,8 @@ class EagleDrafter(tree.DynamicTreeDrafter):
             else:
                 front_h = jnp.take_along_axis(prev_h, front.parent[..., None], axis=1)
                 front_anc = jnp.take_along_axis(prev_anc, front.parent[..., None], axis=1)
-            x = layer_input(dparams, tparams, d2t[front.ids], front_h).astype(cfg.compute_dtype)
+            emb = tparams.embed(d2t[front.ids])
+            x = layer_input(dparams, emb, front_h).astype(cfg.compute_dtype)
             pos = jnp.broadcast_to((ctx.lengths + level)[:, None], (b, k))  # depth level + 1
             own = level * k + jnp.arange(k)  # scratch slot of each frontier node
             anc = front_anc | jax.nn.one_hot(own, m_slots, dtype=bool)[None]  # [B, K, M]
@@ -390,7 +395,7 @@ def build(options: EagleOptions, ctx: BuildContext):
         )
     if ctx.spec.tree.kind == "dynamic":  # its levels are multi-row matmuls: CPU panel kernel
         drafter = dataclasses.replace(drafter, **tree.dynamic_fields(ctx.spec.tree))
-        if kernels.available() and llama.uses_cpu_kernels(ctx.target.params):
+        if kernels.available() and base.uses_cpu_kernels(ctx.target.target, ctx.target.params):
             dparams = pack_for_cpu(dparams)
     return drafter, dparams
 

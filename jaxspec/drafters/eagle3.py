@@ -49,10 +49,8 @@ class Eagle3Drafter(ChainDrafter):
         g = linear(x, dparams["fc"])
         return g + dparams["fc_bias"] if "fc_bias" in dparams else g
 
-    def layer_input(self, dparams, tparams, tokens, feature):
+    def layer_input(self, dparams, emb, feature):
         lp, eps = dparams["layer"], self.cfg.rms_norm_eps
-        table = dparams["embed"] if "embed" in dparams else tparams["embed"]
-        emb = jnp.asarray(table)[tokens].astype(jnp.float32)
         hn = llama.rms_norm(feature.astype(jnp.float32), lp["hidden_norm"], eps)
         residual = hn if self.norm_before_residual else feature.astype(jnp.float32)
         e = llama.rms_norm(emb, lp["input_norm"], eps)

@@ -15,7 +15,8 @@ ones from the verify window's target features; entries past the committed length
 
 Subclasses define (all pure, over the drafter params `dparams` and target params `tparams`):
   fuse(dparams, feats)                          [nl, ..., Dt] target features -> [..., H]
-  layer_input(dparams, tparams, tokens, feat)   -> (attention input [..., Din], residual [..., H])
+  layer_input(dparams, emb, feat)               emb: the tokens' embedding [..., De] (`embed`)
+                                                -> (attention input [..., Din], residual [..., H])
   draft_logits(dparams, tparams, h)             [..., H] -> f32[..., N]
   draft_ids(dparams)                            int32[N] target ids of the N draft logits, or None
                                                 (the full target vocabulary)
@@ -116,8 +117,18 @@ class ChainDrafter(abc.ABC):
         """Subclasses (eagle3.py, mtp.py) define it."""
 
     @abc.abstractmethod
-    def layer_input(self, dparams, tparams, tokens, feature):
+    def layer_input(self, dparams, emb, feature):
         """Subclasses (eagle3.py, mtp.py) define it."""
+
+    def target_needs(self, dparams) -> tuple[str, ...]:
+        return () if "embed" in dparams else ("embed",)
+
+    def embed(self, dparams, tparams, tokens):
+        """int[...] -> f32[..., De]: the head's own embedding ("embed" in dparams), else the
+        target's (`tparams.embed`, the target protocol's shared-embedding trait)."""
+        if "embed" in dparams:
+            return jnp.asarray(dparams["embed"])[tokens].astype(jnp.float32)
+        return tparams.embed(tokens).astype(jnp.float32)
 
     @abc.abstractmethod
     def draft_logits(self, dparams, tparams, h):
@@ -129,7 +140,7 @@ class ChainDrafter(abc.ABC):
     # ---- forward ------------------------------------------------------------------------------
     def step(self, dparams, tparams, tokens, feature, k_cache, v_cache, positions):
         """tokens int[B, T] with features [B, T, H] at positions [B, T] -> (h, k, v)."""
-        attn_in, residual = self.layer_input(dparams, tparams, tokens, feature)
+        attn_in, residual = self.layer_input(dparams, self.embed(dparams, tparams, tokens), feature)
         dt = self.cfg.compute_dtype
         return cached_block(
             self.cfg,
@@ -147,7 +158,7 @@ class ChainDrafter(abc.ABC):
         b, t = tokens.shape
         f = self.fuse(dparams, features)
         prev = jnp.pad(f, [(0, 0), (1, 0), (0, 0)])[:, :t]
-        attn_in, residual = self.layer_input(dparams, tparams, tokens, prev)
+        attn_in, residual = self.layer_input(dparams, self.embed(dparams, tparams, tokens), prev)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         j = jnp.arange(t)
         mask = jnp.broadcast_to((j[None, :] <= j[:, None]) & (j[None, :] >= 1), (b, t, t))

@@ -21,7 +21,7 @@ class LayerSkipOptions(DrafterOptions):
 
 
 def build(options: LayerSkipOptions, ctx: BuildContext) -> tuple[ModelDrafter, tuple]:
-    return layer_skip_drafter(ctx.target.cfg, options.layers), ()  # reads the target's params
+    return layer_skip_drafter(ctx.target.target, options.layers), ()  # reads the target's params
 
 
 register_drafter("layer_skip", build, options=LayerSkipOptions)

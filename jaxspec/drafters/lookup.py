@@ -43,6 +43,10 @@ class LookupFirst:
     def hidden_layers(self) -> tuple[int, ...]:
         return self.inner.hidden_layers
 
+    def target_needs(self, dparams) -> tuple[str, ...]:
+        needs = traits(self.inner).target_needs
+        return () if needs is None else needs(dparams)
+
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
         return self.inner.init(dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity)
 

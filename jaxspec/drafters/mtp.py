@@ -33,10 +33,8 @@ class MtpDrafter(ChainDrafter):
     def fuse(self, dparams, feats):  # [1, ..., D] final-normed target hidden -> [..., D]
         return feats[0].astype(jnp.float32)
 
-    def layer_input(self, dparams, tparams, tokens, feature):
+    def layer_input(self, dparams, emb, feature):
         eps = self.cfg.rms_norm_eps
-        table = dparams["embed"] if "embed" in dparams else tparams["embed"]
-        emb = jnp.asarray(table)[tokens].astype(jnp.float32)
         x = linear(
             jnp.concatenate(
                 [
@@ -53,7 +51,7 @@ class MtpDrafter(ChainDrafter):
         x = llama.rms_norm(h.astype(jnp.float32), dparams["head_norm"], self.cfg.rms_norm_eps)
         if "head" in dparams:
             return linear(x, dparams["head"]).astype(jnp.float32)
-        return llama.lm_head(tparams, x)  # the target's (possibly packed) LM head
+        return tparams.logits(x)  # the target's LM head (the target protocol's `logits`)
 
     def draft_ids(self, dparams):
         return None

@@ -174,7 +174,7 @@ def build(options: NgramOptions, ctx: BuildContext) -> tuple[NgramDrafter, tuple
     tree = ctx.spec.tree
     static = tree.kind == "static"
     drafter = NgramDrafter(
-        vocab_size=ctx.target.cfg.vocab_size,
+        vocab_size=ctx.target.target.vocab_size,
         min_ngram=options.min_ngram,
         max_ngram=options.max_ngram,
         branches=tree.branches if static else 0,

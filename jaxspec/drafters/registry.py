@@ -12,7 +12,7 @@ A method is one module that declares its options section and calls `register_dra
                 self._fail("width", "use an integer >= 1")
 
     def build(options: MyOptions, ctx: BuildContext):      # -> (drafter, drafter params)
-        return MyDrafter(ctx.target.cfg.vocab_size, options.width), ()
+        return MyDrafter(ctx.target.target.vocab_size, options.width), ()
 
     register_drafter("my_method", build, options=MyOptions)
 
@@ -42,7 +42,9 @@ class DrafterOptions(Section):
 class BuildContext(NamedTuple):
     """What a factory may use besides its options (jaxspec.build.build_drafter fills it)."""
 
-    target: Any  # jaxspec.loading.LoadedModel: cfg, params, layout
+    # the loaded model (jaxspec.loading.LoadedModel or models.base.Model): `.target` the
+    # target-protocol object (models/base.py), `.params`, `.layout`
+    target: Any
     spec: Any  # jaxspec.config.SpeculativeConfig: num_speculative_tokens, tree, lookup
     # (method, path, target, checkpoint_format, eagle3_layer_ids) -> (drafter, dparams)
     load_checkpoint: Callable[..., tuple[Any, Any]]

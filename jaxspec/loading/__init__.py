@@ -22,7 +22,6 @@ from jaxspec.loading.params import (
     LAYOUTS,
     assemble,
     check_options,
-    layout_of,
     place,
     place_on_mesh,
     resolve_dtype,

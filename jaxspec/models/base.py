@@ -38,9 +38,17 @@ that needs one the target lacks is refused in one line (`require`):
   layer_config                        a `llama.ModelConfig` with the target's dims (hidden,
                                       heads, head dim, mlp, rope, eps): what a drafter's own
                                       decoder layer is sized from when no checkpoint says
+  layer_weights(params, i) -> dict    layer i in the Llama layer's names (wq .. w_down, norms),
+                                      unpacked: a trained head's layer starts from it
+  final_norm(params) -> [D]           the final norm's weight (a trained head's norm starts there)
+  init_params(key, layout) -> params  random params in a layout ("unrolled" | "stacked"): tests,
+                                      and the roofline's abstract shapes (jax.eval_shape)
   param_axes(params)                  logical axis names of every param leaf (sharding.py)
   cache_axes(cache)                   logical axis names of every cache leaf
   head_counts() -> {"heads": N, "kv_heads": K}   tensor parallelism by whole heads
+  pad_window(window_kv, T) -> window_kv   the window k/v of a narrower forward padded to T
+                                      entries (the loop's window-width switch needs one shape);
+                                      absent: every leaf is [B, T', ...], padded on axis 1
   layout(params) -> str               "unrolled" | "stacked" | "packed" (reported, calibrated)
   uses_cpu_kernels(params) -> bool    the CPU panel/attention kernels run these params
 """
@@ -51,6 +59,7 @@ import dataclasses
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
 
@@ -95,9 +104,13 @@ class Traits(NamedTuple):
     head_table: Any
     prefix: Any
     layer_config: Any  # llama.ModelConfig or None
+    layer_weights: Any
+    final_norm: Any
+    init_params: Any
     param_axes: Any
     cache_axes: Any
     head_counts: Any
+    pad_window: Any
     layout: Any
     uses_cpu_kernels: Any
 
@@ -110,9 +123,13 @@ _WHAT = {
     "head_table": "an LM-head matrix",
     "prefix": "a layer prefix",
     "layer_config": "a decoder-layer shape (layer_config)",
+    "layer_weights": "Llama-named layer weights",
+    "final_norm": "a final norm weight",
+    "init_params": "random params (init_params)",
     "param_axes": "param sharding axes",
     "cache_axes": "cache sharding axes",
     "head_counts": "head counts",
+    "pad_window": "window padding",
     "layout": "a layout",
     "uses_cpu_kernels": "CPU-kernel support",
 }
@@ -144,14 +161,21 @@ def layout(target: Target, params: Any) -> str:
     return "custom" if fn is None else fn(params)
 
 
+def pad_window(target: Target, window_kv: Any, entries: int) -> Any:
+    """`window_kv` padded with zeros to `entries` window entries (never accepted: masked)."""
+    fn = target_traits(target).pad_window
+    if fn is not None:
+        return fn(window_kv, entries)
+    pad = lambda w: jnp.pad(w, [(0, 0), (0, entries - w.shape[1])] + [(0, 0)] * (w.ndim - 2))  # noqa: E731
+    return jax.tree.map(pad, window_kv)
+
+
 def uses_cpu_kernels(target: Target, params: Any) -> bool:
     fn = target_traits(target).uses_cpu_kernels
     return bool(fn is not None and fn(params))
 
 
 def compute_dtype(target: Target):
-    import jax.numpy as jnp
-
     return jnp.dtype(target.dtype)
 
 

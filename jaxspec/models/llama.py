@@ -562,6 +562,23 @@ class LlamaTarget:
         w = params.get("lm_head", params["embed"])
         return kernels.unpack(w) if isinstance(w, kernels.PackedWeight) else w
 
+    def layer_weights(self, params: Params, index: int) -> Params:
+        """Layer `index` as plain `[out, in]` arrays (the packed layout's fused panels split)."""
+        layers = params["layers"]
+        if isinstance(layers, dict):
+            return jax.tree.map(lambda w: w[index], layers)
+        lp = layers[index]
+        if not isinstance(lp.get("wqkv"), kernels.PackedWeight):
+            return dict(lp)
+        rest = {k: w for k, w in lp.items() if not isinstance(w, kernels.PackedWeight)}
+        wq, wk, wv = jnp.split(kernels.unpack(lp["wqkv"]), qkv_splits(self.cfg))
+        gate, up = jnp.split(kernels.unpack(lp["w_gate_up"]), 2)
+        return rest | {"wq": wq, "wk": wk, "wv": wv, "wo": kernels.unpack(lp["wo"]),
+                       "w_gate": gate, "w_up": up, "w_down": kernels.unpack(lp["w_down"])}
+
+    def final_norm(self, params: Params) -> jax.Array:
+        return params["final_norm"]
+
     def prefix(self, num_layers: int) -> LlamaTarget:
         """The first `num_layers` layers of the same params (the unrolled forward zips the layer
         tuple with a cache of num_layers entries; the stacked one scans the stack's first
@@ -569,6 +586,10 @@ class LlamaTarget:
         if not 1 <= num_layers <= self.cfg.num_layers:
             raise ValueError(f"prefix of {num_layers} layers: the target has {self.cfg.num_layers}")
         return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, num_layers=num_layers))
+
+    def init_params(self, key: jax.Array, layout: str = "unrolled") -> Params:
+        params = init_params(self.cfg, key)
+        return stack_layers(params) if layout == "stacked" else params
 
     def param_axes(self, params: Params) -> Params:
         return param_axes(self.cfg, stacked=isinstance(params["layers"], dict))
@@ -578,6 +599,13 @@ class LlamaTarget:
 
     def head_counts(self) -> dict[str, int]:
         return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
+
+    def pad_window(self, window_kv, entries: int):
+        """Window k/v ([B, T, K, H] per layer, or [L, B, T, K, H]) padded to `entries`."""
+        pad = lambda w: jnp.pad(  # noqa: E731
+            w, [(0, 0)] * (w.ndim - 3) + [(0, entries - w.shape[-3]), (0, 0), (0, 0)]
+        )
+        return jax.tree.map(pad, window_kv)
 
     def layout(self, params: Params) -> str:
         if isinstance(params["layers"], dict):

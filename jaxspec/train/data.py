@@ -27,15 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import init_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
-from jaxspec.models import llama
 from jaxspec.train import prompts as prompt_sets
 
 
 def recorded_layers(dc, cfg) -> tuple[int, ...]:
-    """The hidden states a data run records: as configured, else low/mid/high + final of `cfg`."""
+    """The hidden states a data run records: as configured, else low/mid/high + final of `cfg`
+    (the target, or anything with num_layers)."""
     if dc.layers is not None:
         return tuple(dc.layers)
     n = cfg.num_layers
@@ -82,43 +81,43 @@ def _layers_f16(layer_hidden):
     return layer_hidden.astype(jnp.float16)
 
 
-def _teacher_forced(params, tokens, cfg, layers, k):
+def _teacher_forced(params, tokens, target, layers, k):
     """tokens int32[B, T] -> hidden f16[nl, B, T, D], topk ids/probs [B, T, K]."""
     b, t = tokens.shape
-    cache = init_cache(cfg.num_layers, b, t, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)
-    out = llama.forward(params, tokens, cache, cfg, layers)
-    ids, probs = _topk(llama.lm_head(params, out.hidden), k)
-    return _layers_f16(out.layer_hidden), ids, probs
+    cache = target.init_cache(params, b, t)
+    out = target.forward(params, tokens, cache, taps=layers)
+    ids, probs = _topk(target.logits(params, out.hidden), k)
+    return _layers_f16(out.taps), ids, probs
 
 
-def _generate(params, prompt, lengths, cfg, layers, k, steps):
+def _generate(params, prompt, lengths, target, layers, k, steps):
     """Greedy: prompt int32[B, P] (right-padded, lengths[B]) -> prompt records and `steps` new
     tokens with their records. Step s runs token g_s and produces g_{s+1}."""
     b, p = prompt.shape
-    cache = init_cache(cfg.num_layers, b, p + steps, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)
-    out = llama.forward(params, prompt, cache, cfg, layers)
-    logits = llama.lm_head(params, out.hidden)  # [B, P, V]
+    cache = target.init_cache(params, b, p + steps)
+    out = target.forward(params, prompt, cache, taps=layers)
+    logits = target.logits(params, out.hidden)  # [B, P, V]
     p_ids, p_probs = _topk(logits, k)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)
 
     def step(carry, _):
         cache, tok = carry
-        o = llama.forward(params, tok[:, None], cache, cfg, layers)
-        lg = llama.lm_head(params, o.hidden[:, 0])
+        o = target.forward(params, tok[:, None], cache, taps=layers)
+        lg = target.logits(params, o.hidden[:, 0])
         ids, probs = _topk(lg, k)
         nxt = jnp.argmax(lg, axis=-1).astype(jnp.int32)
-        rec = (tok, _layers_f16(o.layer_hidden[:, :, 0]), ids, probs)
-        return (o.cache.commit(jnp.ones((b,), jnp.int32)), nxt), rec
+        rec = (tok, _layers_f16(o.taps[:, :, 0]), ids, probs)
+        return (o.cache.with_lengths(o.cache.lengths + 1), nxt), rec
 
     carry = (out.cache.with_lengths(lengths), first)
     _, (toks, hid, ids, probs) = jax.lax.scan(step, carry, None, length=steps)
     gen = (toks.T, jnp.moveaxis(hid, 0, 2), jnp.swapaxes(ids, 0, 1), jnp.swapaxes(probs, 0, 1))
-    return (_layers_f16(out.layer_hidden), p_ids, p_probs), gen
+    return (_layers_f16(out.taps), p_ids, p_probs), gen
 
 
-_teacher_forced_jit = jax.jit(_teacher_forced, static_argnames=("cfg", "layers", "k"))
-_generate_jit = jax.jit(_generate, static_argnames=("cfg", "layers", "k", "steps"))
+_teacher_forced_jit = jax.jit(_teacher_forced, static_argnames=("target", "layers", "k"))
+_generate_jit = jax.jit(_generate, static_argnames=("target", "layers", "k", "steps"))
 
 
 def _jobs(dc: DataConfig, encode, tokenizer, eos: int) -> list[tuple[str, list]]:
@@ -186,7 +185,10 @@ def teacher_forced_records(model, seqs, dc):
     """Records of token-id sequences `seqs` run through the target (one shard's dict)."""
     tokens, lengths = _pad(seqs, _bucket(max(len(s) for s in seqs)))
     hid, ids, probs = jax.device_get(
-        _teacher_forced_jit(model.params, jnp.asarray(tokens), model.cfg, recorded_layers(dc, model.cfg), dc.top_k)
+        _teacher_forced_jit(
+            model.params, jnp.asarray(tokens), model.target, recorded_layers(dc, model.target),
+            dc.top_k,
+        )
     )
     return dict(tokens=tokens, lengths=lengths, hidden=hid, topk_ids=ids, topk_probs=probs)
 
@@ -197,7 +199,8 @@ def generate_records(model, seqs, dc, eos_ids):
     s = dc.gen_steps
     (p_hid, p_ids, p_probs), (g_tok, g_hid, g_ids, g_probs) = jax.device_get(
         _generate_jit(
-            model.params, jnp.asarray(prompt), jnp.asarray(plen), model.cfg, recorded_layers(dc, model.cfg), dc.top_k, s
+            model.params, jnp.asarray(prompt), jnp.asarray(plen), model.target,
+            recorded_layers(dc, model.target), dc.top_k, s,
         )
     )
     n, t = prompt.shape[0], prompt.shape[1] + s
@@ -229,7 +232,7 @@ def build(dc: DataConfig, model=None) -> Path:
         model = load_model(dc.model, layout="auto")  # no gradients here: the fast layout
     out = Path(dc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": dataclasses.asdict(dc), "layers": list(recorded_layers(dc, model.cfg))}
+    meta = {"config": dataclasses.asdict(dc), "layers": list(recorded_layers(dc, model.target))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     encode = Engine(model).encode
     jobs = _jobs(dc, encode, model.tokenizer, model.eos_token_ids[0])

@@ -7,41 +7,40 @@ after the target fingerprint check.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import jax
 import jax.numpy as jnp
 
 from jaxspec.drafters.draft_vocab import check_d2t
 from jaxspec.errors import JaxspecError
-from jaxspec.loading.params import check_finite, is_packed, unpack_params
+from jaxspec.loading.params import check_finite
+from jaxspec.models import base
 from jaxspec.train import checkpoint as ckpt
 from jaxspec.train import methods as methods_lib
 
 
 def load_trained_drafter(method: str, path, target):
     """method: a registered trained method (train.methods.METHODS: eagle, eagle3, medusa,
-    draft_model); target: LoadedModel (or anything with cfg/params)."""
+    draft_model); target: LoadedModel (or anything with .target, .params and, for the
+    checkpoint's fingerprint, .cfg)."""
     if path is None:
         raise JaxspecError(
             f"speculative.{method}.checkpoint is required for method '{method}': point it to a trained "
             f"drafter, e.g. checkpoints/smollm2-135m-{'draft' if method == 'draft_model' else method}"
         )
     meta, stored = ckpt.load_drafter(path, method, target.cfg, target.params)
-    if is_packed(target.params):  # drafter init copies target weights: from plain [out, in] arrays
-        target = SimpleNamespace(cfg=target.cfg, params=unpack_params(target.params, target.cfg))
     if method not in methods_lib.METHODS:
         raise JaxspecError(
             f"drafter checkpoint {path}: method '{method}' has no trained head registered "
             f"(jaxspec.train.methods.register_method): use one of {', '.join(methods_lib.METHODS)}"
         )
     m = methods_lib.from_arch(method, meta["arch"])
-    d2t = jnp.asarray(check_d2t(stored.pop("d2t"), target.cfg.vocab_size, str(path)))
+    t = target.target
+    d2t = jnp.asarray(check_d2t(stored.pop("d2t"), t.vocab_size, str(path)))
     if isinstance(stored.get("layers"), list):  # orbax stores tuples as lists
         stored["layers"] = tuple(stored["layers"])
     for key, leaf in jax.tree_util.tree_leaves_with_path(stored):
         check_finite(jax.tree_util.keystr(key), leaf, f"drafter checkpoint {path}")
-    params = jax.tree.map(lambda x: jnp.asarray(x, target.cfg.compute_dtype), stored)  # target's dtype
+    params = jax.tree.map(lambda x: jnp.asarray(x, base.compute_dtype(t)), stored)  # target's dtype
     expected, _ = jax.eval_shape(lambda: m.init(target, d2t, jax.random.key(0)))
     got = jax.tree.map(lambda x: x.shape, params)
     want = jax.tree.map(lambda x: x.shape, expected)
@@ -53,7 +52,7 @@ def load_trained_drafter(method: str, path, target):
         )
     d2t_np = jax.device_get(d2t)
     frozen = methods_lib.frozen_pieces(target, d2t_np)
-    return m.drafter(target.cfg), m.runtime(params, frozen)
+    return m.drafter(t), m.runtime(params, frozen)
 
 
 def _first_difference(got, want) -> str:

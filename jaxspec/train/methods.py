@@ -20,6 +20,11 @@ by name, so a new trained method is a class here (or in its own module) plus one
 
 All losses are soft cross-entropies against the target's top-K next-token probabilities over the
 draft vocabulary (the N most frequent target tokens; `d2t` maps back to the target's ids).
+
+The target is read through the target protocol only (models/base.py): `target_cfg` arguments
+take the target object (`LoadedModel.target`; a Llama ModelConfig still works), `init` takes a
+model with `.target` and `.params` and reads its `embedding_table`, `head_table`, `layer_config`
+and, where present, `layer_weights` / `final_norm` (else the head's layer starts at random).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from jaxspec.drafters import eagle3 as eagle3_lib
 from jaxspec.drafters import feature_chain
 from jaxspec.drafters import medusa as medusa_lib
 from jaxspec.drafters.draft_model import ModelDrafter
-from jaxspec.models import llama
+from jaxspec.models import base, llama
 
 
 def build_vocab(tokens, lengths, topk_ids, size: int, vocab: int) -> np.ndarray:
@@ -75,20 +80,48 @@ def _valid(batch):  # bool[B, T] positions with a record
     return jnp.arange(t)[None] < batch["lengths"][:, None]
 
 
-def _copy_layer(target, index):
-    layers = target.params["layers"]
-    lp = layers[index] if isinstance(layers, tuple) else jax.tree.map(lambda w: w[index], layers)
-    return {k: jnp.asarray(v, jnp.float32) for k, v in lp.items()}
+def as_target(target_cfg) -> base.Target:
+    """The target object (a models.base.Target), from it or from a Llama ModelConfig."""
+    if isinstance(target_cfg, llama.ModelConfig):
+        return llama.LlamaTarget(target_cfg)
+    return target_cfg
 
 
-def frozen_pieces(target, d2t):
-    """What a head takes from the target, untrained: its embedding, the LM-head rows of the draft
-    vocabulary, the vocabulary maps."""
+def layer_config(target_cfg, who: str, **changes) -> llama.ModelConfig:
+    """The Llama-shaped config a head's own decoder layer(s) take (the target's `layer_config`)."""
+    cfg = base.require(as_target(target_cfg), "layer_config", who)
+    return dataclasses.replace(cfg, **changes)
+
+
+def _copy_layer(model, index, who: str):
+    """Layer `index` of the target in the Llama layer's names (float32), or a random layer where
+    the target does not give its layers in that form (`layer_weights`)."""
+    t = base.target_traits(model.target)
+    if t.layer_weights is not None:
+        layer = t.layer_weights(model.params, index)
+        return {k: jnp.asarray(v, jnp.float32) for k, v in layer.items()}
+    cfg = layer_config(model.target, who, num_layers=1, dtype="float32")
+    return llama.init_params(cfg, jax.random.key(index))["layers"][0]
+
+
+def _final_norm(model):
+    t = base.target_traits(model.target)
+    if t.final_norm is not None:
+        return jnp.asarray(t.final_norm(model.params), jnp.float32)
+    return jnp.ones((model.target.hidden_size,), jnp.float32)
+
+
+def frozen_pieces(model, d2t):
+    """What a head takes from the target (`model`: .target, .params), untrained: its embedding,
+    the LM-head rows of the draft vocabulary, the vocabulary maps."""
+    target = model.target
+    embed = base.require(target, "embedding_table", "a trained drafter")(model.params)
+    head = base.require(target, "head_table", "a trained drafter")(model.params)
     return {
-        "embed": jnp.asarray(target.params["embed"], jnp.float32),
-        "head": jnp.asarray(target.params.get("lm_head", target.params["embed"]), jnp.float32)[d2t],
+        "embed": jnp.asarray(embed, jnp.float32),
+        "head": jnp.asarray(head, jnp.float32)[d2t],
         "d2t": jnp.asarray(d2t),
-        "t2d": jnp.asarray(inverse_vocab(d2t, target.cfg.vocab_size)),
+        "t2d": jnp.asarray(inverse_vocab(d2t, target.vocab_size)),
     }
 
 
@@ -97,7 +130,7 @@ def feature_taps(hidden_layers, target_cfg) -> tuple[int, ...]:
     target's low / mid / high layers (2, L//2, L-3)."""
     if hidden_layers is not None:
         return tuple(hidden_layers)
-    return eagle3_lib.default_layers(target_cfg.num_layers)
+    return eagle3_lib.default_layers(as_target(target_cfg).num_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,26 +144,25 @@ class Eagle:
     feature_slots: tuple[int, ...] = (0, 1, 2)  # which recorded layers are the features
 
     def layer_cfg(self, target_cfg):
-        return dataclasses.replace(target_cfg, num_layers=1, dtype="float32")
+        return layer_config(target_cfg, "method eagle", num_layers=1, dtype="float32")
 
     def taps(self, target_cfg) -> tuple[int, ...]:
         return feature_taps(self.hidden_layers, target_cfg)
 
     def init(self, target, d2t, key):
-        d = target.cfg.hidden_size
+        d = target.target.hidden_size
         k1, k2 = jax.random.split(key)
         eye = jnp.eye(d, dtype=jnp.float32)
         fuse = 0.02 * jax.random.normal(k1, (d, 3 * d))
         fuse = fuse.at[:, 2 * d :].add(eye)  # start from the high feature
         in_proj = 0.02 * jax.random.normal(k2, (d, 2 * d))
         in_proj = in_proj.at[:, :d].add(eye).at[:, d:].add(eye) * self.input_scale
-        init_layer = self.init_layer % target.cfg.num_layers
-        final_norm = jnp.asarray(target.params["final_norm"], jnp.float32)
+        init_layer = self.init_layer % target.target.num_layers
         params = {
             "fuse": fuse,
             "in_proj": in_proj,
-            "layer": _copy_layer(target, init_layer),
-            "norm": final_norm,
+            "layer": _copy_layer(target, init_layer, "method eagle"),
+            "norm": _final_norm(target),
         }
         return params, frozen_pieces(target, d2t)
 
@@ -140,7 +172,7 @@ class Eagle:
     def drafter(self, target_cfg):
         return eagle_lib.EagleDrafter(
             cfg=self.layer_cfg(target_cfg),
-            target_vocab=target_cfg.vocab_size,
+            target_vocab=as_target(target_cfg).vocab_size,
             hidden_layers=self.taps(target_cfg),
         )
 
@@ -152,7 +184,7 @@ class Eagle:
         dp = self.runtime(params, frozen)
         tok = batch["tokens"]
         b, t = tok.shape
-        emb = {"embed": frozen["embed"]}
+        emb = frozen["embed"][tok]  # [B, T, D]
         feats = batch["hidden"][jnp.asarray(self.feature_slots)].astype(jnp.float32)
         f = eagle_lib.fuse(dp, feats)  # [B, T, D]
         shift = lambda x, n: jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2))[:, :t]
@@ -160,13 +192,13 @@ class Eagle:
         j = jnp.arange(t)
         causal = jnp.broadcast_to(j[None, :] <= j[:, None], (b, t, t))
         valid = _valid(batch)
-        x = eagle_lib.layer_input(dp, emb, tok, shift(f, 1))
+        x = eagle_lib.layer_input(dp, emb, shift(f, 1))
         h, k0, v0 = eagle_lib.train_layer(cfg, params["layer"], x, pos, causal)
         losses, tops, weights = [], [], []
         prev_k, prev_v = [], []  # keys/values of steps 1..s-1
         for s in range(self.ttt_steps):
             if s > 0:
-                x = eagle_lib.layer_input(dp, emb, tok, shift(h, 1))
+                x = eagle_lib.layer_input(dp, emb, shift(h, 1))
                 ctx_k = [k0] + [shift(kk, s - r) for r, kk in enumerate(prev_k, start=1)]
                 ctx_v = [v0] + [shift(vv, s - r) for r, vv in enumerate(prev_v, start=1)]
                 diag = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
@@ -199,7 +231,7 @@ class Medusa:
     feature_slots: tuple[int, ...] = (3,)  # the final-normed hidden in the records
 
     def init(self, target, d2t, key):
-        d = target.cfg.hidden_size
+        d = target.target.hidden_size
         w = 0.001 * jax.random.normal(key, (self.num_heads, d, d))
         return {"w": w, "b": jnp.zeros((self.num_heads, d))}, frozen_pieces(target, d2t)
 
@@ -207,10 +239,9 @@ class Medusa:
         return {**params, "head": frozen["head"], "d2t": frozen["d2t"]}
 
     def drafter(self, target_cfg):
+        t = as_target(target_cfg)
         return medusa_lib.MedusaDrafter(
-            num_heads=self.num_heads,
-            target_vocab=target_cfg.vocab_size,
-            final_layer=target_cfg.num_layers,
+            num_heads=self.num_heads, target_vocab=t.vocab_size, final_layer=t.num_layers
         )
 
     def arch(self, target_cfg):
@@ -245,19 +276,18 @@ class Draft:
     def sources(self, target_cfg) -> tuple[int, ...]:
         if self.layers_from is not None:
             return tuple(self.layers_from)
-        n = target_cfg.num_layers
+        n = as_target(target_cfg).num_layers
         return tuple(sorted({0, max(n // 2 - 1, 0), n - 1}))
 
     def cfg(self, target_cfg):
-        return dataclasses.replace(
-            target_cfg, num_layers=len(self.sources(target_cfg)), dtype="float32"
-        )
+        n = len(self.sources(target_cfg))
+        return layer_config(target_cfg, "method draft_model", num_layers=n, dtype="float32")
 
     def init(self, target, d2t, key):
-        n = target.cfg.num_layers
-        layers = tuple(_copy_layer(target, i % n) for i in self.sources(target.cfg))
-        final_norm = jnp.asarray(target.params["final_norm"], jnp.float32)
-        return {"layers": layers, "final_norm": final_norm}, frozen_pieces(target, d2t)
+        n = target.target.num_layers
+        src = self.sources(target.target)
+        layers = tuple(_copy_layer(target, i % n, "method draft_model") for i in src)
+        return {"layers": layers, "final_norm": _final_norm(target)}, frozen_pieces(target, d2t)
 
     def runtime(self, params, frozen):
         return {
@@ -269,7 +299,10 @@ class Draft:
         }
 
     def drafter(self, target_cfg):
-        return ModelDrafter(cfg=self.cfg(target_cfg), target_vocab=target_cfg.vocab_size)
+        return ModelDrafter(
+            model=llama.LlamaTarget(self.cfg(target_cfg)),
+            target_vocab=as_target(target_cfg).vocab_size,
+        )
 
     def arch(self, target_cfg):
         return {"layers_from": list(self.sources(target_cfg))}
@@ -303,16 +336,16 @@ class Eagle3:
     feature_slots: tuple[int, ...] = (0, 1, 2)
 
     def layer_cfg(self, target_cfg):
-        return dataclasses.replace(target_cfg, num_layers=1, dtype="float32")
+        return layer_config(target_cfg, "method eagle3", num_layers=1, dtype="float32")
 
     def taps(self, target_cfg) -> tuple[int, ...]:
         return feature_taps(self.hidden_layers, target_cfg)
 
     def init(self, target, d2t, key):
-        d = target.cfg.hidden_size
+        d = target.target.hidden_size
         fc = 0.02 * jax.random.normal(key, (d, 3 * d))
         fc = fc.at[:, 2 * d :].add(jnp.eye(d, dtype=jnp.float32))  # start from the high feature
-        src = _copy_layer(target, self.init_layer % target.cfg.num_layers)
+        src = _copy_layer(target, self.init_layer % target.target.num_layers, "method eagle3")
         two = lambda w: 0.5 * jnp.concatenate([w, w], axis=1)  # [out, D] -> [out, 2D]
         layer = {
             "input_norm": src["attn_norm"], "hidden_norm": src["attn_norm"],
@@ -320,8 +353,7 @@ class Eagle3:
             "mlp_norm": src["mlp_norm"], "w_gate": src["w_gate"], "w_up": src["w_up"],
             "w_down": src["w_down"],
         }
-        final_norm = jnp.asarray(target.params["final_norm"], jnp.float32)
-        return {"fc": fc, "layer": layer, "norm": final_norm}, frozen_pieces(target, d2t)
+        return {"fc": fc, "layer": layer, "norm": _final_norm(target)}, frozen_pieces(target, d2t)
 
     def runtime(self, params, frozen):
         return {**params, "lm_head": frozen["head"], "d2t": frozen["d2t"]}
@@ -329,7 +361,7 @@ class Eagle3:
     def drafter(self, target_cfg):
         return eagle3_lib.Eagle3Drafter(
             cfg=self.layer_cfg(target_cfg),
-            target_vocab=target_cfg.vocab_size,
+            target_vocab=as_target(target_cfg).vocab_size,
             hidden_layers=self.taps(target_cfg),
             norm_before_residual=self.norm_before_residual,
         )
@@ -346,8 +378,8 @@ class Eagle3:
         dr = self.drafter(target_cfg)
         cfg, lp = dr.cfg, params["layer"]
         dp = self.runtime(params, frozen)
-        emb = {"embed": frozen["embed"]}
         tok = batch["tokens"]
+        emb = frozen["embed"][tok].astype(jnp.float32)  # [B, T, D] (the target's embedding)
         b, t = tok.shape
         g = dr.fuse(dp, batch["hidden"][jnp.asarray(self.feature_slots)].astype(jnp.float32))
         shift = lambda x, n: jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2))[:, :t]
@@ -355,12 +387,12 @@ class Eagle3:
         j = jnp.arange(t)
         full = lambda m: jnp.broadcast_to(m, (b, t, t))
         valid = _valid(batch)
-        attn_in, res = dr.layer_input(dp, emb, tok, shift(g, 1))
+        attn_in, res = dr.layer_input(dp, emb, shift(g, 1))
         h, k0, v0 = feature_chain.block(cfg, lp, attn_in, res, pos, full((j[None] <= j[:, None]) & (j[None] >= 1)))
         losses, tops, weights, prev_k, prev_v = [], [], [], [], []
         for s in range(self.ttt_steps):
             if s > 0:
-                attn_in, res = dr.layer_input(dp, emb, tok, shift(h, 1))
+                attn_in, res = dr.layer_input(dp, emb, shift(h, 1))
                 ctx_k = [k0] + [shift(kk, s - r) for r, kk in enumerate(prev_k, start=1)]
                 ctx_v = [v0] + [shift(vv, s - r) for r, vv in enumerate(prev_v, start=1)]
                 eye = jnp.eye(t, dtype=bool)
@@ -373,7 +405,7 @@ class Eagle3:
                 )
                 prev_k.append(ks)
                 prev_v.append(vs)
-            logits = dr.draft_logits(dp, emb, h)
+            logits = dr.draft_logits(dp, None, h)
             mask = valid & (j[None] >= s + 1)
             loss, top1 = soft_ce(logits, batch["topk_ids"], batch["topk_probs"], frozen["t2d"], mask)
             losses.append(loss)
