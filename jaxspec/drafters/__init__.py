@@ -14,6 +14,7 @@ from __future__ import annotations
 
 # the built-in methods: importing each module registers its method
 from jaxspec.drafters import (  # noqa: F401
+    block,
     draft_model,
     eagle,
     eagle3,
