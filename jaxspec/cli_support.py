@@ -50,7 +50,36 @@ def enable_compilation_cache() -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default 1 s
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
+    drop_unreadable_cache_entries()
     return path
+
+
+def drop_unreadable_cache_entries() -> bool:
+    """Make an unreadable persistent-cache entry (truncated by a killed writer, damaged on
+    disk) be deleted when jax fails to read it, so the recompiled program is stored again; jax
+    alone warns, recompiles and never replaces an entry that exists, on every run. Wraps jax's
+    cache read; False where this jax has no such function (then jax's behaviour stays)."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:
+        return False
+    read = getattr(cc, "get_executable_and_time", None)
+    if read is None or getattr(read, "_jaxspec_heals", False):
+        return read is not None
+
+    def get_executable_and_time(cache_key, *args, **kwargs):
+        try:
+            return read(cache_key, *args, **kwargs)
+        except Exception:
+            cache = getattr(cc, "_cache", None)
+            root = getattr(cache, "path", None)
+            if root is not None:
+                Path(root, f"{cache_key}-cache").unlink(missing_ok=True)
+            raise
+
+    get_executable_and_time._jaxspec_heals = True
+    cc.get_executable_and_time = get_executable_and_time
+    return True
 
 
 def error_line(e: BaseException, limit: int = 2000) -> str:

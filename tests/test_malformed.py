@@ -861,3 +861,113 @@ def test_ctrl_c_exits_130_without_a_traceback(tmp_path, when):
     assert proc.returncode == 130, (proc.returncode, err[-2000:])
     assert "Traceback" not in err and "compiled" not in out, err[-2000:]
     assert waited < 15, waited
+
+
+# ---- properties: any single-field mutation loads or is one JaxspecError ---------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.sampled_from([0, 1, 2, 3, 4, 64, 10**7])
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+CONFIG_KEYS = [*CONFIG, "head_dim", "rope_scaling", "rope_parameters", "num_nextn_predict_layers",
+               "sliding_window", "use_sliding_window", "layer_types", "attention_bias"]
+
+
+def _loads_or_refuses(path) -> None:
+    from jaxspec.loading import load_model
+
+    t0 = time.perf_counter()
+    try:
+        m = load_model(path, layout="unrolled")
+    except JaxspecError as e:
+        assert "\n" not in str(e).strip() and len(str(e)) < 2000
+    else:  # what loaded is sane: positive sizes, finite hyperparameters, ids in the vocabulary
+        c = m.cfg
+        assert min(c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) >= 1
+        assert math.isfinite(c.rope_theta) and c.rope_theta > 0 and c.rms_norm_eps > 0
+        assert all(0 <= i < c.vocab_size for i in m.eos_token_ids)
+    assert time.perf_counter() - t0 < 20
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(CONFIG_KEYS), value=JSON_VALUES)
+def test_config_json_mutations(good_dir, tmp_path_factory, key, value):
+    d = Path(shutil.copytree(good_dir, tmp_path_factory.mktemp("mut") / "ckpt"))
+    cfg = json.loads((d / "config.json").read_text()) | {key: value}
+    (d / "config.json").write_text(json.dumps(cfg))  # NaN / Infinity written as JSON literals
+    _loads_or_refuses(d)
+    shutil.rmtree(d.parent)
+
+
+GGUF_KEYS = ["block_count", "context_length", "embedding_length", "feed_forward_length",
+             "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+             "rope.freq_base", "attention.key_length", "rope.dimension_count"]
+GGUF_VALUES = (st.integers(-(2**31), 2**31 - 1) | st.integers(0, 2**32 - 1)
+               | st.floats(width=32, allow_nan=True, allow_infinity=True) | st.text(max_size=6)
+               | st.booleans() | st.lists(st.integers(0, 10), min_size=1, max_size=3)
+               | st.sampled_from([0, 1, 2, 3, 16, 10**6]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(GGUF_KEYS), value=GGUF_VALUES)
+def test_gguf_metadata_mutations(tmp_path_factory, key, value):
+    d = tmp_path_factory.mktemp("gguf")
+    _loads_or_refuses(write_gguf(d / "m.gguf", **{key: value}))
+    shutil.rmtree(d)
+
+
+# ---- failures that must not repeat on every run ---------------------------------------------------
+
+
+def test_a_bad_cxx_fails_once_and_is_remembered(tmp_path, monkeypatch):
+    from jaxspec import kernels
+
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd[0])
+        return subprocess.CompletedProcess(cmd, 1, "", "g++: fatal error: bad flags")
+
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/opt/broken/g++")
+    monkeypatch.setattr(kernels.subprocess, "run", fake_run)
+    for _ in range(3):
+        with pytest.raises(OSError, match="bad flags"):
+            kernels._build()
+    assert calls == ["/opt/broken/g++"]  # built once; the next runs read the remembered failure
+
+
+CACHE_SCRIPT = textwrap.dedent("""
+    import warnings
+    import jax, jax.numpy as jnp
+    from jaxspec.cli_support import enable_compilation_cache
+    enable_compilation_cache()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.float32(2.0)).block_until_ready()
+    print(sum("persistent compilation cache" in str(x.message) for x in w))
+""")
+
+
+def test_a_truncated_xla_cache_entry_is_replaced(tmp_path):
+    env = os.environ | {"JAXSPEC_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    for k in ("JAX_COMPILATION_CACHE_DIR", "JAXSPEC_XLA_CACHE"):
+        env.pop(k, None)
+
+    def warnings_of_a_run() -> int:
+        done = subprocess.run([sys.executable, "-c", CACHE_SCRIPT], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    assert warnings_of_a_run() == 0
+    entries = sorted((tmp_path / "xla").glob("jit__lambda*-cache"))
+    assert entries
+    os.truncate(entries[0], 20)
+    assert warnings_of_a_run() == 1  # jax warns and recompiles once ...
+    assert warnings_of_a_run() == 0  # ... and the entry it wrote back is read from then on
