@@ -91,8 +91,8 @@ def check_train_config(tc: TrainConfig) -> None:
     for key, lo, hi in (("lr", 0.0, 10.0), ("end_lr_frac", 0.0, 1.0), ("weight_decay", 0.0, 10.0),
                         ("clip", 0.0, 1e6)):
         v = getattr(tc, key)
-        if not (math.isfinite(v) and lo <= v <= hi) or (key in ("lr", "clip") and v == 0.0):
-            fail(key, f"use a finite number in {'(' if key in ('lr', 'clip') else '['}{lo:g}, {hi:g}]")
+        if not (math.isfinite(v) and lo <= v <= hi) or (key == "clip" and v == 0.0):
+            fail(key, f"use a finite number in {'(' if key == 'clip' else '['}{lo:g}, {hi:g}]")
     if tc.export_dtype not in EXPORT_DTYPES:
         fail("export_dtype", f"use one of {', '.join(EXPORT_DTYPES)}")
     for key in ("model", "data_dir", "ckpt_dir"):
