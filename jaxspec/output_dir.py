@@ -61,7 +61,9 @@ def check_output_dir(path, *, force: bool, what: str = "output directory") -> Pa
     try:
         empty = not any(p.iterdir())
     except OSError as e:
-        raise JaxspecError(f"{what} {path} cannot be listed ({e.strerror}): name another directory") from None
+        raise JaxspecError(
+            f"{what} {path} cannot be listed ({e.strerror}): name another directory"
+        ) from None
     if empty:
         return p
     if not is_jaxspec_output(p):
@@ -95,7 +97,9 @@ def apply_umask(root: Path) -> None:
 
 
 @contextlib.contextmanager
-def replace_dir(path, *, force: bool, what: str = "output directory", marker: bool = False) -> Iterator[Path]:
+def replace_dir(
+    path, *, force: bool, what: str = "output directory", marker: bool = False
+) -> Iterator[Path]:
     """Yield a temporary sibling of `path` to write into; on success it becomes `path` (the old
     content, a jaxspec checkpoint when `force`, is removed only after the rename). `marker`:
     also write `.jaxspec-export`, so a later export may replace this one with force."""

@@ -43,7 +43,9 @@ def regular_file(path: Path, what: str, max_bytes: int | None = MAX_JSON_BYTES) 
     try:
         st = os.stat(path)
     except OSError as e:
-        raise JaxspecError(f"{path} cannot be read ({e.strerror}): {what} must be a readable file") from None
+        raise JaxspecError(
+            f"{path} cannot be read ({e.strerror}): {what} must be a readable file"
+        ) from None
     if not stat.S_ISREG(st.st_mode):
         raise JaxspecError(
             f"{path} is not a regular file (a FIFO, device or directory): {what} must be a plain "
@@ -61,7 +63,9 @@ def confined(root: Path, name: Any, source: str, field: str) -> Path:
     """`root / name` for a relative file name that stays inside `root` (no absolute paths, no
     `..`, no symlink leading out)."""
     if not isinstance(name, str) or not name or "\x00" in name:
-        raise JaxspecError(f"{source}: {field}={short(name)} is not a file name: fix or re-download it")
+        raise JaxspecError(
+            f"{source}: {field}={short(name)} is not a file name: fix or re-download it"
+        )
     p = Path(name)
     if p.is_absolute() or ".." in p.parts:
         raise JaxspecError(
@@ -112,9 +116,9 @@ def read_json(path: Path, what: str = "JSON file", max_bytes: int = MAX_JSON_BYT
 class Fields:
     """Typed, range-checked reads of a config mapping; errors name `source` and the field.
 
-        f = Fields(hf, "ckpt/config.json")
-        layers = f.int("num_hidden_layers", lo=1, hi=MAX_LAYERS)
-        theta = f.float("rope_theta", 10000.0, lo=0.0, lo_open=True)
+    f = Fields(hf, "ckpt/config.json")
+    layers = f.int("num_hidden_layers", lo=1, hi=MAX_LAYERS)
+    theta = f.float("rope_theta", 10000.0, lo=0.0, lo_open=True)
     """
 
     def __init__(self, data: dict | Callable[[str], Any], source: str, prefix: str = ""):
@@ -139,7 +143,9 @@ class Fields:
         value = self.get_raw(key)
         return value is not MISSING and value is not None
 
-    def int(self, key: str, default: Any = MISSING, *, lo: int | None = None, hi: int | None = None):
+    def int(
+        self, key: str, default: Any = MISSING, *, lo: int | None = None, hi: int | None = None
+    ):
         value = self.raw(key, default)
         if not self.given(key):
             return value
@@ -150,8 +156,15 @@ class Fields:
                 self.fail(key, value, "use an integer")
         return self._range(key, value, lo, hi)
 
-    def float(self, key: str, default: Any = MISSING, *, lo: float | None = None,
-              hi: float | None = None, lo_open: bool = False) -> float:
+    def float(
+        self,
+        key: str,
+        default: Any = MISSING,
+        *,
+        lo: float | None = None,
+        hi: float | None = None,
+        lo_open: bool = False,
+    ) -> float:
         value = self.raw(key, default)
         if not self.given(key):
             return value
@@ -186,8 +199,15 @@ class Fields:
             self.fail(key, value, "use a JSON object")
         return value
 
-    def int_list(self, key: str, default: Any = MISSING, *, lo: int | None = None,
-                 hi: int | None = None, scalar_ok: bool = False) -> list[int]:
+    def int_list(
+        self,
+        key: str,
+        default: Any = MISSING,
+        *,
+        lo: int | None = None,
+        hi: int | None = None,
+        scalar_ok: bool = False,
+    ) -> list[int]:
         value = self.raw(key, default)
         if not self.given(key):
             return value
@@ -216,8 +236,14 @@ def token_ids(f: Fields, key: str, vocab: int) -> list[int]:
 # ---- counts against tensors ---------------------------------------------------------------
 
 
-def check_layer_count(num_layers: int, names: Iterable[str], pattern: re.Pattern, source: str,
-                      field: str, below: int | None = None) -> None:
+def check_layer_count(
+    num_layers: int,
+    names: Iterable[str],
+    pattern: re.Pattern,
+    source: str,
+    field: str,
+    below: int | None = None,
+) -> None:
     """The config's layer count must equal the number of layers with tensors (`pattern` matches
     a tensor name with the layer index as group 1; indexes >= `below` are skipped)."""
     present = set()
@@ -226,7 +252,9 @@ def check_layer_count(num_layers: int, names: Iterable[str], pattern: re.Pattern
         if m and (below is None or int(m.group(1)) < below):
             present.add(int(m.group(1)))
     if not present:
-        raise JaxspecError(f"{source}: no layer tensors found: the checkpoint is incomplete or not a decoder")
+        raise JaxspecError(
+            f"{source}: no layer tensors found: the checkpoint is incomplete or not a decoder"
+        )
     expect = set(range(num_layers))
     if present != expect:
         raise JaxspecError(
@@ -238,8 +266,18 @@ def check_layer_count(num_layers: int, names: Iterable[str], pattern: re.Pattern
 
 # ---- safetensors headers ------------------------------------------------------------------
 
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-            "U8": 1, "BOOL": 1}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
@@ -263,14 +301,24 @@ def check_safetensors_header(header: Any, data_bytes: int, file: Path) -> dict[s
                 f"{where} has dtype {short(dtype)}, which jaxspec does not read: convert it to "
                 f"F32/BF16/F16 (I64/BOOL for index tensors)"
             )
-        if not isinstance(shape, list) or len(shape) > 8 or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape
+            )
         ):
-            raise JaxspecError(f"{where} has shape {short(shape)} (want a list of sizes >= 0): {fix}")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(
-            isinstance(o, int) and not isinstance(o, bool) for o in offsets
+            raise JaxspecError(
+                f"{where} has shape {short(shape)} (want a list of sizes >= 0): {fix}"
+            )
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         ):
-            raise JaxspecError(f"{where} has data_offsets {short(offsets)} (want [begin, end]): {fix}")
+            raise JaxspecError(
+                f"{where} has data_offsets {short(offsets)} (want [begin, end]): {fix}"
+            )
         begin, end = offsets
         if not 0 <= begin <= end <= data_bytes:
             raise JaxspecError(

@@ -117,7 +117,9 @@ def tok_dir(good_dir, tmp_path_factory) -> Path:
     vocab = {"<unk>": 0, "</s>": 1} | {f"w{i}": i for i in range(2, VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(d)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="</s>"
+    ).save_pretrained(d)
     return d
 
 
@@ -174,8 +176,17 @@ def generate_main(argv):
 
 
 def gen_argv(model, *extra):
-    return ["--model", str(model), "--prompt", "hi", "--max-new-tokens", "2",
-            "model.layout=unrolled", "model.dtype=float32", *extra]
+    return [
+        "--model",
+        str(model),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "2",
+        "model.layout=unrolled",
+        "model.dtype=float32",
+        *extra,
+    ]
 
 
 # ---- the valid inputs load (so every refusal below is the case's own) ------------------------
@@ -196,8 +207,12 @@ CONFIG_CASES = {
     "list": (lambda d: (d / "config.json").write_text("[1, 2]"), "not an object"),
     "not utf-8": (lambda d: (d / "config.json").write_bytes(b'{"a": "\xff\xfe"}'), "not UTF-8"),
     "not json": (lambda d: (d / "config.json").write_text("{vocab_size: 3"), "not valid JSON"),
-    "NaN literal": (lambda d: (d / "config.json").write_text(
-        json.dumps(CONFIG).replace('"rope_theta": 10000.0', '"rope_theta": NaN')), "NaN"),
+    "NaN literal": (
+        lambda d: (d / "config.json").write_text(
+            json.dumps(CONFIG).replace('"rope_theta": 10000.0', '"rope_theta": NaN')
+        ),
+        "NaN",
+    ),
     "rope_theta 0": (dict(rope_theta=0.0), "rope_theta"),
     "rope_theta < 0": (dict(rope_theta=-5.0), "rope_theta"),
     "rope_theta string": (dict(rope_theta="1e4"), "rope_theta"),
@@ -225,9 +240,14 @@ CONFIG_CASES = {
     "hidden_act number": (dict(hidden_act=5), "hidden_act"),
     "tie as string": (dict(tie_word_embeddings="yes"), "tie_word_embeddings"),
     "mtp layers string": (dict(num_nextn_predict_layers="1"), "num_nextn_predict_layers"),
-    "fifo": (lambda d: (os.remove(d / "config.json"), os.mkfifo(d / "config.json")), "not a regular file"),
-    "urandom link": (lambda d: (os.remove(d / "config.json"),
-                                os.symlink("/dev/urandom", d / "config.json")), "not a regular file"),
+    "fifo": (
+        lambda d: (os.remove(d / "config.json"), os.mkfifo(d / "config.json")),
+        "not a regular file",
+    ),
+    "urandom link": (
+        lambda d: (os.remove(d / "config.json"), os.symlink("/dev/urandom", d / "config.json")),
+        "not a regular file",
+    ),
     "sparse 1 TB": (lambda d: os.truncate(d / "config.json", 1 << 40), "bytes, more than"),
 }
 
@@ -282,17 +302,22 @@ SAFETENSORS_CASES = {
     "header length 2^63": (lambda h, e: 1 << 63, "not a readable safetensors"),
     "header length past the file": (lambda h, e: 10**9, "not a readable safetensors"),
     "I32 weight": (lambda h, e: e.update(dtype="I32"), "must be a float"),
-    "BOOL weight": (lambda h, e: e.update(dtype="BOOL", data_offsets=[e["data_offsets"][0],
-                                                                     e["data_offsets"][0] + VOCAB * HIDDEN]),
-                    "must be a float"),
+    "BOOL weight": (
+        lambda h, e: e.update(
+            dtype="BOOL", data_offsets=[e["data_offsets"][0], e["data_offsets"][0] + VOCAB * HIDDEN]
+        ),
+        "must be a float",
+    ),
     "unknown dtype": (lambda h, e: e.update(dtype="Q4"), "does not read"),
     "shape -1": (lambda h, e: e.update(shape=[-1, HIDDEN]), "shape"),
     "shape strings": (lambda h, e: e.update(shape=["64", "16"]), "shape"),
     "offsets beyond file": (lambda h, e: e.update(data_offsets=[0, 10**9]), "outside"),
     "offsets one int": (lambda h, e: e.update(data_offsets=5), "data_offsets"),
     "byte count mismatch": (lambda h, e: e.update(shape=[VOCAB, HIDDEN - 1]), "bytes"),
-    "overlapping tensors": (lambda h, e: h["model.norm.weight"].update(
-        data_offsets=[0, HIDDEN * 4]), "share bytes"),
+    "overlapping tensors": (
+        lambda h, e: h["model.norm.weight"].update(data_offsets=[0, HIDDEN * 4]),
+        "share bytes",
+    ),
     "entry not an object": (lambda h, e: h.update({"model.norm.weight": [1, 2]}), "not an object"),
     "metadata not strings": (lambda h, e: h.update({"__metadata__": {"a": 1}}), "__metadata__"),
 }
@@ -339,7 +364,9 @@ INDEX_CASES = {
 @pytest.mark.parametrize("case", INDEX_CASES)
 def test_safetensors_index(ckpt, case):
     body, match = INDEX_CASES[case]
-    (ckpt / "model.safetensors.index.json").write_text(body if isinstance(body, str) else json.dumps(body))
+    (ckpt / "model.safetensors.index.json").write_text(
+        body if isinstance(body, str) else json.dumps(body)
+    )
     refused(generate_main, gen_argv(ckpt), match)
 
 
@@ -364,10 +391,14 @@ def test_auto_map_tokenizer_code_never_runs(ckpt, tmp_path):
         f"open({str(marker)!r}, 'w').write('ran')\n"
         "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
     )
-    (ckpt / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "EvilTokenizer",
-        "auto_map": {"AutoTokenizer": ["evil_tokenizer.EvilTokenizer", None]},
-    }))
+    (ckpt / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "EvilTokenizer",
+                "auto_map": {"AutoTokenizer": ["evil_tokenizer.EvilTokenizer", None]},
+            }
+        )
+    )
     refused(generate_main, gen_argv(ckpt), "never runs code")
     assert not marker.exists()
     # the library path (trust_remote_code=False) refuses it too, without a prompt or a marker
@@ -384,10 +415,14 @@ def test_transformers_itself_is_asked_not_to_run_code(ckpt, tmp_path, monkeypatc
 
     marker = tmp_path / "ran.txt"
     (ckpt / "evil_tokenizer.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    (ckpt / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "EvilTokenizer",
-        "auto_map": {"AutoTokenizer": ["evil_tokenizer.EvilTokenizer", None]},
-    }))
+    (ckpt / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "EvilTokenizer",
+                "auto_map": {"AutoTokenizer": ["evil_tokenizer.EvilTokenizer", None]},
+            }
+        )
+    )
     monkeypatch.setattr(tok_mod, "check_tokenizer_config", lambda cfg, source: None)
     with pytest.raises(JaxspecError, match="cannot load the tokenizer"):
         tok_mod.load_dir_tokenizer(ckpt)
@@ -423,9 +458,13 @@ def write_gguf(path: Path, **meta) -> Path:
     arch = meta.pop("architecture", "llama")
     w = gguf.GGUFWriter(str(path), arch)
     values = {
-        "block_count": LAYERS, "context_length": 128, "embedding_length": HIDDEN,
-        "feed_forward_length": FFN, "attention.head_count": HEADS,
-        "attention.head_count_kv": KV, "attention.layer_norm_rms_epsilon": 1e-5,
+        "block_count": LAYERS,
+        "context_length": 128,
+        "embedding_length": HIDDEN,
+        "feed_forward_length": FFN,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV,
+        "attention.layer_norm_rms_epsilon": 1e-5,
         "rope.freq_base": 10000.0,
     } | meta
     for key, value in values.items():
@@ -444,12 +483,22 @@ def write_gguf(path: Path, **meta) -> Path:
             w.add_int32(full, value)
         else:
             w.add_uint32(full, value)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    sub = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-           "mlp.down_proj": "ffn_down"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    sub = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for name, a in hf_tensors(np.random.default_rng(3)).items():
         if name in names:
             gname = names[name]
@@ -514,8 +563,12 @@ def medusa_fd_dir(path: Path, heads=2, layers=1, **config) -> Path:
             t[f"{i}.{j}.linear.bias"] = rng.standard_normal(HIDDEN).astype(np.float32)
         t[f"{i}.{layers}.weight"] = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
     write_safetensors(path / "model.safetensors", t)
-    cfg = {"medusa_num_heads": heads, "medusa_num_layers": layers, "hidden_size": HIDDEN,
-           "vocab_size": VOCAB} | config
+    cfg = {
+        "medusa_num_heads": heads,
+        "medusa_num_layers": layers,
+        "hidden_size": HIDDEN,
+        "vocab_size": VOCAB,
+    } | config
     (path / "config.json").write_text(json.dumps(cfg))
     return path
 
@@ -531,12 +584,18 @@ def eagle3_dir(path: Path, ids=(1, 0, 1), **config) -> Path:
 
     pre = PREFIX["eagle3"]
     t = {
-        "fc.weight": w(h, 3 * th), "norm.weight": 1 + w(h), "lm_head.weight": w(nd, h),
-        pre + "input_layernorm.weight": 1 + w(h), pre + "hidden_norm.weight": 1 + w(h),
+        "fc.weight": w(h, 3 * th),
+        "norm.weight": 1 + w(h),
+        "lm_head.weight": w(nd, h),
+        pre + "input_layernorm.weight": 1 + w(h),
+        pre + "hidden_norm.weight": 1 + w(h),
         pre + "post_attention_layernorm.weight": 1 + w(h),
-        pre + "self_attn.q_proj.weight": w(n * hd, 2 * h), pre + "self_attn.k_proj.weight": w(k * hd, 2 * h),
-        pre + "self_attn.v_proj.weight": w(k * hd, 2 * h), pre + "self_attn.o_proj.weight": w(h, n * hd),
-        pre + "mlp.gate_proj.weight": w(2 * h, h), pre + "mlp.up_proj.weight": w(2 * h, h),
+        pre + "self_attn.q_proj.weight": w(n * hd, 2 * h),
+        pre + "self_attn.k_proj.weight": w(k * hd, 2 * h),
+        pre + "self_attn.v_proj.weight": w(k * hd, 2 * h),
+        pre + "self_attn.o_proj.weight": w(h, n * hd),
+        pre + "mlp.gate_proj.weight": w(2 * h, h),
+        pre + "mlp.up_proj.weight": w(2 * h, h),
         pre + "mlp.down_proj.weight": w(h, 2 * h),
     }
     d2t = np.arange(0, 2 * nd, 2, dtype=np.int64)
@@ -547,11 +606,20 @@ def eagle3_dir(path: Path, ids=(1, 0, 1), **config) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     write_safetensors(path / "model.safetensors", t)
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
-        "intermediate_size": 2 * h, "num_attention_heads": n, "num_key_value_heads": k,
-        "num_hidden_layers": 1, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "max_position_embeddings": 128, "vocab_size": VOCAB, "hidden_act": "silu",
-        "draft_vocab_size": nd, "target_hidden_size": th,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": 2 * h,
+        "num_attention_heads": n,
+        "num_key_value_heads": k,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 128,
+        "vocab_size": VOCAB,
+        "hidden_act": "silu",
+        "draft_vocab_size": nd,
+        "target_hidden_size": th,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids)},
     } | config
     (path / "config.json").write_text(json.dumps(cfg))
@@ -559,11 +627,29 @@ def eagle3_dir(path: Path, ids=(1, 0, 1), **config) -> Path:
 
 
 def test_valid_drafters_export(tmp_path):
-    rc, out, err = run_cli(export_main, ["--checkpoint", str(medusa_fd_dir(tmp_path / "m")),
-                                         "--format", "medusa", "--out", str(tmp_path / "o1")])
+    rc, out, err = run_cli(
+        export_main,
+        [
+            "--checkpoint",
+            str(medusa_fd_dir(tmp_path / "m")),
+            "--format",
+            "medusa",
+            "--out",
+            str(tmp_path / "o1"),
+        ],
+    )
     assert rc == 0, err
-    rc, out, err = run_cli(export_main, ["--checkpoint", str(eagle3_dir(tmp_path / "e")),
-                                         "--format", "speculators", "--out", str(tmp_path / "o2")])
+    rc, out, err = run_cli(
+        export_main,
+        [
+            "--checkpoint",
+            str(eagle3_dir(tmp_path / "e")),
+            "--format",
+            "speculators",
+            "--out",
+            str(tmp_path / "o2"),
+        ],
+    )
     assert rc == 0, err
     mode = (tmp_path / "o2" / "model.safetensors").stat().st_mode & 0o777
     mask = os.umask(0)
@@ -572,27 +658,73 @@ def test_valid_drafters_export(tmp_path):
 
 
 DRAFTER_CASES = {
-    "medusa heads 10^7": (lambda p: medusa_fd_dir(p, medusa_num_heads=10**7), "medusa", "medusa_num_heads"),
-    "medusa heads string": (lambda p: medusa_fd_dir(p, medusa_num_heads="2"), "medusa", "medusa_num_heads"),
-    "medusa layers 0": (lambda p: medusa_fd_dir(p, medusa_num_layers=0), "medusa", "medusa_num_layers"),
+    "medusa heads 10^7": (
+        lambda p: medusa_fd_dir(p, medusa_num_heads=10**7),
+        "medusa",
+        "medusa_num_heads",
+    ),
+    "medusa heads string": (
+        lambda p: medusa_fd_dir(p, medusa_num_heads="2"),
+        "medusa",
+        "medusa_num_heads",
+    ),
+    "medusa layers 0": (
+        lambda p: medusa_fd_dir(p, medusa_num_layers=0),
+        "medusa",
+        "medusa_num_layers",
+    ),
     "medusa vocab bool": (lambda p: medusa_fd_dir(p, vocab_size=True), "medusa", "vocab_size"),
-    "medusa inf weight": (lambda p: _poison(medusa_fd_dir(p), "0.0.linear.weight", np.inf), "medusa", "NaN or inf"),
-    "eagle3 layer ids bools": (lambda p: eagle3_dir(p, ids=(True, False, True)), "speculators",
-                               "eagle_aux_hidden_state_layer_ids"),
-    "eagle3 layer ids strings": (lambda p: eagle3_dir(p, ids=("1", "0", "1")), "speculators",
-                                 "eagle_aux_hidden_state_layer_ids"),
-    "eagle3 hidden string": (lambda p: eagle3_dir(p, hidden_size="16"), "speculators", "hidden_size"),
-    "eagle3 heads 0": (lambda p: eagle3_dir(p, num_attention_heads=0), "speculators", "num_attention_heads"),
+    "medusa inf weight": (
+        lambda p: _poison(medusa_fd_dir(p), "0.0.linear.weight", np.inf),
+        "medusa",
+        "NaN or inf",
+    ),
+    "eagle3 layer ids bools": (
+        lambda p: eagle3_dir(p, ids=(True, False, True)),
+        "speculators",
+        "eagle_aux_hidden_state_layer_ids",
+    ),
+    "eagle3 layer ids strings": (
+        lambda p: eagle3_dir(p, ids=("1", "0", "1")),
+        "speculators",
+        "eagle_aux_hidden_state_layer_ids",
+    ),
+    "eagle3 hidden string": (
+        lambda p: eagle3_dir(p, hidden_size="16"),
+        "speculators",
+        "hidden_size",
+    ),
+    "eagle3 heads 0": (
+        lambda p: eagle3_dir(p, num_attention_heads=0),
+        "speculators",
+        "num_attention_heads",
+    ),
     "eagle3 rope_theta -1": (lambda p: eagle3_dir(p, rope_theta=-1.0), "speculators", "rope_theta"),
-    "eagle3 draft vocab string": (lambda p: eagle3_dir(p, draft_vocab_size="8"), "speculators",
-                                  "draft_vocab_size"),
-    "eagle3 eagle_config list": (lambda p: eagle3_dir(p, eagle_config=[1]), "speculators", "eagle_config"),
-    "eagle3 NaN weight": (lambda p: _poison(eagle3_dir(p), "fc.weight", np.nan), "speculators", "NaN or inf"),
-    "mtp layers as string": (lambda p: medusa_fd_dir(p, medusa_num_heads=DELETE_KEY,
-                                                     num_nextn_predict_layers="1"), "medusa",
-                             "not a drafter layout"),
-    "config a list": (lambda p: (medusa_fd_dir(p), (p / "config.json").write_text("[]")), "medusa",
-                      "not an object"),
+    "eagle3 draft vocab string": (
+        lambda p: eagle3_dir(p, draft_vocab_size="8"),
+        "speculators",
+        "draft_vocab_size",
+    ),
+    "eagle3 eagle_config list": (
+        lambda p: eagle3_dir(p, eagle_config=[1]),
+        "speculators",
+        "eagle_config",
+    ),
+    "eagle3 NaN weight": (
+        lambda p: _poison(eagle3_dir(p), "fc.weight", np.nan),
+        "speculators",
+        "NaN or inf",
+    ),
+    "mtp layers as string": (
+        lambda p: medusa_fd_dir(p, medusa_num_heads=DELETE_KEY, num_nextn_predict_layers="1"),
+        "medusa",
+        "not a drafter layout",
+    ),
+    "config a list": (
+        lambda p: (medusa_fd_dir(p), (p / "config.json").write_text("[]")),
+        "medusa",
+        "not an object",
+    ),
 }
 DELETE_KEY = None
 
@@ -616,8 +748,11 @@ def test_drafter_configs(tmp_path, case):
     if isinstance(cfg, dict) and cfg.get("medusa_num_heads", 0) is None:
         cfg.pop("medusa_num_heads")
         cfg_file.write_text(json.dumps(cfg))
-    refused(export_main, ["--checkpoint", str(tmp_path / "d"), "--format", fmt,
-                          "--out", str(tmp_path / "out")], match)
+    refused(
+        export_main,
+        ["--checkpoint", str(tmp_path / "d"), "--format", fmt, "--out", str(tmp_path / "out")],
+        match,
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -684,8 +819,10 @@ def train_yaml(tmp_path):
     data.mkdir()
     (data / "shard_00000.npz").write_bytes(b"")  # present: the refusals below come first
     p = tmp_path / "t.yaml"
-    p.write_text(f"kind: train\nmethod: medusa\ndata_dir: {data}\neval_prompts: 0\n"
-                 f"export_dir: {tmp_path / 'export'}\nckpt_dir: {tmp_path / 'ck'}\n")
+    p.write_text(
+        f"kind: train\nmethod: medusa\ndata_dir: {data}\neval_prompts: 0\n"
+        f"export_dir: {tmp_path / 'export'}\nckpt_dir: {tmp_path / 'ck'}\n"
+    )
     return p
 
 
@@ -693,8 +830,13 @@ TRAIN_CASES = {
     "missing config": (lambda p: ["--config", str(p.parent / "nope.yaml")], "does not exist"),
     "no config": (lambda p: [], "--config is required"),
     "bad yaml": (lambda p: (p.write_text("a: [1,\n"), ["--config", str(p)])[1], "not valid YAML"),
-    "python tag": (lambda p: (p.write_text("kind: !!python/object/apply:os.system ['true']\n"),
-                              ["--config", str(p)])[1], "not valid YAML"),
+    "python tag": (
+        lambda p: (
+            p.write_text("kind: !!python/object/apply:os.system ['true']\n"),
+            ["--config", str(p)],
+        )[1],
+        "not valid YAML",
+    ),
     "a list": (lambda p: (p.write_text("- 1\n"), ["--config", str(p)])[1], "must be a mapping"),
     "steps=abc": (lambda p: ["--config", str(p), "steps=abc"], "steps"),
     "method=foo": (lambda p: ["--config", str(p), "method=foo"], "method"),
@@ -707,14 +849,23 @@ TRAIN_CASES = {
     "unknown key": (lambda p: ["--config", str(p), "stepz=3"], "unknown keys"),
     "not key=value": (lambda p: ["--config", str(p), "steps"], "not key=value"),
     "kind=foo": (lambda p: ["--config", str(p), "kind=foo"], "kind"),
-    "missing data_dir": (lambda p: ["--config", str(p), f"data_dir={p.parent / 'none'}"], "data_dir"),
-    "missing gsm8k": (lambda p: ["--config", str(p), "eval_prompts=2", "gsm8k_path=/nope.jsonl"],
-                      "gsm8k_path"),
+    "missing data_dir": (
+        lambda p: ["--config", str(p), f"data_dir={p.parent / 'none'}"],
+        "data_dir",
+    ),
+    "missing gsm8k": (
+        lambda p: ["--config", str(p), "eval_prompts=2", "gsm8k_path=/nope.jsonl"],
+        "gsm8k_path",
+    ),
     "export_dir=.": (lambda p: ["--config", str(p), "export_dir=."], "current directory"),
-    "export_dir foreign": (lambda p: ["--config", str(p), f"export_dir={p.parent / 'data'}"],
-                           "not a checkpoint jaxspec wrote"),
-    "data kind bad type": (lambda p: (p.write_text("kind: data\ntop_k: many\n"),
-                                      ["--config", str(p)])[1], "top_k"),
+    "export_dir foreign": (
+        lambda p: ["--config", str(p), f"export_dir={p.parent / 'data'}"],
+        "not a checkpoint jaxspec wrote",
+    ),
+    "data kind bad type": (
+        lambda p: (p.write_text("kind: data\ntop_k: many\n"), ["--config", str(p)])[1],
+        "top_k",
+    ),
 }
 
 
@@ -752,12 +903,21 @@ def test_generate_inputs(tok_dir, tmp_path, monkeypatch):
     refused(generate_main, ["--model", str(good_dir), "--prompt", "a\udcff b"], "not valid Unicode")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x \\ud800 y"}\n')
-    refused(generate_main, ["--model", str(good_dir), "--prompts-file", str(prompts)], "not valid Unicode")
+    refused(
+        generate_main,
+        ["--model", str(good_dir), "--prompts-file", str(prompts)],
+        "not valid Unicode",
+    )
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
-    refused(generate_main, ["--model", str(good_dir), "--prompts-file", str(fifo)], "not a regular file")
-    refused(generate_main, gen_argv(good_dir, "speculative.method=ngram",
-                                    "speculative.tree.choices=[[0],[9000]]"), "rank 9000")
+    refused(
+        generate_main, ["--model", str(good_dir), "--prompts-file", str(fifo)], "not a regular file"
+    )
+    refused(
+        generate_main,
+        gen_argv(good_dir, "speculative.method=ngram", "speculative.tree.choices=[[0],[9000]]"),
+        "rank 9000",
+    )
     refused(generate_main, gen_argv(good_dir, "speculative.tree.choices=[[true]]"), "choices")
 
 
@@ -776,8 +936,11 @@ def test_bench_and_roofline_fail_in_one_line(tmp_path):
     from jaxspec.bench import main as bench_main
     from jaxspec.roofline import main as roofline_main
 
-    refused(bench_main, ["--config", "c.yaml", "--out", str(tmp_path), "--no-such-flag"],
-            "unrecognized arguments")
+    refused(
+        bench_main,
+        ["--config", "c.yaml", "--out", str(tmp_path), "--no-such-flag"],
+        "unrecognized arguments",
+    )
     refused(roofline_main, ["--batch", "x"], "")
     refused(roofline_main, ["model.nope=1"], "unknown key")
 
@@ -819,8 +982,15 @@ def test_memory_is_priced_before_allocation():
     from jaxspec.limits import check_cache_fits, kv_cache_bytes
     from jaxspec.models.llama import ModelConfig
 
-    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=30,
-                      num_heads=8, num_kv_heads=4, head_dim=64)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=30,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+    )
     assert kv_cache_bytes(cfg, 2, 100) == 2 * 30 * 2 * 100 * 4 * 64 * 4
     check_cache_fits(cfg, 1, 1024, free=1 << 30)
     with pytest.raises(JaxspecError, match="lower generation.batch_size"):
@@ -853,10 +1023,18 @@ SLOW_COMPILE = textwrap.dedent("""
 def test_ctrl_c_exits_130_without_a_traceback(tmp_path, when):
     env = os.environ | {"JAXSPEC_XLA_CACHE": "0", "PYTHONPATH": os.getcwd()}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    script = SLOW_COMPILE if when == "compiling" else SLOW_COMPILE.replace(
-        "jax.jit(f).lower(jnp.ones((8, 8))).compile()", "time.sleep(30)")
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    script = (
+        SLOW_COMPILE
+        if when == "compiling"
+        else SLOW_COMPILE.replace("jax.jit(f).lower(jnp.ones((8, 8))).compile()", "time.sleep(30)")
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout.readline().strip() == "compiling"
     time.sleep(1.0)
     sent = time.perf_counter()
@@ -874,13 +1052,28 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.sampled_from([0, 1, 2, 3, 4, 64, 10**7])
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**64), 2**64)
+    | st.sampled_from([0, 1, 2, 3, 4, 64, 10**7])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=8,
 )
-CONFIG_KEYS = [*CONFIG, "head_dim", "rope_scaling", "rope_parameters", "num_nextn_predict_layers",
-               "sliding_window", "use_sliding_window", "layer_types", "attention_bias"]
+CONFIG_KEYS = [
+    *CONFIG,
+    "head_dim",
+    "rope_scaling",
+    "rope_parameters",
+    "num_nextn_predict_layers",
+    "sliding_window",
+    "use_sliding_window",
+    "layer_types",
+    "attention_bias",
+]
 
 
 def _loads_or_refuses(path) -> None:
@@ -899,7 +1092,9 @@ def _loads_or_refuses(path) -> None:
     assert time.perf_counter() - t0 < 20
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(key=st.sampled_from(CONFIG_KEYS), value=JSON_VALUES)
 def test_config_json_mutations(good_dir, tmp_path_factory, key, value):
     d = Path(shutil.copytree(good_dir, tmp_path_factory.mktemp("mut") / "ckpt"))
@@ -909,16 +1104,32 @@ def test_config_json_mutations(good_dir, tmp_path_factory, key, value):
     shutil.rmtree(d.parent)
 
 
-GGUF_KEYS = ["block_count", "context_length", "embedding_length", "feed_forward_length",
-             "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
-             "rope.freq_base", "attention.key_length", "rope.dimension_count"]
-GGUF_VALUES = (st.integers(-(2**31), 2**31 - 1) | st.integers(0, 2**32 - 1)
-               | st.floats(width=32, allow_nan=True, allow_infinity=True) | st.text(max_size=6)
-               | st.booleans() | st.lists(st.integers(0, 10), min_size=1, max_size=3)
-               | st.sampled_from([0, 1, 2, 3, 16, 10**6]))
+GGUF_KEYS = [
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "attention.key_length",
+    "rope.dimension_count",
+]
+GGUF_VALUES = (
+    st.integers(-(2**31), 2**31 - 1)
+    | st.integers(0, 2**32 - 1)
+    | st.floats(width=32, allow_nan=True, allow_infinity=True)
+    | st.text(max_size=6)
+    | st.booleans()
+    | st.lists(st.integers(0, 10), min_size=1, max_size=3)
+    | st.sampled_from([0, 1, 2, 3, 16, 10**6])
+)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(key=st.sampled_from(GGUF_KEYS), value=GGUF_VALUES)
 def test_gguf_metadata_mutations(tmp_path_factory, key, value):
     d = tmp_path_factory.mktemp("gguf")
@@ -965,8 +1176,13 @@ def test_a_truncated_xla_cache_entry_is_replaced(tmp_path):
         env.pop(k, None)
 
     def warnings_of_a_run() -> int:
-        done = subprocess.run([sys.executable, "-c", CACHE_SCRIPT], env=env, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", CACHE_SCRIPT],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         return int(done.stdout.split()[-1])
 

@@ -42,7 +42,9 @@ def make_parser() -> argparse.ArgumentParser:
         "and a directory jaxspec did not write never is.",
     )
     ap.add_argument("--config", help="YAML file (kind: data | train, then keys)")
-    ap.add_argument("--force", action="store_true", help="replace export_dir if it holds a checkpoint")
+    ap.add_argument(
+        "--force", action="store_true", help="replace export_dir if it holds a checkpoint"
+    )
     ap.add_argument("--list-keys", action="store_true", help="print the valid keys and exit")
     ap.add_argument("overrides", nargs="*", help="key=value (dotted keys for nested fields)")
     return ap
@@ -56,8 +58,10 @@ def list_keys() -> str:
     for kind, cls in (("train", TrainConfig), ("data", DataConfig)):
         lines.append(f"kind: {kind}")
         for f in dataclasses.fields(cls):
-            default = "(required)" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING else (
-                f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = (
+                "(required)"
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
             )
             lines.append(f"  {f.name}: {default!r}")
     return "\n".join(lines)
@@ -70,18 +74,24 @@ def read_config(path: str) -> dict:
 
     p = Path(path)
     if not p.exists():
-        raise JaxspecError(f"config file {path} does not exist: pass --config configs/train/<x>.yaml")
+        raise JaxspecError(
+            f"config file {path} does not exist: pass --config configs/train/<x>.yaml"
+        )
     regular_file(p, "config file", max_bytes=1 << 20)
     try:
         cfg = yaml.safe_load(p.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise JaxspecError(f"config file {path} is not UTF-8 text") from None
     except yaml.YAMLError as e:
-        raise JaxspecError(f"config file {path} is not valid YAML: {short(' '.join(str(e).split()))}") from None
+        raise JaxspecError(
+            f"config file {path} is not valid YAML: {short(' '.join(str(e).split()))}"
+        ) from None
     if cfg is None:
         return {}
     if not isinstance(cfg, dict):
-        raise JaxspecError(f"config file {path} must be a mapping of keys, not a {type(cfg).__name__}")
+        raise JaxspecError(
+            f"config file {path} must be a mapping of keys, not a {type(cfg).__name__}"
+        )
     return cfg
 
 
@@ -91,7 +101,9 @@ def run(argv=None) -> int:
         print(list_keys())
         return 0
     if not args.config:
-        raise JaxspecError("--config is required: pass --config configs/train/<x>.yaml (see --list-keys)")
+        raise JaxspecError(
+            "--config is required: pass --config configs/train/<x>.yaml (see --list-keys)"
+        )
     cfg = read_config(args.config)
     for item in args.overrides:
         if "=" not in item:
