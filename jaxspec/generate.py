@@ -105,9 +105,9 @@ def read_prompts_file(path: str) -> list[str]:
 
 def parse(argv: list[str] | None = None):
     """argv -> (args, Config, prompts); everything checked that can be without loading a model."""
+    args = make_parser().parse_intermixed_args(argv)  # before any heavy import: --help is instant
     from jaxspec.config import load_config
 
-    args = make_parser().parse_intermixed_args(argv)
     config = load_config(args.config, [*args.overrides, *flag_overrides(args)])
     prompts = list(args.prompt)
     if args.prompts_file:
@@ -118,9 +118,9 @@ def parse(argv: list[str] | None = None):
 
 
 def run(argv: list[str] | None = None) -> int:
+    args, config, prompts = parse(argv)
     from jaxspec.build import build_engine, sampling_params
 
-    args, config, prompts = parse(argv)
     distributed.start(config.distributed)  # before any device is touched
     enable_compilation_cache()
     sp = sampling_params(config)  # validated before the model load

@@ -30,13 +30,9 @@ import dataclasses
 import json
 import sys
 
-import jax
-import jax.numpy as jnp
-
-from jaxspec import hlo
-from jaxspec.cache import init_cache
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention, llama
+
+# jax and the model code are imported inside the functions that use them, so `--help` is instant.
 
 ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
@@ -79,17 +75,29 @@ class Program:
 
 
 def abstract_params(cfg: llama.ModelConfig, layout: str):
+    import jax
+
+    from jaxspec.models import llama
+
     params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
     return jax.eval_shape(llama.stack_layers, params) if layout == "stacked" else params
 
 
 def _cache(cfg, batch, capacity, stacked, num_layers=None):
+    import jax
+
+    from jaxspec.cache import init_cache
+
     n = cfg.num_layers if num_layers is None else num_layers
     return jax.eval_shape(lambda: init_cache(n, batch, capacity, cfg.num_kv_heads, cfg.head_dim,
                                              cfg.compute_dtype, stacked))
 
 
 def _step(cfg, last_only):
+    import jax
+
+    from jaxspec.models import llama
+
     def step(params, tokens, cache):  # one target forward + logits; the cache is donated
         out = llama.forward(params, tokens, cache, cfg)
         hidden = out.hidden[:, -1:] if last_only else out.hidden
@@ -110,6 +118,9 @@ def _costs(compiled) -> tuple[float, float]:
 
 def min_bytes(cfg, params, batch, window, valid, logits_rows) -> float:
     """Weights once + valid KV read + new KV written + f32 logits out."""
+    import jax
+    import jax.numpy as jnp
+
     item = jnp.dtype(cfg.compute_dtype).itemsize
     leaves = jax.tree.leaves({k: v for k, v in params.items() if k != "embed"})
     weights = sum(x.size * x.dtype.itemsize for x in leaves)
@@ -123,6 +134,12 @@ def min_bytes(cfg, params, batch, window, valid, logits_rows) -> float:
 
 
 def measure(cfg, layout, program, batch, window, capacity, valid) -> Program:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec import hlo
+    from jaxspec.models import attention
+
     params = abstract_params(cfg, layout)
     last_only = program == "prefill"
     tokens = jax.ShapeDtypeStruct((batch, window), jnp.int32)
@@ -171,6 +188,7 @@ def format_table(rows: list[Program]) -> str:
 
 def model_config(args, config) -> llama.ModelConfig:
     from jaxspec.loading.params import resolve_dtype
+    from jaxspec.models import llama
 
     dtype = resolve_dtype(args.dtype or config.model.dtype)  # auto: this backend's choice
     if args.model_shape:
