@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxspec import progress
 from jaxspec.bench_plan import BenchPlan, plan_bench, settings
 from jaxspec.bench_rows import (  # noqa: F401 -- aggregate: re-exported
     SPEC_BENCH_CATEGORIES,
@@ -326,10 +327,13 @@ class Bench:
         from tqdm import tqdm
 
         a = self.args
-        for engine in self.engines.values():
+        warm = tqdm(self.engines.values(), desc="warm-up: compiling each method (cached afterwards)",
+                    unit="method", file=sys.stderr)
+        for engine in warm:
             self.warm_up(engine, self.ids, a.max_new_tokens)
         if self.peers:
-            self.peers.warm_up(self.ids[0])
+            with progress.step("warm-up: transformers peers (and their thread count)"):
+                self.peers.warm_up(self.ids[0])
         labels = list(self.engines)
         peer_names = list(self.peers.methods) if self.peers else []
         for name in labels + peer_names:

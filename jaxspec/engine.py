@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import adaptive as adaptive_mod
-from jaxspec import calibration, sharding, speculate
+from jaxspec import calibration, progress, sharding, speculate, xla_cache
 from jaxspec.drafters.base import traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
@@ -69,6 +69,7 @@ class Engine:
         max_context: int | None = None,
         adaptive: adaptive_mod.Options | None = None,
     ):
+        xla_cache.enable()  # on by default, as in the CLI (JAXSPEC_XLA_CACHE=0: off)
         if drafter is None:
             num_speculative_tokens = 0
         elif not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -380,6 +381,7 @@ class Engine:
         if key in self._warm_shapes:
             return 0.0
         t0 = time.perf_counter()
+        compiling = progress.compiling(b, self.method)
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         lowered = speculate.prefill_jit.lower(*args, capacity=capacity)
         shardings = lowered.compile().output_shardings
@@ -389,6 +391,7 @@ class Engine:
         )
         speculate.decode_jit.lower(*self._decode_args(self._with_adaptive(state), sp, 1)).compile()
         self._warm_shapes.add(key)
+        compiling()
         return time.perf_counter() - t0
 
     def warmup(self, prompt, *, max_new_tokens=128, sampling=None, batch_size=1) -> float:
