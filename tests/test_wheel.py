@@ -62,3 +62,32 @@ def test_installed_wheel_runs_from_a_fresh_venv(wheel, tmp_path):
     assert str(venv) in where.stdout  # the installed copy, not the work tree
     done = run(str(python), "-m", "jaxspec.generate", "--help", cwd=tmp_path, env=env)
     assert "usage: python -m jaxspec.generate" in done.stdout
+
+
+def install_cell() -> str:
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
+    [cell] = [c for c in nb.cells if c.cell_type == "code" and "JAXSPEC_SOURCE" in c.source]
+    return cell.source
+
+
+def test_the_notebooks_install_cell_installs_the_wheel_into_a_fresh_venv(wheel, tmp_path):
+    """The first cell of the notebooks, run as Colab would run it, with JAXSPEC_SOURCE = the wheel.
+    The venv reuses this environment's packages (a .pth file), so pip finds jax & co. installed
+    (as on Colab) and installs only jaxspec, offline."""
+    import site
+
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", str(venv), cwd=tmp_path)
+    python = venv / "bin" / "python"
+    purelib = run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                  cwd=tmp_path).stdout.strip()
+    Path(purelib, "reuse.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    script = tmp_path / "install_cell.py"
+    script.write_text(install_cell())
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    done = run(str(python), str(script), cwd=tmp_path, env=env | {"JAXSPEC_SOURCE": str(wheel)})
+    assert f"from {purelib}/jaxspec" in done.stdout, done.stdout
+    pinned = (tmp_path / "jaxspec-constraints.txt").read_text()
+    assert "jax==" in pinned and "jaxlib==" in pinned  # the preinstalled jax is held in place
