@@ -3,7 +3,8 @@
 - ```python blocks run, each file's blocks in order in one fresh process (as a reader would run
   them), with the default model's short name resolving to a tiny random checkpoint with a byte
   tokenizer (same architecture family, seconds to compile);
-- ```bash blocks: every `python -m jaxspec.<tool> ...` command runs on that tiny model, with
+- ```bash blocks: every `python -m jaxspec.<tool> ...` command runs on that tiny model (export,
+  which compiles nothing, on the real one: it checks a shipped head against its target), with
   short settings (`--max-new-tokens` at most 8, one question per category, outputs under a
   temporary directory); other lines must name a script of the repository;
 - ```yaml blocks load as configs through `jaxspec.config.load_config`;
@@ -133,7 +134,7 @@ def workdir(tmp_path: Path) -> Path:
 
 
 def env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JAXSPEC_XLA_CACHE": "0", **extra}
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}  # the run's XLA cache is shared
 
 
 def with_prelude(code: str, tiny: Path) -> str:
@@ -141,7 +142,7 @@ def with_prelude(code: str, tiny: Path) -> str:
     lines = code.splitlines()
     head = 0
     while head < len(lines) and (
-        not lines[head].strip() or lines[head].startswith(("import os", "os.environ"))
+        not lines[head].strip() or lines[head].startswith(("import os", "os.environ", "#"))
     ):
         head += 1
     return "\n".join([*lines[:head], PRELUDE.format(tiny=str(tiny)), *lines[head:]])
@@ -180,10 +181,11 @@ def shortened(argv: list[str], out: Path) -> list[str]:
 
 
 RUNNER = """
-import json, runpy, sys, traceback
+import json, runpy, sys, time, traceback
 failures = []
 for argv in json.loads(sys.argv[1]):
     sys.argv = list(argv)
+    start = time.perf_counter()
     try:
         runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
         code = 0
@@ -191,6 +193,7 @@ for argv in json.loads(sys.argv[1]):
         code = e.code or 0
     except BaseException:
         code = traceback.format_exc()
+    print(f"TIMING {time.perf_counter() - start:6.1f} s  {' '.join(argv)}", file=sys.stderr)
     if code != 0:
         failures.append([" ".join(argv), code])
 print("RESULT " + json.dumps(failures))
@@ -218,18 +221,27 @@ def bash_commands(out: Path) -> list[tuple[list[str], dict[str, str], str]]:
     return found
 
 
+# Tools that read a shipped drafter checkpoint against its real target and compile nothing run
+# on the real default model.
+REAL_MODEL = ("jaxspec.export",)
+
+
 def test_bash_blocks_run(tiny, tmp_path):
     found = bash_commands(tmp_path / "out")
     assert found, "no jaxspec command found in the docs"
-    # commands without their own environment share one process; the others get one each
-    groups = [([a for a, e, _ in found if not e], {})]
-    groups += [([a], e) for a, e, _ in found if e]
+    # commands on the tiny model without an environment of their own share one process; every
+    # other command gets one
+    shared = [a for a, e, _ in found if not e and a[0] not in REAL_MODEL]
+    groups = [(shared, {}, True)] + [([a], e, a[0] not in REAL_MODEL) for a, e, _ in found
+                                     if e or a[0] in REAL_MODEL]
     work = workdir(tmp_path)
-    for argvs, extra in groups:
+    for argvs, extra, on_tiny in groups:
+        prelude = PRELUDE.format(tiny=str(tiny)) if on_tiny else ""
         done = subprocess.run(
-            [sys.executable, "-c", PRELUDE.format(tiny=str(tiny)) + RUNNER, json.dumps(argvs)],
+            [sys.executable, "-c", prelude + RUNNER, json.dumps(argvs)],
             cwd=work, env=env(**extra), capture_output=True, text=True, timeout=1200,
         )
+        print("\n".join(line for line in done.stderr.splitlines() if line.startswith("TIMING")))
         assert "RESULT " in done.stdout, done.stderr[-4000:]
         failures = json.loads(done.stdout.rsplit("RESULT ", 1)[1])
         assert failures == [], f"{failures}\n{done.stderr[-4000:]}"
