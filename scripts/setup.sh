@@ -8,6 +8,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 step() { echo "setup: $*" >&2; }
 started=$SECONDS
+step "checking .venv: jaxspec with its test extra, and the default model"
 
 if [ ! -x .venv/bin/python ]; then
   step "creating .venv (python3 -m venv)"
