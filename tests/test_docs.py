@@ -5,8 +5,8 @@
   tokenizer (same architecture family, seconds to compile);
 - ```bash blocks: every `python -m jaxspec.<tool> ...` command runs on that tiny model (export,
   which compiles nothing, on the real one: it checks a shipped head against its target), with
-  short settings (`--max-new-tokens` at most 8, one question per category, outputs under a
-  temporary directory); other lines must name a script of the repository;
+  short settings (`--max-new-tokens` at most 8, one question per category, 3 prompts of a prompts
+  file, outputs under a temporary directory); other lines must name a script of the repository;
 - ```yaml blocks load as configs through `jaxspec.config.load_config`;
 - ```text blocks are shown, not run (say why next to each); any other tag fails.
 
@@ -166,8 +166,15 @@ def commands(code: str) -> list[str]:
 
 
 def shortened(argv: list[str], out: Path) -> list[str]:
-    """Short settings: at most 8 new tokens, one question per category, outputs under `out`."""
+    """Short settings: at most 8 new tokens, one question per category, the first 3 prompts of a
+    prompts file, outputs under `out`."""
     argv = list(argv)
+    if "--prompts-file" in argv:
+        i = argv.index("--prompts-file") + 1
+        rows = [r for r in (ROOT / argv[i]).read_text().splitlines() if r.strip()][:3]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "prompts.jsonl").write_text("\n".join(rows) + "\n")
+        argv[i] = str(out / "prompts.jsonl")
     for flag, cap in (("--max-new-tokens", 8), ("--n-per-category", 1)):
         if flag in argv:
             i = argv.index(flag) + 1
