@@ -60,7 +60,14 @@ _EXPORTS = {
     "build_window": "jaxspec.tree",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Config", "Drafter", "DrafterOptions", "Engine", "GenerationResult", "JaxspecError", "KVCache",
+    "LoadedModel", "MeshPlan", "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal",
+    "SamplingParams", "ShardingRules", "Window", "accept", "accept_row", "accept_tree",
+    "available_methods", "build_drafter", "build_engine", "build_window", "draft_model_drafter",
+    "forward", "init_cache", "layer_skip_drafter", "lm_head", "load_config", "load_model",
+    "logits_to_probs", "make_mesh", "register_drafter", "sampling_params", "shard_params",
+]
 
 
 def __getattr__(name: str):

@@ -25,6 +25,7 @@ from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_c
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
+
 def make_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="python -m jaxspec.generate",

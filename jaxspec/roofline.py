@@ -29,8 +29,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from jaxspec.errors import JaxspecError
+
+if TYPE_CHECKING:
+    from jaxspec.models import llama
 
 # jax and the model code are imported inside the functions that use them, so `--help` is instant.
 

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import make_tiny_checkpoint, save_byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +96,7 @@ def test_relative_links_resolve():
 def test_yaml_block_is_a_valid_config(item, tmp_path, monkeypatch):
     from jaxspec.config import load_config
 
-    path, code, _ = item
+    _, code, _ = item
     (tmp_path / "block.yaml").write_text(code)
     monkeypatch.chdir(ROOT)  # relative checkpoint paths, as a reader in the checkout
     load_config(tmp_path / "block.yaml")

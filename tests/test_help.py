@@ -40,7 +40,7 @@ def entry_points() -> list[str]:
         rel = path.relative_to(ROOT).with_suffix("")
         if path.name == "__main__.py":
             out.append(".".join(rel.parts[:-1]))
-        elif re.search(r"^if __name__ == .__main__.:", path.read_text(), re.M):
+        elif re.search(r"^if __name__ == .__main__.:", path.read_text(), re.MULTILINE):
             out.append(".".join(rel.parts))
     return out
 
@@ -68,3 +68,18 @@ def test_help_is_instant_and_loads_no_heavy_package(module):
     # Interpreter start + argparse is ~0.1 s; the bound leaves room for a loaded 2-core machine
     # while still failing an import of jax (1-2 s alone) or transformers.
     assert elapsed < 3.0, f"{module} --help took {elapsed:.1f} s"
+
+
+def test_import_jaxspec_is_light_and_every_export_resolves():
+    code = (
+        "import json, sys, jaxspec\n"
+        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "missing = [n for n in jaxspec.__all__ if getattr(jaxspec, n, None) is None]\n"
+        "print(json.dumps([heavy, missing, len(jaxspec.__all__)]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    heavy, missing, count = json.loads(done.stdout.splitlines()[-1])
+    assert heavy == []  # `import jaxspec` itself loads nothing heavy (the exports are lazy)
+    assert missing == [] and count > 30  # every public name resolves where _EXPORTS says
