@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from jaxspec import distributed
+from jaxspec import distributed, progress
 from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
@@ -107,9 +107,11 @@ def read_prompts_file(path: str) -> list[str]:
 def parse(argv: list[str] | None = None):
     """argv -> (args, Config, prompts); everything checked that can be without loading a model."""
     args = make_parser().parse_intermixed_args(argv)  # before any heavy import: --help is instant
+    reading = progress.start(f"reading {args.config or 'the default config'} (and importing jax)")
     from jaxspec.config import load_config
 
     config = load_config(args.config, [*args.overrides, *flag_overrides(args)])
+    reading()
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_prompts_file(args.prompts_file)
