@@ -73,3 +73,25 @@ def test_the_python_api_compiles_into_the_persistent_cache_and_says_so(tmp_path)
 def test_the_cache_is_off_with_jaxspec_xla_cache_0(tmp_path):
     api_run(tmp_path, JAXSPEC_XLA_CACHE="0")
     assert not (tmp_path / "xla").exists()
+
+
+def test_cli_json_stays_clean_with_progress_on(tmp_path):
+    """Progress forced on (as scripts/run_default.sh does): stdout is still only JSON lines."""
+    import json
+
+    from conftest import make_tiny_checkpoint, save_byte_tokenizer
+
+    tiny = save_byte_tokenizer(make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=1,
+                                                    num_hidden_layers=1))
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxspec.generate", f"model.name={tiny}", "--prompt", "Hi",
+         "--prompt", "Yo", "--max-new-tokens", "3", "--json", "speculative.method=ngram"],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAXSPEC_PROGRESS": "1"},
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hi", "Yo"]
+    progress_lines = [line for line in done.stderr.splitlines() if line.startswith("jaxspec: ")]
+    assert any(line.startswith("jaxspec: loading ") for line in progress_lines)
+    assert any(line.startswith("jaxspec: compiling decode program") for line in progress_lines)
