@@ -532,4 +532,6 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxspec.cli_support import run as run_cli
+
+    sys.exit(run_cli(main))

@@ -64,6 +64,11 @@ def build_drafter(spec: SpeculativeConfig, target) -> tuple[Any, Any]:
         target=target, spec=spec, load_checkpoint=_load_checkpoint, load_model=_load_model
     )
     drafter, dparams = method.factory(spec.options, ctx)
+    if spec.tree.choices:  # ranks beyond what the drafter ranks: one line, not a top_k traceback
+        from jaxspec.validate import check_tree_ranks
+
+        d2t = dparams.get("d2t") if isinstance(dparams, dict) else None
+        check_tree_ranks(spec.tree.choices, len(d2t) if d2t is not None else target.cfg.vocab_size)
     if spec.lookup.min_ngram:  # prompt lookup first, the method's draft elsewhere
         from jaxspec.drafters.lookup import LookupFirst
 

@@ -475,6 +475,10 @@ def _build(cls, values: dict) -> Section:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    from jaxspec.validate import regular_file
+
+    if path.exists():
+        regular_file(path, "config file", max_bytes=1 << 20)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -24,9 +24,10 @@ from jaxspec import adaptive as adaptive_mod
 from jaxspec import calibration, progress, sharding, speculate, xla_cache
 from jaxspec.drafters.base import traits
 from jaxspec.errors import JaxspecError
-from jaxspec.limits import MAX_SPECULATIVE_TOKENS
+from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
 from jaxspec.loading.params import layout_of
-from jaxspec.sampling import SamplingParams
+from jaxspec.loading.tokenizer import encode_prompt
+from jaxspec.sampling import SamplingParams, check_tokens
 
 MIN_PROMPT_BUCKET = 16
 REPROBE_BATCHES = 8  # adaptive: a switched-off engine re-measures acceptance every 8th batch
@@ -87,6 +88,12 @@ class Engine:
         if max_context is not None and max_context < 2 + num_speculative_tokens:
             raise JaxspecError(
                 f"max_context={max_context} is too small: use at least {2 + num_speculative_tokens}"
+            )
+        limit = model.cfg.max_position_embeddings
+        if max_context is not None and max_context > limit:
+            raise JaxspecError(
+                f"generation.max_context={max_context} exceeds the model's context of {limit} "
+                f"tokens: use at most {limit}"
             )
         self.max_context = max_context  # fixed cache slots per row (None: per request)
         self.model = model
@@ -152,11 +159,8 @@ class Engine:
             messages = [{"role": "user", "content": prompt}]
             if self.system_prompt:
                 messages.insert(0, {"role": "system", "content": self.system_prompt})
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        return [int(t) for t in tok.encode(prompt)]
+            return encode_prompt(tok, prompt, messages)
+        return encode_prompt(tok, prompt)
 
     def _capacity(self, prompt_bucket: int, max_new_tokens: int) -> int:
         if self.max_context is not None:  # one capacity: decode compiles once per batch size
@@ -381,6 +385,8 @@ class Engine:
         if key in self._warm_shapes:
             return 0.0
         t0 = time.perf_counter()
+        capacity = self._capacity(bucket(max(len(ids) for ids in batch_ids)), max_new_tokens)
+        check_cache_fits(self.model.cfg, b, capacity)  # before any buffer of that size exists
         compiling = progress.compiling(b, self.method)
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         lowered = speculate.prefill_jit.lower(*args, capacity=capacity)
@@ -444,6 +450,7 @@ class Engine:
         out = []
         for i, (prompt, ids) in enumerate(zip(prompts, batch_ids)):
             gen = state.tokens[i, len(ids) : state.lengths[i]].tolist()
+            check_tokens(gen)
             text = self._decode_text(gen)
             n = len(gen)
             out.append(
@@ -525,6 +532,7 @@ class Engine:
         shown = ""
         while True:
             tokens, length, done = jax.device_get((state.tokens[0], state.lengths[0], state.done[0]))
+            check_tokens(tokens[len(ids) : length])
             text = self._decode_text(tokens[len(ids) : length].tolist())
             if (done or not text.endswith("\ufffd")) and len(text) > len(shown):  # hold back split UTF-8
                 yield text[len(shown) :]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from jaxspec.cli_support import ArgumentParser
 from jaxspec.errors import JaxspecError
+from jaxspec.output_dir import check_output_dir, replace_dir
 
 OUT_FORMATS = ("eagle3", "speculators", "medusa", "medusa_fd")
 FAMILY = {"eagle3": "eagle3", "speculators": "eagle3", "medusa": "medusa", "medusa_fd": "medusa"}
@@ -32,7 +33,15 @@ def make_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="python -m jaxspec.export", description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="drafter checkpoint directory")
     ap.add_argument("--format", required=True, choices=OUT_FORMATS, help="layout to write")
-    ap.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    ap.add_argument(
+        "--out",
+        required=True,
+        help="output directory: new or empty (an earlier export is replaced only with --force; "
+        "any other non-empty directory is refused)",
+    )
+    ap.add_argument(
+        "--force", action="store_true", help="replace --out when it holds an earlier jaxspec export"
+    )
     ap.add_argument(
         "--model",
         default=None,
@@ -57,6 +66,7 @@ def export(
     from_format: str = "auto",
     include_embed: bool = False,
     target=None,
+    force: bool = False,
 ) -> dict:
     """Write `checkpoint` to `out` in layout `fmt`; returns a summary. `target`: an already
     loaded target (else --model is loaded when the source is a jaxspec checkpoint)."""
@@ -66,8 +76,7 @@ def export(
     if fmt not in OUT_FORMATS:
         raise JaxspecError(f"--format {fmt!r} is invalid: use one of {', '.join(OUT_FORMATS)}")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise JaxspecError(f"--out {out} exists and is not empty: choose a new directory")
+    check_output_dir(out, force=force, what="--out")  # before any model is loaded
     src = formats.detect_format(checkpoint) if from_format == "auto" else from_format
     if src not in formats.FORMATS:
         raise JaxspecError(
@@ -86,10 +95,11 @@ def export(
                 f"{' or '.join(k for k, v in FAMILY.items() if v == FAMILY.get(src))}, not {fmt}"
             )
         head, method = formats.read_head(checkpoint, src), FAMILY[src]
-    if FAMILY[fmt] == "eagle3":
-        eagle3.write(head, out, fmt, verifier=model)
-    else:
-        medusa.write(head, out, fmt, base_model=model)
+    with replace_dir(out, force=force, what="--out", marker=True) as tmp:  # atomic
+        if FAMILY[fmt] == "eagle3":
+            eagle3.write(head, tmp, fmt, verifier=model)
+        else:
+            medusa.write(head, tmp, fmt, base_model=model)
     return {
         "checkpoint": str(checkpoint),
         "from": src,
@@ -142,7 +152,8 @@ def main(argv=None) -> int:
         args = make_parser().parse_args(argv)
         t0 = time.time()
         summary = export(
-            args.checkpoint, args.format, args.out, args.model, args.from_format, args.include_embed
+            args.checkpoint, args.format, args.out, args.model, args.from_format, args.include_embed,
+            force=args.force,
         )
         print(json.dumps(summary | {"seconds": round(time.time() - t0, 2)}))
     except JaxspecError as e:
@@ -152,4 +163,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxspec.cli_support import run as run_cli
+
+    sys.exit(run_cli(main))

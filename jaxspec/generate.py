@@ -21,7 +21,7 @@ import os
 import sys
 
 from jaxspec import distributed, progress
-from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
+from jaxspec.cli_support import ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
@@ -117,7 +117,19 @@ def parse(argv: list[str] | None = None):
         prompts += read_prompts_file(args.prompts_file)
     if not prompts:
         raise JaxspecError("no prompt given: pass --prompt TEXT or --prompts-file FILE.jsonl")
+    for i, prompt in enumerate(prompts):
+        _check_text(prompt, f"prompt {i + 1}")
     return args, config, prompts
+
+
+def _check_text(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise JaxspecError(
+            f"{what} holds characters that are not valid Unicode (at position {e.start}; "
+            f"undecodable bytes or a lone surrogate): pass UTF-8 text"
+        ) from None
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -178,17 +190,11 @@ def summary_line(result) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI: `cli_support.run` gives the exit statuses (2: bad input, one line; 130: Ctrl-C)."""
+    from jaxspec.cli_support import run as run_cli
+
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no tokenizer chatter on stderr
-    try:
-        return run(argv)
-    except JaxspecError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `... | head`: stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    return run_cli(run, argv)
 
 
 if __name__ == "__main__":

@@ -26,3 +26,64 @@ def sampling_problem(temperature, top_k, top_p, min_p) -> tuple[str, str] | None
     if not 0.0 <= mp < 1.0:
         return "min_p", "use a value in [0, 1) (0.0 = off)"
     return None
+
+
+# ---- memory, priced before anything is allocated ------------------------------------------
+
+MEMORY_HEADROOM = 0.9  # of what is free: leave room for activations, logits and the runtime
+
+
+def kv_cache_bytes(cfg, batch: int, capacity: int) -> int:
+    """Bytes of the target's KV cache: k and v, [L, B, S, K, H] each, in the compute dtype."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.dtype), 4)
+    return 2 * cfg.num_layers * batch * capacity * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def free_memory_bytes() -> tuple[int | None, str]:
+    """(bytes free for new buffers, where) on the default device: the device's memory_stats
+    where it reports them (TPU, GPU), else the host's available RAM (CPU)."""
+    import jax
+
+    dev = jax.devices()[0]
+    stats = None
+    try:
+        stats = dev.memory_stats()
+    except Exception:  # noqa: BLE001 -- backends without memory stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{dev.platform} memory"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "host RAM"
+    except OSError:
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM"
+    except (ValueError, OSError, AttributeError):
+        return None, "memory"
+
+
+def check_cache_fits(cfg, batch: int, capacity: int, free: int | None = None) -> None:
+    """A one-line JaxspecError when batch x capacity x layers x kv heads x head dim would not fit
+    in free memory (checked before the cache is allocated, where XLA would fail with
+    RESOURCE_EXHAUSTED or the host would swap)."""
+    from jaxspec.errors import JaxspecError
+
+    need = kv_cache_bytes(cfg, batch, capacity)
+    where = "memory"
+    if free is None:
+        free, where = free_memory_bytes()
+    if free is None or need <= MEMORY_HEADROOM * free:
+        return
+    per_row = kv_cache_bytes(cfg, 1, capacity)
+    rows = int(MEMORY_HEADROOM * free // per_row) if per_row else 0
+    raise JaxspecError(
+        f"the KV cache for batch {batch} x {capacity} slots ({cfg.num_layers} layers x "
+        f"{cfg.num_kv_heads} kv heads x {cfg.head_dim}) needs {need / 2**30:.1f} GiB, but "
+        f"{where} has {free / 2**30:.1f} GiB free: lower generation.batch_size (at most {rows} "
+        f"rows fit at this length) or generation.max_context / max_new_tokens"
+    )

@@ -21,7 +21,7 @@ import types
 import typing
 from typing import Any, ClassVar, Literal
 
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, short
 
 
 class Section:
@@ -40,7 +40,7 @@ class Section:
         pass
 
     def _fail(self, key: str, why: str) -> None:
-        raise JaxspecError(f"{self.SECTION}.{key}={getattr(self, key)!r} is invalid: {why}")
+        raise JaxspecError(f"{self.SECTION}.{key}={short(getattr(self, key))} is invalid: {why}")
 
     @classmethod
     def subsections(cls) -> dict[str, type[Section]]:
@@ -78,8 +78,8 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
         if matches(value, t):
             return float(value) if t is float else value
     if isinstance(value, str) and any(typing.get_origin(o) is Literal for o in options):
-        raise JaxspecError(f"{name}={value!r} is invalid: use {describe(options)}")
-    raise JaxspecError(f"{name}={value!r} has the wrong type: expected {describe(options)}")
+        raise JaxspecError(f"{name}={short(value)} is invalid: use {describe(options)}")
+    raise JaxspecError(f"{name}={short(value)} has the wrong type: expected {describe(options)}")
 
 
 def type_options(hint: Any) -> list[Any]:

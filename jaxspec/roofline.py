@@ -269,4 +269,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxspec.cli_support import run as run_cli
+
+    sys.exit(run_cli(main))

@@ -166,11 +166,16 @@ def _bisect(neg: jax.Array, ok, active: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(hi, jnp.float32)
 
 
+INVALID_TOKEN = -1  # what `draw` returns for weights with no finite positive mass
+
+
 def draw(u: jax.Array, weights: jax.Array) -> jax.Array:
-    """Inverse-CDF draw: u f32[] in [0, 1), weights f32[V] >= 0 (not all 0) -> int32 index with
+    """Inverse-CDF draw: u f32[] in [0, 1), weights f32[V] >= 0 -> int32 index with
     P(i) = weights[i] / sum(weights). O(V) adds instead of V logs (Gumbel-max costs ~4 ms for
     V = 49152 on a CPU core). A zero-weight index is never returned, even where the float32
-    prefix sums are not monotone."""
+    prefix sums are not monotone. Weights holding NaN or inf, or all zero (NaN logits, a broken
+    model), give INVALID_TOKEN, never a made-up id: the host checks the output after the loop
+    (`check_tokens`) and stops with an error."""
     v = weights.shape[-1]
     iota = jnp.arange(v, dtype=jnp.int32)
     c = jnp.cumsum(weights)
@@ -182,7 +187,21 @@ def draw(u: jax.Array, weights: jax.Array) -> jax.Array:
     below = jnp.max(jnp.where(pos & (iota <= i), iota, -1))
     above = jnp.min(jnp.where(pos, iota, v))
     fallback = jnp.where(below >= 0, below, jnp.minimum(above, v - 1))  # in range even if all 0
-    return jnp.where(pos[i], i, fallback).astype(jnp.int32)
+    valid = jnp.isfinite(total) & (total > 0)
+    return jnp.where(valid, jnp.where(pos[i], i, fallback), INVALID_TOKEN).astype(jnp.int32)
+
+
+def check_tokens(tokens, where: str = "generation") -> None:
+    """Host side, after the device loop: refuse an output holding INVALID_TOKEN (no host sync
+    inside the loop). `tokens`: numpy ints."""
+    import numpy as np
+
+    if np.any(np.asarray(tokens) < 0):
+        raise JaxspecError(
+            f"{where} stopped: the model produced non-finite (NaN/inf) or all-zero probabilities, "
+            f"so no token could be drawn; the checkpoint's weights or config (rope_theta, "
+            f"rms_norm_eps, dtype) are broken: check or re-convert it"
+        )
 
 
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, short
 
 
 class Window(NamedTuple):
@@ -83,18 +84,23 @@ def check_choices(choices) -> tuple[tuple[int, ...], ...]:
     [0, 1] is the 2nd-ranked candidate at depth 2 under the 1st-ranked one at depth 1. Returns
     the paths sorted by (depth, path) -- parents before children, siblings by rank -- or raises
     a one-line JaxspecError naming the fix."""
+    def rank(r):  # an integer (numpy ints too), never a bool or a string
+        if isinstance(r, (bool, str, bytes)):
+            raise TypeError(r)
+        return operator.index(r)
+
     try:
-        paths = [tuple(int(r) for r in c) for c in choices]
+        paths = [tuple(rank(r) for r in c) for c in choices]
     except (TypeError, ValueError):
         raise JaxspecError(
-            f"tree choices {choices!r} are invalid: give a list of paths of ranks, "
+            f"tree choices {short(choices)} are invalid: give a list of paths of integer ranks, "
             "e.g. [[0], [1], [0, 0]]"
         ) from None
     if not paths:
         raise JaxspecError("tree choices are empty: give at least one path, e.g. [[0]]")
     seen = set(paths)
     if len(seen) != len(paths):
-        raise JaxspecError(f"tree choices {choices!r} repeat a path: list each node once")
+        raise JaxspecError(f"tree choices {short(choices)} repeat a path: list each node once")
     for p in paths:
         if not p or min(p) < 0:
             raise JaxspecError(f"tree choice {list(p)} is invalid: ranks are integers >= 0")

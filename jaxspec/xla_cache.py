@@ -32,6 +32,9 @@ def enable() -> str | None:
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
+    from jaxspec.cli_support import drop_unreadable_cache_entries  # here: cli_support imports us
+
+    drop_unreadable_cache_entries()  # a damaged entry is replaced, not re-read on every run
     current = jax.config.jax_compilation_cache_dir
     if current:  # the user's (or an earlier call's) choice stands
         return current

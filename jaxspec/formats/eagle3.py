@@ -28,7 +28,8 @@ import numpy as np
 
 from jaxspec.drafters.draft_vocab import check_d2t
 from jaxspec.drafters.eagle3 import Eagle3Drafter, default_layers
-from jaxspec.errors import JaxspecError
+from jaxspec import validate
+from jaxspec.errors import JaxspecError, short
 from jaxspec.formats import tensors as T
 from jaxspec.models.llama import ModelConfig, RopeScaling
 
@@ -80,52 +81,56 @@ def detect(config: dict) -> str | None:
     return None
 
 
-def _rope(layer_cfg: dict, where) -> tuple[float, RopeScaling | None]:
-    rope = layer_cfg.get("rope_parameters") or layer_cfg.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", layer_cfg.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
+def _rope(f: validate.Fields, lc: dict, where) -> tuple[float, RopeScaling | None]:
+    key = "rope_parameters" if f.given("rope_parameters") else "rope_scaling"
+    rope = f.dict(key, {})
+    rf = validate.Fields(rope, f.source, f"{key}.")
+    theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
+    if not theta > 0:
+        f.fail("rope_theta", theta, "use a finite number > 0")
+    kind = rf.str("rope_type", None) if rf.given("rope_type") else rf.str("type", "default")
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise JaxspecError(f"{where}: rope scaling {kind!r} is not supported (default or llama3)")
+        raise JaxspecError(f"{where}: rope scaling {short(kind)} is not supported (default or llama3)")
     return theta, RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        factor=rf.float("factor", lo=0.0, lo_open=True),
+        low_freq_factor=rf.float("low_freq_factor", 1.0, lo=0.0, lo_open=True),
+        high_freq_factor=rf.float("high_freq_factor", 4.0, lo=0.0, lo_open=True),
+        original_max_position_embeddings=rf.int("original_max_position_embeddings", 8192, lo=1),
     )
 
 
 def layer_config(lc: dict, where) -> ModelConfig:
-    try:
-        h, heads = int(lc["hidden_size"]), int(lc["num_attention_heads"])
-        theta, scaling = _rope(lc, where)
-        if lc.get("hidden_act", "silu") != "silu":
-            raise JaxspecError(f"{where}: hidden_act={lc['hidden_act']!r} is not supported (silu)")
-        if lc.get("attention_bias") or lc.get("mlp_bias"):
-            raise JaxspecError(f"{where}: attention/mlp biases are not supported in EAGLE-3 heads")
-        return ModelConfig(
-            vocab_size=int(lc["vocab_size"]),
-            hidden_size=h,
-            intermediate_size=int(lc["intermediate_size"]),
-            num_layers=1,
-            num_heads=heads,
-            num_kv_heads=int(lc.get("num_key_value_heads") or heads),
-            head_dim=int(lc.get("head_dim") or h // heads),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
-            dtype="float32",
-        )
-    except KeyError as e:
-        raise JaxspecError(
-            f"{where}: config.json lacks {e.args[0]}: not a complete EAGLE-3 config"
-        ) from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, JaxspecError):
-            raise
-        raise JaxspecError(f"{where}: invalid EAGLE-3 config ({e})") from None
+    """The decoder layer's config, every field type- and range-checked (`jaxspec.validate`)."""
+    f = validate.Fields(lc, f"{where}/config.json")
+    dim = dict(lo=1, hi=validate.MAX_DIM)
+    h, heads = f.int("hidden_size", **dim), f.int("num_attention_heads", **dim)
+    kv = f.int("num_key_value_heads", heads, **dim)
+    if heads % kv:
+        f.fail("num_key_value_heads", kv, f"num_attention_heads={heads} must be a multiple of it")
+    if not f.given("head_dim") and h % heads:
+        f.fail("num_attention_heads", heads, f"hidden_size={h} must be a multiple of it (or set head_dim)")
+    theta, scaling = _rope(f, lc, where)
+    act = f.str("hidden_act", "silu")
+    if act != "silu":
+        raise JaxspecError(f"{where}: hidden_act={short(act)} is not supported (silu)")
+    if f.bool("attention_bias", False) or f.bool("mlp_bias", False):
+        raise JaxspecError(f"{where}: attention/mlp biases are not supported in EAGLE-3 heads")
+    return ModelConfig(
+        vocab_size=f.int("vocab_size", **dim),
+        hidden_size=h,
+        intermediate_size=f.int("intermediate_size", **dim),
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=f.int("head_dim", h // heads, **dim),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),
+        max_position_embeddings=f.int("max_position_embeddings", 2048, lo=1, hi=(1 << 31) - 1),
+        dtype="float32",
+    )
 
 
 def read(path, layout: str) -> Eagle3Head:
@@ -138,30 +143,37 @@ def read(path, layout: str) -> Eagle3Head:
         if not isinstance(lc, dict):
             raise JaxspecError(f"{where}: speculators config.json lacks transformer_layer_config")
         ids = config.get("eagle_aux_hidden_state_layer_ids")
-        nbr = bool(config.get("norm_before_residual", True))  # vLLM's default when absent
+        nbr = validate.Fields(config, f"{where}/config.json").bool("norm_before_residual", True)
+        # (vLLM's default when absent)
         extra = {"speculators_config": config.get("speculators_config")}
     else:
         lc = config
-        eagle_cfg = config.get("eagle_config") or {}
+        eagle_cfg = validate.Fields(config, f"{where}/config.json").dict("eagle_config", {})
         ids = eagle_cfg.get(
             "eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")
         )
-        nbr = bool(config.get("norm_before_residual", False))
+        nbr = validate.Fields(config, f"{where}/config.json").bool("norm_before_residual", False)
         extra = {}
-    if int(lc.get("num_hidden_layers", 1)) != 1:
+    top = validate.Fields(config, f"{where}/config.json")
+    if validate.Fields(lc, f"{where}/config.json").int("num_hidden_layers", 1) != 1:
         raise JaxspecError(
             f"{where}: num_hidden_layers={lc['num_hidden_layers']}: jaxspec reads one-layer "
             f"EAGLE-3 heads only"
         )
     cfg = layer_config(lc, where)
     h, v = cfg.hidden_size, cfg.vocab_size
-    nd = int(config.get("draft_vocab_size") or v)
-    th = int(config.get("target_hidden_size") or h)
-    nbf = bool(config.get("norm_before_fc", False))
+    nd = top.int("draft_vocab_size", v, lo=1, hi=v)
+    th = top.int("target_hidden_size", h, lo=1, hi=validate.MAX_DIM)
+    nbf = top.bool("norm_before_fc", False)
     if ids is not None:
-        if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids)):
+        ok = isinstance(ids, list) and len(ids) == 3 and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < validate.MAX_LAYERS
+            for i in ids
+        )
+        if not ok:
             raise JaxspecError(
-                f"{where}: eagle_aux_hidden_state_layer_ids must be 3 integers, got {ids!r}"
+                f"{where}: eagle_aux_hidden_state_layer_ids must be 3 layer indices (integers "
+                f">= 0, not true/false or strings), got {short(ids)}"
             )
         ids = tuple(ids)
 

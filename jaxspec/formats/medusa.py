@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxspec.drafters.draft_vocab import check_d2t
 from jaxspec.drafters.medusa_blocks import MedusaBlocksDrafter
+from jaxspec import validate
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import tensors as T
 
@@ -46,10 +47,14 @@ def detect(config: dict) -> str | None:
     return None
 
 
-def _int(config, where, *keys, default=None):
+MAX_HEADS = 256  # heads and layers per head a config may name (checked before names are built)
+
+
+def _int(config, where, *keys, default=None, hi=None):
+    f = validate.Fields(config, f"{where}/config.json")
     for k in keys:
-        if config.get(k) is not None:
-            return int(config[k])
+        if f.given(k):
+            return f.int(k, lo=1, hi=hi)
     if default is not None:
         return default
     raise JaxspecError(f"{where}: config.json lacks {keys[0]}: not a complete Medusa config")
@@ -62,8 +67,8 @@ def read(path, layout: str) -> MedusaHead:
     raw = T.read_tensors(path)
     if layout == "medusa_fd":
         raw = {k.removeprefix("medusa_head."): a for k, a in raw.items()}
-        kh = _int(config, where, "medusa_num_heads")
-        j = _int(config, where, "medusa_num_layers", default=1)
+        kh = _int(config, where, "medusa_num_heads", hi=MAX_HEADS)
+        j = _int(config, where, "medusa_num_layers", default=1, hi=MAX_HEADS)
         names = lambda i, l: (f"{i}.{l}.linear.weight", f"{i}.{l}.linear.bias")
         head_name = lambda i: f"{i}.{j}.weight"
         bias, shared, token_map = True, False, None
@@ -72,10 +77,11 @@ def read(path, layout: str) -> MedusaHead:
         optional = set()
     else:
         raw = {k.removeprefix("medusa_heads."): a for k, a in raw.items()}
-        kh = _int(config, where, "num_heads", "medusa_num_heads")
-        j = _int(config, where, "num_hidden_layers", "medusa_num_layers", default=1)
-        bias = bool(config.get("medusa_fc_bias", False))
-        shared = bool(config.get("original_lm_head", False))
+        kh = _int(config, where, "num_heads", "medusa_num_heads", hi=MAX_HEADS)
+        j = _int(config, where, "num_hidden_layers", "medusa_num_layers", default=1, hi=MAX_HEADS)
+        f = validate.Fields(config, f"{where}/config.json")
+        bias = f.bool("medusa_fc_bias", False)
+        shared = f.bool("original_lm_head", False)
         names = lambda i, l: (
             (f"blocks.{i}.layers.{l}.weight",) + ((f"blocks.{i}.layers.{l}.bias",) if bias else ())
         )
@@ -90,11 +96,11 @@ def read(path, layout: str) -> MedusaHead:
         raise JaxspecError(f"{where}: a Medusa checkpoint needs >= 1 head and >= 1 layer per head")
     d = raw[names(0, 0)[0]].shape[-1]
     rows = raw[head_name(0)].shape[0]
-    vocab = _int(config, where, "vocab_size", default=rows)
+    vocab = _int(config, where, "vocab_size", default=rows, hi=validate.MAX_DIM)
     n = (
         len(token_map)
         if token_map is not None
-        else _int(config, where, "truncated_vocab_size", default=rows)
+        else _int(config, where, "truncated_vocab_size", default=rows, hi=validate.MAX_DIM)
     )
     for i in range(kh):
         for l in range(j):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.drafters.mtp import MtpDrafter
+from jaxspec import validate
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import tensors as T
 from jaxspec.formats.eagle3 import layer_config
@@ -43,7 +44,8 @@ TOP = {
 
 
 def detect(config: dict) -> str | None:
-    return "mtp" if int(config.get("num_nextn_predict_layers") or 0) >= 1 else None
+    n = config.get("num_nextn_predict_layers")
+    return "mtp" if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
 def read(path, target_cfg, where=None):
@@ -56,7 +58,9 @@ def read(path, target_cfg, where=None):
             f"{where}: config.json has no num_nextn_predict_layers >= 1: not an MTP checkpoint"
         )
     cfg = layer_config(config, where)
-    num_layers = int(config.get("num_hidden_layers", 0))
+    num_layers = validate.Fields(config, f"{where}/config.json").int(
+        "num_hidden_layers", lo=1, hi=validate.MAX_LAYERS
+    )
     if num_layers != target_cfg.num_layers:
         raise JaxspecError(
             f"{where}: the MTP module follows a {num_layers}-layer model, the target has "

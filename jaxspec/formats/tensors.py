@@ -13,21 +13,17 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxspec import validate
 from jaxspec.errors import JaxspecError
 from jaxspec.loading.safetensors_file import SafetensorsFile
 
 
 def read_config(path: Path) -> dict:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
+    if not (path / "config.json").exists():
         raise JaxspecError(
-            f"{path / 'config.json'} is missing or not JSON ({type(e).__name__}): a published "
-            f"drafter checkpoint needs its config.json"
-        ) from None
-    if not isinstance(cfg, dict):
-        raise JaxspecError(f"{path / 'config.json'} is not a JSON object: fix or re-download it")
-    return cfg
+            f"{path / 'config.json'} is missing: a published drafter checkpoint needs its config.json"
+        )
+    return validate.read_json(path / "config.json", "drafter config.json")
 
 
 def _read_safetensors(file: Path) -> dict[str, np.ndarray]:
@@ -61,6 +57,8 @@ def read_tensors(
 ) -> dict[str, np.ndarray]:
     """All tensors of the checkpoint directory `path`, by name."""
     files = sorted(path.glob("*.safetensors"))
+    for f in files:
+        validate.regular_file(f, "safetensors file", max_bytes=None)
     reader = _read_safetensors
     if not files:
         files = sorted(f for pattern in torch_files for f in path.glob(pattern))
@@ -133,3 +131,8 @@ def check_tensor(where, name, a: np.ndarray, shape, kind="float") -> None:
     }[kind]
     if not ok:
         raise JaxspecError(f"{where}: tensor {name} has dtype {a.dtype}, expected a {kind} tensor")
+    if kind == "float" and not np.isfinite(np.asarray(a, np.float32)).all():
+        raise JaxspecError(
+            f"{where}: tensor {name} holds NaN or inf values: the checkpoint is corrupt; "
+            f"re-download or re-train it"
+        )

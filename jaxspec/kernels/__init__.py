@@ -166,14 +166,24 @@ def _build() -> Path:
     lib = cache_root() / "kernels" / f"jaxspec_kernels-{key}.so"
     if lib.exists():
         return lib
+    # A failed build is remembered (same sources, compiler and CPU): a bad CXX fails once, not
+    # on every run. Delete the .failed file (or change CXX) to try again.
+    failed = lib.with_suffix(".failed")
+    if failed.is_file():
+        raise OSError(f"{failed.read_text()[:400]} (remembered: delete {failed} to retry)")
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         partial = Path(tmp) / lib.name
         cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
                f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(partial)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise OSError(f"compiling the CPU kernels failed: {done.stderr.strip()[-500:]}")
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise OSError(f"compiling the CPU kernels failed: {done.stderr.strip()[-500:]}")
+        except (OSError, subprocess.SubprocessError) as e:
+            if not isinstance(e, subprocess.TimeoutExpired):  # a slow machine may succeed later
+                failed.write_text(f"compiling the CPU kernels with {compiler} failed: {e}"[:1000])
+            raise
         os.replace(partial, lib)  # atomic: concurrent builders never load a half-written file
     return lib
 

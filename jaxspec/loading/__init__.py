@@ -8,7 +8,6 @@ then `forward_logits(m.params, tokens, m.init_cache(batch, capacity), m.cfg)`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from jaxspec import progress, xla_cache
 from jaxspec.cache import KVCache, init_cache
 from jaxspec.errors import JaxspecError
+from jaxspec import validate
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
 from jaxspec.loading.params import (
     DTYPES,
@@ -149,22 +149,23 @@ def _read_gguf(path: Path, dtype: str, lazy: bool = False):
     cfg = config_from_gguf(reader, dtype=dtype, source=str(path))
     flat = load_gguf_tensors(reader, cfg, source=str(path), lazy=lazy)
     tokenizer = load_gguf_tokenizer(path, reader)
-    eos = [metadata(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
+    fields = validate.Fields(lambda key: metadata(reader, key, validate.MISSING), str(path))
+    eos = [i for k in ("eos", "eot", "eom")
+           for i in validate.token_ids(fields, f"tokenizer.ggml.{k}_token_id", cfg.vocab_size)]
     return cfg, flat, tokenizer, eos
 
 
 def _read_hf_dir(path: Path, dtype: str):
     hf = read_hf_config(path)
-    cfg = config_from_hf(hf, dtype=dtype, source=str(path / "config.json"))
-    mtp = int(hf.get("num_nextn_predict_layers") or 0)  # MTP modules after the last layer
+    source = str(path / "config.json")
+    cfg = config_from_hf(hf, dtype=dtype, source=source)
+    fields = validate.Fields(hf, source)
+    mtp = fields.int("num_nextn_predict_layers", 0, lo=0, hi=validate.MAX_LAYERS)  # MTP modules
     flat = load_hf_tensors(path, cfg, skip_from_layer=cfg.num_layers if mtp else None)
     tokenizer = load_dir_tokenizer(path)
-    eos = _as_list(hf.get("eos_token_id"))
+    eos = validate.token_ids(fields, "eos_token_id", cfg.vocab_size)
     gen = path / "generation_config.json"
-    if gen.is_file():
-        eos += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
+    if gen.exists():
+        gen_fields = validate.Fields(validate.read_json(gen, "generation_config.json"), str(gen))
+        eos += validate.token_ids(gen_fields, "eos_token_id", cfg.vocab_size)
     return cfg, flat, tokenizer, eos
-
-
-def _as_list(x) -> list:
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]

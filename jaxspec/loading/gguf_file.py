@@ -11,6 +11,7 @@ half-split ("NEOX") rope in llama.cpp and are stored unpermuted.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from jaxspec.errors import JaxspecError
+from jaxspec import validate
 from jaxspec.models.llama import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -49,9 +51,11 @@ LAYER_NAMES = {
     "ffn_down.weight": "w_down",
 }
 _MISSING = object()
+_BLOCK_RE = re.compile(r"blk\.(\d+)\..+")
 
 
 def open_gguf(path: Path) -> GGUFReader:
+    validate.regular_file(path, "GGUF file", max_bytes=None)
     try:
         return GGUFReader(path)
     except FileNotFoundError as e:
@@ -69,7 +73,10 @@ def metadata(reader: GGUFReader, key: str, default=_MISSING):
             )
         return default
     if hasattr(field, "contents"):
-        return field.contents()
+        try:
+            return field.contents()
+        except Exception as e:  # noqa: BLE001 -- a damaged field: gguf raises many types
+            raise JaxspecError(f"GGUF metadata {key} is damaged ({type(e).__name__}): re-download the file") from None
     # gguf < 0.11: scalars and strings by hand
     part = field.parts[field.data[0]]
     return bytes(part).decode("utf-8") if part.dtype == np.uint8 else part[0].item()
@@ -77,9 +84,9 @@ def metadata(reader: GGUFReader, key: str, default=_MISSING):
 
 def architecture(reader: GGUFReader, source: str) -> str:
     arch = metadata(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise JaxspecError(
-            f"{source}: GGUF architecture {arch!r} is not supported: use one of {', '.join(ARCHITECTURES)}"
+            f"{source}: GGUF architecture {validate.short(arch)} is not supported: use one of {', '.join(ARCHITECTURES)}"
         )
     return arch
 
@@ -100,30 +107,41 @@ def config_from_gguf(reader: GGUFReader, *, dtype: str, source: str) -> ModelCon
             f"{source}: GGUF rope scaling ({scaling if scaling != 'none' else 'rope_freqs'}) is not "
             f"supported: load the HF safetensors checkpoint instead"
         )
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
-    rot = int(get("rope.dimension_count", head_dim))
+    f = validate.Fields(lambda key: get(key, validate.MISSING), source, f"{arch}.")
+    dim = dict(lo=1, hi=validate.MAX_DIM)
+    hidden, heads = f.int("embedding_length", **dim), f.int("attention.head_count", **dim)
+    kv_heads = f.int("attention.head_count_kv", heads, **dim)
+    if heads % kv_heads:
+        f.fail("attention.head_count_kv", kv_heads, f"head_count={heads} must be a multiple of it")
+    if not f.given("attention.key_length") and hidden % heads:
+        f.fail("attention.head_count", heads, f"embedding_length={hidden} must be a multiple of it")
+    head_dim = f.int("attention.key_length", hidden // heads, **dim)
+    rot = f.int("rope.dimension_count", head_dim, lo=0)
     if rot != head_dim:
         raise JaxspecError(
             f"{source}: partial rotary (rope dims {rot} of {head_dim}) is not supported"
         )
+    num_layers = f.int("block_count", lo=1, hi=validate.MAX_LAYERS)
+    validate.check_layer_count(
+        num_layers, names, _BLOCK_RE, source, f"{arch}.block_count"
+    )  # before a param tree of that many layers is built
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise JaxspecError(f"{source} has no token_embd.weight: the file is incomplete")
     return ModelConfig(
         vocab_size=int(embed.shape[-1]),  # ne = [D, V]
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        intermediate_size=f.int("feed_forward_length", **dim),
+        num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=f.float("rope.freq_base", 10000.0, lo=0.0, lo_open=True),
+        rms_norm_eps=f.float("attention.layer_norm_rms_epsilon", 1e-5, lo=0.0, hi=1.0, lo_open=True),
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
-        max_position_embeddings=int(get("context_length", 2048)),
+        max_position_embeddings=f.int("context_length", 2048, lo=1, hi=(1 << 31) - 1),
         dtype=dtype,
     )
 

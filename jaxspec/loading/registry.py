@@ -138,7 +138,8 @@ def _known() -> str:
 def _from_path(path: Path) -> Source:
     path = path.resolve()
     if path.is_dir():
-        if (path / "config.json").is_file():
+        config = path / "config.json"
+        if config.exists() or config.is_symlink():  # not a regular file: the loader says so
             return Source(kind="hf_dir", path=path, name=path.name)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:

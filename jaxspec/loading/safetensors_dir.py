@@ -8,7 +8,6 @@ dtype. The format is an 8-byte little-endian header length, a JSON header
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from jaxspec import validate
 from jaxspec.loading.safetensors_file import SafetensorsFile
 from jaxspec.models.llama import ModelConfig, RopeScaling
 
@@ -53,31 +53,42 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoint
 
 
 def read_hf_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise JaxspecError(
-            f"cannot read {path / 'config.json'} ({e}): fix or re-download it"
-        ) from e
+    return validate.read_json(path / "config.json", "config.json")
 
 
 def config_from_hf(hf: dict, *, dtype: str, source: str = "config.json") -> ModelConfig:
-    """config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+    """config.json (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`), every
+    field type- and range-checked (`jaxspec.validate.Fields`)."""
+    f = validate.Fields(hf, source)
     arch = _architecture(hf, source)
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    act = f.str("hidden_act", hf.get("hidden_activation", "silu"))
     if act != "silu":
         raise JaxspecError(f"{source}: hidden_act={act!r} is not supported (only silu)")
-    if hf.get("mlp_bias"):
+    if f.bool("mlp_bias", False):
         raise JaxspecError(f"{source}: mlp_bias=true is not supported by jaxspec's Llama model")
-    if arch != "qwen2" and hf.get("attention_bias"):
+    if arch != "qwen2" and f.bool("attention_bias", False):
         raise JaxspecError(
             f"{source}: attention_bias=true on {arch} (which biases o_proj too) is not supported"
         )
-    heads = hf["num_attention_heads"]
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    max_pos = hf.get("max_position_embeddings", 2048)
+    dim = dict(lo=1, hi=validate.MAX_DIM)
+    vocab = f.int("vocab_size", **dim)
+    hidden = f.int("hidden_size", **dim)
+    heads = f.int("num_attention_heads", **dim)
+    kv_heads = f.int("num_key_value_heads", heads, **dim)
+    if heads % kv_heads:
+        f.fail("num_key_value_heads", kv_heads, f"num_attention_heads={heads} must be a multiple of it")
+    if not f.given("head_dim") and hidden % heads:
+        f.fail("num_attention_heads", heads, f"hidden_size={hidden} must be a multiple of it (or set head_dim)")
+    head_dim = f.int("head_dim", hidden // heads, **dim)
+    rope = f.dict("rope_parameters", None) if f.given("rope_parameters") else f.dict("rope_scaling", {})
+    rf = validate.Fields(rope, source, "rope_parameters." if f.given("rope_parameters") else "rope_scaling.")
+    theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
+    if not (theta > 0.0):
+        (rf if rf.given("rope_theta") else f).fail("rope_theta", theta, "use a finite number > 0")
+    max_pos = f.int("max_position_embeddings", 2048, lo=1, hi=(1 << 31) - 1)
     window = _sliding_window(hf, arch)
+    if window is not None:
+        window = f.int("sliding_window", lo=1)
     if window is not None and window < max_pos:
         warnings.warn(
             f"{source}: sliding-window attention ({window}) is not implemented; "
@@ -86,59 +97,69 @@ def config_from_hf(hf: dict, *, dtype: str, source: str = "config.json") -> Mode
         )
         max_pos = window
     return ModelConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size", **dim),
+        num_layers=f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS),
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(theta),
-        rope_scaling=_rope_scaling(rope, source),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(rf, source),
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
         attention_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
-        max_position_embeddings=int(max_pos),
+        max_position_embeddings=max_pos,
         dtype=dtype,
     )
 
 
 def _architecture(hf: dict, source: str) -> str:
+    f = validate.Fields(hf, source)
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        f.fail("architectures", archs, "use a list of class names, e.g. [\"LlamaForCausalLM\"]")
     for a in archs:
         if a in ARCHITECTURES:
             return ARCHITECTURES[a]
-    if not archs and hf.get("model_type") in ARCHITECTURES.values():
-        return hf["model_type"]
-    got = ", ".join(archs) or hf.get("model_type", "none")
+    model_type = f.str("model_type", "none")
+    if not archs and model_type in ARCHITECTURES.values():
+        return model_type
+    got = ", ".join(archs) or model_type
     raise JaxspecError(
-        f"{source}: architecture {got} is not supported: use one of {', '.join(ARCHITECTURES)}"
+        f"{source}: architecture {got[:200]} is not supported: use one of "
+        f"{', '.join(ARCHITECTURES)}"
     )
 
 
-def _rope_scaling(rope: dict, source: str) -> RopeScaling | None:
-    kind = rope.get("rope_type", rope.get("type", "default"))
+def _rope_scaling(rf: validate.Fields, source: str) -> RopeScaling | None:
+    kind = rf.str("rope_type", None) if rf.given("rope_type") else rf.str("type", "default")
     if kind == "default":
         return None
     if kind != "llama3":
         raise JaxspecError(
-            f"{source}: rope scaling {kind!r} is not supported (only 'default' and 'llama3')"
+            f"{source}: rope scaling {validate.short(kind)} is not supported (only 'default' and 'llama3')"
         )
+    low = rf.float("low_freq_factor", 1.0, lo=0.0, lo_open=True)
+    high = rf.float("high_freq_factor", 4.0, lo=0.0, lo_open=True)
+    if high <= low:
+        rf.fail("high_freq_factor", high, f"use a value > low_freq_factor={low:g}")
     return RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rope.get("original_max_position_embeddings", 8192)),
+        factor=rf.float("factor", lo=0.0, lo_open=True),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=rf.int("original_max_position_embeddings", 8192, lo=1),
     )
 
 
 def _sliding_window(hf: dict, arch: str) -> int | None:
     if arch == "mistral":
         return hf.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window") is True:
         return hf.get("sliding_window")
-    if "sliding_attention" in (hf.get("layer_types") or ()):
+    layer_types = hf.get("layer_types") or ()
+    if isinstance(layer_types, list) and "sliding_attention" in layer_types:
         return hf.get("sliding_window")
     return None
 
@@ -150,6 +171,9 @@ def load_hf_tensors(
     `skip_from_layer`: ignore `model.layers.{i}.*` for i >= it (MTP modules stored with the
     target, `num_nextn_predict_layers`: read as a drafter by jaxspec.formats.mtp)."""
     index = tensor_index(path)
+    validate.check_layer_count(
+        cfg.num_layers, index, _LAYER_RE, str(path), "num_hidden_layers", below=skip_from_layer
+    )
     flat: dict[str, np.ndarray] = {}
     unknown = []
     for hf_name, shard in index.items():
@@ -163,6 +187,7 @@ def load_hf_tensors(
             continue
         if ours == "lm_head" and cfg.tie_word_embeddings:
             continue  # some tied checkpoints also store the copy; transformers ignores it too
+        validate.require_float(shard.file, hf_name, shard.header[hf_name]["dtype"])
         flat[ours] = shard.tensor(hf_name)
     if unknown:
         more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
@@ -190,16 +215,8 @@ def _our_name(hf_name: str) -> str | None:
 def tensor_index(path: Path) -> dict[str, SafetensorsFile]:
     """Tensor name -> the file holding it (from model.safetensors.index.json, else every file)."""
     index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).is_file()]
-        if missing:
-            raise JaxspecError(
-                f"{path}: shard {missing[0]} listed in the index is missing: re-download"
-            )
-        shards = {f: SafetensorsFile(path / f) for f in files}
-        return {name: shards[f] for name, f in weight_map.items()}
+    if index_file.exists():
+        return _indexed(path, index_file)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         hint = (
@@ -209,3 +226,26 @@ def tensor_index(path: Path) -> dict[str, SafetensorsFile]:
         )
         raise JaxspecError(f"{path} has no *.safetensors files{hint}")
     return {name: shard for shard in map(SafetensorsFile, files) for name in shard.header}
+
+
+def _indexed(path: Path, index_file: Path) -> dict[str, SafetensorsFile]:
+    """The index's weight map, checked: file names inside `path`, every listed tensor present."""
+    source = str(index_file)
+    weight_map = validate.Fields(validate.read_json(index_file, "safetensors index"), source).dict(
+        "weight_map"
+    )
+    shards: dict[str, SafetensorsFile] = {}
+    out = {}
+    for name, file in weight_map.items():
+        if file not in shards:
+            full = validate.confined(path, file, source, f"weight_map[{validate.short(name)}]")
+            if not full.exists():
+                raise JaxspecError(f"{path}: shard {file} listed in the index is missing: re-download")
+            shards[file] = SafetensorsFile(full)
+        if name not in shards[file].header:
+            raise JaxspecError(
+                f"{source}: weight_map names tensor {validate.short(name)} in {file}, which does "
+                f"not hold it: the index and the shards disagree; re-download the checkpoint"
+            )
+        out[name] = shards[file]
+    return out

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from jaxspec import validate
 
 DTYPES = {
     "F64": np.float64,
@@ -38,19 +39,21 @@ class SafetensorsFile:
 
     def __init__(self, file: Path):
         self.file = file
+        size = validate.regular_file(file, "safetensors file", max_bytes=None)
         try:
             with open(file, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-        except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
+                if n > min(size - 8, validate.MAX_SAFETENSORS_HEADER):
+                    raise ValueError(f"header length {n} exceeds the file")
+                header = json.loads(f.read(n), parse_constant=validate._no_constants)
+        except (OSError, struct.error, ValueError, UnicodeDecodeError, RecursionError) as e:
             raise JaxspecError(
-                f"{file} is not a readable safetensors file ({e}): re-download it"
+                f"{file} is not a readable safetensors file ({str(e)[:100]}): re-download it"
             ) from None
-        if not isinstance(header, dict):
-            raise JaxspecError(f"{file} is not a readable safetensors file: re-download it")
-        header.pop("__metadata__", None)
-        self.header: dict[str, dict] = header
         self.offset = 8 + n
+        self.header: dict[str, dict] = validate.check_safetensors_header(
+            header, size - self.offset, file
+        )
         self._mapped = None
 
     def names(self) -> list[str]:

@@ -16,6 +16,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from jaxspec.errors import JaxspecError
+from jaxspec import validate
 from jaxspec.loading.gguf_file import metadata
 from jaxspec.paths import cache_root
 
@@ -48,13 +50,52 @@ def quiet():
 
 
 def load_dir_tokenizer(path: Path):
-    """The tokenizer of an HF checkpoint directory, or None when the directory has none."""
-    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+    """The tokenizer of an HF checkpoint directory, or None when the directory has none.
+    Never runs code from the checkpoint (`trust_remote_code=False`; an `auto_map` is refused)."""
+    present = [f for f in _TOKENIZER_FILES if (path / f).exists() or (path / f).is_symlink()]
+    if not present:
         return None
+    for name in present:
+        validate.regular_file(path / name, name, validate.MAX_TOKENIZER_BYTES)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (path / name).exists():
+            check_tokenizer_config(validate.read_json(path / name, name), path / name)
     from transformers import AutoTokenizer
 
-    with quiet():
-        return AutoTokenizer.from_pretrained(path)
+    try:
+        with quiet():
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 -- transformers / tokenizers raise many types on bad files
+        raise JaxspecError(
+            f"cannot load the tokenizer in {path} ({type(e).__name__}: "
+            f"{validate.short(str(e).splitlines()[0] if str(e) else '')}): fix or re-download "
+            f"its tokenizer files"
+        ) from None
+    return tok
+
+
+def check_tokenizer_config(cfg: dict, source: Path) -> None:
+    """Refuse what would run checkpoint code or break later: `auto_map` (custom tokenizer
+    classes), a chat template that is not text, special tokens of the wrong type."""
+    if "auto_map" in cfg:
+        raise JaxspecError(
+            f"{source}: auto_map names custom tokenizer code, and jaxspec never runs code from a "
+            f"checkpoint: remove auto_map (use a standard tokenizer class) or convert the tokenizer"
+        )
+    f = validate.Fields(cfg, str(source))
+    template = cfg.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        ok = isinstance(template, list) and all(
+            isinstance(t, dict) and isinstance(t.get("template"), str) for t in template
+        )
+        if not ok:
+            f.fail("chat_template", template, "use a Jinja template string")
+    for key in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, (str, dict)):
+            f.fail(key, value, "use a token string")
+    if f.given("tokenizer_class"):
+        f.str("tokenizer_class")
 
 
 def load_gguf_tokenizer(path: Path, reader, *, use_cache: bool = True):
@@ -67,20 +108,41 @@ def load_gguf_tokenizer(path: Path, reader, *, use_cache: bool = True):
     if cache is not None and (cache / "tokenizer_config.json").is_file():
         try:
             with quiet():
-                return AutoTokenizer.from_pretrained(cache)
+                return AutoTokenizer.from_pretrained(cache, trust_remote_code=False)
         except Exception:  # noqa: BLE001 — a damaged cache entry: rebuild it below
             shutil.rmtree(cache, ignore_errors=True)
     try:
         with quiet():
-            tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(
+                path.parent, gguf_file=path.name, trust_remote_code=False
+            )
     except ImportError:  # transformers' GGUF reader imports torch
-        tok = tokenizer_from_metadata(reader)
+        tok = _checked(tokenizer_from_metadata, reader, path)
+    except Exception as e:  # noqa: BLE001 -- damaged tokenizer metadata
+        raise JaxspecError(
+            f"{path}: its tokenizer metadata cannot be read ({type(e).__name__}: "
+            f"{validate.short(str(e))}): re-download or re-convert the file"
+        ) from None
     template = metadata(reader, "tokenizer.chat_template", None)
+    if template is not None and not isinstance(template, str):
+        raise JaxspecError(f"{path}: tokenizer.chat_template is not text: re-convert the file")
     if template and not tok.chat_template:
         tok.chat_template = template
     if cache is not None:
         _save(tok, cache)
     return tok
+
+
+def _checked(build, reader, path):
+    try:
+        return build(reader)
+    except JaxspecError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- damaged tokenizer metadata
+        raise JaxspecError(
+            f"{path}: its tokenizer metadata cannot be read ({type(e).__name__}: "
+            f"{validate.short(str(e))}): re-download or re-convert the file"
+        ) from None
 
 
 def tokenizer_from_metadata(reader):
@@ -166,3 +228,38 @@ def _save(tok, cache: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError:  # read-only home etc.: just don't cache
         pass
+
+
+def encode_prompt(tokenizer, prompt: str, messages: list | None = None) -> list[int]:
+    """Token ids of `prompt` (through the chat template when `messages` is given). Text that is
+    not valid Unicode, or a template the Jinja sandbox refuses, is a one-line JaxspecError."""
+    check_text(prompt, "prompt")
+    try:
+        if messages is not None:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer.encode(prompt)
+    except Exception as e:  # noqa: BLE001 -- jinja2 SecurityError / TemplateError and the like
+        import jinja2
+
+        if not isinstance(e, jinja2.TemplateError):
+            raise
+        raise JaxspecError(
+            f"the tokenizer's chat template failed ({type(e).__name__}: {validate.short(str(e))}): "
+            f"fix chat_template in the checkpoint's tokenizer_config.json, or turn the template "
+            f"off (generation.chat_template: false)"
+        ) from None
+    return [int(t) for t in ids]
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that cannot be encoded as UTF-8 (lone surrogates, undecodable argv bytes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise JaxspecError(
+            f"{what} holds characters that are not valid Unicode (at position {e.start}): pass "
+            f"UTF-8 text"
+        ) from None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import numpy as np
 
 from jaxspec import kernels
 from jaxspec.errors import JaxspecError
+from jaxspec.output_dir import replace_dir
 
 FORMAT = "jaxspec-drafter"
 VERSION = 1
@@ -95,14 +95,20 @@ def params_sha256(params) -> str:
     return h.hexdigest()
 
 
-def save_drafter(path, method: str, params, arch: dict, target_fp: dict, training: dict) -> Path:
-    path = Path(path).resolve()
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+def save_drafter(
+    path, method: str, params, arch: dict, target_fp: dict, training: dict, *, force: bool = False
+) -> Path:
+    """Write a drafter checkpoint to `path`, atomically. An existing `path` must be empty or a
+    jaxspec checkpoint, and replacing a checkpoint needs `force` (`output_dir.replace_dir`)."""
     params = jax.device_get(params)
+    with replace_dir(path, force=force, what="export_dir") as tmp:
+        _write_drafter(tmp, method, params, arch, target_fp, training)
+    return Path(path).resolve()
+
+
+def _write_drafter(path: Path, method, params, arch, target_fp, training) -> None:
     ckptr = _ocp().StandardCheckpointer()
-    ckptr.save(path / "params", params)
+    ckptr.save(path.resolve() / "params", params)
     ckptr.wait_until_finished()
     meta = {
         "format": FORMAT,
@@ -114,7 +120,6 @@ def save_drafter(path, method: str, params, arch: dict, target_fp: dict, trainin
         "training": training,
     }
     (path / "meta.json").write_text(json.dumps(meta, indent=1))
-    return path
 
 
 def resolve_path(path) -> Path:

@@ -52,6 +52,76 @@ class TrainConfig:
     init_from: str | None = None  # warm start: an exported drafter of the same method and arch
     export_dtype: str = "float32"  # shipped params (bfloat16 halves the size; loaded as float32)
     method_args: dict = dataclasses.field(default_factory=dict)
+    force: bool = False  # replace export_dir when it already holds a jaxspec checkpoint
+
+    def __post_init__(self):
+        check_train_config(self)
+
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_train_config(tc: TrainConfig) -> None:
+    """Types (an int is never a string or a bool), ranges and finite values of every field,
+    as one-line JaxspecErrors naming the key: a NaN learning rate would train to loss=nan."""
+    import math
+    import typing
+
+    from jaxspec.errors import short
+    from jaxspec.options import coerce
+
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(tc):
+        object.__setattr__(tc, f.name, coerce(f.name, getattr(tc, f.name), hints[f.name]))
+
+    def fail(key, why):
+        raise JaxspecError(f"{key}={short(getattr(tc, key))} is invalid: {why}")
+
+    if tc.method not in methods_lib.METHODS:
+        fail("method", f"use one of {', '.join(sorted(methods_lib.METHODS))}")
+    for key, lo in (("steps", 1), ("batch_size", 1), ("seq_len", 2), ("warmup", 0),
+                    ("save_every", 0), ("eval_every", 0), ("eval_prompts", 0),
+                    ("eval_max_new", 1), ("draft_vocab", 1), ("seed", 0)):
+        if getattr(tc, key) < lo:
+            fail(key, f"use an integer >= {lo}")
+    if tc.batch_size > 1 << 16 or tc.seq_len > 1 << 20:
+        fail("batch_size" if tc.batch_size > 1 << 16 else "seq_len", "use a value a device can hold")
+    if not 1 <= tc.gamma <= 16:
+        fail("gamma", "use an integer in 1..16")
+    for key, lo, hi in (("lr", 0.0, 10.0), ("end_lr_frac", 0.0, 1.0), ("weight_decay", 0.0, 10.0),
+                        ("clip", 0.0, 1e6)):
+        v = getattr(tc, key)
+        if not (math.isfinite(v) and lo <= v <= hi) or (key == "clip" and v == 0.0):
+            fail(key, f"use a finite number in {'(' if key == 'clip' else '['}{lo:g}, {hi:g}]")
+    if tc.export_dtype not in EXPORT_DTYPES:
+        fail("export_dtype", f"use one of {', '.join(EXPORT_DTYPES)}")
+    for key in ("model", "data_dir", "ckpt_dir"):
+        if not getattr(tc, key).strip():
+            fail(key, "use a non-empty path")
+
+
+def check_inputs(tc: TrainConfig, *, need_data: bool, need_prompts: bool) -> None:
+    """What a run reads and writes, checked before the model loads: the data shards exist, the
+    GSM8K file the evaluation reads exists, and export_dir may be written."""
+    from pathlib import Path
+
+    from jaxspec.output_dir import check_output_dir
+
+    if need_data:
+        dirs = [d.strip() for d in tc.data_dir.split(",") if d.strip()]
+        for d in dirs:
+            if not any(Path(d).glob("shard_[0-9]*[0-9].npz")):
+                raise JaxspecError(
+                    f"data_dir {d} holds no distillation shards: build them with python -m "
+                    f"jaxspec.train --config configs/train/data.yaml (or set data_dir=...)"
+                )
+    if need_prompts and not Path(tc.gsm8k_path).is_file():
+        raise JaxspecError(
+            f"gsm8k_path {tc.gsm8k_path} does not exist (the held-out evaluation reads it): set "
+            f"gsm8k_path=FILE.jsonl, or eval_prompts=0 to train without evaluation"
+        )
+    if tc.export_dir:
+        check_output_dir(tc.export_dir, force=tc.force, what="export_dir")
 
 
 def make_optimizer(tc: TrainConfig):
@@ -73,7 +143,10 @@ class Batches:
         self.slots = np.asarray(slots, np.int32)
         self.rows = data["tokens"].shape[0]
         if self.rows < batch_size:
-            raise ValueError(f"{self.rows} rows of data < batch_size={batch_size}")
+            raise JaxspecError(
+                f"the data holds {self.rows} rows, fewer than batch_size={batch_size}: lower "
+                f"batch_size or build more data"
+            )
         self.per_epoch = self.rows // batch_size
 
     def __call__(self, step: int) -> dict:
@@ -134,6 +207,9 @@ def evaluate(target, drafter, dparams, prompts, gamma, max_new) -> dict:
 
 def held_out_prompts(tc: TrainConfig) -> list:
     from jaxspec.train import prompts as prompt_sets
+
+    if tc.eval_prompts == 0:
+        return []
 
     _, held = prompt_sets.split_gsm8k(prompt_sets.read_gsm8k(tc.gsm8k_path))
     return [r["question"] for r in held[: tc.eval_prompts]]
@@ -219,6 +295,7 @@ def train(
     from tqdm import tqdm
 
     t_start = time.time()
+    check_inputs(tc, need_data=data is None, need_prompts=eval_prompts is None and tc.eval_prompts > 0)
     setup = _prepare(tc, target, data, log)
     target, method, frozen, state = setup.target, setup.method, setup.frozen, setup.state
     train_step = _make_step(tc, setup)
@@ -235,14 +312,27 @@ def train(
         params=state["params"], state=state, history=history, frozen=frozen, method=method,
         drafter=drafter, **kw)
     bar = tqdm(total=tc.steps, initial=setup.start, desc=f"train {tc.method}", disable=not progress)
+    tokens_seen, t_loop = 0, time.perf_counter()
     for step in range(setup.start, tc.steps):
         if stop_at is not None and step >= stop_at:
             bar.close()
             return result(state, stopped=True)
-        state, metrics = train_step(state, _shard_batch(batches(step)))
+        batch = batches(step)
+        state, metrics = train_step(state, _shard_batch(batch))
         metrics = {k: float(v) for k, v in metrics.items()}
+        if not np.isfinite(metrics["loss"]):
+            bar.close()
+            raise JaxspecError(
+                f"step {step + 1}: the loss is {metrics['loss']} (non-finite): training stopped "
+                f"and nothing was exported; lower lr (now {tc.lr:g}) or check the data in "
+                f"{tc.data_dir}"
+            )
         history.append({"step": step + 1, **metrics})
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.3f}")
+        tokens_seen += int(np.sum(batch["lengths"]))
+        rate = tokens_seen / max(time.perf_counter() - t_loop, 1e-9)
+        bar.set_postfix(
+            loss=f"{metrics['loss']:.3f}", top1=f"{metrics['top1']:.3f}", tok_s=f"{rate:.0f}"
+        )
         bar.update(1)
         if tc.save_every and (step + 1) % tc.save_every == 0 and step + 1 < tc.steps:
             ckpt.save_state(setup.mngr, step + 1, state)
@@ -282,7 +372,8 @@ def _export(tc: TrainConfig, setup: _Setup, state, history, evals, train_s: floa
     export = {**jax.tree.map(cast, state["params"]), "d2t": jnp.asarray(setup.d2t)}
     target = setup.target
     ckpt.save_drafter(
-        tc.export_dir, tc.method, export, arch, ckpt.fingerprint(target.cfg, target.params), training
+        tc.export_dir, tc.method, export, arch, ckpt.fingerprint(target.cfg, target.params),
+        training, force=tc.force,
     )
 
 
