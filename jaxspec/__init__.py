@@ -10,30 +10,74 @@ Or from a config: `jaxspec.build_engine(jaxspec.load_config("configs/smollm2-135
 The pieces are usable alone: `models.llama.forward`, `cache.KVCache`, `acceptance.accept`
 (chains) and `acceptance.accept_tree` (draft trees), `tree.build_window`,
 `sampling.logits_to_probs`, the drafters, `speculate.decode`.
+
+The names below are imported on first use (PEP 562), so `import jaxspec` and every
+`python -m jaxspec.<tool> --help` start without loading jax or transformers.
 """
 
-from jaxspec.acceptance import accept, accept_row, accept_tree
-from jaxspec.build import build_drafter, build_engine, sampling_params
-from jaxspec.cache import KVCache, init_cache
-from jaxspec.config import Config, load_config
-from jaxspec.drafters import DrafterOptions, available_methods, register_drafter
-from jaxspec.drafters.base import Drafter, Proposal
-from jaxspec.drafters.draft_model import ModelDrafter, draft_model_drafter, layer_skip_drafter
-from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.engine import Engine, GenerationResult
-from jaxspec.errors import JaxspecError
-from jaxspec.loading import LoadedModel, load_model
-from jaxspec.models.llama import ModelConfig, forward, lm_head
-from jaxspec.sampling import SamplingParams, logits_to_probs
-from jaxspec.sharding import MeshPlan, ShardingRules, make_mesh, shard_params
-from jaxspec.tree import Window, build_window
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_EXPORTS = {
+    "accept": "jaxspec.acceptance",
+    "accept_row": "jaxspec.acceptance",
+    "accept_tree": "jaxspec.acceptance",
+    "build_drafter": "jaxspec.build",
+    "build_engine": "jaxspec.build",
+    "sampling_params": "jaxspec.build",
+    "KVCache": "jaxspec.cache",
+    "init_cache": "jaxspec.cache",
+    "Config": "jaxspec.config",
+    "load_config": "jaxspec.config",
+    "DrafterOptions": "jaxspec.drafters",
+    "available_methods": "jaxspec.drafters",
+    "register_drafter": "jaxspec.drafters",
+    "Drafter": "jaxspec.drafters.base",
+    "Proposal": "jaxspec.drafters.base",
+    "ModelDrafter": "jaxspec.drafters.draft_model",
+    "draft_model_drafter": "jaxspec.drafters.draft_model",
+    "layer_skip_drafter": "jaxspec.drafters.draft_model",
+    "NgramDrafter": "jaxspec.drafters.ngram",
+    "Engine": "jaxspec.engine",
+    "GenerationResult": "jaxspec.engine",
+    "JaxspecError": "jaxspec.errors",
+    "LoadedModel": "jaxspec.loading",
+    "load_model": "jaxspec.loading",
+    "ModelConfig": "jaxspec.models.llama",
+    "forward": "jaxspec.models.llama",
+    "lm_head": "jaxspec.models.llama",
+    "SamplingParams": "jaxspec.sampling",
+    "logits_to_probs": "jaxspec.sampling",
+    "MeshPlan": "jaxspec.sharding",
+    "ShardingRules": "jaxspec.sharding",
+    "make_mesh": "jaxspec.sharding",
+    "shard_params": "jaxspec.sharding",
+    "Window": "jaxspec.tree",
+    "build_window": "jaxspec.tree",
+}
+
 __all__ = [
-    "Config", "Drafter", "DrafterOptions", "Engine", "GenerationResult", "JaxspecError", "KVCache", "LoadedModel",
-    "MeshPlan", "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal", "SamplingParams", "ShardingRules",
-    "Window", "accept", "accept_row", "accept_tree", "available_methods", "build_window", "build_drafter", "build_engine", "draft_model_drafter",
+    "Config", "Drafter", "DrafterOptions", "Engine", "GenerationResult", "JaxspecError", "KVCache",
+    "LoadedModel", "MeshPlan", "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal",
+    "SamplingParams", "ShardingRules", "Window", "accept", "accept_row", "accept_tree",
+    "available_methods", "build_drafter", "build_engine", "build_window", "draft_model_drafter",
     "forward", "init_cache", "layer_skip_drafter", "lm_head", "load_config", "load_model",
     "logits_to_probs", "make_mesh", "register_drafter", "sampling_params", "shard_params",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxspec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxspec import progress
 from jaxspec.bench_plan import BenchPlan, plan_bench, settings
 from jaxspec.bench_rows import (  # noqa: F401 -- aggregate: re-exported
     SPEC_BENCH_CATEGORIES,
@@ -50,12 +51,7 @@ from jaxspec.jsonl import read_jsonl
 
 EXIT_INTERRUPTED = 130
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA_NAME = Path("shared", "data", "spec_bench_dev.jsonl")
-# The repo's sibling `shared/` (CI layout), else a `shared/` inside the checkout.
-DEFAULT_DATA = next(
-    (p for p in (REPO_ROOT.parent / DATA_NAME, REPO_ROOT / DATA_NAME) if p.is_file()),
-    REPO_ROOT.parent / DATA_NAME,
-)
+DEFAULT_DATA = REPO_ROOT / "data" / "spec_bench_dev.jsonl"  # shipped: data/README.md
 
 
 def category_of(raw: str) -> str:
@@ -117,8 +113,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--data",
         default=str(DEFAULT_DATA),
         metavar="FILE.jsonl",
-        help="Spec-Bench questions (question_id, category, turns); default: "
-        "<repo>/../shared/data/spec_bench_dev.jsonl",
+        help="Spec-Bench questions (question_id, category, turns); default: the Spec-Bench "
+        "development split shipped in data/spec_bench_dev.jsonl",
     )
     p.add_argument("--n-per-category", type=_positive("--n-per-category"), default=5, metavar="N")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=128, metavar="M")
@@ -339,10 +335,13 @@ class Bench:
         from tqdm import tqdm
 
         a = self.args
-        for engine in self.engines.values():
+        warm = tqdm(self.engines.values(), desc="warm-up: compiling each method (cached afterwards)",
+                    unit="method", file=sys.stderr)
+        for engine in warm:
             self.warm_up(engine, self.ids, a.max_new_tokens)
         if self.peers:
-            self.peers.warm_up(self.ids[0])
+            with progress.step("warm-up: transformers peers (and their thread count)"):
+                self.peers.warm_up(self.ids[0])
         labels = list(self.engines)
         peer_names = list(self.peers.methods) if self.peers else []
         for name in labels + peer_names:

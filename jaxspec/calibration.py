@@ -55,7 +55,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec import paths, speculate, tree
+from jaxspec import paths, progress, speculate, tree
 from jaxspec.drafters.base import CommitContext, DraftContext, traits
 from jaxspec.models import base
 from jaxspec.sampling import SamplingParams
@@ -126,7 +126,8 @@ def _cached(key: dict, batch: int, names: list[str], measure, recalibrate: bool)
     if recalibrate or any(n not in times for n in names):  # every name of this fill in one
         fill = names[0].split("@")[-1]  # sitting (ratios to one reference); other fills stay
         times = {n: t for n, t in times.items() if n.split("@")[-1] != fill}
-        times |= dict(zip(names, measure(names)))
+        with progress.step(f"calibrating step costs at batch {batch} (once; cached afterwards)"):
+            times |= dict(zip(names, measure(names)))
     data["batches"][str(batch)] = times
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from jaxspec import xla_cache
 from jaxspec.errors import JaxspecError
-from jaxspec.paths import cache_root
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -34,24 +34,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def compilation_cache_dir() -> str | None:
-    """<jaxspec cache>/xla; None when JAXSPEC_XLA_CACHE=0 turns it off."""
-    if os.environ.get("JAXSPEC_XLA_CACHE", "").strip().lower() in ("0", "off", "false", "no"):
-        return None
-    return str(Path(cache_root(), "xla"))
+    """<jaxspec cache>/xla; None when JAXSPEC_XLA_CACHE=0 turns it off (`jaxspec.xla_cache`)."""
+    return xla_cache.directory()
 
 
 def enable_compilation_cache() -> str | None:
     """Persist compiled XLA programs so the next run with the same shapes skips compilation."""
-    path = compilation_cache_dir()
-    if path is None:
-        return None
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default 1 s
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
-    drop_unreadable_cache_entries()
-    return path
+    return xla_cache.enable()  # also heals unreadable entries: drop_unreadable_cache_entries
 
 
 def drop_unreadable_cache_entries() -> bool:

@@ -53,7 +53,7 @@ class SamplingConfig(Section):
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     min_p: float = 0.0  # 0.0 = off
-    seed: int = 0
+    seed: int = 0  # PRNG seed of the sampling (rows draw independent streams)
 
     def _validate(self):
         problem = sampling_problem(self.temperature, self.top_k, self.top_p, self.min_p)
@@ -66,10 +66,10 @@ class SamplingConfig(Section):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationConfig(Section):
     SECTION: ClassVar[str] = "generation"
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # tokens generated per prompt at most (EOS ends a row earlier)
     batch_size: int = 1  # rows per jitted batch; the last batch is padded
     chat_template: bool = True  # wrap each prompt as a user turn of the model's chat template
-    system_prompt: str | None = None
+    system_prompt: str | None = None  # the chat template's system turn; null: its default
     # KV cache slots per row, fixed for the engine: one decode program per batch size, whatever the
     # prompt length (0: sized per request from the prompt and max_new_tokens buckets)
     max_context: int = 0
@@ -91,7 +91,7 @@ class LookupConfig(Section):
 
     SECTION: ClassVar[str] = "speculative.lookup"
     min_ngram: int = 0  # 0: off
-    max_ngram: int = 3
+    max_ngram: int = 3  # longest suffix looked up
 
     def _validate(self):
         if not 1 <= self.max_ngram <= MAX_NGRAM:
@@ -105,7 +105,7 @@ class TreeConfig(Section):
     """Draft trees (see jaxspec/tree.py): the target verifies several candidates per depth."""
 
     SECTION: ClassVar[str] = "speculative.tree"
-    kind: Literal["chain", "static", "dynamic"] = "chain"
+    kind: Literal["chain", "static", "dynamic"] = "chain"  # chain: no tree; which kinds: per method
     # static, medusa: Medusa-style paths of ranks, e.g. [[0], [1], [0, 0]] (YAML list or string)
     choices: str | list | None = None
     branches: int = 3  # static, ngram: distinct continuations of the context's matches
@@ -290,8 +290,8 @@ class MeshConfig(Section):
     data * model <= the device count (checked when the engine is built); 1 x 1 = one device."""
 
     SECTION: ClassVar[str] = "mesh"
-    data: int = 1
-    model: int = 1
+    data: int = 1  # devices the batch is split over
+    model: int = 1  # devices heads, MLP and vocabulary are split over (divides the head count)
     shard_drafter: bool = False  # true: a draft model follows the target's rules (default replicated)
 
     def _validate(self):
@@ -311,8 +311,8 @@ class DistributedConfig(Section):
 
     SECTION: ClassVar[str] = "distributed"
     coordinator_address: str | None = None  # host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = None  # processes in the run (all run the same command)
+    process_id: int | None = None  # this process's rank, 0..num_processes-1
 
     def _validate(self):
         if self.num_processes is not None and self.num_processes < 1:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import adaptive as adaptive_mod
-from jaxspec import calibration, hlo, sharding, speculate
+from jaxspec import calibration, hlo, progress, sharding, speculate, xla_cache
 from jaxspec.drafters.base import check_target, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
@@ -70,6 +70,7 @@ class Engine:
         max_context: int | None = None,
         adaptive: adaptive_mod.Options | None = None,
     ):
+        xla_cache.enable()  # on by default, as in the CLI (JAXSPEC_XLA_CACHE=0: off)
         if drafter is None:
             num_speculative_tokens = 0
         elif not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -403,6 +404,7 @@ class Engine:
         t0 = time.perf_counter()
         capacity = self._capacity(bucket(max(len(ids) for ids in batch_ids)), max_new_tokens)
         check_cache_fits(self.model.target, self.model.params, b, capacity)  # before any buffer of that size exists
+        compiling = progress.compiling(b, self.method)
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         lowered = speculate.prefill_jit.lower(*args, capacity=capacity)
         prefill_attention = hlo.compiled_attention(lowered.as_text())
@@ -418,6 +420,7 @@ class Engine:
                                    "decode": hlo.compiled_attention(decode.as_text())}
         self._attention_by_shape[key] = self.compiled_attention
         self._warm_shapes.add(key)
+        compiling()
         return time.perf_counter() - t0
 
     def warmup(self, prompt, *, max_new_tokens=128, sampling=None, batch_size=1) -> float:

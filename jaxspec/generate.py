@@ -20,10 +20,11 @@ import json
 import os
 import sys
 
-from jaxspec import distributed
+from jaxspec import distributed, progress
 from jaxspec.cli_support import ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
+
 
 def make_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
@@ -105,10 +106,12 @@ def read_prompts_file(path: str) -> list[str]:
 
 def parse(argv: list[str] | None = None):
     """argv -> (args, Config, prompts); everything checked that can be without loading a model."""
+    args = make_parser().parse_intermixed_args(argv)  # before any heavy import: --help is instant
+    reading = progress.start(f"reading {args.config or 'the default config'} (and importing jax)")
     from jaxspec.config import load_config
 
-    args = make_parser().parse_intermixed_args(argv)
     config = load_config(args.config, [*args.overrides, *flag_overrides(args)])
+    reading()
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += read_prompts_file(args.prompts_file)
@@ -130,9 +133,9 @@ def _check_text(text: str, what: str) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
+    args, config, prompts = parse(argv)
     from jaxspec.build import build_engine, sampling_params
 
-    args, config, prompts = parse(argv)
     distributed.start(config.distributed)  # before any device is touched
     enable_compilation_cache()
     sp = sampling_params(config)  # validated before the model load

@@ -27,15 +27,29 @@ kernels with scripts/bench_attention.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import sys
 
-import jax
-import jax.numpy as jnp
-
-from jaxspec import hlo
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention, base, llama
+
+
+class _OnFirstUse:
+    """A module imported on its first attribute access, so `--help` never loads jax."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+jax = _OnFirstUse("jax")
+jnp = _OnFirstUse("jax.numpy")
+hlo = _OnFirstUse("jaxspec.hlo")
+attention = _OnFirstUse("jaxspec.models.attention")
+base = _OnFirstUse("jaxspec.models.base")
+llama = _OnFirstUse("jaxspec.models.llama")
 
 ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
 

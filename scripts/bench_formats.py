@@ -201,7 +201,7 @@ def main():
     )
     (OUT / "medusa-vllm.yaml").write_text(cfg)
     seen, lines = set(), []
-    for line in Path("../shared/data/spec_bench_dev.jsonl").read_text().splitlines():
+    for line in Path(__file__).resolve().parents[1].joinpath("data", "spec_bench_dev.jsonl").read_text().splitlines():
         q = json.loads(line)
         if q["category"] not in seen:
             seen.add(q["category"])

@@ -28,7 +28,7 @@ import numpy as np
 from jaxspec.engine import Engine
 from jaxspec.loading import load_model
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "data" / "spec_bench_dev.jsonl"
 
 
 def read_bandwidth_gbs(nbytes: int) -> float:

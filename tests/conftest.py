@@ -109,6 +109,7 @@ LONGEST_FIRST = (
     "test_bench.py",
     "test_formats.py",
     "test_notebooks.py",
+    "test_docs.py",
     "test_speculative.py",
     "test_cli.py",
     "test_parity.py",

@@ -87,10 +87,10 @@ def test_category_mapping_and_selection(tmp_path):
     assert len(bench.select(rows, 1)) == 6
 
 
-def test_default_data_path_is_relative_to_the_repo():
+def test_default_data_is_shipped_in_the_repo():
     d = bench.DEFAULT_DATA
-    assert d.parts[-3:] == ("shared", "data", "spec_bench_dev.jsonl")
-    assert d.parent.parent.parent in (bench.REPO_ROOT.parent, bench.REPO_ROOT)
+    assert d == bench.REPO_ROOT / "data" / "spec_bench_dev.jsonl" and d.is_file()
+    assert len(bench.select(bench.read_questions(str(d)), 3)) == 18
 
 
 @pytest.mark.parametrize(

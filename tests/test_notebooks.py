@@ -1,4 +1,6 @@
-"""The notebooks run top to bottom headlessly (nbclient) with small settings (JAXSPEC_NB_SMALL=1)."""
+"""The notebooks run top to bottom headlessly (nbclient) on CPU with small settings
+(JAXSPEC_NB_SMALL=1: 16 new tokens); their install cell finds this checkout's jaxspec and skips
+pip (tests/test_wheel.py runs that cell's install path in a fresh venv)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def run_notebook(name: str, tmp_path: Path, **env: str):
 
 def test_quickstart_runs(tmp_path):
     text = run_notebook("quickstart.ipynb", tmp_path)
+    # the install cell found this checkout's jaxspec (not PyPI's X-ray "jaxspec") and said so
+    assert f"from {NOTEBOOKS.parent / 'jaxspec'}" in text
     assert "greedy outputs identical: lossless" in text
     assert "speedup (decode)" in text
 

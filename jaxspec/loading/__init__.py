@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxspec import progress, xla_cache
 from jaxspec.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec import validate
@@ -107,6 +108,8 @@ def load_model(
     Raises `JaxspecError` with the fix in its one-line message for every mistake in the input.
     """
     start = time.perf_counter()
+    xla_cache.enable()  # on by default, as in the CLI (JAXSPEC_XLA_CACHE=0: off)
+    loading = progress.start(f"loading {name_or_path}")
     check_options(dtype, layout)
     dtype = resolve_dtype(dtype)
     if mesh is not None and layout == "packed":
@@ -129,6 +132,7 @@ def load_model(
         params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
     else:
         params = place(params, dtype, layout)
+    loading()
     return LoadedModel(
         cfg=cfg,
         params=params,

@@ -43,7 +43,8 @@ def pick_prompts(path, per_category: int, max_prompt_tokens: int, encode):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", default="../shared/data/spec_bench_dev.jsonl")
+    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "data" /
+                                          "spec_bench_dev.jsonl"))
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)

@@ -1,0 +1,45 @@
+"""The persistent XLA compilation cache, on by default for the CLI and the Python API alike.
+
+Compiled programs are kept in `xla/` under the jaxspec cache directory ($JAXSPEC_CACHE_DIR, else
+$XDG_CACHE_HOME/jaxspec, else ~/.cache/jaxspec), so a second run with the same shapes loads its
+programs instead of compiling them. `JAXSPEC_XLA_CACHE=0` turns it off. A cache directory set
+before (`jax.config.update("jax_compilation_cache_dir", ...)` or JAX_COMPILATION_CACHE_DIR) is
+kept: jaxspec only fills in a default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jaxspec.paths import cache_root
+
+OFF = ("0", "off", "false", "no")
+
+
+def directory() -> str | None:
+    """<jaxspec cache>/xla; None when JAXSPEC_XLA_CACHE=0 turns it off."""
+    if os.environ.get("JAXSPEC_XLA_CACHE", "").strip().lower() in OFF:
+        return None
+    return str(Path(cache_root(), "xla"))
+
+
+def enable() -> str | None:
+    """Turn the cache on (idempotent); returns the directory in use, None when it is off."""
+    path = directory()
+    if path is None:
+        return None
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from jaxspec.cli_support import drop_unreadable_cache_entries  # here: cli_support imports us
+
+    drop_unreadable_cache_entries()  # a damaged entry is replaced, not re-read on every run
+    current = jax.config.jax_compilation_cache_dir
+    if current:  # the user's (or an earlier call's) choice stands
+        return current
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default 1 s
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
+    compilation_cache.reset_cache()  # a program compiled before this call fixed "no cache"
+    return path

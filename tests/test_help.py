@@ -1,0 +1,85 @@
+"""Every `python -m jaxspec.*` entry point answers `--help` at once: its arguments are parsed before
+jax, transformers or torch are imported (those take seconds to load).
+
+The entry points are found, not listed: every module under jaxspec/ with a `__main__` block, and
+every package's `__main__.py`, so a new command is covered when it is added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("jax", "transformers", "torch", "flax", "optax", "orbax")
+
+# Runs the module as `python -m` does, with --help, then reports which heavy packages it loaded.
+PROBE = """
+import json, runpy, sys
+sys.argv = [sys.argv[1], "--help"]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    code = None
+except SystemExit as e:
+    code = e.code
+loaded = sorted(m for m in {heavy!r} if m in sys.modules)
+print("\\nPROBE " + json.dumps({{"code": code, "loaded": loaded}}))
+"""
+
+
+def entry_points() -> list[str]:
+    out = []
+    for path in sorted((ROOT / "jaxspec").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        if path.name == "__main__.py":
+            out.append(".".join(rel.parts[:-1]))
+        elif re.search(r"^if __name__ == .__main__.:", path.read_text(), re.MULTILINE):
+            out.append(".".join(rel.parts))
+    return out
+
+
+def test_the_known_entry_points_are_found():
+    found = set(entry_points())
+    for name in ("generate", "train", "export", "bench", "roofline"):
+        assert f"jaxspec.{name}" in found
+
+
+@pytest.mark.parametrize("module", entry_points())
+def test_help_is_instant_and_loads_no_heavy_package(module):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy=HEAVY), module],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+    )
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.rsplit("PROBE ", 1)[1])
+    assert report["code"] in (0, None), done.stderr[-2000:]
+    assert "usage:" in done.stdout
+    assert report["loaded"] == [], f"{module} --help imported {report['loaded']}"
+    # Interpreter start + argparse is ~0.1 s; the bound leaves room for a loaded 2-core machine
+    # while still failing an import of jax (1-2 s alone) or transformers.
+    assert elapsed < 3.0, f"{module} --help took {elapsed:.1f} s"
+
+
+def test_import_jaxspec_is_light_and_every_export_resolves():
+    code = (
+        "import json, sys, jaxspec\n"
+        f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "missing = [n for n in jaxspec.__all__ if getattr(jaxspec, n, None) is None]\n"
+        "print(json.dumps([heavy, missing, len(jaxspec.__all__)]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    heavy, missing, count = json.loads(done.stdout.splitlines()[-1])
+    assert heavy == []  # `import jaxspec` itself loads nothing heavy (the exports are lazy)
+    assert missing == [] and count > 30  # every public name resolves where _EXPORTS says
