@@ -102,7 +102,9 @@ def test_greedy_rows_equal_solo_runs_whatever_shares_the_batch(target, prompts, 
         "length" if len(c.token_ids) == n and c.token_ids[-1] != 0 else "stop"
         for c, n in zip(greedy, NEW)]  # token 0: the tiny model's EOS
     # the same drafts verified and accepted as alone: the row's loop did not see its batch
-    figures = lambda m: (m["num_steps"], m["num_draft_tokens"], m["num_accepted_tokens"])  # noqa: E731
+    def figures(m):
+        return m["num_steps"], m["num_draft_tokens"], m["num_accepted_tokens"]
+
     assert [figures(c.metrics) for c in greedy] == [figures(r.metrics) for r in solo_runs]
     if name != "plain":
         assert sum(c.metrics["num_draft_tokens"] for c in greedy) > 0
