@@ -192,7 +192,7 @@ LAW_PROMPT = [1, 2, 3, 1, 2]
 # the vmapped top-p boundary wrong (a kept token's weight 0: seen, p ~ 1e-9); XLA's default level,
 # which users run, passes. test_per_row_params_match_scalar_params covers top-p's per-row values.
 LAW = dict(temperature=0.7, top_k=6, min_p=0.05)
-LAW_ROWS = 3000
+LAW_ROWS = 2000
 
 
 def law_pvalue(slots=16):
