@@ -49,7 +49,9 @@ def run(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
     except ImportError:
-        raise JaxspecError("the server needs the serve extra: pip install 'jaxspec[serve]'") from None
+        raise JaxspecError(
+            "the server needs the serve extra: pip install 'jaxspec[serve]'"
+        ) from None
     from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.config import load_config
 

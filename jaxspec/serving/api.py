@@ -146,7 +146,8 @@ class Server:
         req = s.new_request(prompt, sampling or Sampling(), stream, request_id)
         stream.request = req
         with self._lock:
-            if len(self._inbox) + len(s.queue) >= s.max_queue:
+            free = s.slots - len(s.active)  # waiting requests that free slots will take now
+            if len(self._inbox) + len(s.queue) >= s.max_queue + free:
                 raise QueueFull(f"the queue holds {s.max_queue} requests: retry later")
             self._inbox.append(req)
             self._lock.notify_all()

@@ -38,7 +38,9 @@ class Sampling:
         if int(self.max_tokens) < 1:
             raise JaxspecError(f"max_tokens={self.max_tokens!r} must be at least 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise JaxspecError(f"stop={list(self.stop)!r}: each stop sequence must be a non-empty string")
+            raise JaxspecError(
+                f"stop={list(self.stop)!r}: each stop sequence must be a non-empty string"
+            )
         if self.seed is not None and not 0 <= int(self.seed) < 2**31:
             raise JaxspecError(f"seed={self.seed!r} must be in 0..2**31-1")
 

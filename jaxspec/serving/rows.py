@@ -46,7 +46,8 @@ def tile_rows(row, batch: int, axes: tuple[int, ...]):
     """A `batch`-row state of copies of `row` (batch-wide leaves taken from it), every row done:
     the scheduler's state before any request, its slots all free."""
     leaves, treedef = jax.tree.flatten(row)
-    tiled = [x if a == NO_AXIS else jnp.concatenate([x] * batch, axis=a) for x, a in zip(leaves, axes)]
+    tiled = [x if a == NO_AXIS else jnp.concatenate([x] * batch, axis=a)
+             for x, a in zip(leaves, axes)]
     state = jax.tree.unflatten(treedef, tiled)
     return dataclasses.replace(state, done=jnp.ones_like(state.done))
 

@@ -122,15 +122,16 @@ class Scheduler:
         self.observed_acceptance: float | None = None  # adaptive: over finished requests
 
     # ---- submission (any thread; the api holds a lock around these) -----------------------
-    def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None) -> Request:
+    def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None
+                    ) -> Request:
         ids = self.engine.encode(prompt)
         self.engine.check_fits(ids, int(sampling.max_tokens))
         need = len(ids) + int(sampling.max_tokens) + self.spec.depth + 1
         if need > self.capacity:
             raise JaxspecError(
-                f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} (+ γ + 1 = {need} "
-                f"slots) exceeds serving.max_context={self.capacity}: shorten the prompt or lower "
-                "max_tokens"
+                f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} "
+                f"(+ γ + 1 = {need} slots) exceeds serving.max_context={self.capacity}: "
+                "shorten the prompt or lower max_tokens"
             )
         n = next(self._ids)
         seed = n if sampling.seed is None else int(sampling.seed)
@@ -320,7 +321,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, host=None) -> None:
         done = self._completion(req, reason, host)
-        if host is not None and self.spec.adaptive is not None and done.metrics.get("num_draft_tokens"):
+        drafted = done.metrics.get("num_draft_tokens")
+        if host is not None and self.spec.adaptive is not None and drafted:
             acc = done.metrics["acceptance_rate"]  # averaged with earlier requests
             prev = self.observed_acceptance
             self.observed_acceptance = acc if prev is None else 0.5 * (prev + acc)
