@@ -153,7 +153,8 @@ def place(params: Params, dtype: str, layout: str) -> Params:
     for k in layers[0]:
         buf = _zeros((len(layers), *layers[0][k].shape), np_dtype, device)
         for i, layer in enumerate(layers):
-            buf = _set_layer(buf, put(layer[k]), i)  # the layer's device copy dies here
+            # waited for, so no later layer's host cast and device copy pile up behind it
+            buf = _set_layer(buf, put(layer[k]), i).block_until_ready()
         stacked[k] = buf
     return out | {"layers": stacked}
 
