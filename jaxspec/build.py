@@ -68,7 +68,7 @@ def build_drafter(spec: SpeculativeConfig, target) -> tuple[Any, Any]:
         from jaxspec.validate import check_tree_ranks
 
         d2t = dparams.get("d2t") if isinstance(dparams, dict) else None
-        check_tree_ranks(spec.tree.choices, len(d2t) if d2t is not None else target.cfg.vocab_size)
+        check_tree_ranks(spec.tree.choices, len(d2t) if d2t is not None else target.target.vocab_size)
     if spec.lookup.min_ngram:  # prompt lookup first, the method's draft elsewhere
         from jaxspec.drafters.lookup import LookupFirst
 
