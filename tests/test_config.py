@@ -243,7 +243,7 @@ def test_override_syntax():
 
 def test_file_errors(tmp_path):
     expect_error(["does not exist", "nope.yaml"], tmp_path / "nope.yaml")
-    expect_error(["cannot read"], tmp_path)  # a directory
+    expect_error(["not a regular file", "plain file"], tmp_path)  # a directory
     expect_error(["not valid YAML"], write(tmp_path, "sampling: [1,\n"))
     expect_error(["must be a mapping of sections"], write(tmp_path, "- 1\n- 2\n"))
     expect_error(["section 'sampling' must be a mapping"], write(tmp_path, "sampling: 3\n"))
