@@ -2,7 +2,7 @@
 
     import jaxspec
     model = jaxspec.load_model("smollm2-135m")
-    engine = jaxspec.Engine(model, jaxspec.NgramDrafter(model.target.vocab_size), num_speculative_tokens=4)
+    engine = jaxspec.Engine(model, jaxspec.NgramDrafter(model.cfg.vocab_size), num_speculative_tokens=4)
     [result] = engine.generate(["Summarise: ..."], max_new_tokens=128)
     result.text, result.metrics["mean_accepted_length"]
 
@@ -23,9 +23,7 @@ from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine, GenerationResult
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import LoadedModel, load_model
-from jaxspec.models.base import Model, Target, TargetOutput
-from jaxspec.models.llama import LlamaTarget, ModelConfig, forward, lm_head
-from jaxspec.models.registry import Family, register_family
+from jaxspec.models.llama import ModelConfig, forward, lm_head
 from jaxspec.sampling import SamplingParams, logits_to_probs
 from jaxspec.sharding import MeshPlan, ShardingRules, make_mesh, shard_params
 from jaxspec.tree import Window, build_window
@@ -34,7 +32,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Config", "Drafter", "DrafterOptions", "Engine", "GenerationResult", "JaxspecError", "KVCache", "LoadedModel",
-    "Family", "LlamaTarget", "Model", "Target", "TargetOutput", "register_family",
     "MeshPlan", "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal", "SamplingParams", "ShardingRules",
     "Window", "accept", "accept_row", "accept_tree", "available_methods", "build_window", "build_drafter", "build_engine", "draft_model_drafter",
     "forward", "init_cache", "layer_skip_drafter", "lm_head", "load_config", "load_model",
