@@ -17,8 +17,6 @@ from distribution import FAIL_P, PASS_P, pvalue
 from jaxspec import kernels
 from jaxspec.engine import Engine
 from jaxspec.formats import load_drafter_checkpoint
-from jaxspec.loading.params import unpack_params
-from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 from jaxspec.train import block as block_train
 from jaxspec.train.data import DataConfig, generate_records
@@ -32,19 +30,15 @@ TREE = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0))  # per-position ran
 
 def block_drafter(target, draft_ids, *, noise=0.0, layers=(1, 1, 2), seed=3, **kw):
     """An untrained block drafter (EAGLE-style initialisation, optionally perturbed)."""
-    params = target.params
-    if llama.uses_cpu_kernels(params):
-        params = unpack_params(params, target.cfg)
-    plain = dataclasses.replace(target, params=params)
     m = block_train.Block(hidden_layers=layers, input_scale=1.0, block_size=4, extra_mlp=16, **kw)
-    p, frozen = m.init(plain, np.asarray(draft_ids, np.int32), jax.random.key(seed))
+    p, frozen = m.init(target, np.asarray(draft_ids, np.int32), jax.random.key(seed))
     if noise:
         leaves, treedef = jax.tree.flatten(p)
         keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
         p = jax.tree.unflatten(
             treedef, [w + noise * jax.random.normal(k, w.shape) for w, k in zip(leaves, keys)]
         )
-    return m.drafter(target.cfg), m.runtime(p, frozen)
+    return m.drafter(target.target), m.runtime(p, frozen)
 
 
 # ---- greedy identity ------------------------------------------------------------------------

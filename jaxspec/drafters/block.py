@@ -64,16 +64,9 @@ from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.eagle import fuse, head_logits, rms
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import base, llama
+from jaxspec.models import llama
 
 TREE_CHILDREN = ("top_k", "sampled")
-
-
-def embed(tparams, tokens):
-    """The target's embedding of tokens int[...] -> [..., D] (protocol-bound or plain params)."""
-    if isinstance(tparams, base.Bound):
-        return tparams.embed(tokens)
-    return jnp.asarray(tparams["embed"])[tokens]
 
 
 def entry_inputs(dparams, emb, feature_before):
@@ -198,13 +191,16 @@ class BlockDrafter:
     def tree_depth(self) -> int | None:
         return None if self.tree_choices is None else max(map(len, self.tree_choices))
 
+    def target_needs(self, dparams) -> tuple[str, ...]:
+        return ("embed",)  # context entries and slot 0 read the target's token embedding
+
     # ---- pieces -------------------------------------------------------------------------------
     def _write(self, dparams, tparams, state_kv, tokens, before, start):
         """Context entries of tokens [B, T] with the fused features before them [B, T, D], at
         slots start[B] + arange(T), into every layer's cache."""
         positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
         dt = self.cfg.compute_dtype
-        c = entry_inputs(dparams, embed(tparams, tokens), before).astype(dt)
+        c = entry_inputs(dparams, tparams.embed(tokens), before).astype(dt)
         ks, vs = [], []
         for name, kc, vc in zip(layer_names(dparams), *state_kv):
             _, k, v = _qkv(self.cfg, dparams["block"][name], c, positions)
@@ -216,7 +212,7 @@ class BlockDrafter:
         """One forward of the block -> draft-vocabulary logits f32[B, G, N] for x_L..x_{L+G-1}."""
         last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)  # [B, 1]
         dt = self.cfg.compute_dtype
-        slot0 = entry_inputs(dparams, embed(tparams, last), state.feature[:, None]).astype(dt)
+        slot0 = entry_inputs(dparams, tparams.embed(last), state.feature[:, None]).astype(dt)
         x = block_inputs(dparams, slot0, num_slots)  # [B, 1, G, D]
         positions = (ctx.lengths - 1)[:, None, None] + jnp.arange(num_slots, dtype=jnp.int32)
         s = state.k[0].shape[2]

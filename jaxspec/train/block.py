@@ -47,7 +47,9 @@ class Block:
     feature_slots: tuple[int, ...] = (0, 1, 2)  # which recorded layers are the features
 
     def layer_cfg(self, target_cfg):
-        return dataclasses.replace(target_cfg, num_layers=self.num_layers, dtype="float32")
+        return methods.layer_config(
+            target_cfg, "method block", num_layers=self.num_layers, dtype="float32"
+        )
 
     def taps(self, target_cfg) -> tuple[int, ...]:
         return methods.feature_taps(self.hidden_layers, target_cfg)
@@ -70,16 +72,16 @@ class Block:
         k_seed, k_mask = jax.random.split(key)
         seed = self._eagle_seed(target, k_seed)
         layers = {"l0": seed["layer"]}
-        n_target = target.cfg.num_layers
+        n_target = target.target.num_layers
         for i in range(1, self.num_layers):
-            lp = methods._copy_layer(target, (n_target - i) % n_target)
+            lp = methods._copy_layer(target, (n_target - i) % n_target, "method block")
             f = self.extra_mlp or lp["w_gate"].shape[0]
             lp = lp | {
                 "w_gate": lp["w_gate"][:f], "w_up": lp["w_up"][:f],
                 "w_down": jnp.zeros_like(lp["w_down"][:, :f]), "wo": jnp.zeros_like(lp["wo"]),
             }
             layers[f"l{i}"] = lp
-        d = target.cfg.hidden_size
+        d = target.target.hidden_size
         mask_in = self.input_scale * jax.random.normal(k_mask, (max(self.block_size - 1, 1), d))
         params = {
             "fuse": seed["fuse"], "in_proj": seed["in_proj"], "block": layers,
@@ -93,7 +95,7 @@ class Block:
     def drafter(self, target_cfg):
         return block_lib.BlockDrafter(
             cfg=self.layer_cfg(target_cfg),
-            target_vocab=target_cfg.vocab_size,
+            target_vocab=methods.as_target(target_cfg).vocab_size,
             hidden_layers=self.taps(target_cfg),
             block_size=self.block_size,
         )
