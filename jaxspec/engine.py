@@ -93,7 +93,7 @@ class Engine:
             raise JaxspecError(
                 f"max_context={max_context} is too small: use at least {2 + num_speculative_tokens}"
             )
-        limit = model.cfg.max_position_embeddings
+        limit = model.target.max_position_embeddings
         if max_context is not None and max_context > limit:
             raise JaxspecError(
                 f"generation.max_context={max_context} exceeds the model's context of {limit} "

@@ -262,6 +262,38 @@ def test_config_json(ckpt, case):
     refused(generate_main, gen_argv(ckpt), match)
 
 
+# Gemma 3's config.json goes through its own family reader (loading/families.py): the same
+# typed, range-checked reads, refused before any tensor is opened.
+GEMMA_CONFIG = {
+    "model_type": "gemma3_text", "vocab_size": 64, "hidden_size": HIDDEN, "intermediate_size": FFN,
+    "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+    "head_dim": HEAD_DIM, "sliding_window": 8, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+}
+GEMMA_CASES = {
+    "layers as string": (dict(num_hidden_layers="2"), "num_hidden_layers"),
+    "layers 10^7": (dict(num_hidden_layers=10_000_000), "num_hidden_layers"),
+    "heads 0": (dict(num_attention_heads=0), "num_attention_heads"),
+    "4 heads 3 kv": (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
+    "vocab as bool": (dict(vocab_size=True), "vocab_size"),
+    "window 0": (dict(sliding_window=0), "sliding_window"),
+    "rope_theta -1": (dict(rope_theta=-1.0), "rope_theta"),
+    "local theta string": (dict(rope_local_base_freq="1e4"), "rope_theta"),
+    "eps 0": (dict(rms_norm_eps=0), "rms_norm_eps"),
+    "scalar 0": (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar"),
+    "layer_types number": (dict(layer_types=5), "layer_types"),
+    "softcap string": (dict(final_logit_softcapping="30"), "final_logit_softcapping"),
+}
+
+
+@pytest.mark.parametrize("case", GEMMA_CASES)
+def test_gemma_config_json(tmp_path, case):
+    change, match = GEMMA_CASES[case]
+    d = tmp_path / "gemma"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(GEMMA_CONFIG | change))
+    refused(generate_main, gen_argv(d), match)
+
+
 def test_generation_config_and_eos(ckpt):
     g = ckpt / "generation_config.json"
     for text, match in [
@@ -526,6 +558,22 @@ GGUF_CASES = {
     "embedding_length missing": (dict(embedding_length=DELETE), "embedding_length"),
     "architecture gpt2": (dict(architecture="gpt2"), "not supported"),
 }
+
+
+GEMMA_GGUF_CASES = {
+    "block_count 10^6": (dict(block_count=10**6), "block_count"),
+    "head_count 0": (dict(**{"attention.head_count": 0}), "head_count"),
+    "head_count string": (dict(**{"attention.head_count": "2"}), "head_count"),
+    "freq_base NaN": (dict(**{"rope.freq_base": math.nan}), "rope.freq_base"),
+    "eps negative": (dict(**{"attention.layer_norm_rms_epsilon": -1.0}), "epsilon"),
+}
+
+
+@pytest.mark.parametrize("case", GEMMA_GGUF_CASES)
+def test_gemma_gguf_metadata(tmp_path, case):
+    meta, match = GEMMA_GGUF_CASES[case]
+    path = write_gguf(tmp_path / "g.gguf", architecture="gemma3", **dict(meta))
+    refused(generate_main, gen_argv(path), match)
 
 
 @pytest.mark.parametrize("case", GGUF_CASES)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxspec import validate
 from jaxspec.errors import JaxspecError
 from jaxspec.models import phi3, registry
 from jaxspec.models.gemma import GemmaConfig, GemmaTarget
@@ -108,47 +109,58 @@ def gemma_config_from_hf(hf: dict, *, dtype: str, source: str) -> GemmaConfig:
         raise JaxspecError(f"{source}: attention_bias=true is not supported for {family}")
     if hf.get("use_bidirectional_attention"):
         raise JaxspecError(f"{source}: use_bidirectional_attention=true is an encoder: not supported")
-    n = int(hf["num_hidden_layers"])
-    heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+    f = validate.Fields(hf, source)
+    dim = dict(lo=1, hi=validate.MAX_DIM)
+    n = f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS)
+    heads = f.int("num_attention_heads", **dim)
+    hidden = f.int("hidden_size", **dim)
+    head_dim = f.int("head_dim", hidden // heads, **dim)
     layer_types = hf.get("layer_types")
     if layer_types is None:  # the BC pattern: every `pattern`-th layer global
-        pattern = int(hf.get("sliding_window_pattern") or (2 if family == "gemma2" else 6))
+        pattern = f.int("sliding_window_pattern", 2 if family == "gemma2" else 6, lo=1, hi=n + 1)
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        f.fail("layer_types", layer_types, "use a list of 'sliding_attention' / 'full_attention'")
     bad = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
     if bad or len(layer_types) != n:
         raise JaxspecError(f"{source}: layer_types {bad or len(layer_types)} not understood")
     sliding = tuple(t == "sliding_attention" for t in layer_types)
     theta, local_theta, linear = _gemma_rope(hf, family, source)
-    window = hf.get("sliding_window")
+    window = f.int("sliding_window", None, lo=1)
     if window is None:
         sliding = (False,) * n
+    kv_heads = f.int("num_key_value_heads", heads, **dim)
+    if heads % kv_heads:
+        f.fail("num_key_value_heads", kv_heads, f"num_attention_heads={heads} must be a multiple of it")
     return GemmaConfig(
         family=family,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
+        vocab_size=f.int("vocab_size", **dim),
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size", **dim),
         num_layers=n,
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
-        sliding_window=int(window) if window else None,
+        query_pre_attn_scalar=f.float("query_pre_attn_scalar", 256.0, lo=0.0, lo_open=True),
+        sliding_window=window,
         sliding_layers=sliding,
         rope_theta=theta,
         rope_local_theta=local_theta,
         rope_linear_factor=linear,
-        attn_logit_softcapping=_opt_float(hf.get("attn_logit_softcapping", 50.0 if family == "gemma2" else None)),
-        final_logit_softcapping=_opt_float(hf.get("final_logit_softcapping", 30.0 if family == "gemma2" else None)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        attn_logit_softcapping=_softcap(f, "attn_logit_softcapping", hf, 50.0 if family == "gemma2" else None),
+        final_logit_softcapping=_softcap(f, "final_logit_softcapping", hf, 30.0 if family == "gemma2" else None),
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),
+        tie_word_embeddings=f.bool("tie_word_embeddings", True),
+        max_position_embeddings=f.int("max_position_embeddings", 8192, lo=1, hi=(1 << 31) - 1),
         dtype=dtype,
     )
 
 
-def _opt_float(x) -> float | None:
-    return None if x is None else float(x)
+def _softcap(f: validate.Fields, key: str, hf: dict, default: float | None) -> float | None:
+    """A soft-capping value: absent -> the family's default, null -> off, else a number > 0."""
+    if key in hf and hf[key] is None:
+        return None
+    return f.float(key, default, lo=0.0, lo_open=True) if default is not None or f.given(key) else None
 
 
 def _gemma_rope(hf: dict, family: str, source: str) -> tuple[float, float | None, float]:
@@ -160,19 +172,24 @@ def _gemma_rope(hf: dict, family: str, source: str) -> tuple[float, float | None
     else:  # 4.x: rope_theta, rope_local_base_freq, rope_scaling (global layers)
         full = dict(hf.get("rope_scaling") or {}) | {"rope_theta": hf.get("rope_theta", params.get("rope_theta"))}
         local = {"rope_theta": hf.get("rope_local_base_freq")}
+    if not isinstance(full, dict) or not isinstance(local, dict):
+        raise JaxspecError(f"{source}: rope_parameters / rope_scaling must be JSON objects")
     default = 10000.0 if family == "gemma2" else _GEMMA3_DEFAULTS["rope_theta"]
-    theta = float(full.get("rope_theta") or default)
+    positive = dict(lo=0.0, lo_open=True)
+    full_f = validate.Fields(full, source, "rope (global layers).")
+    theta = full_f.float("rope_theta", default, **positive)
     linear = 1.0
     kind = full.get("rope_type", full.get("type", "default"))
     if kind == "linear":
-        linear = float(full["factor"])
+        linear = full_f.float("factor", **positive)
     elif kind != "default":
         raise JaxspecError(f"{source}: rope type {kind!r} is not supported for {family} (default, linear)")
     if (local.get("rope_type") or "default") != "default":
         raise JaxspecError(f"{source}: scaled rope on sliding layers is not supported")
     if family == "gemma2":
         return theta, None, linear
-    return theta, float(local.get("rope_theta") or _GEMMA3_DEFAULTS["rope_local_theta"]), linear
+    local_f = validate.Fields(local, source, "rope (sliding layers).")
+    return theta, local_f.float("rope_theta", _GEMMA3_DEFAULTS["rope_local_theta"], **positive), linear
 
 
 def phi3_config_from_hf(hf: dict, *, dtype: str, source: str) -> ModelConfig:
@@ -188,22 +205,31 @@ def phi3_config_from_hf(hf: dict, *, dtype: str, source: str) -> ModelConfig:
         )
     if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
         raise JaxspecError(f"{source}: partial_rotary_factor != 1 is not supported")
-    heads = int(hf["num_attention_heads"])
-    window = hf.get("sliding_window")
+    f = validate.Fields(hf, source)
+    dim = dict(lo=1, hi=validate.MAX_DIM)
+    heads = f.int("num_attention_heads", **dim)
+    hidden = f.int("hidden_size", **dim)
+    kv_heads = f.int("num_key_value_heads", heads, **dim)
+    if heads % kv_heads:
+        f.fail("num_key_value_heads", kv_heads, f"num_attention_heads={heads} must be a multiple of it")
+    rf = validate.Fields(rope, source, "rope_parameters.")
+    theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
+    if not theta > 0.0:
+        f.fail("rope_theta", theta, "use a finite number > 0")
     return ModelConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=f.int("vocab_size", **dim),
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size", **dim),
+        num_layers=f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS),
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        num_kv_heads=kv_heads,
+        head_dim=f.int("head_dim", hidden // heads, **dim),
+        rope_theta=theta,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-5, lo=0.0, hi=1.0, lo_open=True),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        max_position_embeddings=f.int("max_position_embeddings", 4096, lo=1, hi=(1 << 31) - 1),
         dtype=dtype,
-        sliding_window=int(window) if window else None,
+        sliding_window=f.int("sliding_window", None, lo=1),
     )
 
 
@@ -258,43 +284,47 @@ def gemma_config_from_gguf(header, *, dtype: str, source: str) -> GemmaConfig:
     """Gemma 2 / 3 hyperparameters from GGUF metadata, gaps filled as transformers fills them."""
     arch = str(header.fields["general.architecture"].value)
 
-    def get(key, default=None):
-        f = header.fields.get(f"{arch}.{key}")
-        if f is None:
-            if default is None:
-                raise JaxspecError(f"{source}: GGUF metadata lacks {arch}.{key}: the file is incomplete")
-            return default
-        return f.contents()
+    def raw(key):
+        field = header.fields.get(f"{arch}.{key}")
+        return validate.MISSING if field is None else field.contents()
 
-    n = int(get("block_count"))
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden // heads))
+    f = validate.Fields(raw, source, f"{arch}.")
+    dim = dict(lo=1, hi=validate.MAX_DIM)
+
+    n = f.int("block_count", lo=1, hi=validate.MAX_LAYERS)
+    hidden, heads = f.int("embedding_length", **dim), f.int("attention.head_count", **dim)
+    head_dim = f.int("attention.key_length", hidden // heads, **dim)
+    kv_heads = f.int("attention.head_count_kv", heads, **dim)
+    if heads % kv_heads:
+        f.fail("attention.head_count_kv", kv_heads, f"attention.head_count={heads} must be a multiple of it")
     embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise JaxspecError(f"{source} has no token_embd.weight: the file is incomplete")
     pattern = 2 if arch == "gemma2" else _GEMMA3_DEFAULTS["pattern"]
-    window = get("attention.sliding_window", 0) or None
+    window = f.int("attention.sliding_window", 0, lo=0) or None
     sliding = tuple(bool((i + 1) % pattern) and window is not None for i in range(n))
     names = {t.name for t in header.tensors}
     return GemmaConfig(
         family=arch,
         vocab_size=int(embed.shape[0]),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=f.int("feed_forward_length", **dim),
         num_layers=n,
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         query_pre_attn_scalar=float(_GEMMA3_DEFAULTS["query_pre_attn_scalar"]),
         sliding_window=int(window) if window else None,
         sliding_layers=sliding,
-        rope_theta=float(get("rope.freq_base", 10000.0 if arch == "gemma2" else 1e6)),
+        rope_theta=f.float("rope.freq_base", 10000.0 if arch == "gemma2" else 1e6, lo=0.0, lo_open=True),
         rope_local_theta=None if arch == "gemma2" else _GEMMA3_DEFAULTS["rope_local_theta"],
-        attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)) if arch == "gemma2" else None,
-        final_logit_softcapping=float(get("final_logit_softcapping", 30.0)) if arch == "gemma2" else None,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        attn_logit_softcapping=(f.float("attn_logit_softcapping", 50.0, lo=0.0, lo_open=True)
+                                if arch == "gemma2" else None),
+        final_logit_softcapping=(f.float("final_logit_softcapping", 30.0, lo=0.0, lo_open=True)
+                                 if arch == "gemma2" else None),
+        rms_norm_eps=f.float("attention.layer_norm_rms_epsilon", 1e-6, lo=0.0, hi=1.0, lo_open=True),
         tie_word_embeddings="output.weight" not in names,
-        max_position_embeddings=int(get("context_length", 8192)),
+        max_position_embeddings=f.int("context_length", 8192, lo=1, hi=(1 << 31) - 1),
         dtype=dtype,
     )
 
@@ -362,10 +392,13 @@ def gguf_tokenizer(path: Path, header):
     return tok
 
 
-def gguf_eos(header) -> list:
-    return [header.fields[k].contents() for k in
-            ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if k in header.fields]
+def gguf_eos(header, vocab_size: int, source: str) -> list[int]:
+    """The EOS-like ids the file names, each checked against the vocabulary."""
+    fields = validate.Fields(
+        lambda k: header.fields[k].contents() if k in header.fields else validate.MISSING, source
+    )
+    return [i for k in ("eos", "eot", "eom")
+            for i in validate.token_ids(fields, f"tokenizer.ggml.{k}_token_id", vocab_size)]
 
 
 # ------------------------------------------------------------------------------------ readers
@@ -374,8 +407,6 @@ def gguf_eos(header) -> list:
 def read_hf_dir(path: Path, hf: dict, dtype: str):
     """(config, flat tensors, tokenizer, eos ids, architecture) of a gemma2 / gemma3(_text) / phi3
     directory."""
-    import json
-
     from jaxspec.loading.tokenizer import load_dir_tokenizer
 
     kind = hf_model_type(hf)
@@ -386,10 +417,13 @@ def read_hf_dir(path: Path, hf: dict, dtype: str):
         cfg = gemma_config_from_hf(hf, dtype=dtype, source=source)
     flat = hf_tensors(path, kind, cfg)
     arch = "phi3" if kind == "phi3" else cfg.family
-    eos = _as_list(hf.get("eos_token_id") or (hf.get("text_config") or {}).get("eos_token_id"))
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    fields = validate.Fields(hf if "eos_token_id" in hf else text, source)
+    eos = validate.token_ids(fields, "eos_token_id", cfg.vocab_size)
     gen = path / "generation_config.json"
-    if gen.is_file():
-        eos += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
+    if gen.exists():
+        gen_fields = validate.Fields(validate.read_json(gen, "generation_config.json"), str(gen))
+        eos += validate.token_ids(gen_fields, "eos_token_id", cfg.vocab_size)
     return cfg, flat, load_dir_tokenizer(path), eos, arch
 
 
@@ -400,7 +434,7 @@ def read_gguf(path: Path, dtype: str, lazy: bool = False):
     header = GGUFHeader(path)
     cfg = gemma_config_from_gguf(header, dtype=dtype, source=str(path))
     flat = gguf_tensors(header, cfg, source=str(path), lazy=lazy)
-    return cfg, flat, gguf_tokenizer(path, header), gguf_eos(header), cfg.family
+    return cfg, flat, gguf_tokenizer(path, header), gguf_eos(header, cfg.vocab_size, str(path)), cfg.family
 
 
 def assemble(cfg, flat: dict, *, source: str) -> dict:
@@ -433,10 +467,6 @@ def assemble(cfg, flat: dict, *, source: str) -> dict:
         for i in range(cfg.num_layers)
     )
     return params
-
-
-def _as_list(x) -> list:
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
 def owns(cfg) -> bool:
