@@ -303,7 +303,7 @@ def test_register_drafter(monkeypatch):
     monkeypatch.setattr(registry, "DRAFTERS", dict(registry.DRAFTERS))
 
     def factory(options, ctx):
-        return ("drafter", ctx.target.cfg.vocab_size), {"w": 1}
+        return ("drafter", ctx.target.target.vocab_size), {"w": 1}
 
     drafters.register_drafter("fake", factory)
     drafters.register_drafter("fake", factory)  # the same factory again is harmless
