@@ -777,7 +777,7 @@ def test_trained_eagle3_exports_exactly(tmp_path, trained, fmt):
         ours.norm_before_residual,
     )
     feats = target_features(tgt, TOKENS, ours.hidden_layers)
-    args = (tgt.params, jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None])
+    args = (base.bind(tgt.target, tgt.params), jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None])
     np.testing.assert_array_equal(
         np.asarray(ours.forward(p_ours, *args)), np.asarray(pub.forward(p_pub, *args))
     )
