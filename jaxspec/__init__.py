@@ -47,6 +47,12 @@ _EXPORTS = {
     "JaxspecError": "jaxspec.errors",
     "LoadedModel": "jaxspec.loading",
     "load_model": "jaxspec.loading",
+    "Model": "jaxspec.models.base",
+    "Target": "jaxspec.models.base",
+    "TargetOutput": "jaxspec.models.base",
+    "Family": "jaxspec.models.registry",
+    "register_family": "jaxspec.models.registry",
+    "LlamaTarget": "jaxspec.models.llama",
     "ModelConfig": "jaxspec.models.llama",
     "forward": "jaxspec.models.llama",
     "lm_head": "jaxspec.models.llama",
@@ -61,12 +67,12 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "Config", "Drafter", "DrafterOptions", "Engine", "GenerationResult", "JaxspecError", "KVCache",
-    "LoadedModel", "MeshPlan", "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal",
-    "SamplingParams", "ShardingRules", "Window", "accept", "accept_row", "accept_tree",
+    "Config", "Drafter", "DrafterOptions", "Engine", "Family", "GenerationResult", "JaxspecError",
+    "KVCache", "LlamaTarget", "LoadedModel", "MeshPlan", "Model", "ModelConfig", "ModelDrafter", "NgramDrafter", "Proposal",
+    "SamplingParams", "ShardingRules", "Target", "TargetOutput", "Window", "accept", "accept_row", "accept_tree",
     "available_methods", "build_drafter", "build_engine", "build_window", "draft_model_drafter",
     "forward", "init_cache", "layer_skip_drafter", "lm_head", "load_config", "load_model",
-    "logits_to_probs", "make_mesh", "register_drafter", "sampling_params", "shard_params",
+    "logits_to_probs", "make_mesh", "register_drafter", "register_family", "sampling_params", "shard_params",
 ]
 
 
