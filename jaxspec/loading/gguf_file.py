@@ -116,6 +116,8 @@ def config_from_gguf(reader: GGUFReader, *, dtype: str, source: str) -> ModelCon
     if not f.given("attention.key_length") and hidden % heads:
         f.fail("attention.head_count", heads, f"embedding_length={hidden} must be a multiple of it")
     head_dim = f.int("attention.key_length", hidden // heads, **dim)
+    if head_dim % 2:
+        f.fail("attention.key_length", head_dim, "rotary embeddings need an even head size")
     rot = f.int("rope.dimension_count", head_dim, lo=0)
     if rot != head_dim:
         raise JaxspecError(

@@ -112,6 +112,9 @@ class GGUFHeader:
 def peek_architecture(path: Path) -> str | None:
     """`general.architecture` from the first metadata fields, reading no arrays (None if the file
     does not declare one before its first array)."""
+    from jaxspec import validate
+
+    validate.regular_file(path, "GGUF file", max_bytes=None)  # a FIFO or device would block here
     try:
         with open(path, "rb") as f:
             head = f.read(1 << 16)

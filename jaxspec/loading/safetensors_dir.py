@@ -79,6 +79,8 @@ def config_from_hf(hf: dict, *, dtype: str, source: str = "config.json") -> Mode
     if not f.given("head_dim") and hidden % heads:
         f.fail("num_attention_heads", heads, f"hidden_size={hidden} must be a multiple of it (or set head_dim)")
     head_dim = f.int("head_dim", hidden // heads, **dim)
+    if head_dim % 2:
+        f.fail("head_dim", head_dim, "rotary embeddings need an even head size")
     rope = f.dict("rope_parameters", None) if f.given("rope_parameters") else f.dict("rope_scaling", {})
     rf = validate.Fields(rope, source, "rope_parameters." if f.given("rope_parameters") else "rope_scaling.")
     theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
