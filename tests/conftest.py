@@ -298,3 +298,11 @@ def tiny_llama_sharded_dir(tmp_path_factory):
     assert (path / "model.safetensors.index.json").is_file()
     assert len(list(path.glob("*.safetensors"))) > 1
     return path
+
+
+@pytest.fixture(autouse=True)
+def _progress_off_unless_asked(monkeypatch):
+    """Progress lines go to stderr when a Jupyter kernel is loaded (`ipykernel` in sys.modules):
+    once a notebook test imports it, every later test in that worker would see them. Tests that
+    check progress set JAXSPEC_PROGRESS themselves."""
+    monkeypatch.setenv("JAXSPEC_PROGRESS", "0")

@@ -354,8 +354,11 @@ def test_prefill_on_an_empty_cache_runs_no_cache_kernel(impl):
     q, kc, vc, kw, vw = (a.astype(jnp.bfloat16) for a in (q, kc, vc, kw, vw))
     run = lambda *a: attention.attend(*a, impl=impl, interpret=True)  # noqa: E731
     jaxpr = jax.make_jaxpr(run)(q, kc, vc, kw, vw, jnp.zeros((2,), jnp.int32)).jaxpr
-    top = [e.primitive.name for e in jaxpr.eqns]
-    assert top.count("pallas_call") == 1 and "cond" in top  # flash; the cache's kernel in a branch
+    # flash outside any branch (possibly inside its custom_vjp wrapper); the cache's kernel only
+    # inside the cond
+    outside = sum(str(e).count("pallas_call") for e in jaxpr.eqns if e.primitive.name != "cond")
+    branches = [str(e).count("pallas_call") for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert outside == 1 and branches and all(n >= 1 for n in branches), (outside, branches)
     for lengths in ([0, 0], [0, 37]):
         lengths = jnp.asarray(lengths, jnp.int32)
         got = np.asarray(jax.jit(run)(q, kc, vc, kw, vw, lengths), np.float32)
@@ -421,7 +424,7 @@ def test_kernel_entry_points_keep_the_signatures_we_call():
     has(pak.paged_flash_attention_kernel_inline_seq_dim, "pages_per_sequence", "batch_size",
         "pages_per_compute_block", "mask_value", "attn_logits_soft_cap", "megacore_mode")
     assert list(inspect.signature(fa.mha).parameters)[:14] == [  # mha is called positionally
-        "q", "k", "v", "segment_ids", "sm_scale", "causal", "block_sizes", "backend",
+        "q", "k", "v", "segment_ids", "sm_scale", "causal", "block_sizes", "backward_pass_impl",
         "num_warps", "num_stages", "grid", "interpret", "debug", "return_residuals"]
     has(sk.make_splash_mha, "mask", "block_sizes", "head_shards", "q_seq_shards",
         "save_residuals", "interpret")

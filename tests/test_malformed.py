@@ -1040,7 +1040,8 @@ def test_memory_is_priced_before_allocation():
         head_dim=64,
     )
     target, params = LlamaTarget(cfg), {"layers": ()}  # unrolled layout; only shapes are read
-    assert kv_cache_bytes(target, params, 2, 100) == 2 * 30 * 2 * 100 * 4 * 64 * 4
+    lengths = 2 * 4  # int32[B]
+    assert kv_cache_bytes(target, params, 2, 100) == 2 * 30 * 2 * 100 * 4 * 64 * 4 + lengths
     check_cache_fits(target, params, 1, 1024, free=1 << 30)
     with pytest.raises(JaxspecError, match="lower generation.batch_size"):
         check_cache_fits(target, params, 1_000_000, 1024, free=1 << 30)

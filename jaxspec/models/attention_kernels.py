@@ -232,7 +232,8 @@ def window_part_flash_gpu(q, k_win, v_win, scale, interpret=False):
     pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
     k, v = (jnp.pad(jnp.repeat(w.astype(q.dtype), g, axis=2), pad) for w in (k_win, v_win))
     blocks = fa.BlockSizes(block_q=GPU_FLASH_BLOCK, block_k=GPU_FLASH_BLOCK)
-    # positional: mha is a custom_vjp with non-differentiable arguments 4..13
+    # positional: mha is a custom_vjp with non-differentiable arguments 4..13 (jax 0.10: the 8th
+    # is backward_pass_impl, "triton"; tests/test_attention_impls.py pins the order)
     out, lse2 = fa.mha(jnp.pad(q, pad), k, v, None, scale, True, blocks, "triton", None, 2, None,
                        interpret, False, True)  # [B, Tp, N, H], [B, N, Tp] (base 2)
     out = out[:, :t].astype(jnp.float32).transpose(0, 2, 1, 3)  # [B, N, T, H]
