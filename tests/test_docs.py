@@ -70,12 +70,16 @@ def test_every_block_has_a_known_language():
 
 
 def test_generated_parts_are_current():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import docs
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    for path, text in docs.expected().items():
+    # a fresh process: drafters other tests registered in this one must not enter the reference
+    import json
+    import subprocess
+
+    code = ("import json, sys; sys.path.insert(0, 'scripts'); import docs; "
+            "print(json.dumps({str(p): t for p, t in docs.expected().items()}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    for path, text in json.loads(out).items():
+        path = Path(path)
         assert path.read_text() == text, f"{path.name} is stale: run python scripts/docs.py"
 
 
