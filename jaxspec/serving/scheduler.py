@@ -4,6 +4,13 @@ steps over every slot; between calls the host streams what each row committed, r
 that finished (EOS, max_tokens, a stop id or string, a cancelled client) and admits queued
 requests into the free slots (a batch-1 prefill spliced into the slot: `rows.insert_row`).
 
+The target KV cache is paged on device (`serving.paged_cache.PagedTarget`): one page pool per
+layer shared by the rows, each row's page table uploaded from `pages.PagePool` before every
+device call, a request's prefill written straight into the pool through its table. A row holds
+pages for what it has and the next call's growth (drafted slots included), never max_context.
+Targets without a per-layer cache (the stacked layout) or under a mesh keep a contiguous
+per-slot cache with the same page bookkeeping (`Scheduler.kv_layout` says which ran).
+
 Lossless and batch-independent: every row carries its own request's sampling values (per-row
 `SamplingParams`), its own key (`row_ids` = the request's seed: `sampling.row_keys`), its own
 drafter and controller state (reset by the splice); greedy output equals a solo run of the
@@ -31,12 +38,16 @@ from jaxspec import speculate
 from jaxspec.engine import bucket
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
-from jaxspec.serving import rows
+from jaxspec.models import paged_attention
+from jaxspec.serving import paged_cache, rows
 from jaxspec.serving.pages import PagePool, pages_for
 from jaxspec.serving.requests import Completion, QueueFull, Sampling
 from jaxspec.serving.text import TextState
 
 GREEDY = Sampling().values
+# a row's prefill into the shared page pool, the pool donated (updated in place, not copied)
+prefill_into_pool = jax.jit(speculate.prefill, static_argnames=("spec", "capacity"),
+                            donate_argnames=("cache",))
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,7 +114,6 @@ class Scheduler:
             spec = dataclasses.replace(
                 spec, adaptive=dataclasses.replace(spec.adaptive, handoff_after=0)
             )
-        self.spec = spec
         per_row = pages_for(max_context, page_size)
         self.pool = PagePool(kv_pages or slots * per_row, page_size)
         if self.pool.num_pages < per_row:
@@ -111,6 +121,13 @@ class Scheduler:
                 f"serving.kv_pages={self.pool.num_pages} cannot hold one request of max_context="
                 f"{max_context} ({per_row} pages of {page_size}): raise kv_pages"
             )
+        self.max_pages = per_row  # page-table entries per row
+        self.paged = spec.mesh is None and paged_cache.pageable(engine.model.target,
+                                                                engine.model.params)
+        if self.paged:
+            paged = paged_cache.PagedTarget(engine.model.target, page_size, self.pool.num_pages)
+            spec = dataclasses.replace(spec, target=paged)
+        self.spec = spec
         self.key = jax.random.key(seed)
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}  # slot -> request
@@ -193,10 +210,14 @@ class Scheduler:
 
     def _prefill_into(self, req: Request, slot: int) -> None:
         t0 = time.perf_counter()
-        row = self._row_state(self.spec, req)
+        row = self._row_state(self.spec, req, slot)
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
+            if self.paged:  # the tiled state shares the row's pool: not donated with it
+                self._set_cache(k=self._hole(row.cache.k), v=self._hole(row.cache.k))
         self.state = rows.insert_row(self.state, row, jnp.int32(slot), self._axes)
+        if self.paged:  # the pool the prefill wrote (insert_row kept the batch's placeholder)
+            self._set_cache(k=row.cache.k, v=row.cache.v)
         req.slot, req.admitted = slot, time.perf_counter()
         req.replay = len(req.generated)
         self.active[slot] = req
@@ -204,17 +225,58 @@ class Scheduler:
         self.stats.admitted += 1
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _row_state(self, spec, req: Request):
+    def _row_state(self, spec, req: Request, slot: int):
         ids = req.prompt_ids
         prompt = np.zeros((1, bucket(len(ids))), np.int32)
         prompt[0, : len(ids)] = ids
         sp = SamplingParams.rows([req.sampling.values])
-        state = speculate.prefill_jit(
-            spec, self.engine.model.params, self.engine.drafter_params, jnp.asarray(prompt),
-            jnp.asarray([len(ids)], jnp.int32), jnp.asarray([req.sampling.max_tokens], jnp.int32),
-            sp, self.key, jnp.asarray([req.seed], jnp.int32), capacity=self.capacity,
-        )
+        args = (spec, self.engine.model.params, self.engine.drafter_params, jnp.asarray(prompt),
+                jnp.asarray([len(ids)], jnp.int32),
+                jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
+                jnp.asarray([req.seed], jnp.int32))
+        if self.paged:
+            state = prefill_into_pool(*args, capacity=self.capacity, cache=self._take_pool(slot))
+        else:
+            state = speculate.prefill_jit(*args, capacity=self.capacity)
         return self._with_adaptive(state, 1)
+
+    def _take_pool(self, slot: int) -> paged_attention.PagedKVCache:
+        """The shared pool (taken out of the batch state, which holds zero-size placeholders
+        until `_prefill_into` puts the written pool back) with row `slot`'s page table."""
+        if self.state is None:
+            empty = self.spec.target.init_cache(self.engine.model.params, 1, self.capacity)
+            k, v = empty.k, empty.v
+        else:
+            k, v = self.state.cache.k, self.state.cache.v
+            self._set_cache(k=self._hole(k), v=self._hole(k))
+        table = self.pool.table(self.slots, self.max_pages)[slot : slot + 1]
+        return paged_attention.PagedKVCache(k, v, jnp.asarray(table), jnp.zeros((1,), jnp.int32))
+
+    @property
+    def kv_layout(self) -> str:
+        """The target cache the device program holds: "paged" (a page pool and tables) or
+        "contiguous" (max_context slots per row); read from the state, not from a setting."""
+        if self.state is None:
+            return "none yet"
+        paged = isinstance(self.state.cache, paged_attention.PagedKVCache)
+        return "paged" if paged else "contiguous"
+
+    @staticmethod
+    def _hole(pool) -> tuple:
+        return tuple(jnp.zeros((0,), x.dtype) for x in pool)
+
+    def _set_cache(self, **fields) -> None:
+        self.state = dataclasses.replace(
+            self.state, cache=dataclasses.replace(self.state.cache, **fields))
+
+    def kv_bytes(self) -> dict[str, int]:
+        """Device bytes of the target KV cache: the whole pool and one page of it."""
+        if self.state is None:
+            return {}
+        cache = self.state.cache
+        total = sum(x.nbytes for x in (*jax.tree.leaves(cache.k), *jax.tree.leaves(cache.v)))
+        return {"kv_cache_bytes": total, "kv_page_bytes": total // self.pool.num_pages
+                if self.paged else total // (self.slots * self.max_pages)}
 
     def _with_adaptive(self, state, batch: int):
         if self.spec.adaptive is None:
@@ -277,6 +339,9 @@ class Scheduler:
         t0 = time.perf_counter()
         sp = SamplingParams.rows(self._sp_rows)
         engine = self.engine
+        if self.paged:  # the tables as the pool holds them now (grown, released, preempted)
+            table = self.pool.table(self.slots, self.max_pages)
+            self._set_cache(page_table=jnp.asarray(table))
         self.state = speculate.decode_jit(
             self.spec, engine.model.params, engine.drafter_params, self.state, sp,
             jnp.int32(self.steps),
@@ -335,7 +400,8 @@ class Scheduler:
         metrics: dict[str, Any] = {"method": self.engine.method}
         if host is not None:
             metrics = self.engine.row_metrics(host, req.slot, n)
-        metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.pool.page_size}
+        metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.pool.page_size,
+                    "kv_layout": self.kv_layout}
         now = time.perf_counter()
         first = req.first_token or now
         text = self.engine.decode_text([t for t in req.generated
