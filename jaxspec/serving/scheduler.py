@@ -92,9 +92,11 @@ class Scheduler:
         page_size: int = 16,
         seed: int = 0,
         static: bool = False,
+        paged: bool = True,
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
-        an empty batch, which then runs until its last row ends (same programs otherwise)."""
+        an empty batch, which then runs until its last row ends (same programs otherwise).
+        paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B)."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
             raise JaxspecError(
                 f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
@@ -122,7 +124,7 @@ class Scheduler:
                 f"{max_context} ({per_row} pages of {page_size}): raise kv_pages"
             )
         self.max_pages = per_row  # page-table entries per row
-        self.paged = spec.mesh is None and paged_cache.pageable(engine.model.target,
+        self.paged = paged and spec.mesh is None and paged_cache.pageable(engine.model.target,
                                                                 engine.model.params)
         if self.paged:
             paged = paged_cache.PagedTarget(engine.model.target, page_size, self.pool.num_pages)
