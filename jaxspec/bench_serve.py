@@ -36,6 +36,7 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--kv-pages", type=int, help="pages in the pool (default: slots x max_context)")
     p.add_argument("--kv-layout", nargs="+", choices=("paged", "contiguous"), default=["paged"],
                    help="KV cache layouts to run (each with static and continuous batching)")
+    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill chunk (default whole)")
     p.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
     p.add_argument("--max-prompt", type=int, default=192, help="prompt tokens kept (the head)")
     p.add_argument("--out", help="write the runs as JSON here")
@@ -73,15 +74,17 @@ def memory_figures(server, done) -> dict:
     s = server.scheduler
     sizes = s.kv_bytes()
     page_bytes = sizes.get("kv_page_bytes", 0)
+    row = page_bytes * s.max_pages  # a contiguous cache holds max_context slots per row
     per_req = [(d.num_prompt_tokens + d.num_generated_tokens, d.metrics["kv_pages"],
-                d.metrics["kv_pages"] * page_bytes) for d in done]
+                d.metrics["kv_pages"] * page_bytes if s.kv_layout == "paged" else row)
+               for d in done]
     lengths = sum(n for n, _, _ in per_req)
     return {
         "kv_layout": s.kv_layout, "kv_pool_bytes": sizes.get("kv_cache_bytes", 0),
         "kv_page_bytes": page_bytes, "kv_page_size": s.pool.page_size,
         "kv_bytes_per_request_mean": sum(b for *_, b in per_req) / max(1, len(per_req)),
         "kv_bytes_per_token": sum(b for *_, b in per_req) / max(1, lengths),
-        "kv_contiguous_row_bytes": page_bytes * s.max_pages,
+        "kv_contiguous_row_bytes": row,
         "pages_per_request": per_req,
     }
 
@@ -129,7 +132,8 @@ def run(argv=None) -> int:
     texts = load_prompts(args.prompts, args.requests)
     runs, target = [], None
     serving = dict(slots=args.slots, max_context=args.max_context, page_size=args.page_size,
-                   kv_pages=args.kv_pages, steps_per_call=args.steps_per_call)
+                   kv_pages=args.kv_pages, steps_per_call=args.steps_per_call,
+                   prefill_chunk=args.prefill_chunk)
     for path in args.configs:
         config = load_config(path)
         config = dataclasses.replace(config, generation=dataclasses.replace(

@@ -21,6 +21,7 @@ drafter's prefix cache and mesh sharding of the pool are not provided: refused i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -83,3 +84,39 @@ class PagedTarget:
             return jnp.take_along_axis(w, path[:, :, None, None], axis=1)
 
         return pa.write_window(cache, jax.tree.map(gather, window_kv), positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailTarget:
+    """Chunked prefill's last step: a PagedTarget whose forward over a prompt [B, W] runs only
+    the `chunk` tokens from each row's `cache.lengths` on (the tokens before are already in its
+    pages) and returns hidden states at their prompt positions (zeros before), so
+    `speculate.prefill` samples the first token, sets up the drafter and advances lengths as
+    for a whole prompt. No taps: the positions before the chunk have no hidden states."""
+
+    paged: PagedTarget
+    chunk: int
+
+    def __getattr__(self, name):
+        if name in ("paged", "chunk") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.paged, name)
+
+    def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
+                window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
+        if taps or positions is not None or window_mask is not None:
+            raise ValueError("TailTarget.forward runs a prompt's tail only (no taps, positions)")
+        start = cache.lengths  # [B]
+        tail = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, self.chunk))(tokens, start)
+        out = self.paged.forward(params, tail, cache, write_cache=write_cache)
+        hidden = jnp.zeros(tokens.shape + out.hidden.shape[-1:], out.hidden.dtype)
+        hidden = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(
+            hidden, out.hidden, start, 0)
+        return base.TargetOutput(hidden, None, out.window_kv, out.cache)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def write_chunk(target: PagedTarget, params, tokens: jax.Array, cache: pa.PagedKVCache):
+    """tokens [B, C] run at cache.lengths.. and their k/v written through the page table (the
+    pool donated: updated in place); lengths not advanced. A prompt chunk of chunked prefill."""
+    return target.forward(params, tokens, cache).cache

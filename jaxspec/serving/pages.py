@@ -57,10 +57,12 @@ class PagePool:
         self._free.extend(reversed(table))
         return len(table)
 
-    def table(self, rows: int, max_pages: int) -> np.ndarray:
-        """The device page table int32[rows, max_pages]: each row's pages in order, the rest
-        `num_pages` (no page: writes there are dropped, see models/paged_attention.py)."""
+    def table(self, rows: int, max_pages: int, only=None) -> np.ndarray:
+        """The device page table int32[rows, max_pages]: each row's pages in order (of the rows
+        in `only` where given), the rest `num_pages` (no page: writes there are dropped, see
+        models/paged_attention.py)."""
         out = np.full((rows, max_pages), self.num_pages, np.int32)
         for row, pages in self.tables.items():
-            out[row, : len(pages)] = pages
+            if only is None or row in only:
+                out[row, : len(pages)] = pages
         return out

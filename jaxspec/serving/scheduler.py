@@ -93,10 +93,15 @@ class Scheduler:
         seed: int = 0,
         static: bool = False,
         paged: bool = True,
+        prefill_chunk: int | None = None,
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
         an empty batch, which then runs until its last row ends (same programs otherwise).
-        paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B)."""
+        paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B).
+        prefill_chunk: prompts longer than this many tokens are prefilled a chunk per round,
+        each round's decode call running between chunks, so the streams of running rows do not
+        wait for a whole long prompt (paged cache, continuous batching, drafters without target
+        taps; else whole). The last chunk runs through `speculate.prefill` itself."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
             raise JaxspecError(
                 f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
@@ -130,6 +135,11 @@ class Scheduler:
             paged = paged_cache.PagedTarget(engine.model.target, page_size, self.pool.num_pages)
             spec = dataclasses.replace(spec, target=paged)
         self.spec = spec
+        taps = spec.drafter is not None and spec.drafter.hidden_layers
+        self.chunk = prefill_chunk if self.paged and not static and not taps else None
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
+        self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
         self.key = jax.random.key(seed)
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}  # slot -> request
@@ -164,7 +174,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.active)
+        return bool(self.queue or self.active or self.prefilling)
 
     # ---- one round: release, admit, one device call, stream -------------------------------
     def run_once(self) -> bool:
@@ -175,16 +185,22 @@ class Scheduler:
         for req in [r for r in self.queue if r.cancelled]:
             self.queue.remove(req)
             req.sink.finish(self._completion(req, "cancelled"))
+        for slot, (req, _) in list(self.prefilling.items()):
+            if req.cancelled:
+                del self.prefilling[slot]
+                self.pool.release(slot)
+                req.sink.finish(self._completion(req, "cancelled"))
         if self.active:  # the running rows' next call first, then new rows with what is left
             self._reserve_pages()
         self._admit()
+        chunked = self._prefill_chunks()
         if not self.active:
-            return False
+            return chunked
         self._decode_call()
         return True
 
     def _free_slots(self) -> list[int]:
-        return [s for s in range(self.slots) if s not in self.active]
+        return [s for s in range(self.slots) if s not in self.active and s not in self.prefilling]
 
     def _admit(self) -> None:
         if self.static and self.active:
@@ -199,7 +215,30 @@ class Scheduler:
             self.queue.popleft()
             slot = free.pop(0)
             req.peak_pages = max(req.peak_pages, self.pool.held(slot))
-            self._prefill_into(req, slot)
+            if self.chunk is not None and self.state is not None and len(req.prompt_ids) > self.chunk:
+                self.prefilling[slot] = [req, 0]  # a chunk per round (`_prefill_chunks`)
+            else:
+                self._prefill_into(req, slot)
+
+    def _prefill_chunks(self) -> bool:
+        """One chunk of every prefilling request's prompt written into its pages; the last
+        (at most `chunk` tokens) through `speculate.prefill` with the pool already holding the
+        rest (`paged_cache.TailTarget`), which splices the row in. False: none prefilling."""
+        for slot, entry in list(self.prefilling.items()):
+            req, done = entry
+            if len(req.prompt_ids) - done > self.chunk:
+                t0 = time.perf_counter()
+                cache = self._take_pool(slot).with_lengths(jnp.asarray([done], jnp.int32))
+                tokens = jnp.asarray([req.prompt_ids[done : done + self.chunk]], jnp.int32)
+                cache = paged_cache.write_chunk(self.spec.target, self.engine.model.params,
+                                                tokens, cache)
+                self._set_cache(k=cache.k, v=cache.v)
+                entry[1] = done + self.chunk
+                self.stats.prefill_s += time.perf_counter() - t0
+            else:
+                del self.prefilling[slot]
+                self._prefill_into(req, slot, done)
+        return bool(self.prefilling) or bool(self.active)
 
     def _slots_needed(self, length: int, req: Request, steps: int | None = None) -> int:
         """Cache slots a row of `length` committed tokens may touch in its next `steps` steps
@@ -210,9 +249,9 @@ class Scheduler:
         grow = min(length + 1 + (steps or self.steps) * (spec.depth + 1), limit)
         return min(grow + spec.num_nodes + 1, self.capacity)
 
-    def _prefill_into(self, req: Request, slot: int) -> None:
+    def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
         t0 = time.perf_counter()
-        row = self._row_state(self.spec, req, slot)
+        row = self._row_state(self.spec, req, slot, done)
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
             if self.paged:  # the tiled state shares the row's pool: not donated with it
@@ -227,8 +266,15 @@ class Scheduler:
         self.stats.admitted += 1
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _row_state(self, spec, req: Request, slot: int):
+    def _row_state(self, spec, req: Request, slot: int, done: int = 0):
+        """done: prompt tokens already in the row's pages (chunked prefill): the last `chunk`
+        tokens run (from min(done, len - chunk): a few may be recomputed, never past the
+        prompt's bucket)."""
         ids = req.prompt_ids
+        if done:
+            spec = dataclasses.replace(spec, target=paged_cache.TailTarget(spec.target,
+                                                                           self.chunk))
+            done = min(done, len(ids) - self.chunk)
         prompt = np.zeros((1, bucket(len(ids))), np.int32)
         prompt[0, : len(ids)] = ids
         sp = SamplingParams.rows([req.sampling.values])
@@ -237,7 +283,8 @@ class Scheduler:
                 jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
                 jnp.asarray([req.seed], jnp.int32))
         if self.paged:
-            state = prefill_into_pool(*args, capacity=self.capacity, cache=self._take_pool(slot))
+            cache = self._take_pool(slot).with_lengths(jnp.asarray([done], jnp.int32))
+            state = prefill_into_pool(*args, capacity=self.capacity, cache=cache)
         else:
             state = speculate.prefill_jit(*args, capacity=self.capacity)
         return self._with_adaptive(state, 1)
@@ -341,8 +388,9 @@ class Scheduler:
         t0 = time.perf_counter()
         sp = SamplingParams.rows(self._sp_rows)
         engine = self.engine
-        if self.paged:  # the tables as the pool holds them now (grown, released, preempted)
-            table = self.pool.table(self.slots, self.max_pages)
+        if self.paged:  # the tables as the pool holds them now (grown, released, preempted);
+            # a slot still prefilling gets none: its stale row must not write into its pages
+            table = self.pool.table(self.slots, self.max_pages, only=self.active)
             self._set_cache(page_table=jnp.asarray(table))
         self.state = speculate.decode_jit(
             self.spec, engine.model.params, engine.drafter_params, self.state, sp,
