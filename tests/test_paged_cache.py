@@ -4,7 +4,8 @@ Writes go through the page table and nowhere else (a row without pages writes no
 cannot touch another row's); the gathered view of a row is its contiguous cache whatever pages
 it was given; the serving scheduler really runs the pool (read from its state) and a request's
 pages follow its length, not max_context; JAX's TPU paged-attention kernel reads the pool as is
-(interpret mode on CPU against the gather reference, and `jax.export` for TPU). Greedy identity
+(interpret mode on CPU against the gather reference, and `jax.export` for TPU); a PagedTarget on
+its own (its own pages per row) decodes token for token as its inner target. Greedy identity
 through paged serving (plain, ngram, EAGLE, a tree; staggered arrivals), leaks and preemption
 are tests/test_serving.py's, which run on this cache.
 """
@@ -148,3 +149,19 @@ def test_the_view_test_catches_a_cache_ignoring_its_table(monkeypatch, broken):
             0, 1).reshape(table.shape[0], pages.shape[0], -1, pages.shape[-1]))
     with pytest.raises(AssertionError):
         test_the_view_of_shuffled_pages_is_the_contiguous_cache()
+
+
+@pytest.mark.parametrize("drafter", ["plain", "ngram tree"])
+def test_a_paged_target_alone_decodes_as_its_inner_target(drafter):
+    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.models.base import Model
+    from jaxspec.serving.paged_cache import PagedTarget
+
+    inner = tiny_model(packed=True, eos=(-1,))
+    paged = Model(target=PagedTarget(inner.target, 8), params=inner.params, eos_token_ids=(-1,))
+    d, gamma = (None, 0) if drafter == "plain" else (NgramDrafter(64, 1, 3, branches=2, depth=3), 1)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4], [9, 8, 7]]
+    want, got = (Engine(m, d, None, num_speculative_tokens=gamma, max_context=64)
+                 .generate(prompts, max_new_tokens=20) for m in (inner, paged))
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert all(len(r.token_ids) == 20 for r in got)
