@@ -36,7 +36,8 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--kv-pages", type=int, help="pages in the pool (default: slots x max_context)")
     p.add_argument("--kv-layout", nargs="+", choices=("paged", "contiguous"), default=["paged"],
                    help="KV cache layouts to run (each with static and continuous batching)")
-    p.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill chunk (default whole)")
+    p.add_argument("--prefill-chunk", type=int,
+                   help="prompt tokens per prefill chunk (default: whole prompts)")
     p.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
     p.add_argument("--max-prompt", type=int, default=192, help="prompt tokens kept (the head)")
     p.add_argument("--out", help="write the runs as JSON here")

@@ -215,7 +215,8 @@ class Scheduler:
             self.queue.popleft()
             slot = free.pop(0)
             req.peak_pages = max(req.peak_pages, self.pool.held(slot))
-            if self.chunk is not None and self.state is not None and len(req.prompt_ids) > self.chunk:
+            chunked = self.chunk is not None and len(req.prompt_ids) > self.chunk
+            if chunked and self.state is not None:
                 self.prefilling[slot] = [req, 0]  # a chunk per round (`_prefill_chunks`)
             else:
                 self._prefill_into(req, slot)
