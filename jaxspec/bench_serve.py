@@ -4,9 +4,11 @@ arrivals, on Spec-Bench dev prompts (evaluation only) with mixed output lengths,
 Each method's engine is built once; for every arrival rate the same requests (same prompts,
 lengths and arrival times) run through the continuous scheduler and the static baseline (the
 same programs, admitting only into an empty batch). Reported per run: throughput (generated
-tokens / makespan), TTFT and time per output token (p50 / p99), and the KV pages each request
-held at its peak against its length (memory proportional to length). Arguments are parsed
-before jax is imported."""
+tokens / makespan), TTFT and time per output token (p50 / p99), the KV cache layout the
+scheduler's state held, and each request's peak KV pages and bytes against its length
+(memory proportional to length: bytes = pages x the pool's bytes per page, read from the device
+arrays), next to what a contiguous max_context row would hold. Arguments are parsed before jax
+is imported."""
 
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0], help="requests/s")
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--max-context", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16, help="KV slots per page")
+    p.add_argument("--kv-pages", type=int, help="pages in the pool (default: slots x max_context)")
+    p.add_argument("--kv-layout", nargs="+", choices=("paged", "contiguous"), default=["paged"],
+                   help="KV cache layouts to run (each with static and continuous batching)")
+    p.add_argument("--prefill-chunk", type=int,
+                   help="prompt tokens per prefill chunk (default: whole prompts)")
+    p.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
     p.add_argument("--max-prompt", type=int, default=192, help="prompt tokens kept (the head)")
     p.add_argument("--out", help="write the runs as JSON here")
     return p
@@ -60,6 +69,27 @@ def load_prompts(path: str, n: int) -> list[str]:
     return out
 
 
+def memory_figures(server, done) -> dict:
+    """Per request (length, peak pages, peak bytes), bytes per token of length fitted through
+    the origin, and the bytes a contiguous max_context row holds; from the scheduler's arrays."""
+    s = server.scheduler
+    sizes = s.kv_bytes()
+    page_bytes = sizes.get("kv_page_bytes", 0)
+    row = page_bytes * s.max_pages  # a contiguous cache holds max_context slots per row
+    per_req = [(d.num_prompt_tokens + d.num_generated_tokens, d.metrics["kv_pages"],
+                d.metrics["kv_pages"] * page_bytes if s.kv_layout == "paged" else row)
+               for d in done]
+    lengths = sum(n for n, _, _ in per_req)
+    return {
+        "kv_layout": s.kv_layout, "kv_pool_bytes": sizes.get("kv_cache_bytes", 0),
+        "kv_page_bytes": page_bytes, "kv_page_size": s.pool.page_size,
+        "kv_bytes_per_request_mean": sum(b for *_, b in per_req) / max(1, len(per_req)),
+        "kv_bytes_per_token": sum(b for *_, b in per_req) / max(1, lengths),
+        "kv_contiguous_row_bytes": row,
+        "pages_per_request": per_req,
+    }
+
+
 def run_once(server, requests, arrivals):
     """Submit each request at its arrival time; wait for all. -> figures of the run."""
     streams, t0 = [None] * len(requests), time.perf_counter()
@@ -79,12 +109,10 @@ def run_once(server, requests, arrivals):
     tokens = sum(d.num_generated_tokens for d in done)
     ttft = [d.time_to_first_token_s for d in done]
     tpot = [d.time_per_output_token_s for d in done if d.num_generated_tokens > 1]
-    pages = [(d.num_prompt_tokens + d.num_generated_tokens, d.metrics["kv_pages"]) for d in done]
-    return {
+    return memory_figures(server, done) | {
         "throughput_tok_s": tokens / makespan, "tokens": tokens, "makespan_s": makespan,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
-        "pages_per_request": pages,
         "acceptance": sum(d.metrics.get("num_accepted_tokens", 0) for d in done)
         / max(1, sum(d.metrics.get("num_draft_tokens", 0) for d in done)),
     }
@@ -104,6 +132,9 @@ def run(argv=None) -> int:
     enable_compilation_cache()
     texts = load_prompts(args.prompts, args.requests)
     runs, target = [], None
+    serving = dict(slots=args.slots, max_context=args.max_context, page_size=args.page_size,
+                   kv_pages=args.kv_pages, steps_per_call=args.steps_per_call,
+                   prefill_chunk=args.prefill_chunk)
     for path in args.configs:
         config = load_config(path)
         config = dataclasses.replace(config, generation=dataclasses.replace(
@@ -114,15 +145,15 @@ def run(argv=None) -> int:
         for i, text in enumerate(texts):
             ids = engine.encode(text)[: args.max_prompt]
             requests.append((ids, Sampling(max_tokens=LENGTHS[i % len(LENGTHS)])))
-        with Server(engine, slots=args.slots, max_context=args.max_context) as server:
-            for ids, _ in requests:  # compile every prompt bucket (both modes share programs)
-                server.generate(ids, Sampling(max_tokens=2))
+        for layout in args.kv_layout:  # compile every prompt bucket (both modes share programs)
+            with Server(engine, paged=layout == "paged", **serving) as server:
+                for ids, _ in requests:
+                    server.generate(ids, Sampling(max_tokens=2))
         for rate in args.rates:
             rng = np.random.default_rng(0)
             arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
-            for static in (False, True):
-                with Server(engine, slots=args.slots, max_context=args.max_context,
-                            static=static) as server:
+            for layout, static in [(k, s) for k in args.kv_layout for s in (False, True)]:
+                with Server(engine, static=static, paged=layout == "paged", **serving) as server:
                     fig = run_once(server, requests, arrivals)
                 fig |= {"config": path, "method": engine.method, "rate": rate,
                         "batching": "static" if static else "continuous"}

@@ -341,6 +341,7 @@ class ServingConfig(Section):
     max_queue: int = 64  # queued requests beyond which a submit is refused (HTTP 429)
     kv_pages: int = 0  # pages in the KV pool (0: slots * max_context / page_size)
     page_size: int = 16  # KV slots per page
+    prefill_chunk: int = 0  # prompts longer than this go in chunks, one per device call (0: whole)
 
     def _validate(self):
         for name in ("slots", "max_context", "steps_per_call", "max_queue", "page_size"):
@@ -348,6 +349,8 @@ class ServingConfig(Section):
                 self._fail(name, "use an integer >= 1")
         if self.kv_pages < 0:
             self._fail("kv_pages", "use 0 (sized from slots and max_context) or a page count")
+        if self.prefill_chunk < 0:
+            self._fail("prefill_chunk", "use 0 (whole prompts) or a chunk of tokens >= 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

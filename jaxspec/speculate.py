@@ -117,13 +117,17 @@ def prefill(
     key: jax.Array,
     row_ids: jax.Array,  # int32[B]
     capacity: int,
+    cache: Any = None,
 ) -> DecodeState:
-    """Run the prompt through the target, sample the first token, set up the drafter."""
+    """Run the prompt through the target, sample the first token, set up the drafter.
+    cache: the target cache to prefill into (None: a fresh `target.init_cache`); the serving
+    scheduler passes its shared page pool with the row's page table."""
     target = spec.target
     b, p = prompt_tokens.shape
     g = max(spec.depth, 1)
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
-    cache = target.init_cache(tparams, b, capacity)
+    if cache is None:
+        cache = target.init_cache(tparams, b, capacity)
     if spec.mesh is not None:  # allocated sharded, not allocated whole and then split
         cache = spec.mesh.constrain(cache, b)
     out = target.forward(tparams, prompt_tokens, cache, taps=hidden_layers)

@@ -215,3 +215,49 @@ def test_bounded_load_every_response_checked(served, client, solo):
     assert not failures and count[0] >= 4
     h = idle(server)
     assert h["free_pages"] == h["kv_pages"]
+
+
+# ---- python -m jaxspec.serve as a command --------------------------------------------------
+def _serve_cmd(*args):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "jaxspec.serve", *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("args, word", [
+    (["-o", "serving.slots=0"], "serving.slots"),
+    (["--config", "configs/no-such.yaml"], "no-such.yaml"),
+    (["--port", "70000"], "--port 70000"),
+])
+def test_the_serve_command_refuses_bad_settings_in_one_line(args, word):
+    proc = _serve_cmd(*args)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.count("\n") == 1 and err.startswith("error:") and word in err
+    assert "Traceback" not in err
+
+
+def test_the_serve_command_answers_health_on_loopback():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _serve_cmd("--config", "configs/smollm2-135m.yaml", "-o", "serving.slots=1",
+                      "-o", "serving.max_context=128", "--port", str(port))
+    try:
+        deadline, health = time.time() + 600, None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+                break
+            except httpx.TransportError:
+                time.sleep(1)
+        assert health is not None, proc.stderr.read() if proc.poll() is not None else "no answer"
+        assert health["status"] == "ok" and health["slots"] == 1
+        assert health["kv_pages"] == 128 // 16
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
+        assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

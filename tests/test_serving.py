@@ -5,7 +5,8 @@ others run, mixed prompt and output lengths, and sampled rows sharing the batch;
 tokens equal its solo run (its randomness is its own); the sampled law through the scheduler is
 the target's (tests/distribution.py), with greedy rows interleaved (a per-row-params bug that gave
 every row the first row's settings fails it: seen). Pages: none leak over 200 requests, and
-preemption under a tiny pool leaves every output identical.
+preemption under a tiny pool leaves every output identical. Chunked prefill: a long prompt goes
+in a chunk per round while a running row keeps streaming, and both outputs equal solo runs.
 """
 
 from __future__ import annotations
@@ -234,3 +235,25 @@ def test_per_row_params_match_scalar_params():
     for i, s in enumerate(settings):
         one = np.asarray(logits_to_probs(logits[i], SamplingParams.make(*s)))
         np.testing.assert_allclose(rows[i], one, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram"])
+def test_chunked_prefill_runs_between_decode_calls_and_keeps_outputs(target, prompts, name):
+    engine = engine_for(target, name)
+    long = [int(t) % 63 + 1 for t in range(7, 7 + 61)]  # 61 tokens: 4 chunks of 16
+    solo = [engine.generate([p], max_new_tokens=n)[0].token_ids
+            for p, n in ((prompts[0], 24), (long, 10))]
+    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=2, prefill_chunk=16)
+    sinks = [Sink(), Sink()]
+    short = sched.new_request(prompts[0], Sampling(max_tokens=24), sinks[0])
+    sched.enqueue(short)
+    sched.run_once()  # the short request streams ...
+    sched.enqueue(sched.new_request(long, Sampling(max_tokens=10), sinks[1]))
+    streamed = 0
+    while sched.busy:  # ... while the long prompt goes in chunk by chunk
+        chunking, before = bool(sched.prefilling), len(short.generated)
+        sched.run_once()
+        streamed += chunking and len(short.generated) > before
+    assert streamed >= 3  # 3 chunks of 16 before the last, each beside a decode call
+    assert [s.done.token_ids for s in sinks] == solo
+    assert sched.pool.free_pages == sched.pool.num_pages

@@ -118,11 +118,12 @@ class Server:
 
     def __init__(self, engine, *, slots: int = 4, max_context: int = 512, steps_per_call: int = 8,
                  max_queue: int = 64, kv_pages: int | None = None, page_size: int = 16,
-                 seed: int = 0, model_name: str | None = None, static: bool = False):
+                 seed: int = 0, model_name: str | None = None, static: bool = False,
+                 paged: bool = True, prefill_chunk: int | None = None):
         self.scheduler = Scheduler(
             engine, slots=slots, max_context=max_context, steps_per_call=steps_per_call,
             max_queue=max_queue, kv_pages=kv_pages, page_size=page_size, seed=seed,
-            static=static,
+            static=static, paged=paged, prefill_chunk=prefill_chunk,
         )
         self.engine = engine
         self.model_name = model_name or getattr(engine.model, "name", "model")

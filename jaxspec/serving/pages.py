@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxspec.errors import JaxspecError
 
 
@@ -54,3 +56,13 @@ class PagePool:
         table = self.tables.pop(row, [])
         self._free.extend(reversed(table))
         return len(table)
+
+    def table(self, rows: int, max_pages: int, only=None) -> np.ndarray:
+        """The device page table int32[rows, max_pages]: each row's pages in order (of the rows
+        in `only` where given), the rest `num_pages` (no page: writes there are dropped, see
+        models/paged_attention.py)."""
+        out = np.full((rows, max_pages), self.num_pages, np.int32)
+        for row, pages in self.tables.items():
+            if only is None or row in only:
+                out[row, : len(pages)] = pages
+        return out

@@ -4,6 +4,13 @@ steps over every slot; between calls the host streams what each row committed, r
 that finished (EOS, max_tokens, a stop id or string, a cancelled client) and admits queued
 requests into the free slots (a batch-1 prefill spliced into the slot: `rows.insert_row`).
 
+The target KV cache is paged on device (`serving.paged_cache.PagedTarget`): one page pool per
+layer shared by the rows, each row's page table uploaded from `pages.PagePool` before every
+device call, a request's prefill written straight into the pool through its table. A row holds
+pages for what it has and the next call's growth (drafted slots included), never max_context.
+Targets without a per-layer cache (the stacked layout) or under a mesh keep a contiguous
+per-slot cache with the same page bookkeeping (`Scheduler.kv_layout` says which ran).
+
 Lossless and batch-independent: every row carries its own request's sampling values (per-row
 `SamplingParams`), its own key (`row_ids` = the request's seed: `sampling.row_keys`), its own
 drafter and controller state (reset by the splice); greedy output equals a solo run of the
@@ -31,12 +38,16 @@ from jaxspec import speculate
 from jaxspec.engine import bucket
 from jaxspec.errors import JaxspecError
 from jaxspec.sampling import SamplingParams
-from jaxspec.serving import rows
+from jaxspec.models import paged_attention
+from jaxspec.serving import paged_cache, rows
 from jaxspec.serving.pages import PagePool, pages_for
 from jaxspec.serving.requests import Completion, QueueFull, Sampling
 from jaxspec.serving.text import TextState
 
 GREEDY = Sampling().values
+# a row's prefill into the shared page pool, the pool donated (updated in place, not copied)
+prefill_into_pool = jax.jit(speculate.prefill, static_argnames=("spec", "capacity"),
+                            donate_argnames=("cache",))
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,9 +92,16 @@ class Scheduler:
         page_size: int = 16,
         seed: int = 0,
         static: bool = False,
+        paged: bool = True,
+        prefill_chunk: int | None = None,
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
-        an empty batch, which then runs until its last row ends (same programs otherwise)."""
+        an empty batch, which then runs until its last row ends (same programs otherwise).
+        paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B).
+        prefill_chunk: prompts longer than this many tokens are prefilled a chunk per round,
+        each round's decode call running between chunks, so the streams of running rows do not
+        wait for a whole long prompt (paged cache, continuous batching, drafters without target
+        taps; else whole). The last chunk runs through `speculate.prefill` itself."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
             raise JaxspecError(
                 f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
@@ -103,7 +121,6 @@ class Scheduler:
             spec = dataclasses.replace(
                 spec, adaptive=dataclasses.replace(spec.adaptive, handoff_after=0)
             )
-        self.spec = spec
         per_row = pages_for(max_context, page_size)
         self.pool = PagePool(kv_pages or slots * per_row, page_size)
         if self.pool.num_pages < per_row:
@@ -111,6 +128,18 @@ class Scheduler:
                 f"serving.kv_pages={self.pool.num_pages} cannot hold one request of max_context="
                 f"{max_context} ({per_row} pages of {page_size}): raise kv_pages"
             )
+        self.max_pages = per_row  # page-table entries per row
+        self.paged = paged and spec.mesh is None and paged_cache.pageable(engine.model.target,
+                                                                engine.model.params)
+        if self.paged:
+            paged = paged_cache.PagedTarget(engine.model.target, page_size, self.pool.num_pages)
+            spec = dataclasses.replace(spec, target=paged)
+        self.spec = spec
+        taps = spec.drafter is not None and spec.drafter.hidden_layers
+        self.chunk = prefill_chunk if self.paged and not static and not taps else None
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
+        self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
         self.key = jax.random.key(seed)
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}  # slot -> request
@@ -145,7 +174,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.active)
+        return bool(self.queue or self.active or self.prefilling)
 
     # ---- one round: release, admit, one device call, stream -------------------------------
     def run_once(self) -> bool:
@@ -156,16 +185,22 @@ class Scheduler:
         for req in [r for r in self.queue if r.cancelled]:
             self.queue.remove(req)
             req.sink.finish(self._completion(req, "cancelled"))
+        for slot, (req, _) in list(self.prefilling.items()):
+            if req.cancelled:
+                del self.prefilling[slot]
+                self.pool.release(slot)
+                req.sink.finish(self._completion(req, "cancelled"))
         if self.active:  # the running rows' next call first, then new rows with what is left
             self._reserve_pages()
         self._admit()
+        chunked = self._prefill_chunks()
         if not self.active:
-            return False
+            return chunked
         self._decode_call()
         return True
 
     def _free_slots(self) -> list[int]:
-        return [s for s in range(self.slots) if s not in self.active]
+        return [s for s in range(self.slots) if s not in self.active and s not in self.prefilling]
 
     def _admit(self) -> None:
         if self.static and self.active:
@@ -180,7 +215,31 @@ class Scheduler:
             self.queue.popleft()
             slot = free.pop(0)
             req.peak_pages = max(req.peak_pages, self.pool.held(slot))
-            self._prefill_into(req, slot)
+            chunked = self.chunk is not None and len(req.prompt_ids) > self.chunk
+            if chunked and self.state is not None:
+                self.prefilling[slot] = [req, 0]  # a chunk per round (`_prefill_chunks`)
+            else:
+                self._prefill_into(req, slot)
+
+    def _prefill_chunks(self) -> bool:
+        """One chunk of every prefilling request's prompt written into its pages; the last
+        (at most `chunk` tokens) through `speculate.prefill` with the pool already holding the
+        rest (`paged_cache.TailTarget`), which splices the row in. False: none prefilling."""
+        for slot, entry in list(self.prefilling.items()):
+            req, done = entry
+            if len(req.prompt_ids) - done > self.chunk:
+                t0 = time.perf_counter()
+                cache = self._take_pool(slot).with_lengths(jnp.asarray([done], jnp.int32))
+                tokens = jnp.asarray([req.prompt_ids[done : done + self.chunk]], jnp.int32)
+                cache = paged_cache.write_chunk(self.spec.target, self.engine.model.params,
+                                                tokens, cache)
+                self._set_cache(k=cache.k, v=cache.v)
+                entry[1] = done + self.chunk
+                self.stats.prefill_s += time.perf_counter() - t0
+            else:
+                del self.prefilling[slot]
+                self._prefill_into(req, slot, done)
+        return bool(self.prefilling) or bool(self.active)
 
     def _slots_needed(self, length: int, req: Request, steps: int | None = None) -> int:
         """Cache slots a row of `length` committed tokens may touch in its next `steps` steps
@@ -191,12 +250,16 @@ class Scheduler:
         grow = min(length + 1 + (steps or self.steps) * (spec.depth + 1), limit)
         return min(grow + spec.num_nodes + 1, self.capacity)
 
-    def _prefill_into(self, req: Request, slot: int) -> None:
+    def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
         t0 = time.perf_counter()
-        row = self._row_state(self.spec, req)
+        row = self._row_state(self.spec, req, slot, done)
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
+            if self.paged:  # the tiled state shares the row's pool: not donated with it
+                self._set_cache(k=self._hole(row.cache.k), v=self._hole(row.cache.k))
         self.state = rows.insert_row(self.state, row, jnp.int32(slot), self._axes)
+        if self.paged:  # the pool the prefill wrote (insert_row kept the batch's placeholder)
+            self._set_cache(k=row.cache.k, v=row.cache.v)
         req.slot, req.admitted = slot, time.perf_counter()
         req.replay = len(req.generated)
         self.active[slot] = req
@@ -204,17 +267,66 @@ class Scheduler:
         self.stats.admitted += 1
         self.stats.prefill_s += time.perf_counter() - t0
 
-    def _row_state(self, spec, req: Request):
+    def _row_state(self, spec, req: Request, slot: int, done: int = 0):
+        """done: prompt tokens already in the row's pages (chunked prefill): the last `chunk`
+        tokens run (from min(done, len - chunk): a few may be recomputed, never past the
+        prompt's bucket)."""
         ids = req.prompt_ids
+        if done:
+            spec = dataclasses.replace(spec, target=paged_cache.TailTarget(spec.target,
+                                                                           self.chunk))
+            done = min(done, len(ids) - self.chunk)
         prompt = np.zeros((1, bucket(len(ids))), np.int32)
         prompt[0, : len(ids)] = ids
         sp = SamplingParams.rows([req.sampling.values])
-        state = speculate.prefill_jit(
-            spec, self.engine.model.params, self.engine.drafter_params, jnp.asarray(prompt),
-            jnp.asarray([len(ids)], jnp.int32), jnp.asarray([req.sampling.max_tokens], jnp.int32),
-            sp, self.key, jnp.asarray([req.seed], jnp.int32), capacity=self.capacity,
-        )
+        args = (spec, self.engine.model.params, self.engine.drafter_params, jnp.asarray(prompt),
+                jnp.asarray([len(ids)], jnp.int32),
+                jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
+                jnp.asarray([req.seed], jnp.int32))
+        if self.paged:
+            cache = self._take_pool(slot).with_lengths(jnp.asarray([done], jnp.int32))
+            state = prefill_into_pool(*args, capacity=self.capacity, cache=cache)
+        else:
+            state = speculate.prefill_jit(*args, capacity=self.capacity)
         return self._with_adaptive(state, 1)
+
+    def _take_pool(self, slot: int) -> paged_attention.PagedKVCache:
+        """The shared pool (taken out of the batch state, which holds zero-size placeholders
+        until `_prefill_into` puts the written pool back) with row `slot`'s page table."""
+        if self.state is None:
+            empty = self.spec.target.init_cache(self.engine.model.params, 1, self.capacity)
+            k, v = empty.k, empty.v
+        else:
+            k, v = self.state.cache.k, self.state.cache.v
+            self._set_cache(k=self._hole(k), v=self._hole(k))
+        table = self.pool.table(self.slots, self.max_pages)[slot : slot + 1]
+        return paged_attention.PagedKVCache(k, v, jnp.asarray(table), jnp.zeros((1,), jnp.int32))
+
+    @property
+    def kv_layout(self) -> str:
+        """The target cache the device program holds: "paged" (a page pool and tables) or
+        "contiguous" (max_context slots per row); read from the state, not from a setting."""
+        if self.state is None:
+            return "none yet"
+        paged = isinstance(self.state.cache, paged_attention.PagedKVCache)
+        return "paged" if paged else "contiguous"
+
+    @staticmethod
+    def _hole(pool) -> tuple:
+        return tuple(jnp.zeros((0,), x.dtype) for x in pool)
+
+    def _set_cache(self, **fields) -> None:
+        self.state = dataclasses.replace(
+            self.state, cache=dataclasses.replace(self.state.cache, **fields))
+
+    def kv_bytes(self) -> dict[str, int]:
+        """Device bytes of the target KV cache: the whole pool and one page of it."""
+        if self.state is None:
+            return {}
+        cache = self.state.cache
+        total = sum(x.nbytes for x in (*jax.tree.leaves(cache.k), *jax.tree.leaves(cache.v)))
+        return {"kv_cache_bytes": total, "kv_page_bytes": total // self.pool.num_pages
+                if self.paged else total // (self.slots * self.max_pages)}
 
     def _with_adaptive(self, state, batch: int):
         if self.spec.adaptive is None:
@@ -277,6 +389,10 @@ class Scheduler:
         t0 = time.perf_counter()
         sp = SamplingParams.rows(self._sp_rows)
         engine = self.engine
+        if self.paged:  # the tables as the pool holds them now (grown, released, preempted);
+            # a slot still prefilling gets none: its stale row must not write into its pages
+            table = self.pool.table(self.slots, self.max_pages, only=self.active)
+            self._set_cache(page_table=jnp.asarray(table))
         self.state = speculate.decode_jit(
             self.spec, engine.model.params, engine.drafter_params, self.state, sp,
             jnp.int32(self.steps),
@@ -335,7 +451,8 @@ class Scheduler:
         metrics: dict[str, Any] = {"method": self.engine.method}
         if host is not None:
             metrics = self.engine.row_metrics(host, req.slot, n)
-        metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.pool.page_size}
+        metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.pool.page_size,
+                    "kv_layout": self.kv_layout}
         now = time.perf_counter()
         first = req.first_token or now
         text = self.engine.decode_text([t for t in req.generated

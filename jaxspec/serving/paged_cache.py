@@ -1,0 +1,122 @@
+"""A target whose KV cache is paged (`models.paged_attention`): the serving scheduler's cache.
+
+`PagedTarget(inner, num_pages, page_size)` is a `models.base.Target` wrapping any target whose
+own cache is a per-layer `jaxspec.cache.KVCache` (Llama and Gemma in the unrolled and packed
+layouts). Its cache is one page pool per layer shared by the batch's rows plus a page table per
+row, so the speculative loop (`speculate.prefill` / `decode`) runs on it unchanged:
+
+  forward     the rows' pages gathered into a contiguous view (layer by layer), the inner
+              target's forward over it with write_cache=False (its attention, its kernels:
+              the same numbers as its own cache), then the window's k/v written through the
+              page table where write_cache=True;
+  commit_window  the accepted path's k/v written through the page table.
+
+num_pages None: a standalone cache (init_cache gives each row its own MP pages, as many as the
+capacity needs). With num_pages the pool is fixed and the table starts unallocated: the
+scheduler (`serving.scheduler`) fills it from `serving.pages.PagePool` before every device call.
+The optional traits are the inner target's, except `prefix` and `cache_axes` (a layer-skip
+drafter's prefix cache and mesh sharding of the pool are not provided: refused in one line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import KVCache
+from jaxspec.errors import JaxspecError
+from jaxspec.models import base
+from jaxspec.models import paged_attention as pa
+from jaxspec.serving.pages import pages_for
+
+_DELEGATED = tuple(n for n in base.TRAIT_NAMES if n not in ("prefix", "cache_axes"))
+
+
+def pageable(target: base.Target, params: Any) -> bool:
+    """Whether `target`'s own cache is a per-layer KVCache (what PagedTarget pages)."""
+    shape = jax.eval_shape(lambda: target.init_cache(params, 1, 8))
+    return isinstance(shape, KVCache) and isinstance(shape.k, tuple)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedTarget:
+    inner: Any  # a base.Target with a per-layer KVCache
+    page_size: int = 16
+    num_pages: int | None = None  # None: each row its own pages (a standalone cache)
+
+    def __getattr__(self, name):  # the inner target's optional traits and plain attributes
+        if name in _DELEGATED or name in ("name", "vocab_size", "hidden_size", "num_layers",
+                                          "max_position_embeddings", "dtype", "logits"):
+            return getattr(self.inner, name)
+        raise AttributeError(name)
+
+    def init_cache(self, params: Any, batch: int, capacity: int) -> pa.PagedKVCache:
+        one = self.inner.init_cache(params, 1, self.page_size)  # shapes and dtype (DCE'd)
+        if not isinstance(one, KVCache) or not isinstance(one.k, tuple):
+            raise JaxspecError(
+                f"a paged KV cache needs a target with a per-layer cache; "
+                f"{base.describe(self.inner)} in this layout has none: use the unrolled layout"
+            )
+        _, kv, _, h = one.k[0].shape
+        per_row = pages_for(capacity, self.page_size)
+        pages = batch * per_row if self.num_pages is None else self.num_pages
+        return pa.init_paged_cache(len(one.k), batch, pages, self.page_size, per_row, kv, h,
+                                   one.k[0].dtype, identity=self.num_pages is None)
+
+    def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
+                window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
+        if positions is None:
+            positions = cache.positions(tokens.shape[1])
+        out = self.inner.forward(params, tokens, pa.view(cache), positions=positions,
+                                 window_mask=window_mask, write_cache=False, taps=taps)
+        if not write_cache:
+            return base.TargetOutput(out.hidden, out.taps, out.window_kv, cache)
+        cache = pa.write_window(cache, out.window_kv, positions)
+        return base.TargetOutput(out.hidden, out.taps, None, cache)
+
+    def commit_window(self, cache: pa.PagedKVCache, window_kv, path, positions):
+        """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]."""
+        def gather(w):  # [B, T, K, H] -> [B, P, K, H]
+            return jnp.take_along_axis(w, path[:, :, None, None], axis=1)
+
+        return pa.write_window(cache, jax.tree.map(gather, window_kv), positions)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailTarget:
+    """Chunked prefill's last step: a PagedTarget whose forward over a prompt [B, W] runs only
+    the `chunk` tokens from each row's `cache.lengths` on (the tokens before are already in its
+    pages) and returns hidden states at their prompt positions (zeros before), so
+    `speculate.prefill` samples the first token, sets up the drafter and advances lengths as
+    for a whole prompt. No taps: the positions before the chunk have no hidden states."""
+
+    paged: PagedTarget
+    chunk: int
+
+    def __getattr__(self, name):
+        if name in ("paged", "chunk") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.paged, name)
+
+    def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
+                window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
+        if taps or positions is not None or window_mask is not None:
+            raise ValueError("TailTarget.forward runs a prompt's tail only (no taps, positions)")
+        start = cache.lengths  # [B]
+        tail = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, self.chunk))(tokens, start)
+        out = self.paged.forward(params, tail, cache, write_cache=write_cache)
+        hidden = jnp.zeros(tokens.shape + out.hidden.shape[-1:], out.hidden.dtype)
+        hidden = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(
+            hidden, out.hidden, start, 0)
+        return base.TargetOutput(hidden, None, out.window_kv, out.cache)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def write_chunk(target: PagedTarget, params, tokens: jax.Array, cache: pa.PagedKVCache):
+    """tokens [B, C] run at cache.lengths.. and their k/v written through the page table (the
+    pool donated: updated in place); lengths not advanced. A prompt chunk of chunked prefill."""
+    return target.forward(params, tokens, cache).cache
