@@ -281,7 +281,6 @@ class Bench:
         m = self.plan.base_cfg.model
         self.target = self._target or load_model(m.name, dtype=m.dtype, layout=m.layout)
         self.results["machine"]["model_layout"] = self.target.layout
-        self.results["machine"]["attention"] = self.target.attention
         self.engines = {"baseline": build_engine(self.plan.base_cfg, target=self.target)}
         for label, cfg in list(self.configs.items()):
             if cfg.speculative.method == "none":
@@ -428,8 +427,19 @@ class Bench:
                 summarise_peers(summary, self.rows, list(self.peers.methods))
             )
 
+    def _record_attention(self) -> None:
+        """machine.attention: what the baseline's decode program compiled (read from the
+        lowered programs by the engine, jaxspec.hlo.compiled_attention), never the setting;
+        attention_compiled: every engine's, per program ("not compiled yet" before a run)."""
+        compiled = {label: dict(e.compiled_attention) for label, e in (self.engines or {}).items()
+                    if getattr(e, "compiled_attention", None)}
+        machine = self.results.setdefault("machine", {})
+        machine["attention"] = compiled.get("baseline", {}).get("decode", "not compiled yet")
+        machine["attention_compiled"] = compiled
+
     def write(self, plots: bool) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
+        self._record_attention()
         self.results["per_prompt"] = {
             name: [drop_ids(r) for r in rows] for name, rows in self.rows.items()
         }

@@ -317,3 +317,22 @@ def attention_kernel_calls(text: str) -> int:
     """How many attention-kernel custom calls a program holds (each layer's in an unrolled
     program; a scan's body once)."""
     return sum(n for t, n in custom_calls(text).items() if t in ATTENTION_TARGETS)
+
+
+_TENSOR = re.compile(r"tensor<([\dx]+)x(?:bf16|f16|f32)>")  # float operands: q, k, v, caches
+
+
+def attention_kernel_operands(text: str) -> list[list[int]]:
+    """Element counts of the float tensor operands of each attention-kernel custom call in a lowered
+    (StableHLO) program, read from the call's type signature: what one call of the kernel
+    takes (under shard_map, a device's shard; e.g. a cache's [B, K, S, H] or a stack's)."""
+    out = []
+    for line in text.splitlines():
+        if "custom_call" not in line:
+            continue
+        m = _TARGET.search(line)
+        if not m or next(g for g in m.groups() if g) not in ATTENTION_TARGETS:
+            continue
+        sig = line.rsplit(" : (", 1)[-1].split(") -> ")[0]
+        out.append([math.prod(int(d) for d in dims.split("x")) for dims in _TENSOR.findall(sig)])
+    return out

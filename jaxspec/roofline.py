@@ -8,7 +8,8 @@ with the minimum a step must move.
 Per program: XLA cost-analysis flops and bytes; the minimum bytes (weights once — the embedding
 table only where it is the LM head, else the gathered rows — plus the valid KV prefix read, the new
 KV rows written and the logits); their ratio; copies / zero-fills of cache-sized buffers
-(jaxspec.hlo) and collectives in the optimised module.
+(jaxspec.hlo) and collectives in the optimised module; the attention implementation the compiled
+program holds (its custom calls, `jaxspec.hlo.compiled_attention`), never the setting.
 
 XLA's own byte count is printed as is, next to `bytes` = `jaxspec.hlo.device_bytes` of the same
 optimised module: XLA counts an in-place cache update as the whole cache, a fused dynamic slice as
@@ -98,6 +99,7 @@ class Program:
     cache_copies: int
     zero_fills: int
     collectives: int
+    attention: str  # read from the compiled program (jaxspec.hlo.compiled_attention)
 
     @property
     def ratio(self) -> float:
@@ -177,7 +179,7 @@ def measure(target: base.Target, layout, program, batch, window, capacity, valid
         fused_bytes=float(hlo.device_bytes(text, slices_fused_into_dots=True, unknown_trip=blocks)),
         min_bytes=min_bytes(target, params, cache, batch, window, valid, rows),
         cache_copies=len(traffic.copies), zero_fills=len(traffic.zero_fills),
-        collectives=len(traffic.collectives),
+        collectives=len(traffic.collectives), attention=hlo.compiled_attention(text),
     )
 
 
@@ -196,14 +198,14 @@ def table(target, layout, batches, windows, capacity, fill, prefill=True) -> lis
 
 def format_table(rows: list[Program]) -> str:
     head = ("| program | batch | window | flops | XLA bytes | bytes | bytes, slices fused | min bytes |"
-            " ratio (fused) | cache copies | zero-fills | collectives |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+            " ratio (fused) | cache copies | zero-fills | collectives | attention |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [
         f"| {r.program} | {r.batch} | {r.window} | {r.flops:.3g} | {r.xla_bytes / 1e6:.1f} MB | "
         f"{r.bytes / 1e6:.1f} MB | {r.fused_bytes / 1e6:.1f} MB | "
         f"{r.min_bytes / 1e6:.1f} MB | {r.ratio:.2f} ({r.fused_bytes / r.min_bytes:.2f}) | "
         f"{r.cache_copies} | {r.zero_fills} | "
-        f"{r.collectives} |"
+        f"{r.collectives} | {r.attention} |"
         for r in rows
     ]
     return "\n".join([head, *lines])

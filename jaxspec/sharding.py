@@ -235,6 +235,31 @@ class MeshPlan:
         rules = self.drafter_rules if drafter else self.rules
         return jax.lax.with_sharding_constraint(tree, state_shardings(tree, batch, self.mesh, rules))
 
+    def constrain_drafter_state(self, state, batch: int, drafter):
+        """A drafter's state inside jit: by the drafter's rules, except for a drafter that runs on
+        the target's own (sharded) weights (layer_skip, `shared_layers`): its cache is computed
+        by kv-head shards, and replicating it gathered it every step."""
+        if state is None:
+            return None
+        if getattr(drafter, "shared_layers", 0):
+            return self.constrain(state, batch)
+        cfg = getattr(drafter, "cfg", None)  # an EAGLE-style decoder layer of the target's shape
+        if not self.shard_drafter or not isinstance(cfg, llama.ModelConfig):
+            return self.constrain(state, batch, drafter=True)
+        # shard_drafter: the layer's [B, K, S, H] cache leaves by kv heads like the target's
+        # cache (its k/v come out of kv-head-sharded weights; replicated, they were gathered)
+        cache_shape = lambda x: (x.ndim == 4 and x.shape[0] == batch  # noqa: E731
+                                 and x.shape[1] == cfg.num_kv_heads and x.shape[3] == cfg.head_dim)
+        axes = CACHE_AXES[1:]
+
+        def one(x):
+            if isinstance(x, KVCache) or not cache_shape(x):
+                return self.constrain(x, batch, drafter=True)
+            spec = _fitted_spec(self.rules, axes, x.shape, self.mesh, {})
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, KVCache))
+
     def constrain_window_kv(self, window_kv):
         """Window k/v ([B, T, K, H] per layer, or [L, B, T, K, H]) sharded like the cache."""
         logical = ("batch", None, "kv_heads", "head_dim")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxspec import acceptance, adaptive, sampling, tree
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal, traits
-from jaxspec.models import base
+from jaxspec.models import attention_kernels, base
 from jaxspec.sampling import SamplingParams
 
 
@@ -101,7 +101,7 @@ def _place(spec: LoopSpec, state: DecodeState) -> DecodeState:
     if spec.mesh is None:
         return state
     b = state.lengths.shape[0]
-    dstate = spec.mesh.constrain(state.drafter_state, b, drafter=True)
+    dstate = spec.mesh.constrain_drafter_state(state.drafter_state, b, spec.drafter)
     state = spec.mesh.constrain(dataclasses.replace(state, drafter_state=None), b)
     return dataclasses.replace(state, drafter_state=dstate)
 
@@ -598,5 +598,18 @@ def _hands_off(spec: LoopSpec, state: DecodeState) -> jax.Array:
     )
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("spec", "capacity"))
-decode_jit = jax.jit(decode, static_argnames=("spec",), donate_argnames=("state",))
+def _on_kernel_mesh(fn):
+    """fn traced under its spec's mesh (attention_kernels.kernel_mesh): the attention kernels
+    run per device on their own rows and kv heads (shard_map), not on gathered inputs."""
+
+    @functools.wraps(fn)
+    def traced(spec, *args, **kwargs):
+        with attention_kernels.kernel_mesh(None if spec.mesh is None else spec.mesh.mesh):
+            return fn(spec, *args, **kwargs)
+
+    return traced
+
+
+prefill_jit = jax.jit(_on_kernel_mesh(prefill), static_argnames=("spec", "capacity"))
+decode_jit = jax.jit(_on_kernel_mesh(decode), static_argnames=("spec",),
+                     donate_argnames=("state",))

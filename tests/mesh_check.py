@@ -2,11 +2,12 @@
 before jax starts): sharded generation against one device, shardings inside and after the loop,
 collectives in the compiled decode step. Prints one JSON object on the last line.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_check.py parity,inside,collectives,loading,smollm2
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_check.py parity,inside,collectives,loading,smollm2,copies
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -19,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from tiny import TinyModel
 
-from jaxspec import speculate
+from jaxspec import hlo, speculate
 from jaxspec.drafters import NgramDrafter
-from jaxspec.drafters.draft_model import ModelDrafter
+from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.engine import Engine
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
@@ -132,6 +133,159 @@ def decode_collectives(layers: int, shape, drafter_name="plain") -> dict[str, in
         eng.spec, eng.model.params, eng.drafter_params, state, sp, jnp.int32(4)
     )
     return count_collectives(lowered.compile().as_text())
+
+
+# XLA:CPU's YNNPACK fusion (CPU only) materialises reduction operands; compile as the
+# accelerator compilers fuse (as tests/test_accelerator_path.py does for one device)
+ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# A CPU engine's capacity is prompt bucket + bucket(max_new) + nodes + 1 (odd, divisible by no
+# block size: once the unrolled XLA path read it in one pass and XLA:CPU copied every layer's
+# cache 4x a step); 256 is a device's (kernel_capacity). Both distinct from every model dim.
+COPY_CAPACITIES = (201, 256)
+COPY_MESHES = ((1, 4), (2, 4))  # 4 kv heads: one whole kv head per device on both
+COPY_METHODS = ("plain", "ngram", "layer_skip", "draft_model", "draft_model_sharded", "eagle",
+                "eagle_sharded")
+
+
+def decode_copies(layout: str, name: str, shape, capacity: int) -> dict:
+    """Cache-sized copies and zero-fills per step in the optimised HLO of the whole decode loop
+    (draft, verify, commit) on a mesh, one row per device (batch = data size: XLA is free to
+    re-lay out a unit batch dim, which is where copies appeared). Counted at one layer's cache
+    shape per device, so any buffer as large as a layer's cache shard (the target's, a draft
+    model's, EAGLE's, or a gathered whole) with the slot count among its dims counts."""
+    target = model(layers=2)
+    if name == "layer_skip":
+        drafter, dparams, shard = layer_skip_drafter(target.target, 1), None, False
+    else:
+        _, drafter, dparams, shard = next(d for d in drafters(target) if d[0] == name)
+    if layout == "stacked":
+        target = dataclasses.replace(target, params=llama.stack_layers(target.params))
+    plan = MeshPlan(make_mesh(*shape), shard_drafter=shard)
+    eng = Engine(target, drafter, dparams, num_speculative_tokens=3 if drafter else 0, mesh=plan)
+    batch = shape[0]
+    spec = eng.spec_for(batch)
+    sp = SamplingParams.make()
+    args = (eng.model.params, eng.drafter_params, jnp.zeros((batch, 32), jnp.int32),
+            jnp.full((batch,), 5, jnp.int32), jnp.full((batch,), 8, jnp.int32), sp,
+            jax.random.key(0), jnp.arange(batch, dtype=jnp.int32))
+    state = jax.eval_shape(lambda *a: speculate.prefill(spec, *a, capacity=capacity), *args)
+    lowered = speculate.decode_jit.lower(spec, eng.model.params, eng.drafter_params, state, sp,
+                                         jnp.int32(4))
+    text = lowered.compile(compiler_options=ACCEL_LIKE).as_text()
+    c = target.cfg
+    per_device = (batch // shape[0], c.num_kv_heads // shape[1], capacity, c.head_dim)
+    traffic = hlo.cache_traffic(text, per_device)
+    gathers = [x for x in traffic.copies if x.endswith(":all-gather")]
+    return {"copies": len(traffic.copies), "zero_fills": len(traffic.zero_fills),
+            "cache_gathers": len(gathers), "examples": list(traffic.copies[:4])}
+
+
+def copies() -> dict:
+    """decode_copies for every layout a mesh takes (packed is refused there: see
+    sharding._refuse_packed) x every method x COPY_MESHES at the odd CPU capacity; the device
+    capacity for plain decoding."""
+    out = {}
+    for layout in ("unrolled", "stacked"):
+        for shape in COPY_MESHES:
+            for capacity in COPY_CAPACITIES:
+                for name in COPY_METHODS if capacity == COPY_CAPACITIES[0] else ("plain",):
+                    key = f"{layout} {name} {shape[0]}x{shape[1]} S={capacity}"
+                    out[key] = decode_copies(layout, name, shape, capacity)
+    return out
+
+
+def bf16_model(layout: str, layers: int = 2) -> TinyModel:
+    """model() in bfloat16 (what takes the kernels on a device), unrolled or stacked."""
+    m = model(layers=layers)
+    cfg = dataclasses.replace(m.cfg, dtype="bfloat16")
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params)
+    if layout == "stacked":
+        params = llama.stack_layers(params)
+    return TinyModel(cfg, params)
+
+
+def kernel_shards(layout: str, platform: str, shape=(2, 4), batch: int = 2,
+                  capacity: int = 512, prompt: int = 256) -> dict:
+    """The decode (and prefill) programs of plain decoding on a mesh, exported for `platform`
+    ("tpu" / "cuda") in bf16, a prompt long enough for the prefill kernels (G*T > 256 rows per
+    kv head): per attention kernel call, its largest operand's element count
+    against the cache's (one layer's, or the stack's) global and per-device sizes. Under
+    shard_map a kernel's operands are its device's shard; a call on global operands means GSPMD
+    gathers them to every device first (a custom call has no partitioning rule)."""
+    from jax import export
+
+    target = bf16_model(layout)
+    plan = MeshPlan(make_mesh(*shape))
+    eng = Engine(target, mesh=plan)
+    spec = eng.spec_for(batch)
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in hlo.ATTENTION_TARGETS]
+    sp = SamplingParams.make()
+    params = plan.place_target(target.params, target.target)
+    args = (params, None, jnp.zeros((batch, prompt), jnp.int32), jnp.ones((batch,), jnp.int32),
+            jnp.full((batch,), 8, jnp.int32), sp, jax.random.key(0), jnp.zeros((batch,), jnp.int32))
+    state = jax.eval_shape(lambda *a: speculate.prefill(spec, *a, capacity=capacity), *args)
+    prefill = export.export(speculate.prefill_jit, platforms=[platform], disabled_checks=checks)(
+        spec, *args, capacity=capacity).mlir_module()
+    decode = export.export(speculate.decode_jit, platforms=[platform], disabled_checks=checks)(
+        spec, params, None, state, sp, jnp.int32(1)).mlir_module()
+    c = target.cfg
+    layer = batch * c.num_kv_heads * capacity * c.head_dim
+    whole = layer * (c.num_layers if layout == "stacked" else 1)
+    out = {"cache_global": whole, "cache_per_device": whole // (shape[0] * shape[1])}
+    for name, text in (("prefill", prefill), ("decode", decode)):
+        ops = hlo.attention_kernel_operands(text)
+        out[name] = {"calls": len(ops), "largest": sorted({max(o) for o in ops if o}),
+                     "attention": hlo.compiled_attention(text)}
+    return out
+
+
+def kernels_on_mesh() -> dict:
+    """kernel_shards per layout x platform on (2, 4); and the TPU kernel (interpret mode) run on
+    the mesh against the XLA path: the same values."""
+    out = {f"{layout} {platform}": kernel_shards(layout, platform)
+           for layout in ("unrolled", "stacked") for platform in ("tpu", "cuda")}
+    out["interpret"] = interpret_on_mesh()
+    return out
+
+
+def interpret_on_mesh() -> dict:
+    """attend on the GPU Pallas kernels in interpret mode under shard_map on a (2, 4) mesh (cache,
+    q and window sharded by rows and kv heads) vs the XLA path on one device: max |diff| per impl,
+    for a per-layer cache and a stack at a traced layer."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxspec.models import attention, attention_kernels
+
+    mesh = make_mesh(2, 4)
+    b, t, n, kv, s, h, layers = 2, 3, 8, 4, 128, 16, 2
+    ks = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32)
+    kc = jax.random.normal(ks[1], (layers, b, kv, s, h), jnp.float32)
+    vc = jax.random.normal(ks[2], (layers, b, kv, s, h), jnp.float32)
+    kw = jax.random.normal(ks[3], (b, t, kv, h), jnp.float32)
+    vw = jax.random.normal(ks[4], (b, t, kv, h), jnp.float32)
+    lengths = jnp.array([37, 100], jnp.int32)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    qs, kws, vws = put(q, P("data", None, "model")), put(kw, P("data", None, "model")), put(
+        vw, P("data", None, "model"))
+    kcs, vcs = put(kc, P(None, "data", "model")), put(vc, P(None, "data", "model"))
+    ls = put(lengths, P("data"))
+    out = {}
+    for impl in ("pallas_gpu",):  # TPU interpret mode (InterpretParams) hangs under shard_map
+        for stacked in (False, True):
+            def run(q, kc, vc, kw, vw, ln, impl=impl, stacked=stacked):
+                with attention_kernels.kernel_mesh(mesh):
+                    if stacked:
+                        return attention.attend(q, kc, vc, kw, vw, ln, layer=jnp.int32(1),
+                                                impl=impl, interpret=True)
+                    return attention.attend(q, kc[1], vc[1], kw, vw, ln, impl=impl,
+                                            interpret=True)
+            got = jax.jit(run)(qs, kcs, vcs, kws, vws, ls)
+            want = attention.attend(q, kc[1], vc[1], kw, vw, lengths, impl="xla")
+            out[f"{impl} {'stacked' if stacked else 'per-layer'}"] = float(
+                jnp.max(jnp.abs(got - want)))
+    return out
 
 
 def write_checkpoint(path: Path, target: TinyModel) -> None:
@@ -268,6 +422,10 @@ def run_mode(mode: str) -> dict:
         }
     if mode == "smollm2":
         return smollm2()
+    if mode == "copies":
+        return copies()
+    if mode == "kernels":
+        return kernels_on_mesh()
     if mode == "loading":
         import tempfile
 

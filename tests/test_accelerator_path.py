@@ -374,3 +374,22 @@ def test_bf16_logits_are_not_rounded_to_bf16():
     logits = llama.lm_head(params, hidden)
     assert logits.dtype == jnp.float32
     assert np.any(np.asarray(logits) != np.asarray(logits.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_eagle_drafter_attends_on_the_kernel_in_a_bf16_target(platform):
+    """The EAGLE config on a bf16 target (the device default), exported for TPU / CUDA: the
+    drafter's own layer runs in bf16 and its attention is a kernel call, told apart from the
+    target's by its operand, the drafter's one-layer cache [B, K, S, H] (the target's stacked
+    cache is num_layers times that). A float32 drafter layer (as trained) attends on XLA."""
+    config, e = _device_engine("smollm2-135m-eagle.yaml")
+    backend = {"tpu": "tpu", "cuda": "gpu"}[platform]
+    capacity = e.capacity(32, 8, backend=backend)
+    assert e.drafter.cfg.dtype == "bfloat16"
+    assert all(w.dtype == jnp.bfloat16 for w in jax.tree.leaves(e.drafter_params["layer"]))
+    c = e.drafter.cfg
+    drafter_cache = c.num_kv_heads * capacity * c.head_dim  # batch 1
+    _, decode = exported_programs(e, platform, capacity)
+    sizes = [max(ops) for ops in hlo.attention_kernel_operands(decode) if ops]
+    assert drafter_cache in sizes, (sizes, drafter_cache)
+    assert e.model.cfg.num_layers * drafter_cache in sizes  # the target's, for comparison

@@ -255,3 +255,33 @@ def test_bench_cli_end_to_end(tmp_path, smollm2, smollm2_hf):
         assert (out / f"{png}.png").stat().st_size > 1000
     md = (out / "summary.md").read_text()
     assert "| smollm2-135m-ngram |" in md and "hf_plain" in md and "γ sweep" in md
+
+
+def test_results_machine_attention_is_what_compiled(tmp_path, monkeypatch):
+    """results.json's machine.attention is the baseline's compiled decode program's (the
+    engine's compiled_attention), not the target's setting (here "pallas_tpu")."""
+    from types import SimpleNamespace
+
+    data = write_jsonl(tmp_path / "q.jsonl")
+    out = tmp_path / "out"
+
+    def fake_load(self):
+        self.target = SimpleNamespace(attention="pallas_tpu", layout="stacked")
+        compiled = {"prefill": "xla", "decode": "xla"}
+        self.engines = {"baseline": SimpleNamespace(compiled_attention=compiled)}
+        self.ids = [[1]] * len(self.prompts)
+        self.peers = None
+
+    def fake_main(self):
+        p = self.prompts[0]
+        self.rows.setdefault("baseline", []).append(_row(p["category"], 9, 10.0, 8))
+        self.summarise()
+
+    monkeypatch.setattr(bench.Bench, "load", fake_load)
+    monkeypatch.setattr(bench.Bench, "run_main", fake_main)
+    monkeypatch.setattr(bench.Bench, "run_sweeps", lambda self: None, raising=False)
+    bench.main(["--config", CONFIGS[0], "--data", str(data), "--n-per-category", "1",
+                "--out", str(out), "--no-plots"])
+    r = json.loads((out / "results.json").read_text())
+    assert r["machine"]["attention"] == "xla"
+    assert r["machine"]["attention_compiled"] == {"baseline": {"prefill": "xla", "decode": "xla"}}

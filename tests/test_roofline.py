@@ -101,3 +101,19 @@ def test_cli_auto_layout_is_this_backends(capsys, monkeypatch, backend, want):
     assert roofline.main(["--model-shape", "tiny", "--dtype", "float32", "--batch", "1",
                           "--window", "1", "--capacity", "96", "--no-prefill", "--json"]) == 0
     assert [json.loads(x)["layout"] for x in capsys.readouterr().out.splitlines()] == [want]
+
+
+def test_roofline_reports_the_compiled_attention_not_the_setting(monkeypatch):
+    """A bf16 target with JAX's backend patched to "tpu": the setting ("auto" resolved for the
+    backend) says the TPU kernel, while the program compiled here, lowered for the CPU, holds the
+    XLA path, and that is what the roofline reports."""
+    import dataclasses
+
+    from jaxspec.models import attention
+
+    cfg = dataclasses.replace(tiny_config(vocab=64, layers=2, hidden=64), dtype="bfloat16")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert attention.resolve_impl("auto", cache_dtype=jnp.bfloat16) == "pallas_tpu"  # the setting
+    r = roofline.measure(llama.LlamaTarget(cfg), "unrolled", "decode", 1, 1, capacity=96, valid=40)
+    assert r.attention == "xla" and r.to_json()["attention"] == "xla"
+    assert "| xla |" in roofline.format_table([r])

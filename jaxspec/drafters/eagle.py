@@ -379,9 +379,27 @@ class EagleOptions(trained.Eagle3LayoutOptions):
             )
 
 
+def in_dtype(drafter: EagleDrafter, dparams, dtype: str):
+    """The drafter's decoder layer in `dtype` (the target's): its weights cast once here and its
+    cache and activations in that dtype, so a bfloat16 target's drafter attends on the same
+    kernels as the target (a float32 cache keeps the exact XLA path). The fusion, input
+    projection and head stay as trained (float32: features and logits keep their precision)."""
+    cfg = dataclasses.replace(drafter.cfg, dtype=dtype)
+    want = cfg.compute_dtype
+
+    def cast(w):  # float arrays only (a packed CPU-kernel weight stays as it is)
+        floating = isinstance(w, jax.Array) and jnp.issubdtype(w.dtype, jnp.floating)
+        return w.astype(want) if floating and w.dtype != want else w
+
+    layer = {k: cast(w) for k, w in dparams["layer"].items()}
+    return dataclasses.replace(drafter, cfg=cfg), {**dparams, "layer": layer}
+
+
 def build(options: EagleOptions, ctx: BuildContext):
     drafter, dparams = trained.load("eagle", options, ctx)
     own = isinstance(drafter, EagleDrafter)  # not a published EAGLE-3 head
+    if own:  # trained in float32; runs in the target's dtype
+        drafter, dparams = in_dtype(drafter, dparams, ctx.target.target.dtype)
     for wanted, setting in ((options.draft_confidence > 0, "eagle.draft_confidence"),
                             (ctx.spec.tree.kind == "dynamic", "tree.kind=dynamic")):
         if wanted and not own:

@@ -56,6 +56,7 @@ ENV_OVERRIDE = "JAXSPEC_ATTENTION"  # overrides impl="auto" (e.g. JAXSPEC_ATTENT
 PALLAS_MAX_QUERIES = 256  # query rows (G heads x T positions) per kv head a Pallas kernel takes
 PREFILL_CHUNK = 512  # queries per chunk for long windows
 CACHE_BLOCK = 512  # cache slots per step of the XLA path's loop over the valid prefix
+MIN_CACHE_BLOCK = 8  # smaller caches are read in one pass
 KERNEL_SLOTS = 128  # capacities on TPU/GPU are multiples of this (kernel_capacity)
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked part adds exp(..) = 0
 
@@ -84,10 +85,29 @@ def resolve_impl(impl: str = "auto", *, cache_dtype=None, backend: str | None = 
 
 def cache_block_size(slots: int, block: int | None = CACHE_BLOCK) -> int | None:
     """Slots per block of the XLA path's loop over a per-layer cache of `slots` slots (None: one
-    pass). At least two blocks: a dot on the whole per-layer cache made XLA:CPU copy the cache at
-    batch 1 (its layout is free there)."""
-    block = min(block, slots // 2) if block else None
-    return block if block and slots % block == 0 else None
+    pass). At least two blocks: a dot on the whole per-layer cache made XLA:CPU copy the cache
+    at batch 1 (its layout is free there), four times per layer and step. A block that divides
+    `slots` is kept; any other capacity (a CPU capacity is prompt bucket + bucket(max_new) +
+    nodes + 1, e.g. 81 or 1089) gets a power-of-two block and a last block clamped to end at the
+    last slot (`cache_block_start`), its slots already covered by the block before masked."""
+    if not block or slots < 2 * MIN_CACHE_BLOCK:
+        return None
+    block = min(block, slots // 2)
+    if slots % block == 0:
+        return block
+    return 1 << (block.bit_length() - 1)  # the largest power of two <= block
+
+
+def cache_blocks(slots: int) -> int:
+    """How many blocks the XLA path's loop has over `slots` slots (the last may be clamped)."""
+    block = cache_block_size(slots)
+    return -(-slots // block) if block else 1
+
+
+def cache_block_start(j, block: int, slots: int):
+    """First slot of block j: j * block, the last block clamped to end at slot `slots` - 1 (its
+    slots below j * block belong to block j - 1 and are masked)."""
+    return jnp.minimum(j * block, slots - block)
 
 
 def cache_loop_trips(valid: int, slots: int) -> int:
@@ -180,15 +200,10 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
         s_win = jax.lax.dot_general(qg, kw, dims, preferred_element_type=jnp.float32) * scale
     wmask = jnp.broadcast_to(window_mask[:, None, None], (b, 1, g, t, tw)).reshape(b, 1, g * t, tw)
     s_win = jnp.where(wmask, s_win, _NEG)  # [B, K, GT, Tw]
-    if impl == "pallas_tpu" and pallas_fits:
-        o_c, m_c, l_c = attention_kernels.cache_part_pallas_tpu(
-            qg, k_cache, v_cache, lengths, layer, scale, interpret)
-    elif impl == "pallas_gpu" and pallas_fits and layer is None:
-        o_c, m_c, l_c = attention_kernels.cache_part_pallas_gpu(
-            qg, k_cache, v_cache, lengths, scale, interpret)
-    elif impl == "pallas_gpu" and pallas_fits:
-        o_c, m_c, l_c = attention_kernels.cache_part_pallas_gpu_stacked(
-            qg, k_cache, v_cache, lengths, layer, scale, interpret)
+    if pallas_fits and impl in ("pallas_tpu", "pallas_gpu"):  # per device on a mesh
+        o_c, m_c, l_c = attention_kernels.cache_part_on_mesh(
+            functools.partial(_cache_kernel, impl=impl, scale=scale, interpret=interpret),
+            qg, k_cache, v_cache, lengths, layer)
     elif slots == 0:  # no cache (a training forward): the window is everything
         o_c = jnp.zeros((b, kv, g * t, h), jnp.float32)
         m_c = jnp.full((b, kv, g * t), _NEG, jnp.float32)
@@ -205,6 +220,18 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
     o = a_c[..., None] * o_c + jax.lax.dot_general(p_win, vw.astype(jnp.float32), pv)
     o = (o / denom[..., None]).astype(q.dtype)  # [B, K, GT, H]
     return o.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+
+
+def _cache_kernel(qg, k_cache, v_cache, lengths, layer, *, impl, scale, interpret):
+    """The cache part on impl's kernel (per-layer cache or a stack at `layer`)."""
+    if impl == "pallas_tpu":
+        return attention_kernels.cache_part_pallas_tpu(
+            qg, k_cache, v_cache, lengths, layer, scale, interpret)
+    if layer is None:
+        return attention_kernels.cache_part_pallas_gpu(
+            qg, k_cache, v_cache, lengths, scale, interpret)
+    return attention_kernels.cache_part_pallas_gpu_stacked(
+        qg, k_cache, v_cache, lengths, layer, scale, interpret)
 
 
 def _prefill_kernel(impl, q, k_cache, k_win, window_mask) -> str | None:
@@ -235,18 +262,22 @@ def _attend_prefill(impl, q, k_cache, v_cache, k_win, v_win, lengths, layer, int
     qh = q.transpose(0, 2, 1, 3)  # [B, N, T, H]; head n = kv head n // G, so this is [B, K, G*T, H]
     qg = qh.reshape(b, kv, g * t, h)
     kw, vw = (w.transpose(0, 2, 1, 3) for w in (k_win, v_win))  # [B, K, T, H]
+    # every kernel on its own rows and heads on a mesh (attention_kernels.on_head_shards): head n
+    # of [B, N, T, H] is kv head n // G, so splitting N and K into equal blocks pairs them
+    heads = [(4, 0, 1), (3, 0, 1)]
     if impl == "pallas_tpu":
-        o_w, lse_w = attention_kernels.window_part_splash_tpu(qh, kw, vw, scale, interpret)
-        cache_part = lambda: attention_kernels.cache_part_pallas_tpu(  # noqa: E731
-            qg, k_cache, v_cache, lengths, layer, scale, interpret)
-    else:
-        o_w, lse_w = attention_kernels.window_part_flash_gpu(q, k_win, v_win, scale, interpret)
-        if layer is None:
-            cache_part = lambda: attention_kernels.cache_part_pallas_gpu(  # noqa: E731
-                qg, k_cache, v_cache, lengths, scale, interpret)
-        else:
-            cache_part = lambda: attention_kernels.cache_part_pallas_gpu_stacked(  # noqa: E731
-                qg, k_cache, v_cache, lengths, layer, scale, interpret)
+        o_w, lse_w = attention_kernels.on_head_shards(
+            lambda q_, k_, v_: attention_kernels.window_part_splash_tpu(q_, k_, v_, scale,
+                                                                        interpret),
+            [qh, kw, vw], [(0, 1)] * 3, heads)
+    else:  # q, k_win, v_win as [B, T, heads, H]
+        o_w, lse_w = attention_kernels.on_head_shards(
+            lambda q_, k_, v_: attention_kernels.window_part_flash_gpu(q_, k_, v_, scale,
+                                                                       interpret),
+            [q, k_win, v_win], [(0, 2)] * 3, heads)
+    cache_part = lambda: attention_kernels.cache_part_on_mesh(  # noqa: E731
+        functools.partial(_cache_kernel, impl=impl, scale=scale, interpret=interpret),
+        qg, k_cache, v_cache, lengths, layer)
     o_w, lse_w = o_w.reshape(b, kv, g * t, h), lse_w.reshape(b, kv, g * t)
 
     def with_cache():  # the earlier cache's part, merged by log-sum-exp
@@ -288,8 +319,9 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None, dot
 
     def body(j, carry):
         o, m, l = carry
-        o_b, m_b, l_b = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, j * block,
-                                     block, dots)
+        start = cache_block_start(j, block, slots)  # the last block may overlap the one before
+        o_b, m_b, l_b = _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start,
+                                     block, dots, first_slot=j * block)
         m_new = jnp.maximum(m, m_b)
         a, a_b = jnp.exp(m - m_new), jnp.exp(m_b - m_new)
         return a[..., None] * o + a_b[..., None] * o_b, m_new, a * l + a_b * l_b
@@ -301,12 +333,18 @@ def _cache_part_xla(qg, k_cache, v_cache, lengths, layer, scale, block=None, dot
     return jax.lax.fori_loop(1, n, body, first)
 
 
-def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size, dots=False):
+def _cache_block(qg, k_cache, v_cache, lengths, layer, scale, start, size, dots=False,
+                 first_slot=None):
     """Slots start..start+size of the cache (one layer's, or layer `layer` of a stack). dots: a
-    stack's block is sliced out and contracted with dots, as a per-layer cache is (TPU/GPU)."""
+    stack's block is sliced out and contracted with dots, as a per-layer cache is (TPU/GPU).
+    first_slot: slots below it are masked (a clamped last block's overlap with the one before)."""
     b, kv, h = k_cache.shape[-4], k_cache.shape[-3], k_cache.shape[-1]
     whole = size == k_cache.shape[-2]
-    valid = ((start + jnp.arange(size))[None, :] < lengths[:, None])[:, None, None]  # [B,1,1,Sb]
+    slot = start + jnp.arange(size)  # [Sb]
+    valid = slot[None, :] < lengths[:, None]
+    if first_slot is not None:
+        valid = valid & (slot >= first_slot)[None, :]
+    valid = valid[:, None, None]  # [B, 1, 1, Sb]
     if layer is not None and dots:  # the layer's block, [B, K, Sb, H]: a slice of the stack
         at, size5 = (layer, 0, 0, start, 0), (1, b, kv, size, h)
         k_cache, v_cache = (jax.lax.dynamic_slice(c, at, size5)[0] for c in (k_cache, v_cache))

@@ -27,12 +27,85 @@ Both run on CPU in Pallas interpret mode (`interpret=True`), which is how tests 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.errors import JaxspecError
+
+# The ("data", "model") mesh the program being traced runs on (None: one device), set by the
+# decode loop's jitted entry points (speculate.prefill_jit / decode_jit) while they trace.
+_MESH: contextvars.ContextVar = contextvars.ContextVar("jaxspec_kernel_mesh", default=None)
+
+
+@contextlib.contextmanager
+def kernel_mesh(mesh):
+    """Trace under `mesh` (a jax.sharding.Mesh, or None): kernel calls run per device by
+    `on_head_shards` (trace-time only: the mesh is part of the jitted program's static spec)."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
+
+
+def on_head_shards(fn, args, dims, out_dims):
+    """fn(*args) under `jax.shard_map` over the current kernel mesh: each device runs the kernel
+    on its own batch rows ("data") and kv heads ("model") with no gather. A Pallas call is a
+    custom call GSPMD cannot split, so without this every device would gather the whole cache
+    (and q) to run it. Every kernel here is independent per (row, kv head), so the shards' results
+    are exactly the whole's.
+
+    args: arrays; dims: per arg (batch dim, heads dim), either None (not split: a traced layer
+    index has (None, None)); out_dims: the same per output. An axis that does not divide its dim
+    (kv heads replicated over "model", a batch the data axis does not divide) is not split."""
+    mesh = _MESH.get()
+    if mesh is None or mesh.size == 1:
+        return fn(*args)
+    def divides(axis, which):  # the axis splits every arg's dim `which` (0: batch, 1: heads)
+        sizes = [a.shape[d[which]] for a, d in zip(args, dims) if d[which] is not None]
+        return mesh.shape.get(axis, 1) > 1 and all(n % mesh.shape[axis] == 0 for n in sizes)
+
+    split = {"data": "data" if divides("data", 0) else None,
+             "model": "model" if divides("model", 1) else None}
+    if not any(split.values()):
+        return fn(*args)
+
+    def spec(ndim, batch_dim, heads_dim):
+        out = [None] * ndim
+        if batch_dim is not None:
+            out[batch_dim] = split["data"]
+        if heads_dim is not None:
+            out[heads_dim] = split["model"]
+        return P(*out)
+
+    in_specs = tuple(spec(a.ndim, *d) for a, d in zip(args, dims))
+    out_specs = tuple(spec(n, *d) for n, *d in out_dims)
+    run = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return run(*args)
+
+
+def _cache_dims(cache) -> tuple[int, int]:
+    """(batch dim, kv-heads dim) of a per-layer cache [B, K, S, H] or a stack [L, B, K, S, H]."""
+    return (0, 1) if cache.ndim == 4 else (1, 2)
+
+
+def cache_part_on_mesh(part, qg, k_cache, v_cache, lengths, layer):
+    """A cache-part kernel `part(qg, k_cache, v_cache, lengths, layer)` on head shards: qg
+    [B, K, GT, H], the cache and lengths [B] split by rows and kv heads, outputs (o [B, K, GT, H],
+    m, l [B, K, GT]) likewise."""
+    cd = _cache_dims(k_cache)
+    args, dims = [qg, k_cache, v_cache, lengths], [(0, 1), cd, cd, (0, None)]
+    if layer is not None:
+        args.append(jnp.asarray(layer, jnp.int32))
+        dims.append((None, None))
+    fn = (lambda q, k, v, n, i: part(q, k, v, n, i)) if layer is not None else (
+        lambda q, k, v, n: part(q, k, v, n, None))
+    return on_head_shards(fn, args, dims, [(4, 0, 1), (3, 0, 1), (3, 0, 1)])
 
 
 def takes(impl: str, slots: int) -> bool:

@@ -238,21 +238,22 @@ def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=Non
     Per-layer caches: a scatter vmapped over (B, K), each [S, H] block getting its T rows. XLA
     updates it in place, and with the cache sharded over batch and kv heads every device writes its
     own block with no collective (flattening B*K into one scatter dim made GSPMD all-gather the
-    cache every step). Stacks (`layer` given): a row scatter into the [L*B*K, S, H] view, the form
-    XLA updates in place inside the layer scan.
+    cache every step). Stacks (`layer` given): one scatter into [L, B, K, S, H] itself at
+    (layer, iota rows, iota heads, positions): XLA updates it in place inside the layer scan, and
+    GSPMD reads the iota indices as parallel dims, so a stack sharded by rows and kv heads is
+    written per device (an [L*B*K, S, H] view merged the sharded dims: the whole stack was
+    gathered every layer; a vmapped scatter re-laid the stack out on XLA:CPU, copying it).
     """
     if layer is None:
         one = lambda c, n, p: c.at[p].set(n, mode="drop")  # noqa: E731  c [S, H], n [T, H], p [T]
         return jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(
             cache_l, new.astype(cache_l.dtype), positions
         )
-    *_, b, kv, slots, h = cache_l.shape
-    t = new.shape[1]
-    rows = jnp.arange(b * kv)[:, None] + layer * (b * kv)  # [B*K, 1]
-    updates = jnp.swapaxes(new, 1, 2).reshape(b * kv, t, h).astype(cache_l.dtype)
-    flat = cache_l.reshape(-1, slots, h)
-    flat = flat.at[rows, jnp.repeat(positions, kv, axis=0)].set(updates, mode="drop")
-    return flat.reshape(cache_l.shape)
+    b, kv = cache_l.shape[1:3]
+    rows = jnp.arange(b)[:, None, None]  # [B, 1, 1]
+    heads = jnp.arange(kv)[None, :, None]  # [1, K, 1]
+    updates = jnp.swapaxes(new, 1, 2).astype(cache_l.dtype)  # [B, K, T, H]
+    return cache_l.at[layer, rows, heads, positions[:, None, :]].set(updates, mode="drop")
 
 
 def masked_attention(q, k, v, mask):

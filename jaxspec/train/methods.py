@@ -170,8 +170,12 @@ class Eagle:
         return {**params, "head": frozen["head"], "d2t": frozen["d2t"]}
 
     def drafter(self, target_cfg):
+        """The runtime drafter: its layer in the target's dtype (trained in float32; the engine's
+        build casts the layer weights, `eagle.in_dtype`), so a bf16 target's drafter can attend
+        on the kernels."""
+        t = as_target(target_cfg)
         return eagle_lib.EagleDrafter(
-            cfg=self.layer_cfg(target_cfg),
+            cfg=dataclasses.replace(self.layer_cfg(target_cfg), dtype=t.dtype),
             target_vocab=as_target(target_cfg).vocab_size,
             hidden_layers=self.taps(target_cfg),
         )
