@@ -345,6 +345,70 @@ def test_gemma3_greedy_speculation_is_token_identical(gemma_engine_model, engine
         assert sum(r.metrics["num_accepted_tokens"] for r in out) > 0
 
 
+@pytest.fixture(scope="module")
+def gemma_varied_model():
+    """A tiny Gemma 3 (local, global, local, global; window 6) whose greedy output varies: its
+    embeddings small against the post-normed sublayers, so the tied head does not just repeat the
+    last token (the transformers-built one above does, from its embeddings scaled by sqrt(d))."""
+    from jaxspec.models import base
+
+    cfg = gemma.GemmaConfig(
+        family="gemma3", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=4,
+        num_heads=4, num_kv_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        sliding_layers=(True, False, True, False), rope_local_theta=10000.0, rope_theta=1e5,
+        max_position_embeddings=128)
+    params = gemma.init_params(cfg, jax.random.key(5), scale=0.1)
+    params["embed"] = params["embed"] * 0.1
+    return base.Model(target=gemma.GemmaTarget(cfg), params=params, eos_token_ids=(-1,))
+
+
+@pytest.fixture(scope="module")
+def gemma_varied_plain(gemma_varied_model, engine_prompts):
+    from jaxspec.engine import Engine
+
+    engine = Engine(gemma_varied_model)
+    out = [engine.generate([p], max_new_tokens=ENGINE_NEW)[0].token_ids for p in engine_prompts]
+    assert all(len(set(t)) > 4 for t in out)  # not a repeated token: drafts can be rejected
+    return out
+
+
+def _model_drafter(name: str, model):
+    """Layer skip (the target's first 3 of 4 layers) or a draft model with the target's own
+    weights (its own network, params and cache); `draft_model_no_window`: that draft with every
+    layer global (no sliding-window mask, the global RoPE base)."""
+    from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
+
+    if name == "layer_skip":
+        return layer_skip_drafter(model.target, 3), None
+    draft = model.target
+    if name == "draft_model_no_window":
+        draft = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, sliding_layers=(False,) * 4))
+    return ModelDrafter(model=draft, target_vocab=VOCAB), model.params
+
+
+@pytest.mark.parametrize("name", ["layer_skip", "draft_model", "draft_model_no_window"])
+def test_gemma3_layer_skip_and_draft_model(gemma_varied_model, engine_prompts, gemma_varied_plain,
+                                           name):
+    """Both model drafters run on a Gemma 3 target (sliding-window local layers, outputs past the
+    window) token-identical to plain. A draft that is the target itself proposes the target's own
+    greedy tokens, so (nearly) every draft is accepted; the same draft without its window is not:
+    the draft path honours the family's local layers."""
+    from jaxspec.engine import Engine
+
+    drafter, dparams = _model_drafter(name, gemma_varied_model)
+    engine = Engine(gemma_varied_model, drafter, dparams, num_speculative_tokens=3)
+    out = engine.generate(engine_prompts, max_new_tokens=ENGINE_NEW, batch_size=2)
+    assert [r.token_ids for r in out] == gemma_varied_plain
+    drafted = sum(r.metrics["num_draft_tokens"] for r in out)
+    accepted = sum(r.metrics["num_accepted_tokens"] for r in out)
+    if name == "draft_model":
+        assert accepted >= 0.95 * drafted > 0
+    elif name == "draft_model_no_window":
+        assert accepted < 0.8 * drafted
+    else:
+        assert drafted > 0
+
+
 # ------------------------------------------------- sampled output has the exact law (Gemma 3)
 
 LAW_V = 8
