@@ -49,7 +49,7 @@ def build_engine(config: Config, target=None) -> Engine:
         system_prompt=config.generation.system_prompt,
         mesh=plan,
         max_context=config.generation.max_context or None,
-        adaptive=spec.adaptive.options() if spec.adaptive.enabled and drafter else None,
+        adaptive=spec.adaptive,  # the config section itself (on when enabled)
     )
 
 

@@ -1,17 +1,19 @@
 """Step-cost calibration: how long one step's target forward takes for a batch of B rows
 verifying a window of 1..γ+1 entries, and how long the drafter's work of one step takes with
 0..γ nodes, on this machine, for this model and drafter. Adaptive speculation (adaptive.py)
-divides expected tokens by these costs, so it learns e.g. that on a 2-core CPU a 5-entry window
-at batch 32 costs several plain steps while at batch 1 it costs little more than one.
+divides expected tokens by these costs: what a window costs relative to a plain step depends on
+the machine, the batch size and the context, so it is measured, not assumed.
 
     costs = loop_costs(model, spec, dparams, batch=8)  # {fill: [γ+1]} in plain steps: the
     # adaptive loop's whole step with 0..γ nodes (what the engine measures by default)
     costs = step_costs(model, batch=8, gamma=4)  # {fill: [γ+1]} the verify alone (1 entry: ~1)
     draft = draft_costs(model, drafter, dparams, batch=8, gamma=4)  # the drafter's work alone
 
-`loop_costs` times speculate's decode step itself, every row allowed k nodes, against plain
-decoding's step (`measure_loop`); the verify and draft curves are the pieces, used where the
-user gives a verify curve or a per-node draft cost instead.
+`loop_costs` times speculate.decode itself through its public API -- the engine's LoopSpec with
+its controller fixed to plan k nodes for every row (`adaptive.Controller.fixed`) -- against plain
+decoding's loop (`measure_loop`); the verify and draft curves are the pieces, used where the
+user gives a verify curve or a per-node draft cost instead. Calibration is an explicit step of
+the engine (`Engine.calibrate`, announced by a progress line), never a side effect.
 
 Each curve is measured at every context length in `FILLS` (committed tokens per row): attention
 reads each row's valid prefix, so a window's cost relative to a plain step grows with the context
@@ -31,8 +33,8 @@ commit. On a state whose rows hold `fill` tokens, timed in the same rounds as a 
 1-entry verify. Each round times every name once after the reference (the plain step); a name's
 cost is the median over rounds of its time / the reference's time in that round -- load on a
 shared machine comes and goes between rounds, and a ratio taken within one round sees it on both
-(a minimum per name, as session 8 kept, pairs a quiet run of one with a quiet run of another,
-and a noisy batch-2 calibration under-priced speculation ~2x). Measured once per key and batch size and
+(a minimum per name would pair a quiet run of one with a quiet run of another). Measured once
+per key and batch size and
 kept as JSON under <jaxspec cache>/calibration/<key hash>.json; the key holds the model, dtype,
 layout, device kind and kernel switches (draft: also the drafter's settings and its parameters'
 shapes, and γ). A changed key is a different file, so a new model, drafter or device measures
@@ -102,8 +104,8 @@ def loop_key(model, spec, dparams) -> dict[str, Any]:
     run's length (what k = 0's catch-up is divided by) and the tree, if any."""
     run = speculate.plain_run_length(spec) if traits(spec.drafter).commit_plain else 0
     return draft_key(model, spec.drafter, dparams, spec.num_speculative_tokens) | {
-        "step": f"decode_step x{LOOP_STEPS}", "nodes": spec.num_nodes,
-        "k0": f"plain step + catch_up/{run}" if run else "decode_step, 0 nodes",
+        "step": f"decode x{loop_steps(spec)}, fixed plan", "nodes": spec.num_nodes,
+        "k0": f"plain run of {run} + catch-up" if run else "decode_step, 0 nodes",
     }
 
 
@@ -139,9 +141,8 @@ def _cached(key: dict, batch: int, names: list[str], measure, recalibrate: bool)
 def drifted(model, batch: int, *, measure: Measure | None = None) -> bool:
     """Whether this machine's plain step at this batch size (FILLS[0]) now takes more than
     DRIFT away from what the cached verify calibration measured: load on a shared machine
-    changes the cost ratios along with the plain step's time (session 9: costs an hour old put
-    adaptive EAGLE at 0.82-0.96x plain where fresh ones gave 0.94-1.11x), so such a file is
-    measured again. No cached file for this batch size: False (it will be measured anyway)."""
+    changes the cost ratios along with the plain step's time, so such a file is measured
+    again. No cached file for this batch size: False (it will be measured anyway)."""
     now = lambda: (measure or measure_verify)(model, batch, [1], FILLS[0])[0]
     return _drifted(calibration_key(model), batch, f"1@{FILLS[0]}", now)
 
@@ -196,8 +197,7 @@ def loop_costs(
     """The adaptive loop's whole step with k = 0..γ nodes, in plain decoding's steps, per fill:
     what adaptive.py divides expected tokens by when the drafter's work is measured ("auto").
     Timed as speculate.decode runs it (`measure_loop`), not summed from a verify and a drafter
-    timed apart: session 10's summed curve priced EAGLE's 3-node step at 1.25 plain steps where
-    the loop's own took 1.33-1.42, so the controller drafted a third node at a loss.
+    timed apart (which misses what the loop adds around them and under-prices wide steps).
     measure(model, spec, dparams, batch, ks, fill) -> (plain seconds, [seconds per k]); default
     `measure_loop`."""
     measure = measure or measure_loop
@@ -236,8 +236,7 @@ def _read(path: Path) -> dict:
 def _verify(cache, tparams, window, sp, spec, width):
     """-> (cache, (probs, window k/v)). The cache is donated and handed back (`_carried`): a
     1-entry window writes it in place, as the decode loop does; undonated, every call would copy
-    the whole cache first (at 1088 slots that inflated the plain reference, so every ratio to it
-    came out low: cost[0] 0.90 at fill 1024, batch 2)."""
+    the whole cache first, inflating the plain reference and so lowering every ratio to it."""
     probs, _, cache, window_kv = speculate.verify(spec, tparams, cache, window, sp, width)
     return cache, (probs, window_kv)
 
@@ -402,41 +401,29 @@ def measure_draft(
     return best["plain"], [per_step(k) for k in ks]
 
 
-LOOP_STEPS = 8  # decode steps per timed call of the loop's step (`_loop_steps`)
+def loop_steps(spec) -> int:
+    """Decode steps per timed call of the loop: one plain run (`speculate.plain_run_length`), so
+    a one-token step's share of the drafter's catch-up is in its time."""
+    return speculate.plain_run_length(spec) if spec.adaptive is not None else speculate.MAX_PLAIN_RUN
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "mode"), donate_argnums=0)
-def _loop_steps(state, tparams, dparams, sp, allowed, spec, mode):
-    """-> (state, the last step's next lengths): LOOP_STEPS of speculate.decode's loop body --
-    the step, then the controller's lengths for the next one (prompt lookup's match runs
-    there) -- in a loop, on a donated state (written in place, as in decode), each step handed
-    back at the committed lengths it came with, so every step runs at the same fill over the
-    same tokens. In a loop, not one step per call: one dispatched step per call put EAGLE's
-    3-node step at 1.27-1.30 plain steps where the loop's own took 1.45-1.55 (the same
-    program, 8 steps a call), and a fixed γ = 3 in decode 1.47."""
-
-    def body(_, carry):
-        s = carry[0]
-        out = speculate.decode_step(spec, tparams, dparams, s, sp, mode, allowed)
-        nxt = s.lengths if spec.adaptive is None else speculate.allowed_lengths(
-            spec, tparams, dparams, out, sp
-        )
-        out = dataclasses.replace(
-            out, lengths=s.lengths, done=s.done, cache=out.cache.with_lengths(s.cache.lengths)
-        )
-        return out, nxt
-
-    return jax.lax.fori_loop(0, LOOP_STEPS, body, (state, state.lengths))
-
-
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnums=0)
-def _catch_up(state, tparams, dparams, run, spec):
-    return speculate.catch_up(spec, tparams, dparams, state, run), None
+@functools.partial(jax.jit, static_argnames=("spec", "steps"), donate_argnums=0)
+def _decode_from(state, tparams, dparams, sp, spec, steps):
+    """-> (state, None): `steps` steps of speculate.decode on a donated state (written in place,
+    as in decode), handed back at the committed lengths it came with, so every call starts at
+    the same fill over the same tokens."""
+    out = speculate.decode(spec, tparams, dparams, state, sp, jnp.asarray(steps, jnp.int32))
+    back = dataclasses.replace(
+        out, lengths=state.lengths, done=state.done,
+        cache=out.cache.with_lengths(state.cache.lengths),
+    )
+    return back, None
 
 
 def _loop_state(model, spec, dparams, batch: int, fill: int, capacity: int):
     """A decode state whose rows hold `fill` committed tokens of a period-7 pattern (prompt
-    lookup always has a match; the drafter's init ran over the first 16), nothing done."""
+    lookup always has a match; the drafter's init ran over the first 16), nothing done, room
+    for every call's steps."""
     b, prompt = batch, 16
     pattern = (jnp.arange(capacity, dtype=jnp.int32)[None] % 7 + 1) * jnp.ones((b, 1), jnp.int32)
     state = speculate.prefill_jit(
@@ -446,7 +433,7 @@ def _loop_state(model, spec, dparams, batch: int, fill: int, capacity: int):
     )
     lengths = jnp.full((b,), fill, jnp.int32)
     state = dataclasses.replace(
-        state, tokens=pattern, lengths=lengths, max_lengths=lengths + 32,
+        state, tokens=pattern, lengths=lengths, max_lengths=jnp.full((b,), capacity, jnp.int32),
         done=jnp.zeros((b,), bool), cache=state.cache.with_lengths(lengths - 1),
     )
     if spec.adaptive is not None:  # the controller's state (its costs do not matter here)
@@ -457,39 +444,28 @@ def _loop_state(model, spec, dparams, batch: int, fill: int, capacity: int):
 
 def measure_loop(model, spec, dparams, batch: int, ks: list[int], fill: int = FILLS[0]):
     """(seconds of plain decoding's step, [seconds of the adaptive loop's step with k nodes for
-    k in ks]) at this batch size, rows holding `fill` tokens, by `timed` with plain's the
-    reference, each timed over LOOP_STEPS steps in a loop (`_loop_steps`). k >= 1: `speculate.decode_step` with every row allowed k (the drafter proposes
-    k nodes, a (k+1)-entry verify, acceptance, commits) and the next step's lengths. k = 0, a
-    drafter with `commit_plain`: the plain loop's step (mode "plain") plus 1/M of the catch-up
-    after a run of M = plain_run_length steps; else the step with 0 nodes allowed (its
+    k in ks]) at this batch size, rows starting at `fill` committed tokens, by `timed` with
+    plain's the reference. Each is speculate.decode itself, `loop_steps` steps a call, its
+    controller fixed to plan k nodes for every row (`Controller(fixed=k)`): k >= 1 drafts k
+    nodes, verifies a (k+1)-entry window, accepts and commits; k = 0 runs what the loop runs on
+    a plan without nodes (a drafter with `commit_plain`: a plain run and its catch-up; else the
     one-token branch). spec: the engine's adaptive LoopSpec (its mesh and end tokens unused)."""
     spec = dataclasses.replace(spec, eos_ids=(), mesh=None)
     plain_spec = speculate.LoopSpec(
         target=model.target, drafter=None, num_speculative_tokens=0, eos_ids=()
     )
-    cap = max(FILLS) + 64  # every fill in one capacity: one compile
+    steps = loop_steps(spec)
+    cap = max(FILLS) + steps * (spec.depth + 1) + 64  # every fill in one capacity: one compile
     sp, b = SamplingParams.make(), batch
     runs = {"plain": _carried(
-        _loop_steps, _loop_state(model, plain_spec, None, b, fill, cap), model.params, None, sp,
-        None, own=True, spec=plain_spec, mode="drafted",
+        _decode_from, _loop_state(model, plain_spec, None, b, fill, cap), model.params, None, sp,
+        own=True, spec=plain_spec, steps=steps,
     )}
-    m = speculate.plain_run_length(spec)
-    with_runs = traits(spec.drafter).commit_plain is not None
     held = [_loop_state(model, spec, dparams, b, fill, cap)] if ks else []  # one state for
     for k in ks:  # every k (each call hands it back at `fill`): a single cache (~3 GB at 64)
-        allowed = jnp.full((b,), k, jnp.int32)
-        mode = "plain" if k == 0 and with_runs else "drafted"
+        fixed = dataclasses.replace(spec, adaptive=dataclasses.replace(spec.adaptive, fixed=k))
         runs[k] = _carried(
-            _loop_steps, None, model.params, dparams, sp, allowed, held=held, spec=spec, mode=mode
+            _decode_from, None, model.params, dparams, sp, held=held, spec=fixed, steps=steps
         )
-    if 0 in ks and with_runs:  # a full run's catch-up: M roots entered in one pass
-        lengths = held[0].lengths
-        run = speculate.new_plain_run(spec, held[0])._replace(
-            start=lengths - m, count=jnp.asarray(m, jnp.int32)
-        )
-        runs["catch_up"] = _carried(_catch_up, None, model.params, dparams, run, held=held, spec=spec)
     best = timed(runs)
-    per_step = lambda name: best[name] / LOOP_STEPS
-    catch = best["catch_up"] / m if 0 in ks and with_runs else 0.0
-    each = [per_step(k) + (catch if k == 0 else 0.0) for k in ks]
-    return per_step("plain"), each
+    return best["plain"] / steps, [best[k] / steps for k in ks]

@@ -148,7 +148,11 @@ class TreeConfig(Section):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdaptiveConfig(Section):
     """Adaptive speculation (jaxspec/adaptive.py): per-row draft length from live acceptance and
-    the measured step-cost curve (jaxspec/calibration.py); plain steps where speculation loses."""
+    the measured step-cost curve (jaxspec/calibration.py); plain steps where speculation loses.
+
+    This section is the one settings object of adaptive speculation: `Engine(adaptive=...)`
+    takes it as it is (validated here, once), the loop's controller reads its in-loop fields
+    (adaptive.LOOP_SETTINGS) and the engine's host policy the rest."""
 
     SECTION: ClassVar[str] = "speculative.adaptive"
     enabled: bool = False
@@ -168,6 +172,10 @@ class AdaptiveConfig(Section):
     # errors (0: only the probes every probe_every steps)
     explore: float = 1.0
     recalibrate: bool = False  # measure the step-cost curve again (CLI: --recalibrate)
+    # a given verify cost curve instead of a measured one: γ+1 numbers (plain steps for windows
+    # of 1..γ+1 entries), or {fill: curve}; in Python also a function batch size -> either.
+    # null: measured
+    step_costs: object = None
 
     def _validate(self):
         if not 0.0 <= self.decay < 1.0:
@@ -190,14 +198,13 @@ class AdaptiveConfig(Section):
             self._fail("handoff_after", "use an integer >= 0 (0: never hand off)")
         if not (math.isfinite(self.explore) and self.explore >= 0):
             self._fail("explore", "use a finite number >= 0 (standard errors; 0: probes only)")
-
-    def options(self):
-        from jaxspec.adaptive import Options  # jax: only when adaptive is configured
-
-        fields = ("decay", "prior", "probe_every", "probe_length", "draft_cost",
-                  "switch_off_acceptance", "prior_weight", "handoff_after", "explore",
-                  "recalibrate")
-        return Options(**{f: getattr(self, f) for f in fields})
+        costs = self.step_costs
+        curve = lambda c: isinstance(c, (list, tuple)) and all(matches(x, float) for x in c)
+        if not (costs is None or callable(costs) or curve(costs) or (
+            isinstance(costs, dict) and all(matches(f, float) and curve(c) for f, c in costs.items())
+        )):
+            self._fail("step_costs", "use a list of numbers (one per window width), a mapping "
+                       "fill -> such a list, or null (measured)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

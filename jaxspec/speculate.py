@@ -1,14 +1,19 @@
 """Prefill and the jitted decode loop: draft -> verify -> accept -> commit, per row, all on device.
 
-One step is data flowing one way (DESIGN.md, "Verification as data"):
+One step is data flowing one way (docs/architecture.md):
 
+    plan = plan_step(...)                       # adaptive: nodes per row, from past steps only
     proposal, dstate = drafter.propose(...)     # nodes: tokens, parents, q, num_nodes
     window = tree.build_window(...)             # tokens, positions, ancestor mask (T = 1 + N)
     p, hidden, window_kv = verify(...)          # one target forward; the cache is only read
     path, n, next_token = acceptance.accept_tree(...)
     commit: the path's tokens, its k/v compacted into slots L-1..L-1+n, its hidden states
+    adaptive: controller.observe(plan, outcome) # what later plans learn from
 
-A chain is the tree with parents i - 1; plain decoding is the empty proposal (N = 0).
+A chain is the tree with parents i - 1; plain decoding is the empty proposal (N = 0); fixed-γ
+speculation is the trivial plan (no controller: every row drafts γ). With a controller
+(`LoopSpec.adaptive`, jaxspec/adaptive.py) a plan with no node anywhere runs the one-token
+step instead (`plain_step`: plain decoding's own, the entry written in place).
 
 Invariants (row b):
   tokens[b, :lengths[b]]   committed tokens (prompt + generated); the last was sampled from the
@@ -245,7 +250,7 @@ def commit_kv(target: base.Target, cache, window_kv, path: jax.Array):
     return target.commit_window(cache, window_kv, path, cache.positions(path.shape[1]))
 
 
-class _Outcome(NamedTuple):
+class _StepOut(NamedTuple):
     """What one step leaves, per row (either branch of an adaptive step returns one). The target
     cache is written after the branches (commit_kv of `window_kv` along `path`), never inside
     one: XLA:CPU copies a whole cache that a lax.cond branch updates, every step."""
@@ -259,65 +264,102 @@ class _Outcome(NamedTuple):
     drafter_state: Any
     num_nodes: jax.Array  # int32[B] nodes verified
     num_accepted: jax.Array  # int32[B]
-    root_hidden: Any = None  # [nl, B, D] the root's target features (plain-run steps only)
-    depth: Any = None  # int32[B] the deepest node verified (a chain: num_nodes); adaptive only
+    root_hidden: Any = None  # [nl, B, D] the root's target features (one-token steps only)
+    depth: Any = None  # int32[B] the deepest node verified (a chain: num_nodes)
+
+
+def _controller(spec: LoopSpec) -> adaptive.Controller | None:
+    return spec.adaptive if spec.drafter is not None else None
+
+
+def _may_hand_off(spec: LoopSpec, batch: int) -> bool:
+    """A lockstep batch (B > adaptive.PER_REQUEST_MAX_BATCH) may be handed off to plain
+    decoding's step; not prompt lookup, whose one-token steps carry no bookkeeping."""
+    lockstep = batch > adaptive.PER_REQUEST_MAX_BATCH
+    ctl = _controller(spec)
+    return lockstep and ctl.settings.handoff_after > 0 and not traits(spec.drafter).drafts_from_tokens
+
+
+def plan_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> adaptive.Plan | None:
+    """The controller's plan for the next step of `state`, from past statistics and committed
+    history only (None without a controller: every row drafts γ). Prompt lookup
+    (`drafts_from_tokens`: its proposal is a function of the committed tokens, no draw): a row
+    can use at most the nodes its match has (`useful`; a row without one gains nothing from a
+    window its batch mates' matches would fill, and still pays for it), and no match anywhere
+    leaves nothing to verify."""
+    ctl = _controller(spec)
+    if ctl is None:
+        return None
+    room = state.max_lengths - state.lengths  # tokens each row may still emit
+    useful = jnp.clip(room - 1, 0, ctl.gamma).astype(jnp.int32)
+    b = state.lengths.shape[0]
+    if traits(spec.drafter).drafts_from_tokens:
+        full = jnp.full((b,), spec.num_nodes, jnp.int32)
+        ctx = DraftContext(state.tokens, state.lengths, ~state.done, full)
+        keys = jax.random.split(jax.random.key(0), b)  # unused: no draws
+        p, _ = spec.drafter.propose(
+            dparams, base.bind(spec.target, tparams), state.drafter_state, ctx, spec.num_nodes,
+            sp, keys,
+        )
+        useful = jnp.minimum(useful, adaptive.proposal_depth(p))  # <= its match's depth
+    return ctl.plan(
+        state.adaptive, state.row_steps, ~state.done, room, state.lengths, useful,
+        may_hand_off=_may_hand_off(spec, b),
+    )
 
 
 def decode_step(
-    spec: LoopSpec,
-    tparams,
-    dparams,
-    state: DecodeState,
-    sp: SamplingParams,
-    mode: str = "drafted",
-    allowed: jax.Array | None = None,
+    spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams,
+    plan: adaptive.Plan | None = None,
 ):
-    """One draft -> verify -> accept -> commit step. `allowed` (adaptive): the controller's
-    lengths for this state (`allowed_lengths`), when the caller has them already; else computed.
+    """One draft -> verify -> accept -> commit step on `plan` (with a controller and no plan:
+    `plan_step`'s, computed here).
 
-    mode "plain" (adaptive, a drafter with `commit_plain`; `decode` runs it while the
-    controller's cap is 0): the plain program's step itself -- the target over the last token,
-    its entry written in place -- and the controller's bookkeeping; the drafter is left behind
-    (`plain_run_step` keeps the root's target features, `catch_up` enters them). No lax.cond
-    anywhere: the step costs what a plain step costs.
-    mode "handed_off" (a lockstep batch after the controller's hand-off): the same step without
-    the drafter at all (its state is left as it is) and the bookkeeping of a 1-step counter.
-
-    Adaptive (spec.adaptive): when no row may verify a node (the controller's cap c* is 0) or
-    none was proposed (prompt lookup without a match), the step runs a one-token step instead
-    -- the target over the last token alone, no drafting, no acceptance over γ nodes; a drafter
-    with `commit_plain` only keeps its state current (EAGLE: one layer over the token, so a
-    later probe drafts from a complete cache); one without runs propose (0 nodes) + commit.
-    That branch draws the very token the window step would (same uniform,
-    `acceptance.root_token`): it is the same step, computed the cheap way, and its choice reads
-    only the controller's lengths (past steps) and the proposal's size. Both branches only read
-    the target cache; its write (one entry, or the accepted path) follows the branches."""
-    return _step(spec, tparams, dparams, state, sp, mode, allowed)[0]
+    With a controller, a step with nothing to verify -- the plan allows no node and the drafter
+    has no `commit_plain` (else the loop runs `plain_step` instead), or prompt lookup found no
+    match -- takes a one-token branch: the target over the last token alone, no acceptance over
+    γ nodes; the drafter runs propose (0 nodes) + commit. That branch draws the very token the
+    window step would (same uniform, `acceptance.root_token`): it is the same step, computed the
+    cheap way, and its choice reads only the plan and the proposal's size. Both branches only
+    read the target cache; its write (the accepted path) follows the branches."""
+    if _controller(spec) is not None and plan is None:
+        plan = plan_step(spec, tparams, dparams, state, sp)
+    k_draft, k_accept = _step_keys(state)
+    lengths = None if plan is None else plan.lengths
+    out = _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths)
+    return _advance(spec, state, out, plan)
 
 
-def _step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp, mode, allowed):
-    """decode_step -> (state, the root's target features [nl, B, D] of a plain step, else None)."""
-    active = ~state.done
+def plain_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp, plan: adaptive.Plan):
+    """The step of a plan without nodes, as plain decoding runs it: the target over the last
+    token, its entry written in place, no lax.cond anywhere (the step costs what a plain step
+    costs). The drafter is left behind: a plain run's catch-up enters the step later
+    (`decode`), a handed-off batch never reads its state again. -> (state, the root's target
+    features [nl, B, D], None without taps)."""
+    _, k_accept = _step_keys(state)
+    out = _one_token_step(spec, tparams, dparams, state, sp, k_accept, None, in_place=True)
+    return _advance(spec, state, out, plan), out.root_hidden
+
+
+def _step_keys(state: DecodeState):
     keys = sampling.row_keys(state.key, state.row_ids, state.row_steps)
-    k_draft, k_accept = jax.vmap(jax.random.split, out_axes=1)(keys)
-    ctl = spec.adaptive if spec.drafter is not None else None
-    # adaptive hook 1/2: lengths from past statistics only, before any draw of this step
-    if ctl is not None and mode != "handed_off" and allowed is None:
-        allowed = allowed_lengths(spec, tparams, dparams, state, sp)
-    if mode in ("handed_off", "plain"):  # the loop checked: handed off / every length is 0
-        out = _plain_step(spec, tparams, dparams, state, sp, k_accept, None, in_place=True)
-    else:
-        out = _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed)
+    return jax.vmap(jax.random.split, out_axes=1)(keys)  # (draft keys, acceptance keys)
+
+
+def _advance(spec: LoopSpec, state: DecodeState, out: _StepOut, plan) -> DecodeState:
+    """The state after a step: the target cache written (`commit_kv`), the metrics, and the
+    outcome told to the controller (`Controller.observe`)."""
+    active = ~state.done
     cache = state.cache if out.cache is None else out.cache
     cache = commit_kv(spec.target, cache, out.window_kv, out.path)
-    d = spec.depth
-    pos_accepted = jnp.arange(max(d, 1))[None] < out.num_accepted[:, None]  # [B, max(D,1)]
+    pos_accepted = jnp.arange(max(spec.depth, 1))[None] < out.num_accepted[:, None]  # [B, max(D,1)]
     act = active.astype(jnp.int32)
     astate = state.adaptive
-    if ctl is not None and mode == "handed_off":
-        astate = ctl.update_handed_off(astate, active, jnp.max(state.row_steps))
-    elif ctl is not None:  # adaptive hook 2/2: this step's outcome feeds later steps' choices
-        astate = ctl.update(astate, allowed, out.depth, out.num_accepted, active, state.lengths)
+    if plan is not None:
+        outcome = adaptive.Outcome(
+            out.depth, out.num_accepted, active, state.lengths, jnp.max(state.row_steps)
+        )
+        astate = spec.adaptive.observe(astate, plan, outcome)
     state = dataclasses.replace(
         state,
         adaptive=astate,
@@ -331,57 +373,36 @@ def _step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp, mode, allowe
         num_accepted=state.num_accepted + out.num_accepted * act,
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
     )
-    return _place(spec, state), out.root_hidden
-
-
-def allowed_lengths(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> jax.Array:
-    """int32[B] nodes each row may verify this step (the controller: past steps only). Prompt
-    lookup (`drafts_from_tokens`: its proposal is a function of the committed tokens, no draw):
-    a row can use at most the nodes its match has (`useful`; a row without one gains nothing
-    from a window its batch mates' matches would fill, and still pays for it), and no match
-    anywhere leaves nothing to verify."""
-    room = state.max_lengths - state.lengths  # tokens each row may still emit
-    useful = jnp.clip(room - 1, 0, spec.adaptive.gamma).astype(jnp.int32)
-    if traits(spec.drafter).drafts_from_tokens:
-        b = state.lengths.shape[0]
-        full = jnp.full((b,), spec.num_nodes, jnp.int32)
-        ctx = DraftContext(state.tokens, state.lengths, ~state.done, full)
-        keys = jax.random.split(jax.random.key(0), b)  # unused: no draws
-        p, _ = spec.drafter.propose(
-            dparams, base.bind(spec.target, tparams), state.drafter_state, ctx, spec.num_nodes,
-            sp, keys,
-        )
-        useful = jnp.minimum(useful, adaptive.proposal_depth(p))  # <= its match's depth
-    return spec.adaptive.choose(
-        state.adaptive, state.row_steps, ~state.done, room, state.lengths, useful
-    )
+    return _place(spec, state)
 
 
 def _last_token(state: DecodeState) -> jax.Array:  # int32[B] the last committed token
     return jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]
 
 
-def _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed) -> _Outcome:
+def _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) -> _StepOut:
+    """Propose (cut to the plan's `lengths`, None: γ), then the window step -- or, with a
+    controller, the one-token branch where no row has a node to verify."""
     b = state.lengths.shape[0]
     active = ~state.done
     dstate = state.drafter_state
-    ctl = spec.adaptive if spec.drafter is not None else None
+    ctl = _controller(spec)
     if spec.drafter is None:
         proposal = empty_proposal(b, spec.target.vocab_size)
     else:
-        ctx = DraftContext(tokens=state.tokens, lengths=state.lengths, active=active, max_nodes=allowed)
+        ctx = DraftContext(tokens=state.tokens, lengths=state.lengths, active=active, max_nodes=lengths)
         proposal, dstate = spec.drafter.propose(
             dparams, base.bind(spec.target, tparams), dstate, ctx, spec.num_nodes, sp, k_draft
         )
-        if ctl is not None:
-            proposal = ctl.limit(proposal, allowed)
+        if lengths is not None:
+            proposal = adaptive.cut(proposal, lengths)
     num_nodes = jnp.where(active, proposal.num_proposed, 0)
     window_step = lambda: _window_step(
         spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes
     )
     if ctl is not None and (spec.drafter.variable_length or not traits(spec.drafter).commit_plain):
         # nothing to verify (no match, or c* = 0 for a drafter without commit_plain): plain step
-        plain = lambda: _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate)
+        plain = lambda: _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate)
         return jax.lax.cond(jnp.max(num_nodes) == 0, plain, window_step)
     return window_step()
 
@@ -402,7 +423,7 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
     tokens, lengths, _, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
-    cache = cache if window_kv is None else None  # read-only: decode_step commits window_kv
+    cache = cache if window_kv is None else None  # read-only: _advance commits window_kv
     if spec.drafter is not None:
         commit_ctx = CommitContext(
             tokens=tokens,
@@ -416,20 +437,19 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
         dstate = spec.drafter.commit(dparams, base.bind(spec.target, tparams), dstate, commit_ctx)
     verified = jnp.arange(window.depth.shape[1])[None] <= num_nodes[:, None]  # [B, T]
     depth = jnp.max(jnp.where(verified, window.depth, 0), axis=1)
-    return _Outcome(
+    return _StepOut(
         tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc, depth=depth
     )
 
 
-def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False) -> _Outcome:
-    """Adaptive speculation's step without nodes: the target over the last token alone, no
-    drafting. in_place: plain decoding's forward, the entry written into the cache (outside any
-    lax.cond only: `decode`'s plain loops); else one entry of the window path (the cache is only
-    read, decode_step writes the entry after the branch). `dstate`: None when nothing was
-    drafted (the drafter's state is left as it is: a plain run's `catch_up` enters the step
-    later, or a handed-off batch never reads it again), else the state after a 0-node propose
-    (commit updates it, with the usual D+1-wide context: the root, then padding). The outcome
-    carries the root's target features (`root_hidden`) for the plain run."""
+def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False) -> _StepOut:
+    """A step without nodes: the target over the last token alone, no drafting. in_place:
+    plain decoding's forward, the entry written into the cache (outside any lax.cond only:
+    `plain_step`); else one entry of the window path (the cache is only read, `_advance`
+    writes the entry after the branch). `dstate`: None when nothing was drafted (the drafter's
+    state is left as it is), else the state after a 0-node propose (commit updates it, with the
+    usual D+1-wide context: the root, then padding). The outcome carries the root's target
+    features (`root_hidden`) for a plain run's catch-up."""
     b = state.lengths.shape[0]
     d, n = spec.depth, spec.num_nodes
     last = _last_token(state)
@@ -444,7 +464,7 @@ def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=Fa
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
-    if dstate is None:  # nothing drafted: the drafter catches up later (`catch_up`)
+    if dstate is None:  # nothing drafted: the drafter catches up later (or never reads it)
         dstate = state.drafter_state
     else:
         ctx = CommitContext(
@@ -454,16 +474,16 @@ def _plain_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=Fa
         )
         dstate = spec.drafter.commit(dparams, base.bind(spec.target, tparams), dstate, ctx)
     cache = cache if in_place else None
-    return _Outcome(
+    return _StepOut(
         tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden, zeros
     )
 
 
-class PlainRun(NamedTuple):
-    """Adaptive speculation's plain steps since the drafter was last current (decode's plain
-    loop, a drafter with `commit_plain`): the drafter is left behind during the run and enters
-    all of it in one pass afterwards (`catch_up`), so a plain step costs what the plain program's
-    does. Rows advance one token per step while active, so slot i holds each row's step i."""
+class _PlainRun(NamedTuple):
+    """The one-token steps since the drafter was last current (a drafter with `commit_plain`):
+    the drafter is left behind during the run and enters all of it in one pass afterwards
+    (`_catch_up`), so a plain step costs what the plain program's does. Rows advance one token
+    per step while active, so slot i holds each row's step i."""
 
     hidden: jax.Array | None  # [nl, B, M, D] target features of each step's root; None: no taps
     start: jax.Array  # int32[B] committed lengths when the run began
@@ -475,33 +495,31 @@ MAX_PLAIN_RUN = 16  # plain steps a run may hold (the drafter's catch-up window)
 
 def plain_run_length(spec: LoopSpec) -> int:
     """M: steps a plain run holds before the drafter catches up -- one probe interval (a probe
-    ends a run anyway), at most MAX_PLAIN_RUN (what calibration prices a plain step with)."""
-    every = spec.adaptive.probe_every
+    ends a run anyway), at most MAX_PLAIN_RUN."""
+    every = spec.adaptive.settings.probe_every
     return every if 0 < every <= MAX_PLAIN_RUN else MAX_PLAIN_RUN
 
 
-def new_plain_run(spec: LoopSpec, state: DecodeState) -> PlainRun:
+def _new_plain_run(spec: LoopSpec, state: DecodeState) -> _PlainRun:
     b, nl = state.lengths.shape[0], len(spec.drafter.hidden_layers)
     hidden = None
     if nl:
         shape = (nl, b, plain_run_length(spec), spec.target.hidden_size)
         hidden = jnp.zeros(shape, base.compute_dtype(spec.target))
-    return PlainRun(hidden, state.lengths, jnp.zeros((), jnp.int32))
+    return _PlainRun(hidden, state.lengths, jnp.zeros((), jnp.int32))
 
 
-def plain_run_step(spec: LoopSpec, tparams, dparams, state, sp, allowed, run: PlainRun):
-    """decode_step in mode "plain" (every row's `allowed` is 0), its root's features kept in
-    the run -> (state, run)."""
-    state, root_hidden = _step(spec, tparams, dparams, state, sp, "plain", allowed)
+def _record(run: _PlainRun, root_hidden) -> _PlainRun:
+    """The run with one more step: its root's features [nl, B, D] into slot `count`."""
     hidden = run.hidden
-    if hidden is not None:  # [nl, B, D] into slot `count`
+    if hidden is not None:
         hidden = jax.lax.dynamic_update_index_in_dim(
             hidden, root_hidden.astype(hidden.dtype), run.count, axis=2
         )
-    return state, run._replace(hidden=hidden, count=run.count + 1)
+    return run._replace(hidden=hidden, count=run.count + 1)
 
 
-def catch_up(spec: LoopSpec, tparams, dparams, state: DecodeState, run: PlainRun) -> DecodeState:
+def _catch_up(spec: LoopSpec, tparams, dparams, state: DecodeState, run: _PlainRun) -> DecodeState:
     """The drafter's state after the run's steps, entered in one pass (its commit_plain over the
     run's roots): what drafting nothing and committing each step's root would have left."""
     b = state.lengths.shape[0]
@@ -524,78 +542,59 @@ def catch_up(spec: LoopSpec, tparams, dparams, state: DecodeState, run: PlainRun
 def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, max_steps):
     """Run up to `max_steps` (an int32 array: no recompiles) steps, or until every row is done.
 
-    Adaptive: the controller's lengths for the next step (`allowed_lengths`: past steps only)
-    are computed once per step, after it, and carried to the loop conditions and the step.
-    With a drafter that has `commit_plain`: two loops inside one, each step in the one its
-    controller's choice selects -- while no row may verify a node, a plain run (`PlainRun`:
-    decode_step mode "plain", plain decoding's in-place step, no lax.cond around the cache,
-    which XLA:CPU would copy whole every step; the drafter catches up after the run, at most
-    `plain_run_length` steps), then drafted steps while some row may. Prompt lookup
-    (`drafts_from_tokens`): also while no row has a match -- the match is a function of
-    committed tokens, computed before the step, never a draw.
-
-    Adaptive at a lockstep batch size (B > adaptive.PER_REQUEST_MAX_BATCH), every drafter but
-    prompt lookup (its plain steps carry no bookkeeping): once the controller hands the batch
-    off (`Controller.hands_off`: past statistics only), a last loop runs the rest in mode
-    "handed_off": plain decoding's step, the drafter untouched. The hand-off is kept in the state
-    (`handoff_at`), so a later call (streaming's chunks) resumes there."""
+    With a controller the loop carries the next step's plan (`plan_step`: past steps only),
+    computed once after each step, and each step runs in the loop its plan selects. A drafter
+    with `commit_plain`: while the plan has no node, a plain run (`plain_step`, no lax.cond
+    around the cache, which XLA:CPU would copy whole every step; the drafter catches up after
+    the run, at most `plain_run_length` steps), then drafted steps while it has. Once a plan
+    hands the batch off (lockstep batches, `Controller.hands_off`), a last loop runs the rest on
+    `plain_step`, the drafter untouched; the hand-off is kept in the state (`handoff_at`), so a
+    later call (streaming's chunks) resumes there."""
 
     def cond(carry):
         s, i = carry[:2]
         return (i < max_steps) & ~jnp.all(s.done)
 
-    ctl = spec.adaptive if spec.drafter is not None else None
-    if ctl is None:
+    if _controller(spec) is None:  # fixed γ (or plain decoding): the trivial plan
         body = lambda c: (decode_step(spec, tparams, dparams, _place(spec, c[0]), sp), c[1] + 1)
         return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
-    lengths_for = lambda s: allowed_lengths(spec, tparams, dparams, s, sp)
+    plan_for = lambda s: plan_step(spec, tparams, dparams, s, sp)
 
-    def body(carry):  # (state, steps, the state's allowed lengths)
-        s, i, allowed = carry
-        s = decode_step(spec, tparams, dparams, _place(spec, s), sp, "drafted", allowed)
-        return s, i + 1, lengths_for(s)
+    def drafted(carry):  # (state, steps, the state's plan)
+        s, i, plan = carry
+        s = decode_step(spec, tparams, dparams, _place(spec, s), sp, plan)
+        return s, i + 1, plan_for(s)
 
-    carry = (state, jnp.zeros((), jnp.int32), lengths_for(state))
-    t = traits(spec.drafter)
-    lockstep = state.lengths.shape[0] > adaptive.PER_REQUEST_MAX_BATCH
-    handoff = lockstep and ctl.handoff_after > 0 and not t.drafts_from_tokens
-    go_on = cond
-    if handoff:
-        off = lambda c: (c[0].adaptive.handoff_at >= 0) | _hands_off(spec, c[0])
-        go_on = lambda c: cond(c) & ~off(c)
-    if t.commit_plain is None:
-        carry = jax.lax.while_loop(go_on, body, carry)
+    carry = (state, jnp.zeros((), jnp.int32), plan_for(state))
+    handoff = _may_hand_off(spec, state.lengths.shape[0])
+    go_on = (lambda c: cond(c) & ~c[2].hand_off) if handoff else cond
+    if traits(spec.drafter).commit_plain is None:
+        carry = jax.lax.while_loop(go_on, drafted, carry)
     else:
         m = plain_run_length(spec)
 
-        def plain_body(c):
-            (s, i, allowed), run = c
-            s, run = plain_run_step(spec, tparams, dparams, _place(spec, s), sp, allowed, run)
-            return (s, i + 1, lengths_for(s)), run
+        def plain(c):
+            (s, i, plan), run = c
+            s, root_hidden = plain_step(spec, tparams, dparams, _place(spec, s), sp, plan)
+            return (s, i + 1, plan_for(s)), _record(run, root_hidden)
 
-        plain_cond = lambda c: go_on(c[0]) & (jnp.max(c[0][2]) == 0) & (c[1].count < m)
-        drafted_cond = lambda c: go_on(c) & (jnp.max(c[2]) > 0)
+        plain_cond = lambda c: go_on(c[0]) & ~c[0][2].drafts() & (c[1].count < m)
+        drafted_cond = lambda c: go_on(c) & c[2].drafts()
 
-        def segment(c):  # a plain run while c* = 0, the catch-up, drafted steps while c* > 0
-            c, run = jax.lax.while_loop(plain_cond, plain_body, (c, new_plain_run(spec, c[0])))
-            c = (catch_up(spec, tparams, dparams, c[0], run), *c[1:])
-            return jax.lax.while_loop(drafted_cond, body, c)
+        def segment(c):  # a plain run while no node is planned, the catch-up, drafted steps
+            c, run = jax.lax.while_loop(plain_cond, plain, (c, _new_plain_run(spec, c[0])))
+            c = (_catch_up(spec, tparams, dparams, c[0], run), *c[1:])
+            return jax.lax.while_loop(drafted_cond, drafted, c)
 
         carry = jax.lax.while_loop(go_on, segment, carry)
     if handoff:  # runs only where the loops above stopped at the hand-off
-        handed_off = lambda c: (
-            decode_step(spec, tparams, dparams, _place(spec, c[0]), sp, "handed_off"), c[1] + 1
-        )
-        carry = jax.lax.while_loop(cond, handed_off, carry[:2])
+
+        def handed_off(c):
+            s, i, plan = c
+            return plain_step(spec, tparams, dparams, _place(spec, s), sp, plan)[0], i + 1, plan
+
+        carry = jax.lax.while_loop(cond, handed_off, carry)
     return carry[0]
-
-
-def _hands_off(spec: LoopSpec, state: DecodeState) -> jax.Array:
-    """bool[]: the controller's hand-off, on past statistics and committed history."""
-    room = state.max_lengths - state.lengths
-    return spec.adaptive.hands_off(
-        state.adaptive, state.row_steps, ~state.done, room, state.lengths
-    )
 
 
 def _on_kernel_mesh(fn):

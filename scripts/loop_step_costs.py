@@ -22,6 +22,7 @@ import statistics
 
 from jaxspec import calibration
 from jaxspec.build import build_engine
+from jaxspec.engine import Engine
 from jaxspec.config import load_config
 
 PROMPT = "Write a short persuasive essay about why cities should plant more trees."
@@ -42,11 +43,12 @@ def main() -> None:
         fixed = [f"speculative.num_speculative_tokens={k}", "speculative.adaptive.enabled=false",
                  "sampling.temperature=0"]
         engines[f"fixed γ={k}"] = build_engine(load_config(a.config, fixed), target=target)
-        held = build_engine(config, target=target)
+        built = build_engine(config, target=target)
         forced = [1.0] + [1.0 if i <= k else 10.0 for i in range(1, g + 1)]  # c* = k (the engine
         # makes a curve non-decreasing: 1..k cost one plain step, so the longest, k, wins)
-        held.adaptive = dataclasses.replace(held.adaptive, step_costs=forced, draft_cost=0.0)
-        engines[f"adaptive@{k}"] = held
+        settings = dataclasses.replace(config.speculative.adaptive, step_costs=forced, draft_cost=0.0)
+        engines[f"adaptive@{k}"] = Engine(target, built.drafter, built.drafter_params,
+                                          num_speculative_tokens=g, adaptive=settings)
 
     def per_step(engine) -> float:  # decode seconds / decode steps, one request
         r = engine.generate([PROMPT], max_new_tokens=a.steps)[0]

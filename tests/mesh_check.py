@@ -87,7 +87,7 @@ def inside_loop(target, drafter, dparams, plan):
     """Shardings of the cache, the tokens and the drafter state inside a compiled while_loop."""
     eng = Engine(target, drafter, dparams, num_speculative_tokens=3 if drafter else 0, mesh=plan)
     sp = SamplingParams.make()
-    state = eng._prefill(PROMPTS, 12, sp, 0, list(range(len(PROMPTS))), len(PROMPTS))
+    state = eng.prefill(PROMPTS, 12, sp, 0, list(range(len(PROMPTS))), len(PROMPTS))
     seen = {}
 
     def record(name):
@@ -128,7 +128,7 @@ def decode_collectives(layers: int, shape, drafter_name="plain") -> dict[str, in
     plan = MeshPlan(make_mesh(*shape), shard_drafter=shard)
     eng = Engine(target, drafter, dparams, num_speculative_tokens=3 if drafter else 0, mesh=plan)
     sp = SamplingParams.make()
-    state = eng._prefill(PROMPTS, 12, sp, 0, list(range(len(PROMPTS))), len(PROMPTS))
+    state = eng.prefill(PROMPTS, 12, sp, 0, list(range(len(PROMPTS))), len(PROMPTS))
     lowered = speculate.decode_jit.lower(
         eng.spec, eng.model.params, eng.drafter_params, state, sp, jnp.int32(4)
     )

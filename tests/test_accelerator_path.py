@@ -9,6 +9,7 @@ import functools
 import re
 from pathlib import Path
 
+import cases
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,7 +59,7 @@ def decode_hlo(m, drafter, dparams, batch=2, prompt=32, capacity=CAPACITY) -> st
 
 
 @pytest.mark.parametrize("layout", ["stacked", "unrolled", "packed"])
-@pytest.mark.parametrize("method", ["none", "ngram", "layer_skip", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["none", *cases.names("hlo")])  # tests/cases.py
 def test_decode_loop_copies_no_cache(layout, method):
     """Batch 2, and batch 1 on the accelerators' layouts: there XLA drops the unit batch dim,
     and a layout or fusion choice around it copied whole caches (before session 10: EAGLE 16
@@ -250,7 +251,7 @@ def _device_engine(config_name):
 
             drafter = LookupFirst(drafter, NgramDrafter(64, spec.lookup.min_ngram,
                                                         spec.lookup.max_ngram), name="lookup")
-    adaptive = spec.adaptive.options() if spec.adaptive.enabled and drafter else None
+    adaptive = spec.adaptive if spec.adaptive.enabled and drafter else None
     e = Engine(target, drafter, dparams,
                num_speculative_tokens=spec.num_speculative_tokens if drafter else 0,
                adaptive=adaptive)

@@ -14,8 +14,7 @@ from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import eagle_like, tiny_model
 
 from jaxspec import acceptance, adaptive, calibration, hlo, speculate, tree
-from jaxspec.adaptive import Options
-from jaxspec.config import load_config
+from jaxspec.config import AdaptiveConfig, load_config
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
@@ -27,6 +26,14 @@ from jaxspec.sampling import SamplingParams
 # compile as the accelerator compilers fuse (tests/test_accelerator_path.py)
 ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
 COSTS = [1.0, 1.2, 1.4, 1.6]  # γ = 3: a verify curve where 2 nodes pay best at the prior
+
+
+def Options(**settings) -> AdaptiveConfig:  # noqa: N802 -- the settings, switched on
+    return AdaptiveConfig(enabled=True, **settings)
+
+
+def controller(gamma: int, **settings) -> adaptive.Controller:
+    return adaptive.Controller(gamma, AdaptiveConfig(**settings))
 
 
 @pytest.fixture(scope="module")
@@ -98,15 +105,15 @@ def test_adaptive_trees_are_token_identical(target, prompts, method, batch_size)
 
 
 def test_a_tree_is_cut_to_whole_levels():
-    """Controller.limit on a tree: nodes deeper than the row's depth become padding (parent -2:
+    """adaptive.cut on a tree: nodes deeper than the row's depth become padding (parent -2:
     never tried) and the window ends at the last node kept; padding stays padding."""
-    ctl = adaptive.Controller(gamma=3)
+    ctl = controller(3)
     parents = jnp.asarray([[-1, -1, 0, 1, 2], [-1, -2, 0, -2, 2]], jnp.int32)  # level by level
     proposal = Proposal(jnp.ones((2, 5), jnp.int32), jnp.zeros((2, 5, 8)),
                         jnp.asarray([5, 5], jnp.int32), parents)
     np.testing.assert_array_equal(adaptive.node_depths(proposal), [[1, 1, 2, 2, 3], [1, 0, 2, 0, 3]])
     for cap, num in ((0, [0, 0]), (1, [2, 1]), (2, [4, 3]), (3, [5, 5])):
-        cut = ctl.limit(proposal, jnp.full((2,), cap, jnp.int32))
+        cut = adaptive.cut(proposal, jnp.full((2,), cap, jnp.int32))
         np.testing.assert_array_equal(cut.num_proposed, num)
         depth = np.asarray(adaptive.node_depths(proposal))
         want = np.where((depth > 0) & (depth <= cap), np.asarray(parents), -2)
@@ -119,7 +126,7 @@ def test_a_tree_is_cut_to_whole_levels():
     np.testing.assert_array_equal(tree_prop.tokens, [[6, 1, 7, 2, 8, 3]])
     np.testing.assert_array_equal(tree_prop.parents, [[-1, -1, 0, 1, 2, 3]])
     np.testing.assert_array_equal(adaptive.proposal_depth(tree_prop), [3])
-    np.testing.assert_array_equal(ctl.limit(tree_prop, jnp.asarray([2])).num_proposed, [4])
+    np.testing.assert_array_equal(adaptive.cut(tree_prop, jnp.asarray([2])).num_proposed, [4])
 
 
 @pytest.mark.parametrize("method,batch_size", [("eagle", 1), ("ngram", 2)])
@@ -169,7 +176,7 @@ def cache_copies(engine, target, dparams, b) -> tuple[tuple, tuple]:
             jnp.arange(b, dtype=jnp.int32))
     state = jax.eval_shape(lambda *a: speculate.prefill(engine.spec, *a, capacity=cap), *args)
     lowered = speculate.decode_jit.lower(engine.spec, target.params, dparams,
-                                         engine._with_adaptive(state), args[5], jnp.int32(1))
+                                         engine.with_adaptive(state), args[5], jnp.int32(1))
     text = lowered.compile(compiler_options=ACCEL_LIKE).as_text()
     traffic = hlo.cache_traffic(text, (b, c.num_kv_heads, cap, c.head_dim))
     return traffic.copies, traffic.zero_fills
@@ -185,12 +192,12 @@ def test_prompt_lookup_rows_are_priced_at_their_match(target):
                         adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0,
                                          explore=0.0))  # the estimates' own price
         engine.spec_for = lambda batch: engine.spec  # the adaptive program whatever the costs
-        state = engine._prefill([[1, 2]] * 2, 32, SamplingParams.make(), 0, [0, 1], 2)
+        state = engine.prefill([[1, 2]] * 2, 32, SamplingParams.make(), 0, [0, 1], 2)
         motif, distinct = [5, 6, 7, 8] * 4, list(range(10, 26))
         rows = [motif if r < motif_rows else distinct for r in range(2)]
         tokens = state.tokens.at[:, :16].set(jnp.asarray(rows, jnp.int32))
         state = dataclasses.replace(state, tokens=tokens, lengths=jnp.full((2,), 16, jnp.int32))
-        return speculate.allowed_lengths(engine.spec, target.params, None, state, SamplingParams.make())
+        return speculate.plan_step(engine.spec, target.params, None, state, SamplingParams.make()).lengths
 
     cheap, dear = [1.0, 1.2, 1.4, 1.6], [1.0, 1.7, 2.2, 2.6]
     # one row matches: the other, with nothing to verify, still needs a step per token and
@@ -273,15 +280,16 @@ def test_eagle_drafts_no_further_than_the_rows_allow(target, limit):
 V, NUM_ROWS, PROMPT = 6, 12000, [1, 2, 3, 4, 5]
 
 
-class PeekingController(adaptive.Controller):
+def peeking_cut(proposal, lengths):
     """Broken on purpose: also cuts a row's chain before its first node that is not the draft's
     likeliest token (a tree: to as many levels as its leading such nodes) -- the length then
     depends on this step's draw (biased)."""
+    top = jnp.argmax(proposal.probs, axis=-1) == proposal.tokens  # [B, N]
+    keep = jnp.sum(jnp.cumprod(top, axis=1), axis=1).astype(jnp.int32)
+    return REAL_CUT(proposal, jnp.minimum(lengths, keep))
 
-    def limit(self, proposal, lengths):
-        top = jnp.argmax(proposal.probs, axis=-1) == proposal.tokens  # [B, N]
-        keep = jnp.sum(jnp.cumprod(top, axis=1), axis=1).astype(jnp.int32)
-        return super().limit(proposal, jnp.minimum(lengths, keep))
+
+REAL_CUT = adaptive.cut
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +303,7 @@ def small_vocab():
     return target, dparams
 
 
-def adaptive_pvalue(target, dparams, controller_cls, shape="chain"):
+def adaptive_pvalue(target, dparams, shape="chain"):
     """shape "tree": a dynamic tree of sampled children (top 2, 2 levels, 3 nodes) cut to the
     chosen depth."""
     sp = SamplingParams.make(temperature=0.9)
@@ -308,11 +316,6 @@ def adaptive_pvalue(target, dparams, controller_cls, shape="chain"):
             drafter, tree_top_k=2, tree_levels=2, tree_budget=3, tree_children="sampled"
         )
     engine = Engine(target, drafter, dparams, num_speculative_tokens=2, adaptive=opts)
-    fields = {
-        f.name: getattr(engine.spec.adaptive, f.name)
-        for f in dataclasses.fields(adaptive.Controller)
-    }
-    engine.spec = dataclasses.replace(engine.spec, adaptive=controller_cls(**fields))
     results = engine.generate(
         [PROMPT] * NUM_ROWS, max_new_tokens=3, sampling=sp, seed=11, batch_size=NUM_ROWS
     )
@@ -322,7 +325,7 @@ def adaptive_pvalue(target, dparams, controller_cls, shape="chain"):
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_adaptive_sampling_has_the_target_distribution(small_vocab, shape):
-    p, results = adaptive_pvalue(*small_vocab, adaptive.Controller, shape)
+    p, results = adaptive_pvalue(*small_vocab, shape)
     hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in results], axis=0)
     assert (hist > 100).sum() >= 2  # rows verified different lengths after their first step
     # among them 0 nodes: a row with one token left steps through the plain-step branch (a
@@ -332,10 +335,11 @@ def test_adaptive_sampling_has_the_target_distribution(small_vocab, shape):
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_distribution_test_catches_a_length_that_peeks_at_the_draw(small_vocab, shape):
+def test_distribution_test_catches_a_length_that_peeks_at_the_draw(small_vocab, shape, monkeypatch):
     jax.clear_caches()
+    monkeypatch.setattr(adaptive, "cut", peeking_cut)  # the loop cuts proposals through it
     try:
-        p, _ = adaptive_pvalue(*small_vocab, PeekingController, shape)
+        p, _ = adaptive_pvalue(*small_vocab, shape)
     finally:
         jax.clear_caches()
     assert p < FAIL_P
@@ -345,7 +349,7 @@ def test_distribution_test_catches_a_length_that_peeks_at_the_draw(small_vocab, 
 
 
 def test_controller_picks_the_length_that_pays_and_probes():
-    ctl = adaptive.Controller(gamma=3, probe_every=4, explore=0.0)  # the estimates' own choice
+    ctl = controller(3, probe_every=4, explore=0.0)  # the estimates' own choice
     st = ctl.init(3, [1.0, 1.2, 1.4, 1.6])
     alpha = jnp.asarray([[0.95, 0.95, 0.95], [0.1, 0.1, 0.1], [0.6, 0.6, 0.6]])
     st = dataclasses.replace(st, alpha=alpha)
@@ -377,9 +381,9 @@ def test_controller_picks_the_length_that_pays_and_probes():
     # row 2 was allowed none (no evidence: unchanged)
     after = ctl.update(st, jnp.asarray([3, 3, 0]), jnp.asarray([3, 0, 0]), jnp.asarray([2, 0, 0]),
                        active, ctx)
-    d = 1 / (ctl.decay * ctl.prior_weight + 1)  # the prior is worth prior_weight outcomes
+    d = 1 / (ctl.settings.decay * ctl.settings.prior_weight + 1)  # the prior is worth prior_weight outcomes
     np.testing.assert_allclose(after.alpha[0], [0.95 + d * 0.05, 0.95 + d * 0.05, 0.95 * (1 - d)])
-    np.testing.assert_allclose(after.weight[0], ctl.decay * ctl.prior_weight + 1)
+    np.testing.assert_allclose(after.weight[0], ctl.settings.decay * ctl.settings.prior_weight + 1)
     np.testing.assert_allclose(after.alpha[1], alpha[1])
     np.testing.assert_allclose(after.alpha[2], alpha[2])
     np.testing.assert_array_equal(after.length_hist, [[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]])
@@ -398,18 +402,18 @@ def test_a_row_on_plain_tries_a_node_while_its_estimate_is_uncertain():
     near 0 stays plain, and explore = 0 keeps the estimate's own choice. (A 1091-token
     summarization prompt: EAGLE's row, its first drafts missed, ran 91% plain at 0.99x where
     fixed γ = 1 accepted 40% at 1.17x.)"""
-    ctl = adaptive.Controller(gamma=3, probe_every=0)
+    ctl = controller(3, probe_every=0)
     st = ctl.init(1, [1.0, 1.17, 1.4, 1.6])
     doubt = dataclasses.replace(st, alpha=jnp.full((1, 3), 0.13), weight=jnp.full((1, 3), 3.0))
     args = (jnp.full((1,), 5), jnp.ones((1,), bool), jnp.full((1,), 50), jnp.full((1,), 100))
     np.testing.assert_array_equal(ctl.choose(doubt, *args), [1])
-    np.testing.assert_array_equal(dataclasses.replace(ctl, explore=0.0).choose(doubt, *args), [0])
+    np.testing.assert_array_equal(controller(3, probe_every=0, explore=0.0).choose(doubt, *args), [0])
     assert float(adaptive.optimistic(doubt, 1.0)[0, 0]) == pytest.approx(0.13 + (0.1131 / 3) ** 0.5)
     settled = dataclasses.replace(st, alpha=jnp.full((1, 3), 0.02), weight=jnp.full((1, 3), 10.0))
     np.testing.assert_array_equal(ctl.choose(settled, *args), [0])  # 0.02 + 0.07: still a loss
     good = dataclasses.replace(st, alpha=jnp.full((1, 3), 0.6))  # c* > 0: the estimate decides
     np.testing.assert_array_equal(ctl.choose(good, *args),
-                                  dataclasses.replace(ctl, explore=0.0).choose(good, *args))
+                                  controller(3, probe_every=0, explore=0.0).choose(good, *args))
     with pytest.raises(JaxspecError, match="speculative.adaptive.explore"):
         load_config(None, ["speculative.adaptive.explore=-1"])
 
@@ -421,7 +425,7 @@ def test_estimates_start_fast_and_settle_to_the_exponential_average():
     active, ctx = jnp.ones((1,), bool), jnp.full((1,), 40)
     one, miss = jnp.asarray([1]), jnp.asarray([0])
     for weight, after_four in ((2.0, 0.2), (10.0, 0.6 * 0.9**4)):
-        ctl = adaptive.Controller(gamma=1, prior=0.6, decay=0.9, prior_weight=weight)
+        ctl = controller(1, prior=0.6, decay=0.9, prior_weight=weight)
         st = ctl.init(1, [1.0, 1.2])
         for _ in range(4):
             st = ctl.update(st, one, one, miss, active, ctx)
@@ -439,7 +443,7 @@ def test_estimates_start_fast_and_settle_to_the_exponential_average():
 def test_controller_hands_a_losing_lockstep_batch_off():
     """hands_off: only from the batch's handoff_after-th step, and only where no window is
     expected to finish the batch sooner than the plain program (1 token per row and step)."""
-    ctl = adaptive.Controller(gamma=2, handoff_after=3)
+    ctl = controller(2, handoff_after=3)
     st = ctl.init(2, [1.05, 1.3, 1.5])
     active, room, ctx = jnp.ones((2,), bool), jnp.full((2,), 20), jnp.full((2,), 40)
     steps = jnp.full((2,), 3)
@@ -454,10 +458,12 @@ def test_controller_hands_a_losing_lockstep_batch_off():
     assert bool(ctl.hands_off(mixed, steps, active, room, ctx))
     # ... unless the slow row is near its end (1 token left): the fast row's 20 take longer
     assert not bool(ctl.hands_off(mixed, steps, active, jnp.asarray([1, 20]), ctx))
-    never = dataclasses.replace(ctl, handoff_after=0)
+    never = controller(2, handoff_after=0)
     assert not bool(never.hands_off(low, steps, active, room, ctx))
-    st = ctl.update_handed_off(low, jnp.asarray([True, False]), jnp.int32(7))
-    st = ctl.update_handed_off(st, jnp.asarray([True, False]), jnp.int32(8))
+    off = adaptive.Plan(jnp.zeros((2,), jnp.int32), jnp.ones((), bool))  # a handed-off step
+    zeros, one_row = jnp.zeros((2,), jnp.int32), jnp.asarray([True, False])
+    st = ctl.observe(low, off, adaptive.Outcome(zeros, zeros, one_row, ctx, jnp.int32(7)))
+    st = ctl.observe(st, off, adaptive.Outcome(zeros, zeros, one_row, ctx, jnp.int32(8)))
     assert int(st.handoff_at) == 7 and float(st.spent) == pytest.approx(2.0)
     np.testing.assert_array_equal(st.plain_steps, [2, 0])
     np.testing.assert_array_equal(st.window_hist, [2, 0, 0])
@@ -487,7 +493,7 @@ def test_lockstep_hand_off_is_plain_decoding(target, prompts, batch_size):
     assert m["adaptive_plain_fraction"] > 0.5 and m["num_steps"] > 20
     assert cache_copies(engine, target, dparams, batch_size) == ((), ())  # the third loop too
     engine.spec = dataclasses.replace(  # never hands off: same tokens, far fewer plain steps
-        engine.spec, adaptive=dataclasses.replace(engine.spec.adaptive, handoff_after=0)
+        engine.spec, adaptive=adaptive.Controller(3, dataclasses.replace(opts, handoff_after=0))
     )
     kept = engine.generate(prompts[:4], max_new_tokens=24, batch_size=batch_size)
     assert [r.token_ids for r in kept] == [r.token_ids for r in plain]
@@ -610,7 +616,7 @@ def test_the_cost_curve_follows_the_context():
     length, linear in between, clamped outside -- 3 nodes pay at 128 cached tokens, nothing at
     1024 (a window reads the long prefix once per entry), one node around 576. The step's cost
     is priced at its context (`spent`, the realized gain's denominator)."""
-    ctl = adaptive.Controller(gamma=3, probe_every=0, explore=0.0)
+    ctl = controller(3, probe_every=0, explore=0.0)
     st = ctl.init(2, {1024: [1.0, 1.9, 2.9, 3.9], 128: [1.0, 1.2, 1.4, 1.6]})
     np.testing.assert_array_equal(st.fills, [128, 1024])
     st = dataclasses.replace(st, alpha=jnp.full((2, 3), 0.8))
@@ -657,25 +663,25 @@ def test_switch_off_runs_the_plain_program_where_verify_does_not_pay(target, pro
                     adaptive=Options(step_costs=[1.0, 1.3, 1.6, 1.9], draft_cost=0.0))
     assert engine.spec_for(4) is engine.spec  # prior 0.8 pays
     engine.generate(prompts[:4], max_new_tokens=16, batch_size=4)
-    assert len(engine.observed_acceptance) == 3
-    engine.observed_acceptance = [0.2, 0.2, 0.2]
+    assert len(engine.policy.observed_acceptance) == 3
+    engine.policy.observed_acceptance = [0.2, 0.2, 0.2]
     picks = []
     for _ in range(8):
         picks.append(engine.spec_for(4) is engine.spec)
-        engine._off_batches += not picks[-1]  # what a run of the plain program records
+        engine.policy.off_batches += not picks[-1]  # what a run of the plain program records
     assert picks == [False] * 7 + [True]
     # the re-probe runs (and does not pay): the next 7 run plain again, not every one after it
     engine.generate(prompts[:4], max_new_tokens=16, batch_size=4)
-    engine.observed_acceptance = [0.2, 0.2, 0.2]
-    assert engine._off_batches == 0 and engine.spec_for(4) is not engine.spec
+    engine.policy.observed_acceptance = [0.2, 0.2, 0.2]
+    assert engine.policy.off_batches == 0 and engine.spec_for(4) is not engine.spec
     # a batch size whose last adaptive batch did not beat plain by the cost model: off too
     # (before one of that size: the last of any size, priced with this size's costs)
-    engine.observed_acceptance, engine._off_batches = None, 0
-    engine.last_runs = {4: ([10, 0, 0, 0], [10], 10.0), "any": ([0, 10, 0, 0], [16], 13.0)}
+    engine.policy.observed_acceptance, engine.policy.off_batches = None, 0
+    engine.policy.last_runs = {4: ([10, 0, 0, 0], [10], 10.0), "any": ([0, 10, 0, 0], [16], 13.0)}
     assert engine.realized_gain(4) == pytest.approx(10 / 10)
     assert engine.spec_for(4) is not engine.spec and engine.spec_for(2) is engine.spec
     assert engine.realized_gain(2) == pytest.approx(16 / 13)
-    engine.last_runs = {"any": ([0, 10, 0, 0], [12], 13.0)}
+    engine.policy.last_runs = {"any": ([0, 10, 0, 0], [12], 13.0)}
     assert engine.spec_for(2) is not engine.spec  # 12 tokens for 10 steps of 1.3: a loss
 
 
@@ -690,24 +696,24 @@ def test_batch_one_decides_per_request(target, prompts):
     random_prompt = [int(t) for t in np.random.default_rng(5).permutation(np.arange(1, 64))[:30]]
     first = engine.generate([random_prompt], max_new_tokens=12, batch_size=1)[0]
     assert not first.metrics["adaptive_switched_off"]
-    engine.observed_acceptance = [0.05, 0.05, 0.05]  # what a losing request leaves
-    engine.last_runs = {1: ([30, 0, 0, 0], [12], 30.0), "any": ([30, 0, 0, 0], [12], 30.0)}
+    engine.policy.observed_acceptance = [0.05, 0.05, 0.05]  # what a losing request leaves
+    engine.policy.last_runs = {1: ([30, 0, 0, 0], [12], 30.0), "any": ([30, 0, 0, 0], [12], 30.0)}
     assert engine.realized_gain(1) < 1.0 and engine.realized_gain(4) < 1.0
-    assert engine.spec_for(4) is engine._plain_spec  # lockstep batches: history decides
+    assert engine.spec_for(4) is engine.plain_spec  # lockstep batches: history decides
     assert engine.spec_for(1) is engine.spec  # a request: its own statistics decide
     motif = prompts[3]  # a repeated motif: prompt lookup matches
     again = engine.generate([motif], max_new_tokens=16, batch_size=1)[0]
     assert not again.metrics["adaptive_switched_off"]
     assert sum(again.metrics["adaptive_gamma_hist"][1:]) > 0 and again.metrics["num_accepted_tokens"] > 0
-    assert engine.spec_for(8) is engine._plain_spec  # the cost curve rules 8 out at 0.8
+    assert engine.spec_for(8) is engine.plain_spec  # the cost curve rules 8 out at 0.8
     # a size with no history whose curve pays at 0.8 but not at the prior (0.6), where the
     # loop's estimates start: batch 1 (a request) tries it, a lockstep batch runs plain
     fresh = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
                    adaptive=Options(step_costs=[1.0, 1.7, 2.2, 2.5], draft_cost=0.0))
-    assert fresh.spec_for(1) is fresh.spec and fresh.spec_for(4) is fresh._plain_spec
+    assert fresh.spec_for(1) is fresh.spec and fresh.spec_for(4) is fresh.plain_spec
     one_off = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3,
                      adaptive=Options(step_costs=[1.0, 1.9, 2.9, 3.9], draft_cost=0.0))
-    assert one_off.spec_for(1) is one_off._plain_spec  # ... and batch 1 where it says so
+    assert one_off.spec_for(1) is one_off.plain_spec  # ... and batch 1 where it says so
 
 
 def test_adaptive_config(target, tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import cases
 import pytest
 
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law, pvalue, sample_rows
@@ -79,7 +80,7 @@ def build(target, name):
     raise ValueError(name)
 
 
-DRAFTERS = ["ngram", "layer_skip", "draft_model", "medusa", "eagle", "eagle_gated", "eagle_lookup"]
+DRAFTERS = cases.names("law")  # tests/cases.py: every registered drafter's law cases
 
 
 @dataclasses.dataclass(frozen=True)

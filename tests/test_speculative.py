@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import cases
 import pytest
 from distribution import chi_square_pvalue, counts_of, exact_law
 from tiny import tiny_model
@@ -65,7 +66,7 @@ def drafters(target):
     }
 
 
-@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model"])
+@pytest.mark.parametrize("method", cases.names("greedy"))  # tests/cases.py
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_greedy_speculative_is_token_identical(target, prompts, plain_greedy, method, gamma, batch_size):
@@ -129,8 +130,8 @@ def test_cache_after_speculation_equals_plain_prefill(target, prompts):
     drafter, dparams = drafters(target)["draft_model"]
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3)
     sp = SamplingParams.make()
-    state = engine._prefill(prompts, 20, sp, 0, list(range(4)), 4)
-    state = engine._decode(state, sp, 3)  # stop mid-generation: rejected drafts sit past lengths
+    state = engine.prefill(prompts, 20, sp, 0, list(range(4)), 4)
+    state = engine.decode(state, sp, 3)  # stop mid-generation: rejected drafts sit past lengths
     committed = np.asarray(state.lengths) - 1
     fresh = init_cache(2, 4, state.tokens.shape[1], 2, 16)
     out = llama.forward(target.params, state.tokens, fresh, target.cfg)

@@ -383,8 +383,8 @@ def test_committed_kv_after_tree_steps_equals_plain_decoding(target, prompts):
     engine = Engine(target, drafter, dparams, num_speculative_tokens=1)
     plain = Engine(target)
     sp = SamplingParams.make()
-    state = engine._decode(engine._prefill(prompts, 20, sp, 0, list(range(4)), 4), sp, 4)
-    ref = plain._decode(plain._prefill(prompts, 20, sp, 0, list(range(4)), 4), sp, 40)
+    state = engine.decode(engine.prefill(prompts, 20, sp, 0, list(range(4)), 4), sp, 4)
+    ref = plain.decode(plain.prefill(prompts, 20, sp, 0, list(range(4)), 4), sp, 40)
     committed = np.asarray(state.lengths) - 1
     assert (np.asarray(state.num_accepted) > 0).any()  # some tree step kept drafts
     for layer in range(2):

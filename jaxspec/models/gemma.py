@@ -37,17 +37,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.cache import KVCache, cache_axes, init_cache
+from jaxspec.cache import KVCache
 from jaxspec.models import attention, base, blocks
 from jaxspec.models.llama import (
+    ConfigTarget,
     ForwardOutput,
     ModelConfig,
     attention_kernel_on,
     linear,
     stack_layers,
-    uses_cpu_kernels,
     write_kv,
-    write_window,
 )
 
 Params = dict[str, Any]
@@ -353,32 +352,13 @@ def lm_head(params: Params, hidden: jax.Array, cfg: GemmaConfig) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmaTarget:
-    """Gemma 2 / Gemma 3 as a `models.base.Target` (unrolled, stacked and packed layouts).
-    Hashable: part of the jit key."""
+class GemmaTarget(ConfigTarget):
+    """Gemma 2 / Gemma 3 as a `models.base.Target` (unrolled, stacked and packed layouts; the
+    methods that read only the config come from llama.ConfigTarget). Hashable: part of the
+    jit key."""
 
     cfg: GemmaConfig
     name: str = "gemma3"
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.cfg.max_position_embeddings
-
-    @property
-    def dtype(self) -> str:
-        return self.cfg.dtype
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -393,13 +373,6 @@ class GemmaTarget:
             max_position_embeddings=c.max_position_embeddings, dtype=c.dtype,
         )
 
-    def init_cache(self, params: Params, batch: int, capacity: int) -> KVCache:
-        """A full-size cache (slot s = position s; sliding layers mask, never evict)."""
-        c = self.cfg
-        stacked = isinstance(params["layers"], dict)
-        return init_cache(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim,
-                          c.compute_dtype, stacked)
-
     def forward(self, params, tokens, cache, *, positions=None, window_mask=None,
                 write_cache=True, taps=()) -> base.TargetOutput:
         out = forward(params, tokens, cache, self.cfg, tuple(taps), write_cache, positions,
@@ -409,26 +382,11 @@ class GemmaTarget:
     def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
         return lm_head(params, hidden, self.cfg)
 
-    def commit_window(self, cache: KVCache, window_kv, path, positions) -> KVCache:
-        def gather(w):  # [..., B, T, K, H] -> [..., B, P, K, H]
-            idx = path.reshape((1,) * (w.ndim - 4) + path.shape + (1, 1))
-            return jnp.take_along_axis(w, idx, axis=w.ndim - 3)
-
-        return write_window(cache, jax.tree.map(gather, window_kv), positions)
-
     # optional traits
     def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
         """The scaled embedding the first layer reads (embed * sqrt(D))."""
         x = params["embed"][tokens].astype(self.cfg.compute_dtype)
         return x * blocks.embed_scale(self.cfg.hidden_size, x.dtype)
-
-    def embedding_table(self, params: Params) -> jax.Array:
-        return params["embed"]
-
-    def head_table(self, params: Params) -> jax.Array:
-        """LM-head rows (tied: the embedding; Gemma 2's soft-cap applies on top in `logits`)."""
-        w = params.get("lm_head", params["embed"])
-        return kernels.unpack(w) if isinstance(w, kernels.PackedWeight) else w
 
     def layer_weights(self, params: Params, index: int) -> Params:
         """Layer `index` in the Llama layer's names, plain arrays: norms as (1 + w) scales (what a
@@ -462,17 +420,3 @@ class GemmaTarget:
 
     def param_axes(self, params: Params) -> Params:
         return param_axes(self.cfg, stacked=isinstance(params["layers"], dict))
-
-    def cache_axes(self, cache: KVCache) -> KVCache:
-        return cache_axes(self.cfg.num_layers, stacked=not isinstance(cache.k, tuple))
-
-    def head_counts(self) -> dict[str, int]:
-        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
-
-    def layout(self, params: Params) -> str:
-        if isinstance(params["layers"], dict):
-            return "stacked"
-        return "packed" if uses_cpu_kernels(params) else "unrolled"
-
-    def uses_cpu_kernels(self, params: Params) -> bool:
-        return uses_cpu_kernels(params)

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, SmolLM) as pure functions over a param pytree.
 
 Params (weights in torch `Linear` layout `[out, in]`, contracted on their last dim — the faster
-layout for the small-M matmuls of decode and verify on XLA:CPU, see DESIGN.md):
+layout for the small-M matmuls of decode and verify on XLA:CPU, see docs/architecture.md):
 
     {"embed": [V, D],
      "layers": tuple of L dicts (unrolled)  or  one dict with a leading [L] axis (lax.scan):
@@ -164,59 +164,18 @@ def stack_layers(params: Params) -> Params:
     return params | {"layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
 
 
-def fixed_order_sum(x: jax.Array) -> jax.Array:
-    """Sum over the last axis in an order that does not depend on the other dims: [..., D] -> [..., 1].
-
-    XLA's reduce picks its summation order from the whole array's shape, so a row's sum could
-    differ in the last bit between a one-token step ([B, 1, D]) and a verify window ([B, T, D])
-    once B*T grew (~64 rows here): enough to flip a near-tied greedy token. Halving with
-    elementwise adds (zero-padded to a power of two) fixes the order per row: log2(D) passes.
-    """
-    d = x.shape[-1]
-    width = 1 << max(d - 1, 0).bit_length()
-    if width != d:
-        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - d)])
-    while width > 1:
-        width //= 2
-        x = x[..., :width] + x[..., width:]
-    return x
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMS norm in float32 with a shape-independent sum (see fixed_order_sum)."""
-    x32 = x.astype(jnp.float32)
-    mean_sq = fixed_order_sum(x32 * x32) / x.shape[-1]
-    y = x32 * jax.lax.rsqrt(mean_sq + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+fixed_order_sum = blocks.fixed_order_sum  # a shape-independent sum over the last axis
+rms_norm = blocks.rms_norm  # RMS norm in float32 (offset 0: Llama's weight)
+apply_rope = blocks.apply_rope  # half-split (rotate_half) rotary embeddings, HF's convention
 
 
 def rope_frequencies(cfg: ModelConfig) -> jax.Array:  # f32[H/2]
-    h = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    """The rotary inverse frequencies of `cfg` (Llama 3.1's wavelength scaling if it has one)."""
     s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    # Llama 3.1: long wavelengths divided by `factor`, short kept, a smooth ramp between.
-    wavelen = 2 * jnp.pi / inv_freq
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
+    llama3 = None if s is None else (
+        s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
     )
-    ramped = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    return jnp.where(is_mid, ramped, scaled)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """x: [B, T, N, H]; positions: int[B, T]. Half-split (rotate_half) convention of HF Llama."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return blocks.rope_inv_freq(cfg.head_dim, cfg.rope_theta, llama3=llama3)
 
 
 def linear(x: jax.Array, w) -> jax.Array:
@@ -523,13 +482,11 @@ def forward_logits(params, tokens, cache, cfg) -> tuple[jax.Array, KVCache]:
 # ---- the target protocol (models/base.py) ------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class LlamaTarget:
-    """The Llama family as a `models.base.Target`: every layout (unrolled, stacked, packed CPU
-    kernels) through the functions above. Hashable: part of the jit key."""
+class ConfigTarget:
+    """The `models.base.Target` methods that read only `self.cfg` (sizes, the cache, the window
+    commit, axes, layout), shared by the Llama and Gemma targets."""
 
-    cfg: ModelConfig
-    name: str = "llama"  # the checkpoint's architecture (llama, mistral, qwen2, qwen3)
+    cfg: Any
 
     @property
     def vocab_size(self) -> int:
@@ -551,26 +508,14 @@ class LlamaTarget:
     def dtype(self) -> str:
         return self.cfg.dtype
 
-    @property
-    def layer_config(self) -> ModelConfig:
-        return self.cfg
-
     def init_cache(self, params: Params, batch: int, capacity: int) -> KVCache:
-        """An empty cache in the params' layout (a stack for stacked params) and compute dtype."""
+        """An empty cache in the params' layout (a stack for stacked params) and compute dtype;
+        slot s holds position s (sliding layers mask, never evict)."""
         c = self.cfg
         stacked = isinstance(params["layers"], dict)
         return init_cache(
             c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, c.compute_dtype, stacked
         )
-
-    def forward(self, params, tokens, cache, *, positions=None, window_mask=None,
-                write_cache=True, taps=()) -> base.TargetOutput:
-        out = forward(params, tokens, cache, self.cfg, tuple(taps), write_cache, positions,
-                      window_mask)
-        return base.TargetOutput(out.hidden, out.layer_hidden, out.window_kv, out.cache)
-
-    def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
-        return lm_head(params, hidden)
 
     def commit_window(self, cache: KVCache, window_kv, path, positions) -> KVCache:
         """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]."""
@@ -581,15 +526,52 @@ class LlamaTarget:
         return write_window(cache, jax.tree.map(gather, window_kv), positions)
 
     # optional traits
-    def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
-        return params["embed"][tokens]
-
     def embedding_table(self, params: Params) -> jax.Array:
         return params["embed"]
 
     def head_table(self, params: Params) -> jax.Array:
+        """LM-head rows (tied: the embedding), plain arrays."""
         w = params.get("lm_head", params["embed"])
         return kernels.unpack(w) if isinstance(w, kernels.PackedWeight) else w
+
+    def cache_axes(self, cache: KVCache) -> KVCache:
+        return cache_axes(self.cfg.num_layers, stacked=not isinstance(cache.k, tuple))
+
+    def head_counts(self) -> dict[str, int]:
+        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
+
+    def layout(self, params: Params) -> str:
+        if isinstance(params["layers"], dict):
+            return "stacked"
+        return "packed" if uses_cpu_kernels(params) else "unrolled"
+
+    def uses_cpu_kernels(self, params: Params) -> bool:
+        return uses_cpu_kernels(params)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaTarget(ConfigTarget):
+    """The Llama family as a `models.base.Target`: every layout (unrolled, stacked, packed CPU
+    kernels) through the functions above. Hashable: part of the jit key."""
+
+    cfg: ModelConfig
+    name: str = "llama"  # the checkpoint's architecture (llama, mistral, qwen2, qwen3)
+
+    @property
+    def layer_config(self) -> ModelConfig:
+        return self.cfg
+
+    def forward(self, params, tokens, cache, *, positions=None, window_mask=None,
+                write_cache=True, taps=()) -> base.TargetOutput:
+        out = forward(params, tokens, cache, self.cfg, tuple(taps), write_cache, positions,
+                      window_mask)
+        return base.TargetOutput(out.hidden, out.layer_hidden, out.window_kv, out.cache)
+
+    def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        return lm_head(params, hidden)
+
+    def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
+        return params["embed"][tokens]
 
     def layer_weights(self, params: Params, index: int) -> Params:
         """Layer `index` as plain `[out, in]` arrays (the packed layout's fused panels split)."""
@@ -623,26 +605,12 @@ class LlamaTarget:
     def param_axes(self, params: Params) -> Params:
         return param_axes(self.cfg, stacked=isinstance(params["layers"], dict))
 
-    def cache_axes(self, cache: KVCache) -> KVCache:
-        return cache_axes(self.cfg.num_layers, stacked=not isinstance(cache.k, tuple))
-
-    def head_counts(self) -> dict[str, int]:
-        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
-
     def pad_window(self, window_kv, entries: int):
         """Window k/v ([B, T, K, H] per layer, or [L, B, T, K, H]) padded to `entries`."""
         pad = lambda w: jnp.pad(  # noqa: E731
             w, [(0, 0)] * (w.ndim - 3) + [(0, entries - w.shape[-3]), (0, 0), (0, 0)]
         )
         return jax.tree.map(pad, window_kv)
-
-    def layout(self, params: Params) -> str:
-        if isinstance(params["layers"], dict):
-            return "stacked"
-        return "packed" if uses_cpu_kernels(params) else "unrolled"
-
-    def uses_cpu_kernels(self, params: Params) -> bool:
-        return uses_cpu_kernels(params)
 
 
 registry.register_family(

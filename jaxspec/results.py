@@ -1,0 +1,120 @@
+"""Results and metrics of a finished batch, host side: the decode state's fields fetched to numpy
+(gathered from every process when sharded), each row's generated ids, text and metrics.
+
+    fetched = fetch(state, mesh_plan)
+    report = Report(model, spec, method, adaptive=True)
+    results = report.results(prompts, batch_ids, fetched, ttft, decode_s, attention)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+import jax
+
+from jaxspec import adaptive, sharding
+from jaxspec.models import base
+from jaxspec.sampling import check_tokens
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    prompt: str
+    text: str
+    token_ids: list[int]  # generated tokens only
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+    metrics: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def fetch(state, plan=None) -> types.SimpleNamespace:
+    """The fields results read, as numpy (`plan`: a sharding.MeshPlan, gathered from every
+    process). `adaptive` is None when the batch ran without a controller."""
+    names = ("tokens", "lengths", "row_steps", "num_draft", "num_accepted", "accepted_per_position")
+    fields = {n: getattr(state, n) for n in names}
+    if getattr(state, "adaptive", None) is not None:  # the adaptive controller's statistics
+        fields["adaptive"] = state.adaptive
+    fetched = jax.device_get(fields) if plan is None else sharding.fetch(fields)
+    return types.SimpleNamespace(**({"adaptive": None} | fetched))
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    model: Any  # LoadedModel (tokenizer, eos ids, layout note) or models.base.Model
+    spec: Any  # the engine's speculate.LoopSpec
+    method: str  # "plain" or the drafter's name
+    adaptive: bool = False  # adaptive metrics in every row's metrics
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """Generated ids -> text (EOS dropped, special tokens skipped; "" without a tokenizer)."""
+        if self.model.tokenizer is None:  # raw token-id use (tests, research code)
+            return ""
+        kept = [t for t in token_ids if t not in self.model.eos_token_ids]
+        return self.model.tokenizer.decode(kept, skip_special_tokens=True)
+
+    def results(self, prompts, batch_ids, state, ttft, decode_s, attention) -> list[GenerationResult]:
+        """One GenerationResult per real row of a fetched state."""
+        out = []
+        for i, (prompt, ids) in enumerate(zip(prompts, batch_ids)):
+            gen = state.tokens[i, len(ids) : state.lengths[i]].tolist()
+            check_tokens(gen)
+            n = len(gen)
+            out.append(
+                GenerationResult(
+                    prompt=prompt if isinstance(prompt, str) else "",
+                    text=self.decode_text(gen),
+                    token_ids=gen,
+                    num_prompt_tokens=len(ids),
+                    num_generated_tokens=n,
+                    time_to_first_token_s=ttft,
+                    decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+                    metrics=self.row_metrics(state, i, n, attention),
+                )
+            )
+        return out
+
+    def row_metrics(self, state, row: int, num_generated: int, attention=None) -> dict[str, Any]:
+        """One row's metrics from a fetched state; `attention`: the compiled programs' kernels."""
+        attention = attention or {}
+        g, depth = self.spec.num_speculative_tokens, self.spec.depth
+        steps = int(state.row_steps[row]) - 1  # decode forwards (prefill excluded)
+        drafted = int(state.num_draft[row])
+        accepted = int(state.num_accepted[row])
+        per_pos = state.accepted_per_position[row, :depth].tolist() if depth else []
+        per_pos += [0] * (depth - len(per_pos))  # a switched-off batch ran the plain program
+        out = self.adaptive_metrics(state, row, steps) if self.adaptive else {}
+        return out | {
+            "method": self.method,
+            "layout": base.layout(self.model.target, self.model.params),
+            "layout_note": getattr(self.model, "layout_note", ""),
+            # read from the compiled programs (jaxspec.hlo.compiled_attention): xla / pallas_tpu /
+            # pallas_gpu / cpu kernels; decode (and verify) and prefill
+            "attention": attention.get("decode", ""),
+            "attention_prefill": attention.get("prefill", ""),
+            "num_speculative_tokens": g,
+            "tree_nodes": self.spec.num_nodes,  # window entries verified after the root
+            "nodes_per_step": drafted / steps if steps else 0.0,
+            "num_steps": steps,
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": (num_generated - 1) / steps if steps else 1.0,
+            "accepted_per_position": [c / steps if steps else 0.0 for c in per_pos],
+        }
+
+    def adaptive_metrics(self, state, row: int, steps: int) -> dict[str, Any]:
+        g = self.spec.adaptive.gamma  # a chain's length, a tree's depth
+        if state.adaptive is None:  # switched off: every step plain
+            hist, plain = [steps] + [0] * g, steps
+        else:
+            hist, plain = state.adaptive.length_hist[row], state.adaptive.plain_steps[row]
+        handoff = -1 if state.adaptive is None else int(state.adaptive.handoff_at)
+        return {"adaptive_switched_off": state.adaptive is None,
+                "adaptive_handoff_step": handoff} | adaptive.summarize(hist, plain, steps)
