@@ -382,7 +382,8 @@ def _model_drafter(name: str, model):
         return layer_skip_drafter(model.target, 3), None
     draft = model.target
     if name == "draft_model_no_window":
-        draft = dataclasses.replace(draft, cfg=dataclasses.replace(draft.cfg, sliding_layers=(False,) * 4))
+        no_window = dataclasses.replace(draft.cfg, sliding_layers=(False,) * 4)
+        draft = dataclasses.replace(draft, cfg=no_window)
     return ModelDrafter(model=draft, target_vocab=VOCAB), model.params
 
 
