@@ -23,14 +23,14 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "accept": "jaxspec.acceptance",
-    "accept_row": "jaxspec.acceptance",
-    "accept_tree": "jaxspec.acceptance",
+    "accept": "jaxspec.decode.acceptance",
+    "accept_row": "jaxspec.decode.acceptance",
+    "accept_tree": "jaxspec.decode.acceptance",
     "build_drafter": "jaxspec.build",
     "build_engine": "jaxspec.build",
     "sampling_params": "jaxspec.build",
-    "KVCache": "jaxspec.cache",
-    "init_cache": "jaxspec.cache",
+    "KVCache": "jaxspec.decode.cache",
+    "init_cache": "jaxspec.decode.cache",
     "Config": "jaxspec.config",
     "load_config": "jaxspec.config",
     "DrafterOptions": "jaxspec.drafters",
@@ -56,14 +56,14 @@ _EXPORTS = {
     "ModelConfig": "jaxspec.models.llama",
     "forward": "jaxspec.models.llama",
     "lm_head": "jaxspec.models.llama",
-    "SamplingParams": "jaxspec.sampling",
-    "logits_to_probs": "jaxspec.sampling",
+    "SamplingParams": "jaxspec.decode.sampling",
+    "logits_to_probs": "jaxspec.decode.sampling",
     "MeshPlan": "jaxspec.sharding",
     "ShardingRules": "jaxspec.sharding",
     "make_mesh": "jaxspec.sharding",
     "shard_params": "jaxspec.sharding",
-    "Window": "jaxspec.tree",
-    "build_window": "jaxspec.tree",
+    "Window": "jaxspec.decode.tree",
+    "build_window": "jaxspec.decode.tree",
 }
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxspec import adaptive, calibration
+from jaxspec.decode import adaptive, calibration
 from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.base import traits
 from jaxspec.errors import JaxspecError

@@ -19,7 +19,7 @@ from jaxspec.distributed import mesh_plan
 from jaxspec.drafters import registry
 from jaxspec.drafters.base import traits
 from jaxspec.engine import Engine
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 
 def build_engine(config: Config, target=None) -> Engine:

@@ -102,7 +102,7 @@ class LookupConfig(Section):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TreeConfig(Section):
-    """Draft trees (see jaxspec/tree.py): the target verifies several candidates per depth."""
+    """Draft trees (see jaxspec/decode/tree.py): the target verifies several candidates per depth."""
 
     SECTION: ClassVar[str] = "speculative.tree"
     kind: Literal["chain", "static", "dynamic"] = "chain"  # chain: no tree; which kinds: per method
@@ -112,7 +112,7 @@ class TreeConfig(Section):
     depth: int = 4  # static ngram: nodes per branch; dynamic: levels
     top_k: int = 4  # dynamic: nodes expanded per level, children per expanded node
     budget: int = 16  # dynamic: nodes kept (best path scores)
-    # dynamic: how a node's children are drawn (jaxspec.tree.grow): its top-k tokens, i.i.d.
+    # dynamic: how a node's children are drawn (jaxspec.decode.tree.grow): its top-k tokens, i.i.d.
     # samples, or samples without replacement (best acceptance at temperature > 0)
     children: Literal["top_k", "sampled", "without_replacement"] = "top_k"
 
@@ -124,7 +124,7 @@ class TreeConfig(Section):
                 parsed = self.choices
             object.__setattr__(self, "choices", parsed)
         if self.choices is not None:
-            from jaxspec.tree import check_choices  # jax: only when a tree is configured
+            from jaxspec.decode.tree import check_choices  # jax: only when a tree is configured
 
             try:
                 paths = check_choices(self.choices)
@@ -147,8 +147,8 @@ class TreeConfig(Section):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdaptiveConfig(Section):
-    """Adaptive speculation (jaxspec/adaptive.py): per-row draft length from live acceptance and
-    the measured step-cost curve (jaxspec/calibration.py); plain steps where speculation loses.
+    """Adaptive speculation (jaxspec/decode/adaptive.py): per-row draft length from live acceptance and
+    the measured step-cost curve (jaxspec/decode/calibration.py); plain steps where speculation loses.
 
     This section is the one settings object of adaptive speculation: `Engine(adaptive=...)`
     takes it as it is (validated here, once), the loop's controller reads its in-loop fields
@@ -161,7 +161,7 @@ class AdaptiveConfig(Section):
     probe_every: int = 16  # a row running plain re-probes every this many steps (0: never)
     probe_length: int = 1  # draft nodes a probe verifies
     # step costs: "auto" = measured (the loop's whole step with 0..γ nodes per batch size,
-    # jaxspec/calibration.py); a number: a measured verify + this many plain steps per node
+    # jaxspec/decode/calibration.py); a number: a measured verify + this many plain steps per node
     draft_cost: float | Literal["auto"] = "auto"
     switch_off_acceptance: float = 0.8  # batch runs plain if even this acceptance cannot pay
     prior_weight: float = 2.0  # observations the prior is worth (1 / (1 - decay): a plain EMA)

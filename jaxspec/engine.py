@@ -22,8 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec import progress, sharding, speculate, xla_cache
-from jaxspec.adaptive import Controller
+from jaxspec import progress, sharding, xla_cache
+from jaxspec.decode import speculate
+from jaxspec.decode.adaptive import Controller
 from jaxspec.adaptive_host import AdaptiveHost
 from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.base import check_target, traits
@@ -33,7 +34,7 @@ from jaxspec.models import base
 from jaxspec.prepare import MIN_PROMPT_BUCKET, Requests, bucket
 from jaxspec.programs import Programs
 from jaxspec.results import GenerationResult, Report, fetch
-from jaxspec.sampling import SamplingParams, check_tokens
+from jaxspec.decode.sampling import SamplingParams, check_tokens
 
 __all__ = ["Engine", "GenerationResult", "bucket", "MIN_PROMPT_BUCKET"]
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import jax
 
-from jaxspec import adaptive, sharding
+from jaxspec.decode import adaptive
+from jaxspec import sharding
 from jaxspec.models import base
-from jaxspec.sampling import check_tokens
+from jaxspec.decode.sampling import check_tokens
 
 
 @dataclasses.dataclass
@@ -94,7 +95,7 @@ class Report:
             "method": self.method,
             "layout": base.layout(self.model.target, self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
-            # read from the compiled programs (jaxspec.hlo.compiled_attention): xla / pallas_tpu /
+            # read from the compiled programs (jaxspec.tools.hlo.compiled_attention): xla / pallas_tpu /
             # pallas_gpu / cpu kernels; decode (and verify) and prefill
             "attention": attention.get("decode", ""),
             "attention_prefill": attention.get("prefill", ""),

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.cache import CACHE_AXES, KVCache
+from jaxspec.decode.cache import CACHE_AXES, KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base, llama
 

@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import speculate
+from jaxspec.decode import speculate
 from jaxspec.drafters import NgramDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.sharding import (
     MeshPlan,
     check_batch,

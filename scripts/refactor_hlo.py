@@ -20,10 +20,10 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import eagle_like, tiny_model  # noqa: E402
 
-from jaxspec import speculate  # noqa: E402
+from jaxspec.decode import speculate  # noqa: E402
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
 from jaxspec.engine import Engine  # noqa: E402
-from jaxspec.sampling import SamplingParams  # noqa: E402
+from jaxspec.decode.sampling import SamplingParams  # noqa: E402
 
 
 def main(prefix: str) -> None:

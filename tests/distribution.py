@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from jaxspec import sampling
+from jaxspec.decode import sampling
 from jaxspec.engine import Engine
 
 PASS_P = 1e-3  # a correct rule passes at this level

@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from tiny import TinyModel
 
-from jaxspec import hlo, speculate
+from jaxspec.tools import hlo
+from jaxspec.decode import speculate
 from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.engine import Engine
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.sharding import MeshPlan, make_mesh
 from jaxspec.train import methods
 

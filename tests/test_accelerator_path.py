@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from tiny import eagle_like, tiny_model
 
-from jaxspec import hlo, speculate
+from jaxspec.tools import hlo
+from jaxspec.decode import speculate
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 # XLA:CPU's YNNPACK library fusion (CPU only, absent on TPU/GPU) takes reductions out of XLA's own
 # fusions and materialises their operands; compile as the accelerator compilers fuse.
@@ -180,7 +181,7 @@ def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():
 
 
 def test_compare_greedy_tells_a_near_tie_from_a_real_difference(tiny_llama_dir):
-    from jaxspec.greedy_check import compare_greedy
+    from jaxspec.tools.greedy_check import compare_greedy
     from jaxspec.loading import load_model
 
     m = load_model(tiny_llama_dir)
@@ -197,7 +198,7 @@ def test_compare_greedy_tells_a_near_tie_from_a_real_difference(tiny_llama_dir):
 def test_batch_one_step_copies_no_cache(layout):
     """At batch 1 the size-1 batch dim leaves XLA free to re-lay the cache out: a loop over cache
     blocks inside the stacked layer loop made it copy the whole stack (found by the roofline)."""
-    from jaxspec import roofline
+    from jaxspec.tools import roofline
 
     target = _model("unrolled").target
     for window in (1, 5):

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec.acceptance import accept, accept_row
-from jaxspec.sampling import SamplingParams, draw, logits_to_probs, row_keys
+from jaxspec.decode.acceptance import accept, accept_row
+from jaxspec.decode.sampling import SamplingParams, draw, logits_to_probs, row_keys
 
 N = 200_000  # independent decodes per check
 L = 3  # emitted tokens compared jointly

@@ -1,4 +1,4 @@
-"""Adaptive speculation (jaxspec/adaptive.py, jaxspec/calibration.py) on tiny random models:
+"""Adaptive speculation (jaxspec/decode/adaptive.py, jaxspec/decode/calibration.py) on tiny random models:
 greedy identity, the exact law with lengths that adapt (and a length that peeks at the current
 draw failing it), one program for every length, the calibration cache, the switch-off."""
 
@@ -13,7 +13,8 @@ import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import eagle_like, tiny_model
 
-from jaxspec import acceptance, adaptive, calibration, hlo, speculate, tree
+from jaxspec.decode import acceptance, adaptive, calibration, speculate, tree
+from jaxspec.tools import hlo
 from jaxspec.config import AdaptiveConfig, load_config
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_model import ModelDrafter
@@ -21,7 +22,7 @@ from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base, llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 # compile as the accelerator compilers fuse (tests/test_accelerator_path.py)
 ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from jaxspec import bench
-from jaxspec import bench_formula as F
-from jaxspec.bench_plots import accepted_count_distribution
+from jaxspec.bench import spec_bench as bench
+from jaxspec.bench import formula as F
+from jaxspec.bench.plots import accepted_count_distribution
 
 CONFIGS = [
     str(bench.REPO_ROOT / "configs" / n) for n in ("smollm2-135m.yaml", "smollm2-135m-ngram.yaml")

@@ -17,7 +17,7 @@ from distribution import FAIL_P, PASS_P, pvalue
 from jaxspec import kernels
 from jaxspec.engine import Engine
 from jaxspec.formats import load_drafter_checkpoint
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.train import block as block_train
 from jaxspec.train.data import DataConfig, generate_records
 from jaxspec.train.train import TrainConfig, train

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tiny import tiny_model
 
-from jaxspec import adaptive, calibration, speculate
+from jaxspec.decode import adaptive, calibration, speculate
 from jaxspec.adaptive_host import REPROBE_BATCHES, AdaptiveHost
 from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.ngram import NgramDrafter
@@ -21,7 +21,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.prepare import Requests, bucket
 from jaxspec.programs import Programs
 from jaxspec.results import Report, fetch
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

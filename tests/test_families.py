@@ -453,7 +453,7 @@ def test_gemma3_sampled_speculation_has_the_target_law(gemma_law_model, broken_q
     from distribution import FAIL_P, PASS_P, pvalue
 
     from jaxspec.drafters.ngram import NgramDrafter
-    from jaxspec.sampling import SamplingParams
+    from jaxspec.decode.sampling import SamplingParams
 
     drafter = NgramDrafter(LAW_V, 1, 2)
     sp = SamplingParams.make(temperature=0.6, top_k=6, top_p=0.95, min_p=0.05)

@@ -17,14 +17,14 @@ from conftest import import_torch
 from tiny import tiny_model
 
 from jaxspec import formats
-from jaxspec.cache import init_cache
+from jaxspec.decode.cache import init_cache
 from jaxspec.drafters.base import DraftContext
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import eagle3 as eagle3_fmt
 from jaxspec.formats import medusa as medusa_fmt
 from jaxspec.models import base, llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 VOCAB, LAYERS, HIDDEN = 64, 6, 64
 DRAFT_HIDDEN = 32  # the EAGLE-3 head is narrower than the target (target_hidden_size = 64)

@@ -47,7 +47,7 @@ def entry_points() -> list[str]:
 
 def test_the_known_entry_points_are_found():
     found = set(entry_points())
-    for name in ("generate", "train", "export", "bench", "roofline"):
+    for name in ("generate", "train", "export", "bench", "tools.roofline"):
         assert f"jaxspec.{name}" in found
 
 

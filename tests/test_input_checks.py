@@ -15,7 +15,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.limits import MIN_TEMPERATURE
 from jaxspec.loading.params import assemble, resolve_layout
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 from tiny import tiny_model
 
 

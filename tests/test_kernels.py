@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import kernels, tree
+from jaxspec import kernels
+from jaxspec.decode import tree
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model

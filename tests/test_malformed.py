@@ -981,8 +981,8 @@ def test_nested_anchor_yaml_fails_fast(tmp_path):
 
 
 def test_bench_and_roofline_fail_in_one_line(tmp_path):
-    from jaxspec.bench import main as bench_main
-    from jaxspec.roofline import main as roofline_main
+    from jaxspec.bench.spec_bench import main as bench_main
+    from jaxspec.tools.roofline import main as roofline_main
 
     refused(
         bench_main,
@@ -999,7 +999,7 @@ def test_bench_and_roofline_fail_in_one_line(tmp_path):
 def test_draw_refuses_non_finite_weights():
     import jax.numpy as jnp
 
-    from jaxspec.sampling import INVALID_TOKEN, check_tokens, draw
+    from jaxspec.decode.sampling import INVALID_TOKEN, check_tokens, draw
 
     w = jnp.asarray([0.1, 0.5, 0.4])
     assert int(draw(jnp.float32(0.3), w)) == 1

@@ -1,4 +1,4 @@
-"""The host replay behind `python -m jaxspec.ngram_ceiling` takes exactly the engine's steps, so its
+"""The host replay behind `python -m jaxspec.tools.ngram_ceiling` takes exactly the engine's steps, so its
 bounds on prompt lookup are about the text, not an approximation of the drafter."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
-from jaxspec.ngram_ceiling import ceilings, latest_match, replay_oracle, replay_policy
+from jaxspec.tools.ngram_ceiling import ceilings, latest_match, replay_oracle, replay_policy
 from tiny import tiny_model
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from tiny import tiny_config
 
-from jaxspec import hlo, roofline
+from jaxspec.tools import hlo, roofline
 from jaxspec.models import llama
 
 

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingParams, logits_to_probs, row_keys, sample, sample_rows
+from jaxspec.decode.sampling import SamplingParams, logits_to_probs, row_keys, sample, sample_rows
 
 V = 50
 
@@ -255,7 +255,7 @@ def test_sample_never_draws_zero_prob_and_matches_probs():
 def test_draw_is_an_inverse_cdf_that_skips_zeros():
     """A deterministic grid of u (0 and the largest float32 below 1 included) gives each index
     a share of the grid equal to its weight, and never an index of weight 0."""
-    from jaxspec.sampling import draw
+    from jaxspec.decode.sampling import draw
 
     rng = np.random.default_rng(0)
     w = rng.random(300).astype(np.float32) * (rng.random(300) < 0.5)

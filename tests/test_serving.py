@@ -18,7 +18,7 @@ from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingParams, logits_to_probs
+from jaxspec.decode.sampling import SamplingParams, logits_to_probs
 from jaxspec.serving import Sampling
 from jaxspec.serving.scheduler import Scheduler
 from jaxspec.serving.text import TextState

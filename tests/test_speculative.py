@@ -14,14 +14,14 @@ import pytest
 from distribution import chi_square_pvalue, counts_of, exact_law
 from tiny import tiny_model
 
-from jaxspec import acceptance, speculate
-from jaxspec.cache import init_cache
+from jaxspec.decode import acceptance, speculate
+from jaxspec.decode.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 PROMPT_LENGTHS = (5, 17, 9, 30)
 

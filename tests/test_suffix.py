@@ -14,14 +14,14 @@ import pytest
 from distribution import FAIL_P, PASS_P, pvalue
 from tiny import tiny_model
 
-from jaxspec import speculate
+from jaxspec.decode import speculate
 from jaxspec.config import load_config
 from jaxspec.drafters import suffix_store
 from jaxspec.drafters.suffix import SuffixDrafter, SuffixFirst
 from jaxspec.engine import Engine
 from jaxspec.loading.params import unpack_params
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.train import methods
 
 V = 64

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec import sampling
+from jaxspec.decode import sampling
 from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters.lookup import LookupFirst
 from jaxspec.engine import Engine
 from jaxspec.models import base
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.train import methods
 from jaxspec.train.load import load_trained_drafter
 from distribution import FAIL_P, chi_square_pvalue, counts_of, exact_law, sample_rows

@@ -15,13 +15,13 @@ import pytest
 from distribution import FAIL_P, PASS_P, pvalue
 from tiny import tiny_model
 
-from jaxspec import acceptance, speculate, tree
+from jaxspec.decode import acceptance, speculate, tree
 from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams, logits_to_probs
+from jaxspec.decode.sampling import SamplingParams, logits_to_probs
 from jaxspec.train import methods
 
 PROMPT_LENGTHS = (5, 17, 9, 30)

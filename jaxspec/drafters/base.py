@@ -16,7 +16,7 @@ Token bookkeeping shared by every drafter (row b):
              parents before children, siblings tried in index order), the distribution q each
              node was proposed from (after the same logits transform as the target's: this is
              what keeps sampling lossless; one-hot for a deterministic node) and how many nodes
-             are real (`num_proposed`, <= N; the rest are ignored). See jaxspec.tree.
+             are real (`num_proposed`, <= N; the rest are ignored). See jaxspec.decode.tree.
   commit  -> after verification, the accepted path: `num_accepted` nodes kept, then one target
              token; lengths advance. `window` and `hidden` hold the path (root first), so a
              drafter that reads them needs no tree logic.
@@ -61,14 +61,14 @@ import jax
 
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 
 class DraftContext(NamedTuple):
     tokens: jax.Array  # int32[B, W] committed tokens (valid below lengths)
     lengths: jax.Array  # int32[B]
     active: jax.Array  # bool[B]; finished rows may skip work where a drafter can
-    # int32[B] nodes the loop will verify per row (adaptive speculation, jaxspec/adaptive.py);
+    # int32[B] nodes the loop will verify per row (adaptive speculation, jaxspec/decode/adaptive.py);
     # None: all. The loop cuts longer proposals itself; a drafter may use it to stop early.
     max_nodes: jax.Array | None = None
 

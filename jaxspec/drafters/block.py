@@ -28,14 +28,14 @@ Params `dparams` (torch `[out, in]` layout):
   norm [D], head [N, D], d2t [N]    final norm, the target's frozen LM-head rows of the N-token
                                     draft vocabulary and their target ids (as drafters/eagle.py)
 
-Why sampling stays lossless (jaxspec.acceptance needs each proposed token distributed exactly as
+Why sampling stays lossless (jaxspec.decode.acceptance needs each proposed token distributed exactly as
 the q reported for it, given everything the verification walk has seen before it):
   chain   position i's distribution q_i is a function of the committed context only: the block's
           inputs are the context and fixed mask vectors, never a drafted token. Token i is one
           draw from q_i (its own key), after the same logits transform as the target's, and q_i
           is what is reported for it. Given the earlier drafts x_1..x_{i-1}, x_i is still
           distributed as q_i (it never saw them): the conditional the rule divides by is q_i.
-  tree    a static tree of ranks (Medusa-style choices, jaxspec.tree.check_choices): node
+  tree    a static tree of ranks (Medusa-style choices, jaxspec.decode.tree.check_choices): node
           [r_1..r_d] sits at block position d. tree_children="top_k": its token is the rank-r_d
           token of q_d, a deterministic function of the context, reported with a one-hot q (the
           rule's one-hot case). "sampled": every node draws its token from q_d with its own key
@@ -57,7 +57,7 @@ from typing import ClassVar, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec import sampling, tree
+from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target

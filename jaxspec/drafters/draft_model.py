@@ -9,7 +9,7 @@ included — then γ-1 single-token steps on its own samples (lax.scan); with
 `DraftContext.max_nodes` (adaptive speculation) only as many as the longest row may verify (a
 while loop, same keys, same drafts).
 
-Dynamic tree (EAGLE-2, `tree_top_k` > 0; built by `jaxspec.tree.grow`, shared with eagle): after
+Dynamic tree (EAGLE-2, `tree_top_k` > 0; built by `jaxspec.decode.tree.grow`, shared with eagle): after
 the same 2-token catch-up, each level runs the draft over every node expanded so far (depth d at
 position L - 1 + d) with the ancestor mask, reading the committed prefix of its cache and writing
 nothing (`forward(write_cache=False, window_mask=...)`): no scratch slots, nothing to roll back.
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import sampling, tree
+from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
@@ -171,7 +171,7 @@ class ModelDrafter(tree.DynamicTreeDrafter):
         return Proposal(drafts, q, num), cache
 
     def _propose_tree(self, run, cache, last, ctx: DraftContext, sp, keys):
-        """EAGLE-2 dynamic tree (jaxspec.tree.grow): level l runs the window of every node
+        """EAGLE-2 dynamic tree (jaxspec.decode.tree.grow): level l runs the window of every node
         expanded so far, k per level, at positions L + its level under the ancestor mask."""
         k, levels = self.tree_top_k, self.tree_levels
         b = ctx.lengths.shape[0]

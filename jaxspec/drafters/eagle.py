@@ -21,11 +21,11 @@ Lossless over the full vocabulary: draft probs come from `logits_to_probs` over 
 and are scattered to the target vocabulary (zeros elsewhere); the draft token is sampled from
 exactly that distribution.
 
-Dynamic tree (EAGLE-2, `tree_top_k` > 0; built by `jaxspec.tree.grow`, shared with draft_model):
+Dynamic tree (EAGLE-2, `tree_top_k` > 0; built by `jaxspec.decode.tree.grow`, shared with draft_model):
 depth 1 holds top-k children of the root; at each further depth the top-k nodes of the newest
 level by score are expanded, each into top-k children; the best `tree_budget` nodes form the
 tree. Children are the top-k tokens (one-hot q, the default) or sampled from the draft
-distribution, i.i.d. or without replacement (`tree_children`; lossless, see jaxspec.tree).
+distribution, i.i.d. or without replacement (`tree_children`; lossless, see jaxspec.decode.tree).
 Expanded nodes write provisional k/v past the committed prefix (slot L + level * k + i, see
 init's scratch) and attend the prefix plus their own ancestors; commit() writes the real entries
 of the accepted path as for a chain.
@@ -39,7 +39,8 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec import kernels, sampling, tree
+from jaxspec import kernels
+from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
@@ -281,7 +282,7 @@ class EagleDrafter(tree.DynamicTreeDrafter):
         return Proposal(drafts, q, num), state._replace(k=k, v=v)
 
     def _propose_tree(self, dparams, tparams, state: EagleState, ctx: DraftContext, sp, keys):
-        """EAGLE-2 dynamic tree (jaxspec.tree.grow): a frontier node takes its parent's h as its
+        """EAGLE-2 dynamic tree (jaxspec.decode.tree.grow): a frontier node takes its parent's h as its
         feature, writes provisional k/v at scratch slot L + level * k + i and attends the
         committed prefix plus its ancestors' scratch slots."""
         k, levels = self.tree_top_k, self.tree_levels

@@ -6,7 +6,7 @@ through the target's frozen LM-head rows for the draft vocabulary (`head` [N, D]
 The γ drafts are the first γ heads' samples (a chain). Draft probs are `logits_to_probs` over
 the N draft logits scattered into the full vocabulary, so the acceptance rule stays lossless.
 
-Static tree (`tree_choices`, Medusa's choices list, see `jaxspec.tree.check_choices`): node
+Static tree (`tree_choices`, Medusa's choices list, see `jaxspec.decode.tree.check_choices`): node
 [r_1, ..., r_d] is the rank-r_d candidate of head d (ranked by its logits), under node
 [r_1, ..., r_{d-1}]. Candidates are deterministic given the context, so each node's q is the
 one-hot of its token (the acceptance rule's one-hot case: lossless).
@@ -24,7 +24,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxspec import sampling, tree
+from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target

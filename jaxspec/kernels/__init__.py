@@ -100,7 +100,7 @@ def prefix_attention(
     Query t of row b attends cache slots s < lengths[b], then the window positions j with
     window_mask[b, t, j], in ascending j (None: j = 0..t, the cache's causal-prefix mask,
     whether or not the window is already written into the cache). A draft tree passes each
-    node's ancestors-and-self (`jaxspec.tree.Window.mask`). Needs `available()`.
+    node's ancestors-and-self (`jaxspec.decode.tree.Window.mask`). Needs `available()`.
     """
     _register()
     b, t = q.shape[:2]

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.cache import KVCache, cache_axes, init_cache
+from jaxspec.decode.cache import KVCache, cache_axes, init_cache
 from jaxspec.models import attention, base, blocks, registry
 
 Params = dict[str, Any]
@@ -406,7 +406,7 @@ def forward(
     """Run `tokens: int[B, T]` at `positions` int32[B, T] (default `cache.lengths[:, None] +
     arange(T)`), attending cache slots below `cache.lengths` and the window entries
     `window_mask` bool[B, T, T] allows (default causal; a draft tree passes ancestors-and-self,
-    see `jaxspec.tree`; needs write_cache=False, since tree nodes share positions).
+    see `jaxspec.decode.tree`; needs write_cache=False, since tree nodes share positions).
 
     `hidden_layers` picks HF-style hidden states: 0 = embeddings, i = output of layer i
     (num_layers = after the final norm). Works on the unrolled (tuple) and stacked (scan) layouts.

@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec import speculate
+from jaxspec.decode import speculate
 from jaxspec.engine import bucket
 from jaxspec.errors import JaxspecError
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.models import paged_attention
 from jaxspec.serving import paged_cache, rows
 from jaxspec.serving.pages import PagePool, pages_for

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import init_cache
+from jaxspec.decode.cache import init_cache
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters import eagle3 as eagle3_lib
 from jaxspec.drafters import feature_chain

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import draw
+from jaxspec.decode.sampling import draw
 
 
 def accept_row(

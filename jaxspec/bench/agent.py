@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxspec.bench import Bench, _json_default, machine_facts
-from jaxspec.bench_plan import plan_bench
-from jaxspec.bench_rows import aggregate, drop_ids, summarise_configs
+from jaxspec.bench.spec_bench import Bench, _json_default, machine_facts
+from jaxspec.bench.plan import plan_bench
+from jaxspec.bench.rows import aggregate, drop_ids, summarise_configs
 from jaxspec.errors import JaxspecError
 
 

@@ -251,7 +251,7 @@ def grow(expand, carry, root_logits, sp, keys, *, top_k: int, levels: int, budge
     frontier (level 0 = depth-1 nodes) and returns its logits for their children; keys [B].
     reported_q="shared" reports q un-renormalised for later without-replacement siblings (the
     broken variant the distribution test must catch). Returns (DynamicTree, carry)."""
-    from jaxspec.sampling import logits_to_probs  # keeps this module's imports to jax
+    from jaxspec.decode.sampling import logits_to_probs  # keeps this module's imports to jax
 
     k = top_k
     b, nd = root_logits.shape

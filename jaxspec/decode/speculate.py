@@ -12,7 +12,7 @@ One step is data flowing one way (docs/architecture.md):
 
 A chain is the tree with parents i - 1; plain decoding is the empty proposal (N = 0); fixed-γ
 speculation is the trivial plan (no controller: every row drafts γ). With a controller
-(`LoopSpec.adaptive`, jaxspec/adaptive.py) a plan with no node anywhere runs the one-token
+(`LoopSpec.adaptive`, jaxspec/decode/adaptive.py) a plan with no node anywhere runs the one-token
 step instead (`plain_step`: plain decoding's own, the entry written in place).
 
 Invariants (row b):
@@ -33,10 +33,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec import acceptance, adaptive, sampling, tree
+from jaxspec.decode import acceptance, adaptive, sampling, tree
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal, traits
 from jaxspec.models import attention_kernels, base
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -72,7 +72,7 @@ class LoopSpec:
     # A sharding.MeshPlan (or None): the state is constrained to it at prefill and every step,
     # so params, cache, tokens and drafter state stay sharded through the loop.
     mesh: Any = None
-    # Adaptive speculation (jaxspec/adaptive.py): per-row lengths as data; every window width
+    # Adaptive speculation (jaxspec/decode/adaptive.py): per-row lengths as data; every window width
     # 2..γ+1 and a one-token step (no drafting) are compiled into the one program.
     adaptive: adaptive.Controller | None = None
 

@@ -57,10 +57,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec import paths, progress, speculate, tree
+from jaxspec import paths, progress
+from jaxspec.decode import speculate, tree
 from jaxspec.drafters.base import CommitContext, DraftContext, traits
 from jaxspec.models import base
-from jaxspec.sampling import SamplingParams
+from jaxspec.decode.sampling import SamplingParams
 
 FILLS = (128, 1024)  # committed tokens per row the costs are measured at (prompt buckets)
 REPS = 7  # timed rounds over all names; each keeps the median of its per-round ratio

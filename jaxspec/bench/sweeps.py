@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxspec import bench_formula as formula
-from jaxspec.bench_rows import aggregate, drop_ids, ratio, record
+from jaxspec.bench import formula
+from jaxspec.bench.rows import aggregate, drop_ids, ratio, record
 
 
 def gamma_sweep(

@@ -67,7 +67,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec import tree
+from jaxspec.decode import tree
 from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.base import Proposal
 
@@ -138,7 +138,7 @@ class Controller:
         return hash(self._key())
 
     def init(self, batch: int, costs) -> AdaptiveState:
-        """costs: one curve [G+1] (every context) or {fill: curve} (jaxspec.calibration)."""
+        """costs: one curve [G+1] (every context) or {fill: curve} (jaxspec.decode.calibration)."""
         g, s = self.gamma, self.settings
         fills, table = cost_table(costs)
         return AdaptiveState(

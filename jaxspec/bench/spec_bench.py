@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec import progress
-from jaxspec.bench_plan import BenchPlan, plan_bench, settings
-from jaxspec.bench_rows import (  # noqa: F401 -- aggregate: re-exported
+from jaxspec.bench.plan import BenchPlan, plan_bench, settings
+from jaxspec.bench.rows import (  # noqa: F401 -- aggregate: re-exported
     SPEC_BENCH_CATEGORIES,
     aggregate,
     drop_ids,
@@ -44,13 +44,13 @@ from jaxspec.bench_rows import (  # noqa: F401 -- aggregate: re-exported
     summarise_configs,
     summarise_peers,
 )
-from jaxspec.bench_sweeps import batch_sweep, gamma_sweep
+from jaxspec.bench.sweeps import batch_sweep, gamma_sweep
 from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
 EXIT_INTERRUPTED = 130
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = REPO_ROOT / "data" / "spec_bench_dev.jsonl"  # shipped: data/README.md
 
 
@@ -185,7 +185,7 @@ def make_parser() -> argparse.ArgumentParser:
         choices=["spec-bench", "agent"],
         default="spec-bench",
         help="agent: the multi-turn tool-calling sessions of --agent-data, in order through one "
-        "engine per config (jaxspec/bench_agent.py)",
+        "engine per config (jaxspec/bench/agent.py)",
     )
     p.add_argument(
         "--agent-data",
@@ -239,7 +239,7 @@ def select(rows: list[dict[str, Any]], n_per_category: int) -> list[dict[str, An
 # ---- the run -------------------------------------------------------------------------------------
 class Bench:
     """One run: plan (configs, prompts) -> load (target, engines, peers) -> main protocol and
-    sweeps -> results.json / summary.md. The figures come from jaxspec.bench_rows."""
+    sweeps -> results.json / summary.md. The figures come from jaxspec.bench.rows."""
 
     def __init__(self, args: argparse.Namespace, argv: list[str], target=None, hf_model=None):
         self.args = args
@@ -298,7 +298,7 @@ class Bench:
         self.ids = [self.engines["baseline"].encode(p["prompt"]) for p in self.prompts]
         self.peers = None
         if self.args.peers == "hf":
-            from jaxspec.bench_peers import HFPeers
+            from jaxspec.bench.peers import HFPeers
 
             g = self.args.hf_prompt_lookup_tokens or next(
                 (
@@ -368,7 +368,7 @@ class Bench:
             self.summarise()
             self.write(plots=False)
 
-    # -- phases 2 and 3: the sweeps (jaxspec.bench_sweeps)
+    # -- phases 2 and 3: the sweeps (jaxspec.bench.sweeps)
     def run_gamma_sweep(self) -> None:
         n = self.args.sweep_prompts
         sweep = self.results["gamma_sweep"] = {
@@ -429,7 +429,7 @@ class Bench:
 
     def _record_attention(self) -> None:
         """machine.attention: what the baseline's decode program compiled (read from the
-        lowered programs by the engine, jaxspec.hlo.compiled_attention), never the setting;
+        lowered programs by the engine, jaxspec.tools.hlo.compiled_attention), never the setting;
         attention_compiled: every engine's, per program ("not compiled yet" before a run)."""
         compiled = {label: dict(e.compiled_attention) for label, e in (self.engines or {}).items()
                     if getattr(e, "compiled_attention", None)}
@@ -447,7 +447,7 @@ class Bench:
         tmp.write_text(json.dumps(self.results, indent=1, default=_json_default) + "\n")
         tmp.replace(self.out / "results.json")
         if plots:
-            from jaxspec.bench_plots import write_plots, write_summary
+            from jaxspec.bench.plots import write_plots, write_summary
 
             write_summary(self.results, self.out / "summary.md")
             if not self.args.no_plots:
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
         check_extras(args)
         runner = Bench
         if args.workload == "agent":
-            from jaxspec.bench_agent import AgentBench as runner
+            from jaxspec.bench.agent import AgentBench as runner
         bench = runner(args, argv, target=target, hf_model=hf_model)
         bench.prepare()
         bench.load()

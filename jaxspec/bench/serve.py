@@ -1,4 +1,4 @@
-"""python -m jaxspec.bench_serve: continuous batching against static batching under Poisson
+"""python -m jaxspec.bench.serve: continuous batching against static batching under Poisson
 arrivals, on Spec-Bench dev prompts (evaluation only) with mixed output lengths, per method.
 
 Each method's engine is built once; for every arrival rate the same requests (same prompts,
@@ -24,7 +24,7 @@ LENGTHS = (8, 16, 32)  # mixed output lengths, cycled
 
 
 def make_parser() -> ArgumentParser:
-    p = ArgumentParser(prog="python -m jaxspec.bench_serve", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m jaxspec.bench.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=["configs/smollm2-135m.yaml",
                                                     "configs/smollm2-135m-ngram.yaml"])
     p.add_argument("--prompts", default="data/spec_bench_dev.jsonl")

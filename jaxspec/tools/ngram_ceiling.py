@@ -1,6 +1,6 @@
 """How far can prompt lookup go on this target's own text? Exact greedy replay, no timing.
 
-    python -m jaxspec.ngram_ceiling --config configs/smollm2-135m-ngram.yaml --n-per-category 10
+    python -m jaxspec.tools.ngram_ceiling --config configs/smollm2-135m-ngram.yaml --n-per-category 10
 
 Greedy speculation emits exactly plain greedy's tokens, so once the plain output of a prompt is
 known, the steps any n-gram policy takes on it follow on the host: at committed length L the policy
@@ -100,7 +100,7 @@ def ceilings(rows: list[dict], gamma: int, min_ngram: int, max_ngram: int) -> di
 
 
 def _greedy_outputs(config_path: str, n_per_category: int, max_new_tokens: int, data: str) -> list[dict]:
-    from jaxspec import bench
+    from jaxspec.bench import spec_bench as bench
     from jaxspec.build import build_engine
     from jaxspec.config import load_config
 
@@ -116,10 +116,10 @@ def _greedy_outputs(config_path: str, n_per_category: int, max_new_tokens: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxspec import bench
+    from jaxspec.bench import spec_bench as bench
     from jaxspec.config import load_config
 
-    ap = argparse.ArgumentParser(prog="python -m jaxspec.ngram_ceiling", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m jaxspec.tools.ngram_ceiling", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="an ngram config (its γ and n-gram sizes are replayed)")
     ap.add_argument("--data", default=str(bench.DEFAULT_DATA))
     ap.add_argument("--n-per-category", type=int, default=10)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from jaxspec.bench_rows import SPEC_BENCH_CATEGORIES
+from jaxspec.bench.rows import SPEC_BENCH_CATEGORIES
 from jaxspec.errors import JaxspecError
 
 GREEDY = ("sampling.temperature=0",)

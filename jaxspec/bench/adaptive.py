@@ -1,6 +1,6 @@
 """Batch sweep for adaptive speculation: plain, fixed-γ and adaptive configs side by side.
 
-    python -m jaxspec.bench_adaptive --config configs/smollm2-135m-ngram.yaml \\
+    python -m jaxspec.bench.adaptive --config configs/smollm2-135m-ngram.yaml \\
         configs/smollm2-135m-ngram-adaptive.yaml --batch-sizes 1,2,4,8,16,32 \\
         --max-new-tokens 64 --out bench_out/adaptive
 
@@ -28,14 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.bench import DEFAULT_DATA, int_list, read_questions, select
-from jaxspec.bench_plan import label_of
+from jaxspec.bench.spec_bench import DEFAULT_DATA, int_list, read_questions, select
+from jaxspec.bench.plan import label_of
 from jaxspec.cli_support import ArgumentParser
 from jaxspec.errors import JaxspecError
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m jaxspec.bench_adaptive")
+    p = ArgumentParser(prog="python -m jaxspec.bench.adaptive")
     p.add_argument("--config", nargs="+", required=True, help="speculative configs (plain added)")
     p.add_argument("--batch-sizes", type=int_list("--batch-sizes", 1, 256), default=[1, 2, 4, 8])
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -85,7 +85,7 @@ def run_parts(a, argv) -> int:
     names = None
     for name, extra in parts:
         sub = outdir / name
-        cmd = [sys.executable, "-m", "jaxspec.bench_adaptive", *argv, *extra,
+        cmd = [sys.executable, "-m", "jaxspec.bench.adaptive", *argv, *extra,
                "--part", "categories" if name == "categories" else "sweep", "--out", str(sub)]
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, check=False).returncode
