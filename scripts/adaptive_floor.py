@@ -19,7 +19,7 @@ import statistics
 
 from jaxspec.build import build_engine
 from jaxspec.config import load_config
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 
 PROMPT = (
     "Summarize the following notes in three sentences: the committee met on Tuesday to discuss "

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.loading import load_model
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "spec_bench_dev.jsonl"

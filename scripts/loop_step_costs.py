@@ -22,7 +22,7 @@ import statistics
 
 from jaxspec.decode import calibration
 from jaxspec.build import build_engine
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.config import load_config
 
 PROMPT = "Write a short persuasive essay about why cities should plant more trees."

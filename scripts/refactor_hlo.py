@@ -22,7 +22,7 @@ from tiny import eagle_like, tiny_model  # noqa: E402
 
 from jaxspec.decode import speculate  # noqa: E402
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
-from jaxspec.engine import Engine  # noqa: E402
+from jaxspec.engine.runner import Engine  # noqa: E402
 from jaxspec.decode.sampling import SamplingParams  # noqa: E402
 
 

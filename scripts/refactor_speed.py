@@ -14,7 +14,7 @@ import json
 
 from jaxspec.build import build_engine
 from jaxspec.config import load_config
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 
 PROMPTS = [
     "Summarise: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "

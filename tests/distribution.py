@@ -17,7 +17,7 @@ import numpy as np
 from scipy import stats
 
 from jaxspec.decode import sampling
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 
 PASS_P = 1e-3  # a correct rule passes at this level
 FAIL_P = 1e-6  # a broken rule must fail below this one

@@ -16,7 +16,7 @@ sys.path[:0] = [str(Path(__file__).parents[1])]  # this jaxspec
 import jax
 
 from jaxspec.drafters import NgramDrafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.models import base, gemma, llama
 from jaxspec.sharding import MeshPlan, make_mesh
 

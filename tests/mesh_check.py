@@ -24,7 +24,7 @@ from jaxspec.tools import hlo
 from jaxspec.decode import speculate
 from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.models import llama
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.sharding import MeshPlan, make_mesh

@@ -20,7 +20,7 @@ from jaxspec.tools import hlo
 from jaxspec.decode import speculate
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.models import llama
 from jaxspec.decode.sampling import SamplingParams
 

@@ -15,7 +15,7 @@ import pytest
 
 from distribution import FAIL_P, PASS_P, pvalue
 from jaxspec import kernels
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.formats import load_drafter_checkpoint
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.train import block as block_train

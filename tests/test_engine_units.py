@@ -1,4 +1,4 @@
-"""The engine's units, each alone (jaxspec/prepare.py, programs.py, results.py, adaptive_host.py)
+"""The engine's units, each alone (jaxspec/engine/prepare.py, programs.py, results.py, adaptive_host.py)
 and the loop's adaptive interface (adaptive.Controller.plan / observe): what each promises,
 through public names only."""
 
@@ -13,14 +13,14 @@ import pytest
 from tiny import tiny_model
 
 from jaxspec.decode import adaptive, calibration, speculate
-from jaxspec.adaptive_host import REPROBE_BATCHES, AdaptiveHost
+from jaxspec.engine.adaptive_host import REPROBE_BATCHES, AdaptiveHost
 from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
-from jaxspec.prepare import Requests, bucket
-from jaxspec.programs import Programs
-from jaxspec.results import Report, fetch
+from jaxspec.engine.prepare import Requests, bucket
+from jaxspec.engine.programs import Programs
+from jaxspec.engine.results import Report, fetch
 from jaxspec.decode.sampling import SamplingParams
 
 

@@ -273,7 +273,7 @@ GEMMA_PROMPTS = ("The capital of France is", "def fibonacci(n):",
 
 
 def test_gemma3_270m_greedy_equals_transformers(gemma3_270m, gemma3_270m_hf):
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
 
     loaded, _ = gemma3_270m
     prompts = [loaded.tokenizer(text)["input_ids"] for text in GEMMA_PROMPTS]
@@ -305,7 +305,7 @@ def engine_prompts():
 
 @pytest.fixture(scope="module")
 def gemma_plain(gemma_engine_model, engine_prompts):
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
 
     engine = Engine(gemma_engine_model)
     return [engine.generate([p], max_new_tokens=ENGINE_NEW)[0].token_ids for p in engine_prompts]
@@ -335,7 +335,7 @@ def _drafter(name: str, model):
 @pytest.mark.parametrize("name", ["ngram", "eagle3", "ngram_tree", "eagle_tree"])
 def test_gemma3_greedy_speculation_is_token_identical(gemma_engine_model, engine_prompts,
                                                       gemma_plain, name):
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
 
     drafter, dparams, gamma = _drafter(name, gemma_engine_model)
     engine = Engine(gemma_engine_model, drafter, dparams, num_speculative_tokens=gamma)
@@ -364,7 +364,7 @@ def gemma_varied_model():
 
 @pytest.fixture(scope="module")
 def gemma_varied_plain(gemma_varied_model, engine_prompts):
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
 
     engine = Engine(gemma_varied_model)
     out = [engine.generate([p], max_new_tokens=ENGINE_NEW)[0].token_ids for p in engine_prompts]
@@ -394,7 +394,7 @@ def test_gemma3_layer_skip_and_draft_model(gemma_varied_model, engine_prompts, g
     window) token-identical to plain. A draft that is the target itself proposes the target's own
     greedy tokens, so (nearly) every draft is accepted; the same draft without its window is not:
     the draft path honours the family's local layers."""
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
 
     drafter, dparams = _model_drafter(name, gemma_varied_model)
     engine = Engine(gemma_varied_model, drafter, dparams, num_speculative_tokens=3)

@@ -19,7 +19,7 @@ from tiny import tiny_model
 from jaxspec import formats
 from jaxspec.decode.cache import init_cache
 from jaxspec.drafters.base import DraftContext
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import eagle3 as eagle3_fmt
 from jaxspec.formats import medusa as medusa_fmt

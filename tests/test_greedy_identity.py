@@ -16,7 +16,7 @@ from jaxspec import kernels
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.lookup import LookupFirst
 from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 from jaxspec.models import llama
 from jaxspec.train import methods

@@ -10,7 +10,7 @@ import pytest
 from jaxspec import kernels
 from jaxspec.config import load_config
 from jaxspec.drafters.draft_vocab import check_d2t
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MIN_TEMPERATURE
 from jaxspec.loading.params import assemble, resolve_layout

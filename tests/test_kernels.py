@@ -11,7 +11,7 @@ import pytest
 
 from jaxspec import kernels
 from jaxspec.decode import tree
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
 from jaxspec.loading.params import check_options, unpack_params

@@ -1016,7 +1016,7 @@ def test_nan_weights_stop_generation_with_an_error():
 
     import jax.numpy as jnp
 
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
     from tiny import tiny_model
 
     m = tiny_model(seed=1, vocab=32, layers=1, hidden=16)

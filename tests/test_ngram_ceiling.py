@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.tools.ngram_ceiling import ceilings, latest_match, replay_oracle, replay_policy
 from tiny import tiny_model
 

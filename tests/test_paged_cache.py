@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import export
 
 from jaxspec.decode.cache import init_cache
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.models import llama
 from jaxspec.models import paged_attention as pa
 from jaxspec.serving import Sampling

@@ -259,7 +259,7 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2, hf_greedy, questi
 
 def test_smollm2_engine_greedy_matches_transformers_generate(smollm2, hf_greedy):
     """The library's own jitted loop (plain decoding), same prompts, same references."""
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
 
     refs = [hf_greedy(q) for q in GREEDY_PROMPTS]
     results = Engine(smollm2).generate([ids for ids, _ in refs], max_new_tokens=64)

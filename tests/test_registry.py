@@ -1,7 +1,7 @@
 """A new drafting method is one module + `register_drafter`: this file is that module. It defines a
 toy drafter and its options section, registers both, and selects it from YAML, from a CLI
 override and through the engine -- with no edit to jaxspec.config, jaxspec.train.load or
-jaxspec.engine."""
+jaxspec.engine.runner."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jaxspec import generate
 from jaxspec.build import build_drafter
 from jaxspec.config import load_config
 from jaxspec.drafters import BuildContext, DrafterOptions, Proposal, register_drafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 
 

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 
 from conftest import save_byte_tokenizer  # noqa: E402
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
-from jaxspec.engine import Engine  # noqa: E402
+from jaxspec.engine.runner import Engine  # noqa: E402
 from jaxspec.serving import QueueFull, Sampling, Server  # noqa: E402
 from jaxspec.serving.http import make_app  # noqa: E402
 from tiny import tiny_model  # noqa: E402

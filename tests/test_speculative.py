@@ -18,7 +18,7 @@ from jaxspec.decode import acceptance, speculate
 from jaxspec.decode.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 from jaxspec.decode.sampling import SamplingParams

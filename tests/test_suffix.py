@@ -18,7 +18,7 @@ from jaxspec.decode import speculate
 from jaxspec.config import load_config
 from jaxspec.drafters import suffix_store
 from jaxspec.drafters.suffix import SuffixDrafter, SuffixFirst
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.loading.params import unpack_params
 from jaxspec.errors import JaxspecError
 from jaxspec.decode.sampling import SamplingParams

@@ -15,7 +15,7 @@ from jaxspec.decode import sampling
 from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters.lookup import LookupFirst
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.models import base
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.train import methods

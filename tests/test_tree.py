@@ -18,7 +18,7 @@ from tiny import tiny_model
 from jaxspec.decode import acceptance, speculate, tree
 from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.ngram import NgramDrafter
-from jaxspec.engine import Engine
+from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama
 from jaxspec.decode.sampling import SamplingParams, logits_to_probs

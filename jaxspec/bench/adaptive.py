@@ -117,7 +117,7 @@ def run(a) -> int:
     from jaxspec.build import build_engine
     from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.config import load_config
-    from jaxspec.engine import bucket
+    from jaxspec.engine.runner import bucket
     from jaxspec.loading import load_model
 
     enable_compilation_cache()
@@ -212,7 +212,7 @@ def per_category(a, engines, questions) -> dict:
     """Batch 1, every category: -> {category: {engine: {speedup, tokens_per_s, ...}}}."""
     from collections import Counter
 
-    from jaxspec.engine import bucket
+    from jaxspec.engine.runner import bucket
 
     plain = engines["plain"]
     by_cat: dict[str, list] = {}

@@ -320,7 +320,7 @@ class Bench:
     @staticmethod
     def warm_up(engine, ids_list: list[list[int]], max_new: int, batch_size: int = 1) -> None:
         """Compile untimed: once per prompt-length bucket (the longest prompt of each batch)."""
-        from jaxspec.engine import bucket
+        from jaxspec.engine.runner import bucket
 
         seen = set()
         for i in range(0, len(ids_list), batch_size):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decode import speculate
-from jaxspec.engine import bucket
+from jaxspec.engine.runner import bucket
 from jaxspec.errors import JaxspecError
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.models import paged_attention

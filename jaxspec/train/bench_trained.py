@@ -57,7 +57,7 @@ def main(argv=None):
 
     jax.config.update("jax_compilation_cache_dir", str(Path(".jax_cache").resolve()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    from jaxspec.engine import Engine, bucket
+    from jaxspec.engine.runner import Engine, bucket
     from jaxspec.loading import load_model
     from jaxspec.train.load import load_trained_drafter
 

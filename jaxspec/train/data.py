@@ -224,7 +224,7 @@ def build(dc: DataConfig, model=None) -> Path:
     """Write every missing shard; returns the output dir. Prints a progress bar with an ETA."""
     from tqdm import tqdm
 
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
 
     if model is None:
         from jaxspec.loading import load_model

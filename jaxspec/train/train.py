@@ -192,7 +192,7 @@ def make_method(tc: TrainConfig):
 
 def evaluate(target, drafter, dparams, prompts, gamma, max_new) -> dict:
     """Run the real speculative decoder (greedy, batch 1) on held-out prompts."""
-    from jaxspec.engine import Engine
+    from jaxspec.engine.runner import Engine
 
     engine = Engine(target, drafter, dparams, num_speculative_tokens=gamma)
     res = engine.generate(prompts, max_new_tokens=max_new, batch_size=1)

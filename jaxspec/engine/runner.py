@@ -25,15 +25,15 @@ import jax.numpy as jnp
 from jaxspec import progress, sharding, xla_cache
 from jaxspec.decode import speculate
 from jaxspec.decode.adaptive import Controller
-from jaxspec.adaptive_host import AdaptiveHost
+from jaxspec.engine.adaptive_host import AdaptiveHost
 from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.base import check_target, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
 from jaxspec.models import base
-from jaxspec.prepare import MIN_PROMPT_BUCKET, Requests, bucket
-from jaxspec.programs import Programs
-from jaxspec.results import GenerationResult, Report, fetch
+from jaxspec.engine.prepare import MIN_PROMPT_BUCKET, Requests, bucket
+from jaxspec.engine.programs import Programs
+from jaxspec.engine.results import GenerationResult, Report, fetch
 from jaxspec.decode.sampling import SamplingParams, check_tokens
 
 __all__ = ["Engine", "GenerationResult", "bucket", "MIN_PROMPT_BUCKET"]

@@ -10,7 +10,7 @@ adaptive program and which the plain one.
 State kept across batches: `observed_acceptance` (per position, averaged over adaptive batches),
 `off_batches` (batches run plain since the last adaptive one) and `last_runs` (each size's last
 adaptive batch: its window histogram, tokens per row and priced steps). Every choice reads
-earlier batches only, so it is lossless (adaptive.py). Used by jaxspec.engine.Engine; the serving
+earlier batches only, so it is lossless (adaptive.py). Used by jaxspec.engine.runner.Engine; the serving
 scheduler can hold one of its own.
 """
 
