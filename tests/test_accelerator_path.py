@@ -106,7 +106,7 @@ def stack_prefix_slices(text: str, stacked_shapes, n: int) -> list[str]:
         for ins in instrs:
             if ins.opcode in ("parameter", "get-tuple-element", "tuple", "bitcast"):
                 continue
-            for dims in re.findall(r"\w+\[([\d,]*)\]", hlo._shape_of(ins.line)):
+            for dims in re.findall(r"\w+\[([\d,]*)\]", hlo.shape_of(ins.line)):
                 shape = tuple(int(d) for d in dims.split(",") if d)
                 if len(shape) >= 2 and shape[0] == n and shape[1:] in per_layer:
                     out.append(ins.line.strip()[:120])

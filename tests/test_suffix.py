@@ -185,12 +185,12 @@ class PeekingSuffix(SuffixDrafter):
 
 
 def test_suffix_proposals_that_peek_at_the_draw_fail(law_target, monkeypatch):
-    real = speculate._drafted_step
+    real = speculate.drafted_step
 
     def leak(spec, tparams, dparams, state, sp, k_draft, k_accept, allowed):
         return real(spec, tparams, dparams, state, sp, k_accept, k_accept, allowed)
 
-    monkeypatch.setattr(speculate, "_drafted_step", leak)
+    monkeypatch.setattr(speculate, "drafted_step", leak)
     good, store = law_drafter(False)
     broken = PeekingSuffix(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)})
     sp = SamplingParams.make(**FILTERED)

@@ -326,7 +326,7 @@ def decode_step(
         plan = plan_step(spec, tparams, dparams, state, sp)
     k_draft, k_accept = _step_keys(state)
     lengths = None if plan is None else plan.lengths
-    out = _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths)
+    out = drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths)
     return _advance(spec, state, out, plan)
 
 
@@ -380,7 +380,7 @@ def _last_token(state: DecodeState) -> jax.Array:  # int32[B] the last committed
     return jnp.take_along_axis(state.tokens, (state.lengths - 1)[:, None], axis=1)[:, 0]
 
 
-def _drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) -> _StepOut:
+def drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) -> _StepOut:
     """Propose (cut to the plan's `lengths`, None: γ), then the window step -- or, with a
     controller, the one-token branch where no row has a node to verify."""
     b = state.lengths.shape[0]

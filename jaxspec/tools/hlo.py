@@ -166,7 +166,8 @@ def _operands(line: str, opcode: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", args[:end])
 
 
-def _shape_of(line: str) -> str:
+def shape_of(line: str) -> str:
+    """The result shape text of one HLO instruction line (`f32[1,2]{1,0}`, a tuple's `(...)`), or ""."""
     parsed = _parse_instr(line)
     return parsed[1] if parsed else ""
 
@@ -197,7 +198,7 @@ def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) ->
         ops = _operands(root.line, root.opcode)
         in_place_buffer = ops[0]
         upd = by_name.get(ops[2] if root.opcode == "scatter" else ops[1])
-        total = 2 * _shape_bytes(_shape_of(upd.line)) if upd else out_bytes
+        total = 2 * _shape_bytes(shape_of(upd.line)) if upd else out_bytes
     params = [i for i in instrs if i.opcode == "parameter"]
     for p in params:
         idx = int(re.search(r"parameter\((\d+)\)", p.line).group(1))
@@ -214,7 +215,7 @@ def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) ->
         us = real_users(p.name)
         if us and all(u.opcode in SLICING and _operands(u.line, u.opcode)[0] in (p.name, *[
                 b.name for b in instrs if b.opcode == "bitcast"]) for u in us):
-            total += min(whole, sum(_shape_bytes(_shape_of(u.line)) for u in us))
+            total += min(whole, sum(_shape_bytes(shape_of(u.line)) for u in us))
         else:
             total += whole
     return total
@@ -235,7 +236,7 @@ def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_tri
 
     def comp_bytes(name: str) -> int:
         instrs = comps.get(name, [])
-        shapes = {i.name: _shape_of(i.line) for i in instrs}
+        shapes = {i.name: shape_of(i.line) for i in instrs}
         users: dict[str, set[str]] = {}
         for i in instrs:
             for o in _operands(i.line, i.opcode) if i.opcode != "parameter" else []:
@@ -265,7 +266,7 @@ def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_tri
                 total += comp_bytes(ins.calls)
                 continue
             operands = [_shape_bytes(shapes.get(o, "")) for o in _operands(ins.line, op)]
-            out = _shape_bytes(_shape_of(ins.line))
+            out = _shape_bytes(shape_of(ins.line))
             if op == "fusion" and ins.calls:
                 total += _fusion_bytes(comps, ins.calls, operands, out)
             elif op in IN_PLACE:
