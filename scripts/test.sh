@@ -38,7 +38,8 @@ fi
 
 # The modules that measure the compiled programs users run (HLO bytes and copies, greedy identity
 # at a near-tie: tests/conftest.py says why) compile as users compile (XLA's defaults).
-production=(tests/test_greedy_identity.py tests/test_roofline.py tests/test_accelerator_path.py)
+production=(tests/test_greedy_identity.py tests/test_roofline.py tests/test_accelerator_path.py
+            tests/test_tree.py)
 is_production() {
   local p
   for p in "${production[@]}"; do [ "${1%%::*}" = "$p" ] && return 0; done

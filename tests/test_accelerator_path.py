@@ -253,6 +253,9 @@ def _device_engine(config_name):
             drafter = LookupFirst(drafter, NgramDrafter(64, spec.lookup.min_ngram,
                                                         spec.lookup.max_ngram), name="lookup")
     adaptive = spec.adaptive if spec.adaptive.enabled and drafter else None
+    if adaptive is not None:  # flat costs: an export measures nothing
+        nodes = getattr(drafter, "num_nodes", None) or spec.num_speculative_tokens
+        adaptive = dataclasses.replace(adaptive, step_costs=[1.0] * (nodes + 1), draft_cost=0.0)
     e = Engine(target, drafter, dparams,
                num_speculative_tokens=spec.num_speculative_tokens if drafter else 0,
                adaptive=adaptive)
