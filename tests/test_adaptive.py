@@ -789,3 +789,28 @@ def test_engine_calibrates_on_a_fresh_cache_then_reads_it(target, prompts, tmp_p
     plain = Engine(target).generate(prompts[:2], max_new_tokens=12, batch_size=1)
     got = engine.generate(prompts[:2], max_new_tokens=12, batch_size=1)
     assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+
+
+def test_continuous_batching_prices_tokens_not_the_slowest_rows_tail():
+    """Two rows, one about to end (room 2) and one long: the lockstep objective (the batch's
+    finish time) lets the long row's estimate decide; continuous batching (rows replaced) buys
+    expected tokens per cost over both. At batch 1 both choose the same cap."""
+    st = controller(3).init(2, [1.0, 1.5, 1.9, 2.2])
+    st = dataclasses.replace(st, alpha=jnp.asarray([[0.9, 0.9, 0.9], [0.3, 0.3, 0.3]]))
+    active, room = jnp.asarray([True, True]), jnp.asarray([2, 60])
+    context = jnp.asarray([10, 10])
+    plain = AdaptiveConfig(probe_every=0, explore=0.0)  # the objective alone decides
+    lockstep = adaptive.Controller(3, plain).choose(st, jnp.zeros(2, jnp.int32), active, room,
+                                                    context)
+    replaced = adaptive.Controller(3, plain, rows_replaced=True).choose(
+        st, jnp.zeros(2, jnp.int32), active, room, context)
+    useful = jnp.clip(room - 1, 0, 3)
+    times = adaptive.token_times(st, active, useful, context)
+    assert int(jnp.max(replaced)) == int(jnp.argmin(times))
+    assert int(jnp.max(lockstep)) == 0 < int(jnp.max(replaced)) == 1  # the long row's 0.3 vs
+    # both rows' tokens: 1 node buys 3.2 expected tokens for 1.5 plain steps
+    for row in range(2):  # alone, the two objectives agree
+        one = jax.tree.map(lambda x: x[row : row + 1] if x.ndim and x.shape[0] == 2 else x, st)
+        args = (one, jnp.zeros(1, jnp.int32), active[:1], jnp.asarray([40]), context[:1])
+        assert int(adaptive.Controller(3, plain).choose(*args)[0]) == int(
+            adaptive.Controller(3, plain, rows_replaced=True).choose(*args)[0])

@@ -5,7 +5,10 @@ others run, mixed prompt and output lengths, and sampled rows sharing the batch;
 tokens equal its solo run (its randomness is its own); the sampled law through the scheduler is
 the target's (tests/distribution.py), with greedy rows interleaved (a per-row-params bug that gave
 every row the first row's settings fails it: seen). Pages: none leak over 200 requests, and
-preemption under a tiny pool leaves every output identical. Chunked prefill: a long prompt goes
+preemption under a tiny pool leaves every output identical. A device call runs over the live
+rows only (compacted into the narrowest program width), its page table as wide as the longest
+live row; adaptive speculation prices each call at that width, so it switches off as load rises
+and back on as it falls, outputs equal to solo runs throughout. Chunked prefill: a long prompt goes
 in a chunk per round while a running row keeps streaming, and both outputs equal solo runs.
 """
 
@@ -15,6 +18,7 @@ import numpy as np
 import pytest
 
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
+from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
@@ -257,3 +261,50 @@ def test_chunked_prefill_runs_between_decode_calls_and_keeps_outputs(target, pro
     assert streamed >= 3  # 3 chunks of 16 before the last, each beside a decode call
     assert [s.done.token_ids for s in sinks] == solo
     assert sched.pool.free_pages == sched.pool.num_pages
+
+
+def test_a_call_runs_over_the_live_rows_and_their_pages_only(target, prompts):
+    engine = engine_for(target, "ngram")
+    solo = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]
+    sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=2, page_size=4)
+    alone = run(sched, [(0, prompts[0], Sampling(max_tokens=NEW[0]))])
+    assert alone[0].token_ids == solo[0]
+    rows, slots = zip(*sched.stats.calls_by_shape)  # (rows, page-table slots) of each program
+    assert set(rows) == {1}  # a lone request runs the 1-row program, not all 4 slots
+    assert max(slots) < CONTEXT  # its short table, not max_context
+    sched.stats.calls_by_shape.clear()
+    done = run(sched, [(i // 2, p, Sampling(max_tokens=n))
+                       for i, (p, n) in enumerate(zip(prompts, NEW))])
+    assert [c.token_ids for c in done] == solo
+    assert {r for r, _ in sched.stats.calls_by_shape} == {1, 2, 4}  # widths follow the load
+    assert sched.pool.free_pages == sched.pool.num_pages
+
+
+def adaptive_engine(target, name):
+    """Adaptive speculation whose given cost curve makes drafting free for a lone row and ten
+    plain steps a node for two or more (probes and optimism off: the choice is the curve's)."""
+    drafter, dparams, gamma = DRAFTERS[name](target)
+    costs = lambda batch: [1.0] * (gamma + 1) if batch == 1 else [1.0] + [10.0] * gamma
+    opts = AdaptiveConfig(enabled=True, step_costs=costs, draft_cost=0.0, probe_every=0,
+                          explore=0.0, decay=0.5)
+    return Engine(target, drafter, dparams, num_speculative_tokens=gamma, max_context=CONTEXT,
+                  adaptive=opts)
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle"])
+def test_adaptive_switches_off_as_load_rises_and_on_as_it_falls(target, prompts, name):
+    engine = adaptive_engine(target, name)
+    crowd_prompts = [prompts[4], prompts[3], prompts[0], prompts[4]]  # each runs 12 tokens
+    solo = [engine.generate([p], max_new_tokens=12)[0] for p in crowd_prompts]
+    sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=3)
+    twelve = Sampling(max_tokens=12)
+    first = run(sched, [(0, prompts[4], twelve)])[0]  # alone: the 1-row curve, drafting pays
+    crowd = run(sched, [(0, p, twelve) for p in crowd_prompts])  # four live: plain steps
+    last = run(sched, [(0, prompts[4], twelve)])[0]  # alone again: drafting again
+    assert first.token_ids == last.token_ids == solo[0].token_ids
+    assert [c.token_ids for c in crowd] == [r.token_ids for r in solo]
+    assert all(len(c.token_ids) == 12 for c in crowd)  # all four live to the end
+    assert first.metrics["num_draft_tokens"] > 0
+    assert last.metrics["num_draft_tokens"] == first.metrics["num_draft_tokens"]
+    assert [c.metrics["adaptive_plain_fraction"] for c in crowd] == [1.0] * 4
+    assert sum(c.metrics["num_draft_tokens"] for c in crowd) == 0

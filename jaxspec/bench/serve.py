@@ -20,7 +20,7 @@ import time
 from jaxspec.cli_support import EXIT_USAGE, ArgumentParser
 from jaxspec.errors import JaxspecError
 
-LENGTHS = (8, 16, 32)  # mixed output lengths, cycled
+LENGTHS = (8, 16, 32)  # mixed output lengths, cycled (--lengths)
 
 
 def make_parser() -> ArgumentParser:
@@ -40,6 +40,8 @@ def make_parser() -> ArgumentParser:
                    help="prompt tokens per prefill chunk (default: whole prompts)")
     p.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
     p.add_argument("--max-prompt", type=int, default=192, help="prompt tokens kept (the head)")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                   help="output lengths (max_tokens), cycled over the requests")
     p.add_argument("--out", help="write the runs as JSON here")
     return p
 
@@ -115,7 +117,16 @@ def run_once(server, requests, arrivals):
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
         "acceptance": sum(d.metrics.get("num_accepted_tokens", 0) for d in done)
         / max(1, sum(d.metrics.get("num_draft_tokens", 0) for d in done)),
+        "plain_fraction": _mean([d.metrics["adaptive_plain_fraction"] for d in done
+                                 if "adaptive_plain_fraction" in d.metrics]),
+        # what ran: device calls by (rows, page-table slots) of the compiled program
+        "calls_by_shape": {f"{r}x{c}": n for (r, c), n in
+                           sorted(server.scheduler.stats.calls_by_shape.items())},
     }
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
 
 
 def run(argv=None) -> int:
@@ -144,14 +155,19 @@ def run(argv=None) -> int:
         requests = []
         for i, text in enumerate(texts):
             ids = engine.encode(text)[: args.max_prompt]
-            requests.append((ids, Sampling(max_tokens=LENGTHS[i % len(LENGTHS)])))
-        for layout in args.kv_layout:  # compile every prompt bucket (both modes share programs)
-            with Server(engine, paged=layout == "paged", **serving) as server:
-                for ids, _ in requests:
-                    server.generate(ids, Sampling(max_tokens=2))
+            requests.append((ids, Sampling(max_tokens=args.lengths[i % len(args.lengths)])))
+        schedule = {}
         for rate in args.rates:
             rng = np.random.default_rng(0)
-            arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
+            schedule[rate] = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
+        for layout in args.kv_layout:  # compile what the runs will: every prompt bucket, and
+            # the call and page-table widths of a burst and of requests alone
+            with Server(engine, paged=layout == "paged", **serving) as server:
+                run_once(server, requests, [0.0] * len(requests))
+                for ids, sampling in requests[: len(args.lengths)]:
+                    server.generate(ids, sampling)
+        for rate in args.rates:
+            arrivals = schedule[rate]
             for layout, static in [(k, s) for k in args.kv_layout for s in (False, True)]:
                 with Server(engine, static=static, paged=layout == "paged", **serving) as server:
                     fig = run_once(server, requests, arrivals)

@@ -31,7 +31,10 @@ the last active row is done:
     c* = argmin_{c in 0..γ}  max_{active b} room_b / E_b(min(c, useful_b)) * cost[c]
 
 (useful_b = room_b - 1; prompt lookup: at most the nodes its match has). At batch 1 this is
-max_k E(k) / cost[k]. When c* = 0, every `probe_every`-th step verifies `probe_length` nodes, and
+max_k E(k) / cost[k]. Under continuous batching (`Controller.rows_replaced`, the serving
+scheduler) a row that ends is replaced at once, so the cap instead maximises the active rows'
+expected tokens per unit of cost, c* = argmax_c sum_b E_b(min(c, useful_b)) / cost[c], with
+cost[] the curve of the live row count (the scheduler runs each call at that width). When c* = 0, every `probe_every`-th step verifies `probe_length` nodes, and
 so does a step where one node would pay at the optimistic estimate (`optimistic`: alpha +
 `explore` standard errors), so a row whose first drafts missed can recover.
 
@@ -126,10 +129,19 @@ class Controller:
     gamma: int  # γ_max: nodes compiled for (a tree: its depth)
     settings: AdaptiveConfig = AdaptiveConfig()
     fixed: int | None = None
+    # continuous batching: a row that ends is replaced at once, so the cap maximises the active
+    # rows' expected tokens per unit of step cost (`token_times`) instead of minimising the
+    # lockstep batch's finish time (`finish_times`); the same at batch 1
+    rows_replaced: bool = False
 
     def _key(self) -> tuple:
         loop = tuple(getattr(self.settings, f) for f in LOOP_SETTINGS)
-        return type(self), self.gamma, self.fixed, loop
+        return type(self), self.gamma, self.fixed, self.rows_replaced, loop
+
+    def _times(self, st, active, useful, room, context) -> jax.Array:
+        if self.rows_replaced:
+            return token_times(st, active, useful, context)
+        return finish_times(st, active, useful, room, context)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Controller) and self._key() == other._key()
@@ -208,11 +220,11 @@ class Controller:
         g, s = self.gamma, self.settings
         if useful is None:
             useful = jnp.clip(room - 1, 0, g).astype(jnp.int32)  # [B] nodes a row can commit
-        times = finish_times(st, active, useful, room, context)  # [G+1]
+        times = self._times(st, active, useful, room, context)  # [G+1]
         cap = jnp.argmin(times).astype(jnp.int32)  # ties: the shorter window
         if s.explore > 0:  # optimism: a row stuck on plain after early misses tries a node
             hopeful = dataclasses.replace(st, alpha=optimistic(st, s.explore))
-            opt = finish_times(hopeful, active, useful, room, context)
+            opt = self._times(hopeful, active, useful, room, context)
             cap = jnp.where((cap == 0) & (opt[1] < opt[0]), 1, cap)
         step = jnp.max(jnp.where(active, row_steps, 0))  # rows of a batch step together
         probe = (s.probe_every > 0) & (step % max(s.probe_every, 1) == 0)
@@ -330,6 +342,17 @@ def finish_times(st: AdaptiveState, active, useful, room, context) -> jax.Array:
     by_cap = jnp.take_along_axis(expected, jnp.minimum(ks[None], useful[:, None]), axis=1)
     steps = jnp.where(active[:, None], room[:, None].astype(jnp.float32) / by_cap, 0.0)
     return jnp.max(steps, axis=0) * step_cost(st, context, active)
+
+
+def token_times(st: AdaptiveState, active, useful, context) -> jax.Array:
+    """-> f32[G+1] the expected cost per committed token, in plain steps, of a step with a cap
+    of c = 0..G nodes: cost[c] / sum over active rows of E_b(min(c, useful_b)). Rows that end
+    are replaced (continuous batching), so what a step buys is tokens, not a shorter tail."""
+    expected = expected_tokens(st.alpha)  # [B, G+1]
+    ks = jnp.arange(expected.shape[1])
+    by_cap = jnp.take_along_axis(expected, jnp.minimum(ks[None], useful[:, None]), axis=1)
+    tokens = jnp.sum(jnp.where(active[:, None], by_cap, 0.0), axis=0)  # [G+1]
+    return step_cost(st, context, active) / jnp.maximum(tokens, 1e-6)
 
 
 def cost_table(costs) -> tuple[list[float], list[list[float]]]:

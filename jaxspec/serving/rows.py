@@ -57,3 +57,31 @@ def release_rows(state, free: jax.Array):
     """Mark the slots `free` (bool[B]) done: the loop computes nothing useful for them and
     their tokens are never read again."""
     return dataclasses.replace(state, done=state.done | free)
+
+
+def _index(x: jax.Array, axis: int) -> tuple:
+    return (slice(None),) * axis
+
+
+@functools.partial(jax.jit, static_argnames=("axes",))
+def take_rows(state, idx: jax.Array, axes: tuple[int, ...]):
+    """The rows `idx` (int32[W]) of `state`, in that order: a W-row state (batch-wide leaves
+    kept). The scheduler's narrower device call over the live rows (`put_rows` undoes it)."""
+    leaves, treedef = jax.tree.flatten(state)
+    taken = [x if a == NO_AXIS else jnp.take(x, idx, axis=a) for x, a in zip(leaves, axes)]
+    return jax.tree.unflatten(treedef, taken)
+
+
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("state",))
+def put_rows(state, sub, idx: jax.Array, axes: tuple[int, ...]):
+    """`sub` (a W-row state from `take_rows(state, idx)`, since advanced) written back into rows
+    `idx` of `state`; batch-wide leaves are sub's (what the narrower call left)."""
+    s_leaves, treedef = jax.tree.flatten(state)
+    r_leaves = jax.tree.leaves(sub)
+
+    def put(s, r, a):
+        if a == NO_AXIS:
+            return r
+        return s.at[_index(s, a) + (idx,)].set(r.astype(s.dtype))
+
+    return jax.tree.unflatten(treedef, [put(s, r, a) for s, r, a in zip(s_leaves, r_leaves, axes)])

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decode import speculate
+from jaxspec.decode import adaptive, speculate
 from jaxspec.engine.runner import bucket
 from jaxspec.errors import JaxspecError
 from jaxspec.decode.sampling import SamplingParams
@@ -69,9 +69,23 @@ class Request:
     replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
 
 
+MIN_TABLE_PAGES = 4  # the narrowest page table a device call gets (fewer programs)
+
+
+def program_widths(most: int, least: int = 1) -> tuple[int, ...]:
+    """The sizes compiled for: powers of two from `least` below `most`, then `most`."""
+    out, w = [], max(1, least)
+    while w < most:
+        out.append(w)
+        w *= 2
+    return (*out, most)
+
+
 @dataclasses.dataclass
 class Stats:
     device_calls: int = 0
+    # device calls by (rows, page-table slots) of the program that ran, read from its state
+    calls_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
     decode_s: float = 0.0
     prefill_s: float = 0.0
     admitted: int = 0
@@ -117,10 +131,12 @@ class Scheduler:
         self.max_queue = max_queue
         self.static = static
         spec = engine.spec
-        if spec.adaptive is not None:  # rows of different requests: no batch-wide hand-off
-            spec = dataclasses.replace(
-                spec, adaptive=dataclasses.replace(spec.adaptive, handoff_after=0)
-            )
+        if spec.adaptive is not None:  # rows of different requests: no batch-wide hand-off,
+            # and a row that ends is replaced (the cap buys tokens, not a shorter tail)
+            ctl = spec.adaptive
+            spec = dataclasses.replace(spec, adaptive=dataclasses.replace(
+                ctl, settings=dataclasses.replace(ctl.settings, handoff_after=0),
+                rows_replaced=True))
         per_row = pages_for(max_context, page_size)
         self.pool = PagePool(kv_pages or slots * per_row, page_size)
         if self.pool.num_pages < per_row:
@@ -129,6 +145,12 @@ class Scheduler:
                 f"{max_context} ({per_row} pages of {page_size}): raise kv_pages"
             )
         self.max_pages = per_row  # page-table entries per row
+        # the device call runs over the live rows only, compacted into the narrowest of these
+        # widths (each its own compiled program), and its page table is as wide as the longest
+        # live row needs (`table_widths`): a step's cost follows the load
+        self.widths = program_widths(slots)
+        self.table_widths = program_widths(per_row, MIN_TABLE_PAGES)
+        self._costs: dict[int, tuple] = {}  # width -> the controller's cost table (host)
         self.paged = paged and spec.mesh is None and paged_cache.pageable(engine.model.target,
                                                                 engine.model.params)
         if self.paged:
@@ -331,8 +353,16 @@ class Scheduler:
     def _with_adaptive(self, state, batch: int):
         if self.spec.adaptive is None:
             return state
-        costs = self.engine.step_costs(self.slots)  # the program is `slots` rows wide
+        costs = self.engine.step_costs(1)  # each call sets its width's (`_costs_at`)
         return dataclasses.replace(state, adaptive=self.spec.adaptive.init(batch, costs))
+
+    def _costs_at(self, width: int) -> tuple:
+        """(costs f32[F, G+1], fills f32[F]) the controller prices a `width`-row call with: the
+        calibrated curve of that batch size (Engine.calibrate: measured once, announced)."""
+        if width not in self._costs:  # host arrays: the call donates the device ones
+            fills, table = adaptive.cost_table(self.engine.step_costs(width))
+            self._costs[width] = (np.asarray(table, np.float32), np.asarray(fills, np.float32))
+        return tuple(jnp.array(x) for x in self._costs[width])
 
     def _row_state_shape(self, batch: int):
         """The state a `batch`-row prefill leaves (traced only, for `rows.batch_axes`)."""
@@ -386,17 +416,48 @@ class Scheduler:
 
     # ---- the device call ----------------------------------------------------------------
     def _decode_call(self) -> None:
+        """One device call over the live rows: compacted (`rows.take_rows`) into the narrowest
+        program width that holds them, with a page table as wide as the longest live row's
+        pages, then written back (`rows.put_rows`). The pool itself is never copied."""
         t0 = time.perf_counter()
-        sp = SamplingParams.rows(self._sp_rows)
         engine = self.engine
+        live = sorted(self.active)
+        # (a contiguous cache is per row: compacting it would copy every live row's KV)
+        width = next(w for w in self.widths if w >= len(live)) if self.paged else self.slots
+        spare = [s for s in range(self.slots) if s not in self.active]  # done rows: padding
+        order = live + spare[: width - len(live)]
+        sp = SamplingParams.rows([self._sp_rows[s] for s in order])
+        whole = order == list(range(self.slots))
+        if self.paged:
+            k, v = self.state.cache.k, self.state.cache.v
+            self._set_cache(k=self._hole(k), v=self._hole(k))
+        sub = self.state if whole else rows.take_rows(self.state, jnp.asarray(order, jnp.int32),
+                                                      self._axes)
         if self.paged:  # the tables as the pool holds them now (grown, released, preempted);
             # a slot still prefilling gets none: its stale row must not write into its pages
-            table = self.pool.table(self.slots, self.max_pages, only=self.active)
-            self._set_cache(page_table=jnp.asarray(table))
-        self.state = speculate.decode_jit(
-            self.spec, engine.model.params, engine.drafter_params, self.state, sp,
-            jnp.int32(self.steps),
+            held = max(self.pool.held(s) for s in live)
+            cols = next(w for w in self.table_widths if w >= held)
+            table = self.pool.table(self.slots, self.max_pages, only=self.active)[order, :cols]
+            sub = dataclasses.replace(sub, cache=dataclasses.replace(
+                sub.cache, k=k, v=v, page_table=jnp.asarray(table)))
+        if sub.adaptive is not None:
+            costs, fills = self._costs_at(width)
+            sub = dataclasses.replace(sub, adaptive=dataclasses.replace(
+                sub.adaptive, costs=costs, fills=fills))
+        sub = speculate.decode_jit(
+            self.spec, engine.model.params, engine.drafter_params, sub, sp, jnp.int32(self.steps),
         )
+        view = sub.cache.page_table.shape[1] * self.pool.page_size if self.paged else self.capacity
+        self.stats.calls_by_shape[(int(sub.tokens.shape[0]), int(view))] += 1
+        if self.paged:  # the pool out, a full-width table placeholder in (the host's is truth)
+            k, v = sub.cache.k, sub.cache.v
+            sub = dataclasses.replace(sub, cache=dataclasses.replace(
+                sub.cache, k=self._hole(k), v=self._hole(k),
+                page_table=jnp.zeros((width, self.max_pages), jnp.int32)))
+        self.state = sub if whole else rows.put_rows(self.state, sub,
+                                                     jnp.asarray(order, jnp.int32), self._axes)
+        if self.paged:
+            self._set_cache(k=k, v=v)
         names = ("tokens", "lengths", "done", "row_steps", "num_draft", "num_accepted",
                  "accepted_per_position")
         fields = {n: getattr(self.state, n) for n in names}
