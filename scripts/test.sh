@@ -16,9 +16,9 @@ Sets up .venv (scripts/setup.sh), then runs jaxspec's tests with pytest and exit
 
 Files, directories and node ids (path::test) select what runs; every other argument is passed
 to pytest as is. Tests compile with XLA:CPU's faster code generation (JAXSPEC_TEST_FAST_CODEGEN=1)
-except the modules that measure the compiled programs users run (tests/test_greedy_identity.py,
-tests/test_roofline.py, tests/test_accelerator_path.py), which run in a second process, at the
-same time, with XLA's defaults. Two pytest-xdist workers by default; JAXSPEC_TEST_WORKERS=0 runs
+except the modules that measure the compiled programs users run or depend on their last bit
+(tests/test_greedy_identity.py, tests/test_roofline.py, tests/test_accelerator_path.py,
+tests/test_tree_chain.py), which run in a second process, at the same time, with XLA's defaults. Two pytest-xdist workers by default; JAXSPEC_TEST_WORKERS=0 runs
 each part in one process.
 EOF
 }
@@ -39,7 +39,7 @@ fi
 # The modules that measure the compiled programs users run (HLO bytes and copies, greedy identity
 # at a near-tie: tests/conftest.py says why) compile as users compile (XLA's defaults).
 production=(tests/test_greedy_identity.py tests/test_roofline.py tests/test_accelerator_path.py
-            tests/test_tree.py)
+            tests/test_tree_chain.py)
 is_production() {
   local p
   for p in "${production[@]}"; do [ "${1%%::*}" = "$p" ] && return 0; done

@@ -23,11 +23,11 @@ from pathlib import Path
 # batch 8) run with XLA's defaults, as users compile. (Level 0 is not only slower code: batched
 # over [64, 7, 8], it compiled sampling.logits_to_probs wrong -- a kept top-p boundary token got
 # weight 0 -- where the default level is right; tests/distribution.py computes its reference law
-# op by op for that reason; test_tree.py's sampled one-branch tree drew from non-finite
-# probabilities under these flags and is exact under the defaults.) Must precede the first jax
-# import; a flag in XLA_FLAGS wins.
+# op by op for that reason; the sampled one-branch tree of test_tree_chain.py drew from
+# non-finite probabilities under these flags and is exact under the defaults.) Must precede the
+# first jax import; a flag in XLA_FLAGS wins.
 PRODUCTION_CODEGEN = ("test_greedy_identity.py", "test_roofline.py", "test_accelerator_path.py",
-                      "test_tree.py")
+                      "test_tree_chain.py")
 CODEGEN = []
 if os.environ.get("JAXSPEC_TEST_FAST_CODEGEN") == "1":
     CODEGEN += [("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false")]

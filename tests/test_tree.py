@@ -1,6 +1,6 @@
 """Draft trees: the verify window, the tree acceptance rule (exact law, and a broken variant that
 fails), static (Medusa, n-gram) and dynamic (EAGLE-2) trees token-identical to plain greedy,
-a one-branch tree equal to the chain, compaction of the kept k/v, no recompilation."""
+no recompilation (a one-branch tree equal to the chain, compaction: tests/test_tree_chain.py)."""
 
 from __future__ import annotations
 
@@ -346,52 +346,6 @@ def test_tree_on_the_xla_attention_path(prompts, layout):
     results = engine.generate(prompts, max_new_tokens=30, batch_size=4)
     assert [r.token_ids for r in results] == plain
     assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
-
-
-def test_one_branch_tree_equals_the_chain(target, prompts):
-    chain = Engine(target, NgramDrafter(vocab_size=64, max_ngram=3), num_speculative_tokens=3)
-    one = Engine(target, NgramDrafter(vocab_size=64, max_ngram=3, branches=1, depth=3),
-                 num_speculative_tokens=3)
-    for sp in (SamplingParams.make(), SamplingParams.make(temperature=0.8, top_p=0.9)):
-        a = chain.generate(prompts, max_new_tokens=30, sampling=sp, batch_size=4, seed=5)
-        b = one.generate(prompts, max_new_tokens=30, sampling=sp, batch_size=4, seed=5)
-        for x, y in zip(a, b):
-            assert x.token_ids == y.token_ids
-            assert {k: v for k, v in x.metrics.items() if k != "compile_s"} == {
-                k: v for k, v in y.metrics.items() if k != "compile_s"
-            }
-        assert sum(r.metrics["num_accepted_tokens"] for r in a) > 0
-
-
-def test_one_branch_medusa_tree_equals_the_medusa_chain(target, prompts):
-    drafter, dparams = trained_like(target, "medusa")
-    chain = Engine(target, drafter, dparams, num_speculative_tokens=3)
-    one = Engine(target, dataclasses.replace(drafter, tree_choices=tree.chain_choices(3)),
-                 dparams, num_speculative_tokens=3)
-    a, b = (e.generate(prompts, max_new_tokens=30, batch_size=4) for e in (chain, one))
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids
-        assert {k: v for k, v in x.metrics.items() if k != "compile_s"} == {
-            k: v for k, v in y.metrics.items() if k != "compile_s"
-        }
-
-
-def test_committed_kv_after_tree_steps_equals_plain_decoding(target, prompts):
-    """Compaction: after tree steps, the target k/v below each row's length are bit for bit
-    the k/v plain decoding wrote (the packed layout's kernels: fixed-order sums)."""
-    drafter, dparams = TREE_DRAFTERS["ngram"](target)
-    engine = Engine(target, drafter, dparams, num_speculative_tokens=1)
-    plain = Engine(target)
-    sp = SamplingParams.make()
-    state = engine.decode(engine.prefill(prompts, 20, sp, 0, list(range(4)), 4), sp, 4)
-    ref = plain.decode(plain.prefill(prompts, 20, sp, 0, list(range(4)), 4), sp, 40)
-    committed = np.asarray(state.lengths) - 1
-    assert (np.asarray(state.num_accepted) > 0).any()  # some tree step kept drafts
-    for layer in range(2):
-        for row in range(4):
-            n = committed[row]
-            for mine, theirs in ((state.cache.k, ref.cache.k), (state.cache.v, ref.cache.v)):
-                np.testing.assert_array_equal(mine[layer][row, :, :n], theirs[layer][row, :, :n])
 
 
 def test_no_recompilation_across_tree_shapes(target):
