@@ -349,6 +349,8 @@ class ServingConfig(Section):
     kv_pages: int = 0  # pages in the KV pool (0: slots * max_context / page_size)
     page_size: int = 16  # KV slots per page
     prefill_chunk: int = 0  # prompts longer than this go in chunks, one per device call (0: whole)
+    prefix_cache: bool = True  # share KV pages of common prompt prefixes (paged, no target taps)
+    precompile: bool = True  # python -m jaxspec.serve compiles every decode call shape before it listens
 
     def _validate(self):
         for name in ("slots", "max_context", "steps_per_call", "max_queue", "page_size"):

@@ -1,7 +1,8 @@
 """python -m jaxspec.serve --config C [--host 127.0.0.1 --port 8000]: an OpenAI-compatible
 server (jaxspec/serving/http.py) over continuous batching, with the config's model, drafter,
 sampling defaults and `serving` section (slots, max_context, steps_per_call, max_queue,
-kv_pages, page_size, prefill_chunk). Arguments are parsed before jax or the model load is imported."""
+kv_pages, page_size, prefill_chunk, prefix_cache, precompile). Arguments are parsed before jax
+or the model load is imported."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def build_server(config, model_name: str | None = None):
     server = Server(engine, slots=s.slots, max_context=s.max_context,
                     steps_per_call=s.steps_per_call, max_queue=s.max_queue,
                     kv_pages=s.kv_pages or None, page_size=s.page_size, seed=config.sampling.seed,
-                    prefill_chunk=s.prefill_chunk or None,
+                    prefill_chunk=s.prefill_chunk or None, prefix_cache=s.prefix_cache,
                     model_name=model_name or config.model.name)
     return server, make_app(server)
 
@@ -60,6 +61,15 @@ def run(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     server, app = build_server(config, args.model_name)
     try:
+        if config.serving.precompile:  # else a call of a new width compiles while requests wait
+            import time
+
+            t0 = time.perf_counter()
+            print("jaxspec.serve: compiling the decode programs (serving.precompile=false skips)",
+                  file=sys.stderr, flush=True)
+            n = server.scheduler.compile_programs()
+            print(f"jaxspec.serve: {n} programs ready in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         server.close()

@@ -280,6 +280,26 @@ def test_a_call_runs_over_the_live_rows_and_their_pages_only(target, prompts):
     assert sched.pool.free_pages == sched.pool.num_pages
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_compiled_ahead_no_call_compiles_while_serving(target, prompts, caplog, adaptive):
+    """Scheduler.compile_programs (the server's warm-up) covers every call shape serving makes:
+    with it done, a varying load (every width, growing tables) compiles no decode program."""
+    import logging
+
+    import jax
+
+    engine = adaptive_engine(target, "ngram") if adaptive else engine_for(target, "ngram")
+    sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=2, page_size=4)
+    assert sched.compile_programs() == len(sched.widths) * len(sched.table_widths)
+    arrivals = [(i // 2, p, Sampling(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, NEW))]
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        done = run(sched, arrivals)
+        jax.jit(lambda x: x + 1)(np.float32(1))  # a fresh program: the log does capture compiles
+    assert all(c is not None for c in done) and len({r for r, _ in sched.stats.calls_by_shape}) > 1
+    compiled = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert any("<lambda>" in m for m in compiled) and not [m for m in compiled if "decode" in m.split(" with ")[0]], compiled
+
+
 def adaptive_engine(target, name):
     """Adaptive speculation whose given cost curve makes drafting free for a lone row and ten
     plain steps a node for two or more (probes and optimism off: the choice is the curve's)."""

@@ -7,8 +7,12 @@ same programs, admitting only into an empty batch). Reported per run: throughput
 tokens / makespan), TTFT and time per output token (p50 / p99), the KV cache layout the
 scheduler's state held, and each request's peak KV pages and bytes against its length
 (memory proportional to length: bytes = pages x the pool's bytes per page, read from the device
-arrays), next to what a contiguous max_context row would hold. Arguments are parsed before jax
-is imported."""
+arrays), next to what a contiguous max_context row would hold, and the prefix cache's share:
+prompt tokens whose k/v came from it and the most distinct pages rows held at once (a shared
+page once). `--system-prompt TEXT` puts one fixed text before every prompt (a shared system
+prompt); `--workload agent` serves the agent sessions' calls instead (data/agent_sessions.jsonl:
+a system prompt and tool schema repeated in every call, each call's prompt the conversation so
+far); `--prefix-cache on off` runs both (A/B). Arguments are parsed before jax is imported."""
 
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--configs", nargs="+", default=["configs/smollm2-135m.yaml",
                                                     "configs/smollm2-135m-ngram.yaml"])
     p.add_argument("--prompts", default="data/spec_bench_dev.jsonl")
+    p.add_argument("--workload", choices=("spec-bench", "agent"), default="spec-bench",
+                   help="agent: the agent sessions' calls (chat-rendered) as the prompts")
+    p.add_argument("--agent-data", default="data/agent_sessions.jsonl")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 2.0], help="requests/s")
     p.add_argument("--slots", type=int, default=4)
@@ -36,6 +43,10 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--kv-pages", type=int, help="pages in the pool (default: slots x max_context)")
     p.add_argument("--kv-layout", nargs="+", choices=("paged", "contiguous"), default=["paged"],
                    help="KV cache layouts to run (each with static and continuous batching)")
+    p.add_argument("--prefix-cache", nargs="+", choices=("on", "off"), default=["on"],
+                   help="share KV pages of common prompt prefixes (each setting is run)")
+    p.add_argument("--system-prompt", default="",
+                   help="a fixed text put before every prompt (a shared system prompt)")
     p.add_argument("--prefill-chunk", type=int,
                    help="prompt tokens per prefill chunk (default: whole prompts)")
     p.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
@@ -88,6 +99,11 @@ def memory_figures(server, done) -> dict:
         "kv_bytes_per_request_mean": sum(b for *_, b in per_req) / max(1, len(per_req)),
         "kv_bytes_per_token": sum(b for *_, b in per_req) / max(1, lengths),
         "kv_contiguous_row_bytes": row,
+        "kv_peak_used_pages": s.stats.peak_used_pages,
+        "kv_peak_used_bytes": s.stats.peak_used_pages * page_bytes,
+        "prefix_cache": s.prefix_cache,
+        "prompt_tokens": sum(d.num_prompt_tokens for d in done),
+        "prefix_cached_tokens": sum(d.metrics.get("prefix_cached_tokens", 0) for d in done),
         "pages_per_request": per_req,
     }
 
@@ -141,7 +157,12 @@ def run(argv=None) -> int:
     from jaxspec.serving import Sampling, Server
 
     enable_compilation_cache()
-    texts = load_prompts(args.prompts, args.requests)
+    if args.workload == "agent":
+        from jaxspec.bench.agent import prompt_ids, read_sessions
+
+        calls = read_sessions(args.agent_data)[: args.requests]
+    else:
+        texts = load_prompts(args.prompts, args.requests)
     runs, target = [], None
     serving = dict(slots=args.slots, max_context=args.max_context, page_size=args.page_size,
                    kv_pages=args.kv_pages, steps_per_call=args.steps_per_call,
@@ -152,24 +173,30 @@ def run(argv=None) -> int:
             config.generation, max_context=args.max_context))
         engine = build_engine(config, target)
         target = engine.model
-        requests = []
-        for i, text in enumerate(texts):
-            ids = engine.encode(text)[: args.max_prompt]
-            requests.append((ids, Sampling(max_tokens=args.lengths[i % len(args.lengths)])))
-        schedule = {}
+        if args.workload == "agent":
+            prompts = [prompt_ids(engine.model.tokenizer, c["messages"], c["prefix"])
+                       for c in calls]
+        else:
+            prompts = [engine.encode(args.system_prompt + text) for text in texts]
+        requests = [(ids[: args.max_prompt],
+                     Sampling(max_tokens=args.lengths[i % len(args.lengths)]))
+                    for i, ids in enumerate(prompts)]
+        # a contiguous cache has no pages to share: run once there
+        caches = [(k, c) for k in args.kv_layout
+                  for c in (args.prefix_cache if k == "paged" else args.prefix_cache[:1])]
+        for layout, cached in caches:  # compile what the runs will: every prompt (and tail)
+            # bucket, every call width with every page-table width (Scheduler.compile_programs)
+            with Server(engine, paged=layout == "paged", prefix_cache=cached == "on",
+                        **serving) as server:
+                server.scheduler.compile_programs()
+                for ids, _ in requests:
+                    server.generate(ids, Sampling(max_tokens=2))
         for rate in args.rates:
             rng = np.random.default_rng(0)
-            schedule[rate] = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
-        for layout in args.kv_layout:  # compile what the runs will: every prompt bucket, and
-            # the call and page-table widths of a burst and of requests alone
-            with Server(engine, paged=layout == "paged", **serving) as server:
-                run_once(server, requests, [0.0] * len(requests))
-                for ids, sampling in requests[: len(args.lengths)]:
-                    server.generate(ids, sampling)
-        for rate in args.rates:
-            arrivals = schedule[rate]
-            for layout, static in [(k, s) for k in args.kv_layout for s in (False, True)]:
-                with Server(engine, static=static, paged=layout == "paged", **serving) as server:
+            arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
+            for (layout, cached), static in [(c, s) for c in caches for s in (False, True)]:
+                with Server(engine, static=static, paged=layout == "paged",
+                            prefix_cache=cached == "on", **serving) as server:
                     fig = run_once(server, requests, arrivals)
                 fig |= {"config": path, "method": engine.method, "rate": rate,
                         "batching": "static" if static else "continuous"}

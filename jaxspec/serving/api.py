@@ -119,11 +119,12 @@ class Server:
     def __init__(self, engine, *, slots: int = 4, max_context: int = 512, steps_per_call: int = 8,
                  max_queue: int = 64, kv_pages: int | None = None, page_size: int = 16,
                  seed: int = 0, model_name: str | None = None, static: bool = False,
-                 paged: bool = True, prefill_chunk: int | None = None):
+                 paged: bool = True, prefill_chunk: int | None = None,
+                 prefix_cache: bool = True):
         self.scheduler = Scheduler(
             engine, slots=slots, max_context=max_context, steps_per_call=steps_per_call,
             max_queue=max_queue, kv_pages=kv_pages, page_size=page_size, seed=seed,
-            static=static, paged=paged, prefill_chunk=prefill_chunk,
+            static=static, paged=paged, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
         )
         self.engine = engine
         self.model_name = model_name or getattr(engine.model, "name", "model")
@@ -168,6 +169,7 @@ class Server:
         return {"status": "ok" if self._failure is None else "failed",
                 "active": len(s.active), "queued": len(s.queue) + len(self._inbox),
                 "slots": s.slots, "free_pages": s.pool.free_pages, "kv_pages": s.pool.num_pages,
+                "cached_pages": s.pool.cached_pages, "prefix_cache": s.prefix_cache,
                 "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions}
 
     def _loop(self) -> None:

@@ -88,11 +88,15 @@ class PagedTarget:
 
 @dataclasses.dataclass(frozen=True)
 class TailTarget:
-    """Chunked prefill's last step: a PagedTarget whose forward over a prompt [B, W] runs only
-    the `chunk` tokens from each row's `cache.lengths` on (the tokens before are already in its
-    pages) and returns hidden states at their prompt positions (zeros before), so
+    """A prompt's tail over pages that already hold its head: a PagedTarget whose forward over
+    a prompt [B, W] runs only the `chunk` tokens from each row's `cache.lengths` on (the tokens
+    before are in its pages: earlier chunks of chunked prefill, or pages shared from the prefix
+    cache) and returns hidden states at their prompt positions (zeros elsewhere), so
     `speculate.prefill` samples the first token, sets up the drafter and advances lengths as
-    for a whole prompt. No taps: the positions before the chunk have no hidden states."""
+    for a whole prompt. The tail starts exactly at the length, never before it: no position
+    below it is recomputed or written (a shared page is never written). Tail slots past the
+    prompt are padding, written into the row's own pages past its length or dropped past its
+    table (never read). No taps: the positions before the tail have no hidden states."""
 
     paged: PagedTarget
     chunk: int
@@ -106,13 +110,15 @@ class TailTarget:
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
         if taps or positions is not None or window_mask is not None:
             raise ValueError("TailTarget.forward runs a prompt's tail only (no taps, positions)")
+        b, w = tokens.shape
         start = cache.lengths  # [B]
-        tail = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, self.chunk))(tokens, start)
+        padded = jnp.pad(tokens, [(0, 0), (0, self.chunk)])  # [B, W + chunk]: no slice clamps
+        tail = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, self.chunk))(padded, start)
         out = self.paged.forward(params, tail, cache, write_cache=write_cache)
-        hidden = jnp.zeros(tokens.shape + out.hidden.shape[-1:], out.hidden.dtype)
+        hidden = jnp.zeros((b, w + self.chunk) + out.hidden.shape[-1:], out.hidden.dtype)
         hidden = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(
             hidden, out.hidden, start, 0)
-        return base.TargetOutput(hidden, None, out.window_kv, out.cache)
+        return base.TargetOutput(hidden[:, :w], None, out.window_kv, out.cache)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)

@@ -69,12 +69,14 @@ class Completion:
         return len(self.token_ids)
 
     def usage(self) -> dict[str, Any]:
-        """OpenAI's usage block plus the speculative loop's figures for this request."""
+        """OpenAI's usage block (cached_tokens: prompt tokens whose KV came from the prefix
+        cache) plus the speculative loop's figures for this request."""
         m = self.metrics
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": self.num_generated_tokens,
             "total_tokens": self.num_prompt_tokens + self.num_generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": m.get("prefix_cached_tokens", 0)},
             "speculative": {
                 "method": m.get("method", "plain"),
                 "num_steps": m.get("num_steps", 0),

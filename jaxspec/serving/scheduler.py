@@ -9,7 +9,9 @@ layer shared by the rows, each row's page table uploaded from `pages.PagePool` b
 device call, a request's prefill written straight into the pool through its table. A row holds
 pages for what it has and the next call's growth (drafted slots included), never max_context.
 Targets without a per-layer cache (the stacked layout) or under a mesh keep a contiguous
-per-slot cache with the same page bookkeeping (`Scheduler.kv_layout` says which ran).
+per-slot cache with the same page bookkeeping (`Scheduler.kv_layout` says which ran). Prefix
+sharing (`serving.prefix`): a request whose prompt starts with full pages an earlier prompt
+wrote starts its table with them (`pages.PagePool.admit`) and prefills only the rest.
 
 Lossless and batch-independent: every row carries its own request's sampling values (per-row
 `SamplingParams`), its own key (`row_ids` = the request's seed: `sampling.row_keys`), its own
@@ -39,7 +41,7 @@ from jaxspec.engine.runner import bucket
 from jaxspec.errors import JaxspecError
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.models import paged_attention
-from jaxspec.serving import paged_cache, rows
+from jaxspec.serving import paged_cache, prefix, rows
 from jaxspec.serving.pages import PagePool, pages_for
 from jaxspec.serving.requests import Completion, QueueFull, Sampling
 from jaxspec.serving.text import TextState
@@ -66,6 +68,7 @@ class Request:
     cancelled: bool = False
     preemptions: int = 0
     peak_pages: int = 0  # the most KV pages the request held at once
+    cached_tokens: int = 0  # prompt tokens whose k/v came from the prefix cache (last admission)
     replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
 
 
@@ -91,6 +94,9 @@ class Stats:
     admitted: int = 0
     finished: int = 0
     preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted (readmissions included)
+    prefix_cached_tokens: int = 0  # of those, tokens whose k/v came from the prefix cache
+    peak_used_pages: int = 0  # the most distinct KV pages rows held at once (shared: once)
 
 
 class Scheduler:
@@ -108,6 +114,7 @@ class Scheduler:
         static: bool = False,
         paged: bool = True,
         prefill_chunk: int | None = None,
+        prefix_cache: bool = True,
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
         an empty batch, which then runs until its last row ends (same programs otherwise).
@@ -115,7 +122,10 @@ class Scheduler:
         prefill_chunk: prompts longer than this many tokens are prefilled a chunk per round,
         each round's decode call running between chunks, so the streams of running rows do not
         wait for a whole long prompt (paged cache, continuous batching, drafters without target
-        taps; else whole). The last chunk runs through `speculate.prefill` itself."""
+        taps; else whole). The last chunk runs through `speculate.prefill` itself.
+        prefix_cache: a prompt starting with full pages another prompt already wrote shares
+        them and prefills only the rest (`serving.prefix`; paged cache, drafters without
+        target taps: `self.prefix_cache` says whether it is on, and why not)."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
             raise JaxspecError(
                 f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
@@ -159,6 +169,7 @@ class Scheduler:
         self.spec = spec
         taps = spec.drafter is not None and spec.drafter.hidden_layers
         self.chunk = prefill_chunk if self.paged and not static and not taps else None
+        self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
         if prefill_chunk is not None and prefill_chunk < 1:
             raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
         self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
@@ -225,23 +236,38 @@ class Scheduler:
         return [s for s in range(self.slots) if s not in self.active and s not in self.prefilling]
 
     def _admit(self) -> None:
+        used = self.pool.used_pages  # the running rows grown for their next call
+        self.stats.peak_used_pages = max(self.stats.peak_used_pages, used)
         if self.static and self.active:
             return
         free = self._free_slots()
         while free and self.queue:
             req = self.queue[0]
-            # admitted on its prompt and one step (as vLLM does): growth past it is reserved
-            # call by call, preempting the newest rows where the pool runs short
-            if not self.pool.grow(free[0], self._slots_needed(len(req.prompt_ids), req, 1)):
+            cached = self._take_pages(req, free[0])
+            if cached is None:
                 break  # the pool is short: wait for a row to end
             self.queue.popleft()
             slot = free.pop(0)
             req.peak_pages = max(req.peak_pages, self.pool.held(slot))
-            chunked = self.chunk is not None and len(req.prompt_ids) > self.chunk
+            req.cached_tokens = cached
+            self.stats.prompt_tokens += len(req.prompt_ids)
+            self.stats.prefix_cached_tokens += cached
+            chunked = self.chunk is not None and len(req.prompt_ids) - cached > self.chunk
             if chunked and self.state is not None:
-                self.prefilling[slot] = [req, 0]  # a chunk per round (`_prefill_chunks`)
+                self.prefilling[slot] = [req, cached]  # a chunk per round (`_prefill_chunks`)
             else:
-                self._prefill_into(req, slot)
+                self._prefill_into(req, slot, cached)
+        self.stats.peak_used_pages = max(self.stats.peak_used_pages, self.pool.used_pages)
+
+    def _take_pages(self, req: Request, slot: int) -> int | None:
+        """Pages for a request's prompt and one step (as vLLM does: growth past it is reserved
+        call by call, preempting the newest rows where the pool runs short), its cached prefix
+        pages shared where prefix sharing is on. Returns the prompt tokens those hold (0: none
+        shared); None (nothing taken) when the pool is short."""
+        slots = self._slots_needed(len(req.prompt_ids), req, 1)
+        if self.prefix_cache != "on" or self.state is None:  # no pool written yet: none cached
+            return 0 if self.pool.grow(slot, slots) else None
+        return self.pool.admit(slot, req.prompt_ids, slots)
 
     def _prefill_chunks(self) -> bool:
         """One chunk of every prefilling request's prompt written into its pages; the last
@@ -251,12 +277,14 @@ class Scheduler:
             req, done = entry
             if len(req.prompt_ids) - done > self.chunk:
                 t0 = time.perf_counter()
-                cache = self._take_pool(slot).with_lengths(jnp.asarray([done], jnp.int32))
+                cache = self._take_pool(slot, done)
                 tokens = jnp.asarray([req.prompt_ids[done : done + self.chunk]], jnp.int32)
                 cache = paged_cache.write_chunk(self.spec.target, self.engine.model.params,
                                                 tokens, cache)
                 self._set_cache(k=cache.k, v=cache.v)
                 entry[1] = done + self.chunk
+                if self.prefix_cache == "on":  # its full pages so far: shareable already
+                    self.pool.register(slot, req.prompt_ids[: entry[1]])
                 self.stats.prefill_s += time.perf_counter() - t0
             else:
                 del self.prefilling[slot]
@@ -275,6 +303,8 @@ class Scheduler:
     def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
         t0 = time.perf_counter()
         row = self._row_state(self.spec, req, slot, done)
+        if self.prefix_cache == "on":  # its full prompt pages, written: shareable from now on
+            self.pool.register(slot, req.prompt_ids)
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
             if self.paged:  # the tiled state shares the row's pool: not donated with it
@@ -290,14 +320,13 @@ class Scheduler:
         self.stats.prefill_s += time.perf_counter() - t0
 
     def _row_state(self, spec, req: Request, slot: int, done: int = 0):
-        """done: prompt tokens already in the row's pages (chunked prefill): the last `chunk`
-        tokens run (from min(done, len - chunk): a few may be recomputed, never past the
-        prompt's bucket)."""
+        """done: prompt tokens already in the row's pages (earlier chunks of chunked prefill,
+        pages shared from the prefix cache): only the tokens from `done` on run, in a tail of
+        a bucketed width (`paged_cache.TailTarget`: nothing below `done` is written)."""
         ids = req.prompt_ids
         if done:
-            spec = dataclasses.replace(spec, target=paged_cache.TailTarget(spec.target,
-                                                                           self.chunk))
-            done = min(done, len(ids) - self.chunk)
+            tail = paged_cache.TailTarget(spec.target, bucket(len(ids) - done))
+            spec = dataclasses.replace(spec, target=tail)
         prompt = np.zeros((1, bucket(len(ids))), np.int32)
         prompt[0, : len(ids)] = ids
         sp = SamplingParams.rows([req.sampling.values])
@@ -306,15 +335,20 @@ class Scheduler:
                 jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
                 jnp.asarray([req.seed], jnp.int32))
         if self.paged:
-            cache = self._take_pool(slot).with_lengths(jnp.asarray([done], jnp.int32))
+            cache = self._take_pool(slot, done)
             state = prefill_into_pool(*args, capacity=self.capacity, cache=cache)
         else:
             state = speculate.prefill_jit(*args, capacity=self.capacity)
         return self._with_adaptive(state, 1)
 
-    def _take_pool(self, slot: int) -> paged_attention.PagedKVCache:
+    def _take_pool(self, slot: int, start: int = 0) -> paged_attention.PagedKVCache:
         """The shared pool (taken out of the batch state, which holds zero-size placeholders
-        until `_prefill_into` puts the written pool back) with row `slot`'s page table."""
+        until `_prefill_into` puts the written pool back) with row `slot`'s page table, for a
+        prefill writing from `start` on (its length); never below the row's named pages, whose
+        content other rows read."""
+        if start < self.pool.frozen(slot):
+            raise RuntimeError(f"a prefill of row {slot} from {start} would write into its "
+                               f"shared pages (below {self.pool.frozen(slot)})")
         if self.state is None:
             empty = self.spec.target.init_cache(self.engine.model.params, 1, self.capacity)
             k, v = empty.k, empty.v
@@ -322,7 +356,8 @@ class Scheduler:
             k, v = self.state.cache.k, self.state.cache.v
             self._set_cache(k=self._hole(k), v=self._hole(k))
         table = self.pool.table(self.slots, self.max_pages)[slot : slot + 1]
-        return paged_attention.PagedKVCache(k, v, jnp.asarray(table), jnp.zeros((1,), jnp.int32))
+        return paged_attention.PagedKVCache(k, v, jnp.asarray(table),
+                                            jnp.asarray([start], jnp.int32))
 
     @property
     def kv_layout(self) -> str:
@@ -415,6 +450,31 @@ class Scheduler:
         req.slot = -1
 
     # ---- the device call ----------------------------------------------------------------
+    def compile_programs(self) -> int:
+        """Compile ahead every decode call this scheduler can make: each call width with each
+        page-table width (one width, every slot, for a contiguous cache), as a server's warm-up
+        (like a GPU server capturing its graphs): a call of a shape not seen yet otherwise
+        compiles while requests wait. Nothing runs; the state is untouched. -> programs
+        compiled (already compiled ones come from the compilation cache)."""
+        engine, count = self.engine, 0
+        widths = self.widths if self.paged else (self.slots,)
+        for width in widths:
+            shape = jax.eval_shape(lambda w=width: self._row_state_shape(w))
+            sp = SamplingParams.rows([GREEDY] * width)
+            if shape.adaptive is not None:
+                costs, fills = self._costs_at(width)
+                shape = dataclasses.replace(shape, adaptive=dataclasses.replace(
+                    shape.adaptive, costs=costs, fills=fills))
+            for cols in self.table_widths if self.paged else (None,):
+                if cols is not None:
+                    table = jax.ShapeDtypeStruct((width, cols), jnp.int32)
+                    shape = dataclasses.replace(shape, cache=dataclasses.replace(
+                        shape.cache, page_table=table))
+                speculate.decode_jit.lower(self.spec, engine.model.params, engine.drafter_params,
+                                           shape, sp, jnp.int32(self.steps)).compile()
+                count += 1
+        return count
+
     def _decode_call(self) -> None:
         """One device call over the live rows: compacted (`rows.take_rows`) into the narrowest
         program width that holds them, with a page table as wide as the longest live row's
@@ -513,7 +573,8 @@ class Scheduler:
         if host is not None:
             metrics = self.engine.row_metrics(host, req.slot, n)
         metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.pool.page_size,
-                    "kv_layout": self.kv_layout}
+                    "kv_layout": self.kv_layout, "prefix_cache": self.prefix_cache,
+                    "prefix_cached_tokens": req.cached_tokens}
         now = time.perf_counter()
         first = req.first_token or now
         text = self.engine.decode_text([t for t in req.generated
