@@ -300,6 +300,17 @@ def test_compiled_ahead_no_call_compiles_while_serving(target, prompts, caplog, 
     assert any("<lambda>" in m for m in compiled) and not [m for m in compiled if "decode" in m.split(" with ")[0]], compiled
 
 
+def test_the_static_baseline_is_a_lockstep_batch_with_the_same_outputs(target, prompts):
+    """bench_serve's baseline: admitted only into an empty batch, every call over all slots."""
+    engine = engine_for(target, "ngram")
+    solo = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]
+    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=2, static=True)
+    done = run(sched, [(i, p, Sampling(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, NEW))])
+    assert [c.token_ids for c in done] == solo
+    assert {r for r, _ in sched.stats.calls_by_shape} == {2}  # rows that ended kept computing
+    assert sched.stats.admitted == len(prompts) and sched.pool.free_pages == sched.pool.num_pages
+
+
 def adaptive_engine(target, name):
     """Adaptive speculation whose given cost curve makes drafting free for a lone row and ten
     plain steps a node for two or more (probes and optimism off: the choice is the curve's)."""

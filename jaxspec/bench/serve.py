@@ -1,18 +1,18 @@
 """python -m jaxspec.bench.serve: continuous batching against static batching under Poisson
 arrivals, on Spec-Bench dev prompts (evaluation only) with mixed output lengths, per method.
 
-Each method's engine is built once; for every arrival rate the same requests (same prompts,
-lengths and arrival times) run through the continuous scheduler and the static baseline (the
-same programs, admitting only into an empty batch). Reported per run: throughput (generated
-tokens / makespan), TTFT and time per output token (p50 / p99), the KV cache layout the
-scheduler's state held, and each request's peak KV pages and bytes against its length
+Each method's engine is built once; for every arrival rate the same requests (same prompts, lengths
+and arrival times) run through the continuous scheduler and the static baseline (the same programs,
+admitting only into an empty batch, each call over every slot: a lockstep batch). Reported per run:
+throughput (generated tokens / makespan), TTFT and time per output token (p50 / p99), the KV cache
+layout the scheduler's state held, and each request's peak KV pages and bytes against its length
 (memory proportional to length: bytes = pages x the pool's bytes per page, read from the device
-arrays), next to what a contiguous max_context row would hold, and the prefix cache's share:
-prompt tokens whose k/v came from it and the most distinct pages rows held at once (a shared
-page once). `--system-prompt TEXT` puts one fixed text before every prompt (a shared system
-prompt); `--workload agent` serves the agent sessions' calls instead (data/agent_sessions.jsonl:
-a system prompt and tool schema repeated in every call, each call's prompt the conversation so
-far); `--prefix-cache on off` runs both (A/B). Arguments are parsed before jax is imported."""
+arrays), next to what a contiguous max_context row would hold, and the prefix cache's share: prompt
+tokens whose k/v came from it and the most distinct pages rows held at once (a shared page once).
+`--system-prompt TEXT` puts one fixed text before every prompt (a shared system prompt);
+`--workload agent` serves the agent sessions' calls instead (data/agent_sessions.jsonl: a system
+prompt and tool schema repeated in every call, each call's prompt the conversation so far);
+`--prefix-cache on off` runs both (A/B). Arguments are parsed before jax is imported."""
 
 from __future__ import annotations
 

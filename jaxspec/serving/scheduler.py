@@ -117,7 +117,8 @@ class Scheduler:
         prefix_cache: bool = True,
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
-        an empty batch, which then runs until its last row ends (same programs otherwise).
+        an empty batch, which then runs until its last row ends, every call over all `slots`
+        rows (a lockstep batch, as `Engine.generate` runs: rows that ended keep computing).
         paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B).
         prefill_chunk: prompts longer than this many tokens are prefilled a chunk per round,
         each round's decode call running between chunks, so the streams of running rows do not
@@ -483,7 +484,8 @@ class Scheduler:
         engine = self.engine
         live = sorted(self.active)
         # (a contiguous cache is per row: compacting it would copy every live row's KV)
-        width = next(w for w in self.widths if w >= len(live)) if self.paged else self.slots
+        width = (next(w for w in self.widths if w >= len(live)) if self.paged and not self.static
+                 else self.slots)
         spare = [s for s in range(self.slots) if s not in self.active]  # done rows: padding
         order = live + spare[: width - len(live)]
         sp = SamplingParams.rows([self._sp_rows[s] for s in order])
