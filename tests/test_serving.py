@@ -280,6 +280,18 @@ def test_a_call_runs_over_the_live_rows_and_their_pages_only(target, prompts):
     assert sched.pool.free_pages == sched.pool.num_pages
 
 
+@pytest.mark.parametrize("name", ["plain", "eagle"])
+def test_a_row_admitted_before_a_long_call_holds_pages_for_all_of_it(target, prompts, name):
+    # a row is admitted with pages for its prompt and one step; a call of 8 steps over pages of
+    # 4 slots writes past them unless the row is grown for the whole call before it runs
+    engine = engine_for(target, name)
+    solo = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]
+    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=8, page_size=4)
+    done = run(sched, [(i, p, Sampling(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, NEW))])
+    assert [c.token_ids for c in done] == solo
+    assert sched.pool.free_pages == sched.pool.num_pages
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_compiled_ahead_no_call_compiles_while_serving(target, prompts, caplog, adaptive):
     """Scheduler.compile_programs (the server's warm-up) covers every call shape serving makes:

@@ -230,6 +230,9 @@ class Scheduler:
         chunked = self._prefill_chunks()
         if not self.active:
             return chunked
+        # rows admitted this round hold their prompt and one step: grow them for the whole call
+        # (a write past a row's pages is dropped, so its later steps would read a hole)
+        self._reserve_pages()
         self._decode_call()
         return True
 
