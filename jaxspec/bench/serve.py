@@ -12,7 +12,9 @@ tokens whose k/v came from it and the most distinct pages rows held at once (a s
 `--system-prompt TEXT` puts one fixed text before every prompt (a shared system prompt);
 `--workload agent` serves the agent sessions' calls instead (data/agent_sessions.jsonl: a system
 prompt and tool schema repeated in every call, each call's prompt the conversation so far);
-`--prefix-cache on off` runs both (A/B). Arguments are parsed before jax is imported."""
+`--prefix-cache on off` runs both (A/B). Every greedy run's outputs are compared with the first
+greedy run's of the same model (`outputs_identical_to_first_greedy_run`): batching, cache and
+method must not change a token. Arguments are parsed before jax is imported."""
 
 from __future__ import annotations
 
@@ -128,6 +130,7 @@ def run_once(server, requests, arrivals):
     ttft = [d.time_to_first_token_s for d in done]
     tpot = [d.time_per_output_token_s for d in done if d.num_generated_tokens > 1]
     return memory_figures(server, done) | {
+        "token_ids": [d.token_ids for d in done],
         "throughput_tok_s": tokens / makespan, "tokens": tokens, "makespan_s": makespan,
         "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99),
@@ -163,7 +166,8 @@ def run(argv=None) -> int:
         calls = read_sessions(args.agent_data)[: args.requests]
     else:
         texts = load_prompts(args.prompts, args.requests)
-    runs, target = [], None
+    runs, target, greedy_outputs = [], None, {}  # model -> its first greedy run's tokens:
+    # every greedy run of that model (any method, batching, cache) must produce the very same
     serving = dict(slots=args.slots, max_context=args.max_context, page_size=args.page_size,
                    kv_pages=args.kv_pages, steps_per_call=args.steps_per_call,
                    prefill_chunk=args.prefill_chunk)
@@ -200,6 +204,13 @@ def run(argv=None) -> int:
                     fig = run_once(server, requests, arrivals)
                 fig |= {"config": path, "method": engine.method, "rate": rate,
                         "batching": "static" if static else "continuous"}
+                outputs = fig.pop("token_ids")
+                if config.sampling.temperature == 0:
+                    first = greedy_outputs.setdefault(config.model.name, outputs)
+                    fig["outputs_identical_to_first_greedy_run"] = outputs == first
+                    if outputs != first:
+                        print(f"warning: {path} at {rate} req/s ({fig['batching']}, {layout}): "
+                              "greedy outputs differ from the first greedy run's", file=sys.stderr)
                 runs.append(fig)
                 print(json.dumps({k: v for k, v in fig.items() if k != "pages_per_request"}),
                       flush=True)
