@@ -50,19 +50,43 @@ if os.environ.get("JAXSPEC_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CAC
 
 
 # Where the suite's time goes: JAXSPEC_TEST_COMPILE_STATS=DIR makes every test process (xdist
-# workers included; not the subprocesses tests start) write the seconds JAX spent tracing,
-# lowering and compiling (XLA) and the count of each to DIR/<pid>.json when it finishes.
-COMPILE_STATS: dict[str, list[float]] = {}
+# workers included; not the subprocesses tests start) write, per test module, its wall seconds
+# (setup + call + teardown of its tests) and the seconds and count of JAX's tracing, lowering and
+# XLA compilation, and the persistent cache's hits and misses, to DIR/<pid>.json when it finishes.
+# scripts/test_profile.py sums them into the table docs/testing.md shows.
+COMPILE_STATS: dict[str, dict[str, list[float]]] = {}
+_PROFILED_MODULE = ["(collection)"]
 if os.environ.get("JAXSPEC_TEST_COMPILE_STATS"):
     import jax.monitoring
 
-    def _record(event: str, seconds: float, **_) -> None:
-        if event.startswith("/jax/core/compile/"):
-            total = COMPILE_STATS.setdefault(event.rsplit("/", 1)[-1], [0.0, 0])
-            total[0] += seconds
-            total[1] += 1
+    def _count(name: str, seconds: float) -> None:
+        total = COMPILE_STATS.setdefault(_PROFILED_MODULE[0], {}).setdefault(name, [0.0, 0])
+        total[0] += seconds
+        total[1] += 1
 
-    jax.monitoring.register_event_duration_secs_listener(_record)
+    def _record_duration(event: str, seconds: float, **_) -> None:
+        if event.startswith("/jax/core/compile/"):
+            _count(event.rsplit("/", 1)[-1], seconds)
+
+    def _record_event(event: str, **_) -> None:
+        if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"):
+            _count(event.rsplit("/", 1)[-1], 0.0)
+
+    jax.monitoring.register_event_duration_secs_listener(_record_duration)
+    jax.monitoring.register_event_listener(_record_event)
+
+
+def pytest_runtest_logreport(report):
+    # xdist's controller sees its workers' reports too (with `node` set): counted where they ran.
+    if os.environ.get("JAXSPEC_TEST_COMPILE_STATS") and not hasattr(report, "node"):
+        module = report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        total = COMPILE_STATS.setdefault(module, {}).setdefault("wall", [0.0, 0])
+        total[0] += report.duration
+        total[1] += report.when == "call"
+
+
+def pytest_runtest_setup(item):
+    _PROFILED_MODULE[0] = item.path.name
 
 
 def pytest_sessionfinish(session, exitstatus):
