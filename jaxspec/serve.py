@@ -44,6 +44,37 @@ def build_server(config, model_name: str | None = None):
     return server, make_app(server)
 
 
+def serve_until_stopped(uvicorn, app, host: str, port: int) -> None:
+    """Run uvicorn on a socket bound here (port 0: any free one, so the port is known), and print
+    the URL on stderr once it accepts connections: `jaxspec.serve: listening on http://H:P`."""
+    import socket
+    import threading
+    import time
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise JaxspecError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port "
+                           "(0: any free one)") from None
+    bound = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+
+    def announce():  # bounded: gives up when the server stops before it starts
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            shown = f"[{host}]" if family == socket.AF_INET6 else host
+            print(f"jaxspec.serve: listening on http://{shown}:{bound}", file=sys.stderr,
+                  flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    server.run(sockets=[sock])
+
+
 def run(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if not 0 <= args.port < 65536:
@@ -52,7 +83,7 @@ def run(argv: list[str] | None = None) -> int:
         import uvicorn
     except ImportError:
         raise JaxspecError(
-            "the server needs the serve extra: pip install 'jaxspec[serve]'"
+            "the server needs the serve extra: pip install 'jaxspec-decoding[serve]'"
         ) from None
     from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.config import load_config
@@ -70,7 +101,7 @@ def run(argv: list[str] | None = None) -> int:
             n = server.scheduler.compile_programs()
             print(f"jaxspec.serve: {n} programs ready in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        serve_until_stopped(uvicorn, app, args.host, args.port)
     finally:
         server.close()
     return 0

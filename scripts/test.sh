@@ -5,48 +5,81 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 usage() {
   cat <<'EOF'
-usage: bash scripts/test.sh [PYTEST_ARGS...]
+usage: bash scripts/test.sh [--quick] [--cold] [PYTEST_ARGS...]
 
 Sets up .venv (scripts/setup.sh), then runs jaxspec's tests with pytest and exits with its status.
 
   bash scripts/test.sh                              the whole suite (what .ci/run runs)
+  bash scripts/test.sh --quick                      one case per property (the inner loop, ~3 min)
+  bash scripts/test.sh --cold                       ... with an empty XLA cache (the cold time)
   bash scripts/test.sh tests/test_cli.py            only these files / dirs / node ids
   bash scripts/test.sh tests/test_cli.py -k json    ... filtered with pytest's -k
   bash scripts/test.sh -k greedy -x                 the whole suite, with these pytest options
 
 Files, directories and node ids (path::test) select what runs; every other argument is passed
-to pytest as is. Tests compile with XLA:CPU's faster code generation (JAXSPEC_TEST_FAST_CODEGEN=1)
-except the modules that measure the compiled programs users run or depend on their last bit
-(tests/test_greedy_identity.py, tests/test_roofline.py, tests/test_accelerator_path.py,
-tests/test_tree_chain.py), which run in a second process, at the same time, with XLA's defaults. Two pytest-xdist workers by default; JAXSPEC_TEST_WORKERS=0 runs
-each part in one process.
+to pytest as is. docs/testing.md says what each module proves and costs.
+
+Compiled XLA programs are kept between runs in ~/.cache/jaxspec/test-xla (JAX's persistent cache,
+keyed by jax/jaxlib, the program and the XLA flags; capped at 4 GB, least recently used first):
+a run after a change that leaves a program alone loads it. --cold uses an empty one, removed at
+the end. Tests compile with XLA:CPU's faster code generation (JAXSPEC_TEST_FAST_CODEGEN=1) except
+the modules that measure the compiled programs users run or depend on their last bit
+(tests/suite_plan.py PRODUCTION_CODEGEN), which run in a second process, at the same time, with
+XLA's defaults. Two pytest-xdist workers by default; JAXSPEC_TEST_WORKERS=0 runs each part in one
+process. With CI=true a skip that is not listed in tests/suite_plan.py EXPECTED_SKIPS fails.
 EOF
 }
+quick=0 cold=0 args=()
 for arg in "$@"; do
-  case "$arg" in -h|--help) usage; exit 0 ;; esac
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+    --quick) quick=1 ;;
+    --cold) cold=1 ;;
+    *) args+=("$arg") ;;
+  esac
 done
+set -- ${args[@]+"${args[@]}"}
 
+setup_started=$SECONDS
 bash scripts/setup.sh
+echo "test.sh: setup took $((SECONDS - setup_started)) s" >&2
 # The suite compiles many hundreds of XLA programs in one process; each maps memory, and past the
-# default vm.max_map_count (65530) XLA:CPU segfaulted mid-suite. Raise it where we may (root),
-# and tests/conftest.py also drops compiled programs after every module.
+# default vm.max_map_count (65530) XLA:CPU segfaulted mid-suite. Raise it where we may (root);
+# tests/conftest.py drops compiled programs when a process nears the limit.
 if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 0)" -lt 262144 ]; then
   sysctl -qw vm.max_map_count=262144 2>/dev/null || true
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 
-# The modules that measure the compiled programs users run (HLO bytes and copies, greedy identity
-# at a near-tie: tests/conftest.py says why) compile as users compile (XLA's defaults).
-production=(tests/test_greedy_identity.py tests/test_roofline.py tests/test_accelerator_path.py
-            tests/test_tree_chain.py)
+# The persistent XLA cache every test process and subprocess shares (they inherit the environment).
+if [ -n "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  :  # the caller's
+elif [ "$cold" -eq 1 ]; then
+  JAX_COMPILATION_CACHE_DIR="$(mktemp -d -t jaxspec-test-xla-cold-XXXXXX)"
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+else
+  JAX_COMPILATION_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/jaxspec/test-xla"
+  mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+fi
+export JAX_COMPILATION_CACHE_DIR
+export JAX_COMPILATION_CACHE_MAX_SIZE="${JAX_COMPILATION_CACHE_MAX_SIZE:-4000000000}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
+echo "test.sh: XLA cache $JAX_COMPILATION_CACHE_DIR ($(find "$JAX_COMPILATION_CACHE_DIR" -type f | wc -l) programs)" >&2
+
+# The modules that measure the compiled programs users run compile as users compile (XLA's
+# defaults): the list is tests/suite_plan.py's PRODUCTION_CODEGEN.
+mapfile -t production < <(python -c 'import sys; sys.path.insert(0, "tests")
+from suite_plan import PRODUCTION_CODEGEN
+print("\n".join("tests/" + m for m in PRODUCTION_CODEGEN))')
 is_production() {
   local p
   for p in "${production[@]}"; do [ "${1%%::*}" = "$p" ] && return 0; done
   return 1
 }
 # Split the arguments: paths (what to run) and pytest options (passed to both parts).
-fast=() slow=() opts=() named=0
+fast=() slow=() opts=(-rs --durations=30) named=0
+[ "$quick" -eq 1 ] && opts+=(-m quick)
 for arg in "$@"; do
   if [ -e "${arg%%::*}" ]; then
     named=1
@@ -73,7 +106,8 @@ run() {
 status=0
 keep() { [ "$1" -eq 0 ] || [ "$1" -eq 5 ] || status=$1; }  # 5: a filter left a part empty
 log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
+trap 'rm -f "$log"; [ "$cold" -eq 1 ] && rm -rf "$JAX_COMPILATION_CACHE_DIR"; true' EXIT
+started=$SECONDS
 production_pid=
 if [ "${#slow[@]}" -gt 0 ]; then
   python -m pytest -q "${slow[@]}" ${opts[@]+"${opts[@]}"} >"$log" 2>&1 &
@@ -87,4 +121,5 @@ if [ -n "$production_pid" ]; then
   echo "--- ${slow[*]} (default code generation):"
   cat "$log"
 fi
+echo "test.sh: tests took $((SECONDS - started)) s (setup $((started - setup_started)) s before)" >&2
 exit "$status"

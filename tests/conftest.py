@@ -9,9 +9,10 @@ to ones and zeros, so a swapped or dropped bias would go unseen).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
+import sys
 from pathlib import Path
+
+from suite_plan import EXPECTED_SKIPS, LONGEST_FIRST, PRODUCTION_CODEGEN, QUICK  # noqa: E402
 
 # Tests run many small programs, so compile time dominates. With JAXSPEC_TEST_FAST_CODEGEN=1
 # (scripts/test.sh sets it for every module but PRODUCTION_CODEGEN) XLA:CPU compiles at LLVM
@@ -26,8 +27,6 @@ from pathlib import Path
 # op by op for that reason; the sampled one-branch tree of test_tree_chain.py drew from
 # non-finite probabilities under these flags and is exact under the defaults.) Must precede the
 # first jax import; a flag in XLA_FLAGS wins.
-PRODUCTION_CODEGEN = ("test_greedy_identity.py", "test_roofline.py", "test_accelerator_path.py",
-                      "test_tree_chain.py")
 CODEGEN = []
 if os.environ.get("JAXSPEC_TEST_FAST_CODEGEN") == "1":
     CODEGEN += [("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false")]
@@ -36,17 +35,27 @@ for flag, value in CODEGEN:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}={value}".strip()
 
 
-# One persistent XLA compilation cache per test run, shared by the xdist workers and every
-# subprocess they start (mesh checks, CLI runs): they inherit this process's environment. A
-# program that several modules compile (each module ends with `jax.clear_caches()`) or several
-# processes compile is compiled once. A fresh directory per run, removed at its end, so no run
-# reuses another's programs: CI times a cold cache. JAXSPEC_TEST_XLA_CACHE=0 turns it off.
-RUN_XLA_CACHE = None
-if os.environ.get("JAXSPEC_TEST_XLA_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    RUN_XLA_CACHE = tempfile.mkdtemp(prefix="jaxspec-test-xla-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = RUN_XLA_CACHE
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+def production_codegen_flags(xla_flags: str) -> str:
+    """XLA_FLAGS without the fast code generation above: for subprocesses that measure the
+    compiled programs users run (the mesh copy / collective checks), as the one-device HLO checks
+    of PRODUCTION_CODEGEN do."""
+    fast = {f"--{flag}={value}" for flag, value in
+            (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false"))}
+    return " ".join(f for f in xla_flags.split() if f not in fast)
+
+
+# The persistent XLA compilation cache, shared by the xdist workers and every subprocess they
+# start (mesh checks, CLI runs): they inherit this process's environment. scripts/test.sh points
+# JAX_COMPILATION_CACHE_DIR at one kept between runs (~/.cache/jaxspec/test-xla; JAX keys each
+# program by jax/jaxlib, the program and the XLA flags, so a changed program is compiled afresh)
+# or, with --cold, at an empty one. Run without it (pytest alone), the suite uses the same kept
+# directory; JAXSPEC_TEST_XLA_CACHE=0 turns the cache off.
+if os.environ.get("JAXSPEC_TEST_XLA_CACHE", "1") != "0":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "jaxspec", "test-xla")))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "4000000000")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
 # Where the suite's time goes: JAXSPEC_TEST_COMPILE_STATS=DIR makes every test process (xdist
@@ -96,8 +105,6 @@ def pytest_sessionfinish(session, exitstatus):
         out = Path(os.environ["JAXSPEC_TEST_COMPILE_STATS"])
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{os.getpid()}.json").write_text(json.dumps(COMPILE_STATS))
-    if RUN_XLA_CACHE is not None:  # only the process that made it (the xdist controller)
-        shutil.rmtree(RUN_XLA_CACHE, ignore_errors=True)
 
 
 import pytest  # noqa: E402
@@ -124,28 +131,16 @@ def import_torch():
     return torch
 
 
-# The files that take longest, first (measured: BENCHMARKS.md, session 8). scripts/test.sh runs
-# two worker processes that each take whole files in collection order; starting the longest first
-# keeps one long file (the notebook, the device-script smoke) from running alone at the end while
-# the other worker idles.
-LONGEST_FIRST = (
-    "test_sharding.py",
-    "test_distributions.py",
-    "test_trained_drafters.py",
-    "test_tree.py",
-    "test_bench.py",
-    "test_formats.py",
-    "test_notebooks.py",
-    "test_docs.py",
-    "test_speculative.py",
-    "test_cli.py",
-    "test_parity.py",
-    "test_adaptive.py",
-    "test_bench_device.py",
-    "test_attention_impls.py",
-    "test_train.py",
-    "test_ngram_ceiling.py",
-)
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: one case per property (scripts/test.sh --quick)")
+    config.addinivalue_line(
+        "markers", "patches_traced_code: the test swaps a function that jitted programs trace "
+        "(a broken variant); JAX's caches are dropped before and after it")
+
+
+def _quick(item) -> bool:
+    names = QUICK.get(item.path.name, ())
+    return any(item.name == n or (n.endswith("*") and item.name.startswith(n[:-1])) for n in names)
 
 
 def pytest_collection_modifyitems(items):
@@ -156,22 +151,74 @@ def pytest_collection_modifyitems(items):
                 f"{', '.join(wrong)} measure the compiled programs users run: run them without "
                 "JAXSPEC_TEST_FAST_CODEGEN=1 (scripts/test.sh does)"
             )
+    for item in items:
+        if _quick(item):
+            item.add_marker(pytest.mark.quick)
+    # xdist's workers take whole files in collection order: the longest first (suite_plan.py).
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_compiled_programs():
-    """Drop every compiled program after each test module. The suite compiles many hundreds of
-    XLA programs; kept alive in one process they exhausted the process's memory mappings and
-    XLA:CPU segfaulted while compiling (seen deep into the full suite, never in a module alone)."""
-    yield
-    import gc
+def _skip_expected(module: str, reason: str) -> bool:
+    return any(module == m and fragment in reason for m, fragment in EXPECTED_SKIPS)
 
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In CI (CI=true) a skip not listed in suite_plan.EXPECTED_SKIPS is a failure: everything
+    the project installs (the CPU kernels, the Gemma wheels, every test extra) must be there."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI", "").lower() != "true" or not report.skipped:
+        return
+    if hasattr(report, "wasxfail"):
+        return
+    reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if not _skip_expected(item.path.name, reason):
+        report.outcome = "failed"
+        report.longrepr = (f"unexpected skip in CI (not in tests/suite_plan.py EXPECTED_SKIPS): "
+                           f"{reason}")
+
+
+def _memory_maps_near_limit(fraction: float = 0.5) -> bool:
+    """Whether this process maps more than `fraction` of vm.max_map_count (Linux)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps", "rb") as maps:
+            used = sum(1 for _ in maps)
+    except OSError:
+        return False
+    return used > fraction * limit
+
+
+@pytest.fixture(autouse=True)
+def _fresh_traces_around_patched_code(request):
+    """A test marked patches_traced_code swaps a function that jitted programs call (a broken
+    acceptance rule, say): a program traced before it must not serve it, and its programs must
+    not serve a later test with the same shapes, so JAX's caches are dropped on both sides."""
+    if request.node.get_closest_marker("patches_traced_code") is None:
+        yield
+        return
     import jax
 
     jax.clear_caches()
-    gc.collect()
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs_near_the_map_limit():
+    """Compiled programs stay alive across modules (a program two modules run is traced and
+    compiled once per process). Each maps memory, and past vm.max_map_count XLA:CPU segfaulted
+    while compiling, so after a module that leaves the process over half the limit, drop them."""
+    yield
+    if _memory_maps_near_limit():
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiles import counting_lowerings
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import eagle_like, tiny_model
 
@@ -74,9 +75,9 @@ def test_adaptive_greedy_is_token_identical(target, prompts, method, batch_size)
     if batch_size == 1:  # lengths are data: other requests reuse the one program (at batch 1
         # only the cost curve can switch off: every request runs the adaptive program)
         assert not any(r.metrics["adaptive_switched_off"] for r in results)
-        before = speculate.decode_jit._cache_size()
-        again = engine.generate(prompts[4:], max_new_tokens=24, batch_size=1)  # new requests
-        assert speculate.decode_jit._cache_size() == before
+        with counting_lowerings() as lowered:
+            again = engine.generate(prompts[4:], max_new_tokens=24, batch_size=1)  # new requests
+        assert lowered("decode") == 0
         assert [r.token_ids for r in again] == [r.token_ids for r in plain[4:]]
 
 
@@ -335,14 +336,11 @@ def test_adaptive_sampling_has_the_target_distribution(small_vocab, shape):
     assert p > PASS_P
 
 
+@pytest.mark.patches_traced_code
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_distribution_test_catches_a_length_that_peeks_at_the_draw(small_vocab, shape, monkeypatch):
-    jax.clear_caches()
     monkeypatch.setattr(adaptive, "cut", peeking_cut)  # the loop cuts proposals through it
-    try:
-        p, _ = adaptive_pvalue(*small_vocab, shape)
-    finally:
-        jax.clear_caches()
+    p, _ = adaptive_pvalue(*small_vocab, shape)
     assert p < FAIL_P
 
 

@@ -213,13 +213,9 @@ def bonus_from_q(tokens, parents, q, p, num_nodes, keys, path_len, update_residu
 BONUS_ROWS = 6000  # the wrong bonus gives p = 0.0 (underflow) for both prompts at 8000 rows
 
 
+@pytest.mark.patches_traced_code
 def test_longer_outputs_catch_a_wrong_bonus(eos_target, monkeypatch):
     sp = SamplingParams.make(**SETTINGS["temperature"])
-    jax.clear_caches()
     monkeypatch.setattr(acceptance, "accept_tree", bonus_from_q)  # speculate reads it
-    try:
-        pvalues, _ = mixed_pvalues(eos_target, sp, BONUS_ROWS)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
+    pvalues, _ = mixed_pvalues(eos_target, sp, BONUS_ROWS)
     assert max(pvalues) < FAIL_P, pvalues

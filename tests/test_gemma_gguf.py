@@ -58,7 +58,7 @@ def tiny_gemma(kind: str):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(0.3 * torch.randn_like(p))  # norms around 0: (1 + w) versus w shows
-    model.config._attn_implementation = "eager"
+    model.set_attn_implementation("eager")  # the reference computes attention plainly
     return model.eval()
 
 

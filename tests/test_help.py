@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -52,22 +51,19 @@ def test_the_known_entry_points_are_found():
 
 
 @pytest.mark.parametrize("module", entry_points())
-def test_help_is_instant_and_loads_no_heavy_package(module):
+def test_help_loads_no_heavy_package(module):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-c", PROBE.format(heavy=HEAVY), module],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
     )
-    elapsed = time.perf_counter() - start
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.rsplit("PROBE ", 1)[1])
     assert report["code"] in (0, None), done.stderr[-2000:]
     assert "usage:" in done.stdout
+    # The work --help does, counted: no jax, transformers, torch ... (an import of jax alone
+    # is 1-2 s of a user's wait), whatever the machine's load.
     assert report["loaded"] == [], f"{module} --help imported {report['loaded']}"
-    # Interpreter start + argparse is ~0.1 s; the bound leaves room for a loaded 2-core machine
-    # while still failing an import of jax (1-2 s alone) or transformers.
-    assert elapsed < 3.0, f"{module} --help took {elapsed:.1f} s"
 
 
 def test_import_jaxspec_is_light_and_every_export_resolves():

@@ -138,6 +138,7 @@ def test_jax_export_for_tpu_lowers_the_paged_kernel_on_the_pool():
     assert "tensor<2x12x16x128xbf16>" in text and "stablehlo.transpose" not in text
 
 
+@pytest.mark.patches_traced_code
 @pytest.mark.parametrize("broken", ["no table on write", "no table on read"])
 def test_the_view_test_catches_a_cache_ignoring_its_table(monkeypatch, broken):
     if broken == "no table on write":

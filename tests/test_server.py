@@ -57,18 +57,19 @@ def solo(engine):
 def served(engine):
     server = Server(engine, slots=3, max_context=CONTEXT, steps_per_call=4, max_queue=3,
                     model_name=NAME)
-    with socket.socket() as s:  # a free loopback port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(make_app(server), host="127.0.0.1", port=port,
-                                         log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
+    sock = socket.socket()  # bound here and handed to uvicorn: the port is known, no race
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not http.started:
+    deadline = time.time() + 60
+    while not http.started and thread.is_alive() and time.time() < deadline:
         time.sleep(0.05)
+    assert http.started, "the server did not start within 60 s"
     yield server, f"http://127.0.0.1:{port}"
     http.should_exit = True
-    thread.join()
+    thread.join(timeout=60)
     server.close()
 
 
@@ -240,23 +241,23 @@ def test_the_serve_command_refuses_bad_settings_in_one_line(args, word):
 
 
 def test_the_serve_command_answers_health_on_loopback():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """--port 0: the server binds any free port and prints the URL once it accepts connections."""
     proc = _serve_cmd("--config", "configs/smollm2-135m.yaml", "-o", "serving.slots=1",
-                      "-o", "serving.max_context=128", "--port", str(port))
+                      "-o", "serving.max_context=128", "--port", "0")
     try:
-        deadline, health = time.time() + 600, None
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
-                break
-            except httpx.TransportError:
-                time.sleep(1)
-        assert health is not None, proc.stderr.read() if proc.poll() is not None else "no answer"
+        url, lines = None, []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        deadline = time.time() + 600
+        while url is None and time.time() < deadline and proc.poll() is None:
+            url = next((ln.split("listening on ", 1)[1].strip() for ln in list(lines)
+                        if "listening on http://" in ln), None)
+            time.sleep(0.2)
+        assert url is not None, "".join(lines)[-3000:]
+        health = httpx.get(f"{url}/health", timeout=5).json()
         assert health["status"] == "ok" and health["slots"] == 1
         assert health["kv_pages"] == 128 // 16
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
+        models = httpx.get(f"{url}/v1/models", timeout=5).json()
         assert [m["id"] for m in models["data"]] == ["smollm2-135m"]
     finally:
         proc.terminate()

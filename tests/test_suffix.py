@@ -184,6 +184,7 @@ class PeekingSuffix(SuffixDrafter):
         return proposal._replace(num_proposed=jnp.where(u0 < 0.5, proposal.num_proposed, 0)), state
 
 
+@pytest.mark.patches_traced_code
 def test_suffix_proposals_that_peek_at_the_draw_fail(law_target, monkeypatch):
     real = speculate.drafted_step
 

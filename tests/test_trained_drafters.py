@@ -1,6 +1,7 @@
 """Trained drafters are lossless: the shipped SmolLM2-135M checkpoints give token-identical
 greedy output, and sampled output (with draft-vocabulary reduction on) has the target's exact
-distribution on a tiny model -- a deliberately broken drafter fails the same test."""
+distribution on a tiny model (each law test runs the real drafter as its control and a
+deliberately broken one, same settings and rows: the control passes, the broken one fails)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from jaxspec.models import base
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.train import methods
 from jaxspec.train.load import load_trained_drafter
-from distribution import FAIL_P, chi_square_pvalue, counts_of, exact_law, sample_rows
+from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law, sample_rows
 from tiny import tiny_model
 
 # ---- shipped checkpoints on the real target ------------------------------------------------
@@ -108,13 +109,22 @@ class ArgmaxTokenEagle(eagle_lib.EagleDrafter):
         return dparams["d2t"][idx], probs
 
 
-def test_distribution_test_catches_a_broken_drafter(small):
+def law_holds(pvalue: float, variant: str) -> None:
+    """The control (the real drafter, same settings and rows) passes; the broken one fails."""
+    if variant == "control":
+        assert pvalue > PASS_P, pvalue
+    else:
+        assert pvalue < FAIL_P, pvalue
+
+
+@pytest.mark.parametrize("variant", ["control", "broken"])
+def test_eagle_with_a_reduced_vocabulary_has_the_law_and_an_argmax_proposer_does_not(small, variant):
     sp = SamplingParams.make(temperature=1.0)
     good, dparams = drafter_for(small, "eagle")
-    broken = ArgmaxTokenEagle(cfg=good.cfg, target_vocab=good.target_vocab,
-                              hidden_layers=good.hidden_layers)
-    counts, _ = sampled_counts(small, broken, dparams, sp, rows=BROKEN_ROWS)
-    assert chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)) < FAIL_P
+    drafter = good if variant == "control" else ArgmaxTokenEagle(
+        cfg=good.cfg, target_vocab=good.target_vocab, hidden_layers=good.hidden_layers)
+    counts, _ = sampled_counts(small, drafter, dparams, sp, rows=BROKEN_ROWS)
+    law_holds(chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)), variant)
 
 
 # ---- dynamic draft length (speculative.eagle.draft_confidence) -------------------------------
@@ -148,13 +158,15 @@ class SelfGatedEagle(eagle_lib.EagleDrafter):
         return confidence * own
 
 
-def test_distribution_test_catches_a_self_gated_drafter(small):
+@pytest.mark.parametrize("variant", ["control", "broken"])
+def test_confidence_gated_eagle_has_the_law_and_a_self_gated_one_does_not(small, variant):
     sp = SamplingParams.make(temperature=1.0)
     good, dparams = drafter_for(small, "eagle")
-    broken = SelfGatedEagle(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)}
-                            | {"min_confidence": 0.6, "variable_length": True})
-    counts, _ = sample(small, broken, dparams, sp, rows=BROKEN_ROWS)
-    assert chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)) < FAIL_P
+    cls = eagle_lib.EagleDrafter if variant == "control" else SelfGatedEagle
+    drafter = cls(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)}
+                  | {"min_confidence": 0.6, "variable_length": True})
+    counts, _ = sample(small, drafter, dparams, sp, rows=BROKEN_ROWS)
+    law_holds(chi_square_pvalue(counts, exact_law(small, PROMPT, sp, NUM_TOKENS)), variant)
 
 
 # ---- prompt lookup first, the trained drafter elsewhere (speculative.lookup) -------------------
@@ -225,10 +237,11 @@ class DraftingEagle(eagle_lib.EagleDrafter):
     advance = None  # always drafts, so StaleQLookup's merge runs on every step
 
 
-def test_distribution_test_catches_a_lookup_with_the_wrong_q(small):
+@pytest.mark.parametrize("variant", ["control", "broken"])
+def test_lookup_first_has_the_law_and_one_with_the_wrong_q_does_not(small, variant):
     sp = SamplingParams.make(temperature=1.0)
     good, dparams = drafter_for(small, "eagle")
     drafter = DraftingEagle(**{f.name: getattr(good, f.name) for f in dataclasses.fields(good)})
-    broken = StaleQLookup(drafter, NgramDrafter(V, 1, 2))
-    counts, _ = sample(small, broken, dparams, sp, gamma=3, prompt=REPEATING, rows=BROKEN_ROWS)
-    assert chi_square_pvalue(counts, exact_law(small, REPEATING, sp, NUM_TOKENS)) < FAIL_P
+    mixed = (LookupFirst if variant == "control" else StaleQLookup)(drafter, NgramDrafter(V, 1, 2))
+    counts, _ = sample(small, mixed, dparams, sp, gamma=3, prompt=REPEATING, rows=BROKEN_ROWS)
+    law_holds(chi_square_pvalue(counts, exact_law(small, REPEATING, sp, NUM_TOKENS)), variant)

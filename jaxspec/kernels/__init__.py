@@ -149,13 +149,14 @@ def _try_register() -> bool:  # one build attempt per process, success or not
 
 @functools.cache
 def _register() -> None:
-    library = ctypes.cdll.LoadLibrary(str(_build()))
+    library = ctypes.cdll.LoadLibrary(str(build_library()))
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
-def _build() -> Path:
-    """Compile the kernels for this host (cached by source, jax version and CPU)."""
+def build_library() -> Path:
+    """The kernels compiled for this host: the shared library's path (cached by source, jax version,
+    CPU and compiler; a failed build is remembered and raised again as OSError)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler found (install g++ or set CXX)")
