@@ -9,7 +9,6 @@ to ones and zeros, so a swapped or dropped bias would go unseen).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from suite_plan import EXPECTED_SKIPS, LONGEST_FIRST, PRODUCTION_CODEGEN, QUICK  # noqa: E402

@@ -499,16 +499,25 @@ def test_lockstep_hand_off_is_plain_decoding(target, prompts, batch_size):
     assert kept[0].metrics["adaptive_handoff_step"] == -1
 
 
-def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
-    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(calibration, "REPS", 2)  # the real measurements below: that they run
-    calls = []
-
-    def fake(model, batch, widths, fill):  # a window entry costs more at a longer context
+def fake_verify(calls):
+    """A verify-step measurement: a window entry costs more at a longer context."""
+    def measure(model, batch, widths, fill):
         calls.extend((model.name, batch, w, fill) for w in widths)
         per = 0.25 * fill / 128
         return [0.01 * (1.1 if w == 0 else 1 + per * (w - 1)) for w in widths]
+    return measure
 
+
+@pytest.fixture
+def calibration_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "REPS", 2)  # the real measurements: that they run
+    return tmp_path
+
+
+def test_step_costs_are_cached_per_model_and_width(target, calibration_dir):
+    calls = []
+    fake = fake_verify(calls)
     # per fill; k = 0: the loop's 1-entry step (window path, width 0), next to plain's in place
     want = {128: [1.1, 1.25, 1.5], 1024: [1.1, 3.0, 5.0]}
     assert calibration.FILLS == (128, 1024)
@@ -530,18 +539,23 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     calibration.step_costs(target, 2, 3, measure=fake)  # every fill kept by the recalibration
     assert len(calls) == 36
     assert "fills" in calibration.calibration_key(target)  # session 8's files (one fill): not read
-    # drift: the plain step re-timed against the cached one (0.01 s at 128), within DRIFT or not
+
+
+def test_drift_is_the_plain_step_retimed_against_the_cached_one(target, calibration_dir):
+    calls = []
+    fake = fake_verify(calls)
+    calibration.step_costs(target, 2, 2, measure=fake)  # 0.01 s at 128 cached
     speed = [1.0]
     slower = lambda model, batch, widths, fill: [t * speed[0] for t in fake(model, batch, widths, fill)]
     assert not calibration.drifted(target, 2, measure=slower)
     assert not calibration.drifted(target, 4, measure=slower)  # nothing cached: nothing to compare
-    speed[0] = 1.3
+    speed[0] = 1.3  # outside DRIFT either way
     assert calibration.drifted(target, 2, measure=slower)
     speed[0] = 0.7
     assert calibration.drifted(target, 2, measure=slower)
-    long, short = (calibration.measure_verify(target, 1, [1, 0, 2], f) for f in (1024, 128))
-    assert min(long + short) > 0  # the real measurement runs, one compile for both fills
-    # the drafter's step: cached per drafter (its settings are in the key), ratios to plain
+
+
+def test_draft_costs_are_cached_per_drafter_settings(target, calibration_dir):
     drafts = []
 
     def fake_draft(model, drafter, dparams, batch, gamma, ks, fill):
@@ -556,21 +570,21 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     assert len(drafts) == 2  # reused
     calibration.draft_costs(target, NgramDrafter(64, max_ngram=2), None, 2, 2, measure=fake_draft)
     assert len(drafts) == 4  # another drafter: another key
-    # the real measurement runs: k = 0 EAGLE's commit_plain (a plain run's catch-up, per
-    # step), k = 3 its max_nodes loop + commit
-    plain_s, each = calibration.measure_draft(target, *eagle_like(target), 2, 3, [0, 3])
-    assert plain_s > 0 and min(each) > 0
-    drafters = (eagle_like(target)[0], ngram, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64))
+    drafters = (eagle_like(target)[0], ngram,
+                ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64))
     k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
     run = f"commit_plain/{speculate.MAX_PLAIN_RUN}"  # in the key: what k = 0 measured
     assert k0 == [run] + ["propose+commit"] * 2
-    # the loop's whole step (what the engine measures): cached per loop, ratios to plain's step
+
+
+def test_loop_costs_are_cached_per_loop_and_drift_retimes_plain(target, calibration_dir):
     loops = []
 
     def fake_loop(model, spec, dparams, batch, ks, fill):
         loops.append((spec.num_speculative_tokens, batch, tuple(ks), fill))
         return 0.01, [0.01 * (1 + 0.1 * k) for k in ks]
 
+    ngram = NgramDrafter(64, min_ngram=1, max_ngram=3)
     spec = lambda g, **kw: Engine(target, ngram, None, num_speculative_tokens=g,
                                   adaptive=Options(**kw)).spec
     got = calibration.loop_costs(target, spec(2), None, 2, measure=fake_loop)
@@ -585,13 +599,23 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     calibration.loop_costs(target, spec(3), None, 2, measure=fake_loop)  # another γ, another
     calibration.loop_costs(target, spec(2, probe_every=4), None, 2, measure=fake_loop)  # run
     assert len(loops) == 7
-    # the real measurement runs: EAGLE (k = 0: the plain loop's step + a run's catch-up) and
-    # prompt lookup (k >= 1 on a pattern it always matches)
+
+
+def test_the_real_measurements_time_one_step_per_width_asked(target, calibration_dir):
+    """The measurements the fakes above stand for run on the real programs and give one time
+    per width asked: verify at two fills (one compile for both), EAGLE's draft (k = 0: its
+    commit_plain catch-up; k = 3: its max_nodes loop + commit) and whole loop steps."""
+    long, short = (calibration.measure_verify(target, 1, [1, 0, 2], f) for f in (1024, 128))
+    assert len(long) == len(short) == 3 and all(np.isfinite(long + short))
+    plain_s, each = calibration.measure_draft(target, *eagle_like(target), 2, 3, [0, 3])
+    assert np.isfinite(plain_s) and len(each) == 2 and all(np.isfinite(each))
     eagle, eparams = eagle_like(target)
     espec = Engine(target, eagle, eparams, num_speculative_tokens=3, adaptive=Options()).spec
-    for s, p in ((espec, eparams), (spec(3), None)):
+    nspec = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
+                   num_speculative_tokens=3, adaptive=Options()).spec
+    for s, p in ((espec, eparams), (nspec, None)):
         plain_s, each = calibration.measure_loop(target, s, p, 2, [0, 1, 3], 1024)
-        assert plain_s > 0 and len(each) == 3 and min(each) > 0
+        assert np.isfinite(plain_s) and len(each) == 3 and all(np.isfinite(each))
 
 
 def test_calibration_ratios_are_per_round_medians(monkeypatch):
