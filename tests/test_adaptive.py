@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from compiles import counting_lowerings
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
-from tiny import eagle_like, tiny_model
+from tiny import eagle_like, motif_prompts, tiny_model
 
 from jaxspec.decode import acceptance, adaptive, calibration, speculate, tree
 from jaxspec.tools import hlo
@@ -39,18 +39,13 @@ def controller(gamma: int, **settings) -> adaptive.Controller:
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_model(seed=0, layers=2, packed=True)
+def target(tiny_target):  # the layout configs load on a CPU
+    return tiny_target
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    out = []
-    for n in (5, 17, 9, 30, 12, 20, 7, 25):  # half random, half a repeated motif
-        motif = list(rng.integers(1, 64, size=4))
-        out.append([int(t) for t in (list(rng.integers(1, 64, size=n // 2)) + motif * 4)[:n]])
-    return out
+    return motif_prompts((5, 17, 9, 30, 12, 20, 7, 25))
 
 
 @pytest.mark.parametrize("method,batch_size", [("ngram", 1), ("ngram", 8), ("eagle", 8)])

@@ -13,9 +13,9 @@ import cases
 import pytest
 from compiles import counting_lowerings
 from distribution import chi_square_pvalue, counts_of, exact_law
-from tiny import tiny_model
+from tiny import motif_prompts, tiny_model
 
-from jaxspec.decode import acceptance, speculate
+from jaxspec.decode import acceptance
 from jaxspec.decode.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
@@ -37,18 +37,13 @@ def perturbed(params, seed, noise):
 
 
 @pytest.fixture(scope="module")
-def target():  # the layout configs load on a CPU (mesh tests cover the unrolled one)
-    return tiny_model(seed=0, layers=2, packed=True)
+def target(tiny_target):  # the layout configs load on a CPU
+    return tiny_target
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    out = []
-    for n in PROMPT_LENGTHS:  # half random, half a repeated motif (so prompt lookup finds matches)
-        motif = list(rng.integers(1, 64, size=4))
-        out.append([int(t) for t in (list(rng.integers(1, 64, size=n // 2)) + motif * 4)[:n]])
-    return out
+    return motif_prompts(PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from compiles import counting_lowerings
 from distribution import FAIL_P, PASS_P, pvalue
-from tiny import tiny_model
+from tiny import motif_prompts, tiny_model
 
-from jaxspec.decode import acceptance, speculate, tree
+from jaxspec.decode import acceptance, tree
 from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
@@ -274,18 +274,13 @@ def test_without_replacement_children_are_distinct_and_follow_the_support():
 
 
 @pytest.fixture(scope="module")
-def target():  # the layout configs load on a CPU
-    return tiny_model(seed=0, layers=2, packed=True)
+def target(tiny_target):  # the layout configs load on a CPU
+    return tiny_target
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    out = []
-    for n in PROMPT_LENGTHS:  # half random, half a repeated motif (so prompt lookup finds matches)
-        motif = list(rng.integers(1, 64, size=4))
-        out.append([int(t) for t in (list(rng.integers(1, 64, size=n // 2)) + motif * 4)[:n]])
-    return out
+    return motif_prompts(PROMPT_LENGTHS)
 
 
 @pytest.fixture(scope="module")

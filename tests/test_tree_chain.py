@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 from test_tree import PROMPT_LENGTHS, TREE_DRAFTERS, trained_like
-from tiny import tiny_model
+from tiny import motif_prompts
 
 from jaxspec.decode import tree
 from jaxspec.decode.sampling import SamplingParams
@@ -20,18 +20,13 @@ from jaxspec.engine.runner import Engine
 
 
 @pytest.fixture(scope="module")
-def target():  # the layout configs load on a CPU
-    return tiny_model(seed=0, layers=2, packed=True)
+def target(tiny_target):  # the layout configs load on a CPU
+    return tiny_target
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    out = []
-    for n in PROMPT_LENGTHS:  # half random, half a repeated motif (so prompt lookup finds matches)
-        motif = list(rng.integers(1, 64, size=4))
-        out.append([int(t) for t in (list(rng.integers(1, 64, size=n // 2)) + motif * 4)[:n]])
-    return out
+    return motif_prompts(PROMPT_LENGTHS)
 
 
 def test_one_branch_tree_equals_the_chain(target, prompts):

@@ -71,3 +71,14 @@ def eagle_like(target):
     m = methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0)
     params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
     return m.drafter(target.target), m.runtime(params, frozen)
+
+
+def motif_prompts(lengths, vocab: int = 64, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of these lengths: half random, then a repeated 4-token motif (so prompt
+    lookup finds matches); the same lengths and seed give the same prompts in every module."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        motif = list(rng.integers(1, vocab, size=4))
+        out.append([int(t) for t in (list(rng.integers(1, vocab, size=n // 2)) + motif * 4)[:n]])
+    return out
