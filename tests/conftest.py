@@ -137,11 +137,6 @@ def pytest_configure(config):
         "(a broken variant); JAX's caches are dropped before and after it")
 
 
-def _quick(item) -> bool:
-    names = QUICK.get(item.path.name, ())
-    return any(item.name == n or (n.endswith("*") and item.name.startswith(n[:-1])) for n in names)
-
-
 def pytest_collection_modifyitems(items):
     if "xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", ""):
         wrong = sorted({i.path.name for i in items if i.path.name in PRODUCTION_CODEGEN})
@@ -150,8 +145,11 @@ def pytest_collection_modifyitems(items):
                 f"{', '.join(wrong)} measure the compiled programs users run: run them without "
                 "JAXSPEC_TEST_FAST_CODEGEN=1 (scripts/test.sh does)"
             )
+    quick_seen = set()  # (module, function): its first case only
     for item in items:
-        if _quick(item):
+        key = (item.path.name, getattr(item, "originalname", item.name))
+        if key[1] in QUICK.get(key[0], ()) and key not in quick_seen:
+            quick_seen.add(key)
             item.add_marker(pytest.mark.quick)
     # xdist's workers take whole files in collection order: the longest first (suite_plan.py).
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}

@@ -9,7 +9,7 @@
 - EXPECTED_SKIPS: the only skips allowed in CI (CI=true): (module, fragment of the reason).
   Anything else the project installs must be there; a skip elsewhere fails the run.
 - QUICK: `bash scripts/test.sh --quick`: one case per property, the inner loop (module -> the
-  test names, or name prefixes with a trailing *, that run).
+  test functions whose first case runs: a parametrized test runs its first parameter set only).
 """
 
 PRODUCTION_CODEGEN = (
@@ -25,4 +25,36 @@ EXPECTED_SKIPS = (
     ("test_bench_device.py", "set JAXSPEC_DEVICE_SMOKE=1"),
 )
 
-QUICK: dict[str, tuple[str, ...]] = {}
+QUICK: dict[str, tuple[str, ...]] = {
+    "test_acceptance.py": ("test_emitted_tokens_have_target_law", "test_check_rejects_broken_rule",
+                           "test_greedy_is_the_limit"),
+    "test_sampling.py": ("test_top_p_keeps_minimal_nucleus", "test_min_p",
+                         "test_new_param_values_do_not_recompile"),
+    "test_speculative.py": ("test_greedy_speculative_is_token_identical",
+                            "test_max_new_tokens_is_exact", "test_eos_inside_the_window_stops_the_row",
+                            "test_distribution_test_catches_a_broken_rule"),
+    "test_tree.py": ("test_tree_window_mask_depth_and_padding", "test_tree_greedy_is_token_identical",
+                     "test_tree_sampling_has_the_target_distribution"),
+    "test_distributions.py": ("test_sampled_output_has_the_target_law",),
+    "test_adaptive.py": ("test_adaptive_greedy_is_token_identical",),
+    "test_parity.py": ("test_tiny_checkpoint_logits_match_transformers",),
+    "test_loading.py": ("test_loaded_model_pytree", "test_errors_are_one_line"),
+    "test_config.py": ("test_shipped_configs_parse", "test_unknown_key_lists_valid"),
+    "test_cli.py": ("test_bad_arguments",),
+    "test_serving.py": ("test_greedy_rows_equal_solo_runs_whatever_shares_the_batch",),
+    "test_paged_cache.py": ("test_the_view_of_shuffled_pages_is_the_contiguous_cache",),
+    "test_prefix_cache.py": ("test_the_pool_counts_holders_caches_unheld_pages_and_evicts_them",),
+    "test_kernels.py": ("test_panel_matmul_matches_float64", "test_prefix_attention_matches_float64"),
+    "test_formats.py": ("test_eagle3_logits_match_an_independent_torch_forward",),
+    "test_families.py": ("test_logits_match_transformers_past_the_window",),
+    "test_docs.py": ("test_generated_parts_are_current", "test_relative_links_resolve"),
+    "test_help.py": ("test_import_jaxspec_is_light_and_every_export_resolves",),
+    "test_cases.py": ("test_every_registered_drafter_has_cases",),
+    "test_engine_units.py": ("test_requests_pack_bucket_and_check",),
+    "test_suffix.py": ("test_greedy_suffix_is_token_identical",),
+    "test_input_checks.py": ("test_bad_prompt_token_ids_are_refused",),
+    "test_bench.py": ("test_expected_tokens_per_step",),
+    "test_sharding.py": ("test_bad_meshes_are_refused_with_their_numbers",),
+    "test_greedy_identity.py": ("test_greedy_speculation_at_batch_8_is_token_identical",),
+    "test_accelerator_path.py": ("test_decode_loop_copies_no_cache",),
+}

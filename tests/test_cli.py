@@ -3,7 +3,8 @@
 Bad inputs that fail before a model is loaded run in-process through `main` (what `__main__`
 calls); the rest run as subprocesses, as a user would. The real runs share one shape (batch 1,
 prompts in the same length bucket, 8 new tokens), so the persistent XLA cache that the first run
-fills serves the others (and later test sessions).
+fills serves the others (and later test runs: the subprocesses inherit the suite's
+JAX_COMPILATION_CACHE_DIR, the cache scripts/test.sh keeps between runs).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ FIELDS = {
 
 
 def user_cache_root() -> str:
-    """The cache a user's runs fill (conftest points JAXSPEC_CACHE_DIR at a fresh one per session;
-    the CLI runs here share the persistent one, so a second CI run skips compiling)."""
+    """A user's jaxspec cache directory (tokenizers, kernels, calibration; conftest points
+    JAXSPEC_CACHE_DIR at a fresh one per session). Compiled programs go to the suite's XLA
+    cache, which JAX_COMPILATION_CACHE_DIR names and jaxspec keeps when set."""
     return str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "jaxspec"))
 
 
