@@ -21,8 +21,9 @@ to pytest as is. docs/testing.md says what each module proves and costs.
 
 Compiled XLA programs are kept between runs in ~/.cache/jaxspec/test-xla (JAX's persistent cache,
 keyed by jax/jaxlib, the program and the XLA flags; capped at 4 GB, least recently used first):
-a run after a change that leaves a program alone loads it. --cold uses an empty one, removed at
-the end. Tests compile with XLA:CPU's faster code generation (JAXSPEC_TEST_FAST_CODEGEN=1) except
+a run after a change that leaves a program alone loads it; so are the CPU kernels and converted
+tokenizers (~/.cache/jaxspec/test-kept, keyed by their sources). --cold uses empty ones, removed
+at the end. Tests compile with XLA:CPU's faster code generation (JAXSPEC_TEST_FAST_CODEGEN=1) except
 the modules that measure the compiled programs users run or depend on their last bit
 (tests/suite_plan.py PRODUCTION_CODEGEN), which run in a second process, at the same time, with
 XLA's defaults. Two pytest-xdist workers by default; JAXSPEC_TEST_WORKERS=0 runs each part in one
@@ -57,7 +58,7 @@ if [ -n "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
   :  # the caller's
 elif [ "$cold" -eq 1 ]; then
   JAX_COMPILATION_CACHE_DIR="$(mktemp -d -t jaxspec-test-xla-cold-XXXXXX)"
-  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+  export JAXSPEC_TEST_KEPT_CACHE="$JAX_COMPILATION_CACHE_DIR/kept"  # kernels, tokenizers
 else
   JAX_COMPILATION_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/jaxspec/test-xla"
   mkdir -p "$JAX_COMPILATION_CACHE_DIR"

@@ -218,11 +218,25 @@ def _release_compiled_programs_near_the_map_limit():
         gc.collect()
 
 
+# What jaxspec caches that is keyed by its own content is kept between test runs, beside the XLA
+# cache: the CPU kernels (keyed by source, jax version, CPU and compiler; a build is ~10 s of g++
+# per process) and converted GGUF tokenizers (keyed by the file's digest). scripts/test.sh --cold
+# points JAXSPEC_TEST_KEPT_CACHE at an empty directory. Calibration files and everything else
+# start fresh in every session. test_parity converts the SmolLM2 tokenizer into a fresh directory
+# itself, so the slow conversion path is tested on every run.
+KEPT_CACHE = Path(os.environ.get("JAXSPEC_TEST_KEPT_CACHE") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "jaxspec", "test-kept"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _jaxspec_cache_dir(tmp_path_factory):
-    """A fresh cache per session, so the slow GGUF tokenizer conversion path is exercised too."""
+    """A fresh jaxspec cache per session, its kernels/ and tokenizers/ the kept ones."""
     old = os.environ.get("JAXSPEC_CACHE_DIR")
-    os.environ["JAXSPEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("jaxspec_cache"))
+    fresh = tmp_path_factory.mktemp("jaxspec_cache")
+    for kept in ("kernels", "tokenizers"):
+        (KEPT_CACHE / kept).mkdir(parents=True, exist_ok=True)
+        (fresh / kept).symlink_to(KEPT_CACHE / kept, target_is_directory=True)
+    os.environ["JAXSPEC_CACHE_DIR"] = str(fresh)
     yield
     if old is None:
         os.environ.pop("JAXSPEC_CACHE_DIR", None)

@@ -185,7 +185,7 @@ def _same_tokenizer(ours, ref):
     assert (ours.bos_token_id, ours.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
 
 
-def test_smollm2_tokenizer_matches_transformers(smollm2):
+def test_smollm2_tokenizer_matches_transformers(smollm2, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
     path = Path(smollm2.source_path)
@@ -193,8 +193,11 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
         ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert ref.chat_template and "<|im_start|>" in ref.chat_template
     reader = open_gguf(path)
-    _same_tokenizer(smollm2.tokenizer, ref)  # first load: converted by transformers
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))  # an empty cache: converted here
+    _same_tokenizer(load_gguf_tokenizer(path, reader), ref)  # first load: converted by transformers
+    assert list((tmp_path / "tokenizers").iterdir())  # and stored
     _same_tokenizer(load_gguf_tokenizer(path, reader), ref)  # second: from the jaxspec cache
+    _same_tokenizer(smollm2.tokenizer, ref)  # the suite's (from the kept cache, when warm)
     _same_tokenizer(tokenizer_from_metadata(reader), ref)  # the torch-free path
     im_end = ref.convert_tokens_to_ids("<|im_end|>")
     assert im_end in smollm2.eos_token_ids and ref.eos_token_id in smollm2.eos_token_ids
