@@ -18,7 +18,8 @@ Order of work, so that every refusal comes before a byte of weights moves: one l
 model, price the weights in the chosen dtype against what the device can hold (config.json is the
 only file read for that) -> `snapshot_download(allow_patterns=the chosen names)`, which writes
 into the cache atomically (a file appears under its final name only when complete) and resumes a
-cut connection from the byte it reached. The environment is read at each call, not at import:
+cut connection from the byte it reached. Progress (bytes, total, rate) is written to stderr
+when jaxspec's progress lines are on (a terminal, a notebook, JAXSPEC_PROGRESS=1). The environment is read at each call, not at import:
 `HF_ENDPOINT`, `HF_HOME` / `HF_HUB_CACHE`, `HF_TOKEN`, `HF_HUB_OFFLINE` (offline: the cache only,
 no request at all).
 """
@@ -30,7 +31,8 @@ import errno
 import json
 import os
 import re
-import sys
+import threading
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -221,6 +223,7 @@ def _download(hub_id: HubId, files: list[str], cache_dir: str | None, total: int
     import huggingface_hub as hf
 
     note = progress.start(f"downloading {hub_id} ({len(files)} files, {_gb(total)})")
+    count = _ByteCount(hub_id, total)
     try:
         path = hf.snapshot_download(
             hub_id.repo_id,
@@ -228,7 +231,7 @@ def _download(hub_id: HubId, files: list[str], cache_dir: str | None, total: int
             allow_patterns=files,
             cache_dir=cache_dir,
             endpoint=_endpoint(),
-            tqdm_class=_progress_bar(),
+            tqdm_class=count.bar_class(),
         )
     except OSError as e:
         note("failed")
@@ -242,7 +245,7 @@ def _download(hub_id: HubId, files: list[str], cache_dir: str | None, total: int
     except Exception as e:  # noqa: BLE001
         note("failed")
         raise _hub_error(e, hub_id) from None
-    note()
+    note(f"{_gb(count.done)} received, {count.rate()}; done")
     return path
 
 
@@ -346,19 +349,55 @@ def _cache_dir() -> str | None:
     return None
 
 
-def _progress_bar():
-    """A tqdm class for the hub's bars: bytes and rate on stderr, when jaxspec progress is on."""
-    from tqdm import tqdm
+class _ByteCount:
+    """Bytes received so far by every file of one download (updated from the hub's threads)."""
 
-    on = progress.enabled()
+    def __init__(self, hub_id: HubId, total: int):
+        self.hub_id, self.total, self.done = hub_id, total, 0
+        self.start = self.last = time.perf_counter()
+        self.lock = threading.Lock()
 
-    class Bar(tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs.pop("name", None)
-            kwargs["desc"] = f"{progress.PREFIX}{kwargs.get('desc') or ''}"
-            super().__init__(*args, **(kwargs | {"file": sys.stderr, "disable": not on}))
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.done += n
+            now = time.perf_counter()
+            if now - self.last >= 2.0:  # a line every 2 s at most: bytes, total, rate
+                self.last = now
+                progress.note(f"downloading {self.hub_id}: {_gb(self.done)} of "
+                              f"{_gb(self.total)}, {self.rate()}")
 
-    return Bar
+    def rate(self) -> str:
+        return f"{self.done / max(time.perf_counter() - self.start, 1e-6) / 1e6:.1f} MB/s"
+
+    def bar_class(self):
+        """A tqdm stand-in for `snapshot_download(tqdm_class=)`: its byte bars feed this count
+        (the reconstruction bar repeats the transfer bar's bytes, so it is not counted)."""
+        count = self
+
+        class Bar:
+            def __init__(self, *args, **kwargs):
+                self.n, self.total = kwargs.get("initial") or 0, kwargs.get("total")
+                desc = str(kwargs.get("desc") or "")
+                self.counts = kwargs.get("unit") == "B" and "econstruct" not in desc
+                self.format_dict: dict = {"rate": None}
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def update(self, n=1):
+                self.n += n or 0
+                if self.counts and n:
+                    count.add(int(n))
+
+            def noop(self, *args, **kwargs):
+                return None
+
+            close = refresh = set_description = set_description_str = set_postfix_str = noop
+
+        return Bar
 
 
 def _few(names: list[str], n: int = 3) -> str:
