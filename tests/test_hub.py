@@ -374,3 +374,32 @@ def test_ids_local_paths_and_short_names(tmp_path, monkeypatch, tiny_dir):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # any request would fail
     assert resolve("org/tiny").path == (tmp_path / "org" / "tiny").resolve()
     assert resolve("org/tiny").revision == ""
+
+
+def test_the_cli_says_one_line_and_exits_2(fake_hub, tiny_dir, capsys):
+    from jaxspec import generate
+
+    fake_hub.add("meta/gated", files_of(tiny_dir), gated=True)
+    assert generate.main(["--model", "meta/gated", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "HF_TOKEN" in err and "Traceback" not in err
+    assert generate.main(["--model", "smollm2-135m", "--gguf-file", "m.gguf", "--prompt", "hi"]) == 2
+    assert "--gguf-file m.gguf names one .gguf file of the Hub repo" in capsys.readouterr().err
+
+
+def test_which_files_a_listing_gives():
+    sizes = {n: 10 for n in ("config.json", "tokenizer.json", "model.safetensors", "model.py",
+                             "pytorch_model.bin", "original/consolidated.00.pth", "README.md")}
+    files, weights = hub.choose_files(hub.parse("org/m"), sizes)
+    assert files == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert weights == ["model.safetensors"]
+    ggufs = {"config.json": 1, "m.Q4_K_M.gguf": 10, "m.Q8_0.gguf": 20}
+    with pytest.raises(JaxspecError, match="holds 2 .gguf files: name one, e.g. org/g/m.Q4_K_M"):
+        hub.choose_files(hub.parse("org/g"), ggufs)
+    files, weights = hub.choose_files(hub.parse("org/g/m.Q8_0.gguf"), ggufs)
+    assert files == ["config.json", "m.Q8_0.gguf"] and weights == ["m.Q8_0.gguf"]
+    with pytest.raises(JaxspecError, match="org/g has no file m.F16.gguf: its .gguf files are"):
+        hub.choose_files(hub.parse("org/g/m.F16.gguf"), ggufs)
+    own = {"meta.json": 1, "params/_METADATA": 2, "params/d/abc": 3, "train.py": 1}
+    files, _ = hub.choose_files(hub.parse("org/head"), own, purpose="drafter")
+    assert files == ["meta.json", "params/_METADATA", "params/d/abc"]

@@ -317,11 +317,11 @@ def _hub_error(e: Exception, hub_id: HubId) -> JaxspecError:
 
 
 def _unreachable(e: Exception) -> bool:
-    import httpx2
-
-    from huggingface_hub import errors
-
-    return isinstance(e, (httpx2.ConnectError, httpx2.TimeoutException, errors.OfflineModeIsEnabled))
+    """No answer from the Hub (by class name: huggingface_hub's HTTP stack is httpx2, httpx or
+    requests depending on its version)."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"ConnectError", "TimeoutException", "ConnectionError", "Timeout",
+                         "OfflineModeIsEnabled"})
 
 
 def _why(e: Exception) -> str:
