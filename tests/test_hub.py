@@ -403,3 +403,19 @@ def test_which_files_a_listing_gives():
     own = {"meta.json": 1, "params/_METADATA": 2, "params/d/abc": 3, "train.py": 1}
     files, _ = hub.choose_files(hub.parse("org/head"), own, purpose="drafter")
     assert files == ["meta.json", "params/_METADATA", "params/d/abc"]
+
+
+def test_a_full_disk_is_one_line(fake_hub, tiny_dir_v1, monkeypatch):
+    import errno
+
+    import huggingface_hub
+
+    fake_hub.add("org/tiny", files_of(tiny_dir_v1))
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_space)
+    with pytest.raises(JaxspecError, match="disk full while downloading org/tiny into .*hf_home.*: "
+                       "free space or point HF_HOME at a larger disk"):
+        resolve("org/tiny")
