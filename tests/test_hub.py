@@ -260,7 +260,8 @@ def test_offline_with_the_model_cached_makes_no_request(fake_hub, tiny_dir, monk
     offline = load_model("org/tiny")
     assert len(fake_hub.requests) == before
     assert offline.revision == online.revision and offline.source_path == str(online.path)
-    with pytest.raises(JaxspecError, match="HF_HUB_OFFLINE is set and org/other is not .*hf download"):
+    with pytest.raises(JaxspecError, match="HF_HUB_OFFLINE is set and org/other is not .*`hf "
+                       "download org/other`"):
         load_model("org/other")
     assert len(fake_hub.requests) == before
 
@@ -364,7 +365,8 @@ def test_a_drafter_by_id_loads_as_from_its_directory(fake_hub, tmp_path):
 
 
 def test_ids_local_paths_and_short_names(tmp_path, monkeypatch, tiny_dir):
-    assert hub.parse("Qwen/Qwen3-1.7B@v2.0") == hub.HubId(repo_id="Qwen/Qwen3-1.7B", revision="v2.0")
+    assert hub.parse("Qwen/Qwen3-1.7B@v2.0") == hub.HubId(repo_id="Qwen/Qwen3-1.7B",
+                                                          revision="v2.0")
     assert hub.parse("org/m-GGUF@main/m.Q4_K_M.gguf") == hub.HubId(
         repo_id="org/m-GGUF", revision="main", gguf_file="m.Q4_K_M.gguf")
     for not_an_id in ("smollm2-135m", "./org/name", "a/b/c", "org/m.gguf", "../x/y", "/abs/path"):
@@ -383,7 +385,8 @@ def test_the_cli_says_one_line_and_exits_2(fake_hub, tiny_dir, capsys):
     assert generate.main(["--model", "meta/gated", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "HF_TOKEN" in err and "Traceback" not in err
-    assert generate.main(["--model", "smollm2-135m", "--gguf-file", "m.gguf", "--prompt", "hi"]) == 2
+    argv = ["--model", "smollm2-135m", "--gguf-file", "m.gguf", "--prompt", "hi"]
+    assert generate.main(argv) == 2
     assert "--gguf-file m.gguf names one .gguf file of the Hub repo" in capsys.readouterr().err
 
 

@@ -17,11 +17,12 @@ Order of work, so that every refusal comes before a byte of weights moves: one l
 (`HfApi.model_info(files_metadata=True)`: commit, file names, sizes) -> choose the files -> for a
 model, price the weights in the chosen dtype against what the device can hold (config.json is the
 only file read for that) -> `snapshot_download(allow_patterns=the chosen names)`, which writes
-into the cache atomically (a file appears under its final name only when complete) and resumes a
-cut connection from the byte it reached. Progress (bytes, total, rate) is written to stderr
-when jaxspec's progress lines are on (a terminal, a notebook, JAXSPEC_PROGRESS=1). The environment is read at each call, not at import:
-`HF_ENDPOINT`, `HF_HOME` / `HF_HUB_CACHE`, `HF_TOKEN`, `HF_HUB_OFFLINE` (offline: the cache only,
-no request at all).
+into the cache atomically (a file appears under its final name only when complete; a failed run
+leaves no partial file) and resumes a cut connection from the last whole chunk it wrote (a Range
+request, in the same run). Progress (bytes, total, rate) goes to stderr when jaxspec's progress
+lines are on (a terminal, a notebook, JAXSPEC_PROGRESS=1). The environment is read at each call,
+not at import: `HF_ENDPOINT`, `HF_HOME` / `HF_HUB_CACHE`, `HF_TOKEN`, `HF_HUB_OFFLINE` (offline:
+the cache only, no request at all).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def fetch(
     sizes = {s.rfilename: (s.size or 0) for s in info.siblings or ()}
     files, weights = choose_files(hub_id, sizes, purpose)
     if purpose == "model" and dtype is not None:
-        estimate = _estimate_bytes(hub_id, info.sha, sizes, weights, dtype, api, cache_dir)
+        estimate = _estimate_bytes(hub_id, info.sha, sizes, weights, dtype, cache_dir)
         check_fits(hub_id, estimate, dtype, free_bytes)
     path = _download(hub_id, files, cache_dir, sum(sizes[f] for f in files))
     return _snapshot(hub_id, Path(path), files)
@@ -121,7 +122,8 @@ def choose_files(
     hub_id: HubId, sizes: dict[str, int], purpose: Purpose = "model"
 ) -> tuple[list[str], list[str]]:
     """(files to fetch, the weight files among them) from the repo's listing `sizes`
-    (name -> bytes), or a one-line refusal (pickles only, no weights, an unnamed or missing .gguf)."""
+    (name -> bytes), or a one-line refusal (pickles only, no weights, an unnamed or missing
+    .gguf)."""
     names = sorted(sizes)
     top = [n for n in names if "/" not in n]  # subfolders (original/, onnx/ ...) are other formats
     gguf = [n for n in top if n.endswith(".gguf")]
@@ -185,7 +187,7 @@ def check_fits(hub_id: HubId, estimate: int, dtype: str, free_bytes: int | None 
         )
 
 
-def _estimate_bytes(hub_id, commit, sizes, weights, dtype, api, cache_dir) -> int:
+def _estimate_bytes(hub_id, commit, sizes, weights, dtype, cache_dir) -> int:
     """The loader's estimate (`params.load_peak_bytes`) from config.json when its family is the
     Llama one; else the weight bytes rescaled from the stored dtype to `dtype`."""
     import numpy as np
@@ -237,9 +239,9 @@ def _download(hub_id: HubId, files: list[str], cache_dir: str | None, total: int
         note("failed")
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise JaxspecError(
-                f"disk full while downloading {hub_id} into {cache_dir or hf.constants.HF_HUB_CACHE} "
-                f"({_gb(total)} needed): free space or point HF_HOME at a larger disk; the cache "
-                f"keeps no partial file"
+                f"disk full while downloading {hub_id} into "
+                f"{cache_dir or hf.constants.HF_HUB_CACHE} ({_gb(total)} needed): free space or "
+                f"point HF_HOME at a larger disk; the cache keeps no partial file"
             ) from None
         raise _hub_error(e, hub_id) from None
     except Exception as e:  # noqa: BLE001
