@@ -422,3 +422,20 @@ def test_a_full_disk_is_one_line(fake_hub, tiny_dir_v1, monkeypatch):
     with pytest.raises(JaxspecError, match="disk full while downloading org/tiny into .*hf_home.*: "
                        "free space or point HF_HOME at a larger disk"):
         resolve("org/tiny")
+
+
+def test_one_gguf_of_a_gguf_repo_by_name(fake_hub, tiny_dir_v1, tmp_path):
+    from test_loading import write_gguf
+
+    local = write_gguf(tiny_dir_v1, tmp_path / "m.gguf", "llama")
+    data = local.read_bytes()
+    fake_hub.add("org/tiny-GGUF", {"m.gguf": data, "other.gguf": data + b"\0",
+                                   "tokenizer.json": b"{}"})
+    src = resolve("org/tiny-GGUF/m.gguf")
+    assert src.kind == "gguf" and src.path.name == "m.gguf"
+    assert fake_hub.files_requested() == ["m.gguf"]  # not the other .gguf, not the tokenizer
+    by_id, ref = load_model("org/tiny-GGUF/m.gguf"), load_model(local)
+    import jax
+
+    assert all(np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(by_id.params), jax.tree.leaves(ref.params), strict=True))

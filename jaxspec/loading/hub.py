@@ -162,7 +162,8 @@ def choose_files(
             f"{hub_id.repo_id} has no .safetensors or .gguf weights jaxspec can read "
             f"(files: {_few(names) or 'none'})"
         )
-    extra = CONFIG_FILES + (() if weights == gguf and not st else TOKENIZER_FILES)
+    # a .gguf carries its own tokenizer and config: the repo's config files only ride along
+    extra = CONFIG_FILES + (() if weights[0].endswith(".gguf") else TOKENIZER_FILES)
     if purpose == "drafter":
         extra += DRAFTER_FILES
     wanted = set(weights) | {n for n in top if n in extra}
