@@ -34,7 +34,8 @@ MAX_TREE_NODES = 63  # window of 1 + nodes <= the CPU attention kernel's 64 quer
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelLoadConfig(Section):
     SECTION: ClassVar[str] = "model"
-    name: str = "smollm2-135m"  # short name, HF safetensors dir, or .gguf file
+    # short name, HF safetensors dir, .gguf file, or Hub id org/name[@revision][/FILE.gguf]
+    name: str = "smollm2-135m"
     # auto: bfloat16 on TPU/GPU, float32 on CPU
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # auto: "packed" (CPU panel kernel) for float32 on one CPU device, "stacked" on TPU/GPU,
@@ -43,7 +44,8 @@ class ModelLoadConfig(Section):
 
     def _validate(self):
         if not self.name.strip():
-            self._fail("name", "give a short name (smollm2-135m), an HF dir or a .gguf file")
+            self._fail("name", "give a short name (smollm2-135m), an HF dir, a .gguf file or a "
+                       "Hub id (org/name)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

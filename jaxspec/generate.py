@@ -42,7 +42,10 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="FILE.jsonl",
         help='JSON lines: Spec-Bench {"turns": [...]} (first turn is used) or {"prompt": ...}',
     )
-    p.add_argument("--model", metavar="NAME_OR_PATH", help="= model.name")
+    p.add_argument("--model", metavar="NAME_OR_PATH", help="= model.name (a path, a short name "
+                   "or a Hub id ORG/NAME[@REVISION])")
+    p.add_argument("--gguf-file", metavar="FILE.gguf",
+                   help="the one .gguf to fetch from the Hub repo named by --model")
     p.add_argument("--max-new-tokens", type=int, metavar="N", help="= generation.max_new_tokens")
     p.add_argument("--batch-size", type=int, metavar="B", help="= generation.batch_size")
     p.add_argument("--temperature", type=float, metavar="T", help="= sampling.temperature")
@@ -85,6 +88,23 @@ def flag_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def with_gguf_file(config, gguf_file: str):
+    """model.name ORG/NAME[@REV] + --gguf-file FILE.gguf -> the Hub id ORG/NAME[@REV]/FILE.gguf."""
+    import dataclasses
+
+    from jaxspec.loading import hub
+
+    hub_id = hub.parse(config.model.name)
+    if not gguf_file.endswith(".gguf") or "/" in gguf_file or hub_id is None or hub_id.gguf_file:
+        raise JaxspecError(
+            f"--gguf-file {gguf_file} names one .gguf file of the Hub repo given as --model "
+            f"ORG/NAME[@REVISION] (model.name is {config.model.name}); a local .gguf file is "
+            f"passed as --model PATH"
+        )
+    model = dataclasses.replace(config.model, name=f"{config.model.name}/{gguf_file}")
+    return dataclasses.replace(config, model=model)
+
+
 def read_prompts_file(path: str) -> list[str]:
     """Spec-Bench lines ({"turns": [first, ...]}) or {"prompt": text}; blank lines are skipped."""
     prompts = []
@@ -111,6 +131,8 @@ def parse(argv: list[str] | None = None):
     from jaxspec.config import load_config
 
     config = load_config(args.config, [*args.overrides, *flag_overrides(args)])
+    if args.gguf_file:
+        config = with_gguf_file(config, args.gguf_file)
     reading()
     prompts = list(args.prompt)
     if args.prompts_file:

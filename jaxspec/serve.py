@@ -83,7 +83,8 @@ def run(argv: list[str] | None = None) -> int:
         import uvicorn
     except ImportError:
         raise JaxspecError(
-            "the server needs the serve extra: pip install 'jaxspec-decoding[serve]'"
+            "the server needs the serve extra: pip install 'jaxspec-decoding[serve]' (the "
+            "distribution's name; PyPI's 'jaxspec' is another project)"
         ) from None
     from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.config import load_config

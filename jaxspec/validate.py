@@ -77,7 +77,11 @@ def confined(root: Path, name: Any, source: str, field: str) -> Path:
         real_root, real = os.path.realpath(root), os.path.realpath(full)
     except (OSError, ValueError):
         real_root, real = str(root), str(full)
-    if os.path.commonpath([real_root, real]) != real_root:
+    # a Hugging Face cache snapshot links its files into the repo's blobs/ (loading.hub)
+    roots = [real_root]
+    if Path(root).parent.name == "snapshots":
+        roots.append(os.path.realpath(Path(root).parent.parent / "blobs"))
+    if not any(os.path.commonpath([r, real]) == r for r in roots):
         raise JaxspecError(
             f"{source}: {field}={short(name)} is a link outside the checkpoint directory: a "
             f"checkpoint may only name files inside its own directory"

@@ -123,7 +123,8 @@ PRELUDE = """
 import jaxspec.loading as _loading
 
 _resolve = _loading.resolve
-_loading.resolve = lambda name: _resolve({tiny!r} if str(name) == "smollm2-135m" else name)
+_loading.resolve = lambda name, **kw: _resolve({tiny!r} if str(name) == "smollm2-135m" else name,
+                                              **kw)
 """
 
 

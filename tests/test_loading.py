@@ -360,10 +360,12 @@ def test_missing_packaged_model_says_how_to_install(monkeypatch):
         ("/nonexistent/dir/model.gguf", "no such file or directory: .* check the path"),
         ("./no/such/checkpoint", "no such file or directory"),
         ("smollm9-1t", "unknown model 'smollm9-1t': use a short name \\(.*smollm2-135m"),
-        ("SomeOrg/not-downloaded", "huggingface-cli download SomeOrg/not-downloaded"),
+        ("SomeOrg/not-downloaded", "not .*in the Hugging Face cache .*`hf download SomeOrg/not-"),
     ],
 )
-def test_bad_names(name, match):
+def test_bad_names(name, match, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub id looks in the (empty) cache only
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(JaxspecError, match=match):
         load_model(name)
 

@@ -281,6 +281,7 @@ class Bench:
         m = self.plan.base_cfg.model
         self.target = self._target or load_model(m.name, dtype=m.dtype, layout=m.layout)
         self.results["machine"]["model_layout"] = self.target.layout
+        self.results["machine"]["model_revision"] = getattr(self.target, "revision", "")
         self.engines = {"baseline": build_engine(self.plan.base_cfg, target=self.target)}
         for label, cfg in list(self.configs.items()):
             if cfg.speculative.method == "none":
@@ -440,6 +441,9 @@ class Bench:
     def write(self, plots: bool) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self._record_attention()
+        from jaxspec.loading import hub  # every Hub id this run fetched (target, drafters): commit
+
+        self.results["machine"]["hub_revisions"] = dict(hub.FETCHED)
         self.results["per_prompt"] = {
             name: [drop_ids(r) for r in rows] for name, rows in self.rows.items()
         }

@@ -18,7 +18,8 @@ CheckpointFormat = Literal["auto", "jaxspec", "eagle3", "speculators", "medusa",
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointOptions(DrafterOptions):
-    checkpoint: str | None = None  # drafter checkpoint dir (repo-relative checkpoints/... works)
+    # drafter checkpoint dir (repo-relative checkpoints/... works) or Hub id org/name[@revision]
+    checkpoint: str | None = None
     checkpoint_format: CheckpointFormat = "auto"  # its layout (jaxspec.formats); auto: detected
 
 

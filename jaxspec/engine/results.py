@@ -93,6 +93,8 @@ class Report:
         out = self.adaptive_metrics(state, row, steps) if self.adaptive else {}
         return out | {
             "method": self.method,
+            # the Hub commit the target was downloaded at ("" for local files)
+            "model_revision": getattr(self.model, "revision", ""),
             "layout": base.layout(self.model.target, self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
             # read from the compiled programs (jaxspec.tools.hlo.compiled_attention): xla / pallas_tpu /

