@@ -120,7 +120,8 @@ def loop_speed(model, batch: int, new_tokens: int) -> list[dict]:
 
 def markdown(report: dict) -> str:
     lines = [f"device: {report['device']} ({report['backend']}, jax {report['jax']}), "
-             f"dtype {report['dtype']}, random weights", ""]
+             f"dtype {report['dtype']}, matmul precision {report.get('precision', 'default')}, "
+             "random weights", ""]
     for shape, r in report["shapes"].items():
         if "error" in r:
             lines += [f"### {shape}: {r['error']}", ""]
@@ -149,10 +150,16 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--budget-s", type=float, default=420.0, help="no new shape after this")
+    p.add_argument("--precision", default=None, choices=["highest", "high", "default"],
+                   help="jax_default_matmul_precision (highest: float32 matmuls without TF32, "
+                   "to tell a near-tie from a real difference in the token comparison)")
+    p.add_argument("--loop-only", action="store_true", help="skip the cost curves")
     p.add_argument("--allow-cpu", action="store_true")
     args = p.parse_args(argv)
     import jax
 
+    if args.precision:
+        jax.config.update("jax_default_matmul_precision", args.precision)
     backend = jax.default_backend()
     if backend == "cpu" and not args.allow_cpu:
         print("error: jax's backend is the CPU: these are device figures (--allow-cpu to smoke)",
@@ -161,7 +168,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     report = {"device": jax.devices()[0].device_kind, "backend": backend, "jax": jax.__version__,
-              "dtype": args.dtype, "shapes": {}}
+              "dtype": args.dtype, "precision": args.precision or "default", "shapes": {}}
     args.out.mkdir(parents=True, exist_ok=True)
     for shape in args.shapes.split(","):
         if time.perf_counter() - start > args.budget_s:
@@ -172,7 +179,9 @@ def main(argv=None) -> int:
             model = random_model(shape, args.dtype)
             n = sum(x.size for x in jax.tree.leaves(model.params))
             r = report["shapes"][shape] = {"params_b": n / 1e9}
-            r["cost_curve"] = cost_curve(model, ints(args.batches), ints(args.widths), args.fill)
+            if not args.loop_only:
+                r["cost_curve"] = cost_curve(model, ints(args.batches), ints(args.widths),
+                                             args.fill)
             print(markdown({**report, "shapes": {shape: r}}), flush=True)
             r["loop"] = [row for b in (1, 8) for row in loop_speed(model, b, args.new_tokens)]
             del model

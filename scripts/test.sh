@@ -99,9 +99,9 @@ fi
 workers="${JAXSPEC_TEST_WORKERS:-$(python -c 'import os; print(min(2, len(os.sched_getaffinity(0))))')}"
 run() {
   if [ "$workers" -gt 1 ] && [ "$named" -eq 0 ]; then
-    python -m pytest -q -n "$workers" --dist loadfile "$@"
+    python -m pytest -n "$workers" --dist loadfile "$@"
   else
-    python -m pytest -q "$@"
+    python -m pytest "$@"
   fi
 }
 status=0
@@ -111,7 +111,7 @@ trap 'rm -f "$log"; [ "$cold" -eq 1 ] && rm -rf "$JAX_COMPILATION_CACHE_DIR"; tr
 started=$SECONDS
 production_pid=
 if [ "${#slow[@]}" -gt 0 ]; then
-  python -m pytest -q "${slow[@]}" ${opts[@]+"${opts[@]}"} >"$log" 2>&1 &
+  python -m pytest "${slow[@]}" ${opts[@]+"${opts[@]}"} >"$log" 2>&1 &
   production_pid=$!
 fi
 if [ "${#fast[@]}" -gt 0 ]; then

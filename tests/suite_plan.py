@@ -55,6 +55,5 @@ QUICK: dict[str, tuple[str, ...]] = {
     "test_input_checks.py": ("test_bad_prompt_token_ids_are_refused",),
     "test_bench.py": ("test_expected_tokens_per_step",),
     "test_sharding.py": ("test_bad_meshes_are_refused_with_their_numbers",),
-    "test_greedy_identity.py": ("test_greedy_speculation_at_batch_8_is_token_identical",),
     "test_accelerator_path.py": ("test_decode_loop_copies_no_cache",),
 }
