@@ -64,14 +64,18 @@ def test_two_trees_compared_round_by_round():
     for rnd, scale in ((0, 1.0), (1, 1.5)):  # the machine drifts; both trees see it in turns
         a_rows += rows_for("plain", rnd, 0.010 * scale, 60, 1)
         a_rows += rows_for("eagle", rnd, 0.013 * scale, 36, 5 / 3)
-        b_rows += rows_for("plain", rnd, 0.010 * scale, 60, 1)
-        b_rows += rows_for("eagle", rnd, 0.020 * scale, 36, 5 / 3)  # b: a slower EAGLE step
+        b_scale = 1.2 * scale  # b's turns ran on a busier machine: plain slower too
+        b_rows += rows_for("plain", rnd, 0.010 * b_scale, 60, 1)
+        b_rows += rows_for("eagle", rnd, 0.020 * b_scale, 36, 5 / 3)  # b: a slower EAGLE step
     methods = ["plain", "eagle"]
     a, b = paired.summarise_tree(a_rows, methods), paired.summarise_tree(b_rows, methods)
     c = paired.compare_trees(a, b, a_rows, b_rows)
     assert c["plain"]["step_cost_b_over_a"] == pytest.approx(1.0)
+    assert c["plain"]["tokens_per_s_b_over_a"] == pytest.approx(1 / 1.2)
+    # the step cost is against each tree's own plain: the busier turns cancel out
     assert c["eagle"]["step_cost_b_over_a"] == pytest.approx(2.0 / 1.3)
-    assert c["eagle"]["tokens_per_s_b_over_a"] == pytest.approx(1.3 / 2.0)
+    assert c["eagle"]["speedup_b_over_a"] == pytest.approx(1.3 / 2.0)
+    assert c["eagle"]["tokens_per_s_b_over_a"] == pytest.approx(1.3 / (2.0 * 1.2))
     assert c["eagle"]["tokens_equal"]
     b_rows[-1]["tokens"] = [7]
     assert not paired.compare_trees(a, b, a_rows, b_rows)["eagle"]["tokens_equal"]
