@@ -52,6 +52,18 @@ def test_median_over_rounds_ignores_one_disturbed_round():
     assert s["eagle"]["speedup_min"] == pytest.approx((5 / 3) / 3.0)
 
 
+def test_by_prompt_median_ignores_one_stalled_call():
+    rows = []
+    for rnd in (0, 1):
+        rows += rows_for("plain", rnd, 0.010, 60, 1, prompts=3)
+        rows += rows_for("eagle", rnd, 0.013, 36, 5 / 3, prompts=3)
+    rows[3]["decode_s"] *= 100  # round 0, eagle, prompt 0: the machine stalled the call
+    s = paired.summarise_tree(rows, ["plain", "eagle"])
+    assert s["eagle"]["step_cost_by_prompt"] == pytest.approx(1.3)
+    assert s["eagle"]["speedup_by_prompt"] == pytest.approx((5 / 3) / 1.3)
+    assert s["eagle"]["rounds"][0]["step_cost"] > 30  # the round's sum carries the stall
+
+
 def test_tokens_differing_from_plain_are_reported():
     rows = rows_for("plain", 0, 0.01, 10, 1) + rows_for("ngram", 0, 0.01, 8, 1.25, tokens=(1, 9))
     s = paired.summarise_tree(rows, ["plain", "ngram"])
@@ -76,6 +88,7 @@ def test_two_trees_compared_round_by_round():
     assert c["eagle"]["step_cost_b_over_a"] == pytest.approx(2.0 / 1.3)
     assert c["eagle"]["speedup_b_over_a"] == pytest.approx(1.3 / 2.0)
     assert c["eagle"]["tokens_per_s_b_over_a"] == pytest.approx(1.3 / (2.0 * 1.2))
+    assert c["eagle"]["step_cost_by_prompt_b_over_a"] == pytest.approx(2.0 / 1.3)
     assert c["eagle"]["tokens_equal"]
     b_rows[-1]["tokens"] = [7]
     assert not paired.compare_trees(a, b, a_rows, b_rows)["eagle"]["tokens_equal"]

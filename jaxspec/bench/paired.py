@@ -12,7 +12,9 @@ Per round and method: decode tok/s (generated tokens after the first / decode se
 (tok/s over plain's in the same round), mean accepted length (tokens per decode step) and
 **step cost** (seconds per decode step over plain's in the same round: what one speculative step
 costs in plain steps; speedup = mean accepted length / step cost). The summary takes the median
-over rounds of each per-round ratio, never absolute tok/s across rounds.
+over rounds of each per-round ratio, never absolute tok/s across rounds, and the same ratios per
+(round, prompt) pair with their median over all pairs (`*_by_prompt`: one stalled call on a busy
+machine moves one pair, where it moves its whole round's sum).
 
 With --tree DIR a second source tree (another commit's worktree) runs in its own process
 (PYTHONPATH = DIR, cwd = DIR, the same prompts) and the two take turns round by round; the summary
@@ -62,6 +64,14 @@ def round_figures(rows: list[dict]) -> dict[str, Any]:
     }
 
 
+def _step_s(row: dict) -> float:
+    return row["decode_s"] / row["num_steps"] if row["num_steps"] else 0.0
+
+
+def _tps(row: dict) -> float:
+    return (row["num_generated_tokens"] - 1) / row["decode_s"] if row["decode_s"] > 0 else 0.0
+
+
 def _ratio(a: float, b: float) -> float | None:
     return a / b if a and b else None
 
@@ -78,6 +88,7 @@ def summarise_tree(rows: list[dict], methods: list[str]) -> dict[str, Any]:
     by = {(r["round"], r["method"]): [] for r in rows}
     for r in rows:
         by[(r["round"], r["method"])].append(r)
+    base_by_prompt = {(r["round"], r["prompt"]): r for r in rows if r["method"] == BASELINE}
     out = {}
     for m in methods:
         per_round = []
@@ -94,8 +105,15 @@ def summarise_tree(rows: list[dict], methods: list[str]) -> dict[str, Any]:
                 "step_cost": _ratio(f["step_s"], fb["step_s"]),
                 "tokens_equal_plain": [r["tokens"] for r in mine] == [r["tokens"] for r in base],
             })
+        pairs = [(r, base_by_prompt[(r["round"], r["prompt"])]) for r in rows
+                 if r["method"] == m and (r["round"], r["prompt"]) in base_by_prompt]
         out[m] = {
             "rounds": per_round,
+            # the same ratios per (round, prompt) pair, median over all pairs: one stalled call
+            # (a busy machine's memory pressure) moves one pair, not a whole round
+            "step_cost_by_prompt": _median(
+                _ratio(_step_s(r), _step_s(b)) for r, b in pairs),
+            "speedup_by_prompt": _median(_ratio(_tps(r), _tps(b)) for r, b in pairs),
             "decode_tokens_per_s": _median(p["decode_tokens_per_s"] for p in per_round),
             "speedup": _median(p["speedup"] for p in per_round),
             "speedup_min": min((p["speedup"] for p in per_round if p["speedup"]), default=None),
@@ -126,19 +144,22 @@ def compare_trees(a: dict[str, Any], b: dict[str, Any], rows_a: list[dict],
             "step_cost_b_over_a": _median(
                 _ratio(pb["step_cost"], pa["step_cost"]) for pa, pb in pairs),
             "speedup_b_over_a": _median(_ratio(pb["speedup"], pa["speedup"]) for pa, pb in pairs),
+            "step_cost_by_prompt_b_over_a": _ratio(b[m]["step_cost_by_prompt"],
+                                                   a[m]["step_cost_by_prompt"]),
             "tokens_equal": tokens(rows_a, m) == tokens(rows_b, m),
         }
     return out
 
 
 def format_table(summary: dict[str, Any], label: str) -> str:
-    lines = [f"{label}: method | decode tok/s | speedup (min-max) | mean accepted | step cost "
-             "| tokens = plain"]
+    lines = [f"{label}: method | decode tok/s | speedup (min-max over rounds; by prompt) "
+             "| mean accepted | step cost (by prompt) | tokens = plain"]
     for m, s in summary.items():
         lines.append(
             f"  {m:<12} {s['decode_tokens_per_s']:6.1f}  {s['speedup']:.2f}x "
-            f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f})  {s['mean_accepted_length']:.2f}"
-            f"  {s['step_cost']:.2f}  {s['tokens_equal_plain']}")
+            f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f}; {s['speedup_by_prompt']:.2f}x)  "
+            f"{s['mean_accepted_length']:.2f}  {s['step_cost']:.2f} "
+            f"({s['step_cost_by_prompt']:.2f})  {s['tokens_equal_plain']}")
     return "\n".join(lines)
 
 
@@ -336,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(result["b"], f"--tree {args.tree}"))
         for m, c in result["b_over_a"].items():
             print(f"  b/a {m:<12} tok/s {c['tokens_per_s_b_over_a']:.3f}  step cost "
-                  f"{c['step_cost_b_over_a']:.3f}  tokens equal {c['tokens_equal']}")
+                  f"{c['step_cost_b_over_a']:.3f} (by prompt "
+                  f"{c['step_cost_by_prompt_b_over_a']:.3f})  tokens equal {c['tokens_equal']}")
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"results: {out}", file=sys.stderr)
     return 0
