@@ -337,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
             if proc.wait(timeout=TURN_WAIT_S) != 0:
                 raise RuntimeError(f"the other tree's process exited with {proc.returncode}")
             rows_b = [json.loads(line) for line in open(Path(job["turn_dir"]) / "b.jsonl")]
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        from jaxspec.errors import JaxspecError
+
+        raise JaxspecError(f"--tree {args.tree}: {e} (its output is above); check that the tree "
+                           "runs `python -m jaxspec.generate` with these configs") from None
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
