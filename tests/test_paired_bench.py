@@ -108,7 +108,8 @@ def test_prompts_one_per_category_first():
 ])
 def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
     p = subprocess.run([sys.executable, "-m", "jaxspec.bench.paired", *args, "--out",
-                        str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120)
+                        str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120,
+                       check=False)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error:")
     assert needle in p.stderr

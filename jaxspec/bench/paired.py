@@ -152,8 +152,8 @@ def compare_trees(a: dict[str, Any], b: dict[str, Any], rows_a: list[dict],
 
 
 def format_table(summary: dict[str, Any], label: str) -> str:
-    lines = [f"{label}: method | decode tok/s | speedup (min-max over rounds; by prompt) "
-             "| mean accepted | step cost (by prompt) | tokens = plain"]
+    lines = [(f"{label}: method | decode tok/s | speedup (min-max over rounds; by prompt) "
+              "| mean accepted | step cost (by prompt) | tokens = plain")]
     for m, s in summary.items():
         lines.append(
             f"  {m:<12} {s['decode_tokens_per_s']:6.1f}  {s['speedup']:.2f}x "
@@ -204,10 +204,10 @@ def run_tree(job: dict[str, Any]) -> list[dict]:
         for x in ids:
             e.warmup(x, max_new_tokens=job["max_new_tokens"])
     turns = Path(job["turn_dir"]) if job.get("turn_dir") else None
-    log = None
+    log = turns / f"{job['label']}.jsonl" if turns else None
     if turns:
+        log.write_text("")
         (turns / f"{job['label']}.ready").touch()
-        log = open(turns / f"{job['label']}.jsonl", "w")
         if job.get("first"):
             _wait(lambda: (turns / f"{job['peer']}.ready").exists(), job)
             (turns / "turn").write_text(job["label"])
@@ -228,8 +228,8 @@ def run_tree(job: dict[str, Any]) -> list[dict]:
                        "tokens": list(res.token_ids), "load_average": load}
                 rows.append(row)
                 if log:
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
+                    with log.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
         if turns:
             (turns / "turn").write_text(job["peer"])
     return rows
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             if proc.wait(timeout=TURN_WAIT_S) != 0:
                 raise RuntimeError(f"the other tree's process exited with {proc.returncode}")
-            rows_b = [json.loads(line) for line in open(Path(job["turn_dir"]) / "b.jsonl")]
+            lines = (Path(job["turn_dir"]) / "b.jsonl").read_text().splitlines()
+            rows_b = [json.loads(line) for line in lines]
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         from jaxspec.errors import JaxspecError
 
