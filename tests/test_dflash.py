@@ -99,17 +99,10 @@ def reference_logits(model, hf, prompt, nxt):
         return model.compute_logits(h[:, 1:], hf.lm_head)[0].numpy()
 
 
-def jaxspec_logits(drafter, dparams, m, prompts=PROMPTS, nexts=NEXT, capacity=32):
+def jaxspec_logits(drafter, dparams, m, capacity=32):
     """jaxspec's draft logits for the same blocks, the rows batched with mixed lengths."""
-    b, p = len(prompts), max(map(len, prompts))
-    padded = np.zeros((b, p), np.int32)
-    tokens = np.zeros((b, p + 1), np.int32)
-    for i, (row, nxt) in enumerate(zip(prompts, nexts)):
-        padded[i, : len(row)] = row
-        tokens[i, : len(row) + 1] = [*row, nxt]
-    plens = jnp.asarray([len(r) for r in prompts], jnp.int32)
-    return _draft_logits(drafter, dparams, m.target, m.params, jnp.asarray(padded), plens,
-                         jnp.asarray(tokens), capacity)
+    padded, plens, tokens = batch_inputs()
+    return _draft_logits(drafter, dparams, m.target, m.params, padded, plens, tokens, capacity)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 7))
@@ -143,9 +136,102 @@ def test_draft_logits_match_reference(case, targets, tmp_path):
     ours = np.asarray(jaxspec_logits(drafter, dparams, m))
     causal = np.asarray(jaxspec_logits(
         dataclasses.replace(drafter, causal_override=True), dparams, m))
+    unwindowed = None
+    if any(drafter.spec.windows):  # and with the sliding window ignored, it does not either
+        spec = dataclasses.replace(drafter.spec, windows=(None,) * drafter.spec.num_layers)
+        unwindowed = np.asarray(jaxspec_logits(dataclasses.replace(drafter, spec=spec), dparams, m))
     for row, (prompt, nxt) in enumerate(zip(PROMPTS, NEXT)):
         ref = reference_logits(model, hf, prompt, nxt)
         err = rel_err(ours[row], ref)
         print(f"{case} row {row}: rel err {err:.2e}, causal variant {rel_err(causal[row], ref):.2e}")
         assert err < TOL
         assert rel_err(causal[row], ref) > 100 * TOL
+        if unwindowed is not None:
+            assert rel_err(unwindowed[row], ref) > 100 * TOL
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 7))
+def _propose(drafter, dparams, target, params, padded, plens, tokens, capacity, sp, keys):
+    tparams = base.bind(target, params)
+    cache = target.init_cache(params, padded.shape[0], capacity)
+    out = target.forward(params, padded, cache, taps=drafter.hidden_layers)
+    state = drafter.init(dparams, tparams, padded, plens, out.taps, capacity)
+    ctx = DraftContext(tokens, plens + 1, jnp.ones(plens.shape, bool))
+    proposal, _ = drafter.propose(dparams, tparams, state, ctx, BLOCK - 1, sp, keys)
+    return proposal
+
+
+def batch_inputs(prompts=PROMPTS, nexts=NEXT):
+    b, p = len(prompts), max(map(len, prompts))
+    padded = np.zeros((b, p), np.int32)
+    tokens = np.zeros((b, p + 1), np.int32)
+    for i, (row, nxt) in enumerate(zip(prompts, nexts)):
+        padded[i, : len(row)] = row
+        tokens[i, : len(row) + 1] = [*row, nxt]
+    plens = jnp.asarray([len(r) for r in prompts], jnp.int32)
+    return jnp.asarray(padded), plens, jnp.asarray(tokens)
+
+
+def reference_select(model, hf, prompt, nxt, temperature, path=None):
+    """The reference selector's (tokens, q over the vocabulary) for the block after prompt +
+    [nxt]; `path`: the tokens its sampler is made to pick (so its q rows follow our path)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        ctx = dflash_ref.extract_context_feature(out.hidden_states, model.target_layer_ids)
+        blk = torch.tensor([[nxt] + [MASK] * (BLOCK - 1)])
+        noise = dflash_ref._raw_input_embeddings(hf, blk, 1.5)
+        h = model(target_hidden=ctx, noise_embedding=noise,
+                  position_ids=torch.arange(len(prompt) + BLOCK)[None])[:, 1:]
+        logits = model.compute_logits(h, hf.lm_head)
+        unary, cands = torch.topk(logits, model.candidate_selector.top_k, dim=-1, sorted=False)
+        picks = iter([] if path is None else path)
+
+        def pick(q):  # the candidate index of our token at this position
+            pos = len(q_seen)
+            q_seen.append(q)
+            want = next(picks)
+            return (cands[:, pos] == want).int().argmax(-1)
+
+        q_seen: list = []
+        orig = dflash_ref._sample_probs
+        dflash_ref._sample_probs = pick
+        try:
+            toks, cands2, q = model.propose(h, torch.tensor([nxt]), hf.lm_head, temperature)
+        finally:
+            dflash_ref._sample_probs = orig
+        assert torch.equal(cands, cands2)
+        full = None
+        if q is not None:
+            full = torch.zeros(q.shape[:-1] + (logits.shape[-1],)).scatter(-1, cands, q)[0]
+            full = full.numpy()
+        return toks[0].numpy(), full
+
+
+def test_dflash2_matches_reference(targets, tmp_path):
+    """DFlash 2 (grouped dynamic causal convolutions, candidate selector): the draft logits, the
+    greedy selector path, and the sampled selector's q rows along our own sampled path equal the
+    reference's."""
+    from jaxspec.decode.sampling import SamplingParams
+
+    hf, m = targets["qwen3"]
+    model = make_draft(tmp_path, m.target.num_layers, version=2)
+    drafter, dparams = fmt.read(tmp_path, m.target)
+    assert drafter.spec.version == 2
+    ours = np.asarray(jaxspec_logits(drafter, dparams, m))
+    padded, plens, tokens = batch_inputs()
+    keys = jax.random.split(jax.random.key(3), len(PROMPTS))
+    greedy = _propose(drafter, dparams, m.target, m.params, padded, plens, tokens, 32,
+                      SamplingParams.make(0.0), keys)
+    sampled = _propose(drafter, dparams, m.target, m.params, padded, plens, tokens, 32,
+                       SamplingParams.make(1.0), keys)
+    for row, (prompt, nxt) in enumerate(zip(PROMPTS, NEXT)):
+        assert rel_err(ours[row], reference_logits(model, hf, prompt, nxt)) < TOL
+        ref_tokens, _ = reference_select(model, hf, prompt, nxt, 0.0)
+        np.testing.assert_array_equal(np.asarray(greedy.tokens[row]), ref_tokens)
+        path = np.asarray(sampled.tokens[row])
+        ref_path, ref_q = reference_select(model, hf, prompt, nxt, 1.0, path=list(path))
+        np.testing.assert_array_equal(ref_path, path)
+        err = np.abs(np.asarray(sampled.probs[row]) - ref_q).max()
+        print(f"row {row}: greedy {ref_tokens}, sampled {path}, q max abs err {err:.1e}")
+        assert err < TOL
