@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -235,3 +236,68 @@ def test_dflash2_matches_reference(targets, tmp_path):
         err = np.abs(np.asarray(sampled.probs[row]) - ref_q).max()
         print(f"row {row}: greedy {ref_tokens}, sampled {path}, q max abs err {err:.1e}")
         assert err < TOL
+
+
+# ---- jaxspec heads in the loop: exported, read by the reference ------------------------------
+
+
+def two_token_target(hf_dir, out_dir):
+    """The tiny Qwen3 with its final norm cut to one dimension: every greedy token is the max or
+    the min of lm_head[:, 0], so a random DFlash head reading the same LM head through the same
+    one-dimensional norm agrees with it often (acceptance lengths vary)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf.model.norm.weight.zero_()
+        hf.model.norm.weight[0] = 1.0
+    hf.save_pretrained(out_dir, safe_serialization=True)
+    return hf
+
+
+def jaxspec_head(target, version=1, seed=0, **kw):
+    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters.dflash import DFlashDrafter
+
+    two = dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
+    spec = net.make_spec(target.layer_config, target.num_layers, num_layers=2, block_size=BLOCK,
+                         mask_token_id=MASK, target_layer_ids=(0, target.num_layers - 1),
+                         intermediate_size=96, **(two if version == 2 else {}), **kw)
+    dparams = net.init_params(spec, jax.random.key(seed))
+    norm = jnp.zeros_like(dparams["norm"]).at[0].set(1.0)
+    return DFlashDrafter(spec, target.vocab_size), dparams | {"norm": norm}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_exported_head_matches_reference_generate(version, tiny_qwen3_dir, tmp_path, monkeypatch):
+    """A jaxspec head, written in the authors' layout, loads with DFlashDraftModel
+    .from_pretrained; the reference's dflash_generate and jaxspec's loop then emit the same
+    greedy tokens in the same number of steps with the same acceptance lengths."""
+    from jaxspec.engine.runner import Engine
+
+    monkeypatch.setattr(dflash_ref, "_cuda_time", time.perf_counter)  # its stats time CUDA
+    hf = two_token_target(tiny_qwen3_dir, tmp_path / "target")
+    m = load_model(tmp_path / "target", layout="unrolled")
+    m = dataclasses.replace(m, eos_token_ids=(-1,)) if dataclasses.is_dataclass(m) else m
+    drafter, dparams = jaxspec_head(m.target, version)
+    fmt.write(tmp_path / "head", drafter, dparams, m.target.num_layers)
+    cls = dflash_ref.DFlash2DraftModel if version == 2 else dflash_ref.DFlashDraftModel
+    ref_model = cls.from_pretrained(tmp_path / "head", dtype=torch.float32).eval()
+    reread, _ = fmt.read(tmp_path / "head", m.target)
+    assert reread == drafter
+    engine = Engine(m, drafter, dparams, num_speculative_tokens=BLOCK - 1)
+    for prompt in PROMPTS:
+        ref = dflash_ref.dflash_generate(ref_model, hf, torch.tensor([prompt]), 40, None,
+                                         return_stats=True)
+        lengths = ref.acceptance_lengths[:-1]  # full blocks only (the last one may be cut)
+        n_new = 1 + sum(lengths)
+        out = engine.generate([prompt], max_new_tokens=n_new)[0]
+        assert out.token_ids == ref.output_ids[0, len(prompt) : len(prompt) + n_new].tolist()
+        steps = out.metrics["num_steps"]
+        per_pos = [round(c * steps) for c in out.metrics["accepted_per_position"]]
+        want = [sum(a - 1 >= i + 1 for a in lengths) for i in range(BLOCK - 1)]
+        print(f"v{version} prompt {len(prompt)}: reference lengths {lengths}, ours per position "
+              f"{per_pos} in {steps} steps")
+        assert steps == len(lengths)
+        assert per_pos == want
+        assert max(lengths) > 1  # drafts were accepted

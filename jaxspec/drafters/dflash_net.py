@@ -194,3 +194,58 @@ def selector_scores(dparams, hp, unary, candidates, predecessor):
     a = sel["pred"][predecessor].astype(jnp.float32) * hp.astype(jnp.float32)  # [B, R]
     succ = sel["succ"][candidates].astype(jnp.float32)  # [B, Kc, R]
     return unary + jnp.einsum("br,bkr->bk", a, succ)
+
+
+def make_spec(target_cfg: llama.ModelConfig, num_target_layers: int, *, num_layers: int = 1,
+              block_size: int = 16, mask_token_id: int, target_layer_ids=None,
+              intermediate_size: int | None = None, **extra) -> DFlashSpec:
+    """A bidirectional DFlash spec sized from a target's layer shape (a new head: training,
+    tests); target_layer_ids default to the reference's spread. `extra`: DFlashSpec fields."""
+    if target_layer_ids is None:
+        if num_layers == 1:
+            target_layer_ids = (num_target_layers // 2,)
+        else:
+            span = num_target_layers - 4
+            target_layer_ids = tuple(round(1 + i * span / (num_layers - 1))
+                                     for i in range(num_layers))
+    layer = dataclasses.replace(
+        target_cfg, num_layers=num_layers, qk_norm=True, attention_bias=False,
+        sliding_window=None, sliding_layers=None,
+        intermediate_size=intermediate_size or target_cfg.intermediate_size,
+    )
+    return DFlashSpec(layer=layer, num_layers=num_layers,
+                      target_layer_ids=tuple(target_layer_ids), block_size=block_size,
+                      mask_token_id=mask_token_id, causal=(False,) * num_layers,
+                      windows=(None,) * num_layers, **extra)
+
+
+def init_params(spec: DFlashSpec, key, scale: float = 1.0):
+    """Random params: weights N(0, scale^2 / fan_in), norms near 1."""
+    c = spec.layer
+    d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
+    keys = iter(jax.random.split(key, 64 * (spec.num_layers + 1)))
+
+    def w(*shape):
+        return scale * jax.random.normal(next(keys), shape) / shape[-1] ** 0.5
+
+    def norm(n):
+        return 1.0 + 0.1 * jax.random.normal(next(keys), (n,))
+
+    layers = []
+    for _ in range(spec.num_layers):
+        lp = {"attn_norm": norm(d), "wq": w(c.num_heads * hd, d), "wk": w(c.num_kv_heads * hd, d),
+              "wv": w(c.num_kv_heads * hd, d), "wo": w(d, c.num_heads * hd), "q_norm": norm(hd),
+              "k_norm": norm(hd), "mlp_norm": norm(d), "w_gate": w(f, d), "w_up": w(f, d),
+              "w_down": w(d, f)}
+        if spec.version == 2:
+            kc, gc = spec.conv_kernel_size, d // spec.conv_group_size
+            for name in ("attn_conv", "mlp_conv"):
+                lp[name] = {"base": 0.3 * jax.random.normal(next(keys), (2, kc, d)),
+                            "proj": w(2 * kc * gc, d)}
+        layers.append(lp)
+    n = len(spec.target_layer_ids)
+    out = {"fc": w(d, n * d), "hidden_norm": norm(d), "norm": norm(d), "layers": tuple(layers)}
+    if spec.version == 2:
+        r = spec.selector_rank
+        out["selector"] = {"pred": w(c.vocab_size, r), "succ": w(c.vocab_size, r), "proj": w(r, d)}
+    return out
