@@ -301,3 +301,118 @@ def test_exported_head_matches_reference_generate(version, tiny_qwen3_dir, tmp_p
         assert steps == len(lengths)
         assert per_pos == want
         assert max(lengths) > 1  # drafts were accepted
+
+
+# ---- the loop: greedy identity, the exact sampled law ---------------------------------------
+
+NEW = 24
+TREE = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0))  # per-position ranks, depth 4
+
+
+def tiny_head(target, version=1, *, block=BLOCK, mask=None, seed=0, layers=(0, 1), top_k=4,
+              **kw):
+    """A random DFlash head for a tiny jaxspec target (models.base.Target)."""
+    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters.dflash import DFlashDrafter
+
+    two = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=top_k)
+    mask = target.vocab_size - 1 if mask is None else mask
+    spec = net.make_spec(target.layer_config, target.num_layers, num_layers=2, block_size=block,
+                         mask_token_id=mask, target_layer_ids=layers,
+                         **(two if version == 2 else {}))
+    drafter = DFlashDrafter(spec, target.vocab_size, **kw)
+    return drafter, net.init_params(spec, jax.random.key(seed))
+
+
+@pytest.fixture(scope="module")
+def greedy_target():
+    from jaxspec import kernels
+    from tiny import tiny_model
+
+    return tiny_model(seed=2, scale=0.3, eos=(-1,), packed=kernels.available())
+
+
+@pytest.fixture(scope="module")
+def mixed_prompts():
+    rng = np.random.default_rng(1)
+    return [[int(t) for t in rng.integers(1, 63, size=n)] for n in (5, 17, 9, 30, 12, 3, 25, 8)]
+
+
+@pytest.fixture(scope="module")
+def plain(greedy_target, mixed_prompts):
+    from jaxspec.engine.runner import Engine
+
+    return Engine(greedy_target).generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
+
+
+@pytest.mark.parametrize("kind", ["chain", "dflash2", "tree"])
+def test_greedy_dflash_is_token_identical_at_batch_8(greedy_target, mixed_prompts, plain, kind):
+    from jaxspec.engine.runner import Engine
+
+    version = 2 if kind == "dflash2" else 1
+    drafter, dparams = tiny_head(greedy_target.target, version, block=5, layers=(0, 2))
+    if kind == "tree":
+        drafter = dataclasses.replace(drafter, tree_choices=TREE)
+    engine = Engine(greedy_target, drafter, dparams, num_speculative_tokens=4)
+    out = engine.generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    assert sum(r.metrics["num_accepted_tokens"] for r in out) > 0  # drafts were kept
+
+
+V = 8
+PROMPT = [1, 2, 3, 4, 5]
+FILTERED = dict(temperature=0.6, top_k=6, top_p=0.95, min_p=0.05)  # every transform on
+LAW_ROWS = 6000
+
+
+@pytest.fixture(scope="module")
+def law_target():
+    from tiny import tiny_model
+
+    return tiny_model(seed=5, scale=0.3, vocab=V, layers=2, hidden=32, eos=(-1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class NextPositionsQ:
+    """Broken: proposes the DFlash draws but reports for each one the q of the next block
+    position (the last reports the first's)."""
+
+    inner: object
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose(self, dparams, tparams, state, ctx, num_tokens, sp, keys):
+        proposal, state = self.inner.propose(dparams, tparams, state, ctx, num_tokens, sp, keys)
+        return proposal._replace(probs=jnp.roll(proposal.probs, -1, axis=1)), state
+
+
+def law_head(target, kind):
+    version = 2 if kind == "dflash2" else 1
+    drafter, dparams = tiny_head(target.target, version, block=4, mask=0, seed=4, top_k=V)
+    if kind == "tree":
+        drafter = dataclasses.replace(drafter, tree_choices=((0,), (1,), (0, 0), (1, 0)),
+                                      tree_children="sampled")
+    if kind == "broken":
+        drafter = NextPositionsQ(drafter)
+    return drafter, dparams
+
+
+@pytest.mark.parametrize("kind", ["chain", "dflash2", "tree", "broken"])
+def test_sampled_dflash_has_the_target_law(law_target, kind):
+    """Sampled output (temperature, top-k, top-p, min-p on both sides) has the target's exact
+    law for the chain, DFlash 2's selector and a sampled tree; the broken variant that reports
+    the next position's q fails at the same settings and sample size."""
+    from distribution import FAIL_P, PASS_P, pvalue
+    from jaxspec.decode.sampling import SamplingParams
+
+    drafter, dparams = law_head(law_target, kind)
+    sp = SamplingParams.make(**FILTERED)
+    p, results = pvalue(law_target, drafter, dparams, sp, PROMPT, rows=LAW_ROWS, gamma=2)
+    drafted = sum(r.metrics["num_draft_tokens"] for r in results)
+    accepted = sum(r.metrics["num_accepted_tokens"] for r in results)
+    print(f"{kind}: p {p:.2e}, acceptance {accepted / drafted:.2f}")
+    assert 0.02 * drafted < accepted < 0.95 * drafted  # acceptance and rejection both happen
+    assert (p < FAIL_P) if kind == "broken" else (p > PASS_P)
