@@ -201,6 +201,11 @@ class DFlashDrafter:
         par = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
         return Proposal(tokens, probs, jnp.full((b,), n, jnp.int32), par)
 
+    def advance(self, dparams, tparams, state: DFlashState, ctx: DraftContext) -> DFlashState:
+        """Nothing to update without drafting: the state changes only when features commit
+        (prompt lookup first then skips the block forward when every row found a match)."""
+        return state
+
     def commit(self, dparams, tparams, state: DFlashState, ctx: CommitContext) -> DFlashState:
         """Context entries of the path (root x_{L-1}, then the accepted nodes) at slots
         prev_lengths - 1 ..; those past num_accepted lie beyond the committed context."""
