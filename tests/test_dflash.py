@@ -416,3 +416,53 @@ def test_sampled_dflash_has_the_target_law(law_target, kind):
     print(f"{kind}: p {p:.2e}, acceptance {accepted / drafted:.2f}")
     assert 0.02 * drafted < accepted < 0.95 * drafted  # acceptance and rejection both happen
     assert (p < FAIL_P) if kind == "broken" else (p > PASS_P)
+
+
+# ---- the published layout from a config: detected, checked against the target ---------------
+
+
+def spec_of(*overrides):
+    from jaxspec.config import load_config
+
+    base_ = ["speculative.method=dflash", "speculative.num_speculative_tokens=3"]
+    return load_config(None, [*base_, *overrides]).speculative
+
+
+def edited(src, dst, **changes):
+    """A copy of the head at src with config.json fields changed (dflash_config.X as X__)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if k.endswith("__"):
+            cfg["dflash_config"][k[:-2]] = v
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_config_reads_the_authors_layout_and_refuses_another_targets_head(tiny_qwen3_dir,
+                                                                           tmp_path):
+    from jaxspec.build import build_drafter
+
+    m = load_model(tiny_qwen3_dir, layout="unrolled")
+    make_draft(tmp_path / "head", m.target.num_layers)
+    drafter, _ = build_drafter(spec_of(f"speculative.dflash.checkpoint={tmp_path / 'head'}"), m)
+    assert drafter.name == "dflash" and drafter.spec.block_size == BLOCK
+    tree = ["speculative.tree.kind=static", "speculative.tree.choices=[[0],[1],[0,0]]",
+            f"speculative.dflash.checkpoint={tmp_path / 'head'}"]
+    assert build_drafter(spec_of(*tree), m)[0].tree_nodes == 3
+    bad = {
+        "num_target_layers": ({"num_target_layers": 5}, "target of 5 layers"),
+        "hidden": ({"hidden_size": 32, "head_dim": 8}, "hidden size is 32"),
+        "vocab": ({"vocab_size": 300}, "vocabulary of 300 tokens"),
+        "layer ids": ({"target_layer_ids__": [0, 7]}, r"target_layer_ids \[7\]"),
+        "mask": ({"mask_token_id__": 999}, "mask_token_id=999"),
+    }
+    for name, (changes, message) in bad.items():
+        path = edited(tmp_path / "head", tmp_path / name.replace(" ", "_"), **changes)
+        with pytest.raises(JaxspecError, match=message) as err:
+            build_drafter(spec_of(f"speculative.dflash.checkpoint={path}"), m)
+        assert "\n" not in str(err.value)
