@@ -9,7 +9,7 @@
 
 Which method reads which layouts: eagle <- jaxspec, eagle3, speculators; eagle3 <- jaxspec
 (trained with method eagle3), eagle3, speculators; medusa <- jaxspec, medusa, medusa_fd;
-mtp <- mtp; draft_model <- jaxspec; dflash <- dflash.
+mtp <- mtp; draft_model <- jaxspec; dflash <- jaxspec (trained with method dflash), dflash.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ METHOD_FORMATS = {
     "medusa": ("jaxspec", "medusa", "medusa_fd"),
     "mtp": ("mtp",),
     "draft_model": ("jaxspec",),
-    "dflash": ("dflash",),
+    "dflash": ("jaxspec", "dflash"),
 }
 
 
