@@ -64,7 +64,9 @@ class DFlash:
         if self.block_size < 2 or self.num_layers < 1:
             raise ValueError("block_size must be >= 2 and num_layers >= 1")
         spec = self.spec(target.target)
-        return net.init_params(spec, key, self.init_scale), methods.frozen_pieces(target, d2t)
+        params = net.init_params(spec, key, self.init_scale)
+        params["norm"] = methods._final_norm(target)  # the LM head reads the target's scale
+        return params, methods.frozen_pieces(target, d2t)
 
     def runtime(self, params, frozen):
         return params  # the embedding and LM head are read from the target at run time
