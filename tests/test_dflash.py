@@ -28,7 +28,7 @@ dflash_ref = pytest.importorskip("dflash.model")
 
 TOL = 1e-4
 BLOCK = 5
-MASK = 255
+MASK = 95
 
 
 def rel_err(ours, ref) -> float:
@@ -72,18 +72,25 @@ def make_draft(path, num_target_layers, version=1, seed=0, **overrides):
 
 
 @pytest.fixture(scope="module")
-def targets(tiny_qwen3_dir, tiny_llama_dir):
+def targets(tiny_qwen3_dir, tiny_llama_dir, tmp_path_factory):
+    """name -> (transformers model, jaxspec's load of it): Qwen3 and Llama (vocab 256), and a
+    Gemma 3 with sliding layers, tied scaled embeddings and soft norms (vocab 96)."""
+    from test_families import hf_model
     from transformers import AutoModelForCausalLM
 
     out = {}
     for name, path in (("qwen3", tiny_qwen3_dir), ("llama", tiny_llama_dir)):
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         out[name] = (hf, load_model(path, layout="unrolled"))
+    gemma = hf_model("gemma3", seed=4)
+    path = tmp_path_factory.mktemp("gemma3")
+    gemma.save_pretrained(path)
+    out["gemma3"] = (gemma, load_model(path, layout="unrolled"))
     return out
 
 
-PROMPTS = [[5, 17, 99, 3, 42, 7, 200, 31, 8], [11, 250, 64, 2, 19]]
-NEXT = [77, 123]  # the last committed token of each row (sampled, not yet run by the target)
+PROMPTS = [[5, 17, 90, 3, 42, 7, 60, 31, 8], [11, 85, 64, 2, 19]]  # ids below every vocabulary
+NEXT = [77, 12]  # the last committed token of each row (sampled, not yet run by the target)
 
 
 def reference_logits(model, hf, prompt, nxt):
@@ -119,6 +126,7 @@ def _draft_logits(drafter, dparams, target, params, padded, plens, tokens, capac
 CASES = {  # name: (target, version, draft config overrides)
     "qwen3": ("qwen3", 1, {}),
     "llama": ("llama", 1, {}),
+    "gemma3": ("gemma3", 1, {"vocab_size": 96}),
     # layer 0 slides (window 3) and so is causal; layer 1 is bidirectional
     "qwen3-sliding": ("qwen3", 1, {"layer_types": ["sliding_attention", "full_attention"],
                                    "sliding_window": 3, "use_sliding_window": True}),
