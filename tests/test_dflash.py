@@ -516,3 +516,19 @@ def test_config_reads_the_authors_layout_and_refuses_another_targets_head(tiny_q
         with pytest.raises(JaxspecError, match=message) as err:
             build_drafter(spec_of(f"speculative.dflash.checkpoint={path}"), m)
         assert "\n" not in str(err.value)
+
+
+def test_adaptive_dflash_is_token_identical(greedy_target, mixed_prompts, plain):
+    """Adaptive speculation: plain runs catch the head up (commit_plain) between drafted steps;
+    greedy output stays plain's."""
+    from jaxspec.config import AdaptiveConfig
+    from jaxspec.engine.runner import Engine
+
+    drafter, dparams = tiny_head(greedy_target.target, block=5, layers=(0, 2))
+    opts = AdaptiveConfig(enabled=True, step_costs=[1.0, 1.2, 1.4, 1.6], draft_cost=0.0,
+                          probe_every=4, decay=0.5)
+    engine = Engine(greedy_target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
+    out = engine.generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in out], axis=0)
+    assert hist[0] > 0 and hist[1:].sum() > 0  # plain and drafted steps
