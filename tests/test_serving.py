@@ -26,7 +26,7 @@ from jaxspec.decode.sampling import SamplingParams, logits_to_probs
 from jaxspec.serving import Sampling
 from jaxspec.serving.scheduler import Scheduler
 from jaxspec.serving.text import TextState
-from tiny import eagle_like, tiny_model
+from tiny import dflash_like, eagle_like, tiny_model
 
 CONTEXT = 128
 NEW = (9, 20, 4, 14, 17)  # mixed output lengths
@@ -66,6 +66,7 @@ DRAFTERS = {
     "plain": lambda t: (None, None, 0),
     "ngram": lambda t: (NgramDrafter(64, 1, 3), None, 3),
     "eagle": lambda t: (*eagle_like(t), 3),
+    "dflash": lambda t: (*dflash_like(t), 3),
     "ngram_tree": lambda t: (NgramDrafter(64, 1, 3, branches=2, depth=3), None, 1),
 }
 

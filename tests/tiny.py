@@ -82,3 +82,16 @@ def motif_prompts(lengths, vocab: int = 64, seed: int = 0) -> list[list[int]]:
         motif = list(rng.integers(1, vocab, size=4))
         out.append([int(t) for t in (list(rng.integers(1, vocab, size=n // 2)) + motif * 4)[:n]])
     return out
+
+
+def dflash_like(target, block_size=5, seed=0):
+    """A random DFlash head (2 bidirectional layers over taps after the first and last layers, mask token
+    = the last id) and its params, for a tiny target."""
+    from jaxspec.drafters import dflash_net
+    from jaxspec.drafters.dflash import DFlashDrafter
+
+    t = target.target
+    spec = dflash_net.make_spec(t.layer_config, t.num_layers, num_layers=2, block_size=block_size,
+                                mask_token_id=t.vocab_size - 1,
+                                target_layer_ids=(0, t.num_layers - 1))
+    return DFlashDrafter(spec, t.vocab_size), dflash_net.init_params(spec, jax.random.key(seed))

@@ -15,6 +15,7 @@ from __future__ import annotations
 # the built-in methods: importing each module registers its method
 from jaxspec.drafters import (  # noqa: F401
     block,
+    dflash,
     draft_model,
     eagle,
     eagle3,

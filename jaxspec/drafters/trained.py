@@ -13,7 +13,9 @@ from jaxspec.drafters.registry import BuildContext, DrafterOptions
 from jaxspec.errors import JaxspecError
 
 # checkpoint_format (jaxspec.formats.FORMATS): auto = detected from meta.json / config.json
-CheckpointFormat = Literal["auto", "jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp"]
+CheckpointFormat = Literal[
+    "auto", "jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash"
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

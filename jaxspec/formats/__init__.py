@@ -1,7 +1,8 @@
 """Drafter checkpoints in published layouts: detect, read into a runtime drafter, write.
 
     FORMATS: jaxspec (orbax, jaxspec.train) | eagle3 | speculators | medusa (vLLM) |
-             medusa_fd (FasterDecoding) | mtp (DeepSeek-V3-style module stored with the target)
+             medusa_fd (FasterDecoding) | mtp (DeepSeek-V3-style module stored with the target) |
+             dflash (z-lab DFlash / DFlash 2 heads)
 
     fmt = detect_format(path)                                  # from meta.json / config.json
     drafter, dparams = load_drafter_checkpoint("eagle", path, target)   # any eagle-family layout
@@ -9,7 +10,7 @@
 
 Which method reads which layouts: eagle <- jaxspec, eagle3, speculators; eagle3 <- jaxspec
 (trained with method eagle3), eagle3, speculators; medusa <- jaxspec, medusa, medusa_fd;
-mtp <- mtp; draft_model <- jaxspec.
+mtp <- mtp; draft_model <- jaxspec; dflash <- jaxspec (trained with method dflash), dflash.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from pathlib import Path
 
 from jaxspec.errors import JaxspecError
 
-FORMATS = ("jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp")
+FORMATS = ("jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash")
 METHOD_FORMATS = {
     "eagle": ("jaxspec", "eagle3", "speculators"),
     "eagle3": ("jaxspec", "eagle3", "speculators"),
     "medusa": ("jaxspec", "medusa", "medusa_fd"),
     "mtp": ("mtp",),
     "draft_model": ("jaxspec",),
+    "dflash": ("jaxspec", "dflash"),
 }
 
 
@@ -56,17 +58,17 @@ def detect_format(path) -> str:
             f"{path} has neither meta.json (a jaxspec checkpoint) nor config.json (a published "
             f"EAGLE-3, speculators, Medusa or MTP checkpoint)"
         )
-    from jaxspec.formats import eagle3, medusa, mtp
+    from jaxspec.formats import dflash, eagle3, medusa, mtp
     from jaxspec.formats.tensors import read_config
 
     config = read_config(p)
-    for detect in (eagle3.detect, medusa.detect, mtp.detect):
+    for detect in (eagle3.detect, medusa.detect, mtp.detect, dflash.detect):
         fmt = detect(config)
         if fmt:
             return fmt
     raise JaxspecError(
         f"{path}/config.json is not a drafter layout jaxspec knows (EAGLE-3 original or "
-        f"speculators, Medusa FasterDecoding or vLLM, MTP): set speculative.<method>.checkpoint_format "
+        f"speculators, Medusa FasterDecoding or vLLM, MTP, DFlash): set speculative.<method>.checkpoint_format "
         f"to one of {', '.join(FORMATS)}"
     )
 
@@ -108,6 +110,10 @@ def load_drafter_checkpoint(
         from jaxspec.train.load import load_trained_drafter
 
         return load_trained_drafter(method, path, target)
+    if got == "dflash":
+        from jaxspec.formats import dflash
+
+        return dflash.read(resolve(path), target.target)
     if got == "mtp":
         from jaxspec.formats import mtp
 
