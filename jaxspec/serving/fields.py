@@ -29,7 +29,7 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
 NEUTRAL: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "one completion per request"),
     "best_of": ((1,), "one completion per request"),
-    "logprobs": ((False, 0), "no log-probabilities are returned"),
+    "logprobs": ((False,), "no log-probabilities are returned"),
     "top_logprobs": ((0,), "no log-probabilities are returned"),
     "echo": ((False,), "the prompt is not echoed"),
     "presence_penalty": ((0,), "no penalties are applied"),
