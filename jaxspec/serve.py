@@ -59,7 +59,10 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def say(line: str) -> None:
-    print(f"jaxspec.serve: {line}", file=sys.stderr, flush=True)
+    try:
+        print(f"jaxspec.serve: {line}", file=sys.stderr, flush=True)
+    except OSError:  # stderr closed (the parent went away): keep serving / stopping
+        pass
 
 
 def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None) -> None:
@@ -93,9 +96,11 @@ def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None) -> Non
             threading.Thread(target=stop, name="jaxspec-drain", daemon=True).start()
 
     def stop():
-        aborted = gate.drain()
-        say(f"stopped admitting; {aborted} running request(s) ended with 'abort'")
-        server.should_exit = True
+        try:
+            aborted = gate.drain()
+            say(f"stopped admitting; {aborted} running request(s) ended with 'abort'")
+        finally:
+            server.should_exit = True
 
     server = Draining(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
 

@@ -55,6 +55,12 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
+def _failure(e: JaxspecError) -> HTTPError:
+    """The serving loop stopped under a request: a 500 with its reason on one line."""
+    line = " ".join(str(e).split())
+    return HTTPError(500, line if len(line) <= 300 else line[:297] + "...", "server_error")
+
+
 def returned_tokens(engine, done, stop_ids) -> int:
     """Tokens behind the text returned: a stop string cuts the text, and the tokens generated
     past it (in the same device call) are not counted."""
@@ -228,6 +234,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 async for _ in stream:
                     pass
                 done, reason, usage = ended()
+            except JaxspecError as e:
+                raise _failure(e) from None
             finally:
                 close()
             choice = {"index": 0, "finish_reason": reason, "logprobs": None}
@@ -258,6 +266,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                     first = False
                 _, reason, usage = ended()
                 yield chunk("", reason, usage, first=first)
+            except JaxspecError as e:  # the serving loop stopped: say so, end the stream
+                err = {"message": _failure(e).message, "type": "server_error", "code": 500}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+            else:
                 yield "data: [DONE]\n\n"
             finally:
                 close()  # the client went away mid-stream: free its row and pages
