@@ -301,11 +301,14 @@ def test_a_request_past_its_time_limit_ends_with_length(server):
 
 
 # ---- graceful stop ------------------------------------------------------------------------
-def test_drain_refuses_new_requests_then_aborts_the_running_ones(server):
+def test_drain_refuses_new_requests_then_aborts_the_running_ones(server, engine):
+    """A prompt whose greedy run reaches 110 tokens without EOS, drained with drain_s=0."""
     idle(server)
-    gate = Gate(limits=Limits(drain_s=0.2))
+    prompt = next(p for p in ([97, 98, 99], [120, 121], [104, 105, 33], [65, 66, 67, 68])
+                  if len(engine.generate([p], max_new_tokens=110)[0].token_ids) == 110)
+    gate = Gate(limits=Limits(drain_s=0))
     with listening(make_app(server, gate)) as url:
-        body = PROMPT | {"max_tokens": 110, "stream": True}
+        body = PROMPT | {"prompt": prompt, "max_tokens": 110, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")  # the row is running
