@@ -353,6 +353,11 @@ class ServingConfig(Section):
     prefill_chunk: int = 0  # prompts longer than this go in chunks, one per device call (0: whole)
     prefix_cache: bool = True  # share KV pages of common prompt prefixes (paged, no target taps)
     precompile: bool = True  # python -m jaxspec.serve compiles every decode call shape before it listens
+    max_body_bytes: int = 1048576  # a larger request body gets HTTP 413
+    max_prompt_tokens: int = 0  # a longer prompt gets HTTP 400 (0: what max_context allows)
+    max_tokens_limit: int = 0  # a request's max_tokens above this gets HTTP 400 (0: no ceiling)
+    request_timeout_s: float = 0.0  # a request still running after this ends, "length" (0: none)
+    drain_s: float = 30.0  # on SIGTERM/SIGINT, running requests get this long, then "abort"
 
     def _validate(self):
         for name in ("slots", "max_context", "steps_per_call", "max_queue", "page_size"):
@@ -362,6 +367,15 @@ class ServingConfig(Section):
             self._fail("kv_pages", "use 0 (sized from slots and max_context) or a page count")
         if self.prefill_chunk < 0:
             self._fail("prefill_chunk", "use 0 (whole prompts) or a chunk of tokens >= 1")
+        for name in ("max_body_bytes",):
+            if getattr(self, name) < 1:
+                self._fail(name, "use an integer >= 1")
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            if getattr(self, name) < 0:
+                self._fail(name, "use 0 (no ceiling) or a token count >= 1")
+        for name in ("request_timeout_s", "drain_s"):
+            if getattr(self, name) < 0:
+                self._fail(name, "use 0 or a number of seconds > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

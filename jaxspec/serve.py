@@ -1,8 +1,13 @@
-"""python -m jaxspec.serve --config C [--host 127.0.0.1 --port 8000]: an OpenAI-compatible
-server (jaxspec/serving/http.py) over continuous batching, with the config's model, drafter,
-sampling defaults and `serving` section (slots, max_context, steps_per_call, max_queue,
-kv_pages, page_size, prefill_chunk, prefix_cache, precompile). Arguments are parsed before jax
-or the model load is imported."""
+"""python -m jaxspec.serve --config C [section.key=value ...] [--host 127.0.0.1 --port 8000]: an
+OpenAI-compatible server (jaxspec/serving/http.py) over continuous batching, with the config's
+model, drafter, sampling defaults and `serving` section (slots, max_context, steps_per_call,
+max_queue, kv_pages, page_size, prefill_chunk, prefix_cache, precompile, request limits,
+drain_s). Arguments are parsed before jax or the model load is imported.
+
+It listens at once (`/health` answers; `/ready` and requests get 503 while the decode programs
+compile), prints `jaxspec.serve: listening on http://H:P` and then `... ready`. SIGTERM or
+SIGINT: new requests get 503, running ones get serving.drain_s to finish and are then ended with
+finish_reason "abort", every page is freed, and the process exits 0 (a second SIGINT forces)."""
 
 from __future__ import annotations
 
@@ -16,20 +21,26 @@ from jaxspec.errors import JaxspecError
 def make_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m jaxspec.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help="YAML config (default: every default: SmolLM2, plain)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides, e.g. serving.slots=8 (as generate takes them)")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="dotted config override, e.g. serving.slots=8 (repeatable)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument("--model-name", help="the model id clients send (default: the config's model)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (default: $JAXSPEC_API_KEY; /health "
+                        "and /ready stay open)")
     return p
 
 
-def build_server(config, model_name: str | None = None):
+def build_server(config, model_name: str | None = None, gate=None):
     """(Server, FastAPI app) for a Config: the engine is built with serving.max_context."""
     import dataclasses
 
     from jaxspec.build import build_engine
     from jaxspec.serving import Server
+    from jaxspec.serving.gate import Gate, Limits
     from jaxspec.serving.http import make_app
 
     s = config.serving
@@ -41,12 +52,24 @@ def build_server(config, model_name: str | None = None):
                     kv_pages=s.kv_pages or None, page_size=s.page_size, seed=config.sampling.seed,
                     prefill_chunk=s.prefill_chunk or None, prefix_cache=s.prefix_cache,
                     model_name=model_name or config.model.name)
-    return server, make_app(server)
+    return server, make_app(server, gate or Gate(limits=Limits.of(s)))
 
 
-def serve_until_stopped(uvicorn, app, host: str, port: int) -> None:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def say(line: str) -> None:
+    try:
+        print(f"jaxspec.serve: {line}", file=sys.stderr, flush=True)
+    except OSError:  # stderr closed (the parent went away): keep serving / stopping
+        pass
+
+
+def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None) -> None:
     """Run uvicorn on a socket bound here (port 0: any free one, so the port is known), and print
-    the URL on stderr once it accepts connections: `jaxspec.serve: listening on http://H:P`."""
+    the URL on stderr once it accepts connections: `jaxspec.serve: listening on http://H:P`.
+    `warm_up()` then runs on a thread (the app's gate answers 503 until it returns). The first
+    SIGTERM/SIGINT drains the app's gate on a thread, then stops uvicorn."""
     import socket
     import threading
     import time
@@ -61,18 +84,47 @@ def serve_until_stopped(uvicorn, app, host: str, port: int) -> None:
         raise JaxspecError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port "
                            "(0: any free one)") from None
     bound = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    gate = app.state.gate
+    failure: list[BaseException] = []
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # not re-raised after the run: the exit is ours
+            if gate.draining:  # a second signal: stop now
+                self.force_exit = self.should_exit = True
+                return
+            gate.draining = True
+            threading.Thread(target=stop, name="jaxspec-drain", daemon=True).start()
+
+    def stop():
+        try:
+            aborted = gate.drain()
+            say(f"stopped admitting; {aborted} running request(s) ended with 'abort'")
+        finally:
+            server.should_exit = True
+
+    server = Draining(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
 
     def announce():  # bounded: gives up when the server stops before it starts
         while not server.started and not server.should_exit:
             time.sleep(0.05)
-        if server.started:
-            shown = f"[{host}]" if family == socket.AF_INET6 else host
-            print(f"jaxspec.serve: listening on http://{shown}:{bound}", file=sys.stderr,
-                  flush=True)
+        if not server.started:
+            return
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        say(f"listening on http://{shown}:{bound}")
+        if warm_up is not None:
+            try:
+                warm_up()
+            except BaseException as e:  # noqa: BLE001 -- reported by run(), the server stops
+                failure.append(e)
+                server.should_exit = True
+                return
+        gate.ready = True
+        say("ready")
 
     threading.Thread(target=announce, daemon=True).start()
     server.run(sockets=[sock])
+    if failure:
+        raise failure[0]
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -88,21 +140,30 @@ def run(argv: list[str] | None = None) -> int:
         ) from None
     from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.config import load_config
+    from jaxspec.serving.gate import Gate, Limits
 
-    config = load_config(args.config, args.override)
+    config = load_config(args.config, [*args.overrides, *args.override])
+    key = args.api_key or os.environ.get("JAXSPEC_API_KEY") or None
+    if args.host not in LOOPBACK and key is None:
+        say(f"warning: listening on {args.host} without an API key: anyone who reaches the port "
+            "can generate (set --api-key or JAXSPEC_API_KEY)")
     enable_compilation_cache()
-    server, app = build_server(config, args.model_name)
-    try:
-        if config.serving.precompile:  # else a call of a new width compiles while requests wait
+    gate = Gate(api_key=key, limits=Limits.of(config.serving), ready=False)
+    server, app = build_server(config, args.model_name, gate)
+    warm_up = None
+    if config.serving.precompile:  # else a call of a new width compiles while requests wait
+        def warm_up():
             import time
 
             t0 = time.perf_counter()
-            print("jaxspec.serve: compiling the decode programs (serving.precompile=false skips)",
-                  file=sys.stderr, flush=True)
+            say("compiling the decode programs (serving.precompile=false skips)")
             n = server.scheduler.compile_programs()
-            print(f"jaxspec.serve: {n} programs ready in {time.perf_counter() - t0:.1f} s",
-                  file=sys.stderr, flush=True)
-        serve_until_stopped(uvicorn, app, args.host, args.port)
+            say(f"{n} programs ready in {time.perf_counter() - t0:.1f} s")
+    try:
+        serve_until_stopped(uvicorn, app, args.host, args.port, warm_up)
+        h = server.health()
+        say(f"stopped: {h['free_pages']} of {h['kv_pages']} KV pages free, "
+            f"{h['active']} rows running, {h['queued']} queued")
     finally:
         server.close()
     return 0

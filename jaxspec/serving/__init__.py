@@ -9,7 +9,8 @@ Python API and an OpenAI-compatible HTTP server (`python -m jaxspec.serve`).
 Layers, one way: `requests` (what a request asks and what it gets back) -> `text` (incremental
 detokenisation, stop strings) -> `pages` (the page pool) -> `rows` (one row's state spliced into
 the batch) -> `scheduler` (admission, device calls, release, preemption) -> `api` (a thread
-running the scheduler; streams) -> `http` (FastAPI app).
+running the scheduler; streams) -> `fields` (a request body read), `gate` (key, limits,
+readiness, drain), `metrics` (Prometheus) -> `http` (FastAPI app).
 """
 
 from jaxspec.serving.api import Server, Stream

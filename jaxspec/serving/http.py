@@ -1,40 +1,53 @@
 """The OpenAI-compatible HTTP surface over a `Server` (FastAPI; run by uvicorn in jaxspec.serve):
 `/v1/completions`, `/v1/chat/completions` (the tokenizer's chat template), SSE streaming,
-`/v1/models`, `/health`. Bad requests get a 400 with a one-line message, a full queue a 429, an
-unknown model a 404; a client that disconnects mid-stream cancels its request (row and pages
-freed). `usage` carries the speculative loop's figures for the request under `speculative`.
+`/v1/models`, `/v1/models/{id}`, `/health` (alive), `/ready` (compiled and admitting),
+`/metrics` (Prometheus). Bad requests get a 400 with a one-line message (fields it does not
+honour included: `serving.fields`), a full queue a 429, an unknown model a 404, a missing key a
+401, a body over serving.max_body_bytes a 413, any request while compiling or stopping a 503; a
+client that disconnects mid-stream cancels its request (row and pages freed). `usage` counts
+the tokens returned and carries the speculative loop's figures under `speculative`.
 
-Extensions beyond OpenAI's fields: `top_k`, `min_p`, `stop_token_ids`.
+Finish reasons beyond OpenAI's: "length" also when serving.request_timeout_s ran out, "abort"
+when a graceful stop ended the request. Extensions: `top_k`, `min_p`, `stop_token_ids`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxspec.errors import JaxspecError
 from jaxspec.serving.api import Server
-from jaxspec.serving.requests import QueueFull, Sampling
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+from jaxspec.serving.fields import (
+    HTTPError,
+    chat_messages,
+    refuse_unsupported,
+    requested_max_tokens,
+    sampling_of,
+    wants_stream,
+)
+from jaxspec.serving.gate import Gate
+from jaxspec.serving.metrics import CONTENT_TYPE, ServerMetrics
+from jaxspec.serving.requests import QueueFull
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
-async def _body(request: Request) -> dict[str, Any]:
+async def _body(request: Request, limit: int) -> dict[str, Any]:
+    raw = await request.body()
+    if limit and len(raw) > limit:
+        raise HTTPError(413, f"the request body is {len(raw)} bytes: serving.max_body_bytes "
+                             f"allows {limit}", "request_too_large")
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise HTTPError(400, "the request body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -42,43 +55,54 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _field(body, name, kinds, default):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        names = "/".join(k.__name__ for k in kinds)
-        raise HTTPError(400, f"field {name!r}={value!r} must be {names}")
-    return value
+def _failure(e: JaxspecError) -> HTTPError:
+    """The serving loop stopped under a request: a 500 with its reason on one line."""
+    line = " ".join(str(e).split())
+    return HTTPError(500, line if len(line) <= 300 else line[:297] + "...", "server_error")
 
 
-def sampling_of(body: dict[str, Any]) -> Sampling:
-    """The request's Sampling (OpenAI's defaults: temperature 1, max_tokens 16)."""
-    if _field(body, "n", (int,), 1) != 1:
-        raise HTTPError(400, "field 'n' must be 1: one completion per request")
-    stop = _field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise HTTPError(400, "field 'stop' must be a string or a list of strings")
-    ids = _field(body, "stop_token_ids", (list,), [])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise HTTPError(400, "field 'stop_token_ids' must be a list of integers")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return Sampling(
-        temperature=_field(body, "temperature", (int, float), 1.0),
-        top_k=_field(body, "top_k", (int,), 0),
-        top_p=_field(body, "top_p", (int, float), 1.0),
-        min_p=_field(body, "min_p", (int, float), 0.0),
-        max_tokens=_field({"max_tokens": max_tokens}, "max_tokens", (int,), 16),
-        stop=tuple(stop),
-        stop_token_ids=tuple(ids),
-        seed=_field(body, "seed", (int,), None),
-    )
+def returned_tokens(engine, done, stop_ids) -> int:
+    """Tokens behind the text returned: a stop string cuts the text, and the tokens generated
+    past it (in the same device call) are not counted."""
+    ids, stop_ids = done.token_ids, set(stop_ids)
+
+    def shown(k):
+        return len(engine.decode_text([t for t in ids[:k] if t not in stop_ids]))
+
+    if shown(len(ids)) <= len(done.text):
+        return len(ids)
+    return next(k for k in range(len(ids) + 1) if shown(k) >= len(done.text))
 
 
-def make_app(server: Server) -> FastAPI:
+def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
+    """The app over a Server; `gate`: its key, limits and readiness (default: open, ready)."""
     app = FastAPI(title="jaxspec", docs_url=None, redoc_url=None)
     tokenizer = server.engine.model.tokenizer
+    gate = app.state.gate = gate or Gate()
+    metrics = app.state.metrics = ServerMetrics(server)
+    limits = gate.limits
+    sched = server.scheduler
+    open_paths = ("/health", "/ready")
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        path = request.url.path
+        if path in open_paths:
+            return await call_next(request)
+        if not gate.authorized(request.headers.get("authorization")):
+            return _error(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+                          "authentication_error")
+        size = request.headers.get("content-length", "")
+        if limits.max_body_bytes and size.isdigit() and int(size) > limits.max_body_bytes:
+            return _error(413, f"the request body is {size} bytes: serving.max_body_bytes allows "
+                               f"{limits.max_body_bytes}", "request_too_large")
+        if request.method == "POST" and gate.draining:
+            return _error(503, "the server is stopping: send the request to another replica",
+                          "unavailable")
+        if request.method == "POST" and not gate.ready:
+            return _error(503, "the server is compiling its programs: retry when /ready "
+                               "answers 200", "unavailable")
+        return await call_next(request)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_, e: HTTPError):
@@ -96,10 +120,31 @@ def make_app(server: Server) -> FastAPI:
     async def health():
         return server.health()
 
+    @app.get("/ready")
+    async def ready():
+        if gate.draining:
+            return _error(503, "the server is stopping", "unavailable")
+        if not gate.ready:
+            return _error(503, "the server is compiling its programs", "unavailable")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card():
+        return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "jaxspec"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": server.model_name, "object": "model", "created": 0, "owned_by": "jaxspec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != server.model_name:
+            raise HTTPError(404, f"model {name!r} is not served here: use {server.model_name!r}",
+                            "not_found_error")
+        return model_card()
 
     def check_model(body):
         name = body.get("model")
@@ -120,10 +165,7 @@ def make_app(server: Server) -> FastAPI:
         raise HTTPError(400, "field 'prompt' must be a string or a list of token ids (one prompt)")
 
     def chat_ids(messages) -> list[int]:
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
-                for m in messages):
-            raise HTTPError(400, "field 'messages' must be a non-empty list of {role, content}")
+        messages = chat_messages(messages)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise HTTPError(400, "this model's tokenizer has no chat template: use /v1/completions")
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -131,26 +173,78 @@ def make_app(server: Server) -> FastAPI:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
+    def settle_max_tokens(body, ids) -> int:
+        """The request's max_tokens, or all the context (and serving.max_tokens_limit) allows."""
+        if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
+            raise HTTPError(400, f"the prompt is {len(ids)} tokens: serving.max_prompt_tokens "
+                                 f"allows {limits.max_prompt_tokens}; shorten it")
+        name, asked = requested_max_tokens(body)
+        room = sched.capacity - len(ids) - sched.spec.depth - 1  # γ + 1 slots for the last step
+        if room < 1:
+            raise HTTPError(400, f"the prompt is {len(ids)} tokens: serving.max_context="
+                                 f"{sched.capacity} leaves no room to generate; shorten it")
+        ceiling = min(room, limits.max_tokens or room)
+        if asked is None:
+            return ceiling
+        if asked < 1:
+            raise HTTPError(400, f"field {name!r}={asked} must be at least 1")
+        if limits.max_tokens and asked > limits.max_tokens:
+            raise HTTPError(400, f"field {name!r}={asked} is above serving.max_tokens_limit="
+                                 f"{limits.max_tokens}: lower it")
+        if asked > room:
+            raise HTTPError(400, f"field {name!r}={asked} is too large: a prompt of {len(ids)} "
+                                 f"tokens leaves room for {room} (serving.max_context="
+                                 f"{sched.capacity}); lower it or shorten the prompt")
+        return asked
+
     async def respond(body, ids, chat: bool):
-        sampling = sampling_of(body)
+        refuse_unsupported(body)
+        sampling = sampling_of(body, settle_max_tokens(body, ids))
+        streamed = wants_stream(body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         stream = server.submit(ids, sampling, request_id=rid)
+        gate.enter(stream)
+        timer = None
+        if limits.request_timeout_s:
+            timer = asyncio.get_running_loop().call_later(
+                limits.request_timeout_s, gate.time_out, stream)
         created = int(time.time())
         head = {"id": rid, "created": created, "model": server.model_name}
-        if not _field(body, "stream", (bool,), False):
+
+        def ended():
+            """(finish reason, usage) as returned; counted in the metrics once."""
+            done = stream.result()
+            reason = gate.finish_reason(stream, done.finish_reason)
+            if reason == "cancelled":  # only the gate cancels a request it still answers
+                reason = "abort"
+            usage = done.usage()
+            n = returned_tokens(server.engine, done, sampling.stop_token_ids)
+            usage |= {"completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n}
+            metrics.observe(reason, usage)
+            return done, reason, usage
+
+        def close():
+            if timer is not None:
+                timer.cancel()
+            stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
+            gate.leave(stream)
+
+        if not streamed:
             try:
                 async for _ in stream:
                     pass
+                done, reason, usage = ended()
+            except JaxspecError as e:
+                raise _failure(e) from None
             finally:
-                stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
-            done = stream.result()
-            choice = {"index": 0, "finish_reason": done.finish_reason, "logprobs": None}
+                close()
+            choice = {"index": 0, "finish_reason": reason, "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": done.text}
             else:
                 choice["text"] = done.text
             kind = "chat.completion" if chat else "text_completion"
-            return JSONResponse(head | {"object": kind, "choices": [choice], "usage": done.usage()})
+            return JSONResponse(head | {"object": kind, "choices": [choice], "usage": usage})
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(piece, finish=None, usage=None, first=False):
@@ -170,17 +264,21 @@ def make_app(server: Server) -> FastAPI:
                 async for piece in stream:
                     yield chunk(piece, first=first)
                     first = False
-                done = stream.result()
-                yield chunk("", done.finish_reason, done.usage(), first=first)
+                _, reason, usage = ended()
+                yield chunk("", reason, usage, first=first)
+            except JaxspecError as e:  # the serving loop stopped: say so, end the stream
+                err = {"message": _failure(e).message, "type": "server_error", "code": 500}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+            else:
                 yield "data: [DONE]\n\n"
             finally:
-                stream.cancel()  # the client went away mid-stream: free its row and pages
+                close()  # the client went away mid-stream: free its row and pages
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request)
+        body = await _body(request, limits.max_body_bytes)
         check_model(body)
         if "prompt" not in body:
             raise HTTPError(400, "field 'prompt' is required")
@@ -188,7 +286,7 @@ def make_app(server: Server) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _body(request)
+        body = await _body(request, limits.max_body_bytes)
         check_model(body)
         return await respond(body, chat_ids(body.get("messages")), chat=True)
 
