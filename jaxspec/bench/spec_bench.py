@@ -121,9 +121,22 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="results.json, summary.md, PNGs")
     p.add_argument(
         "--peers",
-        choices=["none", "hf"],
+        choices=["none", "hf", "vllm", "hf+vllm"],
         default="none",
-        help="hf: transformers (PyTorch, CPU) plain, prompt lookup, assisted",
+        help="hf: transformers (PyTorch, CPU) plain, prompt lookup, assisted; vllm: vLLM plain "
+        "and the twins of the configs' ngram / suffix / EAGLE-3 (jaxspec/bench/vllm_peer.py; "
+        "its venv: scripts/setup_vllm_peer.sh)",
+    )
+    p.add_argument(
+        "--vllm-eagle3",
+        metavar="DIR",
+        help="--peers vllm: an EAGLE-3 head in vLLM's layout (python -m jaxspec.export "
+        "--format eagle3) run as the twin of the eagle / eagle3 configs",
+    )
+    p.add_argument(
+        "--vllm-eager",
+        action="store_true",
+        help="--peers vllm: skip vLLM's torch.compile (faster start-up, slower decode)",
     )
     p.add_argument(
         "--hf-threads",
@@ -296,8 +309,19 @@ class Bench:
             l: self.plan.config_paths[l] for l in self.configs
         }
         self.ids = [self.engines["baseline"].encode(p["prompt"]) for p in self.prompts]
-        self.peers = None
-        if self.args.peers == "hf":
+        self.peers = self.vllm = None
+        if "vllm" in self.args.peers:
+            from jaxspec.bench.vllm_peer import VLLMPeers
+
+            self.vllm = VLLMPeers(
+                self.configs,
+                eos_token_ids=list(self.target.eos_token_ids),
+                eagle3_dir=self.args.vllm_eagle3,
+                log_dir=self.out / "vllm_logs",
+                enforce_eager=self.args.vllm_eager,
+            )
+            self.results.setdefault("peers", {})["vllm"] = {"info": self.vllm.info}
+        if "hf" in self.args.peers:
             from jaxspec.bench.peers import HFPeers
 
             g = self.args.hf_prompt_lookup_tokens or next(
@@ -315,7 +339,7 @@ class Bench:
                 prompt_lookup_tokens=g,
                 model=self._hf_model,
             )
-            self.results["peers"] = {"hf": {"info": self.peers.info}}
+            self.results.setdefault("peers", {})["hf"] = {"info": self.peers.info}
 
     @staticmethod
     def warm_up(engine, ids_list: list[list[int]], max_new: int, batch_size: int = 1) -> None:
@@ -341,9 +365,13 @@ class Bench:
         if self.peers:
             with progress.step("warm-up: transformers peers (and their thread count)"):
                 self.peers.warm_up(self.ids[0])
+        if self.vllm:  # start-up (torch.compile) and warm-up: timed apart, in peers.vllm.info
+            with progress.step("start-up: one vLLM engine per method (minutes each)"):
+                self.vllm.start(self.ids[0])
         labels = list(self.engines)
         peer_names = list(self.peers.methods) if self.peers else []
-        for name in labels + peer_names:
+        vllm_names = list(self.vllm.methods) if self.vllm else []
+        for name in labels + peer_names + vllm_names:
             self.rows[name] = []
         bar = tqdm(
             list(zip(self.prompts, self.ids)), desc="bench", unit="prompt", file=sys.stderr
@@ -357,6 +385,10 @@ class Bench:
                 self.rows[name].append(row)
             for name in peer_names:
                 row = self.peers.generate(name, ids, a.max_new_tokens)
+                row["question_id"], row["category"] = prompt["question_id"], prompt["category"]
+                self.rows[name].append(row)
+            for name in vllm_names:
+                row = self.vllm.generate(name, ids, a.max_new_tokens)
                 row["question_id"], row["category"] = prompt["question_id"], prompt["category"]
                 self.rows[name].append(row)
             base = self.rows["baseline"][-1]["tokens_per_s"]
@@ -426,6 +458,16 @@ class Bench:
             self.results["peers"]["hf"].update(
                 summarise_peers(summary, self.rows, list(self.peers.methods))
             )
+        if self.vllm:
+            from jaxspec.bench.vllm_peer import summarise_vllm
+
+            self.results["peers"]["vllm"].update(
+                summarise_vllm(self.rows, list(self.vllm.methods), summary)
+            )
+
+    def close(self) -> None:
+        if getattr(self, "vllm", None):
+            self.vllm.close()
 
     def _record_attention(self) -> None:
         """machine.attention: what the baseline's decode program compiled (read from the
@@ -509,7 +551,7 @@ def check_extras(args) -> None:
     need = []
     if not args.no_plots:
         need.append(("matplotlib", "draws the plots (or pass --no-plots)"))
-    if args.peers == "hf":
+    if "hf" in args.peers:
         need += [("torch", "runs the HF peers"), ("transformers", "runs the HF peers")]
     for module, why in need:
         if importlib.util.find_spec(module) is None:
@@ -517,6 +559,18 @@ def check_extras(args) -> None:
                 f"{module} is not installed and {why}: pip install -e '.[bench]' "
                 f"(torch==2.13.0, the CPU wheel)"
             )
+    if "vllm" in args.peers:
+        from jaxspec.bench.vllm_peer import SETUP_HINT, model_dir, venv_python
+
+        if not venv_python().is_file():
+            raise JaxspecError(f"--peers vllm: no vLLM venv at {venv_python()}: {SETUP_HINT}")
+        if not (model_dir() / "config.json").is_file():
+            raise JaxspecError(f"--peers vllm: no converted model at {model_dir()}: {SETUP_HINT}")
+    if args.vllm_eagle3 and not (Path(args.vllm_eagle3) / "config.json").is_file():
+        raise JaxspecError(
+            f"--vllm-eagle3 {args.vllm_eagle3}: no config.json there: write one with "
+            f"python -m jaxspec.export --format eagle3"
+        )
 
 
 def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
@@ -553,6 +607,9 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
         else:
             print("\ninterrupted before any result", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if bench is not None:
+            bench.close()  # the vLLM peer's engine processes
     print(f"results: {bench.out}/results.json, {bench.out}/summary.md", file=sys.stderr)
     return 0
 
