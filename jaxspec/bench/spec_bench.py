@@ -391,6 +391,9 @@ class Bench:
                 row = self.vllm.generate(name, ids, a.max_new_tokens)
                 row["question_id"], row["category"] = prompt["question_id"], prompt["category"]
                 self.rows[name].append(row)
+            if self.vllm:
+                ours = self.rows["baseline"][-1]["token_ids"]
+                self.vllm.note_reference(prompt["question_id"], ours)
             base = self.rows["baseline"][-1]["tokens_per_s"]
             bar.set_postfix(
                 {n: f"{self.rows[n][-1]['tokens_per_s'] / base:.2f}x" for n in labels[1:]}

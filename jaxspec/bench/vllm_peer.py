@@ -258,6 +258,8 @@ class Runner:
         return parse_event(line, f"vLLM runner {self.name}")
 
     def request(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.transcript is not None:
+            self.transcript.write(json.dumps({"method": self.name, "request": obj}) + "\n")
         self.proc.stdin.write(json.dumps(obj) + "\n")
         self.proc.stdin.flush()
         return self.read()
@@ -343,6 +345,14 @@ class VLLMPeers:
         if ev["event"] != "result":
             raise JaxspecError(f"vLLM runner {name}: expected a result, got {ev['event']}")
         return result_row(ev)
+
+    def note_reference(self, question_id, token_ids: list[int]) -> None:
+        """Our greedy tokens of a prompt, written to the transcript next to vLLM's (a recorded
+        run is then a self-contained test file)."""
+        if self.transcript is not None:
+            ref = {"reference": "baseline", "question_id": question_id, "token_ids": token_ids}
+            self.transcript.write(json.dumps(ref) + "\n")
+            self.transcript.flush()
 
     def close(self) -> None:
         for runner in self.runners.values():
