@@ -52,8 +52,8 @@ for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_co
         problems.append(f"model dir lacks {d / name}")
 tc = d / "tokenizer_config.json"
 if tc.is_file():
-    has_template = "chat_template" in json.loads(tc.read_text()) or (d / "chat_template.jinja").is_file()
-    if not has_template:
+    in_config = "chat_template" in json.loads(tc.read_text())
+    if not (in_config or (d / "chat_template.jinja").is_file()):
         problems.append(f"{d} has no chat template")
 for p in problems:
     print(p)

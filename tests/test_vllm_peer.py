@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRANSCRIPT = Path(__file__).with_name("data") / "vllm_peer_transcript.jsonl"
 
 
-# ---- the recorded run -----------------------------------------------------------------------------
+# ---- the recorded run ---------------------------------------------------------------------------
 def recorded():
     """-> ({method: [result rows]}, {method: ready event}, [our baseline rows])."""
     rows, ready, ours = {}, {}, []
@@ -118,7 +118,7 @@ def test_summary_puts_ours_and_vllms_side_by_side():
     assert out["methods"]["vllm_ngram[n]"]["vs_our_baseline"]["match_rate"] == 0.0
 
 
-# ---- methods ----------------------------------------------------------------------------------------
+# ---- methods ------------------------------------------------------------------------------------
 def test_vllm_twins_take_the_configs_gamma_and_ngram_sizes():
     from jaxspec.config import load_config
 
@@ -148,7 +148,7 @@ def test_bench_without_the_vllm_venv_is_a_one_line_error(tmp_path, monkeypatch, 
     assert code == 2 and "\n" not in err and "setup_vllm_peer.sh" in err
 
 
-# ---- scripts/setup_vllm_peer.sh --check -----------------------------------------------------------
+# ---- scripts/setup_vllm_peer.sh --check ---------------------------------------------------------
 def fake_venv(tmp_path, dists):
     """A venv stand-in: bin/python is this interpreter seeing only `dists` (fake dist-infos)."""
     site = tmp_path / "site"
@@ -232,7 +232,8 @@ def test_sse_pieces_usage_and_figures():
     fig = serve_http.request_figures(0.25, pieces, usage, 2.0)
     assert fig["ttft_s"] == pytest.approx(0.75) and fig["tpot_s"] == pytest.approx(0.25)
     assert fig["text"] == "Hello"
-    assert serve_http.pct([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(np.percentile([1, 2, 3, 4], 50))
+    xs = [1.0, 2.0, 3.0, 4.0]
+    assert serve_http.pct(xs, 50) == pytest.approx(np.percentile(xs, 50))
     assert serve_http.arrivals(1.0, 3) == serve_http.arrivals(1.0, 3)  # seeded, as bench.serve
 
 

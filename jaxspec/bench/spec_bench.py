@@ -358,6 +358,8 @@ class Bench:
         from tqdm import tqdm
 
         a = self.args
+        if self.vllm:  # vLLM's start-ups (torch.compile: minutes) overlap our warm-up
+            self.vllm.start_in_background(self.ids[0])
         warm = tqdm(self.engines.values(), desc="warm-up: compiling each method (cached afterwards)",
                     unit="method", file=sys.stderr)
         for engine in warm:
@@ -366,8 +368,8 @@ class Bench:
             with progress.step("warm-up: transformers peers (and their thread count)"):
                 self.peers.warm_up(self.ids[0])
         if self.vllm:  # start-up (torch.compile) and warm-up: timed apart, in peers.vllm.info
-            with progress.step("start-up: one vLLM engine per method (minutes each)"):
-                self.vllm.start(self.ids[0])
+            with progress.step("waiting for the vLLM engines' start-up (minutes each)"):
+                self.vllm.wait_ready()
         labels = list(self.engines)
         peer_names = list(self.peers.methods) if self.peers else []
         vllm_names = list(self.vllm.methods) if self.vllm else []

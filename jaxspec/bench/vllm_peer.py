@@ -43,7 +43,7 @@ def model_dir() -> Path:
     return Path(os.environ.get("JAXSPEC_VLLM_MODEL_DIR") or default)
 
 
-# ---- methods --------------------------------------------------------------------------------------
+# ---- methods ------------------------------------------------------------------------------------
 def speculative_configs(
     configs: dict[str, Any], eagle3_dir: str | None = None
 ) -> tuple[dict[str, dict | None], dict[str, str]]:
@@ -96,7 +96,7 @@ def _tree(spec) -> bool:
     return spec.tree.kind != "chain" or spec.adaptive.enabled
 
 
-# ---- the protocol (pure) --------------------------------------------------------------------------
+# ---- the protocol (pure) ------------------------------------------------------------------------
 def parse_event(line: str, where: str = "vLLM runner") -> dict[str, Any]:
     """One protocol line -> its dict, checked; an error event or a malformed line raises one
     JaxspecError line naming the runner."""
@@ -219,7 +219,7 @@ def summarise_vllm(
     return out
 
 
-# ---- the processes --------------------------------------------------------------------------------
+# ---- the processes ------------------------------------------------------------------------------
 class Runner:
     """One vLLM engine process (jaxspec/bench/vllm_runner.py in the vLLM venv)."""
 
@@ -332,6 +332,27 @@ class VLLMPeers:
             if ev["event"] != "ready":
                 raise JaxspecError(f"vLLM runner {name}: expected ready, got {ev['event']}")
             self.info["startup"][name] = {k: v for k, v in ev.items() if k != "event"}
+
+    def start_in_background(self, warmup_ids: list[int]) -> None:
+        """`start` in a thread, so that vLLM's start-ups overlap jaxspec's own warm-up (both are
+        outside the measured window; their times are each reported as measured, under that
+        overlap). `wait_ready` joins it."""
+        import threading
+
+        def run():
+            try:
+                self.start(warmup_ids)
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait_ready
+                self._start_error = e
+
+        self._start_error = None
+        self._starter = threading.Thread(target=run, daemon=True)
+        self._starter.start()
+
+    def wait_ready(self) -> None:
+        self._starter.join()
+        if self._start_error is not None:
+            raise self._start_error
 
     def generate(self, name: str, prompt_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
         ev = self.runners[name].request(
