@@ -133,9 +133,10 @@ def test_vllm_twins_take_the_configs_gamma_and_ngram_sizes():
     assert sfx["suffix_decoding_min_token_prob"] == 0.1
     assert methods["vllm_eagle3[eagle3-init]"] == {"method": "eagle3", "model": "/heads/e3",
                                                    "num_speculative_tokens": 3}
-    assert set(skipped) == {"ngram-adaptive", "ngram-tree"}
+    assert set(skipped) == {"eagle", "ngram-adaptive", "ngram-tree"}
+    assert "no exact EAGLE-3 form" in skipped["eagle"]
     _, skipped = vp.speculative_configs(configs)
-    assert "--vllm-eagle3" in skipped["eagle"]
+    assert "--vllm-eagle3" in skipped["eagle3-init"]
 
 
 def test_bench_without_the_vllm_venv_is_a_one_line_error(tmp_path, monkeypatch, capsys):

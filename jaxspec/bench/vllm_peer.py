@@ -10,8 +10,9 @@ by prompt between jaxspec's own methods so that machine load falls on both.
 
 Methods: vllm_plain; per jaxspec config, its vLLM twin with the same γ: ngram (prompt_lookup_min/
 max = min_ngram/max_ngram), suffix (arctic-inference's suffix tree; max_spec_factor and
-min_token_prob as ours), eagle3 (a head exported by `python -m jaxspec.export --format eagle3`,
-passed as --vllm-eagle3 DIR). Everything else is listed as not applicable, with the reason.
+min_token_prob as ours), eagle3 (the config's head exported by `python -m jaxspec.export --format
+eagle3`, passed as --vllm-eagle3 DIR). Everything else is listed as not applicable, with the
+reason (jaxspec's own `eagle` head among them: it has no EAGLE-3 form).
 
 The parsing (`parse_event`), the per-prompt rows (`result_row`) and the token comparison
 (`compare_tokens`) are pure functions: tests run them on a recorded transcript
@@ -72,17 +73,21 @@ def speculative_configs(
                 "suffix_decoding_max_spec_factor": o.max_spec_factor,
                 "suffix_decoding_min_token_prob": o.min_token_prob,
             }
-        elif spec.method in ("eagle", "eagle3") and eagle3_dir:
+        elif spec.method == "eagle3" and eagle3_dir:
             methods[f"vllm_eagle3[{label}]"] = {
                 "method": "eagle3",
                 "model": str(eagle3_dir),
                 "num_speculative_tokens": gamma,
             }
-        elif spec.method in ("eagle", "eagle3"):
+        elif spec.method == "eagle3":
             skipped[label] = (
-                "EAGLE-3 in vLLM needs a head in its layout: pass --vllm-eagle3 DIR written by "
-                "python -m jaxspec.export --format eagle3 (jaxspec's own `eagle` head has no "
-                "exact EAGLE-3 form)"
+                "EAGLE-3 in vLLM needs the head in its layout: pass --vllm-eagle3 DIR written by "
+                "python -m jaxspec.export --format eagle3"
+            )
+        elif spec.method == "eagle":
+            skipped[label] = (
+                "jaxspec's own EAGLE head (per-feature RMS fuse, in_proj residual) has no exact "
+                "EAGLE-3 form, so vLLM cannot run it (export refuses it; train method eagle3)"
             )
         else:
             skipped[label] = (
