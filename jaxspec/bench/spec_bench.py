@@ -265,6 +265,7 @@ class Bench:
             "machine": {},
         }
         self.rows: dict[str, list[dict]] = {}  # label -> per-prompt rows, in prompt order
+        self.vllm = None  # the vLLM peer (jaxspec.bench.vllm_peer.VLLMPeers), --peers vllm
         self.plan: BenchPlan | None = None
 
     @property
@@ -463,7 +464,7 @@ class Bench:
             self.results["peers"]["hf"].update(
                 summarise_peers(summary, self.rows, list(self.peers.methods))
             )
-        if self.vllm:
+        if getattr(self, "vllm", None):
             from jaxspec.bench.vllm_peer import summarise_vllm
 
             self.results["peers"]["vllm"].update(

@@ -26,6 +26,10 @@ import time
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[1] in ("-h", "--help"):
+        print("usage: python jaxspec/bench/vllm_runner.py SPEC_JSON  (in the vLLM venv; "
+              "started by python -m jaxspec.bench --peers vllm)")
+        return 0 if len(argv) == 2 else 2
     # Keep the protocol channel clean: fd 1 becomes stderr for every library print and log.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
