@@ -359,8 +359,8 @@ class Bench:
         from tqdm import tqdm
 
         a = self.args
-        if self.vllm:  # vLLM's start-ups (torch.compile: minutes) overlap our warm-up
-            self.vllm.start_in_background(self.ids[0])
+        if self.vllm:  # vLLM plain's start-up (torch.compile: minutes) overlaps our warm-up
+            self.vllm.start_in_background(self.vllm.methods[0], self.ids[0])
         warm = tqdm(self.engines.values(), desc="warm-up: compiling each method (cached afterwards)",
                     unit="method", file=sys.stderr)
         for engine in warm:
@@ -373,7 +373,7 @@ class Bench:
                 self.vllm.wait_ready()
         labels = list(self.engines)
         peer_names = list(self.peers.methods) if self.peers else []
-        vllm_names = list(self.vllm.methods) if self.vllm else []
+        vllm_names = self.vllm.methods[:1] if self.vllm else []  # vllm_plain; others: phases
         for name in labels + peer_names + vllm_names:
             self.rows[name] = []
         bar = tqdm(
@@ -405,6 +405,36 @@ class Bench:
             )
             self.summarise()
             self.write(plots=False)
+
+    def run_vllm_phases(self) -> None:
+        """Each speculative vLLM method alone (one engine at a time: memory), interleaved prompt
+        by prompt with a fresh run of our plain decoding (jaxspec.bench.vllm_peer)."""
+        from jaxspec.bench.vllm_peer import paired_label
+
+        a = self.args
+        self.vllm.stop(self.vllm.methods[0])
+        for name in self.vllm.methods[1:]:
+            try:
+                with progress.step(f"start-up: vLLM {name} (minutes)"):
+                    self.vllm.start(name, self.ids[0])
+            except JaxspecError as e:  # one method vLLM cannot run does not end the run
+                self.vllm.stop(name)
+                self.vllm.not_applicable[name] = f"failed in vLLM: {e}"
+                print(f"warning: vLLM {name}: {e}", file=sys.stderr)
+                continue
+            self.rows[name], self.rows[paired_label(name)] = [], []
+            for prompt, ids in zip(self.prompts, self.ids):
+                t0 = time.perf_counter()
+                res = self.engines["baseline"].generate([ids], max_new_tokens=a.max_new_tokens)[0]
+                mine = record(res, time.perf_counter() - t0)
+                row = self.vllm.generate(name, ids, a.max_new_tokens)
+                for r in (mine, row):
+                    r["question_id"], r["category"] = prompt["question_id"], prompt["category"]
+                self.rows[paired_label(name)].append(mine)
+                self.rows[name].append(row)
+                self.summarise()
+                self.write(plots=False)
+            self.vllm.stop(name)
 
     # -- phases 2 and 3: the sweeps (jaxspec.bench.sweeps)
     def run_gamma_sweep(self) -> None:
@@ -467,9 +497,8 @@ class Bench:
         if getattr(self, "vllm", None):
             from jaxspec.bench.vllm_peer import summarise_vllm
 
-            self.results["peers"]["vllm"].update(
-                summarise_vllm(self.rows, list(self.vllm.methods), summary)
-            )
+            ran = [m for m in self.vllm.methods if self.rows.get(m)]
+            self.results["peers"]["vllm"].update(summarise_vllm(self.rows, ran, summary))
 
     def close(self) -> None:
         if getattr(self, "vllm", None):
@@ -594,6 +623,8 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
         bench.load()
         if not args.sweeps_only:
             bench.run_main()
+            if bench.vllm:
+                bench.run_vllm_phases()
         if args.gammas:
             bench.run_gamma_sweep()
         if args.batch_sizes:

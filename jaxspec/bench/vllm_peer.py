@@ -4,9 +4,14 @@ per method, each in its own process in the vLLM venv (scripts/setup_vllm_peer.sh
 by prompt between jaxspec's own methods so that machine load falls on both.
 
     peers = VLLMPeers(configs, eos_token_ids=[2], eagle3_dir=None)
-    peers.start(warmup_ids)                  # start-up + warm-up, timed apart from the rows
+    peers.start("vllm_plain", warmup_ids)    # start-up + warm-up, timed apart from the rows
     row = peers.generate("vllm_plain", ids, 64)
-    peers.close()
+    peers.stop("vllm_plain")                 # one engine at a time (memory)
+
+Phases (jaxspec.bench.spec_bench): vllm_plain runs inside the main loop, interleaved with all of
+our methods prompt by prompt; each further vLLM method then gets its own phase, its engine alone,
+interleaved prompt by prompt with a fresh run of our plain decoding ("baseline (paired with
+NAME)"), so its figures can be read against ours under the same machine load.
 
 Methods: vllm_plain; per jaxspec config, its vLLM twin with the same γ: ngram (prompt_lookup_min/
 max = min_ngram/max_ngram), suffix (arctic-inference's suffix tree; max_spec_factor and
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -171,6 +177,11 @@ def compare_tokens(peer: list[dict], ours: list[dict]) -> dict[str, Any]:
     }
 
 
+def paired_label(name: str) -> str:
+    """The rows of our plain decoding run in vLLM method `name`'s phase."""
+    return f"baseline (paired with {name})"
+
+
 def _mean(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else 0.0
@@ -186,15 +197,21 @@ def summarise_vllm(
     methods = {}
     for name in peer_names:
         peer = rows.get(name, [])
+        paired = rows.get(paired_label(name)) or base[: len(peer)]
         steps = sum(r["num_steps"] for r in peer)
         emitted = sum(max(r["num_generated_tokens"] - 1, 0) for r in peer)
+        tps = _mean(r["tokens_per_s"] for r in peer)
+        ours = _mean(r["tokens_per_s"] for r in paired)
         methods[name] = {
             "num_prompts": len(peer),
-            "tokens_per_s": _mean(r["tokens_per_s"] for r in peer),
+            "tokens_per_s": tps,
             "e2e_tokens_per_s": _mean(r["e2e_tokens_per_s"] for r in peer),
             "ttft_s": _mean(r["ttft_s"] for r in peer),
             "mean_accepted_length": emitted / steps if steps else 1.0,
             "vs_our_baseline": compare_tokens(peer, base),
+            # our plain decoding in the same phase (same machine load), prompt by prompt
+            "our_plain_tokens_per_s_same_phase": ours,
+            "our_plain_over_this_same_phase": ours / tps if ours and tps else None,
         }
     out: dict[str, Any] = {"methods": methods}
     if not methods.get("vllm_plain", {}).get("num_prompts"):
@@ -246,6 +263,7 @@ class Runner:
             stderr=self.log,
             text=True,
             env=env,
+            start_new_session=True,  # its engine processes share this group: close() ends them
         )
 
     def read(self) -> dict[str, Any]:
@@ -270,6 +288,8 @@ class Runner:
         return self.read()
 
     def close(self) -> None:
+        """EOF ends the runner; vLLM's engine processes are in its session: whatever is left
+        of that group after a minute is killed (by its group id, the runner's pid)."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -277,6 +297,10 @@ class Runner:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # engine core / worker left behind
+        except (ProcessLookupError, PermissionError):
+            pass
         if self.log is not subprocess.DEVNULL:
             self.log.close()
 
@@ -315,38 +339,42 @@ class VLLMPeers:
             "tokens after the first / time from first to last; start-up and warm-up apart",
         }
 
-    def start(self, warmup_ids: list[int]) -> None:
-        """One process per method, started one after another (each start-up timed alone)."""
-        for name, spec in self.specs.items():
-            print(f"vllm peer: starting {name} (vLLM start-up: minutes)", file=sys.stderr,
-                  flush=True)
-            runner = Runner(
-                name,
-                {
-                    "model": self.model,
-                    "dtype": "float32",
-                    "speculative_config": spec,
-                    "enforce_eager": self.enforce_eager,
-                    "warmup_prompt_token_ids": warmup_ids,
-                },
-                self.log_dir / f"{_file_name(name)}.log" if self.log_dir else None,
-                self.transcript,
-            )
-            self.runners[name] = runner
-            ev = runner.read()
-            if ev["event"] != "ready":
-                raise JaxspecError(f"vLLM runner {name}: expected ready, got {ev['event']}")
-            self.info["startup"][name] = {k: v for k, v in ev.items() if k != "event"}
+    def start(self, name: str, warmup_ids: list[int]) -> None:
+        """Start method `name`'s engine and wait for it (start-up and warm-up timed apart).
+        One engine at a time: each holds the float32 weights, KV space and compiled graphs
+        (~2 GB here), and this machine is shared."""
+        print(f"vllm peer: starting {name} (vLLM start-up: minutes)", file=sys.stderr, flush=True)
+        self.runners[name] = runner = Runner(
+            name,
+            {
+                "model": self.model,
+                "dtype": "float32",
+                "speculative_config": self.specs[name],
+                "enforce_eager": self.enforce_eager,
+                "warmup_prompt_token_ids": warmup_ids,
+            },
+            self.log_dir / f"{_file_name(name)}.log" if self.log_dir else None,
+            self.transcript,
+        )
+        ev = runner.read()
+        if ev["event"] != "ready":
+            raise JaxspecError(f"vLLM runner {name}: expected ready, got {ev['event']}")
+        self.info["startup"][name] = {k: v for k, v in ev.items() if k != "event"}
 
-    def start_in_background(self, warmup_ids: list[int]) -> None:
-        """`start` in a thread, so that vLLM's start-ups overlap jaxspec's own warm-up (both are
-        outside the measured window; their times are each reported as measured, under that
-        overlap). `wait_ready` joins it."""
+    def stop(self, name: str) -> None:
+        runner = self.runners.pop(name, None)
+        if runner is not None:
+            runner.close()
+
+    def start_in_background(self, name: str, warmup_ids: list[int]) -> None:
+        """`start` in a thread, so that vLLM's start-up overlaps jaxspec's own warm-up (both
+        outside the measured window; each reported as measured, under that overlap).
+        `wait_ready` joins it."""
         import threading
 
         def run():
             try:
-                self.start(warmup_ids)
+                self.start(name, warmup_ids)
             except BaseException as e:  # noqa: BLE001 - re-raised by wait_ready
                 self._start_error = e
 
@@ -381,8 +409,8 @@ class VLLMPeers:
             self.transcript.flush()
 
     def close(self) -> None:
-        for runner in self.runners.values():
-            runner.close()
+        for name in list(self.runners):
+            self.stop(name)
         if self.transcript is not None:
             self.transcript.close()
 

@@ -22,7 +22,7 @@ def side_by_side(results: dict[str, Any]) -> list[dict[str, Any]]:
             "engine": "jaxspec", "method": label if e["num_speculative_tokens"] else "plain",
             "tokens_per_s": o["tokens_per_s"], "e2e_tokens_per_s": o["e2e_tokens_per_s"],
             "ttft_s": None, "mean_accepted_length": o["mean_accepted_length"],
-            "same_tokens": o["match_rate"],
+            "same_tokens": o["match_rate"], "ours_same_phase": None,
         })
     for name, m in (v.get("methods") or {}).items():
         rows.append({
@@ -30,6 +30,7 @@ def side_by_side(results: dict[str, Any]) -> list[dict[str, Any]]:
             "e2e_tokens_per_s": m["e2e_tokens_per_s"], "ttft_s": m["ttft_s"],
             "mean_accepted_length": m["mean_accepted_length"],
             "same_tokens": m["vs_our_baseline"]["match_rate"],
+            "ours_same_phase": m.get("our_plain_tokens_per_s_same_phase"),
         })
     return rows
 
@@ -48,17 +49,18 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         "ids, one engine per method, interleaved prompt by prompt with ours. Decode tok/s = "
         "tokens after the first / time from the first to the last; TTFT and start-up apart.",
         "",
-        "| engine | method | decode tok/s | e2e tok/s | mean accepted | same tokens as our plain |",
-        "|---|---|---|---|---|---|",
+        "| engine | method | decode tok/s | e2e tok/s | mean accepted | same tokens as our plain "
+        "| our plain decode tok/s, same phase |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in side_by_side(results):
         lines.append(
             f"| {r['engine']} | {r['method']} | {_f(r['tokens_per_s'], 1)} | "
             f"{_f(r['e2e_tokens_per_s'], 1)} | {_f(r['mean_accepted_length'])} | "
-            f"{_f(r['same_tokens'])} |"
+            f"{_f(r['same_tokens'])} | {_f(r['ours_same_phase'], 1)} |"
         )
     for label, why in info.get("not_applicable", {}).items():
-        lines.append(f"| vLLM | ({label}) | n/a: {why} | – | – | – |")
+        lines.append(f"| vLLM | ({label}) | n/a: {why} | – | – | – | – |")
     t = v.get("targets") or {}
     lines += [
         "",
