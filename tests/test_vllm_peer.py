@@ -107,6 +107,7 @@ def test_summary_puts_ours_and_vllms_side_by_side():
         "baseline": [row(100.0, 80.0, 0.05, 9, 8, [1, 2])],
         "vllm_plain": [row(50.0, 40.0, 0.1, 9, 8, [1, 2])],
         "vllm_ngram[n]": [row(80.0, 60.0, 0.1, 9, 4, [1, 3])],
+        vp.paired_label("vllm_ngram[n]"): [row(40.0, 30.0, 0.1, 9, 8, [1, 2])],  # its phase
     }
     summary = {"overall": {"config": "n", "tokens_per_s": 120.0, "e2e_tokens_per_s": 90.0}}
     out = vp.summarise_vllm(rows, ["vllm_plain", "vllm_ngram[n]"], summary)
@@ -116,6 +117,8 @@ def test_summary_puts_ours_and_vllms_side_by_side():
     assert t["our_best_decode_over_vllm_best"] == pytest.approx(1.5)
     assert out["methods"]["vllm_ngram[n]"]["mean_accepted_length"] == pytest.approx(2.0)
     assert out["methods"]["vllm_ngram[n]"]["vs_our_baseline"]["match_rate"] == 0.0
+    assert out["methods"]["vllm_ngram[n]"]["our_plain_over_this_same_phase"] == pytest.approx(0.5)
+    assert out["methods"]["vllm_plain"]["our_plain_over_this_same_phase"] == pytest.approx(2.0)
 
 
 # ---- methods ------------------------------------------------------------------------------------
