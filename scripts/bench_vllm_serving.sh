@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The serving comparison of issue 45: one client (python -m jaxspec.bench.serve_http: the Poisson
 # load of jaxspec.bench.serve over HTTP) against `python -m jaxspec.serve` and `vllm serve`, same
-# model, prompts, output lengths and arrival times, loopback only. Per method (plain, ngram), the
-# two servers are started one after the other (each start-up timed alone, outside the measured
-# window), then every rate runs on jaxspec, then on vLLM (interleaved), then both are stopped.
+# model, prompts, output lengths and arrival times, loopback only. Per method (plain, ngram):
+# jaxspec's server is started (start-up timed, outside the measured window), every rate runs, it
+# is stopped; then the same for vLLM's. One server at a time: this shared machine's memory does
+# not hold both (a vLLM server is ~2.5 GB), so runs are interleaved per method, not per rate.
 #
 #   scripts/bench_vllm_serving.sh OUT_DIR [--rates "1 4"] [--requests 12] [--methods "plain ngram"]
 #
@@ -28,7 +29,16 @@ scripts/setup_vllm_peer.sh --check >/dev/null
 model=.venv-vllm/models/smollm2-135m-instruct
 mkdir -p "$out"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+cleanup() {  # the server we started, and (vllm serve) its engine processes, by their pids
+  for p in "${pids[@]}"; do
+    pkill -TERM -P "$p" 2>/dev/null || true
+    kill "$p" 2>/dev/null || true
+  done
+  for p in "${pids[@]}"; do
+    for _ in $(seq 30); do kill -0 "$p" 2>/dev/null || break; sleep 1; done
+  done
+  pids=()
+}
 trap cleanup EXIT
 
 wait_up() {  # url seconds -> 0 once /health answers
@@ -45,6 +55,13 @@ took() {  # file server method t0: one JSON line with the start-up seconds
   echo "{\"server\": \"$2\", \"method\": \"$3\", \"startup_s\": $s}" >>"$1"
 }
 
+rate_runs() {  # port label
+  for rate in $rates; do
+    .venv/bin/python -m jaxspec.bench.serve_http --url "http://127.0.0.1:$1" --label "$2" \
+      --tokenizer "$model" --requests "$requests" --rates "$rate" --out "$out/runs.jsonl"
+  done
+}
+
 for m in $methods; do
   case $m in
     plain) cfg=configs/smollm2-135m.yaml; spec=() ;;
@@ -57,27 +74,22 @@ for m in $methods; do
   t0=$(date +%s.%N)
   .venv/bin/python -m jaxspec.serve --config "$cfg" --port 8100 --model-name smollm2-135m \
     -o serving.slots=$slots -o serving.max_context=1024 >"$out/jaxspec-$m.log" 2>&1 &
-  pids+=($!)
+  pids=($!)
   wait_up http://127.0.0.1:8100 1200
   took "$out/startup.jsonl" jaxspec "$m" "$t0"
+  rate_runs 8100 "jaxspec-$m"
+  cleanup
+  sleep 5
   t0=$(date +%s.%N)
   .venv-vllm/bin/vllm serve "$model" --host 127.0.0.1 --port 8101 --dtype float32 \
     --served-model-name smollm2-135m --max-model-len 1024 --max-num-seqs $slots \
     --kv-cache-memory-bytes $((512 << 20)) --uvicorn-log-level warning "${spec[@]}" \
     >"$out/vllm-$m.log" 2>&1 &
-  pids+=($!)
+  pids=($!)
   wait_up http://127.0.0.1:8101 1800
   took "$out/startup.jsonl" vllm "$m" "$t0"
-  for rate in $rates; do
-    for port in 8100 8101; do
-      label=$([ $port = 8100 ] && echo jaxspec || echo vllm)-$m
-      .venv/bin/python -m jaxspec.bench.serve_http --url http://127.0.0.1:$port \
-        --label "$label" --tokenizer "$model" --requests "$requests" --rates "$rate" \
-        --out "$out/runs.jsonl"
-    done
-  done
+  rate_runs 8101 "vllm-$m"
   cleanup
-  pids=()
   sleep 5
 done
 echo "runs: $out/runs.jsonl" >&2
