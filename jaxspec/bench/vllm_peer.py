@@ -351,7 +351,7 @@ class VLLMPeers:
                 "dtype": "float32",
                 "speculative_config": self.specs[name],
                 "enforce_eager": self.enforce_eager,
-                "warmup_prompt_token_ids": warmup_ids,
+                "warmup_prompt_token_ids": [int(t) for t in warmup_ids],
             },
             self.log_dir / f"{_file_name(name)}.log" if self.log_dir else None,
             self.transcript,
@@ -391,7 +391,7 @@ class VLLMPeers:
         ev = self.runners[name].request(
             {
                 "id": name,
-                "prompt_token_ids": list(prompt_ids),
+                "prompt_token_ids": [int(t) for t in prompt_ids],
                 "max_new_tokens": max_new_tokens,
                 "stop_token_ids": self.eos,
             }
@@ -404,7 +404,8 @@ class VLLMPeers:
         """Our greedy tokens of a prompt, written to the transcript next to vLLM's (a recorded
         run is then a self-contained test file)."""
         if self.transcript is not None:
-            ref = {"reference": "baseline", "question_id": question_id, "token_ids": token_ids}
+            ids = [int(t) for t in token_ids]
+            ref = {"reference": "baseline", "question_id": question_id, "token_ids": ids}
             self.transcript.write(json.dumps(ref) + "\n")
             self.transcript.flush()
 
