@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jaxspec.bench import vllm_report
+
 
 def _plt():
     import matplotlib
@@ -28,6 +30,7 @@ def write_plots(results: dict[str, Any], out: str | Path) -> list[str]:
         ("per_position_acceptance.png", plot_per_position),
         ("gamma_sweep.png", plot_gamma_sweep),
         ("batch_sweep.png", plot_batch_sweep),
+        ("vllm_side_by_side.png", plot_vllm),
     ]:
         fig = fn(results)
         if fig is None:
@@ -36,6 +39,10 @@ def write_plots(results: dict[str, Any], out: str | Path) -> list[str]:
         _plt().close(fig)
         written.append(name)
     return written
+
+
+def plot_vllm(results):
+    return vllm_report.plot_side_by_side(results)
 
 
 def _spec_configs(results):
@@ -328,6 +335,7 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
                 + " |"
             )
         lines.append("")
+    lines += vllm_report.summary_lines(results)
     g = results.get("gamma_sweep")
     if g and g.get("points"):
         f = g.get("formula", {})

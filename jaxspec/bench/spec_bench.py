@@ -121,9 +121,22 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="results.json, summary.md, PNGs")
     p.add_argument(
         "--peers",
-        choices=["none", "hf"],
+        choices=["none", "hf", "vllm", "hf+vllm"],
         default="none",
-        help="hf: transformers (PyTorch, CPU) plain, prompt lookup, assisted",
+        help="hf: transformers (PyTorch, CPU) plain, prompt lookup, assisted; vllm: vLLM plain "
+        "and the twins of the configs' ngram / suffix / EAGLE-3 (jaxspec/bench/vllm_peer.py; "
+        "its venv: scripts/setup_vllm_peer.sh)",
+    )
+    p.add_argument(
+        "--vllm-eagle3",
+        metavar="DIR",
+        help="--peers vllm: an EAGLE-3 head in vLLM's layout (python -m jaxspec.export "
+        "--format eagle3) run as the twin of the eagle / eagle3 configs",
+    )
+    p.add_argument(
+        "--vllm-eager",
+        action="store_true",
+        help="--peers vllm: skip vLLM's torch.compile (faster start-up, slower decode)",
     )
     p.add_argument(
         "--hf-threads",
@@ -252,6 +265,7 @@ class Bench:
             "machine": {},
         }
         self.rows: dict[str, list[dict]] = {}  # label -> per-prompt rows, in prompt order
+        self.vllm = None  # the vLLM peer (jaxspec.bench.vllm_peer.VLLMPeers), --peers vllm
         self.plan: BenchPlan | None = None
 
     @property
@@ -297,8 +311,19 @@ class Bench:
             l: self.plan.config_paths[l] for l in self.configs
         }
         self.ids = [self.engines["baseline"].encode(p["prompt"]) for p in self.prompts]
-        self.peers = None
-        if self.args.peers == "hf":
+        self.peers = self.vllm = None
+        if "vllm" in self.args.peers:
+            from jaxspec.bench.vllm_peer import VLLMPeers
+
+            self.vllm = VLLMPeers(
+                self.configs,
+                eos_token_ids=list(self.target.eos_token_ids),
+                eagle3_dir=self.args.vllm_eagle3,
+                log_dir=self.out / "vllm_logs",
+                enforce_eager=self.args.vllm_eager,
+            )
+            self.results.setdefault("peers", {})["vllm"] = {"info": self.vllm.info}
+        if "hf" in self.args.peers:
             from jaxspec.bench.peers import HFPeers
 
             g = self.args.hf_prompt_lookup_tokens or next(
@@ -316,7 +341,7 @@ class Bench:
                 prompt_lookup_tokens=g,
                 model=self._hf_model,
             )
-            self.results["peers"] = {"hf": {"info": self.peers.info}}
+            self.results.setdefault("peers", {})["hf"] = {"info": self.peers.info}
 
     @staticmethod
     def warm_up(engine, ids_list: list[list[int]], max_new: int, batch_size: int = 1) -> None:
@@ -335,6 +360,8 @@ class Bench:
         from tqdm import tqdm
 
         a = self.args
+        if self.vllm:  # vLLM plain's start-up (torch.compile: minutes) overlaps our warm-up
+            self.vllm.start_in_background(self.vllm.methods[0], self.ids[0])
         warm = tqdm(self.engines.values(), desc="warm-up: compiling each method (cached afterwards)",
                     unit="method", file=sys.stderr)
         for engine in warm:
@@ -342,9 +369,13 @@ class Bench:
         if self.peers:
             with progress.step("warm-up: transformers peers (and their thread count)"):
                 self.peers.warm_up(self.ids[0])
+        if self.vllm:  # start-up (torch.compile) and warm-up: timed apart, in peers.vllm.info
+            with progress.step("waiting for the vLLM engines' start-up (minutes each)"):
+                self.vllm.wait_ready()
         labels = list(self.engines)
         peer_names = list(self.peers.methods) if self.peers else []
-        for name in labels + peer_names:
+        vllm_names = self.vllm.methods[:1] if self.vllm else []  # vllm_plain; others: phases
+        for name in labels + peer_names + vllm_names:
             self.rows[name] = []
         bar = tqdm(
             list(zip(self.prompts, self.ids)), desc="bench", unit="prompt", file=sys.stderr
@@ -360,6 +391,13 @@ class Bench:
                 row = self.peers.generate(name, ids, a.max_new_tokens)
                 row["question_id"], row["category"] = prompt["question_id"], prompt["category"]
                 self.rows[name].append(row)
+            for name in vllm_names:
+                row = self.vllm.generate(name, ids, a.max_new_tokens)
+                row["question_id"], row["category"] = prompt["question_id"], prompt["category"]
+                self.rows[name].append(row)
+            if self.vllm:
+                ours = self.rows["baseline"][-1]["token_ids"]
+                self.vllm.note_reference(prompt["question_id"], ours)
             base = self.rows["baseline"][-1]["tokens_per_s"]
             bar.set_postfix(
                 {n: f"{self.rows[n][-1]['tokens_per_s'] / base:.2f}x" for n in labels[1:]}
@@ -368,6 +406,36 @@ class Bench:
             )
             self.summarise()
             self.write(plots=False)
+
+    def run_vllm_phases(self) -> None:
+        """Each speculative vLLM method alone (one engine at a time: memory), interleaved prompt
+        by prompt with a fresh run of our plain decoding (jaxspec.bench.vllm_peer)."""
+        from jaxspec.bench.vllm_peer import paired_label
+
+        a = self.args
+        self.vllm.stop(self.vllm.methods[0])
+        for name in self.vllm.methods[1:]:
+            try:
+                with progress.step(f"start-up: vLLM {name} (minutes)"):
+                    self.vllm.start(name, self.ids[0])
+            except JaxspecError as e:  # one method vLLM cannot run does not end the run
+                self.vllm.stop(name)
+                self.vllm.not_applicable[name] = f"failed in vLLM: {e}"
+                print(f"warning: vLLM {name}: {e}", file=sys.stderr)
+                continue
+            self.rows[name], self.rows[paired_label(name)] = [], []
+            for prompt, ids in zip(self.prompts, self.ids):
+                t0 = time.perf_counter()
+                res = self.engines["baseline"].generate([ids], max_new_tokens=a.max_new_tokens)[0]
+                mine = record(res, time.perf_counter() - t0)
+                row = self.vllm.generate(name, ids, a.max_new_tokens)
+                for r in (mine, row):
+                    r["question_id"], r["category"] = prompt["question_id"], prompt["category"]
+                self.rows[paired_label(name)].append(mine)
+                self.rows[name].append(row)
+                self.summarise()
+                self.write(plots=False)
+            self.vllm.stop(name)
 
     # -- phases 2 and 3: the sweeps (jaxspec.bench.sweeps)
     def run_gamma_sweep(self) -> None:
@@ -427,6 +495,15 @@ class Bench:
             self.results["peers"]["hf"].update(
                 summarise_peers(summary, self.rows, list(self.peers.methods))
             )
+        if getattr(self, "vllm", None):
+            from jaxspec.bench.vllm_peer import summarise_vllm
+
+            ran = [m for m in self.vllm.methods if self.rows.get(m)]
+            self.results["peers"]["vllm"].update(summarise_vllm(self.rows, ran, summary))
+
+    def close(self) -> None:
+        if getattr(self, "vllm", None):
+            self.vllm.close()
 
     def _record_attention(self) -> None:
         """machine.attention: what the baseline's decode program compiled (read from the
@@ -513,7 +590,7 @@ def check_extras(args) -> None:
     need = []
     if not args.no_plots:
         need.append(("matplotlib", "draws the plots (or pass --no-plots)"))
-    if args.peers == "hf":
+    if "hf" in args.peers:
         need += [("torch", "runs the HF peers"), ("transformers", "runs the HF peers")]
     for module, why in need:
         if importlib.util.find_spec(module) is None:
@@ -521,6 +598,18 @@ def check_extras(args) -> None:
                 f"{module} is not installed and {why}: pip install -e '.[bench]' "
                 f"(torch==2.13.0, the CPU wheel)"
             )
+    if "vllm" in args.peers:
+        from jaxspec.bench.vllm_peer import SETUP_HINT, model_dir, venv_python
+
+        if not venv_python().is_file():
+            raise JaxspecError(f"--peers vllm: no vLLM venv at {venv_python()}: {SETUP_HINT}")
+        if not (model_dir() / "config.json").is_file():
+            raise JaxspecError(f"--peers vllm: no converted model at {model_dir()}: {SETUP_HINT}")
+    if args.vllm_eagle3 and not (Path(args.vllm_eagle3) / "config.json").is_file():
+        raise JaxspecError(
+            f"--vllm-eagle3 {args.vllm_eagle3}: no config.json there: write one with "
+            f"python -m jaxspec.export --format eagle3"
+        )
 
 
 def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
@@ -538,6 +627,8 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
         bench.load()
         if not args.sweeps_only:
             bench.run_main()
+            if bench.vllm:
+                bench.run_vllm_phases()
         if args.gammas:
             bench.run_gamma_sweep()
         if args.batch_sizes:
@@ -557,6 +648,9 @@ def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
         else:
             print("\ninterrupted before any result", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if bench is not None:
+            bench.close()  # the vLLM peer's engine processes
     print(f"results: {bench.out}/results.json, {bench.out}/summary.md", file=sys.stderr)
     return 0
 
