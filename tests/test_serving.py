@@ -132,6 +132,17 @@ def test_stop_token_ids_cut_the_row(target, prompts):
     assert done.finish_reason == "stop"
 
 
+def test_one_slot_serves_requests_one_after_another(target, prompts):
+    """slots=1 (what `python -m jaxspec.serve serving.slots=1` runs): the batch is the admitted
+    row itself. Before the fix the one-row state was the prefilled row's own buffers, donated to
+    insert_row beside that row: every request failed with a donated-buffer error."""
+    engine = engine_for(target, "ngram")
+    solo = [engine.generate([p], max_new_tokens=8)[0].token_ids for p in prompts[:2]]
+    done = run(Scheduler(engine, slots=1, max_context=CONTEXT),
+               [(0, p, Sampling(max_tokens=8)) for p in prompts[:2]])
+    assert [c.token_ids for c in done] == solo
+
+
 def test_preemption_under_a_tiny_pool_keeps_every_output(target, prompts):
     engine = engine_for(target, "ngram", context=64)
     solo = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]

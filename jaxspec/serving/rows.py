@@ -46,8 +46,10 @@ def tile_rows(row, batch: int, axes: tuple[int, ...]):
     """A `batch`-row state of copies of `row` (batch-wide leaves taken from it), every row done:
     the scheduler's state before any request, its slots all free."""
     leaves, treedef = jax.tree.flatten(row)
-    tiled = [x if a == NO_AXIS else jnp.concatenate([x] * batch, axis=a)
-             for x, a in zip(leaves, axes)]
+    # a copy even at batch 1 (concatenating one array returns it): the state is donated to
+    # insert_row next to the row it was made from, and one buffer cannot be both
+    tiled = [x if a == NO_AXIS else jnp.concatenate([x] * batch, axis=a) if batch > 1
+             else jnp.copy(x) for x, a in zip(leaves, axes)]
     state = jax.tree.unflatten(treedef, tiled)
     return dataclasses.replace(state, done=jnp.ones_like(state.done))
 
