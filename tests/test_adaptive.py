@@ -14,7 +14,7 @@ from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import eagle_like, tiny_model
 
 from jaxspec.decode import acceptance, adaptive, calibration, speculate, tree
-from jaxspec.tools import hlo
+from jaxspec import hlo
 from jaxspec.config import AdaptiveConfig, load_config
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_model import ModelDrafter

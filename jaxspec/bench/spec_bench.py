@@ -429,7 +429,7 @@ class Bench:
 
     def _record_attention(self) -> None:
         """machine.attention: what the baseline's decode program compiled (read from the
-        lowered programs by the engine, jaxspec.tools.hlo.compiled_attention), never the setting;
+        lowered programs by the engine, jaxspec.hlo.compiled_attention), never the setting;
         attention_compiled: every engine's, per program ("not compiled yet" before a run)."""
         compiled = {label: dict(e.compiled_attention) for label, e in (self.engines or {}).items()
                     if getattr(e, "compiled_attention", None)}
@@ -444,7 +444,7 @@ class Bench:
             name: [drop_ids(r) for r in rows] for name, rows in self.rows.items()
         }
         tmp = self.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.results, indent=1, default=_json_default) + "\n")
+        tmp.write_text(json.dumps(self.results, indent=1, default=json_default) + "\n")
         tmp.replace(self.out / "results.json")
         if plots:
             from jaxspec.bench.plots import write_plots, write_summary
@@ -452,11 +452,11 @@ class Bench:
             write_summary(self.results, self.out / "summary.md")
             if not self.args.no_plots:
                 self.results["plots"] = write_plots(self.results, self.out)
-                tmp.write_text(json.dumps(self.results, indent=1, default=_json_default) + "\n")
+                tmp.write_text(json.dumps(self.results, indent=1, default=json_default) + "\n")
                 tmp.replace(self.out / "results.json")
 
 
-def _json_default(o):
+def json_default(o):
     if isinstance(o, float) and not math.isfinite(o):
         return None
     if hasattr(o, "tolist"):
@@ -517,47 +517,3 @@ def check_extras(args) -> None:
                 f"{module} is not installed and {why}: pip install -e '.[bench]' "
                 f"(torch==2.13.0, the CPU wheel)"
             )
-
-
-def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
-    """The CLI. `target` (a LoadedModel) / `hf_model` (its transformers twin): reuse loaded ones."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    bench = None
-    try:
-        args = make_parser().parse_args(argv)
-        check_extras(args)
-        runner = Bench
-        if args.workload == "agent":
-            from jaxspec.bench.agent import AgentBench as runner
-        bench = runner(args, argv, target=target, hf_model=hf_model)
-        bench.prepare()
-        bench.load()
-        if not args.sweeps_only:
-            bench.run_main()
-        if args.gammas:
-            bench.run_gamma_sweep()
-        if args.batch_sizes:
-            bench.run_batch_sweep()
-        bench.results["status"] = "complete"
-        bench.summarise()
-        bench.write(plots=True)
-    except JaxspecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        if bench is not None and (bench.rows or "gamma_sweep" in bench.results):
-            bench.results["status"] = "interrupted"
-            bench.summarise()
-            bench.write(plots=True)
-            print(f"\ninterrupted: partial results in {bench.out}/results.json", file=sys.stderr)
-        else:
-            print("\ninterrupted before any result", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    print(f"results: {bench.out}/results.json, {bench.out}/summary.md", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    from jaxspec.cli_support import run as run_cli
-
-    sys.exit(run_cli(main))

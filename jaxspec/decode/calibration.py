@@ -59,7 +59,7 @@ import jax.numpy as jnp
 
 from jaxspec import paths, progress
 from jaxspec.decode import speculate, tree
-from jaxspec.drafters.base import CommitContext, DraftContext, traits
+from jaxspec.decode.drafter import CommitContext, DraftContext, traits
 from jaxspec.models import base
 from jaxspec.decode.sampling import SamplingParams
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode import acceptance, adaptive, sampling, tree
-from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal, traits
+from jaxspec.decode.drafter import CommitContext, DraftContext, Drafter, Proposal, traits
 from jaxspec.models import attention_kernels, base
 from jaxspec.decode.sampling import SamplingParams
 

@@ -23,6 +23,7 @@ import optax
 
 from jaxspec.errors import JaxspecError
 from jaxspec.train import checkpoint as ckpt
+from jaxspec.train import block as _block  # noqa: F401 (importing it registers "block")
 from jaxspec.train import methods as methods_lib
 
 
