@@ -359,7 +359,7 @@ def train(
 def _export(tc: TrainConfig, setup: _Setup, state, history, evals, train_s: float) -> None:
     """The trained params + draft vocabulary + training record, as a shippable checkpoint."""
     training = {
-        "command": " ".join(sys.argv) if sys.argv else "",
+        "command": " ".join(["python -m jaxspec.train", *sys.argv[1:]]),  # no machine path
         "steps": tc.steps,
         "wall_s_this_run": round(train_s, 1),
         "rows": int(setup.data["tokens"].shape[0]),
