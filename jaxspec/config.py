@@ -16,7 +16,6 @@ names a method or a method's subsection).
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from pathlib import Path
 from typing import Any, ClassVar, Literal

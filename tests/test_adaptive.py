@@ -13,7 +13,7 @@ import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import eagle_like, tiny_model
 
-from jaxspec.decode import acceptance, adaptive, calibration, speculate, tree
+from jaxspec.decode import acceptance, adaptive, adaptive_loop, calibration, speculate, tree
 from jaxspec import hlo
 from jaxspec.config import AdaptiveConfig, load_config
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
@@ -564,7 +564,7 @@ def test_calibration_cache_is_reused_and_keyed(target, tmp_path, monkeypatch):
     assert plain_s > 0 and min(each) > 0
     drafters = (eagle_like(target)[0], ngram, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64))
     k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
-    run = f"commit_plain/{speculate.MAX_PLAIN_RUN}"  # in the key: what k = 0 measured
+    run = f"commit_plain/{adaptive_loop.MAX_PLAIN_RUN}"  # in the key: what k = 0 measured
     assert k0 == [run] + ["propose+commit"] * 2
     # the loop's whole step (what the engine measures): cached per loop, ratios to plain's step
     loops = []

@@ -66,14 +66,16 @@ def one_at_a_time(engine, policy, **kw):
 
 def test_fcfs_admits_in_arrival_order(engine):
     arrivals = {0: [BLOCKER],
-                1: [("a", prompt(1, 6), 3, 0), ("b", prompt(2, 6), 3, 9), ("c", prompt(3, 6), 3, 0)]}
+                1: [("a", prompt(1, 6), 3, 0), ("b", prompt(2, 6), 3, 9),
+                    ("c", prompt(3, 6), 3, 0)]}
     order, _ = serve(one_at_a_time(engine, "fcfs"), arrivals)
     assert order == ["a", "b", "c"]
 
 
 def test_priority_admits_higher_priority_first(engine):
     arrivals = {0: [BLOCKER],
-                1: [("a", prompt(1, 6), 3, 0), ("b", prompt(2, 6), 3, 0), ("c", prompt(3, 6), 3, 5)]}
+                1: [("a", prompt(1, 6), 3, 0), ("b", prompt(2, 6), 3, 0),
+                    ("c", prompt(3, 6), 3, 5)]}
     order, done = serve(one_at_a_time(engine, "priority"), arrivals)
     assert order == ["c", "a", "b"]
     solo = {n: engine.generate([p], max_new_tokens=k)[0].token_ids

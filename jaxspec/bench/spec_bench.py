@@ -45,7 +45,7 @@ from jaxspec.bench.rows import (  # noqa: F401 -- aggregate: re-exported
     summarise_peers,
 )
 from jaxspec.bench.sweeps import batch_sweep, gamma_sweep
-from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
+from jaxspec.cli_support import ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
