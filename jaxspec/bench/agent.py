@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxspec.bench.spec_bench import Bench, json_default, machine_facts
+from jaxspec.bench.facts import json_default, machine_facts
+from jaxspec.bench.spec_bench import Bench
 from jaxspec.bench.plan import plan_bench
 from jaxspec.bench.rows import aggregate, drop_ids, summarise_configs
 from jaxspec.errors import JaxspecError

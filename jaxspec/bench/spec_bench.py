@@ -26,15 +26,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from jaxspec import progress
+from jaxspec.bench.facts import json_default, machine_facts
 from jaxspec.bench.plan import BenchPlan, plan_bench, settings
 from jaxspec.bench.rows import (  # noqa: F401 -- aggregate: re-exported
     SPEC_BENCH_CATEGORIES,
@@ -454,54 +452,6 @@ class Bench:
                 self.results["plots"] = write_plots(self.results, self.out)
                 tmp.write_text(json.dumps(self.results, indent=1, default=json_default) + "\n")
                 tmp.replace(self.out / "results.json")
-
-
-def json_default(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    return str(o)
-
-
-def machine_facts() -> dict[str, Any]:
-    import jax
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = os.cpu_count()
-    return {
-        "jax_version": jax.__version__,
-        "jaxlib_version": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "device_kind": jax.devices()[0].device_kind,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": affinity,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
-def _version(pkg: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return None
 
 
 def check_extras(args) -> None:
