@@ -61,9 +61,9 @@ engine.generate([[5, 9, 3, 5, 9, 3, 5]], max_new_tokens=8)
 """
 
 
-def dump(tree: Path, out: Path) -> None:
-    """Compile every loop from `tree`, its optimised HLO dumped under out/<loop>/."""
-    for loop in LOOPS:
+def dump(tree: Path, out: Path, loops=LOOPS) -> None:
+    """Compile each loop from `tree`, its optimised HLO dumped under out/<loop>/."""
+    for loop in loops:
         env = {**os.environ, "PYTHONPATH": str(tree), "HLO_DIFF_LOOP": loop,
                "JAXSPEC_XLA_CACHE": "0", "JAX_ENABLE_COMPILATION_CACHE": "false",
                "XLA_FLAGS": f"--xla_dump_to={out / loop} --xla_dump_hlo_as_text "
@@ -71,18 +71,30 @@ def dump(tree: Path, out: Path) -> None:
         subprocess.run([sys.executable, "-c", COMPILE], cwd=tree, env=env, check=True)
 
 
+SOURCE_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
 def decode_loop(folder: Path) -> str:
-    """The decode program's optimised HLO, without metadata, names' numbering and module ids."""
-    [path] = sorted(folder.glob("*jit_decode*after_optimizations.txt"))
-    text = re.sub(r",? ?metadata=\{[^}]*\}", "", path.read_text())
-    return re.sub(r"^HloModule \S+", "HloModule", text, count=1, flags=re.M)
+    """The decode program's optimised HLO without where it was traced from: the op metadata and
+    the source tables (file names, functions, lines, stack frames) XLA writes above the
+    computations, which change with any move of code."""
+    [path] = sorted(folder.glob("*jit_decode*cpu_after_optimizations.txt"))
+    lines, in_table = [], False
+    for line in path.read_text().splitlines():
+        if line in SOURCE_TABLES:
+            in_table = True
+        elif in_table and not re.match(r"^\d+ ", line):
+            in_table = False
+        if not in_table:
+            lines.append(re.sub(r",? ?metadata=\{[^}]*\}", "", line))
+    return "\n".join(lines)
 
 
-def compare(before: Path, after: Path) -> dict[str, tuple[str, str]]:
+def compare(before: Path, after: Path, loops=LOOPS) -> dict[str, tuple[str, str]]:
     """loop -> (sha256 before, sha256 after) of its decode program."""
     digest = lambda t: hashlib.sha256(t.encode()).hexdigest()[:16]
     return {loop: (digest(decode_loop(before / loop)), digest(decode_loop(after / loop)))
-            for loop in LOOPS}
+            for loop in loops}
 
 
 def export(rev: str, into: Path) -> Path:
@@ -98,13 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxspec.tools.hlo_diff",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("rev", help="the git revision to compare this tree with (e.g. HEAD~3)")
+    ap.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS))
+    ap.add_argument("--keep", metavar="DIR", help="keep the dumps (DIR/before, DIR/after)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hlo_diff.") as tmp:
         tmp = Path(tmp)
+        keep = Path(args.keep) if args.keep else tmp
         old = export(args.rev, tmp)
-        dump(old, tmp / "before")
-        dump(ROOT, tmp / "after")
-        result = compare(tmp / "before", tmp / "after")
+        dump(old, keep / "before", args.loops)
+        dump(ROOT, keep / "after", args.loops)
+        result = compare(keep / "before", keep / "after", args.loops)
     for loop, (a, b) in result.items():
         same = "identical" if a == b else "DIFFERENT"
         print(f"{loop:12s} {args.rev}: {a}  this tree: {b}  {same}")
