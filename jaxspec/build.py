@@ -17,7 +17,7 @@ from jaxspec import drafters
 from jaxspec.config import Config, SpeculativeConfig
 from jaxspec.distributed import mesh_plan
 from jaxspec.drafters import registry
-from jaxspec.drafters.base import traits
+from jaxspec.decode.drafter import traits
 from jaxspec.engine.runner import Engine
 from jaxspec.decode.sampling import SamplingParams
 

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from jaxspec import xla_cache
 from jaxspec.errors import JaxspecError
@@ -40,35 +39,7 @@ def compilation_cache_dir() -> str | None:
 
 def enable_compilation_cache() -> str | None:
     """Persist compiled XLA programs so the next run with the same shapes skips compilation."""
-    return xla_cache.enable()  # also heals unreadable entries: drop_unreadable_cache_entries
-
-
-def drop_unreadable_cache_entries() -> bool:
-    """Make an unreadable persistent-cache entry (truncated by a killed writer, damaged on
-    disk) be deleted when jax fails to read it, so the recompiled program is stored again; jax
-    alone warns, recompiles and never replaces an entry that exists, on every run. Wraps jax's
-    cache read; False where this jax has no such function (then jax's behaviour stays)."""
-    try:
-        from jax._src import compilation_cache as cc
-    except ImportError:
-        return False
-    read = getattr(cc, "get_executable_and_time", None)
-    if read is None or getattr(read, "_jaxspec_heals", False):
-        return read is not None
-
-    def get_executable_and_time(cache_key, *args, **kwargs):
-        try:
-            return read(cache_key, *args, **kwargs)
-        except Exception:
-            cache = getattr(cc, "_cache", None)
-            root = getattr(cache, "path", None)
-            if root is not None:
-                Path(root, f"{cache_key}-cache").unlink(missing_ok=True)
-            raise
-
-    get_executable_and_time._jaxspec_heals = True
-    cc.get_executable_and_time = get_executable_and_time
-    return True
+    return xla_cache.enable()  # also heals unreadable entries (xla_cache.drop_unreadable_entries)
 
 
 def error_line(e: BaseException, limit: int = 2000) -> str:

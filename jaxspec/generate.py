@@ -19,20 +19,38 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 
-from jaxspec import distributed, progress
+from jaxspec import catalog, distributed, progress
 from jaxspec.cli_support import ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
+
+
+def epilog() -> str:
+    """Overrides, the drafting methods and the shipped configs (read without jax: `catalog`)."""
+    wrap = lambda text: textwrap.fill(text, 88, subsequent_indent="  ")
+    configs = catalog.shipped_configs()
+    lines = [
+        wrap("overrides: section.key=value, e.g. sampling.temperature=0.7 speculative.method=ngram "
+             "speculative.num_speculative_tokens=4 speculative.ngram.max_ngram=4 "
+             "model.name=/path/to.gguf"),
+        "",
+        wrap("methods (speculative.method): none (plain decoding), "
+             + ", ".join(catalog.registered_methods())),
+    ]
+    if configs:
+        lines += ["", "shipped configs (--config):"]
+        lines += [f"  {path:46s} {method}" for path, method in configs.items()]
+    return "\n".join(lines)
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="python -m jaxspec.generate",
         description="Speculative decoding with JAX: generate text for one or more prompts.",
-        epilog="Overrides: section.key=value, e.g. sampling.temperature=0.7 "
-        "speculative.method=ngram speculative.num_speculative_tokens=4 speculative.ngram.max_ngram=4 "
-        "model.name=/path/to.gguf",
+        epilog=epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.add_argument("--config", metavar="FILE.yaml", help="YAML config (default: all defaults)")

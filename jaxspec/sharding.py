@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxspec.decode.cache import CACHE_AXES, KVCache
+from jaxspec.models.cache import CACHE_AXES, KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base, llama
 
@@ -311,7 +311,7 @@ class MeshPlan:
 
     def place_drafter(self, dparams, cfg: llama.ModelConfig | None = None, model=None):
         """Drafter params: replicated, or (shard_drafter) by the rules: a draft model by its own
-        target's axes (`model`: drafters.base.traits(d).model), an EAGLE-style decoder layer
+        target's axes (`model`: decode.drafter.traits(d).model), an EAGLE-style decoder layer
         (`cfg`: traits(d).model_cfg) by the Llama layer's."""
         if dparams is None:
             return None

@@ -32,9 +32,7 @@ def enable() -> str | None:
     import jax
     from jax.experimental.compilation_cache import compilation_cache
 
-    from jaxspec.cli_support import drop_unreadable_cache_entries  # here: cli_support imports us
-
-    drop_unreadable_cache_entries()  # a damaged entry is replaced, not re-read on every run
+    drop_unreadable_entries()  # a damaged entry is replaced, not re-read on every run
     current = jax.config.jax_compilation_cache_dir
     if current:  # the user's (or an earlier call's) choice stands
         return current
@@ -43,3 +41,31 @@ def enable() -> str | None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
     compilation_cache.reset_cache()  # a program compiled before this call fixed "no cache"
     return path
+
+
+def drop_unreadable_entries() -> bool:
+    """Make an unreadable persistent-cache entry (truncated by a killed writer, damaged on
+    disk) be deleted when jax fails to read it, so the recompiled program is stored again; jax
+    alone warns, recompiles and never replaces an entry that exists, on every run. Wraps jax's
+    cache read; False where this jax has no such function (then jax's behaviour stays)."""
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:
+        return False
+    read = getattr(cc, "get_executable_and_time", None)
+    if read is None or getattr(read, "_jaxspec_heals", False):
+        return read is not None
+
+    def get_executable_and_time(cache_key, *args, **kwargs):
+        try:
+            return read(cache_key, *args, **kwargs)
+        except Exception:
+            cache = getattr(cc, "_cache", None)
+            root = getattr(cache, "path", None)
+            if root is not None:
+                Path(root, f"{cache_key}-cache").unlink(missing_ok=True)
+            raise
+
+    get_executable_and_time._jaxspec_heals = True
+    cc.get_executable_and_time = get_executable_and_time
+    return True

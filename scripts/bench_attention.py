@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxspec.tools import hlo
+from jaxspec import hlo
 from jaxspec.models import attention
 
 STACK = 4  # layers in the stacked rows' cache (the row reads layer 2)

@@ -4,7 +4,7 @@
 # = stacked), plus the roofline of the compiled programs and the attention kernels against XLA's.
 # Writes BENCHMARKS-ready markdown (summary.md, roofline.md, attention.md), results.json and
 # device.json (backend, device kind, jax version) to OUT_DIR. Every figure's row names the
-# attention implementation read from its compiled program (jaxspec.tools.hlo.compiled_attention).
+# attention implementation read from its compiled program (jaxspec.hlo.compiled_attention).
 #
 #   bash scripts/bench_device.sh OUT_DIR [extra jaxspec.bench flags...]
 #   bash scripts/bench_device.sh --smoke OUT_DIR   # CPU, no installs, tiny run: checks the script
@@ -119,7 +119,7 @@ part() {  # part NAME SECONDS CMD...: run with its budget; a part over it is rep
 }
 
 # 1. the roofline of this device's own compile of the target's programs (bytes vs the minimum)
-#    on the XLA attention path (jaxspec.tools.hlo counts a Pallas kernel's operands whole, while the
+#    on the XLA attention path (jaxspec.hlo counts a Pallas kernel's operands whole, while the
 #    kernels read only valid pages, so their traffic is timed by step 2 instead)
 JAXSPEC_ATTENTION=xla part roofline "${budget[0]}" "$py" -m jaxspec.tools.roofline \
   --config configs/smollm2-135m.yaml "${roof[@]}" > "$out/roofline.md" || true

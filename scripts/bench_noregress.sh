@@ -4,11 +4,12 @@
 # usage: scripts/bench_noregress.sh BEFORE_TREE AFTER_TREE OUT_DIR [N_PER_CAT] [MAX_NEW]
 set -euo pipefail
 before=$1; after=$2; out=$(realpath -m "$3"); n=${4:-3}; m=${5:-128}
-py=${PYTHON:-/work/main/.venv/bin/python}
+py=${PYTHON:-python}
+data=$(cd "$(dirname "$0")/.." && pwd)/data/spec_bench_dev.jsonl
 mkdir -p "$out"
 run() {  # tree label
   (cd "$1" && PYTHONPATH="$1" "$py" -m jaxspec.bench \
      --config configs/smollm2-135m.yaml configs/smollm2-135m-ngram.yaml configs/smollm2-135m-eagle.yaml \
-     --data /work/shared/data/spec_bench_dev.jsonl --n-per-category "$n" --max-new-tokens "$m" --no-plots --out "$out/$2" > "$out/$2.log" 2>&1)
+     --data "$data" --n-per-category "$n" --max-new-tokens "$m" --no-plots --out "$out/$2" > "$out/$2.log" 2>&1)
 }
 run "$before" before1; run "$after" after1; run "$after" after2; run "$before" before2

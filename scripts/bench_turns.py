@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--first", action="store_true", help="this process takes the first turn")
     p.add_argument("--configs", nargs="+", default=["configs/smollm2-135m.yaml",
                    "configs/smollm2-135m-ngram.yaml", "configs/smollm2-135m-eagle.yaml"])
-    p.add_argument("--data", default="/work/shared/data/spec_bench_dev.jsonl")
+    p.add_argument("--data", default="data/spec_bench_dev.jsonl")
     p.add_argument("--prompts", type=int, default=6, help="one per category, in file order")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)

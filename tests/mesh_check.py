@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tiny import TinyModel, dflash_like
 
-from jaxspec.tools import hlo
+from jaxspec import hlo
 from jaxspec.decode import speculate
 from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter

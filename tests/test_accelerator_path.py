@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tiny import eagle_like, tiny_model
 
-from jaxspec.tools import hlo
+from jaxspec import hlo
 from jaxspec.decode import speculate
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter

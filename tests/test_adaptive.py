@@ -14,8 +14,8 @@ from compiles import counting_lowerings
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import eagle_like, motif_prompts, tiny_model
 
-from jaxspec.decode import acceptance, adaptive, calibration, speculate, tree
-from jaxspec.tools import hlo
+from jaxspec.decode import acceptance, adaptive, adaptive_loop, calibration, speculate, tree
+from jaxspec import hlo
 from jaxspec.config import AdaptiveConfig, load_config
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_model import ModelDrafter
@@ -568,7 +568,7 @@ def test_draft_costs_are_cached_per_drafter_settings(target, calibration_dir):
     drafters = (eagle_like(target)[0], ngram,
                 ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=64))
     k0 = [calibration.draft_key(target, d, None, 2)["k0"] for d in drafters]
-    run = f"commit_plain/{speculate.MAX_PLAIN_RUN}"  # in the key: what k = 0 measured
+    run = f"commit_plain/{adaptive_loop.MAX_PLAIN_RUN}"  # in the key: what k = 0 measured
     assert k0 == [run] + ["propose+commit"] * 2
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tiny import tiny_model
 
-from jaxspec.decode.cache import init_cache
+from jaxspec.models.cache import init_cache
 from jaxspec.models import attention, llama
 
 

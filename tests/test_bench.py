@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from jaxspec.bench import cli
 from jaxspec.bench import spec_bench as bench
 from jaxspec.bench import formula as F
 from jaxspec.bench.plots import accepted_count_distribution
@@ -108,7 +109,7 @@ def test_default_data_is_shipped_in_the_repo():
 )
 def test_bad_input_is_one_line_exit_2(argv, words, capsys, tmp_path):
     argv = [a if a != "o" else str(tmp_path / "o") for a in argv]
-    assert bench.main(argv) == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and words in err, err
 
@@ -171,7 +172,7 @@ def test_interrupt_writes_partial_results(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(bench.Bench, "load", fake_load)
     monkeypatch.setattr(bench.Bench, "run_main", fake_main)
-    code = bench.main(
+    code = cli.main(
         ["--config", *CONFIGS, "--data", str(data), "--n-per-category", "1", "--out", str(out)]
     )
     assert code == 130
@@ -214,7 +215,7 @@ def test_bench_cli_end_to_end(tmp_path, smollm2, smollm2_hf):
         "--out",
         str(out),
     ]
-    assert bench.main(argv, target=smollm2, hf_model=smollm2_hf) == 0
+    assert cli.main(argv, target=smollm2, hf_model=smollm2_hf) == 0
     r = json.loads((out / "results.json").read_text())
     assert r["status"] == "complete"
     assert r["settings"]["num_prompts"] == 6 and r["settings"]["sampling"] == "greedy"
@@ -280,7 +281,7 @@ def test_results_machine_attention_is_what_compiled(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.Bench, "load", fake_load)
     monkeypatch.setattr(bench.Bench, "run_main", fake_main)
     monkeypatch.setattr(bench.Bench, "run_sweeps", lambda self: None, raising=False)
-    bench.main(["--config", CONFIGS[0], "--data", str(data), "--n-per-category", "1",
+    cli.main(["--config", CONFIGS[0], "--data", str(data), "--n-per-category", "1",
                 "--out", str(out), "--no-plots"])
     r = json.loads((out / "results.json").read_text())
     assert r["machine"]["attention"] == "xla"

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import import_torch, make_tiny_checkpoint
+from conftest import import_torch
 from jaxspec.drafters.base import DraftContext
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import dflash as fmt
@@ -281,7 +281,6 @@ def test_exported_head_matches_reference_generate(version, tiny_qwen3_dir, tmp_p
     """A jaxspec head, written in the authors' layout, loads with DFlashDraftModel
     .from_pretrained; the reference's dflash_generate and jaxspec's loop then emit the same
     greedy tokens in the same number of steps with the same acceptance lengths."""
-    from jaxspec.engine.runner import Engine
 
     monkeypatch.setattr(dflash_ref, "_cuda_time", time.perf_counter)  # its stats time CUDA
     hf = two_token_target(tiny_qwen3_dir, tmp_path / "target")

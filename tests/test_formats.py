@@ -17,7 +17,7 @@ from conftest import import_torch
 from tiny import tiny_model
 
 from jaxspec import formats
-from jaxspec.decode.cache import init_cache
+from jaxspec.models.cache import init_cache
 from jaxspec.drafters.base import DraftContext
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError

@@ -79,3 +79,17 @@ def test_import_jaxspec_is_light_and_every_export_resolves():
     heavy, missing, count = json.loads(done.stdout.splitlines()[-1])
     assert heavy == []  # `import jaxspec` itself loads nothing heavy (the exports are lazy)
     assert missing == [] and count > 30  # every public name resolves where _EXPORTS says
+
+
+def test_generate_help_lists_the_methods_and_the_shipped_configs():
+    from jaxspec import catalog
+    from jaxspec.drafters import available_methods
+    from jaxspec.generate import make_parser
+
+    assert catalog.registered_methods() == sorted(set(available_methods()) - {"none"})
+    text = make_parser().format_help()
+    methods = text.split("methods (speculative.method):", 1)[1].split("\n\n", 1)[0]
+    assert sorted(re.findall(r"\w+", methods.replace("(plain decoding)", ""))) == sorted(
+        available_methods())
+    configs = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").glob("*.yaml"))
+    assert configs and all(re.search(rf"^  {re.escape(c)} +\w+$", text, re.M) for c in configs)

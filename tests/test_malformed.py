@@ -978,7 +978,7 @@ def test_nested_anchor_yaml_fails_fast(tmp_path):
 
 
 def test_bench_and_roofline_fail_in_one_line(tmp_path):
-    from jaxspec.bench.spec_bench import main as bench_main
+    from jaxspec.bench.cli import main as bench_main
     from jaxspec.tools.roofline import main as roofline_main
 
     refused(

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from jaxspec.decode.cache import init_cache
+from jaxspec.models.cache import init_cache
 from jaxspec.engine.runner import Engine
 from jaxspec.models import llama
 from jaxspec.models import paged_attention as pa

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 from tiny import tiny_config
 
-from jaxspec.tools import hlo, roofline
+from jaxspec import hlo
+from jaxspec.tools import roofline
 from jaxspec.models import llama
 
 

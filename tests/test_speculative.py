@@ -16,7 +16,7 @@ from distribution import chi_square_pvalue, counts_of, exact_law
 from tiny import motif_prompts, tiny_model
 
 from jaxspec.decode import acceptance
-from jaxspec.decode.cache import init_cache
+from jaxspec.models.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine

@@ -1,9 +1,9 @@
-"""`python -m jaxspec.bench`: the Spec-Bench / agent-workload runner (`bench.spec_bench.main`)
+"""`python -m jaxspec.bench`: the Spec-Bench / agent-workload runner (`bench.cli.main`)
 under the CLI contract (one `error:` line and exit 2 on bad input, 130 on Ctrl-C)."""
 
 import sys
 
-from jaxspec.bench.spec_bench import main
+from jaxspec.bench.cli import main
 from jaxspec.cli_support import run as run_cli
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxspec.bench.spec_bench import Bench, _json_default, machine_facts
+from jaxspec.bench.facts import json_default, machine_facts
+from jaxspec.bench.spec_bench import Bench
 from jaxspec.bench.plan import plan_bench
 from jaxspec.bench.rows import aggregate, drop_ids, summarise_configs
 from jaxspec.errors import JaxspecError
@@ -130,7 +131,7 @@ class AgentBench(Bench):
             n: [drop_ids(r) for r in rows] for n, rows in self.rows.items()
         }
         tmp = self.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.results, indent=1, default=_json_default) + "\n")
+        tmp.write_text(json.dumps(self.results, indent=1, default=json_default) + "\n")
         tmp.replace(self.out / "results.json")
         if plots:
             (self.out / "summary.md").write_text(summary_markdown(self.results))

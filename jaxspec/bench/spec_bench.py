@@ -26,15 +26,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from jaxspec import progress
+from jaxspec.bench.facts import json_default, machine_facts
 from jaxspec.bench.plan import BenchPlan, plan_bench, settings
 from jaxspec.bench.rows import (  # noqa: F401 -- aggregate: re-exported
     SPEC_BENCH_CATEGORIES,
@@ -45,7 +43,7 @@ from jaxspec.bench.rows import (  # noqa: F401 -- aggregate: re-exported
     summarise_peers,
 )
 from jaxspec.bench.sweeps import batch_sweep, gamma_sweep
-from jaxspec.cli_support import EXIT_USAGE, ArgumentParser, enable_compilation_cache
+from jaxspec.cli_support import ArgumentParser, enable_compilation_cache
 from jaxspec.errors import JaxspecError
 from jaxspec.jsonl import read_jsonl
 
@@ -507,7 +505,7 @@ class Bench:
 
     def _record_attention(self) -> None:
         """machine.attention: what the baseline's decode program compiled (read from the
-        lowered programs by the engine, jaxspec.tools.hlo.compiled_attention), never the setting;
+        lowered programs by the engine, jaxspec.hlo.compiled_attention), never the setting;
         attention_compiled: every engine's, per program ("not compiled yet" before a run)."""
         compiled = {label: dict(e.compiled_attention) for label, e in (self.engines or {}).items()
                     if getattr(e, "compiled_attention", None)}
@@ -525,7 +523,7 @@ class Bench:
             name: [drop_ids(r) for r in rows] for name, rows in self.rows.items()
         }
         tmp = self.out / "results.json.tmp"
-        tmp.write_text(json.dumps(self.results, indent=1, default=_json_default) + "\n")
+        tmp.write_text(json.dumps(self.results, indent=1, default=json_default) + "\n")
         tmp.replace(self.out / "results.json")
         if plots:
             from jaxspec.bench.plots import write_plots, write_summary
@@ -533,56 +531,8 @@ class Bench:
             write_summary(self.results, self.out / "summary.md")
             if not self.args.no_plots:
                 self.results["plots"] = write_plots(self.results, self.out)
-                tmp.write_text(json.dumps(self.results, indent=1, default=_json_default) + "\n")
+                tmp.write_text(json.dumps(self.results, indent=1, default=json_default) + "\n")
                 tmp.replace(self.out / "results.json")
-
-
-def _json_default(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    return str(o)
-
-
-def machine_facts() -> dict[str, Any]:
-    import jax
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = os.cpu_count()
-    return {
-        "jax_version": jax.__version__,
-        "jaxlib_version": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "device_kind": jax.devices()[0].device_kind,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": affinity,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
-def _version(pkg: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return None
 
 
 def check_extras(args) -> None:
@@ -610,52 +560,3 @@ def check_extras(args) -> None:
             f"--vllm-eagle3 {args.vllm_eagle3}: no config.json there: write one with "
             f"python -m jaxspec.export --format eagle3"
         )
-
-
-def main(argv: list[str] | None = None, *, target=None, hf_model=None) -> int:
-    """The CLI. `target` (a LoadedModel) / `hf_model` (its transformers twin): reuse loaded ones."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    bench = None
-    try:
-        args = make_parser().parse_args(argv)
-        check_extras(args)
-        runner = Bench
-        if args.workload == "agent":
-            from jaxspec.bench.agent import AgentBench as runner
-        bench = runner(args, argv, target=target, hf_model=hf_model)
-        bench.prepare()
-        bench.load()
-        if not args.sweeps_only:
-            bench.run_main()
-            if bench.vllm:
-                bench.run_vllm_phases()
-        if args.gammas:
-            bench.run_gamma_sweep()
-        if args.batch_sizes:
-            bench.run_batch_sweep()
-        bench.results["status"] = "complete"
-        bench.summarise()
-        bench.write(plots=True)
-    except JaxspecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        if bench is not None and (bench.rows or "gamma_sweep" in bench.results):
-            bench.results["status"] = "interrupted"
-            bench.summarise()
-            bench.write(plots=True)
-            print(f"\ninterrupted: partial results in {bench.out}/results.json", file=sys.stderr)
-        else:
-            print("\ninterrupted before any result", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    finally:
-        if bench is not None:
-            bench.close()  # the vLLM peer's engine processes
-    print(f"results: {bench.out}/results.json, {bench.out}/summary.md", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    from jaxspec.cli_support import run as run_cli
-
-    sys.exit(run_cli(main))

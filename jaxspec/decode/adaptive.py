@@ -71,8 +71,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode import tree
-from jaxspec.config import AdaptiveConfig
-from jaxspec.drafters.base import Proposal
+from jaxspec.decode.adaptive_settings import AdaptiveConfig
+from jaxspec.decode.drafter import Proposal
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

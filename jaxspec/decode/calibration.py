@@ -27,9 +27,9 @@ entry through the window path, the 0-node step of a drafter without commit_plain
 lookup without a match), inside a lax.cond branch that only reads the cache. Draft: the
 drafter's `propose` with `max_nodes` = k (EAGLE's early-stopping loop then runs k drafter steps;
 a drafter that ignores it drafts γ whatever k) followed by its `commit`; for k = 0 a drafter with
-`commit_plain` runs only that, over a full plain run of speculate.MAX_PLAIN_RUN roots, divided by
-their number (decode's plain loop enters a run in one pass), one without runs propose (0 nodes) +
-commit. On a state whose rows hold `fill` tokens, timed in the same rounds as a plain
+`commit_plain` runs only that, over a full plain run of `adaptive_loop.MAX_PLAIN_RUN` roots,
+divided by their number (decode's plain loop enters a run in one pass), one without runs propose
+(0 nodes) + commit. On a state whose rows hold `fill` tokens, timed in the same rounds as a plain
 1-entry verify. Each round times every name once after the reference (the plain step); a name's
 cost is the median over rounds of its time / the reference's time in that round -- load on a
 shared machine comes and goes between rounds, and a ratio taken within one round sees it on both
@@ -58,8 +58,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import paths, progress
-from jaxspec.decode import speculate, tree
-from jaxspec.drafters.base import CommitContext, DraftContext, traits
+from jaxspec.decode import adaptive_loop, speculate, tree
+from jaxspec.decode.drafter import CommitContext, DraftContext, traits
 from jaxspec.models import base
 from jaxspec.decode.sampling import SamplingParams
 
@@ -93,7 +93,7 @@ def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)]
     shapes = hashlib.sha256(repr((jax.tree.structure(dparams), leaves)).encode()).hexdigest()
     # what k = 0 runs: a plain run's catch-up (per step of a full run), or propose + commit
-    run = f"commit_plain/{speculate.MAX_PLAIN_RUN}"
+    run = f"commit_plain/{adaptive_loop.MAX_PLAIN_RUN}"
     k0 = run if _plain_commit_only(drafter) else "propose+commit"
     return calibration_key(model) | {
         "drafter": repr(drafter), "dparams": shapes, "gamma": gamma, "k0": k0
@@ -103,7 +103,7 @@ def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
 def loop_key(model, spec, dparams) -> dict[str, Any]:
     """The drafter's key plus what the loop's step adds: the decode step timed whole, a plain
     run's length (what k = 0's catch-up is divided by) and the tree, if any."""
-    run = speculate.plain_run_length(spec) if traits(spec.drafter).commit_plain else 0
+    run = adaptive_loop.plain_run_length(spec) if traits(spec.drafter).commit_plain else 0
     return draft_key(model, spec.drafter, dparams, spec.num_speculative_tokens) | {
         "step": f"decode x{loop_steps(spec)}, fixed plan", "nodes": spec.num_nodes,
         "k0": f"plain run of {run} + catch-up" if run else "decode_step, 0 nodes",
@@ -370,7 +370,7 @@ def measure_draft(
     sp = SamplingParams.make()
     keys = jax.random.split(jax.random.key(1), b)
     runs = {}
-    m = speculate.MAX_PLAIN_RUN  # a full plain run: M roots, entered in one pass
+    m = adaptive_loop.MAX_PLAIN_RUN  # a full plain run: M roots, entered in one pass
     run_hidden = jnp.zeros((nh, b, m, target.hidden_size), dt) if nh else None
     run_ctx = commit_ctx._replace(
         lengths=lengths + m, window=tokens[:, :m], hidden=run_hidden,
@@ -403,9 +403,11 @@ def measure_draft(
 
 
 def loop_steps(spec) -> int:
-    """Decode steps per timed call of the loop: one plain run (`speculate.plain_run_length`), so
-    a one-token step's share of the drafter's catch-up is in its time."""
-    return speculate.plain_run_length(spec) if spec.adaptive is not None else speculate.MAX_PLAIN_RUN
+    """Decode steps per timed call of the loop: one plain run (`adaptive_loop.plain_run_length`),
+    so a one-token step's share of the drafter's catch-up is in its time."""
+    if spec.adaptive is None:
+        return adaptive_loop.MAX_PLAIN_RUN
+    return adaptive_loop.plain_run_length(spec)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "steps"), donate_argnums=0)

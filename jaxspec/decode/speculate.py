@@ -27,88 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decode import acceptance, adaptive, sampling, tree
-from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal, traits
+from jaxspec.decode import acceptance, adaptive, adaptive_loop, sampling, tree
+from jaxspec.decode.adaptive_loop import controller, plan_step
+from jaxspec.decode.drafter import CommitContext, DraftContext, Proposal, traits
+from jaxspec.decode.state import DecodeState, LoopSpec, place  # noqa: F401 (re-exported)
 from jaxspec.models import attention_kernels, base
 from jaxspec.decode.sampling import SamplingParams
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeState:
-    tokens: jax.Array  # int32[B, W]
-    lengths: jax.Array  # int32[B] committed tokens
-    max_lengths: jax.Array  # int32[B] prompt length + max_new_tokens
-    done: jax.Array  # bool[B]
-    cache: Any  # the target's cache (target.init_cache); lengths == self.lengths - 1
-    drafter_state: Any
-    key: jax.Array  # base PRNG key
-    row_ids: jax.Array  # int32[B] request ids: a row's randomness depends on its id only
-    row_steps: jax.Array  # int32[B] target forwards this row took part in (also its key counter)
-    # metrics, per row
-    num_draft: jax.Array  # int32[B] draft nodes verified
-    num_accepted: jax.Array  # int32[B] draft nodes accepted
-    accepted_per_position: jax.Array  # int32[B, max(D, 1)] steps where depth i+1 was accepted
-    adaptive: Any = None  # adaptive.AdaptiveState when LoopSpec.adaptive is set
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopSpec:
-    """Everything static about a decode program (hashable: part of the jit cache key)."""
-
-    target: base.Target  # the model being decoded (models/base.py): hashable
-    drafter: Drafter | None
-    num_speculative_tokens: int  # γ (the static maximum); 0 for plain decoding
-    eos_ids: tuple[int, ...]
-    # Verify windows the loop may pick from (each compiled once); a variable-length drafter whose
-    # rows all proposed fewer tokens verifies the smallest window that fits.
-    windows: tuple[int, ...] = ()
-    # A sharding.MeshPlan (or None): the state is constrained to it at prefill and every step,
-    # so params, cache, tokens and drafter state stay sharded through the loop.
-    mesh: Any = None
-    # Adaptive speculation (jaxspec/decode/adaptive.py): per-row lengths as data; every window width
-    # 2..γ+1 and a one-token step (no drafting) are compiled into the one program.
-    adaptive: adaptive.Controller | None = None
-
-    @property
-    def num_nodes(self) -> int:  # N: window entries after the root
-        if self.drafter is None:
-            return 0
-        return traits(self.drafter).tree_nodes or self.num_speculative_tokens
-
-    @property
-    def depth(self) -> int:  # D: the deepest path (tokens committed per step <= D + 1)
-        if self.drafter is None:
-            return 0
-        return traits(self.drafter).tree_depth or self.num_speculative_tokens
-
-    def verify_windows(self) -> tuple[int, ...]:
-        g1 = self.num_nodes + 1
-        if self.drafter is not None and self.adaptive is not None:  # 1 entry: decode_step's
-            if not traits(self.drafter).tree_nodes:  # plain branch (a need of 1: width 2)
-                return tuple(range(2, g1 + 1))
-            # a tree cut to a depth: any node count, so widths doubling up to the whole tree
-            # (a window at most ~2x what it needs, log2(N) compiled forwards)
-            return tuple(sorted({min(2**i + 1, g1) for i in range(math.ceil(math.log2(g1)) + 1)}))
-        if self.drafter is None or not self.drafter.variable_length:
-            return (g1,)
-        return tuple(sorted({w for w in self.windows if w < g1} | {1, g1}))
-
-
-def _place(spec: LoopSpec, state: DecodeState) -> DecodeState:
-    """Constrain the state to the mesh plan: target rules, the drafter state by the drafter's."""
-    if spec.mesh is None:
-        return state
-    b = state.lengths.shape[0]
-    dstate = spec.mesh.constrain_drafter_state(state.drafter_state, b, spec.drafter)
-    state = spec.mesh.constrain(dataclasses.replace(state, drafter_state=None), b)
-    return dataclasses.replace(state, drafter_state=dstate)
 
 
 def prefill(
@@ -163,7 +92,7 @@ def prefill(
         num_accepted=zeros,
         accepted_per_position=jnp.zeros((b, g), jnp.int32),
     )
-    return _place(spec, state)
+    return place(spec, state)
 
 
 def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int):
@@ -268,46 +197,6 @@ class _StepOut(NamedTuple):
     depth: Any = None  # int32[B] the deepest node verified (a chain: num_nodes)
 
 
-def _controller(spec: LoopSpec) -> adaptive.Controller | None:
-    return spec.adaptive if spec.drafter is not None else None
-
-
-def _may_hand_off(spec: LoopSpec, batch: int) -> bool:
-    """A lockstep batch (B > adaptive.PER_REQUEST_MAX_BATCH) may be handed off to plain
-    decoding's step; not prompt lookup, whose one-token steps carry no bookkeeping."""
-    lockstep = batch > adaptive.PER_REQUEST_MAX_BATCH
-    ctl = _controller(spec)
-    return lockstep and ctl.settings.handoff_after > 0 and not traits(spec.drafter).drafts_from_tokens
-
-
-def plan_step(spec: LoopSpec, tparams, dparams, state: DecodeState, sp) -> adaptive.Plan | None:
-    """The controller's plan for the next step of `state`, from past statistics and committed
-    history only (None without a controller: every row drafts γ). Prompt lookup
-    (`drafts_from_tokens`: its proposal is a function of the committed tokens, no draw): a row
-    can use at most the nodes its match has (`useful`; a row without one gains nothing from a
-    window its batch mates' matches would fill, and still pays for it), and no match anywhere
-    leaves nothing to verify."""
-    ctl = _controller(spec)
-    if ctl is None:
-        return None
-    room = state.max_lengths - state.lengths  # tokens each row may still emit
-    useful = jnp.clip(room - 1, 0, ctl.gamma).astype(jnp.int32)
-    b = state.lengths.shape[0]
-    if traits(spec.drafter).drafts_from_tokens:
-        full = jnp.full((b,), spec.num_nodes, jnp.int32)
-        ctx = DraftContext(state.tokens, state.lengths, ~state.done, full)
-        keys = jax.random.split(jax.random.key(0), b)  # unused: no draws
-        p, _ = spec.drafter.propose(
-            dparams, base.bind(spec.target, tparams), state.drafter_state, ctx, spec.num_nodes,
-            sp, keys,
-        )
-        useful = jnp.minimum(useful, adaptive.proposal_depth(p))  # <= its match's depth
-    return ctl.plan(
-        state.adaptive, state.row_steps, ~state.done, room, state.lengths, useful,
-        may_hand_off=_may_hand_off(spec, b),
-    )
-
-
 def decode_step(
     spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams,
     plan: adaptive.Plan | None = None,
@@ -322,7 +211,7 @@ def decode_step(
     window step would (same uniform, `acceptance.root_token`): it is the same step, computed the
     cheap way, and its choice reads only the plan and the proposal's size. Both branches only
     read the target cache; its write (the accepted path) follows the branches."""
-    if _controller(spec) is not None and plan is None:
+    if controller(spec) is not None and plan is None:
         plan = plan_step(spec, tparams, dparams, state, sp)
     k_draft, k_accept = _step_keys(state)
     lengths = None if plan is None else plan.lengths
@@ -373,7 +262,7 @@ def _advance(spec: LoopSpec, state: DecodeState, out: _StepOut, plan) -> DecodeS
         num_accepted=state.num_accepted + out.num_accepted * act,
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
     )
-    return _place(spec, state)
+    return place(spec, state)
 
 
 def _last_token(state: DecodeState) -> jax.Array:  # int32[B] the last committed token
@@ -386,7 +275,7 @@ def drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) 
     b = state.lengths.shape[0]
     active = ~state.done
     dstate = state.drafter_state
-    ctl = _controller(spec)
+    ctl = controller(spec)
     if spec.drafter is None:
         proposal = empty_proposal(b, spec.target.vocab_size)
     else:
@@ -479,122 +368,23 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
     )
 
 
-class _PlainRun(NamedTuple):
-    """The one-token steps since the drafter was last current (a drafter with `commit_plain`):
-    the drafter is left behind during the run and enters all of it in one pass afterwards
-    (`_catch_up`), so a plain step costs what the plain program's does. Rows advance one token
-    per step while active, so slot i holds each row's step i."""
-
-    hidden: jax.Array | None  # [nl, B, M, D] target features of each step's root; None: no taps
-    start: jax.Array  # int32[B] committed lengths when the run began
-    count: jax.Array  # int32[] steps recorded (<= M)
-
-
-MAX_PLAIN_RUN = 16  # plain steps a run may hold (the drafter's catch-up window)
-
-
-def plain_run_length(spec: LoopSpec) -> int:
-    """M: steps a plain run holds before the drafter catches up -- one probe interval (a probe
-    ends a run anyway), at most MAX_PLAIN_RUN."""
-    every = spec.adaptive.settings.probe_every
-    return every if 0 < every <= MAX_PLAIN_RUN else MAX_PLAIN_RUN
-
-
-def _new_plain_run(spec: LoopSpec, state: DecodeState) -> _PlainRun:
-    b, nl = state.lengths.shape[0], len(spec.drafter.hidden_layers)
-    hidden = None
-    if nl:
-        shape = (nl, b, plain_run_length(spec), spec.target.hidden_size)
-        hidden = jnp.zeros(shape, base.compute_dtype(spec.target))
-    return _PlainRun(hidden, state.lengths, jnp.zeros((), jnp.int32))
-
-
-def _record(run: _PlainRun, root_hidden) -> _PlainRun:
-    """The run with one more step: its root's features [nl, B, D] into slot `count`."""
-    hidden = run.hidden
-    if hidden is not None:
-        hidden = jax.lax.dynamic_update_index_in_dim(
-            hidden, root_hidden.astype(hidden.dtype), run.count, axis=2
-        )
-    return run._replace(hidden=hidden, count=run.count + 1)
-
-
-def _catch_up(spec: LoopSpec, tparams, dparams, state: DecodeState, run: _PlainRun) -> DecodeState:
-    """The drafter's state after the run's steps, entered in one pass (its commit_plain over the
-    run's roots): what drafting nothing and committing each step's root would have left."""
-    b = state.lengths.shape[0]
-    m = plain_run_length(spec)
-    slots = jnp.clip(run.start[:, None] - 1 + jnp.arange(m), 0, state.tokens.shape[1] - 1)
-    ctx = CommitContext(
-        tokens=state.tokens,
-        lengths=state.lengths,
-        prev_lengths=run.start,
-        window=jnp.take_along_axis(state.tokens, slots, axis=1),  # [B, M] the run's roots
-        num_accepted=jnp.zeros((b,), jnp.int32),
-        hidden=run.hidden,
-        path=jnp.zeros((b, m), jnp.int32),
-    )
-    tv = base.bind(spec.target, tparams)
-    dstate = traits(spec.drafter).commit_plain(dparams, tv, state.drafter_state, ctx)
-    return dataclasses.replace(state, drafter_state=dstate)
-
-
 def decode(spec: LoopSpec, tparams, dparams, state: DecodeState, sp: SamplingParams, max_steps):
     """Run up to `max_steps` (an int32 array: no recompiles) steps, or until every row is done.
-
-    With a controller the loop carries the next step's plan (`plan_step`: past steps only),
-    computed once after each step, and each step runs in the loop its plan selects. A drafter
-    with `commit_plain`: while the plan has no node, a plain run (`plain_step`, no lax.cond
-    around the cache, which XLA:CPU would copy whole every step; the drafter catches up after
-    the run, at most `plain_run_length` steps), then drafted steps while it has. Once a plan
-    hands the batch off (lockstep batches, `Controller.hands_off`), a last loop runs the rest on
-    `plain_step`, the drafter untouched; the hand-off is kept in the state (`handoff_at`), so a
-    later call (streaming's chunks) resumes there."""
+    Fixed γ (or plain decoding) is the trivial plan: every step drafts γ. With a controller the
+    loop is adaptive speculation's (`adaptive_loop.decode`), on this module's steps."""
 
     def cond(carry):
         s, i = carry[:2]
         return (i < max_steps) & ~jnp.all(s.done)
 
-    if _controller(spec) is None:  # fixed γ (or plain decoding): the trivial plan
-        body = lambda c: (decode_step(spec, tparams, dparams, _place(spec, c[0]), sp), c[1] + 1)
+    if controller(spec) is None:  # fixed γ (or plain decoding): the trivial plan
+        body = lambda c: (decode_step(spec, tparams, dparams, place(spec, c[0]), sp), c[1] + 1)
         return jax.lax.while_loop(cond, body, (state, jnp.zeros((), jnp.int32)))[0]
-    plan_for = lambda s: plan_step(spec, tparams, dparams, s, sp)
-
-    def drafted(carry):  # (state, steps, the state's plan)
-        s, i, plan = carry
-        s = decode_step(spec, tparams, dparams, _place(spec, s), sp, plan)
-        return s, i + 1, plan_for(s)
-
-    carry = (state, jnp.zeros((), jnp.int32), plan_for(state))
-    handoff = _may_hand_off(spec, state.lengths.shape[0])
-    go_on = (lambda c: cond(c) & ~c[2].hand_off) if handoff else cond
-    if traits(spec.drafter).commit_plain is None:
-        carry = jax.lax.while_loop(go_on, drafted, carry)
-    else:
-        m = plain_run_length(spec)
-
-        def plain(c):
-            (s, i, plan), run = c
-            s, root_hidden = plain_step(spec, tparams, dparams, _place(spec, s), sp, plan)
-            return (s, i + 1, plan_for(s)), _record(run, root_hidden)
-
-        plain_cond = lambda c: go_on(c[0]) & ~c[0][2].drafts() & (c[1].count < m)
-        drafted_cond = lambda c: go_on(c) & c[2].drafts()
-
-        def segment(c):  # a plain run while no node is planned, the catch-up, drafted steps
-            c, run = jax.lax.while_loop(plain_cond, plain, (c, _new_plain_run(spec, c[0])))
-            c = (_catch_up(spec, tparams, dparams, c[0], run), *c[1:])
-            return jax.lax.while_loop(drafted_cond, drafted, c)
-
-        carry = jax.lax.while_loop(go_on, segment, carry)
-    if handoff:  # runs only where the loops above stopped at the hand-off
-
-        def handed_off(c):
-            s, i, plan = c
-            return plain_step(spec, tparams, dparams, _place(spec, s), sp, plan)[0], i + 1, plan
-
-        carry = jax.lax.while_loop(cond, handed_off, carry)
-    return carry[0]
+    steps = adaptive_loop.Steps(
+        drafted=lambda s, plan: decode_step(spec, tparams, dparams, place(spec, s), sp, plan),
+        plain=lambda s, plan: plain_step(spec, tparams, dparams, place(spec, s), sp, plan),
+    )
+    return adaptive_loop.decode(spec, tparams, dparams, state, sp, max_steps, cond, steps)
 
 
 def _on_kernel_mesh(fn):

@@ -1,6 +1,6 @@
 """Draft trees as data: the verify window a proposal becomes, and static tree shapes.
 
-A proposal is N nodes per row (see `drafters.base.Proposal`): `tokens[B, N]`, `parents[B, N]`
+A proposal is N nodes per row (see `decode.drafter.Proposal`): `tokens[B, N]`, `parents[B, N]`
 (index of the parent node, -1 = the root = the last committed token), `num_proposed[B]` (nodes
 at index >= it are padding). Parents come before their children (parents[i] < i), and siblings
 are tried by the acceptance rule in index order. A chain is `parents = i - 1`; plain decoding is

@@ -325,4 +325,5 @@ def build(options: BlockOptions, ctx: BuildContext):
     return drafter, dparams
 
 
-register_drafter("block", build, options=BlockOptions, tree_kinds=("static",))
+register_drafter("block", build, options=BlockOptions, tree_kinds=("static",), summary=(
+    "all γ drafts in one drafter forward (DFlash / PARD style), a chain or a static tree"))

@@ -249,4 +249,6 @@ def build(options: DFlashOptions, ctx: BuildContext):
     return drafter, dparams
 
 
-register_drafter("dflash", build, options=DFlashOptions, tree_kinds=("static",))
+register_drafter("dflash", build, options=DFlashOptions, tree_kinds=("static",), summary=(
+    "DFlash / DFlash 2 block diffusion drafting: one drafter forward over [last token, mask x γ] "
+    "reading the target's fused hidden states; the authors' published heads load"))

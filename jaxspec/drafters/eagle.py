@@ -419,4 +419,5 @@ def build(options: EagleOptions, ctx: BuildContext):
     return drafter, dparams
 
 
-register_drafter("eagle", build, options=EagleOptions, tree_kinds=("dynamic",))
+register_drafter("eagle", build, options=EagleOptions, tree_kinds=("dynamic",), summary=(
+    "EAGLE-3 style head over low/mid/high target features, 8192-token draft vocabulary"))

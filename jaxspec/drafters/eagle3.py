@@ -73,4 +73,5 @@ def build(options: Eagle3Options, ctx: BuildContext):
     return trained.load("eagle3", options, ctx)
 
 
-register_drafter("eagle3", build, options=Eagle3Options)
+register_drafter("eagle3", build, options=Eagle3Options, summary=(
+    "the published EAGLE-3 head (vLLM / SGLang / speculators layouts), trainable and exportable"))

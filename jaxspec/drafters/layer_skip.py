@@ -24,4 +24,5 @@ def build(options: LayerSkipOptions, ctx: BuildContext) -> tuple[ModelDrafter, t
     return layer_skip_drafter(ctx.target.target, options.layers), ()  # reads the target's params
 
 
-register_drafter("layer_skip", build, options=LayerSkipOptions)
+register_drafter("layer_skip", build, options=LayerSkipOptions, summary=(
+    "self-speculation: the target's first layers + final norm + LM head"))

@@ -140,4 +140,5 @@ def build(options: MedusaOptions, ctx: BuildContext):
     return drafter, dparams
 
 
-register_drafter("medusa", build, options=MedusaOptions, tree_kinds=("static",))
+register_drafter("medusa", build, options=MedusaOptions, tree_kinds=("static",),
+                 summary="residual heads on the last hidden state")

@@ -69,4 +69,5 @@ def build(options: MtpOptions, ctx: BuildContext):
     return trained.load("mtp", options, ctx)
 
 
-register_drafter("mtp", build, options=MtpOptions)
+register_drafter("mtp", build, options=MtpOptions,
+                 summary="a DeepSeek-V3-style multi-token-prediction module, chained")

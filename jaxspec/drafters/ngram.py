@@ -183,4 +183,5 @@ def build(options: NgramOptions, ctx: BuildContext) -> tuple[NgramDrafter, tuple
     return drafter, ()
 
 
-register_drafter("ngram", build, options=NgramOptions, tree_kinds=("static",))
+register_drafter("ngram", build, options=NgramOptions, tree_kinds=("static",), summary=(
+    "prompt lookup on device: copy what followed the latest match of the last tokens"))

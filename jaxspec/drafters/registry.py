@@ -66,6 +66,7 @@ class Method:
     options: type[DrafterOptions] | None  # its section, speculative.<name>; None: no options
     # speculative.tree.kind values besides "chain" the factory builds (it reads ctx.spec.tree)
     tree_kinds: tuple[str, ...] = ()
+    summary: str = ""  # one line: what drafts (the method tables of README and docs/drafters.md)
 
 
 DRAFTERS: dict[str, Method] = {}
@@ -77,9 +78,11 @@ def register_drafter(
     *,
     options: type[DrafterOptions] | None = None,
     tree_kinds: tuple[str, ...] = (),
+    summary: str = "",
 ) -> None:
     """Make `speculative.method: name` build its drafter with `factory(options, ctx)`; `options`
-    (a DrafterOptions dataclass with SECTION = "speculative.<name>") is its config subsection."""
+    (a DrafterOptions dataclass with SECTION = "speculative.<name>") is its config subsection;
+    `summary` one line on what drafts (scripts/docs.py puts it in the method tables)."""
     if not name.isidentifier() or name == "none":
         raise ValueError(f"drafter method {name!r}: use an identifier other than 'none'")
     if options is not None:
@@ -90,7 +93,7 @@ def register_drafter(
                 f"drafter method {name!r}: its options' SECTION is {options.SECTION!r}, "
                 f"expected 'speculative.{name}'"
             )
-    method = Method(name, factory, options, tuple(tree_kinds))
+    method = Method(name, factory, options, tuple(tree_kinds), summary)
     if DRAFTERS.get(name, method) != method:
         raise ValueError(f"drafter method '{name}' is already registered")
     DRAFTERS[name] = method

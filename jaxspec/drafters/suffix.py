@@ -352,4 +352,6 @@ def build(options: SuffixOptions, ctx: BuildContext):
     return SuffixFirst(inner, drafter, name=f"suffix+{inner.name}"), (inner_params, store)
 
 
-register_drafter("suffix", build, options=SuffixOptions, tree_kinds=("dynamic",))
+register_drafter("suffix", build, options=SuffixOptions, tree_kinds=("dynamic",), summary=(
+    "model-free: continuations from the row's context and a store of earlier requests' text "
+    "(SuffixDecoding)"))

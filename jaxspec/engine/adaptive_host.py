@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxspec.decode import adaptive, calibration
 from jaxspec.config import AdaptiveConfig
-from jaxspec.drafters.base import traits
+from jaxspec.decode.drafter import traits
 from jaxspec.errors import JaxspecError
 
 REPROBE_BATCHES = 8  # a switched-off size re-measures acceptance every 8th batch

@@ -1,7 +1,7 @@
 """The compiled-program cache: a batch shape's prefill and decode programs compiled ahead of time
 (lowered on the batch's arguments, the decode program on the prefill's abstract output: nothing
 runs), once per shape, so timings exclude compilation; and what attention each program holds,
-read from its compiled HLO (jaxspec.tools.hlo.compiled_attention), not from a setting.
+read from its compiled HLO (jaxspec.hlo.compiled_attention), not from a setting.
 
     programs = Programs()
     seconds = programs.compile(key, prefill_args, capacity, decode_args_for, sharded=False)
@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 
 import jax
 
-from jaxspec.tools import hlo
+from jaxspec import hlo
 from jaxspec.decode import speculate
 
 

@@ -97,7 +97,7 @@ class Report:
             "model_revision": getattr(self.model, "revision", ""),
             "layout": base.layout(self.model.target, self.model.params),
             "layout_note": getattr(self.model, "layout_note", ""),
-            # read from the compiled programs (jaxspec.tools.hlo.compiled_attention): xla / pallas_tpu /
+            # read from the compiled programs (jaxspec.hlo.compiled_attention): xla / pallas_tpu /
             # pallas_gpu / cpu kernels; decode (and verify) and prefill
             "attention": attention.get("decode", ""),
             "attention_prefill": attention.get("prefill", ""),

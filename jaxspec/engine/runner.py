@@ -27,7 +27,7 @@ from jaxspec.decode import speculate
 from jaxspec.decode.adaptive import Controller
 from jaxspec.engine.adaptive_host import AdaptiveHost
 from jaxspec.config import AdaptiveConfig
-from jaxspec.drafters.base import check_target, traits
+from jaxspec.decode.drafter import check_target, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
 from jaxspec.models import base

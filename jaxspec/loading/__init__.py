@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec import progress, xla_cache
-from jaxspec.decode.cache import KVCache
+from jaxspec.models.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec import validate
 from jaxspec.loading import families

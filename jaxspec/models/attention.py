@@ -16,7 +16,7 @@ Backends (`impl`):
                with dot_general (XLA's canonical batch order: no transpose of the cache). A stacked
                cache `[L, B, K, S, H]` with a traced `layer` is read as multiply + reduce, which XLA
                fuses with the layer's dynamic slice: a dot would first copy the layer's cache out
-               of the stack, every layer, every step (see jaxspec.tools.hlo).
+               of the stack, every layer, every step (see jaxspec.hlo).
   "pallas_tpu" the cache part by `jax.experimental.pallas.ops.tpu.paged_attention`'s kernel on a
                zero-copy paged view of the cache (per-layer or the stack at a traced layer), which
                DMAs only pages below lengths[b]; merged with the window part by log-sum-exp
@@ -137,7 +137,7 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
 
     impl "auto" (with no JAXSPEC_ATTENTION override) is chosen by the platform the program is
     lowered for (`lax.platform_dependent`), not by the host's backend: a program exported for
-    TPU or CUDA from a CPU host holds that device's kernels, and jaxspec.tools.hlo reads which ones
+    TPU or CUDA from a CPU host holds that device's kernels, and jaxspec.hlo reads which ones
     from the lowered program."""
     run = functools.partial(_attend, q, k_cache, v_cache, k_win, v_win, lengths, layer=layer,
                             window_mask=window_mask, chunk=chunk, block=block,

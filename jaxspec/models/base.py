@@ -9,7 +9,7 @@ Required (dimension letters as elsewhere: B batch, T window, S slots, D model di
   vocab_size, hidden_size, num_layers, max_position_embeddings: int;  dtype: str (compute)
   init_cache(params, batch, capacity) -> cache
       a pytree with `lengths: int32[B]` (committed tokens per row), `with_lengths(lengths)` and
-      `positions(T) -> int32[B, T]` (`lengths[:, None] + arange(T)`); `jaxspec.decode.cache.KVCache`
+      `positions(T) -> int32[B, T]` (`lengths[:, None] + arange(T)`); `jaxspec.models.cache.KVCache`
       is one. Entries past a row's length are never read (rollback is not advancing it).
   forward(params, tokens, cache, *, positions=None, window_mask=None, write_cache=True, taps=())
       -> TargetOutput(hidden, taps, window_kv, cache)

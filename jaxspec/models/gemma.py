@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.decode.cache import KVCache
+from jaxspec.models.cache import KVCache
 from jaxspec.models import attention, base, blocks
 from jaxspec.models.llama import (
     ConfigTarget,

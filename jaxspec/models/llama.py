@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.decode.cache import KVCache, cache_axes, init_cache
+from jaxspec.models.cache import KVCache, cache_axes, init_cache
 from jaxspec.models import attention, base, blocks, registry
 
 Params = dict[str, Any]

@@ -12,7 +12,7 @@ Writes go through the table: slot s of row b is page table[b, s // P], offset s 
 whose table entry is NO_PAGE (a free row, a page not yet allocated, past the last page) is
 dropped, so a row can never write into another row's pages. Reads are the XLA reference: a
 row's pages gathered into a contiguous [B, K, MP*P, H] view, one layer at a time, attended by
-the target's own attention (slots past a row's length are never read, as in `jaxspec.decode.cache`).
+the target's own attention (slots past a row's length are never read, as in `jaxspec.models.cache`).
 Rejected draft slots are simply past the length: nothing is cleared or copied.
 """
 
@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decode.cache import KVCache
+from jaxspec.models.cache import KVCache
 
 
 @jax.tree_util.register_dataclass

@@ -120,11 +120,12 @@ class Server:
                  max_queue: int = 64, kv_pages: int | None = None, page_size: int = 16,
                  seed: int = 0, model_name: str | None = None, static: bool = False,
                  paged: bool = True, prefill_chunk: int | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, policy: str = "fcfs"):
         self.scheduler = Scheduler(
             engine, slots=slots, max_context=max_context, steps_per_call=steps_per_call,
             max_queue=max_queue, kv_pages=kv_pages, page_size=page_size, seed=seed,
             static=static, paged=paged, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
+            policy=policy,
         )
         self.engine = engine
         self.model_name = model_name or getattr(engine.model, "name", "model")
@@ -136,7 +137,7 @@ class Server:
         self._thread.start()
 
     def submit(self, prompt: str | Sequence[int], sampling: Sampling | None = None, *,
-               request_id: str | None = None) -> Stream:
+               request_id: str | None = None, priority: int = 0) -> Stream:
         """Queue a request; raises JaxspecError (bad input) or QueueFull at once. Never waits
         for a device call: the request lands in the scheduler's queue between calls."""
         if self._closed:
@@ -145,7 +146,7 @@ class Server:
             raise JaxspecError(f"the serving loop stopped: {self._failure}")
         stream = Stream(self)
         s = self.scheduler
-        req = s.new_request(prompt, sampling or Sampling(), stream, request_id)
+        req = s.new_request(prompt, sampling or Sampling(), stream, request_id, priority)
         stream.request = req
         with self._lock:
             free = s.slots - len(s.active)  # waiting requests that free slots will take now

@@ -1,7 +1,7 @@
 """A target whose KV cache is paged (`models.paged_attention`): the serving scheduler's cache.
 
 `PagedTarget(inner, num_pages, page_size)` is a `models.base.Target` wrapping any target whose
-own cache is a per-layer `jaxspec.decode.cache.KVCache` (Llama and Gemma in the unrolled and packed
+own cache is a per-layer `jaxspec.models.cache.KVCache` (Llama and Gemma in the unrolled and packed
 layouts). Its cache is one page pool per layer shared by the batch's rows plus a page table per
 row, so the speculative loop (`speculate.prefill` / `decode`) runs on it unchanged:
 
@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decode.cache import KVCache
+from jaxspec.models.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base
 from jaxspec.models import paged_attention as pa

@@ -41,7 +41,7 @@ from jaxspec.engine.runner import bucket
 from jaxspec.errors import JaxspecError
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.models import paged_attention
-from jaxspec.serving import paged_cache, prefix, rows
+from jaxspec.serving import paged_cache, policy as policy_lib, prefix, rows
 from jaxspec.serving.pages import PagePool, pages_for
 from jaxspec.serving.requests import Completion, QueueFull, Sampling
 from jaxspec.serving.text import TextState
@@ -70,6 +70,7 @@ class Request:
     peak_pages: int = 0  # the most KV pages the request held at once
     cached_tokens: int = 0  # prompt tokens whose k/v came from the prefix cache (last admission)
     replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
+    priority: int = 0  # higher first under serving.policy=priority
 
 
 MIN_TABLE_PAGES = 4  # the narrowest page table a device call gets (fewer programs)
@@ -115,6 +116,7 @@ class Scheduler:
         paged: bool = True,
         prefill_chunk: int | None = None,
         prefix_cache: bool = True,
+        policy: str = "fcfs",
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
         an empty batch, which then runs until its last row ends, every call over all `slots`
@@ -126,7 +128,9 @@ class Scheduler:
         taps; else whole). The last chunk runs through `speculate.prefill` itself.
         prefix_cache: a prompt starting with full pages another prompt already wrote shares
         them and prefills only the rest (`serving.prefix`; paged cache, drafters without
-        target taps: `self.prefix_cache` says whether it is on, and why not)."""
+        target taps: `self.prefix_cache` says whether it is on, and why not).
+        policy: the scheduling policy's name (`serving.policy`: admission order and the row
+        preempted when the pool is short)."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
             raise JaxspecError(
                 f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
@@ -156,6 +160,7 @@ class Scheduler:
                 f"{max_context} ({per_row} pages of {page_size}): raise kv_pages"
             )
         self.max_pages = per_row  # page-table entries per row
+        self.policy = policy_lib.named(policy, self.pool)
         # the device call runs over the live rows only, compacted into the narrowest of these
         # widths (each its own compiled program), and its page table is as wide as the longest
         # live row needs (`table_widths`): a step's cost follows the load
@@ -185,8 +190,8 @@ class Scheduler:
         self.observed_acceptance: float | None = None  # adaptive: over finished requests
 
     # ---- submission (any thread; the api holds a lock around these) -----------------------
-    def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None
-                    ) -> Request:
+    def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None,
+                    priority: int = 0) -> Request:
         ids = self.engine.encode(prompt)
         self.engine.check_fits(ids, int(sampling.max_tokens))
         need = len(ids) + int(sampling.max_tokens) + self.spec.depth + 1
@@ -199,7 +204,7 @@ class Scheduler:
         n = next(self._ids)
         seed = n if sampling.seed is None else int(sampling.seed)
         return Request(request_id or f"req-{n}", ids, sampling, seed, sink, time.perf_counter(),
-                       text=TextState(tuple(sampling.stop)))
+                       text=TextState(tuple(sampling.stop)), priority=int(priority))
 
     def enqueue(self, req: Request) -> None:
         if len(self.queue) >= self.max_queue:
@@ -245,12 +250,15 @@ class Scheduler:
         if self.static and self.active:
             return
         free = self._free_slots()
-        while free and self.queue:
-            req = self.queue[0]
+        for req in self.policy.order(self.queue):
+            if not free:
+                break
+            if not self.policy.admit(req, self.pool):
+                continue
             cached = self._take_pages(req, free[0])
             if cached is None:
                 break  # the pool is short: wait for a row to end
-            self.queue.popleft()
+            self.queue.remove(req)
             slot = free.pop(0)
             req.peak_pages = max(req.peak_pages, self.pool.held(slot))
             req.cached_tokens = cached
@@ -419,8 +427,8 @@ class Scheduler:
     # ---- pages and preemption ---------------------------------------------------------------
     def _reserve_pages(self) -> None:
         """Every active row holds pages for the next call's growth; where the pool is short the
-        most recently admitted rows are preempted (their pages freed, the request requeued
-        first, recomputed from its prompt when readmitted)."""
+        policy's victims are preempted (their pages freed, the request requeued first,
+        recomputed from its prompt when readmitted)."""
         lengths = self._host_lengths()
         by_age = sorted(self.active.values(), key=lambda r: r.admitted)
         for req in by_age:
@@ -428,7 +436,7 @@ class Scheduler:
                 continue
             need = self._slots_needed(int(lengths[req.slot]), req)
             while not self.pool.grow(req.slot, need):
-                victim = max(self.active.values(), key=lambda r: r.admitted)
+                victim = self.policy.victim(list(self.active.values()))
                 self._preempt(victim)
                 if victim is req:
                     break

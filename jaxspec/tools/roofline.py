@@ -8,10 +8,10 @@ with the minimum a step must move.
 Per program: XLA cost-analysis flops and bytes; the minimum bytes (weights once — the embedding
 table only where it is the LM head, else the gathered rows — plus the valid KV prefix read, the new
 KV rows written and the logits); their ratio; copies / zero-fills of cache-sized buffers
-(jaxspec.tools.hlo) and collectives in the optimised module; the attention implementation the compiled
-program holds (its custom calls, `jaxspec.tools.hlo.compiled_attention`), never the setting.
+(jaxspec.hlo) and collectives in the optimised module; the attention implementation the compiled
+program holds (its custom calls, `jaxspec.hlo.compiled_attention`), never the setting.
 
-XLA's own byte count is printed as is, next to `bytes` = `jaxspec.tools.hlo.device_bytes` of the same
+XLA's own byte count is printed as is, next to `bytes` = `jaxspec.hlo.device_bytes` of the same
 optimised module: XLA counts an in-place cache update as the whole cache, a fused dynamic slice as
 the whole stack and a while body (the stacked layout's layer loop) once; device_bytes counts the
 updated rows, the slice, and the body times its trip count. The ratio is bytes / min bytes.
@@ -47,7 +47,7 @@ class _OnFirstUse:
 
 jax = _OnFirstUse("jax")
 jnp = _OnFirstUse("jax.numpy")
-hlo = _OnFirstUse("jaxspec.tools.hlo")
+hlo = _OnFirstUse("jaxspec.hlo")
 attention = _OnFirstUse("jaxspec.models.attention")
 base = _OnFirstUse("jaxspec.models.base")
 llama = _OnFirstUse("jaxspec.models.llama")
@@ -93,13 +93,13 @@ class Program:
     capacity: int
     flops: float  # XLA's cost analysis (a while body counted once)
     xla_bytes: float  # XLA's cost analysis, as is
-    bytes: float  # jaxspec.tools.hlo.device_bytes: in-place rows, fused slices, loops x trip count
+    bytes: float  # jaxspec.hlo.device_bytes: in-place rows, fused slices, loops x trip count
     fused_bytes: float  # the same with slices fused into their dots (see hlo.device_bytes)
     min_bytes: float
     cache_copies: int
     zero_fills: int
     collectives: int
-    attention: str  # read from the compiled program (jaxspec.tools.hlo.compiled_attention)
+    attention: str  # read from the compiled program (jaxspec.hlo.compiled_attention)
 
     @property
     def ratio(self) -> float:

@@ -31,6 +31,7 @@ import numpy as np
 from jaxspec.drafters import block as block_lib
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.train import methods
+from jaxspec.train.registry import register_method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,4 +152,4 @@ class Block:
         return jnp.sum(jnp.stack(losses) * w) / jnp.sum(w), metrics
 
 
-methods.register_method("block", Block)
+register_method("block", Block)

@@ -15,11 +15,13 @@ from jaxspec.errors import JaxspecError
 from jaxspec.loading.params import check_finite
 from jaxspec.models import base
 from jaxspec.train import checkpoint as ckpt
+from jaxspec.train import block as _block  # noqa: F401 (importing it registers "block")
+from jaxspec.train import dflash as _dflash  # noqa: F401 (importing it registers "dflash")
 from jaxspec.train import methods as methods_lib
 
 
 def load_trained_drafter(method: str, path, target):
-    """method: a registered trained method (train.methods.METHODS: eagle, eagle3, medusa,
+    """method: a registered trained method (train.registry.METHODS: eagle, eagle3, medusa,
     draft_model); target: LoadedModel (or anything with .target, .params and, for the
     checkpoint's fingerprint, .cfg)."""
     if path is None:
@@ -31,7 +33,7 @@ def load_trained_drafter(method: str, path, target):
     if method not in methods_lib.METHODS:
         raise JaxspecError(
             f"drafter checkpoint {path}: method '{method}' has no trained head registered "
-            f"(jaxspec.train.methods.register_method): use one of {', '.join(methods_lib.METHODS)}"
+            f"(jaxspec.train.registry.register_method): use one of {', '.join(methods_lib.METHODS)}"
         )
     m = methods_lib.from_arch(method, meta["arch"])
     t = target.target

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decode.cache import init_cache
+from jaxspec.models.cache import init_cache
+from jaxspec.train.registry import METHODS, from_arch, register_method  # noqa: F401
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters import eagle3 as eagle3_lib
 from jaxspec.drafters import feature_chain
@@ -420,29 +421,7 @@ class Eagle3:
         return jnp.sum(jnp.stack(losses) * w), metrics
 
 
-METHODS: dict[str, type] = {}  # method name -> head class (init, loss, runtime, drafter, arch)
-
-
-def register_method(name: str, cls: type) -> None:
-    """Make `method: name` trainable (train configs) and loadable from its exported checkpoints.
-    `cls` is a frozen dataclass; its fields named in a checkpoint's "arch" are restored from it."""
-    if METHODS.get(name, cls) is not cls:
-        raise ValueError(f"trained method '{name}' is already registered")
-    METHODS[name] = cls
-
-
-def from_arch(name: str, arch: dict):
-    """The head of method `name` as exported with `arch` (its meta.json "arch"): the class's
-    fields found there (lists back to tuples); the rest keep their defaults."""
-    cls = METHODS[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    tupled = lambda v: tuple(v) if isinstance(v, list) else v
-    return cls(**{k: tupled(v) for k, v in arch.items() if k in fields})
-
-
 register_method("eagle", Eagle)
 register_method("eagle3", Eagle3)
 register_method("medusa", Medusa)
 register_method("draft_model", Draft)
-from jaxspec.train import block as _block  # noqa: E402, F401  (registers the "block" method)
-from jaxspec.train import dflash as _dflash  # noqa: E402, F401  (registers "dflash")

@@ -23,6 +23,8 @@ import optax
 
 from jaxspec.errors import JaxspecError
 from jaxspec.train import checkpoint as ckpt
+from jaxspec.train import block as _block  # noqa: F401 (importing it registers "block")
+from jaxspec.train import dflash as _dflash  # noqa: F401 (importing it registers "dflash")
 from jaxspec.train import methods as methods_lib
 
 
@@ -358,7 +360,7 @@ def train(
 def _export(tc: TrainConfig, setup: _Setup, state, history, evals, train_s: float) -> None:
     """The trained params + draft vocabulary + training record, as a shippable checkpoint."""
     training = {
-        "command": " ".join(sys.argv) if sys.argv else "",
+        "command": " ".join(["python -m jaxspec.train", *sys.argv[1:]]),  # no machine path
         "steps": tc.steps,
         "wall_s_this_run": round(train_s, 1),
         "rows": int(setup.data["tokens"].shape[0]),

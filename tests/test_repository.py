@@ -1,0 +1,27 @@
+"""The repository holds no machine's paths (a checkout directory, a home directory): commands and
+records in committed files are relative to the repository root, so they run in any clone."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TREES = ("jaxspec", "scripts", "docs", "configs", "checkpoints", "tests", "notebooks", "data")
+MACHINE_PATH = re.compile("/" + "(?:work|root)/")  # split: this file does not match itself
+TEXT = {".py", ".md", ".sh", ".json", ".yaml", ".yml", ".txt", ".ipynb", ".toml", ".cc", ".h"}
+
+
+def committed_text_files():
+    yield from (p for p in ROOT.glob("*") if p.is_file() and p.suffix in TEXT)
+    for tree in TREES:
+        for path in (ROOT / tree).rglob("*"):
+            if path.is_file() and path.suffix in TEXT and "__pycache__" not in path.parts:
+                yield path
+
+
+def test_no_machine_paths_in_the_repository():
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in committed_text_files()
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             if MACHINE_PATH.search(line)]
+    assert found == []
