@@ -28,10 +28,13 @@ def registered_methods() -> list[str]:
 def shipped_configs() -> dict[str, str]:
     """configs/<name>.yaml (relative to the repository root) -> its `speculative.method`
     ("none" when unset); empty where there is no configs/ directory."""
+    paths = sorted(CONFIGS.glob("*.yaml"))
+    if not paths:  # an installed wheel: no configs/ beside it (and maybe no yaml either)
+        return {}
     import yaml  # small, but only when asked
 
     out = {}
-    for path in sorted(CONFIGS.glob("*.yaml")):
+    for path in paths:
         spec = (yaml.safe_load(path.read_text()) or {}).get("speculative") or {}
         out[f"configs/{path.name}"] = str(spec.get("method", "none"))
     return out

@@ -27,7 +27,7 @@ from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import llama
-from jaxspec.tools import hlo
+from jaxspec import hlo
 
 
 def _model():

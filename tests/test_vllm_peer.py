@@ -144,7 +144,7 @@ def test_vllm_twins_take_the_configs_gamma_and_ngram_sizes():
 
 
 def test_bench_without_the_vllm_venv_is_a_one_line_error(tmp_path, monkeypatch, capsys):
-    from jaxspec.bench.spec_bench import main
+    from jaxspec.bench.cli import main
 
     monkeypatch.setenv("JAXSPEC_VLLM_PYTHON", str(tmp_path / "none/bin/python"))
     code = main(["--config", "configs/smollm2-135m.yaml", "--peers", "vllm", "--no-plots",
