@@ -76,8 +76,8 @@ def write_order(stats: dict[str, dict[str, list[float]]]) -> None:
     plan = ROOT / "tests" / "suite_plan.py"
     text = plan.read_text()
     body = "".join(f'    "{m}",\n' for m in order)
-    new, n = re.subn(r"LONGEST_FIRST: tuple\[str, \.\.\.\] = \((.|\n)*?\n\)\n|"
-                     r"LONGEST_FIRST: tuple\[str, \.\.\.\] = \(\)\n",
+    # the assignment: "= ()" or "= (" + one quoted name per line + ")", nothing after it
+    new, n = re.subn(r'LONGEST_FIRST: tuple\[str, \.\.\.\] = \((?:\)|\n(?:    "[^"\n]*",\n)*\))\n',
                      f"LONGEST_FIRST: tuple[str, ...] = (\n{body})\n", text, count=1)
     if n != 1:
         sys.exit("error: no LONGEST_FIRST assignment found in tests/suite_plan.py")

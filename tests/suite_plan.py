@@ -78,6 +78,10 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_layers.py",
 )
 
+EXPECTED_SKIPS = (
+    ("test_bench_device.py", "set JAXSPEC_DEVICE_SMOKE=1"),
+)
+
 QUICK: dict[str, tuple[str, ...]] = {
     "test_acceptance.py": ("test_emitted_tokens_have_target_law", "test_check_rejects_broken_rule",
                            "test_greedy_is_the_limit"),
