@@ -69,6 +69,7 @@ def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input")
          "block": block_train.Block(hidden_layers=(1, 2, 2), input_scale=1.0, block_size=6,
                                     extra_mlp=16),
          "dflash": dflash_train.DFlash(hidden_layers=(1, 2), block_size=8, intermediate_size=32),
+         "eagle3": methods.Eagle3(hidden_layers=(1, 2, 2)),
          }[method]
     params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
     return m.drafter(target.target), m.runtime(params, frozen)
