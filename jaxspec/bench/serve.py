@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 
-from jaxspec.cli_support import EXIT_USAGE, ArgumentParser
+from jaxspec.cli_support import ArgumentParser
+from jaxspec.cli_support import run as run_cli
 from jaxspec.errors import JaxspecError
 
 LENGTHS = (8, 16, 32)  # mixed output lengths, cycled (--lengths)
@@ -221,11 +222,7 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    try:
-        return run(argv)
-    except JaxspecError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_USAGE
+    return run_cli(run, argv)  # one error line and exit 2 on bad input, 130 on Ctrl-C
 
 
 if __name__ == "__main__":
