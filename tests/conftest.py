@@ -11,36 +11,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from codegen import FAST
 from suite_plan import EXPECTED_SKIPS, LONGEST_FIRST, PRODUCTION_CODEGEN, QUICK  # noqa: E402
 
 # Tests run many small programs, so compile time dominates. With JAXSPEC_TEST_FAST_CODEGEN=1
-# (scripts/test.sh sets it for every module but PRODUCTION_CODEGEN) XLA:CPU compiles at LLVM
-# optimisation level 0 (~35% less compile on tiny models) with the classic fusion emitters in
-# place of the MLIR ones (about half the compile time again: an EAGLE engine's two programs
-# 6.4 -> 3.1 s, no slower to run). That changes fusion and code generation, so those programs
-# are not the ones users run: the modules that measure compiled programs (HLO bytes and copies)
-# or depend on their last bit (greedy identity at a near-tie, which the classic emitters break at
-# batch 8) run with XLA's defaults, as users compile. (Level 0 is not only slower code: batched
-# over [64, 7, 8], it compiled sampling.logits_to_probs wrong -- a kept top-p boundary token got
-# weight 0 -- where the default level is right; tests/distribution.py computes its reference law
-# op by op for that reason; the sampled one-branch tree of test_tree_chain.py drew from
-# non-finite probabilities under these flags and is exact under the defaults.) Must precede the
-# first jax import; a flag in XLA_FLAGS wins.
-CODEGEN = []
+# (scripts/test.sh sets it for every module but PRODUCTION_CODEGEN) XLA:CPU compiles with
+# tests/codegen.py's FAST flags: LLVM optimisation level 0 (~35% less compile on tiny models)
+# with the classic fusion emitters in place of the MLIR ones (about half the compile time again:
+# an EAGLE engine's two programs 6.4 -> 3.1 s, no slower to run). That changes fusion and code
+# generation, so those programs are not the ones users run: the modules that depend on their last
+# bit (greedy identity at a near-tie, which the classic emitters break at batch 8) run with XLA's
+# defaults, as users compile, and the checks that read optimised HLO compile with
+# codegen.HLO_CODEGEN. (Level 0 is not only slower code: batched over [64, 7, 8], it compiled
+# sampling.logits_to_probs wrong -- a kept top-p boundary token got weight 0 -- where the default
+# level is right; tests/distribution.py computes its reference law op by op for that reason; the
+# sampled one-branch tree of test_tree_chain.py drew from non-finite probabilities under these
+# flags and is exact under the defaults.) Must precede the first jax import; a flag in XLA_FLAGS
+# wins.
 if os.environ.get("JAXSPEC_TEST_FAST_CODEGEN") == "1":
-    CODEGEN += [("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false")]
-for flag, value in CODEGEN:
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}={value}".strip()
-
-
-def production_codegen_flags(xla_flags: str) -> str:
-    """XLA_FLAGS without the fast code generation above: for subprocesses that measure the
-    compiled programs users run (the mesh copy / collective checks), as the one-device HLO checks
-    of PRODUCTION_CODEGEN do."""
-    fast = {f"--{flag}={value}" for flag, value in
-            (("xla_backend_optimization_level", "0"), ("xla_cpu_use_fusion_emitters", "false"))}
-    return " ".join(f for f in xla_flags.split() if f not in fast)
+    for flag, value in FAST:
+        if flag not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{flag}={value}".strip()
 
 
 # The persistent XLA compilation cache, shared by the xdist workers and every subprocess they

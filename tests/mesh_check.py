@@ -22,12 +22,13 @@ from tiny import TinyModel, dflash_like
 
 from jaxspec import hlo
 from jaxspec.decode import speculate
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import llama
-from jaxspec.decode.sampling import SamplingParams
 from jaxspec.sharding import MeshPlan, make_mesh
+from jaxspec.tools import roofline
 from jaxspec.train import methods
 
 V = 64
@@ -135,12 +136,12 @@ def decode_collectives(layers: int, shape, drafter_name="plain") -> dict[str, in
     lowered = speculate.decode_jit.lower(
         eng.spec, eng.model.params, eng.drafter_params, state, sp, jnp.int32(4)
     )
-    return count_collectives(lowered.compile().as_text())
+    return count_collectives(lowered.compile(compiler_options=roofline.READ_ONLY_CPU).as_text())
 
 
 # XLA:CPU's YNNPACK fusion (CPU only) materialises reduction operands; compile as the
-# accelerator compilers fuse (as tests/test_accelerator_path.py does for one device)
-ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# accelerator compilers fuse, and read-only (as tests/test_accelerator_path.py does for one device)
+ACCEL_LIKE = roofline.compile_options()
 # A CPU engine's capacity is prompt bucket + bucket(max_new) + nodes + 1 (odd, divisible by no
 # block size: once the unrolled XLA path read it in one pass and XLA:CPU copied every layer's
 # cache 4x a step); 256 is a device's (kernel_capacity). Both distinct from every model dim.

@@ -14,8 +14,6 @@
 
 PRODUCTION_CODEGEN = (
     "test_greedy_identity.py",
-    "test_roofline.py",
-    "test_accelerator_path.py",
     "test_tree_chain.py",
     # a sampled row (top-p 0.9) in a live-width batch must draw what it draws alone: under the
     # fast code generation's level 0 the top-p filter compiled differently per width (the

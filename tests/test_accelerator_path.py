@@ -16,15 +16,18 @@ from tiny import eagle_like, tiny_model
 
 from jaxspec import hlo
 from jaxspec.decode import speculate
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import llama
-from jaxspec.decode.sampling import SamplingParams
+from jaxspec.tools import roofline
 
 # XLA:CPU's YNNPACK library fusion (CPU only, absent on TPU/GPU) takes reductions out of XLA's own
-# fusions and materialises their operands; compile as the accelerator compilers fuse.
-ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# fusions and materialises their operands; compile as the accelerator compilers fuse, and as a
+# compile that is read, not run (the default compile's optimised HLO in half the time:
+# roofline.READ_ONLY_CPU, checked by test_roofline.py).
+ACCEL_LIKE = roofline.compile_options()
 CAPACITY = 200  # distinct from every other dim of the tiny model, so cache buffers are unambiguous
 
 
@@ -179,8 +182,8 @@ def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():
 
 
 def test_compare_greedy_tells_a_near_tie_from_a_real_difference(tiny_llama_dir):
-    from jaxspec.tools.greedy_check import compare_greedy
     from jaxspec.loading import load_model
+    from jaxspec.tools.greedy_check import compare_greedy
 
     m = load_model(tiny_llama_dir)
     prompt = [5, 9, 17, 33, 2]
@@ -196,8 +199,6 @@ def test_compare_greedy_tells_a_near_tie_from_a_real_difference(tiny_llama_dir):
 def test_batch_one_step_copies_no_cache(layout):
     """At batch 1 the size-1 batch dim leaves XLA free to re-lay the cache out: a loop over cache
     blocks inside the stacked layer loop made it copy the whole stack (found by the roofline)."""
-    from jaxspec.tools import roofline
-
     target = _model("unrolled").target
     for window in (1, 5):
         r = roofline.measure(target, layout, "verify", 1, window, capacity=512, valid=256)

@@ -1,9 +1,14 @@
 """The roofline tool: its minimum bytes and its device byte count match hand counts on tiny
-programs, and its CLI prints what the issue asks for."""
+programs, its CLI prints what the issue asks for, and the read-only compile it (and the suite's
+HLO checks) use gives the optimised HLO of XLA's default compile."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,12 +16,12 @@ import pytest
 from tiny import tiny_config
 
 from jaxspec import hlo
-from jaxspec.tools import roofline
 from jaxspec.models import llama
+from jaxspec.tools import roofline
 
 
 def _compile(fn, *args):
-    return jax.jit(fn).lower(*args).compile(compiler_options=roofline.ACCEL_LIKE)
+    return jax.jit(fn).lower(*args).compile(compiler_options=roofline.compile_options())
 
 
 def test_min_bytes_is_the_hand_count():
@@ -49,7 +54,7 @@ def test_device_bytes_counts_in_place_rows_times_the_trip_count():
             return c.at[i].set(c[i] * 2.0 + 1.0), None
         return jax.lax.scan(body, buf, jnp.arange(6))[0]
 
-    compiled = jax.jit(f, donate_argnums=0).lower(buf).compile(compiler_options=roofline.ACCEL_LIKE)
+    compiled = jax.jit(f, donate_argnums=0).lower(buf).compile(compiler_options=roofline.compile_options())
     row = 4 * 1024
     got = hlo.device_bytes(compiled.as_text())
     assert 6 * 2 * row <= got <= 6 * 2 * row + 512  # + the loop counter and index bytes
@@ -118,3 +123,45 @@ def test_roofline_reports_the_compiled_attention_not_the_setting(monkeypatch):
     r = roofline.measure(llama.LlamaTarget(cfg), "unrolled", "decode", 1, 1, capacity=96, valid=40)
     assert r.attention == "xla" and r.to_json()["attention"] == "xla"
     assert "| xla |" in roofline.format_table([r])
+
+
+_HLO_OF_BOTH = """
+import hashlib, re, sys
+sys.path.insert(0, "tests")
+import jax, jax.numpy as jnp
+from tiny import tiny_model
+from jaxspec.decode import speculate
+from jaxspec.decode.sampling import SamplingParams
+from jaxspec.drafters.draft_model import layer_skip_drafter
+from jaxspec.engine.runner import Engine
+from jaxspec.tools import roofline
+
+m = tiny_model(seed=0, layers=4)
+e = Engine(m, layer_skip_drafter(m.target, 2), None, num_speculative_tokens=4)
+sp = SamplingParams.make()
+args = (m.params, None, jnp.zeros((1, 32), jnp.int32), jnp.full((1,), 5, jnp.int32),
+        jnp.full((1,), 8, jnp.int32), sp, jax.random.key(0), jnp.arange(1, dtype=jnp.int32))
+state = jax.eval_shape(lambda *a: speculate.prefill(e.spec, *a, capacity=200), *args)
+lowered = speculate.decode_jit.lower(e.spec, m.params, None, state, sp, jnp.int32(1))
+for options in (roofline.ACCEL_LIKE, roofline.compile_options()):  # XLA's defaults; read-only
+    text = re.sub(r"metadata=[{][^}]*[}]", "", lowered.compile(compiler_options=options).as_text())
+    print(hashlib.sha256(text.encode()).hexdigest(), len(text))
+"""
+
+
+def test_the_read_only_compile_gives_the_default_optimised_hlo():
+    """LLVM level 0 with the default fusion emitters (roofline.READ_ONLY_CPU, the suite's
+    tests/codegen.py HLO_CODEGEN) leaves the optimised HLO of XLA's default compile unchanged:
+    a speculative decode loop compiled both ways in a process with no XLA flags, the same text.
+    (The classic emitters of the suite's fast code generation do change it.)"""
+    root = Path(__file__).resolve().parents[1]
+    # both compiled here: no XLA flags, no persistent cache (a program loaded from it may carry
+    # another process's instruction ids)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    proc = subprocess.run([sys.executable, "-c", _HLO_OF_BOTH], check=False, cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    default, read_only = proc.stdout.split("\n")[-3:-1]
+    assert int(default.split()[1]) > 100_000  # a whole decode loop, not an empty module
+    assert read_only == default

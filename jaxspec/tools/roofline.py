@@ -53,6 +53,10 @@ base = _OnFirstUse("jaxspec.models.base")
 llama = _OnFirstUse("jaxspec.models.llama")
 
 ACCEL_LIKE = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# The programs here are compiled to be read (HLO, costs), never run. On the CPU, LLVM's
+# optimisation level acts after the HLO passes: level 0 with the default (MLIR) fusion emitters
+# gives the default compile's optimised HLO exactly, in about half its compile time.
+READ_ONLY_CPU = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": True}
 
 MODEL_SHAPES = {
     "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
@@ -135,8 +139,13 @@ def _step(target: base.Target, last_only):
     return jax.jit(step, donate_argnums=2)
 
 
+def compile_options() -> dict:
+    """XLA options for a compile that is read, not run: ACCEL_LIKE, and READ_ONLY_CPU on a CPU."""
+    return {**ACCEL_LIKE, **(READ_ONLY_CPU if jax.default_backend() == "cpu" else {})}
+
+
 def _compile(fn, *args):
-    return fn.lower(*args).compile(compiler_options=ACCEL_LIKE)
+    return fn.lower(*args).compile(compiler_options=compile_options())
 
 
 def _costs(compiled) -> tuple[float, float]:
