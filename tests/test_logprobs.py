@@ -90,3 +90,20 @@ def test_openai_shapes_parse_with_the_client_types():
     assert comp.tokens == ["é", "t7"] and comp.token_logprobs == [-0.1, -2.5]
     assert comp.top_logprobs == [{"é": -0.1}, {"t3": -1.0}]
     assert comp.text_offset == [4, 5]
+
+
+def test_path_scored_reads_each_token_where_its_parent_node_sits():
+    # a tree window of 5 nodes; accepted path root(0) -> 2 -> 4, then a resampled token
+    logits = _logits(4, (1, 5, V))
+    path = np.array([[0, 2, 4]], np.int32)
+    window_tokens = np.array([[9, 11, 12, 13, 14]], np.int32)
+    path_tokens = np.take_along_axis(window_tokens, path, 1)  # [[9, 12, 14]]
+    num_acc, next_token = np.array([2], np.int32), np.array([30], np.int32)
+    chosen, ids, _ = lp.path_scored(logits, path, path_tokens, num_acc, next_token, 2)
+    ref = _log_softmax(logits[0])
+    want = [ref[0, 12], ref[2, 14], ref[4, 30]]  # emitted 12, 14, 30 predicted by nodes 0, 2, 4
+    np.testing.assert_allclose(chosen[0], want, atol=1e-5)
+    np.testing.assert_array_equal(ids[0, 1], np.argsort(-ref[2], kind="stable")[:2])
+    # one accepted: slot 1 is the resampled token, read at node path[1]
+    chosen, _, _ = lp.path_scored(logits, path, path_tokens, np.array([1]), next_token, 0)
+    np.testing.assert_allclose(chosen[0, :2], [ref[0, 12], ref[2, 30]], atol=1e-5)

@@ -56,3 +56,36 @@ def scored(
     """`token_logprobs(log_probs(logits, sp, mode), tokens, k)`: logits f32[..., V] at the
     positions that emitted `tokens` int32[...]."""
     return token_logprobs(log_probs(logits, sp, mode), tokens, k)
+
+
+def emitted_along_path(path_tokens: jax.Array, num_acc: jax.Array, next_token: jax.Array):
+    """The tokens one verify step emits, slot by slot: int32[B, D+1] with slot i < num_acc the
+    accepted node's token (path_tokens[:, i + 1]) and slot num_acc the resampled / bonus token;
+    later slots repeat next_token (the caller masks them with num_acc).
+
+    path_tokens int32[B, D+1] (window tokens along the accepted path, root first), num_acc int32[B],
+    next_token int32[B]."""
+    shifted = jnp.concatenate([path_tokens[:, 1:], next_token[:, None]], axis=1)  # [B, D+1]
+    slot = jnp.arange(shifted.shape[1])[None]
+    return jnp.where(slot < num_acc[:, None], shifted, next_token[:, None]).astype(jnp.int32)
+
+
+def path_scored(
+    logits: jax.Array,
+    path: jax.Array,
+    path_tokens: jax.Array,
+    num_acc: jax.Array,
+    next_token: jax.Array,
+    k: int,
+    sp: SamplingParams | None = None,
+    mode: str = "raw",
+):
+    """Logprobs of a verify step's emitted tokens, for chain and tree windows alike.
+
+    logits f32[B, T, V]: the target over the window (node j's logits predict its child);
+    path int32[B, D+1]: window node indices along the accepted path (root first, as
+    `acceptance.accept_tree` returns). The token in slot i was predicted by node path[:, i], so
+    its logprob is read there -- the same position plain decoding scores it at.
+    Returns `token_logprobs` over [B, D+1] (slots > num_acc are padding)."""
+    at = jnp.take_along_axis(logits, path[:, :, None], axis=1)  # [B, D+1, V]
+    return scored(at, emitted_along_path(path_tokens, num_acc, next_token), k, sp, mode)
