@@ -87,5 +87,6 @@ def path_scored(
     `acceptance.accept_tree` returns). The token in slot i was predicted by node path[:, i], so
     its logprob is read there -- the same position plain decoding scores it at.
     Returns `token_logprobs` over [B, D+1] (slots > num_acc are padding)."""
-    at = jnp.take_along_axis(logits, path[:, :, None], axis=1)  # [B, D+1, V]
+    nodes = jnp.clip(path, 0, logits.shape[1] - 1)  # slots past num_acc hold garbage indices
+    at = jnp.take_along_axis(logits, nodes[:, :, None], axis=1)  # [B, D+1, V]
     return scored(at, emitted_along_path(path_tokens, num_acc, next_token), k, sp, mode)
