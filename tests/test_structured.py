@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
+from distribution import FAIL_P, PASS_P, chi_square_pvalue
 from outlines_core import Index, Vocabulary
 
-from distribution import FAIL_P, PASS_P, chi_square_pvalue
 from jaxspec.constrain import Constraint, compile_tables, constraint_regex, mask
 from jaxspec.decode.acceptance import accept_row
 

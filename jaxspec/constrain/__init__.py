@@ -4,7 +4,12 @@ compile.py turns a constraint into a regex and the regex into a token automaton 
 tables.py is the device pytree; mask.py the pure functions the decode loop calls.
 """
 
-from jaxspec.constrain.compile import Constraint, compile_tables, constraint_regex, vocabulary_from_tokens
+from jaxspec.constrain.compile import (
+    Constraint,
+    compile_tables,
+    constraint_regex,
+    vocabulary_from_tokens,
+)
 from jaxspec.constrain.mask import advance, allowed, chain_states, mask_probs, tree_states
 from jaxspec.constrain.tables import Tables
 

@@ -49,7 +49,7 @@ def _check_keywords(schema, where="schema") -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        raise ValueError(f"{where} must be a JSON object, got {type(schema).__name__}")
+        raise TypeError(f"{where} must be a JSON object, got {type(schema).__name__}")
     for key, value in schema.items():
         if key not in SUPPORTED_KEYWORDS:
             raise ValueError(f"unsupported JSON Schema keyword {key!r} at {where}; remove it or use guided_regex")
