@@ -14,6 +14,8 @@ import jsonschema
 import numpy as np
 import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from outlines_core import Index, Vocabulary
 
 from jaxspec.constrain import Constraint, compile_tables, constraint_regex, mask
@@ -197,3 +199,27 @@ def test_speculative_under_the_mask_has_the_constrained_law():
 @pytest.mark.parametrize("variant", ["q_not_masked", "state_before_prefix"])
 def test_broken_variants_fail_the_law(variant):
     assert _first_two(variant, ROWS) < FAIL_P
+
+
+_LEAF = st.sampled_from([
+    {"type": "integer"}, {"type": "boolean"}, {"type": "null"}, {"type": "string", "maxLength": 6},
+    {"enum": ["x", "yz", 3]}, {"type": "number"}, {"type": "string", "pattern": "[a-c]{1,3}"},
+])
+_SCHEMA = st.recursive(
+    _LEAF,
+    lambda inner: st.one_of(
+        st.dictionaries(st.sampled_from(["a", "b", "name", "age"]), inner, min_size=1, max_size=3).map(
+            lambda props: {"type": "object", "properties": props, "required": sorted(props)}),
+        inner.map(lambda items: {"type": "array", "items": items, "maxItems": 3}),
+    ),
+    max_leaves=4,
+)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(schema=_SCHEMA, seed=st.integers(0, 2**16))
+def test_generated_schemas_validate(schema, seed):
+    tables = compile_tables(constraint_regex(Constraint(json_schema=schema)), TOKENS, EOS, VOCAB)
+    toks, complete = _walk_tokens(tables, np.random.default_rng(seed))
+    assert complete
+    jsonschema.validate(json.loads(b"".join(TOKENS[t] for t in toks)), schema)
