@@ -223,3 +223,13 @@ def test_generated_schemas_validate(schema, seed):
     toks, complete = _walk_tokens(tables, np.random.default_rng(seed))
     assert complete
     jsonschema.validate(json.loads(b"".join(TOKENS[t] for t in toks)), schema)
+
+
+def test_deterministic_drafts_are_cut_at_the_first_disallowed_token():
+    tables = compile_tables("(ab|c)+", TOKENS, EOS, VOCAB)
+    a, b, c = (CHARS.index(x) + 1 for x in "abc")
+    cut = jax.jit(mask.valid_prefix)
+    assert int(cut(tables, tables.initial, jnp.array([a, b, c, c], jnp.int32), jnp.int32(4))) == 4
+    assert int(cut(tables, tables.initial, jnp.array([a, b, b, c], jnp.int32), jnp.int32(4))) == 2
+    assert int(cut(tables, tables.initial, jnp.array([b, c, c, c], jnp.int32), jnp.int32(4))) == 0
+    assert int(cut(tables, tables.initial, jnp.array([c, c, c, c], jnp.int32), jnp.int32(3))) == 3

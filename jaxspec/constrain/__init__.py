@@ -10,10 +10,17 @@ from jaxspec.constrain.compile import (
     constraint_regex,
     vocabulary_from_tokens,
 )
-from jaxspec.constrain.mask import advance, allowed, chain_states, mask_probs, tree_states
+from jaxspec.constrain.mask import (
+    advance,
+    allowed,
+    chain_states,
+    mask_probs,
+    tree_states,
+    valid_prefix,
+)
 from jaxspec.constrain.tables import Tables
 
 __all__ = [
     "Constraint", "Tables", "advance", "allowed", "chain_states", "compile_tables", "constraint_regex",
-    "mask_probs", "tree_states", "vocabulary_from_tokens",
+    "mask_probs", "tree_states", "valid_prefix", "vocabulary_from_tokens",
 ]

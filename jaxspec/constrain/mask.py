@@ -61,3 +61,13 @@ def tree_states(tables: Tables, state: jax.Array, tokens: jax.Array, parents: ja
         return out.at[i + 1].set(advance(tables, parent_state, tokens[i]))
 
     return jax.lax.fori_loop(0, tokens.shape[0], body, out)
+
+
+def valid_prefix(tables: Tables, state: jax.Array, tokens: jax.Array, num_proposed: jax.Array) -> jax.Array:
+    """state int32[], tokens int32[G], num_proposed int32[] -> int32[]: how many leading drafts
+    the constraint allows. A deterministic drafter (n-gram, suffix: one-hot q) is cut here
+    instead of masked, which keeps its q exact: the cut depends only on the context, never on
+    the acceptance draw. A cut draft counts as "removed by the mask" in the metrics."""
+    ok = chain_states(tables, state, tokens)[1:] != -2  # [G]
+    first_bad = jnp.argmin(jnp.concatenate([ok, jnp.array([False])]))
+    return jnp.minimum(first_bad, num_proposed).astype(jnp.int32)
