@@ -37,67 +37,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decode import adaptive, speculate
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.runner import bucket
 from jaxspec.errors import JaxspecError
-from jaxspec.decode.sampling import SamplingParams
 from jaxspec.models import paged_attention
-from jaxspec.serving import paged_cache, policy as policy_lib, prefix, rows
+from jaxspec.serving import paged_cache, prefix, rows
+from jaxspec.serving import policy as policy_lib
+from jaxspec.serving.batch import MIN_TABLE_PAGES, call_width, hole, program_widths
 from jaxspec.serving.pages import PagePool, pages_for
-from jaxspec.serving.requests import Completion, QueueFull, Sampling
+from jaxspec.serving.requests import Completion, QueueFull, Request, Sampling
+from jaxspec.serving.stats import Stats
 from jaxspec.serving.text import TextState
 
 GREEDY = Sampling().values
+# names that lived here before the split, importable from here still
+__all__ = ["MIN_TABLE_PAGES", "QueueFull", "Request", "Scheduler", "Stats", "program_widths"]
 # a row's prefill into the shared page pool, the pool donated (updated in place, not copied)
 prefill_into_pool = jax.jit(speculate.prefill, static_argnames=("spec", "capacity"),
                             donate_argnames=("cache",))
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    id: str
-    prompt_ids: list[int]
-    sampling: Sampling
-    seed: int
-    sink: Any  # .push(piece) / .finish(Completion): api.Stream
-    submitted: float
-    admitted: float = 0.0
-    first_token: float = 0.0
-    slot: int = -1
-    generated: list[int] = dataclasses.field(default_factory=list)  # tokens streamed so far
-    text: TextState | None = None
-    cancelled: bool = False
-    preemptions: int = 0
-    peak_pages: int = 0  # the most KV pages the request held at once
-    cached_tokens: int = 0  # prompt tokens whose k/v came from the prefix cache (last admission)
-    replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
-    priority: int = 0  # higher first under serving.policy=priority
-
-
-MIN_TABLE_PAGES = 4  # the narrowest page table a device call gets (fewer programs)
-
-
-def program_widths(most: int, least: int = 1) -> tuple[int, ...]:
-    """The sizes compiled for: powers of two from `least` below `most`, then `most`."""
-    out, w = [], max(1, least)
-    while w < most:
-        out.append(w)
-        w *= 2
-    return (*out, most)
-
-
-@dataclasses.dataclass
-class Stats:
-    device_calls: int = 0
-    # device calls by (rows, page-table slots) of the program that ran, read from its state
-    calls_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
-    decode_s: float = 0.0
-    prefill_s: float = 0.0
-    admitted: int = 0
-    finished: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0  # prompt tokens admitted (readmissions included)
-    prefix_cached_tokens: int = 0  # of those, tokens whose k/v came from the prefix cache
-    peak_used_pages: int = 0  # the most distinct KV pages rows held at once (shared: once)
 
 
 class Scheduler:
@@ -320,7 +277,7 @@ class Scheduler:
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
             if self.paged:  # the tiled state shares the row's pool: not donated with it
-                self._set_cache(k=self._hole(row.cache.k), v=self._hole(row.cache.k))
+                self._set_cache(k=hole(row.cache.k), v=hole(row.cache.k))
         self.state = rows.insert_row(self.state, row, jnp.int32(slot), self._axes)
         if self.paged:  # the pool the prefill wrote (insert_row kept the batch's placeholder)
             self._set_cache(k=row.cache.k, v=row.cache.v)
@@ -366,7 +323,7 @@ class Scheduler:
             k, v = empty.k, empty.v
         else:
             k, v = self.state.cache.k, self.state.cache.v
-            self._set_cache(k=self._hole(k), v=self._hole(k))
+            self._set_cache(k=hole(k), v=hole(k))
         table = self.pool.table(self.slots, self.max_pages)[slot : slot + 1]
         return paged_attention.PagedKVCache(k, v, jnp.asarray(table),
                                             jnp.asarray([start], jnp.int32))
@@ -379,10 +336,6 @@ class Scheduler:
             return "none yet"
         paged = isinstance(self.state.cache, paged_attention.PagedKVCache)
         return "paged" if paged else "contiguous"
-
-    @staticmethod
-    def _hole(pool) -> tuple:
-        return tuple(jnp.zeros((0,), x.dtype) for x in pool)
 
     def _set_cache(self, **fields) -> None:
         self.state = dataclasses.replace(
@@ -495,7 +448,7 @@ class Scheduler:
         engine = self.engine
         live = sorted(self.active)
         # (a contiguous cache is per row: compacting it would copy every live row's KV)
-        width = (next(w for w in self.widths if w >= len(live)) if self.paged and not self.static
+        width = (call_width(self.widths, len(live)) if self.paged and not self.static
                  else self.slots)
         spare = [s for s in range(self.slots) if s not in self.active]  # done rows: padding
         order = live + spare[: width - len(live)]
@@ -503,13 +456,13 @@ class Scheduler:
         whole = order == list(range(self.slots))
         if self.paged:
             k, v = self.state.cache.k, self.state.cache.v
-            self._set_cache(k=self._hole(k), v=self._hole(k))
+            self._set_cache(k=hole(k), v=hole(k))
         sub = self.state if whole else rows.take_rows(self.state, jnp.asarray(order, jnp.int32),
                                                       self._axes)
         if self.paged:  # the tables as the pool holds them now (grown, released, preempted);
             # a slot still prefilling gets none: its stale row must not write into its pages
             held = max(self.pool.held(s) for s in live)
-            cols = next(w for w in self.table_widths if w >= held)
+            cols = call_width(self.table_widths, held)
             table = self.pool.table(self.slots, self.max_pages, only=self.active)[order, :cols]
             sub = dataclasses.replace(sub, cache=dataclasses.replace(
                 sub.cache, k=k, v=v, page_table=jnp.asarray(table)))
@@ -525,7 +478,7 @@ class Scheduler:
         if self.paged:  # the pool out, a full-width table placeholder in (the host's is truth)
             k, v = sub.cache.k, sub.cache.v
             sub = dataclasses.replace(sub, cache=dataclasses.replace(
-                sub.cache, k=self._hole(k), v=self._hole(k),
+                sub.cache, k=hole(k), v=hole(k),
                 page_table=jnp.zeros((width, self.max_pages), jnp.int32)))
         self.state = sub if whole else rows.put_rows(self.state, sub,
                                                      jnp.asarray(order, jnp.int32), self._axes)
