@@ -44,6 +44,7 @@ from jaxspec.models import paged_attention
 from jaxspec.serving import paged_cache, prefix, rows
 from jaxspec.serving import policy as policy_lib
 from jaxspec.serving.batch import MIN_TABLE_PAGES, call_width, hole, program_widths
+from jaxspec.serving.kv_manager import KVManager
 from jaxspec.serving.pages import PagePool, pages_for
 from jaxspec.serving.requests import Completion, QueueFull, Request, Sampling
 from jaxspec.serving.stats import Stats
@@ -133,6 +134,8 @@ class Scheduler:
         taps = spec.drafter is not None and spec.drafter.hidden_layers
         self.chunk = prefill_chunk if self.paged and not static and not taps else None
         self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
+        self.kv = KVManager(self.pool, max_context, steps_per_call, spec.depth, spec.num_nodes,
+                            self.prefix_cache)
         if prefill_chunk is not None and prefill_chunk < 1:
             raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
         self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
@@ -212,7 +215,7 @@ class Scheduler:
                 break
             if not self.policy.admit(req, self.pool):
                 continue
-            cached = self._take_pages(req, free[0])
+            cached = self.kv.take(req, free[0], written=self.state is not None)
             if cached is None:
                 break  # the pool is short: wait for a row to end
             self.queue.remove(req)
@@ -228,16 +231,6 @@ class Scheduler:
                 self._prefill_into(req, slot, cached)
         self.stats.peak_used_pages = max(self.stats.peak_used_pages, self.pool.used_pages)
 
-    def _take_pages(self, req: Request, slot: int) -> int | None:
-        """Pages for a request's prompt and one step (as vLLM does: growth past it is reserved
-        call by call, preempting the newest rows where the pool runs short), its cached prefix
-        pages shared where prefix sharing is on. Returns the prompt tokens those hold (0: none
-        shared); None (nothing taken) when the pool is short."""
-        slots = self._slots_needed(len(req.prompt_ids), req, 1)
-        if self.prefix_cache != "on" or self.state is None:  # no pool written yet: none cached
-            return 0 if self.pool.grow(slot, slots) else None
-        return self.pool.admit(slot, req.prompt_ids, slots)
-
     def _prefill_chunks(self) -> bool:
         """One chunk of every prefilling request's prompt written into its pages; the last
         (at most `chunk` tokens) through `speculate.prefill` with the pool already holding the
@@ -252,28 +245,17 @@ class Scheduler:
                                                 tokens, cache)
                 self._set_cache(k=cache.k, v=cache.v)
                 entry[1] = done + self.chunk
-                if self.prefix_cache == "on":  # its full pages so far: shareable already
-                    self.pool.register(slot, req.prompt_ids[: entry[1]])
+                self.kv.written(slot, req.prompt_ids[: entry[1]])  # shareable already
                 self.stats.prefill_s += time.perf_counter() - t0
             else:
                 del self.prefilling[slot]
                 self._prefill_into(req, slot, done)
         return bool(self.prefilling) or bool(self.active)
 
-    def _slots_needed(self, length: int, req: Request, steps: int | None = None) -> int:
-        """Cache slots a row of `length` committed tokens may touch in its next `steps` steps
-        (None: a device call's): its growth (at most depth + 1 tokens a step, never past
-        max_tokens) plus one verify window of drafted slots."""
-        spec = self.spec
-        limit = len(req.prompt_ids) + int(req.sampling.max_tokens)
-        grow = min(length + 1 + (steps or self.steps) * (spec.depth + 1), limit)
-        return min(grow + spec.num_nodes + 1, self.capacity)
-
     def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
         t0 = time.perf_counter()
         row = self._row_state(self.spec, req, slot, done)
-        if self.prefix_cache == "on":  # its full prompt pages, written: shareable from now on
-            self.pool.register(slot, req.prompt_ids)
+        self.kv.written(slot, req.prompt_ids)
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
             if self.paged:  # the tiled state shares the row's pool: not donated with it
@@ -381,20 +363,8 @@ class Scheduler:
     def _reserve_pages(self) -> None:
         """Every active row holds pages for the next call's growth; where the pool is short the
         policy's victims are preempted (their pages freed, the request requeued first,
-        recomputed from its prompt when readmitted)."""
-        lengths = self._host_lengths()
-        by_age = sorted(self.active.values(), key=lambda r: r.admitted)
-        for req in by_age:
-            if req.slot < 0:  # preempted for an older row
-                continue
-            need = self._slots_needed(int(lengths[req.slot]), req)
-            while not self.pool.grow(req.slot, need):
-                victim = self.policy.victim(list(self.active.values()))
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.slot >= 0:
-                req.peak_pages = max(req.peak_pages, self.pool.held(req.slot))
+        recomputed from its prompt when readmitted): `KVManager.reserve`."""
+        self.kv.reserve(self.active, self._host_lengths(), self.policy.victim, self._preempt)
 
     def _host_lengths(self) -> np.ndarray:
         return np.asarray(jax.device_get(self.state.lengths))
