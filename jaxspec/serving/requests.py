@@ -7,6 +7,7 @@ from typing import Any
 
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import sampling_problem
+from jaxspec.serving.text import TextState
 
 
 class QueueFull(JaxspecError):
@@ -89,3 +90,27 @@ class Completion:
                 "time_per_output_token_s": self.time_per_output_token_s,
             },
         }
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request's life in the scheduler: its prompt, settings, sink and timings, the slot it
+    holds (-1: queued) and what was streamed (replayed after a preemption, not sent again)."""
+
+    id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    seed: int
+    sink: Any  # .push(piece) / .finish(Completion): api.Stream
+    submitted: float
+    admitted: float = 0.0
+    first_token: float = 0.0
+    slot: int = -1
+    generated: list[int] = dataclasses.field(default_factory=list)  # tokens streamed so far
+    text: TextState | None = None
+    cancelled: bool = False
+    preemptions: int = 0
+    peak_pages: int = 0  # the most KV pages the request held at once
+    cached_tokens: int = 0  # prompt tokens whose k/v came from the prefix cache (last admission)
+    replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
+    priority: int = 0  # higher first under serving.policy=priority

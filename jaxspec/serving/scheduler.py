@@ -37,67 +37,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decode import adaptive, speculate
+from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.runner import bucket
 from jaxspec.errors import JaxspecError
-from jaxspec.decode.sampling import SamplingParams
 from jaxspec.models import paged_attention
-from jaxspec.serving import paged_cache, policy as policy_lib, prefix, rows
+from jaxspec.serving import paged_cache, prefix, rows
+from jaxspec.serving import policy as policy_lib
+from jaxspec.serving.batch import MIN_TABLE_PAGES, call_width, hole, program_widths
+from jaxspec.serving.kv_manager import KVManager
 from jaxspec.serving.pages import PagePool, pages_for
-from jaxspec.serving.requests import Completion, QueueFull, Sampling
+from jaxspec.serving.requests import Completion, QueueFull, Request, Sampling
+from jaxspec.serving.stats import Stats
 from jaxspec.serving.text import TextState
 
 GREEDY = Sampling().values
+# names that lived here before the split, importable from here still
+__all__ = ["MIN_TABLE_PAGES", "QueueFull", "Request", "Scheduler", "Stats", "program_widths"]
 # a row's prefill into the shared page pool, the pool donated (updated in place, not copied)
 prefill_into_pool = jax.jit(speculate.prefill, static_argnames=("spec", "capacity"),
                             donate_argnames=("cache",))
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    id: str
-    prompt_ids: list[int]
-    sampling: Sampling
-    seed: int
-    sink: Any  # .push(piece) / .finish(Completion): api.Stream
-    submitted: float
-    admitted: float = 0.0
-    first_token: float = 0.0
-    slot: int = -1
-    generated: list[int] = dataclasses.field(default_factory=list)  # tokens streamed so far
-    text: TextState | None = None
-    cancelled: bool = False
-    preemptions: int = 0
-    peak_pages: int = 0  # the most KV pages the request held at once
-    cached_tokens: int = 0  # prompt tokens whose k/v came from the prefix cache (last admission)
-    replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
-    priority: int = 0  # higher first under serving.policy=priority
-
-
-MIN_TABLE_PAGES = 4  # the narrowest page table a device call gets (fewer programs)
-
-
-def program_widths(most: int, least: int = 1) -> tuple[int, ...]:
-    """The sizes compiled for: powers of two from `least` below `most`, then `most`."""
-    out, w = [], max(1, least)
-    while w < most:
-        out.append(w)
-        w *= 2
-    return (*out, most)
-
-
-@dataclasses.dataclass
-class Stats:
-    device_calls: int = 0
-    # device calls by (rows, page-table slots) of the program that ran, read from its state
-    calls_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
-    decode_s: float = 0.0
-    prefill_s: float = 0.0
-    admitted: int = 0
-    finished: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0  # prompt tokens admitted (readmissions included)
-    prefix_cached_tokens: int = 0  # of those, tokens whose k/v came from the prefix cache
-    peak_used_pages: int = 0  # the most distinct KV pages rows held at once (shared: once)
 
 
 class Scheduler:
@@ -176,6 +134,8 @@ class Scheduler:
         taps = spec.drafter is not None and spec.drafter.hidden_layers
         self.chunk = prefill_chunk if self.paged and not static and not taps else None
         self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
+        self.kv = KVManager(self.pool, max_context, steps_per_call, spec.depth, spec.num_nodes,
+                            self.prefix_cache)
         if prefill_chunk is not None and prefill_chunk < 1:
             raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
         self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
@@ -255,7 +215,7 @@ class Scheduler:
                 break
             if not self.policy.admit(req, self.pool):
                 continue
-            cached = self._take_pages(req, free[0])
+            cached = self.kv.take(req, free[0], written=self.state is not None)
             if cached is None:
                 break  # the pool is short: wait for a row to end
             self.queue.remove(req)
@@ -271,16 +231,6 @@ class Scheduler:
                 self._prefill_into(req, slot, cached)
         self.stats.peak_used_pages = max(self.stats.peak_used_pages, self.pool.used_pages)
 
-    def _take_pages(self, req: Request, slot: int) -> int | None:
-        """Pages for a request's prompt and one step (as vLLM does: growth past it is reserved
-        call by call, preempting the newest rows where the pool runs short), its cached prefix
-        pages shared where prefix sharing is on. Returns the prompt tokens those hold (0: none
-        shared); None (nothing taken) when the pool is short."""
-        slots = self._slots_needed(len(req.prompt_ids), req, 1)
-        if self.prefix_cache != "on" or self.state is None:  # no pool written yet: none cached
-            return 0 if self.pool.grow(slot, slots) else None
-        return self.pool.admit(slot, req.prompt_ids, slots)
-
     def _prefill_chunks(self) -> bool:
         """One chunk of every prefilling request's prompt written into its pages; the last
         (at most `chunk` tokens) through `speculate.prefill` with the pool already holding the
@@ -295,32 +245,21 @@ class Scheduler:
                                                 tokens, cache)
                 self._set_cache(k=cache.k, v=cache.v)
                 entry[1] = done + self.chunk
-                if self.prefix_cache == "on":  # its full pages so far: shareable already
-                    self.pool.register(slot, req.prompt_ids[: entry[1]])
+                self.kv.written(slot, req.prompt_ids[: entry[1]])  # shareable already
                 self.stats.prefill_s += time.perf_counter() - t0
             else:
                 del self.prefilling[slot]
                 self._prefill_into(req, slot, done)
         return bool(self.prefilling) or bool(self.active)
 
-    def _slots_needed(self, length: int, req: Request, steps: int | None = None) -> int:
-        """Cache slots a row of `length` committed tokens may touch in its next `steps` steps
-        (None: a device call's): its growth (at most depth + 1 tokens a step, never past
-        max_tokens) plus one verify window of drafted slots."""
-        spec = self.spec
-        limit = len(req.prompt_ids) + int(req.sampling.max_tokens)
-        grow = min(length + 1 + (steps or self.steps) * (spec.depth + 1), limit)
-        return min(grow + spec.num_nodes + 1, self.capacity)
-
     def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
         t0 = time.perf_counter()
         row = self._row_state(self.spec, req, slot, done)
-        if self.prefix_cache == "on":  # its full prompt pages, written: shareable from now on
-            self.pool.register(slot, req.prompt_ids)
+        self.kv.written(slot, req.prompt_ids)
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
             if self.paged:  # the tiled state shares the row's pool: not donated with it
-                self._set_cache(k=self._hole(row.cache.k), v=self._hole(row.cache.k))
+                self._set_cache(k=hole(row.cache.k), v=hole(row.cache.k))
         self.state = rows.insert_row(self.state, row, jnp.int32(slot), self._axes)
         if self.paged:  # the pool the prefill wrote (insert_row kept the batch's placeholder)
             self._set_cache(k=row.cache.k, v=row.cache.v)
@@ -366,7 +305,7 @@ class Scheduler:
             k, v = empty.k, empty.v
         else:
             k, v = self.state.cache.k, self.state.cache.v
-            self._set_cache(k=self._hole(k), v=self._hole(k))
+            self._set_cache(k=hole(k), v=hole(k))
         table = self.pool.table(self.slots, self.max_pages)[slot : slot + 1]
         return paged_attention.PagedKVCache(k, v, jnp.asarray(table),
                                             jnp.asarray([start], jnp.int32))
@@ -379,10 +318,6 @@ class Scheduler:
             return "none yet"
         paged = isinstance(self.state.cache, paged_attention.PagedKVCache)
         return "paged" if paged else "contiguous"
-
-    @staticmethod
-    def _hole(pool) -> tuple:
-        return tuple(jnp.zeros((0,), x.dtype) for x in pool)
 
     def _set_cache(self, **fields) -> None:
         self.state = dataclasses.replace(
@@ -428,20 +363,8 @@ class Scheduler:
     def _reserve_pages(self) -> None:
         """Every active row holds pages for the next call's growth; where the pool is short the
         policy's victims are preempted (their pages freed, the request requeued first,
-        recomputed from its prompt when readmitted)."""
-        lengths = self._host_lengths()
-        by_age = sorted(self.active.values(), key=lambda r: r.admitted)
-        for req in by_age:
-            if req.slot < 0:  # preempted for an older row
-                continue
-            need = self._slots_needed(int(lengths[req.slot]), req)
-            while not self.pool.grow(req.slot, need):
-                victim = self.policy.victim(list(self.active.values()))
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.slot >= 0:
-                req.peak_pages = max(req.peak_pages, self.pool.held(req.slot))
+        recomputed from its prompt when readmitted): `KVManager.reserve`."""
+        self.kv.reserve(self.active, self._host_lengths(), self.policy.victim, self._preempt)
 
     def _host_lengths(self) -> np.ndarray:
         return np.asarray(jax.device_get(self.state.lengths))
@@ -495,7 +418,7 @@ class Scheduler:
         engine = self.engine
         live = sorted(self.active)
         # (a contiguous cache is per row: compacting it would copy every live row's KV)
-        width = (next(w for w in self.widths if w >= len(live)) if self.paged and not self.static
+        width = (call_width(self.widths, len(live)) if self.paged and not self.static
                  else self.slots)
         spare = [s for s in range(self.slots) if s not in self.active]  # done rows: padding
         order = live + spare[: width - len(live)]
@@ -503,13 +426,13 @@ class Scheduler:
         whole = order == list(range(self.slots))
         if self.paged:
             k, v = self.state.cache.k, self.state.cache.v
-            self._set_cache(k=self._hole(k), v=self._hole(k))
+            self._set_cache(k=hole(k), v=hole(k))
         sub = self.state if whole else rows.take_rows(self.state, jnp.asarray(order, jnp.int32),
                                                       self._axes)
         if self.paged:  # the tables as the pool holds them now (grown, released, preempted);
             # a slot still prefilling gets none: its stale row must not write into its pages
             held = max(self.pool.held(s) for s in live)
-            cols = next(w for w in self.table_widths if w >= held)
+            cols = call_width(self.table_widths, held)
             table = self.pool.table(self.slots, self.max_pages, only=self.active)[order, :cols]
             sub = dataclasses.replace(sub, cache=dataclasses.replace(
                 sub.cache, k=k, v=v, page_table=jnp.asarray(table)))
@@ -525,7 +448,7 @@ class Scheduler:
         if self.paged:  # the pool out, a full-width table placeholder in (the host's is truth)
             k, v = sub.cache.k, sub.cache.v
             sub = dataclasses.replace(sub, cache=dataclasses.replace(
-                sub.cache, k=self._hole(k), v=self._hole(k),
+                sub.cache, k=hole(k), v=hole(k),
                 page_table=jnp.zeros((width, self.max_pages), jnp.int32)))
         self.state = sub if whole else rows.put_rows(self.state, sub,
                                                      jnp.asarray(order, jnp.int32), self._axes)

@@ -1,0 +1,29 @@
+"""The widths a serving device call is compiled for: the live rows are compacted into the
+narrowest row width that holds them and get a page table as wide as the longest row needs, so a
+step's cost follows the load with a bounded number of programs."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+MIN_TABLE_PAGES = 4  # the narrowest page table a device call gets (fewer programs)
+
+
+def program_widths(most: int, least: int = 1) -> tuple[int, ...]:
+    """The sizes compiled for: powers of two from `least` below `most`, then `most`."""
+    out, w = [], max(1, least)
+    while w < most:
+        out.append(w)
+        w *= 2
+    return (*out, most)
+
+
+def call_width(widths: tuple[int, ...], live: int) -> int:
+    """The narrowest compiled width holding `live` rows."""
+    return next(w for w in widths if w >= live)
+
+
+def hole(pool) -> tuple:
+    """Zero-size placeholders for a page pool's arrays: the batch state holds these while the
+    pool itself is passed (donated) on its own, so it is never copied."""
+    return tuple(jnp.zeros((0,), x.dtype) for x in pool)

@@ -1,0 +1,23 @@
+"""The scheduler's counters (`Scheduler.stats`): device calls by shape, prefill/decode time,
+admissions, preemptions, prefix-cache hits, the page high-water mark; read by bench.serve and
+the server's /metrics."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+
+@dataclasses.dataclass
+class Stats:
+    device_calls: int = 0
+    # device calls by (rows, page-table slots) of the program that ran, read from its state
+    calls_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    admitted: int = 0
+    finished: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted (readmissions included)
+    prefix_cached_tokens: int = 0  # of those, tokens whose k/v came from the prefix cache
+    peak_used_pages: int = 0  # the most distinct KV pages rows held at once (shared: once)
