@@ -94,3 +94,32 @@ def test_tpu_export_calls_the_ragged_kernel_once():
     xla = export.export(jax.jit(lambda *a: pa.ragged_attend(*a, sm_scale=0.1)),
                         platforms=["tpu"])(q, kv, jnp.full((B,), 9, jnp.int32), shuffled_table())
     assert hlo.compiled_attention(xla.mlir_module()) == "xla"
+
+
+def test_gpu_decode_kernel_in_interpret_mode_equals_the_xla_path():
+    k, v = pool(3)
+    table = shuffled_table(3)
+    lens = jnp.array([1, 13, MP * P], jnp.int32)
+    q = jax.random.normal(jax.random.key(5), (B, 1, N, H), jnp.float32)
+    ref = pa.ragged_attend(q, pa.combine_kv(k, v), lens, table, sm_scale=0.2)
+    out = pa.gpu_decode_attend(q, k, v, lens, table, sm_scale=0.2, interpret=True)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+def test_cuda_export_calls_the_triton_paged_kernel():
+    k = jnp.zeros((K, NP, P, 64), jnp.bfloat16)
+    q = jnp.zeros((B, 1, N, 64), jnp.bfloat16)
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in hlo.ATTENTION_TARGETS]
+    exported = export.export(
+        jax.jit(lambda q, k, v, l, t: pa.gpu_decode_attend(q, k, v, l, t, sm_scale=0.1)),
+        platforms=["cuda"], disabled_checks=checks)(
+            q, k, k, jnp.full((B,), 9, jnp.int32), shuffled_table())
+    assert hlo.compiled_attention(exported.mlir_module()) == "pallas_gpu"
+
+
+def test_choose_attention_per_backend_and_window():
+    from jaxspec.serving.paged_cache import choose_attention
+
+    assert choose_attention("tpu", 1) == choose_attention("tpu", 5) == "ragged_tpu"
+    assert choose_attention("gpu", 1) == "paged_gpu"
+    assert choose_attention("gpu", 5) == choose_attention("cpu", 1) == "xla"

@@ -221,3 +221,24 @@ def tpu_lowering(device_kind: str = "TPU v5 lite"):
     dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
     return jax.sharding.use_abstract_mesh(
         jax.sharding.AbstractMesh((1,), ("tpu",), abstract_device=dev))
+
+
+def gpu_decode_attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                      kv_lens: jax.Array, page_table: jax.Array, *, sm_scale: float,
+                      interpret: bool = False) -> jax.Array:
+    """One query per row (q [B, 1, N, H], the last of its kv_lens slots) over k/v pages
+    [K, NP, P, H] with JAX's Triton paged kernel (`pallas.ops.gpu.paged_attention`, this
+    module's layout as is; it applies no softmax scale: q is scaled first). -> [B, 1, N, H].
+    The kernel takes one query per row and no window: verify windows and prefill stay XLA."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    t = q.shape[1]
+    if t != 1:
+        raise ValueError(f"gpu_decode_attend takes one query per row, got {t}: use ragged_attend")
+    table = jnp.minimum(page_table, k_pages.shape[1] - 1)  # unallocated: past kv_lens, unread
+    p = k_pages.shape[2]
+    out = paged_attention((q[:, 0] * sm_scale).astype(q.dtype), k_pages, v_pages, table,
+                          kv_lens.astype(jnp.int32), block_h=16,
+                          pages_per_compute_block=max(1, min(table.shape[1], 128 // p)),
+                          k_splits=1, interpret=interpret)
+    return out[:, None]
