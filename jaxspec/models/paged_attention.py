@@ -126,3 +126,119 @@ def tpu_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     return paged_attention(q, k_pages, v_pages, lengths, page_table,
                            pages_per_compute_block=pages_per_compute_block)
+
+
+# --- The combined pool layout JAX's ragged TPU kernel reads -------------------------------
+#
+#     kv_pages: [NP, P, 2K, H]   pages, slots, kv heads interleaved (2i = k head i, 2i+1 = v)
+#
+# `jax.experimental.pallas.ops.tpu.ragged_paged_attention` takes every row's queries in one
+# flat [sum T_b, N, H] array with ragged lengths (cu_q_lens), so decode (T=1), verify windows
+# (T=γ+1) and prefill chunks go through one call. `ragged_attend` runs it on TPU and an XLA
+# reference elsewhere (the same masks: causal from each row's kv length, optional sliding window).
+
+
+def combine_kv(k_pages: jax.Array, v_pages: jax.Array) -> jax.Array:
+    """k/v pages [K, NP, P, H] -> the kernel's combined pool [NP, P, 2K, H] (heads interleaved)."""
+    kv, np_, p, h = k_pages.shape
+    both = jnp.stack([k_pages, v_pages], axis=1)  # [K, 2, NP, P, H]
+    return jnp.transpose(both, (2, 3, 0, 1, 4)).reshape(np_, p, 2 * kv, h)
+
+
+def split_kv(kv_pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The combined pool [NP, P, 2K, H] -> (k, v) pages [K, NP, P, H] (inverse of combine_kv)."""
+    k = jnp.transpose(kv_pages[:, :, 0::2], (2, 0, 1, 3))
+    v = jnp.transpose(kv_pages[:, :, 1::2], (2, 0, 1, 3))
+    return k, v
+
+
+def ragged_inputs(q: jax.Array, kv_lens: jax.Array):
+    """q [B, T, N, H] (every row T queries, the last T of its kv_lens[b] slots) -> the kernel's
+    flat queries [B*T, N, H], cu_q_lens int32[B+1] and num_seqs int32[1]."""
+    b, t, n, h = q.shape
+    cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+    return q.reshape(b * t, n, h), cu, jnp.array([b], jnp.int32)
+
+
+def reference_attend(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array,
+                     page_table: jax.Array, *, sm_scale: float,
+                     sliding_window: int | None = None) -> jax.Array:
+    """The XLA reference of `ragged_attend`: each row's pages gathered into a contiguous view.
+    q [B, T, N, H]; kv_lens int32[B] (slots written, the T queries included) -> [B, T, N, H]."""
+    b, t, n, h = q.shape
+    k_pages, v_pages = split_kv(kv_pages)
+    k = gather_pages(k_pages, page_table)  # [B, K, S, H]
+    v = gather_pages(v_pages, page_table)
+    kv = k.shape[1]
+    qg = q.reshape(b, t, kv, n // kv, h)
+    logits = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32)
+    logits = logits * sm_scale
+    qpos = kv_lens[:, None] - t + jnp.arange(t)  # [B, T]
+    kpos = jnp.arange(k.shape[2])
+    keep = kpos[None, None, :] <= qpos[:, :, None]  # [B, T, S]
+    if sliding_window is not None:
+        keep &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+    logits = jnp.where(keep[:, None, None], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, v)
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+def kernel_blocks(num_q_tokens: int, pages_per_row: int, page_size: int) -> dict:
+    """The ragged kernel's block sizes from the shapes (given, not looked up: JAX's tuned table
+    asks the local TPU's generation, which a host exporting for TPU has not): about 128 kv slots
+    and up to 32 queries per block, never more than a row's pages or the call's queries."""
+    pages = max(1, min(pages_per_row, 128 // page_size))
+    return {"num_kv_pages_per_block": pages, "num_queries_per_block": min(32, num_q_tokens)}
+
+
+def ragged_attend(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array,
+                  page_table: jax.Array, *, sm_scale: float, sliding_window: int | None = None,
+                  backend: str = "xla") -> jax.Array:
+    """Attention of q [B, T, N, H] over the combined pool [NP, P, 2K, H] through page_table
+    int32[B, MP]; kv_lens int32[B] counts each row's written slots, its T queries included
+    (query i sits at kv_lens - T + i). backend "tpu": JAX's ragged paged kernel (one call for
+    every row; `jax.export(..., platforms=["tpu"])` lowers it on any host), else the XLA
+    reference. -> [B, T, N, H]. Tree masks are not the kernel's: tree verification stays XLA."""
+    if backend != "tpu":
+        return reference_attend(q, kv_pages, kv_lens, page_table, sm_scale=sm_scale,
+                                sliding_window=sliding_window)
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    b, t, n, h = q.shape
+    flat, cu, num = ragged_inputs(q, kv_lens)
+    table = jnp.minimum(page_table, kv_pages.shape[0] - 1)  # unallocated: past kv_lens, unread
+    blocks = kernel_blocks(b * t, page_table.shape[1], kv_pages.shape[1])
+    out = ragged_paged_attention(flat, kv_pages, kv_lens.astype(jnp.int32), table, cu, num,
+                                 sm_scale=sm_scale, sliding_window=sliding_window, **blocks)
+    return out.reshape(b, t, n, h)
+
+
+def tpu_lowering(device_kind: str = "TPU v5 lite"):
+    """A context in which Mosaic lowers for `device_kind` on a host without a TPU: the ragged
+    kernel asks the chip's generation while lowering (`jax.export(..., platforms=["tpu"])` from
+    a CPU host fails without it). An abstract mesh of one device of that kind, public API."""
+    dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("tpu",), abstract_device=dev))
+
+
+def gpu_decode_attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                      kv_lens: jax.Array, page_table: jax.Array, *, sm_scale: float,
+                      interpret: bool = False) -> jax.Array:
+    """One query per row (q [B, 1, N, H], the last of its kv_lens slots) over k/v pages
+    [K, NP, P, H] with JAX's Triton paged kernel (`pallas.ops.gpu.paged_attention`, this
+    module's layout as is; it applies no softmax scale: q is scaled first). -> [B, 1, N, H].
+    The kernel takes one query per row and no window: verify windows and prefill stay XLA."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    t = q.shape[1]
+    if t != 1:
+        raise ValueError(f"gpu_decode_attend takes one query per row, got {t}: use ragged_attend")
+    table = jnp.minimum(page_table, k_pages.shape[1] - 1)  # unallocated: past kv_lens, unread
+    p = k_pages.shape[2]
+    out = paged_attention((q[:, 0] * sm_scale).astype(q.dtype), k_pages, v_pages, table,
+                          kv_lens.astype(jnp.int32), block_h=16,
+                          pages_per_compute_block=max(1, min(table.shape[1], 128 // p)),
+                          k_splits=1, interpret=interpret)
+    return out[:, None]

@@ -126,3 +126,17 @@ def write_chunk(target: PagedTarget, params, tokens: jax.Array, cache: pa.PagedK
     """tokens [B, C] run at cache.lengths.. and their k/v written through the page table (the
     pool donated: updated in place); lengths not advanced. A prompt chunk of chunked prefill."""
     return target.forward(params, tokens, cache).cache
+
+
+def choose_attention(backend: str, num_queries: int) -> str:
+    """Which paged attention a serving program over `num_queries` queries per row compiles on
+    `backend` ("tpu", "gpu"/"cuda", "cpu"): "ragged_tpu" (JAX's ragged paged kernel: decode,
+    verify windows and prefill chunks alike), "paged_gpu" (JAX's Triton paged kernel: it takes
+    one query per row, so plain decode only), else "xla" (the gather reference; on GPU for
+    verify windows and prefill, as JAX ships no multi-query paged kernel for CUDA). Tree masks
+    are no kernel's: a tree verify passes num_queries of its window and the caller keeps XLA."""
+    if backend == "tpu":
+        return "ragged_tpu"
+    if backend in ("gpu", "cuda") and num_queries == 1:
+        return "paged_gpu"
+    return "xla"
