@@ -58,10 +58,10 @@ class RandomModel:  # the fields of jaxspec.loading.LoadedModel the engine and c
 def random_model(name: str, dtype: str):
     import jax
 
-    from jaxspec.models import llama
+    from jaxspec.models import decoder, llama
 
     cfg = llama.ModelConfig(**SHAPES[name], dtype=dtype, max_position_embeddings=8192)
-    params = llama.stack_layers(llama.init_params(cfg, jax.random.key(0), scale=0.02))
+    params = decoder.stack_layers(llama.init_params(cfg, jax.random.key(0), scale=0.02))
     jax.block_until_ready(params)
     return RandomModel(cfg=cfg, params=params, name=name)
 

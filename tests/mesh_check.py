@@ -26,7 +26,7 @@ from jaxspec.decode.sampling import SamplingParams
 from jaxspec.drafters import NgramDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.engine.runner import Engine
-from jaxspec.models import llama
+from jaxspec.models import decoder, llama
 from jaxspec.sharding import MeshPlan, make_mesh
 from jaxspec.tools import roofline
 from jaxspec.train import methods
@@ -163,7 +163,7 @@ def decode_copies(layout: str, name: str, shape, capacity: int) -> dict:
     else:
         _, drafter, dparams, shard = next(d for d in drafters(target) if d[0] == name)
     if layout == "stacked":
-        target = dataclasses.replace(target, params=llama.stack_layers(target.params))
+        target = dataclasses.replace(target, params=decoder.stack_layers(target.params))
     plan = MeshPlan(make_mesh(*shape), shard_drafter=shard)
     eng = Engine(target, drafter, dparams, num_speculative_tokens=3 if drafter else 0, mesh=plan)
     batch = shape[0]
@@ -204,7 +204,7 @@ def bf16_model(layout: str, layers: int = 2) -> TinyModel:
     cfg = dataclasses.replace(m.cfg, dtype="bfloat16")
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), m.params)
     if layout == "stacked":
-        params = llama.stack_layers(params)
+        params = decoder.stack_layers(params)
     return TinyModel(cfg, params)
 
 

@@ -20,7 +20,7 @@ from jaxspec.decode.sampling import SamplingParams
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
-from jaxspec.models import llama
+from jaxspec.models import decoder, llama
 from jaxspec.tools import roofline
 
 # XLA:CPU's YNNPACK library fusion (CPU only, absent on TPU/GPU) takes reductions out of XLA's own
@@ -34,7 +34,7 @@ CAPACITY = 200  # distinct from every other dim of the tiny model, so cache buff
 def _model(layout):
     m = tiny_model(seed=0, layers=4, packed=layout == "packed")
     if layout == "stacked":
-        m = dataclasses.replace(m, params=llama.stack_layers(m.params))
+        m = dataclasses.replace(m, params=decoder.stack_layers(m.params))
     return m
 
 
@@ -120,7 +120,7 @@ def test_layer_skip_on_a_stack_slices_no_layers_per_step():
     (slicing the stack would copy n layers of weights every step). Distinct dims (L=5, n=3, D=40,
     F=80) keep weight shapes apart from every other buffer."""
     m = tiny_model(seed=0, layers=5, hidden=40)
-    m = dataclasses.replace(m, params=llama.stack_layers(m.params))
+    m = dataclasses.replace(m, params=decoder.stack_layers(m.params))
     shapes = [x.shape for x in jax.tree.leaves(m.params["layers"])]
     text = decode_hlo(m, layer_skip_drafter(m.target, 3), None)
     assert stack_prefix_slices(text, shapes, 3) == []

@@ -15,7 +15,7 @@ import pytest
 from tiny import tiny_model
 
 from jaxspec.models.cache import init_cache
-from jaxspec.models import attention, llama
+from jaxspec.models import attention, decoder, llama
 
 
 def _attention_inputs(seed=0, b=2, t=3, n=4, kv=2, s=64, h=16, layers=None):
@@ -193,7 +193,7 @@ def test_prefill_forward_on_tpu_kernels_matches_xla(monkeypatch, layout):
     pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
     m = tiny_model(seed=0, layers=4)
     if layout == "stacked":
-        m = dataclasses.replace(m, params=llama.stack_layers(m.params))
+        m = dataclasses.replace(m, params=decoder.stack_layers(m.params))
     lens = np.asarray([300, 129, 7])
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(np.where(np.arange(300)[None] < lens[:, None],

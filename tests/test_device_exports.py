@@ -26,7 +26,7 @@ from jaxspec.decode.sampling import SamplingParams
 from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
-from jaxspec.models import llama
+from jaxspec.models import decoder, llama
 from jaxspec import hlo
 
 
@@ -86,7 +86,7 @@ def _device_engine(config_name):
     dtype = {"auto": "bfloat16"}.get(config.model.dtype, config.model.dtype)
     layers = 10 if config.speculative.method == "layer_skip" else 4  # the config skips from 8
     cfg = dataclasses.replace(_model().cfg, dtype=dtype, num_layers=layers)
-    params = llama.stack_layers(llama.init_params(cfg, jax.random.key(0), scale=0.3))
+    params = decoder.stack_layers(llama.init_params(cfg, jax.random.key(0), scale=0.3))
     target = dataclasses.replace(_model(), cfg=cfg, params=params)
     spec = config.speculative
     drafter = dparams = None

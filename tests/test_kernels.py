@@ -15,7 +15,7 @@ from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
 from jaxspec.loading.params import check_options, unpack_params
-from jaxspec.models import attention, llama
+from jaxspec.models import attention, decoder, llama
 
 # Justified skip: without a CPU backend and a C++ compiler the kernel cannot exist, and "auto"
 # falls back to the unrolled layout, which test_parity and the mesh tests cover. CI has g++.
@@ -88,7 +88,7 @@ def test_prefix_attention_matches_float64(b, t, n, kv, slots, h):
     want = attention_reference(q, k, v, k_win, v_win, np.asarray(lengths), h**-0.5)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
     # the same with the window already written into the cache (what a plain step does)
-    written = [llama.write_kv(c, w, lengths[:, None] + jnp.arange(t)) for c, w in ((k, k_win), (v, v_win))]
+    written = [decoder.write_kv(c, w, lengths[:, None] + jnp.arange(t)) for c, w in ((k, k_win), (v, v_win))]
     np.testing.assert_array_equal(np.asarray(attend(q, *written, k_win, v_win, lengths, h**-0.5)), got)
 
 
@@ -100,7 +100,7 @@ def test_prefix_attention_rows_are_bit_identical_whatever_the_window():
     full = np.asarray(kernels.prefix_attention(q, k, v, k_win, v_win, lengths, 0.125))
     for t in range(6):  # the step at position lengths + t sees the first t window rows as cache
         pos = lengths[:, None] + jnp.arange(t)
-        k_t, v_t = llama.write_kv(k, k_win[:, :t], pos), llama.write_kv(v, v_win[:, :t], pos)
+        k_t, v_t = decoder.write_kv(k, k_win[:, :t], pos), decoder.write_kv(v, v_win[:, :t], pos)
         one = kernels.prefix_attention(q[:, t : t + 1], k_t, v_t, k_win[:, t : t + 1], v_win[:, t : t + 1], lengths + t, 0.125)
         np.testing.assert_array_equal(np.asarray(one)[:, 0], full[:, t])
 
@@ -122,8 +122,8 @@ def test_prefix_attention_tree_mask(h):
         for t in range(8):
             path = np.nonzero(np.asarray(mask[b, t]))[0]  # ancestors, then t itself
             pos = lengths[b] + jnp.arange(len(path) - 1)
-            kb = llama.write_kv(k[b : b + 1], k_win[b : b + 1, path[:-1]], pos[None])
-            vb = llama.write_kv(v[b : b + 1], v_win[b : b + 1, path[:-1]], pos[None])
+            kb = decoder.write_kv(k[b : b + 1], k_win[b : b + 1, path[:-1]], pos[None])
+            vb = decoder.write_kv(v[b : b + 1], v_win[b : b + 1, path[:-1]], pos[None])
             one = kernels.prefix_attention(
                 q[b : b + 1, t : t + 1], kb, vb, k_win[b : b + 1, t : t + 1],
                 v_win[b : b + 1, t : t + 1], lengths[b : b + 1] + len(path) - 1, h**-0.5,

@@ -18,7 +18,8 @@ from jaxspec.errors import JaxspecError
 from jaxspec.loading import LoadedModel, load_model, registry
 from jaxspec.loading.gguf_file import permute_qk, unpermute_qk
 from jaxspec.loading.safetensors_dir import tensor_index, config_from_hf
-from jaxspec.models.llama import RopeScaling, param_shapes
+from jaxspec.models.decoder import RopeScaling
+from jaxspec.models.llama import param_shapes
 
 # ---------------------------------------------------------------- config.json mapping
 

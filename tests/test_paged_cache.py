@@ -21,7 +21,7 @@ from jax import export
 
 from jaxspec.models.cache import init_cache
 from jaxspec.engine.runner import Engine
-from jaxspec.models import llama
+from jaxspec.models import decoder
 from jaxspec.models import paged_attention as pa
 from jaxspec.serving import Sampling
 from jaxspec.serving.pages import pages_for
@@ -63,7 +63,7 @@ def test_the_view_of_shuffled_pages_is_the_contiguous_cache():
     v_new = (random_window(rng, b, t), random_window(rng, b, t))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     paged = pa.view(pa.write_window(cache, (k_new, v_new), positions))
-    flat = llama.write_window(contiguous, (k_new, v_new), positions)
+    flat = decoder.write_window(contiguous, (k_new, v_new), positions)
     for got, want in zip((*paged.k, *paged.v), (*flat.k, *flat.v)):
         np.testing.assert_array_equal(np.asarray(got)[:, :, :t], np.asarray(want)[:, :, :t])
 

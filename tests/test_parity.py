@@ -14,7 +14,7 @@ import pytest
 
 from jaxspec import kernels
 from jaxspec.loading import load_model
-from jaxspec.models import llama
+from jaxspec.models import decoder, llama
 from jaxspec.loading.gguf_file import open_gguf
 from jaxspec.loading.tokenizer import load_gguf_tokenizer, quiet, tokenizer_from_metadata
 from jaxspec.models.llama import forward_logits
@@ -112,7 +112,7 @@ def test_deferred_cache_write_matches_writing_first(tiny_llama_dir, layout):
     written = llama.forward(m.params, window, cache, m.cfg)
     deferred = llama.forward(m.params, window, cache, m.cfg, write_cache=False)
     np.testing.assert_allclose(deferred.hidden, written.hidden, rtol=1e-5, atol=1e-5)
-    late = llama.write_window(deferred.cache, deferred.window_kv, cache.positions(4))
+    late = decoder.write_window(deferred.cache, deferred.window_kv, cache.positions(4))
     exact = m.layout == "packed"  # the kernel reads the window from its own inputs either way
     for a, b in zip(jax.tree.leaves(late), jax.tree.leaves(written.cache)):
         if exact:

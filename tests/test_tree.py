@@ -21,7 +21,7 @@ from jaxspec.drafters.base import Proposal
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
-from jaxspec.models import llama
+from jaxspec.models import decoder, llama
 from jaxspec.decode.sampling import SamplingParams, logits_to_probs
 from jaxspec.train import methods
 
@@ -328,7 +328,7 @@ def test_tree_on_the_xla_attention_path(prompts, layout):
     """Without the CPU kernels the ancestor mask goes through XLA's attention (both layouts)."""
     model = tiny_model(seed=0, layers=2)
     if layout == "stacked":
-        model = dataclasses.replace(model, params=llama.stack_layers(model.params))
+        model = dataclasses.replace(model, params=decoder.stack_layers(model.params))
     plain = [r.token_ids for r in Engine(model).generate(prompts, max_new_tokens=30, batch_size=4)]
     engine = Engine(model, NgramDrafter(64, branches=3, depth=3), num_speculative_tokens=1)
     results = engine.generate(prompts, max_new_tokens=30, batch_size=4)

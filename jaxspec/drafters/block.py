@@ -64,7 +64,7 @@ from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.eagle import fuse, head_logits, rms
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import llama
+from jaxspec.models import decoder, llama
 
 TREE_CHILDREN = ("top_k", "sampled")
 
@@ -72,7 +72,7 @@ TREE_CHILDREN = ("top_k", "sampled")
 def entry_inputs(dparams, emb, feature_before):
     """Context entries: token embeddings [..., D] with the fused feature before each [..., D]."""
     x = jnp.concatenate([rms(emb), rms(feature_before)], axis=-1)
-    return llama.linear(x, dparams["in_proj"])
+    return decoder.linear(x, dparams["in_proj"])
 
 
 def layer_names(dparams) -> list[str]:
@@ -84,9 +84,9 @@ def _qkv(cfg, lp, x, positions):
     inv_freq = llama.rope_frequencies(cfg)
     y = llama.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     lead = x.shape[:-1]
-    q = llama.linear(y, lp["wq"]).reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = llama.linear(y, lp["wk"]).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = llama.linear(y, lp["wv"]).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    q = decoder.linear(y, lp["wq"]).reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = decoder.linear(y, lp["wk"]).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = decoder.linear(y, lp["wv"]).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     flat = lambda a: a.reshape(-1, *a.shape[-3:])  # noqa: E731  rope takes [B, T, heads, Hd]
     pos = positions.reshape(-1, positions.shape[-1])
     rope = lambda a: llama.apply_rope(flat(a), pos, inv_freq).reshape(a.shape)  # noqa: E731
@@ -124,10 +124,10 @@ def block_attention(q, blk_k, blk_v, ctx_k, ctx_v, ctx_mask):
 
 
 def _finish(cfg, lp, x, attn):
-    x = x + llama.linear(attn, lp["wo"])
+    x = x + decoder.linear(attn, lp["wo"])
     y = llama.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    y = jax.nn.silu(llama.linear(y, lp["w_gate"])) * llama.linear(y, lp["w_up"])
-    return x + llama.linear(y, lp["w_down"])
+    y = jax.nn.silu(decoder.linear(y, lp["w_gate"])) * decoder.linear(y, lp["w_up"])
+    return x + decoder.linear(y, lp["w_down"])
 
 
 def block_forward(cfg, dparams, x, positions, contexts, ctx_mask):
@@ -204,8 +204,8 @@ class BlockDrafter:
         ks, vs = [], []
         for name, kc, vc in zip(layer_names(dparams), *state_kv):
             _, k, v = _qkv(self.cfg, dparams["block"][name], c, positions)
-            ks.append(llama.write_kv(kc, k.astype(kc.dtype), positions))
-            vs.append(llama.write_kv(vc, v.astype(vc.dtype), positions))
+            ks.append(decoder.write_kv(kc, k.astype(kc.dtype), positions))
+            vs.append(decoder.write_kv(vc, v.astype(vc.dtype), positions))
         return tuple(ks), tuple(vs)
 
     def block_logits(self, dparams, tparams, state: BlockState, ctx: DraftContext, num_slots):

@@ -36,7 +36,7 @@ from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import base, llama
+from jaxspec.models import base, decoder
 
 TREE_CHILDREN = ("top_k", "sampled")
 
@@ -105,8 +105,8 @@ class DFlashDrafter:
         ks, vs = [], []
         for lp, kc, vc in zip(dparams["layers"], state.k, state.v):
             k, v = net.context_kv(self.spec, lp, c, positions)
-            ks.append(llama.write_kv(kc, k.astype(kc.dtype), positions))
-            vs.append(llama.write_kv(vc, v.astype(vc.dtype), positions))
+            ks.append(decoder.write_kv(kc, k.astype(kc.dtype), positions))
+            vs.append(decoder.write_kv(vc, v.astype(vc.dtype), positions))
         return DFlashState(tuple(ks), tuple(vs))
 
     def block_hidden(self, dparams, tparams, state: DFlashState, ctx: DraftContext, drafts: int):
@@ -166,7 +166,7 @@ class DFlashDrafter:
         """DFlash 2's candidate selector, in block order: (tokens int32[B, G], q f32[B, G, V])."""
         kc = self.spec.selector_top_k
         unary, cands = jax.lax.top_k(logits, kc)  # [B, G, Kc]
-        hp = llama.linear(h, dparams["selector"]["proj"])  # [B, G, R]
+        hp = decoder.linear(h, dparams["selector"]["proj"])  # [B, G, R]
         v = logits.shape[-1]
         rows = jnp.arange(logits.shape[0])[:, None]
 

@@ -36,7 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models import blocks, llama
+from jaxspec.models import blocks, decoder, llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +71,14 @@ def _rms(x, w, eps):
 def context_features(spec: DFlashSpec, dparams, feats) -> jax.Array:
     """Target features [n, B, T, D] (one per target_layer_id) -> context entries c [B, T, D]."""
     x = jnp.concatenate(list(feats), axis=-1).astype(spec.layer.compute_dtype)
-    return _rms(llama.linear(x, dparams["fc"]), dparams["hidden_norm"], spec.layer.rms_norm_eps)
+    return _rms(decoder.linear(x, dparams["fc"]), dparams["hidden_norm"], spec.layer.rms_norm_eps)
 
 
 def _heads(spec, lp, y, positions, inv_freq, which):
     """y [B, T, D] -> normed, roped q [B, T, N, Hd] or k [B, T, K, Hd] at positions [B, T]."""
     c = spec.layer
     n = c.num_heads if which == "q" else c.num_kv_heads
-    x = llama.linear(y, lp["w" + which]).reshape(*y.shape[:-1], n, c.head_dim)
+    x = decoder.linear(y, lp["w" + which]).reshape(*y.shape[:-1], n, c.head_dim)
     x = _rms(x, lp[which + "_norm"], c.rms_norm_eps)
     return blocks.apply_rope(x, positions, inv_freq)
 
@@ -87,7 +87,7 @@ def context_kv(spec: DFlashSpec, lp, c, positions):
     """One layer's keys and values of context entries c [B, T, D] at positions [B, T]:
     k [B, T, K, Hd] (k-normed, roped), v [B, T, K, Hd]."""
     k = _heads(spec, lp, c, positions, llama.rope_frequencies(spec.layer), "k")
-    v = llama.linear(c, lp["wv"]).reshape(*c.shape[:-1], spec.layer.num_kv_heads, -1)
+    v = decoder.linear(c, lp["wv"]).reshape(*c.shape[:-1], spec.layer.num_kv_heads, -1)
     return k, v
 
 
@@ -140,7 +140,7 @@ def grouped_conv(x, dynamic, base, group_size: int):
 def _conv_prepare(spec, cp, y):
     """The first convolution and the kernels of the second, both from y [B, G, D]."""
     kc = spec.conv_kernel_size
-    dyn = llama.linear(y, cp["proj"]).reshape(*y.shape[:-1], 2, kc, -1)  # [B, G, 2, Kc, Gc]
+    dyn = decoder.linear(y, cp["proj"]).reshape(*y.shape[:-1], 2, kc, -1)  # [B, G, 2, Kc, Gc]
     return grouped_conv(y, dyn[:, :, 0], cp["base"][0], spec.conv_group_size), dyn[:, :, 1]
 
 
@@ -163,14 +163,14 @@ def block_hidden(spec: DFlashSpec, dparams, x, positions, contexts, ctx_len, *, 
         k, v = context_kv(spec, lp, y, positions)
         layer_causal = spec.causal[i] if causal is None else causal
         a = attend(q, k, v, ck, cv, positions, ctx_len, layer_causal, spec.windows[i])
-        a = llama.linear(a.astype(x.dtype), lp["wo"])
+        a = decoder.linear(a.astype(x.dtype), lp["wo"])
         if spec.version == 2:
             a = _conv_finish(spec, lp["attn_conv"], a, dyn)
         x = x + a
         y = _rms(x, lp["mlp_norm"], eps)
         if spec.version == 2:
             y, dyn = _conv_prepare(spec, lp["mlp_conv"], y)
-        y = llama.linear(jax.nn.silu(llama.linear(y, lp["w_gate"])) * llama.linear(y, lp["w_up"]),
+        y = decoder.linear(jax.nn.silu(decoder.linear(y, lp["w_gate"])) * decoder.linear(y, lp["w_up"]),
                          lp["w_down"])
         if spec.version == 2:
             y = _conv_finish(spec, lp["mlp_conv"], y, dyn)
@@ -181,7 +181,7 @@ def block_hidden(spec: DFlashSpec, dparams, x, positions, contexts, ctx_len, *, 
 def logits(spec: DFlashSpec, head, h) -> jax.Array:
     """h [..., D] through the target's LM-head rows head [V, D] -> f32[..., V], scaled and
     soft-capped as the checkpoint says."""
-    out = llama.linear(h, head.astype(h.dtype)).astype(jnp.float32) * spec.output_multiplier
+    out = decoder.linear(h, head.astype(h.dtype)).astype(jnp.float32) * spec.output_multiplier
     cap = spec.final_logit_softcapping
     return out if not cap else jnp.tanh(out / cap) * cap
 

@@ -32,7 +32,7 @@ from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import base, llama
+from jaxspec.models import base, decoder
 
 
 def check_vocab(draft_vocab: int, target_vocab: int, draft_tokenizer=None, target_tokenizer=None):
@@ -89,7 +89,7 @@ class ModelDrafter(tree.DynamicTreeDrafter):
         net, params = run
         if isinstance(params, dict) and "draft_head" in params:  # reduced draft vocabulary
             # (distilled drafts): N head rows + their target ids
-            logits = llama.linear(hidden, params["draft_head"]).astype(jnp.float32)
+            logits = decoder.linear(hidden, params["draft_head"]).astype(jnp.float32)
             return logits, params["draft_ids"]
         logits = net.logits(params, hidden)
         v, vd = self.target_vocab, logits.shape[-1]

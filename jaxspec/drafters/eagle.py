@@ -46,7 +46,7 @@ from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention, base, llama
+from jaxspec.models import attention, base, decoder, llama
 
 
 def rms(x, eps=1e-6):  # weightless RMS normalisation in f32
@@ -56,19 +56,19 @@ def rms(x, eps=1e-6):  # weightless RMS normalisation in f32
 
 def fuse(dparams, feats):  # [nl, ..., D] target features -> [..., D]
     x = jnp.concatenate([rms(f) for f in feats], axis=-1)
-    return llama.linear(x, dparams["fuse"])
+    return decoder.linear(x, dparams["fuse"])
 
 
 def layer_input(dparams, emb, feature):  # embedded tokens [..., D], [..., D] -> [..., D]
-    return llama.linear(jnp.concatenate([rms(emb), rms(feature)], axis=-1), dparams["in_proj"])
+    return decoder.linear(jnp.concatenate([rms(emb), rms(feature)], axis=-1), dparams["in_proj"])
 
 
 def _qkv(cfg, lp, x, positions, inv_freq):
     b, t, _ = x.shape
     y = llama.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = llama.linear(y, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = llama.linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = llama.linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    q = decoder.linear(y, lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = decoder.linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = decoder.linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -77,14 +77,14 @@ def apply_rope(x, positions, inv_freq):
 
 
 def _finish(cfg, lp, x, attn):
-    x = x + llama.linear(attn, lp["wo"])
+    x = x + decoder.linear(attn, lp["wo"])
     y = llama.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    y = jax.nn.silu(llama.linear(y, lp["w_gate"])) * llama.linear(y, lp["w_up"])
-    return x + llama.linear(y, lp["w_down"])
+    y = jax.nn.silu(decoder.linear(y, lp["w_gate"])) * decoder.linear(y, lp["w_up"])
+    return x + decoder.linear(y, lp["w_down"])
 
 
 def head_logits(dparams, h):  # [..., D] -> f32[..., N] draft-vocabulary logits
-    return llama.linear(rms(h) * dparams["norm"], dparams["head"]).astype(jnp.float32)
+    return decoder.linear(rms(h) * dparams["norm"], dparams["head"]).astype(jnp.float32)
 
 
 MATMUL_KEYS = ("fuse", "in_proj", "head")  # + every 2-D weight of "layer"
@@ -92,7 +92,7 @@ MATMUL_KEYS = ("fuse", "in_proj", "head")  # + every 2-D weight of "layer"
 
 def pack_for_cpu(dparams):
     """The drafter's matmul weights as CPU-kernel panels (`kernels.PackedWeight`, read by
-    `llama.linear`): a tree level runs the layer over top_k nodes at once, where XLA:CPU's
+    `decoder.linear`): a tree level runs the layer over top_k nodes at once, where XLA:CPU's
     multi-row matmul first copies each weight (the target's packed layout avoids the same)."""
     layer = {k: kernels.pack(w) if w.ndim == 2 else w for k, w in dparams["layer"].items()}
     packed = {k: kernels.pack(dparams[k]) for k in MATMUL_KEYS}
@@ -147,9 +147,9 @@ class EagleDrafter(tree.DynamicTreeDrafter):
         q, k, v = _qkv(cfg, dparams["layer"], x, positions, inv_freq)
         k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
         start = positions[:, 0]
-        k_cache = llama.write_kv(k_cache, k, positions)
-        v_cache = llama.write_kv(v_cache, v, positions)
-        if kernel and llama.attention_kernel_on(q):
+        k_cache = decoder.write_kv(k_cache, k, positions)
+        v_cache = decoder.write_kv(v_cache, v, positions)
+        if kernel and decoder.attention_kernel_on(q):
             attn = kernels.prefix_attention(q, k_cache, v_cache, k, v, start, cfg.head_dim**-0.5)
             attn = attn.reshape(*q.shape[:2], -1)
         else:
@@ -309,8 +309,8 @@ class EagleDrafter(tree.DynamicTreeDrafter):
             anc = front_anc | jax.nn.one_hot(own, m_slots, dtype=bool)[None]  # [B, K, M]
             q, kk, vv = _qkv(cfg, dparams["layer"], x, pos, inv_freq)
             write_at = (ctx.lengths[:, None] + own[None]).astype(jnp.int32)  # [B, K]
-            kc = llama.write_kv(kc, kk, write_at)
-            vc = llama.write_kv(vc, vv, write_at)
+            kc = decoder.write_kv(kc, kk, write_at)
+            vc = decoder.write_kv(vc, vv, write_at)
             rel = slots[None, None, :] - ctx.lengths[:, None, None]  # [B, 1, S]
             in_scratch = (rel >= 0) & (rel < m_slots)
             mask = (rel < 0) | (in_scratch & jnp.take_along_axis(

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jaxspec.decode import sampling
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
-from jaxspec.models import llama
+from jaxspec.models import decoder, llama
 
 
 def linear(x, w):  # x [..., in] @ w [out, in] -> [..., out]
@@ -74,8 +74,8 @@ def cached_block(cfg, lp, attn_in, residual, k_cache, v_cache, positions):
     """One decoder layer over the drafter cache [B, K, S, Hd]: writes k/v at positions [B, T],
     attends slots 1..position. Returns (h [B, T, H], k_cache, v_cache)."""
     q, k, v = qkv(cfg, lp, attn_in, positions)
-    k_cache = llama.write_kv(k_cache, k, positions)
-    v_cache = llama.write_kv(v_cache, v, positions)
+    k_cache = decoder.write_kv(k_cache, k, positions)
+    v_cache = decoder.write_kv(v_cache, v, positions)
     slot = jnp.arange(k_cache.shape[2])[None, None, :]
     mask = (slot <= positions[..., None]) & (slot >= 1)  # [B, T, S]; slot 0: x_0, no feature
     x = residual + linear(attend(q, k_cache, v_cache, mask), lp["wo"])

@@ -30,14 +30,14 @@ from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
-from jaxspec.models import llama
+from jaxspec.models import decoder
 
 
 def head_logits(dparams, h):
     """h [..., D] -> f32[K, ..., N]: every head's draft-vocabulary logits."""
 
     def one(w, b):
-        return llama.linear(h + jax.nn.silu(llama.linear(h, w) + b), dparams["head"])
+        return decoder.linear(h + jax.nn.silu(decoder.linear(h, w) + b), dparams["head"])
 
     return jax.vmap(one)(dparams["w"], dparams["b"]).astype(jnp.float32)
 

@@ -31,7 +31,7 @@ from jaxspec.drafters.eagle3 import Eagle3Drafter, default_layers
 from jaxspec import validate
 from jaxspec.errors import JaxspecError, short
 from jaxspec.formats import tensors as T
-from jaxspec.models.llama import ModelConfig, RopeScaling
+from jaxspec.models.decoder import ModelConfig, RopeScaling
 
 LAYOUTS = ("eagle3", "speculators")
 PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}

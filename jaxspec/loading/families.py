@@ -28,7 +28,7 @@ from jaxspec import validate
 from jaxspec.errors import JaxspecError
 from jaxspec.models import phi3, registry
 from jaxspec.models.gemma import GemmaConfig, GemmaTarget
-from jaxspec.models.llama import ModelConfig
+from jaxspec.models.decoder import ModelConfig
 
 HF_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "phi3")
 GGUF_ARCHITECTURES = ("gemma2", "gemma3")

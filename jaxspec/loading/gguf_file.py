@@ -21,7 +21,7 @@ from gguf.quants import dequantize
 
 from jaxspec.errors import JaxspecError
 from jaxspec import validate
-from jaxspec.models.llama import ModelConfig
+from jaxspec.models.decoder import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_TYPES = frozenset(

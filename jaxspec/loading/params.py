@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxspec import kernels
 from jaxspec.errors import JaxspecError
-from jaxspec.models.llama import ModelConfig, Params, param_shapes, qkv_splits, stack_layers
+from jaxspec.models.decoder import ModelConfig
+from jaxspec.models.llama import Params, param_shapes, qkv_splits
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ACCELERATORS = ("tpu", "gpu")

@@ -16,7 +16,7 @@ import numpy as np
 from jaxspec.errors import JaxspecError
 from jaxspec import validate
 from jaxspec.loading.safetensors_file import SafetensorsFile
-from jaxspec.models.llama import ModelConfig, RopeScaling
+from jaxspec.models.decoder import ModelConfig, RopeScaling
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jaxspec import kernels
 from jaxspec.models.cache import KVCache
 from jaxspec.models import attention, base, blocks
-from jaxspec.models.llama import (
+from jaxspec.models.decoder import (
     ConfigTarget,
     ForwardOutput,
     ModelConfig,
@@ -354,7 +354,7 @@ def lm_head(params: Params, hidden: jax.Array, cfg: GemmaConfig) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class GemmaTarget(ConfigTarget):
     """Gemma 2 / Gemma 3 as a `models.base.Target` (unrolled, stacked and packed layouts; the
-    methods that read only the config come from llama.ConfigTarget). Hashable: part of the
+    methods that read only the config come from decoder.ConfigTarget). Hashable: part of the
     jit key."""
 
     cfg: GemmaConfig

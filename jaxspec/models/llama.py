@@ -22,68 +22,25 @@ G query heads per kv head, H head dim, D model dim, F mlp dim, V vocab.
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.models.cache import KVCache, cache_axes, init_cache
 from jaxspec.models import attention, base, blocks, registry
+from jaxspec.models.cache import KVCache
+from jaxspec.models.decoder import (  # the shared pieces; llama.ModelConfig stays this family's name
+    ConfigTarget,
+    ForwardOutput,
+    ModelConfig,
+    attention_kernel_on,
+    linear,
+    stack_layers,
+    write_kv,
+)
 
 Params = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type: llama3`)."""
-
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Architecture of a Llama-family decoder. Hashable: passed to jit as a static argument."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    rms_norm_eps: float = 1e-5
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
-    max_position_embeddings: int = 2048
-    dtype: str = "float32"  # compute dtype; params are cast to it at load time
-    # sliding-window attention (Mistral, Phi-3, Qwen2 use_sliding_window): a query at q sees keys
-    # in (q - sliding_window, q]; sliding_layers picks the layers that slide (None: all of them)
-    sliding_window: int | None = None
-    sliding_layers: tuple[bool, ...] | None = None
-
-    def layer_window(self, i: int) -> int | None:
-        """Layer i's sliding window, or None (full causal attention)."""
-        if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[i]):
-            return None
-        return self.sliding_window
-
-    def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
 
 
 def param_axes(cfg: ModelConfig, *, stacked: bool = False) -> Params:
@@ -156,14 +113,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
     return jax.tree.unflatten(treedef, out)
 
 
-def stack_layers(params: Params) -> Params:
-    """Per-layer tuple -> one dict of `[L, ...]` arrays (the lax.scan layout, usual on TPU)."""
-    layers = params["layers"]
-    if isinstance(layers, dict):
-        return params
-    return params | {"layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
-
-
 fixed_order_sum = blocks.fixed_order_sum  # a shape-independent sum over the last axis
 rms_norm = blocks.rms_norm  # RMS norm in float32 (offset 0: Llama's weight)
 apply_rope = blocks.apply_rope  # half-split (rotate_half) rotary embeddings, HF's convention
@@ -178,41 +127,9 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:  # f32[H/2]
     return blocks.rope_inv_freq(cfg.head_dim, cfg.rope_theta, llama3=llama3)
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """x: [..., in] @ w: [out, in] -> [..., out]. `w` may be a CPU-kernel `PackedWeight`."""
-    if isinstance(w, kernels.PackedWeight):
-        return kernels.panel_matmul(x, w).astype(x.dtype)
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
-
-
 def qkv_splits(cfg: ModelConfig) -> tuple[int, int]:
     q = cfg.num_heads * cfg.head_dim
     return (q, q + cfg.num_kv_heads * cfg.head_dim)
-
-
-def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=None) -> jax.Array:
-    """cache_l: [B, K, S, H] <- new: [B, T, K, H] at positions [B, T] (past the end: dropped).
-    With `layer` (an int32 scalar), cache_l is a stack [L, B, K, S, H] and layer `layer` is written.
-
-    Per-layer caches: a scatter vmapped over (B, K), each [S, H] block getting its T rows. XLA
-    updates it in place, and with the cache sharded over batch and kv heads every device writes its
-    own block with no collective (flattening B*K into one scatter dim made GSPMD all-gather the
-    cache every step). Stacks (`layer` given): one scatter into [L, B, K, S, H] itself at
-    (layer, iota rows, iota heads, positions): XLA updates it in place inside the layer scan, and
-    GSPMD reads the iota indices as parallel dims, so a stack sharded by rows and kv heads is
-    written per device (an [L*B*K, S, H] view merged the sharded dims: the whole stack was
-    gathered every layer; a vmapped scatter re-laid the stack out on XLA:CPU, copying it).
-    """
-    if layer is None:
-        one = lambda c, n, p: c.at[p].set(n, mode="drop")  # noqa: E731  c [S, H], n [T, H], p [T]
-        return jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(
-            cache_l, new.astype(cache_l.dtype), positions
-        )
-    b, kv = cache_l.shape[1:3]
-    rows = jnp.arange(b)[:, None, None]  # [B, 1, 1]
-    heads = jnp.arange(kv)[None, :, None]  # [1, K, 1]
-    updates = jnp.swapaxes(new, 1, 2).astype(cache_l.dtype)  # [B, K, T, H]
-    return cache_l.at[layer, rows, heads, positions[:, None, :]].set(updates, mode="drop")
 
 
 def masked_attention(q, k, v, mask):
@@ -234,26 +151,6 @@ def masked_attention(q, k, v, mask):
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
     out = jax.lax.dot_general(weights, v, (((3,), (2,)), batch))  # [B, K, G*T, H]
     return out.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
-
-
-# Decode and verify windows up to the largest γ + 1 (and tree budgets); prompts go through XLA's
-# GEMMs. The kernel computes each query row alone, so any window length gives the same rows.
-KERNEL_ATTENTION_MAX_QUERIES = 64
-
-
-def uses_cpu_kernels(params: Params) -> bool:
-    """True for the packed layout (built only where the CPU kernels are available)."""
-    layers = params["layers"]
-    return isinstance(layers, tuple) and isinstance(layers[0].get("wqkv"), kernels.PackedWeight)
-
-
-def attention_kernel_on(q: jax.Array) -> bool:
-    """Whether a window of q's shape attends with kernels.prefix_attention (given CPU kernels)."""
-    return (
-        q.dtype == jnp.float32
-        and q.shape[1] <= KERNEL_ATTENTION_MAX_QUERIES
-        and os.environ.get("JAXSPEC_CPU_ATTENTION", "1").lower() not in ("0", "false", "no", "off")
-    )
 
 
 def _kernel_attention(lp, q) -> bool:
@@ -365,34 +262,6 @@ def _stacked_layers(cfg, layers, x, k_all, v_all, positions, inv_freq, write, co
     return x, k_all, v_all, per_layer, window_kv
 
 
-def write_window(cache: KVCache, window_kv, positions: jax.Array) -> KVCache:
-    """Write `forward(..., write_cache=False)`'s window k/v into the cache at positions [B, T]."""
-    k_win, v_win = window_kv
-    if isinstance(cache.k, tuple):
-        k = tuple(write_kv(c, w, positions) for c, w in zip(cache.k, k_win))
-        v = tuple(write_kv(c, w, positions) for c, w in zip(cache.v, v_win))
-    else:  # one in-place scatter into the stack itself, batched over (layer, B, K): no view of
-        # it ([L*B, K, S, H], as before, made XLA:CPU copy the stack twice a step at batch 1)
-        n, num_layers, slots = k_win.shape[0], cache.k.shape[0], cache.k.shape[-2]
-        # n <= L written layers ([n, B, T, K, H]); the others get no entry (dropped positions)
-        pos = jnp.where(jnp.arange(num_layers)[:, None, None] < n, positions[None], slots)
-        pad = [(0, num_layers - n)] + [(0, 0)] * (k_win.ndim - 1)
-        one = lambda c, w, p: c.at[p].set(w, mode="drop")  # noqa: E731  [S, H] <- [T, H] at [T]
-        per_row = jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))  # over (B, K)
-        write = lambda c, w: jax.vmap(per_row)(c, jnp.pad(w.astype(c.dtype), pad), pos)  # noqa: E731
-        k, v = write(cache.k, k_win), write(cache.v, v_win)
-    return dataclasses.replace(cache, k=k, v=v)
-
-
-class ForwardOutput(NamedTuple):
-    hidden: jax.Array  # [B, T, D] after the final norm (feed to `lm_head`)
-    cache: KVCache  # k/v written at lengths..lengths+T-1; lengths NOT advanced (see KVCache.commit)
-    layer_hidden: jax.Array | None  # [len(hidden_layers), B, T, D], HF `hidden_states` indexing
-    # write_cache=False: `cache` is the input cache, unwritten, and this holds the window's k/v
-    # (per-layer tuples of [B, T, K, H], or [L, B, T, K, H] stacked) for `write_window`.
-    window_kv: tuple | None = None
-
-
 def forward(
     params: Params,
     tokens: jax.Array,
@@ -480,73 +349,6 @@ def forward_logits(params, tokens, cache, cfg) -> tuple[jax.Array, KVCache]:
 
 
 # ---- the target protocol (models/base.py) ------------------------------------------------------
-
-
-class ConfigTarget:
-    """The `models.base.Target` methods that read only `self.cfg` (sizes, the cache, the window
-    commit, axes, layout), shared by the Llama and Gemma targets."""
-
-    cfg: Any
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.cfg.num_layers
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.cfg.max_position_embeddings
-
-    @property
-    def dtype(self) -> str:
-        return self.cfg.dtype
-
-    def init_cache(self, params: Params, batch: int, capacity: int) -> KVCache:
-        """An empty cache in the params' layout (a stack for stacked params) and compute dtype;
-        slot s holds position s (sliding layers mask, never evict)."""
-        c = self.cfg
-        stacked = isinstance(params["layers"], dict)
-        return init_cache(
-            c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, c.compute_dtype, stacked
-        )
-
-    def commit_window(self, cache: KVCache, window_kv, path, positions) -> KVCache:
-        """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]."""
-        def gather(w):  # [..., B, T, K, H] -> [..., B, P, K, H]
-            idx = path.reshape((1,) * (w.ndim - 4) + path.shape + (1, 1))
-            return jnp.take_along_axis(w, idx, axis=w.ndim - 3)
-
-        return write_window(cache, jax.tree.map(gather, window_kv), positions)
-
-    # optional traits
-    def embedding_table(self, params: Params) -> jax.Array:
-        return params["embed"]
-
-    def head_table(self, params: Params) -> jax.Array:
-        """LM-head rows (tied: the embedding), plain arrays."""
-        w = params.get("lm_head", params["embed"])
-        return kernels.unpack(w) if isinstance(w, kernels.PackedWeight) else w
-
-    def cache_axes(self, cache: KVCache) -> KVCache:
-        return cache_axes(self.cfg.num_layers, stacked=not isinstance(cache.k, tuple))
-
-    def head_counts(self) -> dict[str, int]:
-        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
-
-    def layout(self, params: Params) -> str:
-        if isinstance(params["layers"], dict):
-            return "stacked"
-        return "packed" if uses_cpu_kernels(params) else "unrolled"
-
-    def uses_cpu_kernels(self, params: Params) -> bool:
-        return uses_cpu_kernels(params)
 
 
 @dataclasses.dataclass(frozen=True)

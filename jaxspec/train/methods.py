@@ -42,7 +42,7 @@ from jaxspec.drafters import eagle3 as eagle3_lib
 from jaxspec.drafters import feature_chain
 from jaxspec.drafters import medusa as medusa_lib
 from jaxspec.drafters.draft_model import ModelDrafter
-from jaxspec.models import base, llama
+from jaxspec.models import base, decoder, llama
 
 
 def build_vocab(tokens, lengths, topk_ids, size: int, vocab: int) -> np.ndarray:
@@ -321,7 +321,7 @@ class Draft:
         cache = init_cache(cfg.num_layers, b, 0, cfg.num_kv_heads, cfg.head_dim, jnp.float32)
         dp = self.runtime(params, frozen)
         out = llama.forward(dp, tok, cache, cfg, write_cache=False)
-        logits = llama.linear(out.hidden, frozen["head"]).astype(jnp.float32)
+        logits = decoder.linear(out.hidden, frozen["head"]).astype(jnp.float32)
         loss, top1 = soft_ce(logits, batch["topk_ids"], batch["topk_probs"], frozen["t2d"], _valid(batch))
         return loss, {"top1": top1}
 
