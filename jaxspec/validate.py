@@ -237,6 +237,31 @@ def token_ids(f: Fields, key: str, vocab: int) -> list[int]:
     return f.int_list(key, [], lo=0, hi=vocab - 1, scalar_ok=True)
 
 
+# Where a checkpoint format keeps the attention sizes: (model dim, query heads, kv heads, head dim).
+HF_ATTENTION = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+GGUF_ATTENTION = ("embedding_length", "attention.head_count", "attention.head_count_kv",
+                  "attention.key_length")
+
+
+def attention_dims(f: Fields, keys: tuple[str, str, str, str] = HF_ATTENTION) -> tuple[int, int, int, int]:
+    """(model dim, query heads, kv heads, head dim) of a decoder config, each range-checked: the
+    query heads a multiple of the kv heads (grouped attention), the head dim given or the model dim
+    divided by the heads (which must divide it), and even (rotary embeddings rotate pairs). One
+    check for every family and format (HF config.json, GGUF metadata, drafter heads)."""
+    hidden_key, heads_key, kv_key, head_key = keys
+    dim = dict(lo=1, hi=MAX_DIM)
+    hidden, heads = f.int(hidden_key, **dim), f.int(heads_key, **dim)
+    kv_heads = f.int(kv_key, heads, **dim)
+    if heads % kv_heads:
+        f.fail(kv_key, kv_heads, f"{heads_key}={heads} must be a multiple of it")
+    if not f.given(head_key) and hidden % heads:
+        f.fail(heads_key, heads, f"{hidden_key}={hidden} must be a multiple of it (or set {head_key})")
+    head_dim = f.int(head_key, hidden // heads, **dim)
+    if head_dim % 2:
+        f.fail(head_key, head_dim, "rotary embeddings need an even head size")
+    return hidden, heads, kv_heads, head_dim
+
+
 # ---- counts against tensors ---------------------------------------------------------------
 
 

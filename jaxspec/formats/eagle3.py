@@ -105,12 +105,7 @@ def layer_config(lc: dict, where) -> ModelConfig:
     """The decoder layer's config, every field type- and range-checked (`jaxspec.validate`)."""
     f = validate.Fields(lc, f"{where}/config.json")
     dim = dict(lo=1, hi=validate.MAX_DIM)
-    h, heads = f.int("hidden_size", **dim), f.int("num_attention_heads", **dim)
-    kv = f.int("num_key_value_heads", heads, **dim)
-    if heads % kv:
-        f.fail("num_key_value_heads", kv, f"num_attention_heads={heads} must be a multiple of it")
-    if not f.given("head_dim") and h % heads:
-        f.fail("num_attention_heads", heads, f"hidden_size={h} must be a multiple of it (or set head_dim)")
+    h, heads, kv, head_dim = validate.attention_dims(f)
     theta, scaling = _rope(f, lc, where)
     act = f.str("hidden_act", "silu")
     if act != "silu":
@@ -124,7 +119,7 @@ def layer_config(lc: dict, where) -> ModelConfig:
         num_layers=1,
         num_heads=heads,
         num_kv_heads=kv,
-        head_dim=f.int("head_dim", h // heads, **dim),
+        head_dim=head_dim,
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),

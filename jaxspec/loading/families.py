@@ -112,9 +112,7 @@ def gemma_config_from_hf(hf: dict, *, dtype: str, source: str) -> GemmaConfig:
     f = validate.Fields(hf, source)
     dim = dict(lo=1, hi=validate.MAX_DIM)
     n = f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS)
-    heads = f.int("num_attention_heads", **dim)
-    hidden = f.int("hidden_size", **dim)
-    head_dim = f.int("head_dim", hidden // heads, **dim)
+    hidden, heads, kv_heads, head_dim = validate.attention_dims(f)
     layer_types = hf.get("layer_types")
     if layer_types is None:  # the BC pattern: every `pattern`-th layer global
         pattern = f.int("sliding_window_pattern", 2 if family == "gemma2" else 6, lo=1, hi=n + 1)
@@ -129,9 +127,6 @@ def gemma_config_from_hf(hf: dict, *, dtype: str, source: str) -> GemmaConfig:
     window = f.int("sliding_window", None, lo=1)
     if window is None:
         sliding = (False,) * n
-    kv_heads = f.int("num_key_value_heads", heads, **dim)
-    if heads % kv_heads:
-        f.fail("num_key_value_heads", kv_heads, f"num_attention_heads={heads} must be a multiple of it")
     return GemmaConfig(
         family=family,
         vocab_size=f.int("vocab_size", **dim),
@@ -207,11 +202,7 @@ def phi3_config_from_hf(hf: dict, *, dtype: str, source: str) -> ModelConfig:
         raise JaxspecError(f"{source}: partial_rotary_factor != 1 is not supported")
     f = validate.Fields(hf, source)
     dim = dict(lo=1, hi=validate.MAX_DIM)
-    heads = f.int("num_attention_heads", **dim)
-    hidden = f.int("hidden_size", **dim)
-    kv_heads = f.int("num_key_value_heads", heads, **dim)
-    if heads % kv_heads:
-        f.fail("num_key_value_heads", kv_heads, f"num_attention_heads={heads} must be a multiple of it")
+    hidden, heads, kv_heads, head_dim = validate.attention_dims(f)
     rf = validate.Fields(rope, source, "rope_parameters.")
     theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
     if not theta > 0.0:
@@ -223,7 +214,7 @@ def phi3_config_from_hf(hf: dict, *, dtype: str, source: str) -> ModelConfig:
         num_layers=f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=f.int("head_dim", hidden // heads, **dim),
+        head_dim=head_dim,
         rope_theta=theta,
         rms_norm_eps=f.float("rms_norm_eps", 1e-5, lo=0.0, hi=1.0, lo_open=True),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
@@ -292,11 +283,7 @@ def gemma_config_from_gguf(header, *, dtype: str, source: str) -> GemmaConfig:
     dim = dict(lo=1, hi=validate.MAX_DIM)
 
     n = f.int("block_count", lo=1, hi=validate.MAX_LAYERS)
-    hidden, heads = f.int("embedding_length", **dim), f.int("attention.head_count", **dim)
-    head_dim = f.int("attention.key_length", hidden // heads, **dim)
-    kv_heads = f.int("attention.head_count_kv", heads, **dim)
-    if heads % kv_heads:
-        f.fail("attention.head_count_kv", kv_heads, f"attention.head_count={heads} must be a multiple of it")
+    hidden, heads, kv_heads, head_dim = validate.attention_dims(f, validate.GGUF_ATTENTION)
     embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise JaxspecError(f"{source} has no token_embd.weight: the file is incomplete")

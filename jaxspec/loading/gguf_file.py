@@ -109,15 +109,7 @@ def config_from_gguf(reader: GGUFReader, *, dtype: str, source: str) -> ModelCon
         )
     f = validate.Fields(lambda key: get(key, validate.MISSING), source, f"{arch}.")
     dim = dict(lo=1, hi=validate.MAX_DIM)
-    hidden, heads = f.int("embedding_length", **dim), f.int("attention.head_count", **dim)
-    kv_heads = f.int("attention.head_count_kv", heads, **dim)
-    if heads % kv_heads:
-        f.fail("attention.head_count_kv", kv_heads, f"head_count={heads} must be a multiple of it")
-    if not f.given("attention.key_length") and hidden % heads:
-        f.fail("attention.head_count", heads, f"embedding_length={hidden} must be a multiple of it")
-    head_dim = f.int("attention.key_length", hidden // heads, **dim)
-    if head_dim % 2:
-        f.fail("attention.key_length", head_dim, "rotary embeddings need an even head size")
+    hidden, heads, kv_heads, head_dim = validate.attention_dims(f, validate.GGUF_ATTENTION)
     rot = f.int("rope.dimension_count", head_dim, lo=0)
     if rot != head_dim:
         raise JaxspecError(

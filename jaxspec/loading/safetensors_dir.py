@@ -71,16 +71,7 @@ def config_from_hf(hf: dict, *, dtype: str, source: str = "config.json") -> Mode
         )
     dim = dict(lo=1, hi=validate.MAX_DIM)
     vocab = f.int("vocab_size", **dim)
-    hidden = f.int("hidden_size", **dim)
-    heads = f.int("num_attention_heads", **dim)
-    kv_heads = f.int("num_key_value_heads", heads, **dim)
-    if heads % kv_heads:
-        f.fail("num_key_value_heads", kv_heads, f"num_attention_heads={heads} must be a multiple of it")
-    if not f.given("head_dim") and hidden % heads:
-        f.fail("num_attention_heads", heads, f"hidden_size={hidden} must be a multiple of it (or set head_dim)")
-    head_dim = f.int("head_dim", hidden // heads, **dim)
-    if head_dim % 2:
-        f.fail("head_dim", head_dim, "rotary embeddings need an even head size")
+    hidden, heads, kv_heads, head_dim = validate.attention_dims(f)
     rope = f.dict("rope_parameters", None) if f.given("rope_parameters") else f.dict("rope_scaling", {})
     rf = validate.Fields(rope, source, "rope_parameters." if f.given("rope_parameters") else "rope_scaling.")
     theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
