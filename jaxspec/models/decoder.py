@@ -227,3 +227,54 @@ class ConfigTarget:
 
     def uses_cpu_kernels(self, params: Params) -> bool:
         return uses_cpu_kernels(params)
+
+
+def query_positions(cache: KVCache, t: int, positions, window_mask, write_cache: bool) -> jax.Array:
+    """A forward's query positions int32[B, T] (default the cache's next T), refusing a window
+    mask with a cache write (tree nodes share positions: write the kept entries after)."""
+    if window_mask is not None and write_cache:
+        raise ValueError("forward(window_mask=...) needs write_cache=False (write the kept entries after)")
+    return cache.positions(t) if positions is None else positions
+
+
+def run_layers(x, cache: KVCache, layers, *, num_layers: int, hidden_layers: tuple[int, ...],
+               write_cache: bool, layer, stacked, final_norm) -> ForwardOutput:
+    """The layer loop every family's forward shares, over either layout, from the embedded
+    x [B, T, D] to the `ForwardOutput`:
+
+      per-layer params (a tuple) and cache: `layer(i, lp, x, k_l, v_l)` -> (x, k_l, v_l) writing,
+        else (x, window k, window v) [B, T, K, H];
+      stacked params ([L, ...]) and cache: `stacked(x, k_all, v_all, collect)` -> (x, k_all, v_all,
+        per-layer x [L, B, T, D] if collect, window k/v [L, B, T, K, H] if not write_cache);
+
+    then `final_norm(x)`. `hidden_layers` picks HF-style hidden states (0 = embeddings, i = layer
+    i's output, num_layers = after the final norm)."""
+    collected = {0: x}
+    if isinstance(layers, dict):  # stacked: scan over layers and the [L, ...] cache together
+        if isinstance(cache.k, tuple):
+            raise ValueError("stacked params need a stacked cache: init_cache(..., stacked=True)")
+        if jax.tree.leaves(layers)[0].shape[0] < num_layers:
+            raise ValueError(f"stacked params hold fewer than cfg.num_layers={num_layers} layers")
+        collect = any(0 < i < num_layers for i in hidden_layers)
+        x, k_new, v_new, per_layer, window_kv = stacked(x, cache.k, cache.v, collect)
+        if not write_cache:
+            k_new, v_new = window_kv  # [L, B, T, K, H]
+        for i in hidden_layers:
+            if 0 < i < num_layers:
+                collected[i] = per_layer[i - 1]
+    else:
+        if not isinstance(cache.k, tuple):
+            raise ValueError("per-layer params need a per-layer cache: init_cache(..., stacked=False)")
+        k_new, v_new = [], []
+        for i, (lp, k_l, v_l) in enumerate(zip(layers[:num_layers], cache.k, cache.v)):
+            x, k_l, v_l = layer(i, lp, x, k_l, v_l)
+            k_new.append(k_l)
+            v_new.append(v_l)
+            collected[i + 1] = x
+        k_new, v_new = tuple(k_new), tuple(v_new)
+    x = final_norm(x)
+    collected[num_layers] = x
+    layer_hidden = jnp.stack([collected[i] for i in hidden_layers]) if hidden_layers else None
+    if not write_cache:
+        return ForwardOutput(x, cache, layer_hidden, (k_new, v_new))
+    return ForwardOutput(x, dataclasses.replace(cache, k=k_new, v=v_new), layer_hidden)

@@ -45,6 +45,8 @@ from jaxspec.models.decoder import (
     ModelConfig,
     attention_kernel_on,
     linear,
+    query_positions,
+    run_layers,
     stack_layers,
     write_kv,
 )
@@ -302,44 +304,20 @@ def forward(
     the committed cache slots and the window entries `window_mask` bool[B, T, T] allows (default
     causal; trees pass ancestors-and-self, with write_cache=False), each layer within its sliding
     window. Same contract as `models.llama.forward` (hidden_layers: HF hidden_states indexing)."""
-    b, t = tokens.shape
-    if window_mask is not None and write_cache:
-        raise ValueError("forward(window_mask=...) needs write_cache=False (write the kept entries after)")
-    if positions is None:
-        positions = cache.positions(t)
+    positions = query_positions(cache, tokens.shape[1], positions, window_mask, write_cache)
     tables = rope_tables(cfg)
     x = params["embed"][tokens].astype(cfg.compute_dtype)
     x = x * blocks.embed_scale(cfg.hidden_size, x.dtype)  # [B, T, D]
-    collected = {0: x}
-    layers = params["layers"]
-    if isinstance(layers, dict):
-        if isinstance(cache.k, tuple):
-            raise ValueError("stacked params need a stacked cache: init_cache(..., stacked=True)")
-        collect = any(0 < i < cfg.num_layers for i in hidden_layers)
-        x, k_new, v_new, per_layer, window_kv = _stacked_layers(
-            cfg, layers, x, cache.k, cache.v, positions, tables, write_cache, collect, window_mask)
-        if not write_cache:
-            k_new, v_new = window_kv
-        for i in hidden_layers:
-            if 0 < i < cfg.num_layers:
-                collected[i] = per_layer[i - 1]
-    else:
-        if not isinstance(cache.k, tuple):
-            raise ValueError("per-layer params need a per-layer cache: init_cache(..., stacked=False)")
-        k_new, v_new = [], []
-        for i, (lp, k_l, v_l) in enumerate(zip(layers[: cfg.num_layers], cache.k, cache.v)):
-            x, k_l, v_l = _layer(cfg, i, lp, x, k_l, v_l, positions, tables, write_cache,
-                                 window_mask)
-            k_new.append(k_l)
-            v_new.append(v_l)
-            collected[i + 1] = x
-        k_new, v_new = tuple(k_new), tuple(v_new)
-    x = _norm(x, params["final_norm"], cfg)
-    collected[cfg.num_layers] = x
-    layer_hidden = jnp.stack([collected[i] for i in hidden_layers]) if hidden_layers else None
-    if not write_cache:
-        return ForwardOutput(x, cache, layer_hidden, (k_new, v_new))
-    return ForwardOutput(x, dataclasses.replace(cache, k=k_new, v=v_new), layer_hidden)
+    return run_layers(
+        x, cache, params["layers"], num_layers=cfg.num_layers, hidden_layers=hidden_layers,
+        write_cache=write_cache,
+        layer=lambda i, lp, x, k_l, v_l: _layer(
+            cfg, i, lp, x, k_l, v_l, positions, tables, write_cache, window_mask),
+        stacked=lambda x, k_all, v_all, collect: _stacked_layers(
+            cfg, params["layers"], x, k_all, v_all, positions, tables, write_cache, collect,
+            window_mask),
+        final_norm=lambda x: _norm(x, params["final_norm"], cfg),
+    )
 
 
 def lm_head(params: Params, hidden: jax.Array, cfg: GemmaConfig) -> jax.Array:

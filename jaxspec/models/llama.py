@@ -36,6 +36,8 @@ from jaxspec.models.decoder import (  # the shared pieces; llama.ModelConfig sta
     ModelConfig,
     attention_kernel_on,
     linear,
+    query_positions,
+    run_layers,
     stack_layers,
     write_kv,
 )
@@ -283,51 +285,22 @@ def forward(
     (write them with `write_window`): inside a `lax.switch` branch, XLA:CPU copies a cache the
     branch writes, every step.
     """
-    b, t = tokens.shape
-    if window_mask is not None and write_cache:
-        raise ValueError("forward(window_mask=...) needs write_cache=False (write the kept entries after)")
-    if positions is None:
-        positions = cache.positions(t)  # [B, T]
+    t = tokens.shape[1]
+    positions = query_positions(cache, t, positions, window_mask, write_cache)  # [B, T]
     mask = cache.mask(t)  # [B, T, S] (write_cache=True: positions are cache.lengths + arange(T))
     inv_freq = rope_frequencies(cfg)
     x = params["embed"][tokens].astype(cfg.compute_dtype)  # [B, T, D]
-    collected = {0: x}
-    layers = params["layers"]
-    if isinstance(layers, dict):  # stacked: scan over layers and the [L, ...] cache together
-        if isinstance(cache.k, tuple):
-            raise ValueError("stacked params need a stacked cache: init_cache(..., stacked=True)")
-
-        if jax.tree.leaves(layers)[0].shape[0] < cfg.num_layers:
-            raise ValueError(f"stacked params hold fewer than cfg.num_layers={cfg.num_layers} layers")
-        collect = any(0 < i < cfg.num_layers for i in hidden_layers)
-        x, k_new, v_new, per_layer, window_kv = _stacked_layers(
-            cfg, layers, x, cache.k, cache.v, positions, inv_freq, write_cache, collect,
-            window_mask,
-        )
-        if not write_cache:
-            k_new, v_new = window_kv  # [L, B, T, K, H]
-        for i in hidden_layers:
-            if 0 < i < cfg.num_layers:
-                collected[i] = per_layer[i - 1]
-    else:
-        if not isinstance(cache.k, tuple):
-            raise ValueError("per-layer params need a per-layer cache: init_cache(..., stacked=False)")
-        k_new, v_new = [], []
-        for i, (lp, k_l, v_l) in enumerate(zip(layers, cache.k, cache.v)):
-            x, k_l, v_l = _layer(
-                cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache, window_mask,
-                cfg.layer_window(i),
-            )
-            k_new.append(k_l)
-            v_new.append(v_l)
-            collected[len(k_new)] = x
-        k_new, v_new = tuple(k_new), tuple(v_new)
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    collected[cfg.num_layers] = x
-    layer_hidden = jnp.stack([collected[i] for i in hidden_layers]) if hidden_layers else None
-    if not write_cache:
-        return ForwardOutput(x, cache, layer_hidden, (k_new, v_new))
-    return ForwardOutput(x, dataclasses.replace(cache, k=k_new, v=v_new), layer_hidden)
+    return run_layers(
+        x, cache, params["layers"], num_layers=cfg.num_layers, hidden_layers=hidden_layers,
+        write_cache=write_cache,
+        layer=lambda i, lp, x, k_l, v_l: _layer(
+            cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache, window_mask,
+            cfg.layer_window(i)),
+        stacked=lambda x, k_all, v_all, collect: _stacked_layers(
+            cfg, params["layers"], x, k_all, v_all, positions, inv_freq, write_cache, collect,
+            window_mask),
+        final_norm=lambda x: rms_norm(x, params["final_norm"], cfg.rms_norm_eps),
+    )
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
