@@ -237,6 +237,15 @@ def query_positions(cache: KVCache, t: int, positions, window_mask, write_cache:
     return cache.positions(t) if positions is None else positions
 
 
+def scan_layers(body, x, k_all, v_all, num_layers: int):
+    """The stacked layout's layer loop: `body((x, k_all, v_all), i)` -> (carry, (layer x or None,
+    window k/v or None)) scanned over layers 0..num_layers-1. Returns (x, k_all, v_all, per-layer x
+    [L, B, T, D] or None, window k/v [L, B, T, K, H] or None)."""
+    steps = jnp.arange(num_layers, dtype=jnp.int32)
+    (x, k_all, v_all), (per_layer, window_kv) = jax.lax.scan(body, (x, k_all, v_all), steps)
+    return x, k_all, v_all, per_layer, window_kv
+
+
 def run_layers(x, cache: KVCache, layers, *, num_layers: int, hidden_layers: tuple[int, ...],
                write_cache: bool, layer, stacked, final_norm) -> ForwardOutput:
     """The layer loop every family's forward shares, over either layout, from the embedded

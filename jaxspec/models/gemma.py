@@ -47,6 +47,7 @@ from jaxspec.models.decoder import (
     linear,
     query_positions,
     run_layers,
+    scan_layers,
     stack_layers,
     write_kv,
 )
@@ -285,9 +286,7 @@ def _stacked_layers(cfg, layers, x, k_all, v_all, positions, tables, write, coll
         x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
         return (x, k_all, v_all), (x if collect else None, None if write else (k, v))
 
-    steps = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_all, v_all), (per_layer, window_kv) = jax.lax.scan(body, (x, k_all, v_all), steps)
-    return x, k_all, v_all, per_layer, window_kv
+    return scan_layers(body, x, k_all, v_all, cfg.num_layers)
 
 
 def forward(

@@ -38,6 +38,7 @@ from jaxspec.models.decoder import (  # the shared pieces; llama.ModelConfig sta
     linear,
     query_positions,
     run_layers,
+    scan_layers,
     stack_layers,
     write_kv,
 )
@@ -259,9 +260,7 @@ def _stacked_layers(cfg, layers, x, k_all, v_all, positions, inv_freq, write, co
     body = lambda carry, i: stacked_layer(  # noqa: E731
         cfg, layers, positions, inv_freq, write, collect, carry, i, window_mask
     )
-    steps = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_all, v_all), (per_layer, window_kv) = jax.lax.scan(body, (x, k_all, v_all), steps)
-    return x, k_all, v_all, per_layer, window_kv
+    return scan_layers(body, x, k_all, v_all, cfg.num_layers)
 
 
 def forward(
