@@ -8,13 +8,13 @@ import math
 
 import pytest
 
-from jaxspec.bench import cli
+from jaxspec.bench import cli, options
 from jaxspec.bench import spec_bench as bench
 from jaxspec.bench import formula as F
 from jaxspec.bench.plots import accepted_count_distribution
 
 CONFIGS = [
-    str(bench.REPO_ROOT / "configs" / n) for n in ("smollm2-135m.yaml", "smollm2-135m-ngram.yaml")
+    str(options.REPO_ROOT / "configs" / n) for n in ("smollm2-135m.yaml", "smollm2-135m-ngram.yaml")
 ]
 PROMPTS = [  # one short prompt per category: one prompt-length bucket, so one compile per engine
     ("writing", "Write one short sentence about cats."),
@@ -89,8 +89,8 @@ def test_category_mapping_and_selection(tmp_path):
 
 
 def test_default_data_is_shipped_in_the_repo():
-    d = bench.DEFAULT_DATA
-    assert d == bench.REPO_ROOT / "data" / "spec_bench_dev.jsonl" and d.is_file()
+    d = options.DEFAULT_DATA
+    assert d == options.REPO_ROOT / "data" / "spec_bench_dev.jsonl" and d.is_file()
     assert len(bench.select(bench.read_questions(str(d)), 3)) == 18
 
 

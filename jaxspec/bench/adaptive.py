@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from jaxspec.bench.spec_bench import DEFAULT_DATA, int_list, read_questions, select
+from jaxspec.bench.options import DEFAULT_DATA, int_list
+from jaxspec.bench.spec_bench import read_questions, select
 from jaxspec.bench.plan import label_of
 from jaxspec.cli_support import ArgumentParser
 from jaxspec.errors import JaxspecError

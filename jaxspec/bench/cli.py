@@ -7,7 +7,8 @@ from __future__ import annotations
 import sys
 
 from jaxspec.bench.agent import AgentBench
-from jaxspec.bench.spec_bench import EXIT_INTERRUPTED, Bench, check_extras, make_parser
+from jaxspec.bench.options import check_extras, make_parser
+from jaxspec.bench.spec_bench import EXIT_INTERRUPTED, Bench
 from jaxspec.cli_support import EXIT_USAGE
 from jaxspec.errors import JaxspecError
 

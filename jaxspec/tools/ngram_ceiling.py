@@ -116,12 +116,13 @@ def _greedy_outputs(config_path: str, n_per_category: int, max_new_tokens: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxspec.bench import spec_bench as bench
+    from jaxspec.bench.options import DEFAULT_DATA  # off --help's import path
+    from jaxspec.bench.rows import SPEC_BENCH_CATEGORIES
     from jaxspec.config import load_config
 
     ap = argparse.ArgumentParser(prog="python -m jaxspec.tools.ngram_ceiling", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="an ngram config (its γ and n-gram sizes are replayed)")
-    ap.add_argument("--data", default=str(bench.DEFAULT_DATA))
+    ap.add_argument("--data", default=str(DEFAULT_DATA))
     ap.add_argument("--n-per-category", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, help="replay with this γ instead of the config's")
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean accepted length (= speedup at zero verification cost), γ={gamma}, "
           f"n-gram {min_n}..{max_n}, {len(rows)} prompts")
     print(f"| category | {' | '.join(names)} |\n|---|{'---|' * len(names)}")
-    for cat in [c for c in bench.SPEC_BENCH_CATEGORIES if c in table] + ["overall"]:
+    for cat in [c for c in SPEC_BENCH_CATEGORIES if c in table] + ["overall"]:
         print(f"| {cat} | {' | '.join(f'{table[cat][n]:.2f}' for n in names)} |")
     return 0
 
