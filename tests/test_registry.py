@@ -135,3 +135,34 @@ def test_selected_from_the_cli(tmp_path, capsys, monkeypatch):
     assert generate.main([*argv[:-3], "speculative.echo.shift=1000", "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: speculative.echo.shift=1000 is invalid") and "\n" not in err
+
+
+# ---- a trained drafter: the same one registration ------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EchoHead:
+    """The trained head of `echo_trained` (what `python -m jaxspec.train` would build)."""
+
+    shift: int = 0
+
+
+register_drafter("echo_trained", build_echo, options=None, train="test_registry:EchoHead",
+                 formats=("jaxspec", "eagle3"))
+
+
+def test_a_trained_drafter_is_one_registration():
+    """Training and loading find a head through its drafter's registration, and the checkpoint
+    check reads the layouts listed there: the built-in trained methods and one defined here."""
+    from jaxspec.formats import method_formats
+    from jaxspec.train import block, methods
+    from jaxspec.train.registry import METHODS, from_arch
+
+    built_in = {"eagle": methods.Eagle, "eagle3": methods.Eagle3, "medusa": methods.Medusa,
+                "draft_model": methods.Draft, "block": block.Block}
+    assert all(METHODS[name] is cls for name, cls in built_in.items())
+    assert {"dflash", "echo_trained"} <= set(METHODS) and "ngram" not in METHODS
+    assert from_arch("echo_trained", {"shift": 3, "other": 1}) == EchoHead(shift=3)
+    assert method_formats("medusa") == ("jaxspec", "medusa", "medusa_fd")
+    assert method_formats("echo_trained") == ("jaxspec", "eagle3")
+    assert method_formats("mtp") == ("mtp",) and method_formats("echo") == ("jaxspec",)
+    with pytest.raises(ValueError, match="module:Class"):
+        register_drafter("echo_bad", build_echo, train="test_registry.EchoHead")

@@ -325,5 +325,7 @@ def build(options: BlockOptions, ctx: BuildContext):
     return drafter, dparams
 
 
-register_drafter("block", build, options=BlockOptions, tree_kinds=("static",), summary=(
+register_drafter(
+    "block", build, train="jaxspec.train.block:Block",
+    options=BlockOptions, tree_kinds=("static",), summary=(
     "all γ drafts in one drafter forward (DFlash / PARD style), a chain or a static tree"))

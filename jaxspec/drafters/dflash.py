@@ -249,6 +249,8 @@ def build(options: DFlashOptions, ctx: BuildContext):
     return drafter, dparams
 
 
-register_drafter("dflash", build, options=DFlashOptions, tree_kinds=("static",), summary=(
+register_drafter(
+    "dflash", build, train="jaxspec.train.dflash:DFlash", formats=("jaxspec", "dflash"),
+    options=DFlashOptions, tree_kinds=("static",), summary=(
     "DFlash / DFlash 2 block diffusion drafting: one drafter forward over [last token, mask x γ] "
     "reading the target's fused hidden states; the authors' published heads load"))

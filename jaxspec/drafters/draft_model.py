@@ -259,6 +259,8 @@ def _load(options: DraftModelOptions, ctx: BuildContext):
     return draft_model_drafter(draft, target), draft.params
 
 
-register_drafter("draft_model", build, options=DraftModelOptions, tree_kinds=("dynamic",),
-                 summary="a smaller model with the target's tokenizer, or the shipped distilled "
-                 "draft")
+register_drafter(
+    "draft_model", build, train="jaxspec.train.methods:Draft",
+    options=DraftModelOptions, tree_kinds=("dynamic",),
+    summary="a smaller model with the target's tokenizer, or the shipped distilled "
+    "draft")

@@ -419,5 +419,7 @@ def build(options: EagleOptions, ctx: BuildContext):
     return drafter, dparams
 
 
-register_drafter("eagle", build, options=EagleOptions, tree_kinds=("dynamic",), summary=(
+register_drafter(
+    "eagle", build, train="jaxspec.train.methods:Eagle", formats=("jaxspec", "eagle3", "speculators"),
+    options=EagleOptions, tree_kinds=("dynamic",), summary=(
     "EAGLE-3 style head over low/mid/high target features, 8192-token draft vocabulary"))

@@ -73,5 +73,7 @@ def build(options: Eagle3Options, ctx: BuildContext):
     return trained.load("eagle3", options, ctx)
 
 
-register_drafter("eagle3", build, options=Eagle3Options, summary=(
+register_drafter(
+    "eagle3", build, train="jaxspec.train.methods:Eagle3", formats=("jaxspec", "eagle3", "speculators"),
+    options=Eagle3Options, summary=(
     "the published EAGLE-3 head (vLLM / SGLang / speculators layouts), trainable and exportable"))

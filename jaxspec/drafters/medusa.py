@@ -140,5 +140,7 @@ def build(options: MedusaOptions, ctx: BuildContext):
     return drafter, dparams
 
 
-register_drafter("medusa", build, options=MedusaOptions, tree_kinds=("static",),
-                 summary="residual heads on the last hidden state")
+register_drafter(
+    "medusa", build, train="jaxspec.train.methods:Medusa", formats=("jaxspec", "medusa", "medusa_fd"),
+    options=MedusaOptions, tree_kinds=("static",),
+    summary="residual heads on the last hidden state")

@@ -69,5 +69,7 @@ def build(options: MtpOptions, ctx: BuildContext):
     return trained.load("mtp", options, ctx)
 
 
-register_drafter("mtp", build, options=MtpOptions,
-                 summary="a DeepSeek-V3-style multi-token-prediction module, chained")
+register_drafter(
+    "mtp", build, formats=("mtp",),
+    options=MtpOptions,
+    summary="a DeepSeek-V3-style multi-token-prediction module, chained")

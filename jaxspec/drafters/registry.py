@@ -67,6 +67,11 @@ class Method:
     # speculative.tree.kind values besides "chain" the factory builds (it reads ctx.spec.tree)
     tree_kinds: tuple[str, ...] = ()
     summary: str = ""  # one line: what drafts (the method tables of README and docs/drafters.md)
+    # a trained method: its head class as "module:Class" (`python -m jaxspec.train` trains it; its
+    # jaxspec checkpoints load through it), imported only when training or loading needs it
+    train: str | None = None
+    # the checkpoint layouts `speculative.<name>.checkpoint` reads (jaxspec.formats.FORMATS)
+    formats: tuple[str, ...] = ()
 
 
 DRAFTERS: dict[str, Method] = {}
@@ -79,12 +84,23 @@ def register_drafter(
     options: type[DrafterOptions] | None = None,
     tree_kinds: tuple[str, ...] = (),
     summary: str = "",
+    train: str | None = None,
+    formats: tuple[str, ...] | None = None,
 ) -> None:
     """Make `speculative.method: name` build its drafter with `factory(options, ctx)`; `options`
     (a DrafterOptions dataclass with SECTION = "speculative.<name>") is its config subsection;
-    `summary` one line on what drafts (scripts/docs.py puts it in the method tables)."""
+    `summary` one line on what drafts (scripts/docs.py puts it in the method tables).
+
+    A trained drafter is this one call too: `train="pkg.module:Head"` names its head class (init,
+    loss, runtime, drafter, arch: `jaxspec.train.methods` shows four), so `python -m jaxspec.train`
+    trains it and its exported checkpoints load; `formats` lists the checkpoint layouts it reads
+    (default: "jaxspec" for a trained method, none otherwise)."""
     if not name.isidentifier() or name == "none":
         raise ValueError(f"drafter method {name!r}: use an identifier other than 'none'")
+    if train is not None and (train.count(":") != 1 or not all(train.split(":"))):
+        raise ValueError(f"drafter method {name!r}: train={train!r}: use 'module:Class'")
+    if formats is None:
+        formats = ("jaxspec",) if train is not None else ()
     if options is not None:
         if not (isinstance(options, type) and issubclass(options, DrafterOptions)):
             raise ValueError(f"drafter method {name!r}: options must subclass DrafterOptions")
@@ -93,7 +109,7 @@ def register_drafter(
                 f"drafter method {name!r}: its options' SECTION is {options.SECTION!r}, "
                 f"expected 'speculative.{name}'"
             )
-    method = Method(name, factory, options, tuple(tree_kinds), summary)
+    method = Method(name, factory, options, tuple(tree_kinds), summary, train, tuple(formats))
     if DRAFTERS.get(name, method) != method:
         raise ValueError(f"drafter method '{name}' is already registered")
     DRAFTERS[name] = method
@@ -110,6 +126,11 @@ def check_method(method: str) -> None:
             f"speculative.method={method!r} is not available in this version of jaxspec: "
             f"available methods are {', '.join(available_methods())}"
         )
+
+
+def trained_methods() -> dict[str, str]:
+    """method name -> "module:Class" of its trained head, for every trained method registered."""
+    return {name: m.train for name, m in DRAFTERS.items() if m.train is not None}
 
 
 def get(method: str) -> Method:

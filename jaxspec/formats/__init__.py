@@ -20,14 +20,15 @@ from pathlib import Path
 from jaxspec.errors import JaxspecError
 
 FORMATS = ("jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash")
-METHOD_FORMATS = {
-    "eagle": ("jaxspec", "eagle3", "speculators"),
-    "eagle3": ("jaxspec", "eagle3", "speculators"),
-    "medusa": ("jaxspec", "medusa", "medusa_fd"),
-    "mtp": ("mtp",),
-    "draft_model": ("jaxspec",),
-    "dflash": ("jaxspec", "dflash"),
-}
+
+
+def method_formats(method: str) -> tuple[str, ...]:
+    """The checkpoint layouts `method` reads: its registration's `formats` (register_drafter)."""
+    import jaxspec.drafters  # noqa: F401 -- registers the built-in methods (jax: not at import)
+    from jaxspec.drafters.registry import DRAFTERS
+
+    m = DRAFTERS.get(method)
+    return m.formats if m is not None and m.formats else ("jaxspec",)
 
 
 def resolve(path) -> Path:
@@ -100,7 +101,7 @@ def load_drafter_checkpoint(
         )
     path = local_or_hub(path)
     got = detect_format(path) if fmt == "auto" else fmt
-    allowed = METHOD_FORMATS.get(method, ("jaxspec",))
+    allowed = method_formats(method)
     if got not in allowed:
         raise JaxspecError(
             f"drafter checkpoint {path} is in the {got} layout, which method '{method}' does not "

@@ -31,7 +31,6 @@ import numpy as np
 from jaxspec.drafters import block as block_lib
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.train import methods
-from jaxspec.train.registry import register_method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +149,3 @@ class Block:
         w = jnp.asarray([self.slot_decay**i for i in range(g)])
         metrics = {"top1": tops[0]} | {f"top1_s{i}": a for i, a in enumerate(tops)}
         return jnp.sum(jnp.stack(losses) * w) / jnp.sum(w), metrics
-
-
-register_method("block", Block)

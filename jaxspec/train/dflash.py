@@ -133,6 +133,3 @@ class DFlash:
         w = self.weights()
         metrics = {"top1": tops[0]} | {f"top1_s{i}": v for i, v in enumerate(tops)}
         return jnp.sum(jnp.stack(losses) * w) / jnp.sum(w), metrics
-
-
-methods.register_method("dflash", DFlash)

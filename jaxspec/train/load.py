@@ -15,8 +15,6 @@ from jaxspec.errors import JaxspecError
 from jaxspec.loading.params import check_finite
 from jaxspec.models import base
 from jaxspec.train import checkpoint as ckpt
-from jaxspec.train import block as _block  # noqa: F401 (importing it registers "block")
-from jaxspec.train import dflash as _dflash  # noqa: F401 (importing it registers "dflash")
 from jaxspec.train import methods as methods_lib
 
 
@@ -33,7 +31,7 @@ def load_trained_drafter(method: str, path, target):
     if method not in methods_lib.METHODS:
         raise JaxspecError(
             f"drafter checkpoint {path}: method '{method}' has no trained head registered "
-            f"(jaxspec.train.registry.register_method): use one of {', '.join(methods_lib.METHODS)}"
+            f"(register_drafter(..., train=...)): use one of {', '.join(methods_lib.METHODS)}"
         )
     m = methods_lib.from_arch(method, meta["arch"])
     t = target.target

@@ -14,9 +14,10 @@ turn params into a runtime drafter:
   draft   a few target layers (initialised from it) + final norm, tied to the target's embedding;
           learns the target's next-token distribution at every position.
 
-Each method registers itself (`register_method`, bottom of this file): training (`train.make_method`)
-and loading an exported checkpoint (`train.load`, `from_arch` of its meta.json "arch") look it up
-by name, so a new trained method is a class here (or in its own module) plus one registration.
+Each head is named by its drafter's registration (`register_drafter(..., train="module:Class")`
+in `jaxspec/drafters/<method>.py`): training (`train.make_method`) and loading an exported
+checkpoint (`train.load`, `from_arch` of its meta.json "arch") look it up by name, so a new trained
+method is a class here (or in its own module) and its drafter's one registration.
 
 All losses are soft cross-entropies against the target's top-K next-token probabilities over the
 draft vocabulary (the N most frequent target tokens; `d2t` maps back to the target's ids).
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.models.cache import init_cache
-from jaxspec.train.registry import METHODS, from_arch, register_method  # noqa: F401
+from jaxspec.train.registry import METHODS, from_arch  # noqa: F401 -- the trained heads, by name
 from jaxspec.drafters import eagle as eagle_lib
 from jaxspec.drafters import eagle3 as eagle3_lib
 from jaxspec.drafters import feature_chain
@@ -419,9 +420,3 @@ class Eagle3:
         w = jnp.asarray(weights) / sum(weights)
         metrics = {"top1": tops[0]} | {f"top1_s{s}": a for s, a in enumerate(tops)}
         return jnp.sum(jnp.stack(losses) * w), metrics
-
-
-register_method("eagle", Eagle)
-register_method("eagle3", Eagle3)
-register_method("medusa", Medusa)
-register_method("draft_model", Draft)

@@ -1,22 +1,35 @@
 """The trained methods: method name -> its head class (init, loss, runtime, drafter, arch).
 
-A leaf: each method's module registers itself here (`train.methods` the four heads,
-`train.block` the block drafter); `train.load` and `train.train` import those modules.
+A trained method is registered once, with its drafter: `register_drafter(name, ...,
+train="module:Class", formats=...)` (jaxspec.drafters.registry). This module resolves those
+names to classes, importing a head's module only when training or loading asks for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from collections.abc import Iterator, Mapping
 
-METHODS: dict[str, type] = {}  # method name -> head class (init, loss, runtime, drafter, arch)
+import jaxspec.drafters  # noqa: F401 -- importing it registers the built-in methods
+from jaxspec.drafters.registry import trained_methods
 
 
-def register_method(name: str, cls: type) -> None:
-    """Make `method: name` trainable (train configs) and loadable from its exported checkpoints.
-    `cls` is a frozen dataclass; its fields named in a checkpoint's "arch" are restored from it."""
-    if METHODS.get(name, cls) is not cls:
-        raise ValueError(f"trained method '{name}' is already registered")
-    METHODS[name] = cls
+class _Heads(Mapping):
+    """A read-only view: trained method name -> head class, resolved on lookup."""
+
+    def __getitem__(self, name: str) -> type:
+        module, attr = trained_methods()[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(trained_methods())
+
+    def __len__(self) -> int:
+        return len(trained_methods())
+
+
+METHODS: Mapping[str, type] = _Heads()
 
 
 def from_arch(name: str, arch: dict):

@@ -23,8 +23,6 @@ import optax
 
 from jaxspec.errors import JaxspecError
 from jaxspec.train import checkpoint as ckpt
-from jaxspec.train import block as _block  # noqa: F401 (importing it registers "block")
-from jaxspec.train import dflash as _dflash  # noqa: F401 (importing it registers "dflash")
 from jaxspec.train import methods as methods_lib
 
 
