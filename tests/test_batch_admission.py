@@ -3,9 +3,11 @@ admitted in one round are prefilled several rows a call, and chunked prompts' ch
 
 Greedy outputs equal one-at-a-time admission's and solo Engine runs token for token (n-gram and
 EAGLE with requests of mixed prompt lengths arriving together and into a running batch; the
-contiguous cache; chunked prefill of two long prompts beside a running row; prefix sharing),
+contiguous cache; chunked prefill of three long prompts beside a running row; tails over
+shared prefix pages),
 with fewer prefill calls than admissions (so the batched path did run). A splice that put the
-rows into the wrong slots, or a table, seed or length taken from the wrong row, fails them.
+rows into the wrong slots, or gave every row of a call the longest prompt's length, fails them
+(seen).
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def test_batched_chunks_and_prefix_sharing_keep_outputs(tiny_target, prompts):
     engine = engine_for(tiny_target, "plain")
     system = [int(t) % 61 + 2 for t in range(40)]  # 40 tokens: 2 full pages of 16 shared
     longs = [system + p for p in prompts[1:4]]  # 61, 51, 74 tokens: chunks of 16
+    shared = [system + prompts[0], system + prompts[4][:5]]  # 46, 45 tokens
     solo = [engine.generate([p], max_new_tokens=n)[0].token_ids
-            for p, n in zip([prompts[0], *longs], NEW)]
+            for p, n in zip([prompts[0], *longs, *shared], (*NEW[:4], 8, 8))]
     outs = {}
     for batched in (False, True):
         sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=2,
@@ -65,7 +68,15 @@ def test_batched_chunks_and_prefix_sharing_keep_outputs(tiny_target, prompts):
             sched.enqueue(sched.new_request(p, Sampling(max_tokens=n), sink))
         while sched.busy:
             sched.run_once()
-        outs[batched] = [s.done.token_ids for s in sinks]
+        # two prompts over the system prompt's cached pages arrive together: their tails
+        # (after the 2 shared pages) are prefilled in one call
+        later = [Sink(), Sink()]
+        for p, sink in zip(shared, later):
+            sched.enqueue(sched.new_request(p, Sampling(max_tokens=8), sink))
+        while sched.busy:
+            sched.run_once()
+        assert [s.done.metrics["prefix_cached_tokens"] for s in later] == [32, 32]
+        outs[batched] = [s.done.token_ids for s in sinks + later]
         assert sched.pool.free_pages == sched.pool.num_pages
         if batched:
             assert sched.stats.prefill_calls < sched.stats.admitted + sum(
