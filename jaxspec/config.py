@@ -290,6 +290,8 @@ class ServingConfig(Section):
     page_size: int = 16  # KV slots per page
     prefill_chunk: int = 0  # prompts longer than this go in chunks, one per device call (0: whole)
     prefix_cache: bool = True  # share KV pages of common prompt prefixes (paged, no target taps)
+    # prefill the requests admitted in one round several rows a call (and prompt chunks likewise)
+    batch_prefill: bool = False
     # scheduling policy (jaxspec/serving/policy.py): fcfs, priority (Request.priority), prefix
     # (longest cached prompt prefix first)
     policy: str = "fcfs"

@@ -52,6 +52,11 @@ def make_parser() -> ArgumentParser:
                    help="a fixed text put before every prompt (a shared system prompt)")
     p.add_argument("--prefill-chunk", type=int,
                    help="prompt tokens per prefill chunk (default: whole prompts)")
+    p.add_argument("--admission", nargs="+", choices=("one", "batched"), default=["one"],
+                   help="prefill admitted requests one a call, or several a call "
+                        "(serving.batch_prefill); each is run")
+    p.add_argument("--batching", nargs="+", choices=("continuous", "static"),
+                   default=["continuous", "static"], help="batching modes to run")
     p.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
     p.add_argument("--max-prompt", type=int, default=192, help="prompt tokens kept (the head)")
     p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
@@ -139,6 +144,9 @@ def run_once(server, requests, arrivals):
         / max(1, sum(d.metrics.get("num_draft_tokens", 0) for d in done)),
         "plain_fraction": _mean([d.metrics["adaptive_plain_fraction"] for d in done
                                  if "adaptive_plain_fraction" in d.metrics]),
+        "prefill_calls": server.scheduler.stats.prefill_calls,
+        "prefill_s": server.scheduler.stats.prefill_s,
+        "decode_s": server.scheduler.stats.decode_s,
         # what ran: device calls by (rows, page-table slots) of the compiled program
         "calls_by_shape": {f"{r}x{c}": n for (r, c), n in
                            sorted(server.scheduler.stats.calls_by_shape.items())},
@@ -189,22 +197,28 @@ def run(argv=None) -> int:
         # a contiguous cache has no pages to share: run once there
         caches = [(k, c) for k in args.kv_layout
                   for c in (args.prefix_cache if k == "paged" else args.prefix_cache[:1])]
-        for layout, cached in caches:  # compile what the runs will: every prompt (and tail)
-            # bucket, every call width with every page-table width (Scheduler.compile_programs)
+        for (layout, cached), admission in [(c, a) for c in caches for a in args.admission]:
+            # compile what the runs will: every prompt (and tail) bucket at every admission
+            # width (Scheduler.compile_prefills), every call width with every page-table width
+            # (Scheduler.compile_programs)
             with Server(engine, paged=layout == "paged", prefix_cache=cached == "on",
-                        **serving) as server:
+                        batch_prefill=admission == "batched", **serving) as server:
                 server.scheduler.compile_programs()
+                server.scheduler.compile_prefills([len(ids) for ids, _ in requests])
                 for ids, _ in requests:
                     server.generate(ids, Sampling(max_tokens=2))
         for rate in args.rates:
             rng = np.random.default_rng(0)
             arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
-            for (layout, cached), static in [(c, s) for c in caches for s in (False, True)]:
+            for (layout, cached), batching, admission in [
+                    (c, b, a) for c in caches for b in args.batching for a in args.admission]:
+                static = batching == "static"
                 with Server(engine, static=static, paged=layout == "paged",
-                            prefix_cache=cached == "on", **serving) as server:
+                            prefix_cache=cached == "on", batch_prefill=admission == "batched",
+                            **serving) as server:
                     fig = run_once(server, requests, arrivals)
                 fig |= {"config": path, "method": engine.method, "rate": rate,
-                        "batching": "static" if static else "continuous"}
+                        "batching": batching, "admission": admission}
                 outputs = fig.pop("token_ids")
                 if config.sampling.temperature == 0:
                     first = greedy_outputs.setdefault(config.model.name, outputs)

@@ -15,16 +15,18 @@ times them, from small units each with one job:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec import progress, sharding, xla_cache
 from jaxspec.decode import speculate
-from jaxspec.decode.adaptive import Controller
+from jaxspec.decode.adaptive import Controller, cost_table
 from jaxspec.engine.adaptive_host import AdaptiveHost
 from jaxspec.config import AdaptiveConfig
 from jaxspec.decode.drafter import check_target, traits
@@ -37,6 +39,18 @@ from jaxspec.engine.results import GenerationResult, Report, fetch
 from jaxspec.decode.sampling import SamplingParams, check_tokens
 
 __all__ = ["Engine", "GenerationResult", "bucket", "MIN_PROMPT_BUCKET"]
+
+# a prefill written into a cache the caller passes in (a serving page pool), donated: updated in
+# place, never copied
+prefill_into_cache = jax.jit(speculate.prefill, static_argnames=("spec", "capacity"),
+                             donate_argnames=("cache",))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _write_prompt(target, params, tokens, cache):
+    """tokens [B, C] run at cache.lengths.. through `target`, their k/v written (the cache
+    donated); lengths not advanced."""
+    return target.forward(params, tokens, cache).cache
 
 
 class Engine:
@@ -114,6 +128,7 @@ class Engine:
             max_context=max_context, chat_template=chat_template, system_prompt=system_prompt,
         )
         self.programs = Programs()
+        self._call_costs: dict[int, tuple] = {}  # batch -> `call_costs` (host arrays)
         self.policy = None if self.adaptive is None else AdaptiveHost(
             self.adaptive, model, self.spec, drafter
         )
@@ -182,13 +197,89 @@ class Engine:
                 put(packed.lengths), put(packed.max_new), sp, key, put(packed.row_ids))
         return args, packed.capacity
 
-    def with_adaptive(self, state):
-        """`state` with the adaptive controller's state, when this batch's program adapts."""
-        adaptive = self.spec_for(state.lengths.shape[0]).adaptive
+    def with_adaptive(self, state, spec: speculate.LoopSpec | None = None,
+                      costs_batch: int | None = None):
+        """`state` with the adaptive controller's state, when its program adapts: `spec`'s
+        (None: the program this batch runs, `spec_for`), started on the step-cost curves of
+        `costs_batch` rows (None: the state's; calibrated first if they are not yet). The serving
+        scheduler passes its own spec and batch 1 (each of its calls sets its width's costs)."""
+        b = state.lengths.shape[0]
+        adaptive = (spec if spec is not None else self.spec_for(b)).adaptive
         if adaptive is None:
             return state
-        b = state.lengths.shape[0]
-        return dataclasses.replace(state, adaptive=adaptive.init(b, self.policy.curves(b)))
+        return dataclasses.replace(state, adaptive=adaptive.init(b, self.calibrate(costs_batch or b)))
+
+    # ---- the serving scheduler's surface: its own program over rows it manages -------------
+    def serving_spec(self, target: Any = None) -> speculate.LoopSpec:
+        """The program continuous batching runs, with `target` in place of the model's (None:
+        the model's; a paged one). Its rows hold different requests: no batch-wide hand-off to
+        plain decoding, and a row that ends is replaced (the cap buys tokens, not a shorter
+        tail)."""
+        spec = self.spec
+        if spec.adaptive is not None:
+            ctl = spec.adaptive
+            spec = dataclasses.replace(spec, adaptive=dataclasses.replace(
+                ctl, settings=dataclasses.replace(ctl.settings, handoff_after=0),
+                rows_replaced=True))
+        return spec if target is None else dataclasses.replace(spec, target=target)
+
+    @property
+    def target(self) -> base.Target:
+        """The model's target (what a serving cache wraps)."""
+        return self.model.target
+
+    def cache_shape(self, target: Any, batch: int, capacity: int):
+        """The shapes of `target`'s empty cache (traced only: nothing is allocated)."""
+        return jax.eval_shape(lambda: target.init_cache(self.model.params, batch, capacity))
+
+    def empty_cache(self, target: Any, batch: int, capacity: int):
+        return target.init_cache(self.model.params, batch, capacity)
+
+    def prefill_rows(self, spec, prompt, lengths, max_new, sp, key, row_ids, capacity: int,
+                     cache=None):
+        """`speculate.prefill` of these rows on `spec` (prompt int32[B, P], the rest per row),
+        jitted; into `cache` where given (a page pool with these rows' tables, donated)."""
+        args = (spec, self.model.params, self.drafter_params, prompt, lengths, max_new, sp, key,
+                row_ids)
+        if cache is None:
+            return speculate.prefill_jit(*args, capacity=capacity)
+        return prefill_into_cache(*args, capacity=capacity, cache=cache)
+
+    def compile_prefill(self, spec, batch: int, width: int, capacity: int, cache=None):
+        """`prefill_rows` compiled ahead for `batch` prompts of `width` tokens (greedy values;
+        `cache`: the shapes of the cache it writes into, or None)."""
+        z = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        sp = SamplingParams.rows([(0.0, 0, 1.0, 0.0)] * batch)
+        args = (spec, self.model.params, self.drafter_params,
+                jax.ShapeDtypeStruct((batch, width), jnp.int32), z, z, sp,
+                jax.random.key(0), z)
+        if cache is None:
+            return speculate.prefill_jit.lower(*args, capacity=capacity).compile()
+        return prefill_into_cache.lower(*args, capacity=capacity, cache=cache).compile()
+
+    def write_prompt(self, target: Any, tokens, cache):
+        """A prompt chunk [B, C] run at cache.lengths.. and its k/v written into `cache` (donated:
+        updated in place); lengths not advanced. Chunked prefill's chunks before the last."""
+        return _write_prompt(target, self.model.params, tokens, cache)
+
+    def decode_rows(self, spec, state, sp, steps: int):
+        """Up to `steps` steps of `spec`'s loop over `state` (donated), jitted."""
+        return speculate.decode_jit(spec, self.model.params, self.drafter_params, state, sp,
+                                    jnp.int32(steps))
+
+    def compile_decode(self, spec, state, sp, steps: int):
+        """`decode_rows` compiled ahead for `state`'s shapes (a ShapeDtypeStruct tree)."""
+        return speculate.decode_jit.lower(spec, self.model.params, self.drafter_params, state, sp,
+                                          jnp.int32(steps)).compile()
+
+    def call_costs(self, batch: int) -> tuple:
+        """(costs f32[F, G+1], fills f32[F]) as host arrays: the controller's cost table for a
+        `batch`-row call, from that batch size's calibrated curves (measured once, announced)."""
+        if batch not in self._call_costs:
+            fills, table = cost_table(self.step_costs(batch))
+            self._call_costs[batch] = (np.asarray(table, np.float32),
+                                       np.asarray(fills, np.float32))
+        return self._call_costs[batch]
 
     def prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
         """The prefilled decode state of a batch of token-id prompts (rows padded to batch_size)."""

@@ -27,3 +27,13 @@ def hole(pool) -> tuple:
     """Zero-size placeholders for a page pool's arrays: the batch state holds these while the
     pool itself is passed (donated) on its own, so it is never copied."""
     return tuple(jnp.zeros((0,), x.dtype) for x in pool)
+
+
+def split_widths(widths: tuple[int, ...], n: int) -> list[int]:
+    """`n` rows as a sum of compiled widths, widest first, none padded (widths hold 1):
+    batched admission's prefill calls (7 over (1, 2, 4, 8) -> [4, 2, 1])."""
+    out = []
+    while n:
+        out.append(max(w for w in widths if w <= n))
+        n -= out[-1]
+    return out

@@ -36,9 +36,9 @@ from jaxspec.serving.pages import pages_for
 _DELEGATED = tuple(n for n in base.TRAIT_NAMES if n not in ("prefix", "cache_axes"))
 
 
-def pageable(target: base.Target, params: Any) -> bool:
-    """Whether `target`'s own cache is a per-layer KVCache (what PagedTarget pages)."""
-    shape = jax.eval_shape(lambda: target.init_cache(params, 1, 8))
+def pageable(shape: Any) -> bool:
+    """Whether a target's cache of this shape (`Engine.cache_shape`) is a per-layer KVCache
+    (what PagedTarget pages)."""
     return isinstance(shape, KVCache) and isinstance(shape.k, tuple)
 
 

@@ -42,6 +42,21 @@ def insert_row(state, row, slot: jax.Array, axes: tuple[int, ...]):
     return jax.tree.unflatten(treedef, [put(s, r, a) for s, r, a in zip(s_leaves, r_leaves, axes)])
 
 
+@functools.partial(jax.jit, static_argnames=("axes",), donate_argnames=("state",))
+def insert_rows(state, new, slots: jax.Array, axes: tuple[int, ...]):
+    """`new` (an N-row state) into slots `slots` (int32[N], distinct) of `state`; batch-wide
+    leaves kept, as `insert_row` keeps them (batched admission's splice)."""
+    s_leaves, treedef = jax.tree.flatten(state)
+    r_leaves = jax.tree.leaves(new)
+
+    def put(s, r, a):
+        if a == NO_AXIS:
+            return s
+        return s.at[_index(s, a) + (slots,)].set(r.astype(s.dtype))
+
+    return jax.tree.unflatten(treedef, [put(s, r, a) for s, r, a in zip(s_leaves, r_leaves, axes)])
+
+
 def tile_rows(row, batch: int, axes: tuple[int, ...]):
     """A `batch`-row state of copies of `row` (batch-wide leaves taken from it), every row done:
     the scheduler's state before any request, its slots all free."""

@@ -15,6 +15,7 @@ class Stats:
     calls_by_shape: dict = dataclasses.field(default_factory=collections.Counter)
     decode_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_calls: int = 0  # device calls that prefilled (whole prompts, tails, chunks)
     admitted: int = 0
     finished: int = 0
     preemptions: int = 0

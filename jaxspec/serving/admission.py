@@ -1,0 +1,243 @@
+"""Admission: queued requests prefilled into free row slots between device calls, whole or in
+chunks (`serving.prefill_chunk`: a chunk per round, the running rows' decode call between
+chunks), straight into the shared page pool through each row's table (or into a per-slot
+contiguous cache), then spliced into the batch state (`rows.insert_row`).
+
+A mixin of `scheduler.Scheduler`: it reads and writes the scheduler's queue, rows, pool and
+device state; the loop (`Scheduler.run_once`) calls `_admit` and `_prefill_chunks` each round.
+The model is reached only through the engine's serving surface (`Engine.prefill_rows`,
+`write_prompt`, `empty_cache`, `with_adaptive`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decode.sampling import SamplingParams
+from jaxspec.engine.prepare import bucket
+from jaxspec.models import paged_attention
+from jaxspec.serving import paged_cache, rows
+from jaxspec.serving.batch import hole, split_widths
+from jaxspec.serving.requests import Request
+
+
+class Admission:
+    def _free_slots(self) -> list[int]:
+        return [s for s in range(self.slots) if s not in self.active and s not in self.prefilling]
+
+    def _admit(self) -> None:
+        """Queued requests, in the policy's order, into free slots while the pool holds their
+        prompt and one step: prefilled now, or (long prompts, chunked) a chunk per round."""
+        used = self.pool.used_pages  # the running rows grown for their next call
+        self.stats.peak_used_pages = max(self.stats.peak_used_pages, used)
+        if self.static and self.active:
+            return
+        free, ready = self._free_slots(), []
+        for req in self.policy.order(self.queue):
+            if not free:
+                break
+            if not self.policy.admit(req, self.pool):
+                continue
+            cached = self.kv.take(req, free[0], written=self.state is not None)
+            if cached is None:
+                break  # the pool is short: wait for a row to end
+            self.queue.remove(req)
+            slot = free.pop(0)
+            req.peak_pages = max(req.peak_pages, self.pool.held(slot))
+            req.cached_tokens = cached
+            self.stats.prompt_tokens += len(req.prompt_ids)
+            self.stats.prefix_cached_tokens += cached
+            chunked = self.chunk is not None and len(req.prompt_ids) - cached > self.chunk
+            if chunked and self.state is not None:
+                self.prefilling[slot] = [req, cached]  # a chunk per round (`_prefill_chunks`)
+            elif self.batch_prefill:
+                ready.append((req, slot, cached))
+            else:
+                self._prefill_into(req, slot, cached)
+        self._prefill_batched(ready)
+        self.stats.peak_used_pages = max(self.stats.peak_used_pages, self.pool.used_pages)
+
+    def _prefill_chunks(self) -> bool:
+        """One chunk of every prefilling request's prompt written into its pages; the last
+        (at most `chunk` tokens) through `speculate.prefill` with the pool already holding the
+        rest (`paged_cache.TailTarget`), which splices the row in. False: none prefilling."""
+        if self.batch_prefill:
+            return self._prefill_chunks_batched()
+        for slot, entry in list(self.prefilling.items()):
+            req, done = entry
+            if len(req.prompt_ids) - done > self.chunk:
+                t0 = time.perf_counter()
+                cache = self._take_pool(slot, done)
+                tokens = jnp.asarray([req.prompt_ids[done : done + self.chunk]], jnp.int32)
+                cache = self.engine.write_prompt(self.spec.target, tokens, cache)
+                self._set_cache(k=cache.k, v=cache.v)
+                entry[1] = done + self.chunk
+                self.kv.written(slot, req.prompt_ids[: entry[1]])  # shareable already
+                self.stats.prefill_s += time.perf_counter() - t0
+                self.stats.prefill_calls += 1
+            else:
+                del self.prefilling[slot]
+                self._prefill_into(req, slot, done)
+        return bool(self.prefilling) or bool(self.active)
+
+    def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
+        t0 = time.perf_counter()
+        row = self._row_state(self.spec, req, slot, done)
+        self.kv.written(slot, req.prompt_ids)
+        if self.state is None:
+            self.state = rows.tile_rows(row, self.slots, self._axes)
+            if self.paged:  # the tiled state shares the row's pool: not donated with it
+                self._set_cache(k=hole(row.cache.k), v=hole(row.cache.k))
+        self.state = rows.insert_row(self.state, row, jnp.int32(slot), self._axes)
+        if self.paged:  # the pool the prefill wrote (insert_row kept the batch's placeholder)
+            self._set_cache(k=row.cache.k, v=row.cache.v)
+        self._activate(req, slot)
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_calls += 1
+
+    def _activate(self, req: Request, slot: int) -> None:
+        """A prefilled request's row is live: streamed and decoded from the next call on."""
+        req.slot, req.admitted = slot, time.perf_counter()
+        req.replay = len(req.generated)
+        self.active[slot] = req
+        self._sp_rows[slot] = req.sampling.values
+        self.stats.admitted += 1
+
+    def _row_state(self, spec, req: Request, slot: int, done: int = 0):
+        """done: prompt tokens already in the row's pages (earlier chunks of chunked prefill,
+        pages shared from the prefix cache): only the tokens from `done` on run, in a tail of
+        a bucketed width (`paged_cache.TailTarget`: nothing below `done` is written)."""
+        ids = req.prompt_ids
+        if done:
+            tail = paged_cache.TailTarget(spec.target, bucket(len(ids) - done))
+            spec = dataclasses.replace(spec, target=tail)
+        prompt = np.zeros((1, bucket(len(ids))), np.int32)
+        prompt[0, : len(ids)] = ids
+        sp = SamplingParams.rows([req.sampling.values])
+        state = self.engine.prefill_rows(
+            spec, jnp.asarray(prompt), jnp.asarray([len(ids)], jnp.int32),
+            jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
+            jnp.asarray([req.seed], jnp.int32), self.capacity,
+            cache=self._take_pool(slot, done) if self.paged else None)
+        return self.engine.with_adaptive(state, self.spec, costs_batch=1)
+
+    def compile_prefills(self, prompt_lengths) -> int:
+        """Compile ahead the whole-prompt prefill of every bucket these prompt lengths fall in,
+        at every width admission may use (1, or each compiled width under batch_prefill), so no
+        admission waits for one; tails over shared pages and chunks still compile on first use.
+        -> programs compiled (already compiled ones come from the compilation cache)."""
+        count = 0
+        for width in sorted({bucket(n) for n in prompt_lengths}):
+            for rows_ in self.widths if self.batch_prefill else (1,):
+                cache = None
+                if self.paged:  # the pool and these rows' tables, as `_take_pool_rows` gives
+                    shape = self.engine.cache_shape(self.spec.target, 1, self.capacity)
+                    cache = paged_attention.PagedKVCache(
+                        shape.k, shape.v, jax.ShapeDtypeStruct((rows_, self.max_pages), jnp.int32),
+                        jax.ShapeDtypeStruct((rows_,), jnp.int32))
+                self.engine.compile_prefill(self.spec, rows_, width, self.capacity, cache)
+                count += 1
+        return count
+
+    # ---- batched admission (serving.batch_prefill) ------------------------------------------
+    def _prefill_batched(self, ready: list[tuple[Request, int, int]]) -> None:
+        """(request, slot, prompt tokens already in its pages) prefilled several rows a call:
+        whole prompts apart from tails over pages already written (a `TailTarget` program),
+        each set sorted by length (rows of a call share its bucket) and cut into compiled
+        widths (`batch.split_widths`: no padded rows)."""
+        for tails in (False, True):
+            group = sorted((x for x in ready if bool(x[2]) == tails),
+                           key=lambda x: len(x[0].prompt_ids))
+            for n in split_widths(self.widths, len(group)):
+                self._prefill_rows(group[:n])
+                group = group[n:]
+
+    def _prefill_rows(self, items: list[tuple[Request, int, int]]) -> None:
+        """One prefill call over these rows (a batch of `_prefill_into`), spliced into their
+        slots (`rows.insert_rows`)."""
+        t0 = time.perf_counter()
+        reqs, slots, dones = zip(*items)
+        spec = self.spec
+        if any(dones):
+            tail = bucket(max(len(r.prompt_ids) - d for r, d in zip(reqs, dones)))
+            spec = dataclasses.replace(spec, target=paged_cache.TailTarget(spec.target, tail))
+        prompt = np.zeros((len(reqs), bucket(max(len(r.prompt_ids) for r in reqs))), np.int32)
+        for i, r in enumerate(reqs):
+            prompt[i, : len(r.prompt_ids)] = r.prompt_ids
+        sp = SamplingParams.rows([r.sampling.values for r in reqs])
+        group = self.engine.prefill_rows(
+            spec, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids) for r in reqs], jnp.int32),
+            jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.key,
+            jnp.asarray([r.seed for r in reqs], jnp.int32), self.capacity,
+            cache=self._take_pool_rows(slots, dones) if self.paged else None)
+        group = self.engine.with_adaptive(group, self.spec, costs_batch=1)
+        for r, slot in zip(reqs, slots):
+            self.kv.written(slot, r.prompt_ids)
+        if self.paged:  # the written pool apart: the splice must not copy it
+            k, v = group.cache.k, group.cache.v
+            group = dataclasses.replace(group, cache=dataclasses.replace(
+                group.cache, k=hole(k), v=hole(k)))
+        if self.state is None:
+            first = rows.take_rows(group, jnp.zeros((1,), jnp.int32), self._axes)
+            self.state = rows.tile_rows(first, self.slots, self._axes)
+        self.state = rows.insert_rows(self.state, group, jnp.asarray(slots, jnp.int32),
+                                      self._axes)
+        if self.paged:
+            self._set_cache(k=k, v=v)
+        for r, slot in zip(reqs, slots):
+            self._activate(r, slot)
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.prefill_calls += 1
+
+    def _prefill_chunks_batched(self) -> bool:
+        """`_prefill_chunks` with every prefilling row's next chunk in one write per compiled
+        width, and the rows whose rest fits one chunk prefilled together (`_prefill_batched`)."""
+        more = [(s, e) for s, e in sorted(self.prefilling.items())
+                if len(e[0].prompt_ids) - e[1] > self.chunk]
+        last = [(e[0], s, e[1]) for s, e in sorted(self.prefilling.items())
+                if len(e[0].prompt_ids) - e[1] <= self.chunk]
+        while more:
+            t0 = time.perf_counter()
+            n = split_widths(self.widths, len(more))[0]
+            part, more = more[:n], more[n:]
+            cache = self._take_pool_rows([s for s, _ in part], [e[1] for _, e in part])
+            tokens = jnp.asarray([e[0].prompt_ids[e[1] : e[1] + self.chunk] for _, e in part],
+                                 jnp.int32)
+            cache = self.engine.write_prompt(self.spec.target, tokens, cache)
+            self._set_cache(k=cache.k, v=cache.v)
+            for slot, entry in part:
+                entry[1] += self.chunk
+                self.kv.written(slot, entry[0].prompt_ids[: entry[1]])  # shareable already
+            self.stats.prefill_s += time.perf_counter() - t0
+            self.stats.prefill_calls += 1
+        for _, slot, _ in last:
+            del self.prefilling[slot]
+        self._prefill_batched(last)
+        return bool(self.prefilling) or bool(self.active)
+
+    def _take_pool(self, slot: int, start: int = 0) -> paged_attention.PagedKVCache:
+        return self._take_pool_rows([slot], [start])
+
+    def _take_pool_rows(self, slots, starts) -> paged_attention.PagedKVCache:
+        """The shared pool (taken out of the batch state, which holds zero-size placeholders
+        until the prefill's caller puts the written pool back) with rows `slots`' page tables,
+        for a prefill writing each from its `starts` on (its length); never below a row's named
+        pages, whose content other rows read."""
+        for slot, start in zip(slots, starts):
+            if start < self.pool.frozen(slot):
+                raise RuntimeError(f"a prefill of row {slot} from {start} would write into its "
+                                   f"shared pages (below {self.pool.frozen(slot)})")
+        if self.state is None:
+            empty = self.engine.empty_cache(self.spec.target, 1, self.capacity)
+            k, v = empty.k, empty.v
+        else:
+            k, v = self.state.cache.k, self.state.cache.v
+            self._set_cache(k=hole(k), v=hole(k))
+        table = self.pool.table(self.slots, self.max_pages)[list(slots)]
+        return paged_attention.PagedKVCache(k, v, jnp.asarray(table),
+                                            jnp.asarray(starts, jnp.int32))
