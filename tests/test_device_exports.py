@@ -12,6 +12,7 @@ a group."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import functools
 from pathlib import Path
 
@@ -21,13 +22,12 @@ import numpy as np
 import pytest
 from tiny import tiny_model
 
-from jaxspec.decode import speculate
-from jaxspec.decode.sampling import SamplingParams
 from jaxspec.drafters.draft_model import ModelDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import decoder, llama
 from jaxspec import hlo
+from jaxspec.tools import programs
 
 
 def _model():
@@ -110,24 +110,11 @@ def _device_engine(config_name):
 
 
 def exported_programs(e, platform, capacity, batch=1, prompt=32):
-    """(prefill, decode) programs of `e` exported for `platform` (StableHLO text)."""
-    from jax import export
-
-    checks = [export.DisabledSafetyCheck.custom_call(t) for t in hlo.ATTENTION_TARGETS]
-    spec = e.spec_for(batch)
-    sp = SamplingParams.make()
-    args = (e.model.params, e.drafter_params, jnp.zeros((batch, prompt), jnp.int32),
-            jnp.ones((batch,), jnp.int32), jnp.full((batch,), 8, jnp.int32), sp,
-            jax.random.key(0), jnp.zeros((batch,), jnp.int32))
-    prefill = export.export(speculate.prefill_jit, platforms=[platform], disabled_checks=checks)(
-        spec, *args, capacity=capacity)
-    state = jax.eval_shape(lambda *a: speculate.prefill(spec, *a, capacity=capacity), *args)
-    if spec.adaptive is not None:  # the controller's state (flat costs: nothing is measured)
-        state = dataclasses.replace(state, adaptive=spec.adaptive.init(
-            batch, [1.0] * (spec.adaptive.gamma + 1)))
-    decode = export.export(speculate.decode_jit, platforms=[platform], disabled_checks=checks)(
-        spec, e.model.params, e.drafter_params, state, sp, jnp.int32(1))
-    return prefill.mlir_module(), decode.mlir_module()
+    """(prefill, decode) programs of `e` exported for `platform` (StableHLO text), as
+    `python -m jaxspec.tools.programs` lists them."""
+    rows = programs.generation_programs(e, platform, batch=batch, prompt=prompt, max_new_tokens=8,
+                                        spec=e.spec_for(batch), capacity=capacity)
+    return [r["text"] for r in rows]
 
 
 def test_every_shipped_config_is_in_an_exported_group():
@@ -178,3 +165,23 @@ def test_eagle_drafter_attends_on_the_kernel_in_a_bf16_target(platform):
     sizes = [max(ops) for ops in hlo.attention_kernel_operands(decode) if ops]
     assert drafter_cache in sizes, (sizes, drafter_cache)
     assert e.model.cfg.num_layers * drafter_cache in sizes  # the target's, for comparison
+
+
+def test_the_programs_tool_lists_what_a_device_run_compiles(capsys):
+    """`python -m jaxspec.tools.programs` on the real SmolLM2 config: a TPU run's prefill and
+    decode, loaded as the device loads it (bfloat16, stacked), hold the TPU kernel, read from the
+    exported programs; a bad config is one line, exit 2."""
+    from jaxspec.tools.programs import main
+
+    assert main(["--config", "configs/smollm2-135m.yaml", "--platform", "tpu", "--json",
+                 "--prompt", "40", "--max-new-tokens", "16"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["prefill", "decode"]
+    for r in rows:
+        assert r["attention"] == "pallas_tpu" and r["kernel_calls"] > 0
+        assert r["dtype"] == "bfloat16" and r["prompt_bucket"] == 64
+        assert r["capacity"] % 128 == 0 and r["cache"][-2] == r["capacity"]
+    assert main(["--config", "configs/smollm2-135m.yaml", "--platform", "tpu",
+                 "speculative.method=nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "nope" in err and "\n" not in err
