@@ -75,8 +75,15 @@ class GenerationConfig(Section):
     # KV cache slots per row, fixed for the engine: one decode program per batch size, whatever the
     # prompt length (0: sized per request from the prompt and max_new_tokens buckets)
     max_context: int = 0
+    # record the emitted tokens' logprobs with this many top alternatives (0..20; null: none, the
+    # programs carry no logprob code); raw: the model's log_softmax, processed: after the
+    # request's penalties, logit_bias and sampling transform (decode/logprobs.py)
+    logprobs: int | None = None
+    logprobs_mode: Literal["raw", "processed"] = "raw"
 
     def _validate(self):
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            self._fail("logprobs", "use null (off) or an integer in 0..20")
         if self.max_new_tokens < 1:
             self._fail("max_new_tokens", "use an integer >= 1")
         if self.max_context < 0:
