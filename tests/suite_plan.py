@@ -33,6 +33,8 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_attention_impls.py",
     "test_trained_drafters.py",
     "test_distributions.py",
+    "test_penalty_law.py",
+    "test_loop_logprobs.py",
     "test_docs.py",
     "test_speculative.py",
     "test_parity.py",

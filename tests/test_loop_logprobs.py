@@ -64,7 +64,7 @@ def vllm_adjust(logits, prompt, generated, setting):
     """numpy transcription of vLLM's penalties + logit_bias at one position."""
     presence, frequency, repetition, bias = setting
     out = np.asarray(logits, np.float64).copy()
-    counts = np.bincount(np.asarray(generated, int), minlength=V)
+    counts = np.bincount(np.asarray(generated, int), minlength=len(out))
     seen = counts > 0
     seen[np.asarray(prompt, int)] = True
     out[seen] = np.where(out[seen] > 0, out[seen] / repetition, out[seen] * repetition)
