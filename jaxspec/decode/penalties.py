@@ -47,15 +47,16 @@ def is_off(setting) -> bool:
     return presence == 0.0 and frequency == 0.0 and repetition == 1.0 and not bias
 
 
-def make(settings, vocab: int) -> Penalties | None:
+def make(settings, vocab: int, always: bool = False) -> Penalties | None:
     """Host side: one (presence, frequency, repetition, logit_bias dict) per row, validated (a
     one-line JaxspecError naming the fix) -> Penalties with empty counts, or None when every row
-    has them all off (the loop then carries no penalty code at all)."""
+    has them all off (the loop then carries no penalty code at all) unless `always` (the
+    serving state, whose rows come and go, always carries them)."""
     settings = [tuple(s) for s in settings]
     for presence, frequency, repetition, _ in settings:
         logit_bias.check_penalties(presence, frequency, repetition)
     bias = np.stack([logit_bias.bias_vector(s[3], vocab) for s in settings])  # validates
-    if all(is_off(s) for s in settings):
+    if not always and all(is_off(s) for s in settings):
         return None
     b = len(settings)
     col = lambda i: jnp.asarray([float(s[i]) for s in settings], jnp.float32)  # noqa: E731

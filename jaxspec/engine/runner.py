@@ -248,26 +248,36 @@ class Engine:
         return target.init_cache(self.model.params, batch, capacity)
 
     def prefill_rows(self, spec, prompt, lengths, max_new, sp, key, row_ids, capacity: int,
-                     cache=None):
+                     cache=None, penalties=None):
         """`speculate.prefill` of these rows on `spec` (prompt int32[B, P], the rest per row),
-        jitted; into `cache` where given (a page pool with these rows' tables, donated)."""
+        jitted; into `cache` where given (a page pool with these rows' tables, donated);
+        penalties: the rows' `penalties.Penalties` (None: off)."""
         args = (spec, self.model.params, self.drafter_params, prompt, lengths, max_new, sp, key,
                 row_ids)
         if cache is None:
-            return speculate.prefill_jit(*args, capacity=capacity)
-        return prefill_into_cache(*args, capacity=capacity, cache=cache)
+            return speculate.prefill_jit(*args, capacity=capacity, penalties=penalties)
+        return prefill_into_cache(*args, capacity=capacity, cache=cache, penalties=penalties)
 
-    def compile_prefill(self, spec, batch: int, width: int, capacity: int, cache=None):
+    def row_penalties(self, settings):
+        """The serving state's `penalties.Penalties`: one (presence, frequency, repetition,
+        logit_bias) per row, carried even when all are off (rows come and go)."""
+        return penalties_lib.make(settings, self.model.target.vocab_size, always=True)
+
+    def compile_prefill(self, spec, batch: int, width: int, capacity: int, cache=None,
+                        penalties: bool = False):
         """`prefill_rows` compiled ahead for `batch` prompts of `width` tokens (greedy values;
-        `cache`: the shapes of the cache it writes into, or None)."""
+        `cache`: the shapes of the cache it writes into, or None; penalties: with the rows'
+        `row_penalties`)."""
         z = jax.ShapeDtypeStruct((batch,), jnp.int32)
         sp = SamplingParams.rows([(0.0, 0, 1.0, 0.0)] * batch)
         args = (spec, self.model.params, self.drafter_params,
                 jax.ShapeDtypeStruct((batch, width), jnp.int32), z, z, sp,
                 jax.random.key(0), z)
+        pen = self.row_penalties([penalties_lib.OFF] * batch) if penalties else None
         if cache is None:
-            return speculate.prefill_jit.lower(*args, capacity=capacity).compile()
-        return prefill_into_cache.lower(*args, capacity=capacity, cache=cache).compile()
+            return speculate.prefill_jit.lower(*args, capacity=capacity, penalties=pen).compile()
+        return prefill_into_cache.lower(*args, capacity=capacity, cache=cache,
+                                        penalties=pen).compile()
 
     def write_prompt(self, target: Any, tokens, cache):
         """A prompt chunk [B, C] run at cache.lengths.. and its k/v written into `cache` (donated:
