@@ -55,6 +55,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_acceptance.py",
     "test_cli.py",
     "test_server.py",
+    "test_server_logprobs.py",
     "test_ngram_ceiling.py",
     "test_roofline.py",
     "test_sampling.py",
