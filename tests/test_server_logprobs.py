@@ -127,7 +127,7 @@ def test_penalties_and_logit_bias_are_honoured(engine, client):
     ({"n": 17}, "'n'=17 is out of range"),
     ({"n": 2, "stream": True}, "not supported yet"),
     ({"logprobs": 21}, "'logprobs'=21 is out of range"),
-    ({"logprobs": 6}, "start it with generation.logprobs=20"),
+    ({"logprobs": 6}, "it records 5 top logprobs"),
     ({"presence_penalty": 3}, "presence_penalty=3"),
     ({"logit_bias": {"999": 1}}, "out of range"),
     ({"best_of": 2}, "'best_of'=2 is not supported yet"),

@@ -94,7 +94,8 @@ def logprobs_of(body: dict[str, Any], chat: bool) -> int | None:
         on = _field(body, "logprobs", (bool,), False)
         top = _field(body, "top_logprobs", (int,), None)
         if top is not None and not on:
-            raise HTTPError(400, "field 'top_logprobs' needs 'logprobs': true")
+            raise HTTPError(400, "field 'top_logprobs' is not supported without 'logprobs': "
+                                 "true: send both")
         k = top or 0
     else:
         if body.get("top_logprobs") is not None:
@@ -108,6 +109,18 @@ def logprobs_of(body: dict[str, Any], chat: bool) -> int | None:
         name = "top_logprobs" if chat else "logprobs"
         raise HTTPError(400, f"field {name!r}={k} is out of range: use 0..{MAX_TOP_LOGPROBS}")
     return k
+
+
+def check_recorded(body: dict[str, Any], asked: int | None, recorded: int | None,
+                   chat: bool) -> None:
+    """400 when the request asks more top logprobs than the server's programs record
+    (`generation.logprobs`; None: none recorded)."""
+    if asked is None or (recorded is not None and asked <= recorded):
+        return
+    name = "top_logprobs" if chat and body.get("top_logprobs") is not None else "logprobs"
+    raise HTTPError(400, f"field {name!r}={_short(body[name])} is not supported by this server "
+                         f"(it records {recorded if recorded else 'no'} top logprobs): start it "
+                         "with generation.logprobs=20")
 
 
 def _logit_bias(body) -> tuple[tuple[int, float], ...]:

@@ -27,6 +27,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.serving.api import Server
 from jaxspec.serving.fields import (
     HTTPError,
+    check_recorded,
     chat_messages,
     choices_of,
     refuse_unsupported,
@@ -218,6 +219,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         sampling = sampling_of(body, settle_max_tokens(body, ids), chat)
         streamed = wants_stream(body)
         n_choices = choices_of(body)
+        check_recorded(body, sampling.logprobs, sched.spec.logprobs, chat)
         if streamed and n_choices > 1:
             raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true is not supported "
                                  "yet: set stream false or send n requests")
