@@ -75,10 +75,11 @@ class GenerationConfig(Section):
     # KV cache slots per row, fixed for the engine: one decode program per batch size, whatever the
     # prompt length (0: sized per request from the prompt and max_new_tokens buckets)
     max_context: int = 0
-    # record the emitted tokens' logprobs with this many top alternatives (0..20; null: none, the
-    # programs carry no logprob code); raw: the model's log_softmax, processed: after the
-    # request's penalties, logit_bias and sampling transform (decode/logprobs.py)
+    # record the emitted tokens' logprobs with this many top alternatives (0..20; null: none,
+    # no logprob code compiled); a server answers logprobs requests up to it
     logprobs: int | None = None
+    # raw: log_softmax of the model's logits; processed: of the law sampled from (penalties,
+    # logit_bias, temperature, filters)
     logprobs_mode: Literal["raw", "processed"] = "raw"
 
     def _validate(self):

@@ -313,8 +313,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         gate.leave(stream)
 
     async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool):
-        """n completions of one prompt (not streamed): n rows, seeds seed + i (the prompt's
-        pages shared through the prefix cache), one choice each, usage summed."""
+        """n completions of one prompt (not streamed): n requests, seeds seed + i (None: each
+        its own), one choice each, usage summed."""
         streams, timers = [], []
         for i in range(n_choices):
             seed = None if sampling.seed is None else sampling.seed + i
