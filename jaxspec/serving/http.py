@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -39,6 +40,10 @@ from jaxspec.serving.gate import Gate
 from jaxspec.serving.logprob_shapes import chat_logprobs, completion_logprobs
 from jaxspec.serving.metrics import CONTENT_TYPE, ServerMetrics
 from jaxspec.serving.requests import QueueFull
+
+
+# the logprob returned for a token the request's filters cut (-inf: not JSON), as OpenAI's API
+FLOOR = -9999.0
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -209,9 +214,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         if k is None or done.logprobs is None:
             return None
         entries = done.logprobs[:returned]
-        args = (piece, done.token_ids[:returned], [e["logprob"] for e in entries],
+        finite = lambda x: x if math.isfinite(x) else FLOOR  # noqa: E731  JSON has no -inf
+        args = (piece, done.token_ids[:returned], [finite(e["logprob"]) for e in entries],
                 [[i for i, _ in e["top"]] for e in entries],
-                [[v for _, v in e["top"]] for e in entries], k)
+                [[finite(v) for _, v in e["top"]] for e in entries], k)
         return chat_logprobs(*args) if chat else completion_logprobs(*args)
 
     async def respond(body, ids, chat: bool):
