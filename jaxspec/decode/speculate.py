@@ -138,7 +138,7 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
         write_cache=in_place, taps=hidden_layers,
     )
     logits = spec.target.logits(tparams, out.hidden)  # [B, width, V]
-    adjusted = penalties_lib.window_logits(
+    adjusted = logits if penalties is None else penalties_lib.window_logits(
         penalties, logits, window.tokens[:, :width], window.mask[:, :width, :width]
     )
     probs = sampling.logits_to_probs(adjusted, sp)  # [B, width, V]
@@ -414,9 +414,9 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
-    path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)
+    root_path = None if spec.logprobs is None else jnp.broadcast_to(window.tokens[:, :1], path.shape)
     pen, record = _record(spec, state, sp, tokens, lengths, scores[0] if scores else None, path,
-                          path_tokens, zeros, next_token)
+                          root_path, zeros, next_token)  # the path: the root alone
     if dstate is None:  # nothing drafted: the drafter catches up later (or never reads it)
         dstate = state.drafter_state
     else:
