@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.models import attention, blocks
+from jaxspec.models import paged_attention as pa
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked part adds exp(..) = 0
 BLOCK_SLOTS = 128  # committed slots per step of the XLA loop (whole pages)
@@ -71,6 +72,15 @@ class PagedLayer:
         kv, _, p, h = self.pages.shape
         b, mp = self.table.shape
         return (b, kv, mp * p, h)
+
+    def write(self, new: jax.Array, positions: jax.Array) -> PagedLayer:
+        """new [B, T, K, H] written at positions [B, T] through the table (in place: one
+        scatter; a slot without a page is dropped). A layer writes before its attention reads
+        (as the contiguous cache does): a scatter after the read would make XLA copy the pool
+        that the read's loop holds, every layer and step."""
+        _, np_, p, _ = self.pages.shape
+        page, offset = pa.slot_pages(self.table, positions, np_, p)
+        return dataclasses.replace(self, pages=pa.write_pages(self.pages, new, page, offset))
 
 
 def pages_per_block(pages_per_row: int, page_size: int, slots: int) -> int:

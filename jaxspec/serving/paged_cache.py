@@ -86,6 +86,13 @@ class PagedTarget:
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
         if positions is None:
             positions = cache.positions(tokens.shape[1])
+        if write_cache and self.read == "pages":  # each layer writes its pool, then reads it
+            out = self.inner.forward(params, tokens, self.layers(cache), positions=positions,
+                                     window_mask=window_mask, write_cache=True, taps=taps)
+            k = tuple(layer.pages for layer in out.cache.k)
+            v = tuple(layer.pages for layer in out.cache.v)
+            return base.TargetOutput(out.hidden, out.taps, None,
+                                     dataclasses.replace(cache, k=k, v=v))
         out = self.inner.forward(params, tokens, self.layers(cache), positions=positions,
                                  window_mask=window_mask, write_cache=False, taps=taps)
         if not write_cache:
