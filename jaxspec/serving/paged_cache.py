@@ -161,15 +161,13 @@ def write_chunk(target: PagedTarget, params, tokens: jax.Array, cache: pa.PagedK
     return target.forward(params, tokens, cache).cache
 
 
-def choose_attention(backend: str, num_queries: int) -> str:
-    """Which paged attention a serving program over `num_queries` queries per row compiles on
-    `backend` ("tpu", "gpu"/"cuda", "cpu"): "ragged_tpu" (JAX's ragged paged kernel: decode,
-    verify windows and prefill chunks alike), "paged_gpu" (JAX's Triton paged kernel: it takes
-    one query per row, so plain decode only), else "xla" (the gather reference; on GPU for
-    verify windows and prefill, as JAX ships no multi-query paged kernel for CUDA). Tree masks
-    are no kernel's: a tree verify passes num_queries of its window and the caller keeps XLA."""
-    if backend == "tpu":
-        return "ragged_tpu"
-    if backend in ("gpu", "cuda") and num_queries == 1:
-        return "paged_gpu"
-    return "xla"
+def choose_attention(backend: str, num_queries: int, dtype="bfloat16", sliding: bool = False) -> str:
+    """Which committed-part attention a serving program over `num_queries` queries per row
+    compiles on `backend` ("tpu", "gpu"/"cuda", "cpu") for a pool of `dtype`
+    (`models.paged_layer`): "pallas_tpu" (JAX's paged flash kernel) and "pallas_gpu" (JAX's
+    Triton paged kernel) for bfloat16 pools, any window (decode, chain and tree verify, prompt
+    chunks: the window itself is a dense part merged by log-sum-exp); "xla" (the bounded loop
+    over the pages in use) on CPU, for float32 pools and for sliding-window layers."""
+    del num_queries  # every window length takes the same path
+    backend = "gpu" if backend == "cuda" else backend
+    return "xla" if sliding else paged_layer.resolve("auto", dtype, backend)
