@@ -8,7 +8,8 @@
 - a PagedTarget's forward reading pages equals one reading the gathered view (Llama and a Gemma
   with sliding layers), and greedy decoding through it is token for token the inner target's;
 - the TPU serving programs (decode, tree verify, prefill chunk) exported with
-  `jax.export(platforms=["tpu"])` call the kernel once per layer (read from the module text);
+  `jax.export(platforms=["tpu"])` call the kernel once per layer on the pool as stored (read
+  from the module text), and the CUDA ones JAX's Triton paged kernel once per layer;
 - the optimised CPU decode loop (plain and speculative) copies or gathers no pool-sized buffer
   (the view path, the control, does, per layer's k and v).
 """
@@ -222,6 +223,20 @@ def test_the_exported_tpu_serving_program_calls_the_paged_kernel_per_layer(progr
     exported = export.export(jax.jit(lambda p, x, c: view.forward(p, x, c).hidden),
                              platforms=["tpu"])(p_shapes, tokens, cache)
     assert not any(pool in ops for ops in hlo.attention_kernel_operands(exported.mlir_module()))
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_the_exported_cuda_serving_program_calls_the_triton_paged_kernel(t):
+    target, params, cfg = bf16_target()
+    cache = jax.eval_shape(lambda: target.init_cache(params, 4, 128))
+    p_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    checks = [export.DisabledSafetyCheck.custom_call(c) for c in hlo.ATTENTION_TARGETS]
+    exported = export.export(jax.jit(lambda p, x, c: target.forward(p, x, c).hidden),
+                             platforms=["cuda"], disabled_checks=checks)(
+        p_shapes, jax.ShapeDtypeStruct((4, t), jnp.int32), cache)
+    text = exported.mlir_module()
+    assert hlo.compiled_attention(text) == "pallas_gpu"
+    assert hlo.attention_kernel_calls(text) == cfg.num_layers
 
 
 def pool_copies(read: str, drafter) -> tuple[str, ...]:
