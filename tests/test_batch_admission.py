@@ -82,3 +82,44 @@ def test_batched_chunks_and_prefix_sharing_keep_outputs(tiny_target, prompts):
             assert sched.stats.prefill_calls < sched.stats.admitted + sum(
                 (len(p) - 1) // 16 for p in longs)  # fewer than one call per chunk and row
     assert outs[True] == outs[False] == solo
+
+
+def budget_arrivals(prompts):
+    """Eight prompts: the five short ones, then three long ones over a shared 40-token head
+    (61, 51, 74 tokens), arriving over the first rounds."""
+    system = [int(t) % 61 + 2 for t in range(40)]
+    longs = [system + p for p in prompts[1:4]]
+    every = [*prompts, *longs]
+    new = (*NEW, 6, 10, 8)
+    return [(r, p, Sampling(max_tokens=n))
+            for r, p, n in zip((0, 0, 0, 0, 1, 1, 1, 3), every, new)]
+
+
+def test_token_budget_equals_one_at_a_time_and_holds_each_round(tiny_target, prompts):
+    """serving.max_batched_tokens=32: no round prefills more than 32 prompt tokens (prompts
+    over 32 go in chunks of 32 across rounds; the first round's run whole, no row waiting),
+    and the outputs equal one-at-a-time admission and solo runs token for token. The control
+    without a budget prefills more than 32 in a round (so the bound can fail)."""
+    engine = engine_for(tiny_target, "ngram")
+    arrive = budget_arrivals(prompts)
+    solo = [engine.generate([p], max_new_tokens=s.max_tokens)[0].token_ids for _, p, s in arrive]
+    outs, stats = {}, {}
+    for mode, kw in {"one": {}, "batched": {"batch_prefill": True},
+                     "budget": {"max_batched_tokens": 32}}.items():
+        sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=2, **kw)
+        outs[mode] = [c.token_ids for c in run(sched, arrive)]
+        stats[mode] = sched.stats
+        assert sched.pool.free_pages == sched.pool.num_pages and not sched.prefilling
+    assert outs["budget"] == outs["one"] == outs["batched"] == solo
+    assert stats["batched"].max_round_prefill_tokens > 32  # the control: unbounded
+    assert 0 < stats["budget"].max_round_prefill_tokens <= 32
+    # the 74-token prompt alone needs three pieces: more prefill calls than admissions
+    assert stats["budget"].prefill_calls > stats["budget"].admitted == len(arrive)
+
+
+def test_budget_refuses_a_chunk_over_it(tiny_target):
+    from jaxspec.errors import JaxspecError
+
+    engine = engine_for(tiny_target, "plain")
+    with pytest.raises(JaxspecError, match="prefill_chunk=64 exceeds serving.max_batched"):
+        Scheduler(engine, max_context=CONTEXT, prefill_chunk=64, max_batched_tokens=32)

@@ -262,6 +262,12 @@ class Engine:
         updated in place); lengths not advanced. Chunked prefill's chunks before the last."""
         return _write_prompt(target, self.model.params, tokens, cache)
 
+    def compile_write_prompt(self, target: Any, batch: int, chunk: int, cache):
+        """`write_prompt` compiled ahead for `batch` chunks of `chunk` tokens into a cache of
+        `cache`'s shapes (a ShapeDtypeStruct tree)."""
+        tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
+        return _write_prompt.lower(target, self.model.params, tokens, cache).compile()
+
     def decode_rows(self, spec, state, sp, steps: int):
         """Up to `steps` steps of `spec`'s loop over `state` (donated), jitted."""
         return speculate.decode_jit(spec, self.model.params, self.drafter_params, state, sp,
