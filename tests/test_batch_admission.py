@@ -8,6 +8,13 @@ shared prefix pages),
 with fewer prefill calls than admissions (so the batched path did run). A splice that put the
 rows into the wrong slots, or gave every row of a call the longest prompt's length, fails them
 (seen).
+
+Under a token budget (`serving.max_batched_tokens`) no round prefills more than the budget
+(long prompts go in chunks across rounds) and outputs still equal one-at-a-time admission; the
+control without a budget exceeds it, and a budget check turned off fails (seen). The warm-up
+(`compile_prefills`) covers every program batched admission calls with the prefix cache on
+(tails of every bucket, chunk writes): the run lowers none, counted (`tests/compiles.py`); a
+warm-up without the tails lowers 3 (seen).
 """
 
 from __future__ import annotations
@@ -123,3 +130,31 @@ def test_budget_refuses_a_chunk_over_it(tiny_target):
     engine = engine_for(tiny_target, "plain")
     with pytest.raises(JaxspecError, match="prefill_chunk=64 exceeds serving.max_batched"):
         Scheduler(engine, max_context=CONTEXT, prefill_chunk=64, max_batched_tokens=32)
+
+
+PROGRAMS = ("prefill", "prefill_into_cache", "_write_prompt", "decode")  # the model's programs
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_warm_up_covers_every_prefill_batched_admission_calls(tiny_target, prompts, warm):
+    """compile_programs + compile_prefills (the bench's and a server's warm-up) compile every
+    program batched admission under a budget calls with the prefix cache on (whole prompts,
+    tails over shared pages and over earlier chunks, chunk writes, at every row width): the
+    run lowers none of the model's programs. The control (page_size 8: programs no earlier
+    test compiled, no warm-up) lowers some, so the count sees them."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from compiles import counting_lowerings
+
+    engine = engine_for(tiny_target, "ngram")
+    arrive = budget_arrivals(prompts)
+    sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=2,
+                      page_size=16 if warm else 8, max_batched_tokens=32)
+    if warm:
+        sched.compile_programs()
+        sched.compile_prefills([len(p) for _, p, _ in arrive])
+    with counting_lowerings() as lowered:
+        done = run(sched, arrive)
+    assert sum(c.metrics["prefix_cached_tokens"] for c in done) > 0  # tails ran
+    assert (lowered(*PROGRAMS) == 0) == warm, lowered(*PROGRAMS)
