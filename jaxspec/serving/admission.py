@@ -140,35 +140,45 @@ class Admission:
         return self.engine.with_adaptive(state, self.spec, costs_batch=1)
 
     def compile_prefills(self, prompt_lengths) -> int:
-        """Compile ahead every prefill program admission may call for prompts of these lengths,
-        at every row width it may use (1, or each compiled width under batch_prefill), so no
-        admission waits for one: the whole prompt of each bucket; where tails run (the prefix
-        cache, chunked prefill) the tail over written pages of every tail bucket up to the
-        prompt's bucket (up to the chunk's when chunked: a longer rest goes in chunks); and
-        the chunk writes. -> programs compiled (already compiled ones come from the
-        compilation cache; `Engine.compile_prefill` fills jit's own cache, so the calls made
-        while serving find them and lower nothing)."""
-        count = 0
+        """Compile ahead every prefill program admission may call for prompts of these lengths
+        (`prefill_programs`), so no admission waits for one. -> programs compiled (already
+        compiled ones come from the compilation cache; compiling ahead fills jit's own cache,
+        so the calls made while serving find them and lower nothing)."""
+        rows_ = self.prefill_programs(prompt_lengths)
+        for row in rows_:
+            fn, args, kwargs = row["program"]
+            fn.lower(*args, **kwargs).compile()
+        return len(rows_)
+
+    def prefill_programs(self, prompt_lengths) -> list[dict]:
+        """Every prefill program admission may call for prompts of these lengths, at every row
+        width it may use (1, or each compiled width under batch_prefill): the whole prompt of
+        each bucket; where tails run (the prefix cache, chunked prefill) the tail over written
+        pages of every tail bucket up to the prompt's bucket (up to the chunk's when chunked: a
+        longer rest goes in chunks); and the chunk writes. Each {"name" ("prefill",
+        "prefill_tail", "prefill_chunk"), "rows", "prompt_bucket", "tokens" (the tokens it
+        runs through the model), "program" ((jitted function, args, kwargs), abstract)}."""
+        out = []
         widths = self.widths if self.batch_prefill else (1,)
         tails = self.paged and (self.prefix_cache == "on" or self.chunk is not None)
         for prompt in sorted({bucket(n) for n in prompt_lengths}):
             most = min(prompt, bucket(self.chunk)) if self.chunk is not None else prompt
-            targets = [self.spec.target]
+            targets = [("prefill", prompt, self.spec.target)]
             if tails:  # every tail bucket up to `most`
-                targets += [paged_cache.TailTarget(self.spec.target, t)
+                targets += [("prefill_tail", t, paged_cache.TailTarget(self.spec.target, t))
                             for t in sorted({bucket(n) for n in range(1, most + 1)})]
-            for target in targets:
+            for name, tokens, target in targets:
                 spec = dataclasses.replace(self.spec, target=target)
                 for rows_ in widths:
-                    self.engine.compile_prefill(spec, rows_, prompt, self.capacity,
-                                                self._pool_shape(rows_))
-                    count += 1
+                    out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
+                                "tokens": tokens, "program": self.engine.prefill_program(
+                                    spec, rows_, prompt, self.capacity, self._pool_shape(rows_))})
         if self.chunk is not None:
             for rows_ in widths:
-                self.engine.compile_write_prompt(self.spec.target, rows_, self.chunk,
-                                                 self._pool_shape(rows_))
-                count += 1
-        return count
+                out.append({"name": "prefill_chunk", "rows": rows_, "prompt_bucket": None,
+                            "tokens": self.chunk, "program": self.engine.write_prompt_program(
+                                self.spec.target, rows_, self.chunk, self._pool_shape(rows_))})
+        return out
 
     def _pool_shape(self, rows_: int):
         """The shapes of the cache a `rows_`-row prefill writes into (the pool and these rows'
