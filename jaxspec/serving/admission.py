@@ -230,11 +230,15 @@ class Admission:
     # ---- batched admission (serving.batch_prefill) ------------------------------------------
     def _prefill_batched(self, ready: list[tuple[Request, int, int]]) -> None:
         """(request, slot, prompt tokens already in its pages) prefilled several rows a call:
-        whole prompts apart from tails over pages already written (a `TailTarget` program),
-        each set sorted by length (rows of a call share its bucket) and cut into compiled
-        widths (`batch.split_widths`: no padded rows)."""
-        for tails in (False, True):
-            group = sorted((x for x in ready if bool(x[2]) == tails),
+        grouped by program (the prompt's bucket, and the tail's for tails over pages already
+        written: a `TailTarget` program), so no row computes a longer row's padding, and each
+        group cut into compiled widths (`batch.split_widths`: no padded rows)."""
+        def shape(x):  # the call's program: prompt bucket, tail bucket (0: whole prompts)
+            req, _, done = x
+            return bucket(len(req.prompt_ids)), bucket(len(req.prompt_ids) - done) if done else 0
+
+        for key in sorted({shape(x) for x in ready}):  # no row padded to a longer one's bucket
+            group = sorted((x for x in ready if shape(x) == key),
                            key=lambda x: len(x[0].prompt_ids))
             for n in split_widths(self.widths, len(group)):
                 self._prefill_rows(group[:n])
