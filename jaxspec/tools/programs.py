@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.cli_support import EXIT_USAGE
     from jaxspec.errors import JaxspecError
 
-    args = make_parser().parse_args(argv)
+    try:
+        args = make_parser().parse_args(argv)
+    except JaxspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     mesh = [] if args.mesh is None else [f"mesh.data={args.mesh[0]}", f"mesh.model={args.mesh[1]}"]
     if args.mesh is not None:
         simulate_devices(args.mesh[0] * args.mesh[1])
