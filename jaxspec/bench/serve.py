@@ -12,7 +12,10 @@ tokens whose k/v came from it and the most distinct pages rows held at once (a s
 `--system-prompt TEXT` puts one fixed text before every prompt (a shared system prompt);
 `--workload agent` serves the agent sessions' calls instead (data/agent_sessions.jsonl: a system
 prompt and tool schema repeated in every call, each call's prompt the conversation so far);
-`--prefix-cache on off` runs both (A/B). Every greedy run's outputs are compared with the first
+`--prefix-cache on off` runs both (A/B); `--admission one batched` runs one-at-a-time and
+batched admission (`--max-batched-tokens N`: under that budget per round) on the same requests,
+each run reporting the programs lowered while it ran (the warm-up compiles every prefill, tail and
+chunk program first: `Scheduler.compile_prefills`). Every greedy run's outputs are compared with the first
 greedy run's of the same model (`outputs_identical_to_first_greedy_run`): batching, cache and
 method must not change a token. Arguments are parsed before jax is imported."""
 
