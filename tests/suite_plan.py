@@ -45,6 +45,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_greedy_identity.py",
     "test_paged_cache.py",
     "test_paged_forward.py",
+    "test_serving_programs.py",
     "test_block.py",
     "test_suffix.py",
     "test_cli_inputs.py",

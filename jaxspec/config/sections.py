@@ -277,6 +277,9 @@ class ServingConfig(Section):
     prefix_cache: bool = True  # share KV pages of common prompt prefixes (paged, no target taps)
     # prefill the requests admitted in one round several rows a call (and prompt chunks likewise)
     batch_prefill: bool = False
+    # prompt tokens prefilled per round at most (batched admission; longer prompts go in chunks
+    # across rounds); 0: no budget
+    max_batched_tokens: int = 0
     # scheduling policy (jaxspec/serving/policy.py): fcfs, priority (Request.priority), prefix
     # (longest cached prompt prefix first)
     policy: str = "fcfs"
@@ -295,6 +298,8 @@ class ServingConfig(Section):
             self._fail("kv_pages", "use 0 (sized from slots and max_context) or a page count")
         if self.prefill_chunk < 0:
             self._fail("prefill_chunk", "use 0 (whole prompts) or a chunk of tokens >= 1")
+        if self.max_batched_tokens < 0:
+            self._fail("max_batched_tokens", "use 0 (no budget) or a token count >= 1")
         for name in ("max_body_bytes",):
             if getattr(self, name) < 1:
                 self._fail(name, "use an integer >= 1")

@@ -248,19 +248,36 @@ class Engine:
     def compile_prefill(self, spec, batch: int, width: int, capacity: int, cache=None):
         """`prefill_rows` compiled ahead for `batch` prompts of `width` tokens (greedy values;
         `cache`: the shapes of the cache it writes into, or None)."""
+        fn, args, kwargs = self.prefill_program(spec, batch, width, capacity, cache)
+        return fn.lower(*args, **kwargs).compile()
+
+    def prefill_program(self, spec, batch: int, width: int, capacity: int, cache=None):
+        """(jitted function, args, kwargs) of `prefill_rows` for these shapes (abstract: to
+        compile ahead, or export for another platform)."""
         z = jax.ShapeDtypeStruct((batch,), jnp.int32)
         sp = SamplingParams.rows([(0.0, 0, 1.0, 0.0)] * batch)
         args = (spec, self.model.params, self.drafter_params,
                 jax.ShapeDtypeStruct((batch, width), jnp.int32), z, z, sp,
                 jax.random.key(0), z)
         if cache is None:
-            return speculate.prefill_jit.lower(*args, capacity=capacity).compile()
-        return prefill_into_cache.lower(*args, capacity=capacity, cache=cache).compile()
+            return speculate.prefill_jit, args, {"capacity": capacity}
+        return prefill_into_cache, args, {"capacity": capacity, "cache": cache}
 
     def write_prompt(self, target: Any, tokens, cache):
         """A prompt chunk [B, C] run at cache.lengths.. and its k/v written into `cache` (donated:
         updated in place); lengths not advanced. Chunked prefill's chunks before the last."""
         return _write_prompt(target, self.model.params, tokens, cache)
+
+    def compile_write_prompt(self, target: Any, batch: int, chunk: int, cache):
+        """`write_prompt` compiled ahead for `batch` chunks of `chunk` tokens into a cache of
+        `cache`'s shapes (a ShapeDtypeStruct tree)."""
+        fn, args, kwargs = self.write_prompt_program(target, batch, chunk, cache)
+        return fn.lower(*args, **kwargs).compile()
+
+    def write_prompt_program(self, target: Any, batch: int, chunk: int, cache):
+        """(jitted function, args, kwargs) of `write_prompt` for these shapes."""
+        tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
+        return _write_prompt, (target, self.model.params, tokens, cache), {}
 
     def decode_rows(self, spec, state, sp, steps: int):
         """Up to `steps` steps of `spec`'s loop over `state` (donated), jitted."""
@@ -269,8 +286,13 @@ class Engine:
 
     def compile_decode(self, spec, state, sp, steps: int):
         """`decode_rows` compiled ahead for `state`'s shapes (a ShapeDtypeStruct tree)."""
-        return speculate.decode_jit.lower(spec, self.model.params, self.drafter_params, state, sp,
-                                          jnp.int32(steps)).compile()
+        fn, args, kwargs = self.decode_program(spec, state, sp, steps)
+        return fn.lower(*args, **kwargs).compile()
+
+    def decode_program(self, spec, state, sp, steps: int):
+        """(jitted function, args, kwargs) of `decode_rows` for `state`'s shapes."""
+        args = (spec, self.model.params, self.drafter_params, state, sp, jnp.int32(steps))
+        return speculate.decode_jit, args, {}
 
     def call_costs(self, batch: int) -> tuple:
         """(costs f32[F, G+1], fills f32[F]) as host arrays: the controller's cost table for a

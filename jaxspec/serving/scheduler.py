@@ -69,6 +69,7 @@ class Scheduler(Admission, DeviceCall, Streaming):
         prefix_cache: bool = True,
         policy: str = "fcfs",
         batch_prefill: bool = False,
+        max_batched_tokens: int | None = None,
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
         an empty batch, which then runs until its last row ends, every call over all `slots`
@@ -84,7 +85,11 @@ class Scheduler(Admission, DeviceCall, Streaming):
         policy: the scheduling policy's name (`serving.policy`: admission order and the row
         preempted when the pool is short).
         batch_prefill: the requests admitted in a round are prefilled several rows a call (and
-        chunked prompts' chunks likewise) instead of one call each (`admission`)."""
+        chunked prompts' chunks likewise) instead of one call each (`admission`).
+        max_batched_tokens: batched admission (implied) under a budget of prompt tokens per
+        round: the prefilling rows' next chunks first, then queued prompts while they fit; a
+        prompt longer than a chunk (prefill_chunk, else the budget) goes in chunks across
+        rounds where chunking is possible (else alone, the first of its round)."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
             raise JaxspecError(
                 f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
@@ -99,7 +104,15 @@ class Scheduler(Admission, DeviceCall, Streaming):
         self.slots, self.capacity, self.steps = slots, max_context, steps_per_call
         self.max_queue = max_queue
         self.static = static
-        self.batch_prefill = batch_prefill
+        if max_batched_tokens is not None and max_batched_tokens < 1:
+            raise JaxspecError(f"serving.max_batched_tokens={max_batched_tokens}: use an integer "
+                               ">= 1 (0 in a config: no budget)")
+        if max_batched_tokens and prefill_chunk and prefill_chunk > max_batched_tokens:
+            raise JaxspecError(f"serving.prefill_chunk={prefill_chunk} exceeds serving."
+                               f"max_batched_tokens={max_batched_tokens}: a chunk must fit a "
+                               "round's budget; lower prefill_chunk")
+        self.budget = max_batched_tokens or None  # prompt tokens prefilled per round at most
+        self.batch_prefill = batch_prefill or self.budget is not None
         per_row = pages_for(max_context, page_size)
         self.pool = PagePool(kv_pages or slots * per_row, page_size)
         if self.pool.num_pages < per_row:
@@ -122,13 +135,16 @@ class Scheduler(Admission, DeviceCall, Streaming):
             spec = engine.serving_spec(paged)
         self.spec = spec
         taps = spec.drafter is not None and spec.drafter.hidden_layers
-        self.chunk = prefill_chunk if self.paged and not static and not taps else None
+        chunk = prefill_chunk or self.budget  # under a budget, prompts over it go in chunks
+        self.chunk = chunk if self.paged and not static and not taps else None
         self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
         self.kv = KVManager(self.pool, max_context, steps_per_call, spec.depth, spec.num_nodes,
                             self.prefix_cache)
         if prefill_chunk is not None and prefill_chunk < 1:
             raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
         self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
+        self._round_left: int | None = None  # the round's budget left (`admission`)
+        self._round_tokens = 0  # prompt tokens prefilled this round
         self.key = jax.random.key(seed)
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}  # slot -> request
