@@ -60,8 +60,16 @@ class GenerationConfig(Section):
     # KV cache slots per row, fixed for the engine: one decode program per batch size, whatever the
     # prompt length (0: sized per request from the prompt and max_new_tokens buckets)
     max_context: int = 0
+    # record the emitted tokens' logprobs with this many top alternatives (0..20; null: none,
+    # no logprob code compiled); a server answers logprobs requests up to it
+    logprobs: int | None = None
+    # raw: log_softmax of the model's logits; processed: of the law sampled from (penalties,
+    # logit_bias, temperature, filters)
+    logprobs_mode: Literal["raw", "processed"] = "raw"
 
     def _validate(self):
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            self._fail("logprobs", "use null (off) or an integer in 0..20")
         if self.max_new_tokens < 1:
             self._fail("max_new_tokens", "use an integer >= 1")
         if self.max_context < 0:

@@ -136,7 +136,8 @@ class Admission:
             spec, jnp.asarray(prompt), jnp.asarray([len(ids)], jnp.int32),
             jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
             jnp.asarray([req.seed], jnp.int32), self.capacity,
-            cache=self._take_pool(slot, done) if self.paged else None)
+            cache=self._take_pool(slot, done) if self.paged else None,
+            penalties=self.engine.row_penalties([req.sampling.penalties]))
         return self.engine.with_adaptive(state, self.spec, costs_batch=1)
 
     def compile_prefills(self, prompt_lengths) -> int:
@@ -172,7 +173,8 @@ class Admission:
                 for rows_ in widths:
                     out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
                                 "tokens": tokens, "program": self.engine.prefill_program(
-                                    spec, rows_, prompt, self.capacity, self._pool_shape(rows_))})
+                                    spec, rows_, prompt, self.capacity, self._pool_shape(rows_),
+                                    penalties=True)})
         if self.chunk is not None:
             for rows_ in widths:
                 out.append({"name": "prefill_chunk", "rows": rows_, "prompt_bucket": None,
@@ -261,7 +263,8 @@ class Admission:
             spec, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids) for r in reqs], jnp.int32),
             jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.key,
             jnp.asarray([r.seed for r in reqs], jnp.int32), self.capacity,
-            cache=self._take_pool_rows(slots, dones) if self.paged else None)
+            cache=self._take_pool_rows(slots, dones) if self.paged else None,
+            penalties=self.engine.row_penalties([r.sampling.penalties for r in reqs]))
         group = self.engine.with_adaptive(group, self.spec, costs_batch=1)
         for r, slot in zip(reqs, slots):
             self.kv.written(slot, r.prompt_ids)

@@ -104,7 +104,11 @@ class DeviceCall:
         fields = {n: getattr(self.state, n) for n in HOST_FIELDS}
         if self.state.adaptive is not None:
             fields["adaptive"] = self.state.adaptive
-        host = types.SimpleNamespace(**({"adaptive": None} | jax.device_get(fields)))
+        if self.state.logprobs is not None and any(  # only when a live request asked for them
+                r.sampling.logprobs is not None for r in self.active.values()):
+            fields["logprobs"] = self.state.logprobs
+        host = types.SimpleNamespace(
+            **({"adaptive": None, "logprobs": None} | jax.device_get(fields)))
         now = time.perf_counter()
         self.stats.device_calls += 1
         self.stats.decode_s += now - t0

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decode.logit_bias import bias_vector
+from jaxspec.decode.penalties import OFF
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.runner import prefill_into_cache as prefill_into_pool
 from jaxspec.errors import JaxspecError
@@ -167,6 +169,13 @@ class Scheduler(Admission, DeviceCall, Streaming):
                 f"(+ γ + 1 = {need} slots) exceeds serving.max_context={self.capacity}: "
                 "shorten the prompt or lower max_tokens"
             )
+        bias_vector(dict(sampling.logit_bias), self.engine.target.vocab_size)  # ids in range
+        k = self.spec.logprobs
+        if sampling.logprobs is not None and (k is None or sampling.logprobs > k):
+            raise JaxspecError(
+                f"{sampling.logprobs} top logprobs asked, but the server records "
+                f"{'none' if k is None else k}: start it with generation.logprobs=20"
+            )
         n = next(self._ids)
         seed = n if sampling.seed is None else int(sampling.seed)
         return Request(request_id or f"req-{n}", ids, sampling, seed, sink, time.perf_counter(),
@@ -212,7 +221,8 @@ class Scheduler(Admission, DeviceCall, Streaming):
         sp = SamplingParams.rows([GREEDY] * batch)
         z = jnp.zeros((batch,), jnp.int32)
         state = self.engine.prefill_rows(self.spec, jnp.zeros((batch, 16), jnp.int32), z + 1,
-                                         z + 1, sp, self.key, z, self.capacity)
+                                         z + 1, sp, self.key, z, self.capacity,
+                                         penalties=self.engine.row_penalties([OFF] * batch))
         if self.spec.adaptive is None:
             return state
         g = self.spec.adaptive.gamma
