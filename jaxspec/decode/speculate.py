@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec.constrain import loop as grammar_loop
 from jaxspec.decode import acceptance, adaptive, adaptive_loop, sampling, tree
 from jaxspec.decode.adaptive_loop import controller, plan_step
 from jaxspec.decode.drafter import CommitContext, DraftContext, Proposal, traits
@@ -52,10 +53,12 @@ def prefill(
     row_ids: jax.Array,  # int32[B]
     capacity: int,
     cache: Any = None,
+    grammar: grammar_loop.Grammar | None = None,
 ) -> DecodeState:
     """Run the prompt through the target, sample the first token, set up the drafter.
     cache: the target cache to prefill into (None: a fresh `target.init_cache`); the serving
-    scheduler passes its shared page pool with the row's page table."""
+    scheduler passes its shared page pool with the row's page table. grammar: the rows'
+    constraints (constrain/loop.py; None: every row free), the first token sampled under it."""
     target = spec.target
     b, p = prompt_tokens.shape
     g = max(spec.depth, 1)
@@ -66,9 +69,14 @@ def prefill(
         cache = spec.mesh.constrain(cache, b)
     out = target.forward(tparams, prompt_tokens, cache, taps=hidden_layers)
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    probs = sampling.logits_to_probs(target.logits(tparams, last), sp)  # [B, V]
+    logits = target.logits(tparams, last)  # [B, V]
+    if grammar is not None:
+        logits = grammar_loop.mask_logits(logits, grammar_loop.allowed_mask(grammar, grammar.state))
+    probs = sampling.logits_to_probs(logits, sp)  # [B, V]
     row_steps = jnp.zeros((b,), jnp.int32)
     first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
+    if grammar is not None:
+        grammar = grammar_loop.first_token(grammar, first)
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
     tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first)
     done = jnp.isin(first, jnp.asarray(spec.eos_ids, jnp.int32)) | (max_new_tokens <= 1)
@@ -91,11 +99,12 @@ def prefill(
         num_draft=zeros,
         num_accepted=zeros,
         accepted_per_position=jnp.zeros((b, g), jnp.int32),
+        grammar=grammar,
     )
     return place(spec, state)
 
 
-def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int):
+def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int, allowed=None):
     """Target over the first `width` window entries -> (probs [B, T, V], hidden
     [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
     entries (past `width`: zeros, never accepted).
@@ -103,7 +112,8 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int):
     With draft nodes the cache is only read and the window's k/v come back for `commit_kv`
     (nodes share positions; which are kept is known only after acceptance). A root-only window
     (plain decoding) always keeps its one entry, so it is written in place (window_kv None):
-    writing it after the forward made XLA copy the whole cache every step."""
+    writing it after the forward made XLA copy the whole cache every step. allowed: bool[B, T, V]
+    the tokens the constraint allows at each entry (None: no constraint)."""
     t = window.tokens.shape[1]
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
     in_place = t == 1
@@ -112,7 +122,10 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int):
         window_mask=None if in_place else window.mask[:, :width, :width],
         write_cache=in_place, taps=hidden_layers,
     )
-    probs = sampling.logits_to_probs(spec.target.logits(tparams, out.hidden), sp)  # [B, width, V]
+    logits = spec.target.logits(tparams, out.hidden)  # [B, width, V]
+    if allowed is not None:
+        logits = grammar_loop.mask_logits(logits, allowed[:, :width])
+    probs = sampling.logits_to_probs(logits, sp)  # [B, width, V]
     pad = [(0, 0), (0, t - width), (0, 0)]
     probs = jnp.pad(probs, pad)
     layer_hidden = out.taps
@@ -123,15 +136,16 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int):
     return probs, layer_hidden, out.cache, base.pad_window(spec.target, out.window_kv, t)
 
 
-def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, num_nodes):
+def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, num_nodes,
+                      allowed=None):
     widths = spec.verify_windows()
     if len(widths) == 1:
-        return verify(spec, tparams, cache, window, sp, widths[0])
+        return verify(spec, tparams, cache, window, sp, widths[0], allowed)
     need = jnp.max(num_nodes) + 1
     branch = jnp.sum(jnp.asarray(widths)[:-1] < need)
 
     def branch_fn(c, w):  # with nodes, verify only reads the cache: it stays out of the switch
-        probs, hidden, _, window_kv = verify(spec, tparams, c, window, sp, w)
+        probs, hidden, _, window_kv = verify(spec, tparams, c, window, sp, w, allowed)
         return probs, hidden, window_kv
 
     probs, hidden, window_kv = jax.lax.switch(
@@ -195,6 +209,7 @@ class _StepOut(NamedTuple):
     num_accepted: jax.Array  # int32[B]
     root_hidden: Any = None  # [nl, B, D] the root's target features (one-token steps only)
     depth: Any = None  # int32[B] the deepest node verified (a chain: num_nodes)
+    grammar: Any = None  # constrain.loop.Grammar after the step (None: no constraint)
 
 
 def decode_step(
@@ -261,6 +276,7 @@ def _advance(spec: LoopSpec, state: DecodeState, out: _StepOut, plan) -> DecodeS
         num_draft=state.num_draft + out.num_nodes * act,
         num_accepted=state.num_accepted + out.num_accepted * act,
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
+        grammar=out.grammar if out.grammar is not None else state.grammar,
     )
     return place(spec, state)
 
@@ -306,12 +322,21 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     window = tree.build_window(
         _last_token(state), state.cache.lengths, proposal.tokens, parents, num_nodes
     )
-    p, hidden, cache, window_kv = _verify_any_width(spec, tparams, state.cache, window, sp, num_nodes)
+    g, allowed = state.grammar, None
+    if g is not None:  # each entry masked with the state along its own path
+        states = grammar_loop.window_states(g, proposal.tokens, parents)  # [B, 1+N]
+        allowed = grammar_loop.allowed_mask(g, states)  # [B, 1+N, V]
+    p, hidden, cache, window_kv = _verify_any_width(
+        spec, tparams, state.cache, window, sp, num_nodes, allowed
+    )
     path, num_acc, next_token = acceptance.accept_tree(
         proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, d + 1
     )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
-    tokens, lengths, _, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
+    tokens, lengths, count, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
+    if g is not None:
+        masked = grammar_loop.masked_nodes(states, parents, num_nodes)
+        g = grammar_loop.after_step(g, states, path, num_acc, next_token, count, masked)
     cache = cache if window_kv is None else None  # read-only: _advance commits window_kv
     if spec.drafter is not None:
         commit_ctx = CommitContext(
@@ -327,7 +352,8 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     verified = jnp.arange(window.depth.shape[1])[None] <= num_nodes[:, None]  # [B, T]
     depth = jnp.max(jnp.where(verified, window.depth, 0), axis=1)
     return _StepOut(
-        tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc, depth=depth
+        tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc, depth=depth,
+        grammar=g,
     )
 
 
@@ -347,12 +373,17 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
         last, state.cache.lengths, jnp.zeros((b, m), jnp.int32), tree.chain_parents(b, m),
         jnp.zeros((b,), jnp.int32),
     )
-    p, hidden, cache, window_kv = verify(spec, tparams, state.cache, window, sp, 1)
+    g, allowed = state.grammar, None
+    if g is not None:
+        allowed = grammar_loop.allowed_mask(g, g.state)[:, None]  # [B, 1, V] the root's
+    p, hidden, cache, window_kv = verify(spec, tparams, state.cache, window, sp, 1, allowed)
     root_hidden = None if hidden is None else hidden[:, :, 0]  # [nl, B, D]
     next_token = acceptance.root_token(p[:, 0], k_accept, n)
     zeros = jnp.zeros((b,), jnp.int32)
-    tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
+    tokens, lengths, count, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
+    if g is not None:
+        g = grammar_loop.after_step(g, g.state[:, None], path[:, :1], zeros, next_token, count, zeros)
     if dstate is None:  # nothing drafted: the drafter catches up later (or never reads it)
         dstate = state.drafter_state
     else:
@@ -364,7 +395,8 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
         dstate = spec.drafter.commit(dparams, base.bind(spec.target, tparams), dstate, ctx)
     cache = cache if in_place else None
     return _StepOut(
-        tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden, zeros
+        tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden, zeros,
+        grammar=g,
     )
 
 

@@ -32,6 +32,7 @@ class DecodeState:
     num_accepted: jax.Array  # int32[B] draft nodes accepted
     accepted_per_position: jax.Array  # int32[B, max(D, 1)] steps where depth i+1 was accepted
     adaptive: Any = None  # adaptive.AdaptiveState when LoopSpec.adaptive is set
+    grammar: Any = None  # constrain.loop.Grammar: rows' constraint states (None: all rows free)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,5 +84,6 @@ def place(spec: LoopSpec, state: DecodeState) -> DecodeState:
         return state
     b = state.lengths.shape[0]
     dstate = spec.mesh.constrain_drafter_state(state.drafter_state, b, spec.drafter)
-    state = spec.mesh.constrain(dataclasses.replace(state, drafter_state=None), b)
-    return dataclasses.replace(state, drafter_state=dstate)
+    grammar = state.grammar  # the stacked tables are not per row: left as placed
+    state = spec.mesh.constrain(dataclasses.replace(state, drafter_state=None, grammar=None), b)
+    return dataclasses.replace(state, drafter_state=dstate, grammar=grammar)

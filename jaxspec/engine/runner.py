@@ -29,6 +29,7 @@ from jaxspec.decode import speculate
 from jaxspec.decode.adaptive import Controller, cost_table
 from jaxspec.engine.adaptive_host import AdaptiveHost
 from jaxspec.config import AdaptiveConfig
+from jaxspec.constrain import host as constrain_host
 from jaxspec.decode.drafter import check_target, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
@@ -128,6 +129,7 @@ class Engine:
             max_context=max_context, chat_template=chat_template, system_prompt=system_prompt,
         )
         self.programs = Programs()
+        self._grammar_compiler = None  # constrain.host.GrammarCompiler, made on first use
         self._call_costs: dict[int, tuple] = {}  # batch -> `call_costs` (host arrays)
         self.policy = None if self.adaptive is None else AdaptiveHost(
             self.adaptive, model, self.spec, drafter
@@ -281,11 +283,22 @@ class Engine:
                                        np.asarray(fills, np.float32))
         return self._call_costs[batch]
 
-    def prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
-        """The prefilled decode state of a batch of token-id prompts (rows padded to batch_size)."""
+    def prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, grammar=None):
+        """The prefilled decode state of a batch of token-id prompts (rows padded to batch_size);
+        grammar: the rows' constraints (`grammar_for`), None: every row free."""
         self.calibrate(max(batch_size, len(batch_ids)))
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size)
-        return self.with_adaptive(speculate.prefill_jit(*args, capacity=capacity))
+        return self.with_adaptive(speculate.prefill_jit(*args, capacity=capacity, grammar=grammar))
+
+    def grammar_for(self, constraints, rows: int):
+        """Per row a constrain.Constraint or None -> the batch's device Grammar (None: no row
+        constrained); compiled tables cached by regex (constrain/host.py)."""
+        if all(c is None for c in constraints):
+            return None
+        if self._grammar_compiler is None:
+            self._grammar_compiler = constrain_host.GrammarCompiler(
+                self.model.tokenizer, self.model.target.vocab_size, tuple(self.model.eos_token_ids))
+        return self._grammar_compiler.batch(list(constraints), rows)
 
     def _decode_args(self, state, sp, max_steps: int):
         spec = self.spec_for(state.lengths.shape[0])
@@ -306,8 +319,11 @@ class Engine:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         batch_size: int = 1,
+        constraint=None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt, `batch_size` rows at a time (the last batch is padded)."""
+        """Generate for every prompt, `batch_size` rows at a time (the last batch is padded).
+        constraint: a constrain.Constraint for every prompt, or one per prompt (None: free);
+        the output then follows it (docs/structured.md), lossless for every drafter."""
         if max_new_tokens < 1:
             raise JaxspecError(f"max_new_tokens={max_new_tokens} must be at least 1")
         if batch_size < 1:
@@ -316,23 +332,25 @@ class Engine:
         encoded = [self.encode(p) for p in prompts]
         for ids in encoded:
             self.check_fits(ids, max_new_tokens)
+        constraints = _per_prompt(constraint, len(prompts))
         results: list[GenerationResult] = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(range(start, min(start + batch_size, len(prompts))))
+            grammar = self.grammar_for([constraints[i] for i in chunk], max(batch_size, len(chunk)))
             results += self._run_batch(
                 [prompts[i] for i in chunk], [encoded[i] for i in chunk], chunk,
-                max_new_tokens, sp, seed, batch_size,
+                max_new_tokens, sp, seed, batch_size, grammar,
             )
         return results
 
-    def _ensure_compiled(self, batch_ids, max_new_tokens, sp, batch_size) -> float:
+    def _ensure_compiled(self, batch_ids, max_new_tokens, sp, batch_size, grammar=None) -> float:
         """Compile the programs for this shape ahead of time (programs.Programs), so timings
         exclude compilation. Returns the seconds spent; 0.0 when this shape was already warm."""
         b = max(batch_size, len(batch_ids))
         self.calibrate(b)  # the explicit, announced step before anything of this size runs
         plain = self.spec_for(b) is self.plain_spec
         p = bucket(max(len(ids) for ids in batch_ids))
-        key = (b, p, bucket(max_new_tokens), sp.mode, plain)
+        key = (b, p, bucket(max_new_tokens), sp.mode, plain, constrain_host.shape_key(grammar))
         if self.programs.warm(key):
             return 0.0
         capacity = self.capacity(p, max_new_tokens)
@@ -340,7 +358,8 @@ class Engine:
         compiling = progress.compiling(b, self.method)
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         decode_args = lambda state: self._decode_args(self.with_adaptive(state), sp, 1)
-        seconds = self.programs.compile(key, args, capacity, decode_args, self.plan is not None)
+        seconds = self.programs.compile(key, args, capacity, decode_args, self.plan is not None,
+                                        grammar)
         compiling()
         return seconds
 
@@ -349,10 +368,11 @@ class Engine:
         sp = sampling if sampling is not None else SamplingParams.make()
         return self._ensure_compiled([self.encode(prompt)], max_new_tokens, sp, batch_size)
 
-    def _run_batch(self, prompts, batch_ids, row_ids, max_new_tokens, sp, seed, batch_size):
-        compile_s = self._ensure_compiled(batch_ids, max_new_tokens, sp, batch_size)
+    def _run_batch(self, prompts, batch_ids, row_ids, max_new_tokens, sp, seed, batch_size,
+                   grammar=None):
+        compile_s = self._ensure_compiled(batch_ids, max_new_tokens, sp, batch_size, grammar)
         t0 = time.perf_counter()
-        state = self.prefill(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size)
+        state = self.prefill(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, grammar)
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         state = self.decode(state, sp, 1 << 30)
@@ -426,3 +446,12 @@ class Engine:
     def decode_text(self, token_ids: list[int]) -> str:
         """Generated ids -> text (EOS dropped, special tokens skipped)."""
         return self.report.decode_text(token_ids)
+
+
+def _per_prompt(constraint, n: int) -> list:
+    """A constraint for every prompt, or a list of one per prompt (None entries: free)."""
+    if constraint is None or not isinstance(constraint, (list, tuple)):
+        return [constraint] * n
+    if len(constraint) != n:
+        raise JaxspecError(f"{len(constraint)} constraints for {n} prompts: pass one per prompt, or one for all")
+    return list(constraint)
