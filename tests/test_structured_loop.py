@@ -146,3 +146,26 @@ def test_broken_variant_masking_every_position_with_the_root_state_is_caught(
     out = Engine(target, d, dparams, num_speculative_tokens=4).generate(
         prompts, max_new_tokens=NEW, constraint=Constraint(json_schema=SCHEMA))
     assert [r.token_ids for r in out] != plain
+
+
+def test_token_classes_rebuild_the_dense_table():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    dense = rng.integers(-1, 5, size=(7, 12))[:, rng.integers(0, 4, size=300)].astype(np.int32)
+    by_class, class_of = grammar_loop.token_classes(dense)
+    assert by_class.shape[1] <= 4 and np.array_equal(by_class[:, class_of], dense)
+    dense[3, 17] = 99  # one column made unique: one more class, still exact
+    by_class2, class_of2 = grammar_loop.token_classes(dense)
+    assert by_class2.shape[1] == by_class.shape[1] + 1 and np.array_equal(by_class2[:, class_of2], dense)
+
+
+def test_cli_unsupported_keyword_exits_2_with_one_line(capsys):
+    from jaxspec.generate import main
+
+    rc = main(["--prompt", "hi", 'structured.json_schema={"type": "string", "contentEncoding": "x"}'])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "contentEncoding" in err and "\n" not in err
+    rc = main(["--prompt", "hi", "structured.regex=a+", "structured.json_object=true"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "only one" in err and "\n" not in err

@@ -145,8 +145,21 @@ def batch_grammar(tables: list, rows: int, eos_ids: tuple[int, ...]) -> Grammar:
 
 def token_classes(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """next int32[S, V] -> (next_by_class int32[S, C], class_of int32[V]): tokens with
-    identical columns share a class."""
-    columns, class_of = np.unique(dense.T, axis=0, return_inverse=True)
+    identical columns share a class. Columns are grouped by two random projections (chunked
+    matmuls: ~3 s for json_object's 1623 x 49152, where an exact sort of the columns took
+    44 s), then checked exactly; a projection collision falls back to the exact sort."""
+    s, v = dense.shape
+    proj = np.random.default_rng(0).standard_normal((2, s))
+    keys = np.zeros((2, v))
+    for a in range(0, s, 64):
+        keys += proj[:, a:a + 64] @ dense[a:a + 64].astype(np.float64)
+    _, first, class_of = np.unique(keys.T, axis=0, return_index=True, return_inverse=True)
+    class_of = class_of.reshape(-1).astype(np.int32)
+    by_class = np.ascontiguousarray(dense[:, first])  # [S, C]
+    if all(np.array_equal(np.take(by_class[a:a + 64], class_of, axis=1), dense[a:a + 64])
+           for a in range(0, s, 64)):
+        return by_class, class_of
+    columns, class_of = np.unique(dense.T, axis=0, return_inverse=True)  # a collision: exact
     return np.ascontiguousarray(columns.T), class_of.reshape(-1).astype(np.int32)
 
 
