@@ -51,7 +51,7 @@ def build_server(config, model_name: str | None = None, gate=None):
                     steps_per_call=s.steps_per_call, max_queue=s.max_queue,
                     kv_pages=s.kv_pages or None, page_size=s.page_size, seed=config.sampling.seed,
                     prefill_chunk=s.prefill_chunk or None, prefix_cache=s.prefix_cache,
-                    batch_prefill=s.batch_prefill,
+                    batch_prefill=s.batch_prefill, structured=s.structured,
                     policy=s.policy, model_name=model_name or config.model.name)
     return server, make_app(server, gate or Gate(limits=Limits.of(s)))
 

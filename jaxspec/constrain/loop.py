@@ -108,38 +108,55 @@ def first_token(g: Grammar, token: jax.Array) -> Grammar:
 
 # ---- host side: a batch's table -------------------------------------------------------------
 
+def stack_blocks(blocks: list, eos_ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Host tables (next int32[S_r, V], accepting bool[S_r], initial) stacked in this order ->
+    (next int32[S, V], accepting bool[S], each block's offset). Every EOS id is allowed exactly
+    in accepting states (a self-loop)."""
+    dense, acc, offsets, total = [], [], [], 0
+    for nxt, accepting, _ in blocks:
+        shifted = np.where(nxt >= 0, nxt + total, -1).astype(np.int32)
+        accept_rows = np.flatnonzero(accepting)
+        for e in eos_ids:
+            if e < shifted.shape[1]:
+                shifted[:, e] = -1
+                shifted[accept_rows, e] = accept_rows + total
+        dense.append(shifted)
+        acc.append(np.asarray(accepting, bool))
+        offsets.append(total)
+        total += nxt.shape[0]
+    return np.concatenate(dense), np.concatenate(acc), offsets
+
+
+def padded_tables(dense: np.ndarray, acc: np.ndarray, states: int | None = None,
+                  classes: int | None = None):
+    """(next int32[S, V], accepting) -> (next_by_class int32[S', C'], class_of int32[V],
+    accepting bool[S']) padded to `states` x `classes` (None: the next power of two >= 16);
+    None when the tables do not fit the sizes asked for."""
+    by_class, class_of = token_classes(dense)
+    s_pad = states or _bucket(by_class.shape[0])
+    c_pad = classes or _bucket(by_class.shape[1])
+    if by_class.shape[0] > s_pad or by_class.shape[1] > c_pad:
+        return None
+    by_class = np.pad(by_class, [(0, s_pad - by_class.shape[0]), (0, c_pad - by_class.shape[1])],
+                      constant_values=-1)
+    return by_class, class_of, np.pad(acc, (0, s_pad - acc.shape[0]))
+
+
 def batch_grammar(tables: list, rows: int, eos_ids: tuple[int, ...]) -> Grammar:
     """Per row: a constraint's host tables (next int32[S_r, V], accepting bool[S_r], initial
     int) or None for a free row; rows past the list are padding (free). The same tables object
-    is stacked once. Every EOS id is allowed exactly in accepting states. States and token
-    classes are padded to powers of two, so batches of similar constraints share a program.
-    Host (numpy) arrays: each run puts its own copy on device (the loop's state is donated)."""
-    blocks, offset_of, starts = [], {}, []
-    total = 0
+    is stacked once. States and token classes are padded to powers of two, so batches of
+    similar constraints share a program. Host (numpy) arrays: each run puts its own copy on
+    device (the loop's state is donated)."""
+    blocks, index = [], {}
     for t in tables:
-        if t is None:
-            starts.append(UNCONSTRAINED)
-            continue
-        nxt, acc, init = t
-        if id(t) not in offset_of:
-            offset_of[id(t)] = total
-            shifted = np.where(nxt >= 0, nxt + total, -1).astype(np.int32)
-            accept_rows = np.flatnonzero(acc)
-            for e in eos_ids:
-                if e < shifted.shape[1]:
-                    shifted[:, e] = -1
-                    shifted[accept_rows, e] = accept_rows + total
-            blocks.append((shifted, np.asarray(acc, bool)))
-            total += nxt.shape[0]
-        starts.append(offset_of[id(t)] + int(init))
+        if t is not None and id(t) not in index:
+            index[id(t)] = len(blocks)
+            blocks.append(t)
+    dense, acc, offsets = stack_blocks(blocks, eos_ids)
+    starts = [UNCONSTRAINED if t is None else offsets[index[id(t)]] + int(t[2]) for t in tables]
     starts += [UNCONSTRAINED] * (rows - len(starts))
-    dense = np.concatenate([blk for blk, _ in blocks])  # [S, V]
-    acc = np.concatenate([a for _, a in blocks])
-    by_class, class_of = token_classes(dense)
-    s_pad, c_pad = _bucket(by_class.shape[0]), _bucket(by_class.shape[1])
-    by_class = np.pad(by_class, [(0, s_pad - by_class.shape[0]), (0, c_pad - by_class.shape[1])],
-                      constant_values=-1)
-    acc = np.pad(acc, (0, s_pad - acc.shape[0]))
+    by_class, class_of, acc = padded_tables(dense, acc)
     return Grammar(by_class, class_of, acc, np.asarray(starts, np.int32), np.zeros((rows,), np.int32))
 
 

@@ -238,14 +238,15 @@ class Engine:
         return target.init_cache(self.model.params, batch, capacity)
 
     def prefill_rows(self, spec, prompt, lengths, max_new, sp, key, row_ids, capacity: int,
-                     cache=None):
+                     cache=None, grammar=None):
         """`speculate.prefill` of these rows on `spec` (prompt int32[B, P], the rest per row),
-        jitted; into `cache` where given (a page pool with these rows' tables, donated)."""
+        jitted; into `cache` where given (a page pool with these rows' tables, donated);
+        grammar: the rows' constraints (constrain.loop.Grammar) or None."""
         args = (spec, self.model.params, self.drafter_params, prompt, lengths, max_new, sp, key,
                 row_ids)
         if cache is None:
-            return speculate.prefill_jit(*args, capacity=capacity)
-        return prefill_into_cache(*args, capacity=capacity, cache=cache)
+            return speculate.prefill_jit(*args, capacity=capacity, grammar=grammar)
+        return prefill_into_cache(*args, capacity=capacity, cache=cache, grammar=grammar)
 
     def compile_prefill(self, spec, batch: int, width: int, capacity: int, cache=None):
         """`prefill_rows` compiled ahead for `batch` prompts of `width` tokens (greedy values;

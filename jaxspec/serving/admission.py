@@ -123,7 +123,8 @@ class Admission:
             spec, jnp.asarray(prompt), jnp.asarray([len(ids)], jnp.int32),
             jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
             jnp.asarray([req.seed], jnp.int32), self.capacity,
-            cache=self._take_pool(slot, done) if self.paged else None)
+            cache=self._take_pool(slot, done) if self.paged else None,
+            grammar=self._grammar_rows([req], [slot]))
         return self.engine.with_adaptive(state, self.spec, costs_batch=1)
 
     def compile_prefills(self, prompt_lengths) -> int:
@@ -174,7 +175,8 @@ class Admission:
             spec, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids) for r in reqs], jnp.int32),
             jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.key,
             jnp.asarray([r.seed for r in reqs], jnp.int32), self.capacity,
-            cache=self._take_pool_rows(slots, dones) if self.paged else None)
+            cache=self._take_pool_rows(slots, dones) if self.paged else None,
+            grammar=self._grammar_rows(reqs, slots))
         group = self.engine.with_adaptive(group, self.spec, costs_batch=1)
         for r, slot in zip(reqs, slots):
             self.kv.written(slot, r.prompt_ids)

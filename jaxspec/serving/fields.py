@@ -3,10 +3,11 @@ one-line 400 naming it (`HTTPError`), never silently ignored.
 
 Honoured: model, prompt / messages (content as a string or a list of text parts), max_tokens /
 max_completion_tokens, temperature, top_p, stop, seed, stream, stream_options, user, and the
-extensions top_k, min_p, stop_token_ids. Accepted only at their neutral value (anything else is
+extensions top_k, min_p, stop_token_ids; structured output (serving/structured.py:
+response_format, tools with tool_choice "required" or a named function, guided_json /
+guided_regex / guided_choice). Accepted only at their neutral value (anything else is
 "not supported yet"): n / best_of 1, logprobs / top_logprobs / echo off, the penalties 0 (1 for
-repetition_penalty), logit_bias empty, tools / functions absent, tool_choice "none",
-response_format text, suffix empty.
+repetition_penalty), logit_bias empty, functions absent, suffix empty.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ class HTTPError(Exception):
 
 HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
             "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "stream",
-            "stream_options", "user", "parallel_tool_calls"}
+            "stream_options", "user", "parallel_tool_calls",
+            # structured output (serving/structured.py; a server without serving.structured
+            # answers a constraint with a one-line 400 naming the setting)
+            "response_format", "guided_json", "guided_regex", "guided_choice", "tools",
+            "tool_choice"}
 # field -> (its neutral values, what a client gets instead)
 NEUTRAL: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "one completion per request"),
@@ -36,11 +41,8 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "frequency_penalty": ((0,), "no penalties are applied"),
     "repetition_penalty": ((1,), "no penalties are applied"),
     "logit_bias": (({},), "logits are not biased"),
-    "tools": (([],), "no tool calls are produced"),
     "functions": (([],), "no function calls are produced"),
-    "tool_choice": (("none",), "no tool calls are produced"),
     "function_call": (("none",), "no function calls are produced"),
-    "response_format": (({"type": "text"},), "output is free text"),
     "suffix": (("",), "no suffix is appended"),
 }
 ROLES = ("system", "user", "assistant")

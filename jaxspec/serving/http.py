@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxspec.errors import JaxspecError
+from jaxspec.serving import structured
 from jaxspec.serving.api import Server
 from jaxspec.serving.fields import (
     HTTPError,
@@ -164,11 +165,13 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             return prompt
         raise HTTPError(400, "field 'prompt' must be a string or a list of token ids (one prompt)")
 
-    def chat_ids(messages) -> list[int]:
+    def chat_ids(messages, tools=None) -> list[int]:
         messages = chat_messages(messages)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise HTTPError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}  # rendered as the model's template does
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **extra)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -199,10 +202,16 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
 
     async def respond(body, ids, chat: bool):
         refuse_unsupported(body)
+        wanted = structured.asked(body)
+        if wanted.constraint is not None and sched.grammars is None:
+            raise HTTPError(400, f"field {wanted.field!r} is not supported on this server: start "
+                                 "it with serving.structured=true")
+        if wanted.tool_call and not chat:
+            raise HTTPError(400, "tool calls need /v1/chat/completions")
         sampling = sampling_of(body, settle_max_tokens(body, ids))
         streamed = wants_stream(body)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
-        stream = server.submit(ids, sampling, request_id=rid)
+        stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint)
         gate.enter(stream)
         timer = None
         if limits.request_timeout_s:
@@ -238,8 +247,12 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 raise _failure(e) from None
             finally:
                 close()
+            calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
+            reason = "tool_calls" if calls else reason
             choice = {"index": 0, "finish_reason": reason, "logprobs": None}
-            if chat:
+            if calls:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            elif chat:
                 choice["message"] = {"role": "assistant", "content": done.text}
             else:
                 choice["text"] = done.text
@@ -262,9 +275,22 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             try:
                 first = True
                 async for piece in stream:
+                    if wanted.tool_call:  # the call goes out whole, parsed, at the end
+                        continue
                     yield chunk(piece, first=first)
                     first = False
-                _, reason, usage = ended()
+                done, reason, usage = ended()
+                calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
+                if calls:
+                    delta = {"role": "assistant", "content": None,
+                             "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}
+                    out = head | {"object": kind, "choices": [
+                        {"index": 0, "delta": delta, "finish_reason": None}]}
+                    yield f"data: {json.dumps(out)}\n\n"
+                    reason, first = "tool_calls", False
+                elif wanted.tool_call and done.text:  # cut short: the text as it is
+                    yield chunk(done.text, first=first)
+                    first = False
                 yield chunk("", reason, usage, first=first)
             except JaxspecError as e:  # the serving loop stopped: say so, end the stream
                 err = {"message": _failure(e).message, "type": "server_error", "code": 500}
@@ -288,6 +314,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     async def chat_completions(request: Request):
         body = await _body(request, limits.max_body_bytes)
         check_model(body)
-        return await respond(body, chat_ids(body.get("messages")), chat=True)
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+        return await respond(body, chat_ids(body.get("messages"), tools), chat=True)
 
     return app

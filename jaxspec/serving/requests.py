@@ -114,3 +114,4 @@ class Request:
     cached_tokens: int = 0  # prompt tokens whose k/v came from the prefix cache (last admission)
     replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
     priority: int = 0  # higher first under serving.policy=priority
+    constraint: str | None = None  # the structured-output regex (serving.grammars), None: free
