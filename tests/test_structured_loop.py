@@ -169,3 +169,74 @@ def test_cli_unsupported_keyword_exits_2_with_one_line(capsys):
     rc = main(["--prompt", "hi", "structured.regex=a+", "structured.json_object=true"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "only one" in err and "\n" not in err
+
+
+# ---- the exact law of constrained sampling, end to end ---------------------------------------
+CHOICES = ("ab", "ba", "b", "aab")  # "b" is a prefix of "ba": EOS and "a" both allowed after "b"
+LAW_PROMPT = [CHARS.index(ch) + 1 for ch in "aababbaab"]  # n-gram drafts a's and b's from it
+LAW_ROWS = 1200
+
+
+def constrained_law(target):
+    """Exact probability of each choice under the target masked to the choices (char tokens),
+    computed independently of constrain/: the allowed set after a prefix read off the strings."""
+    import numpy as np
+    from distribution import _target_logits
+
+    tid = {ch: i + 1 for i, ch in enumerate(CHARS)}
+    law = []
+    for c in CHOICES:
+        seq = [tid[ch] for ch in c] + [0]
+        ids = np.asarray([LAW_PROMPT + seq[:-1]])
+        logits = np.asarray(_target_logits(target.params, ids, target=target.target))[0]
+        p = 1.0
+        for i, tok in enumerate(seq):
+            prefix = c[:i]
+            ok = {tid[x[i]] for x in CHOICES if x.startswith(prefix) and len(x) > i}
+            ok |= {0} if prefix in CHOICES else set()
+            row = logits[len(LAW_PROMPT) - 1 + i]
+            w = np.exp(row - row.max())
+            p *= w[tok] / sum(w[t] for t in ok)
+        law.append(p)
+    return np.asarray(law + [0.0])  # the last cell: anything else
+
+
+def law_pvalue(target, d, dparams):
+    import numpy as np
+    from distribution import chi_square_pvalue
+
+    from jaxspec.decode.sampling import SamplingParams
+
+    out = Engine(target, d, dparams, num_speculative_tokens=3).generate(
+        [LAW_PROMPT] * LAW_ROWS, max_new_tokens=5, batch_size=64,
+        sampling=SamplingParams.make(temperature=1.0), constraint=Constraint(choice=CHOICES))
+    counts = np.zeros(len(CHOICES) + 1)
+    for r in out:
+        t = text(r.token_ids)
+        counts[CHOICES.index(t) if t in CHOICES and r.token_ids[-1] == 0 else -1] += 1
+    return chi_square_pvalue(counts, constrained_law(target))
+
+
+@pytest.fixture(scope="module")
+def law_target():
+    return dataclasses.replace(tiny_model(seed=5, layers=2, scale=1.0), tokenizer=CharTokenizer())
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "eagle"])
+def test_sampled_constrained_output_has_the_exact_law(law_target, name):
+    from distribution import PASS_P
+
+    d, dparams = {"plain": (None, None), "ngram": (NgramDrafter(V, 1, 3), None)}.get(name) or (
+        eagle_like(law_target))
+    assert law_pvalue(law_target, d, dparams) > PASS_P
+
+
+@pytest.mark.patches_traced_code
+def test_the_law_test_catches_nodes_masked_with_the_root_state(law_target, monkeypatch):
+    from distribution import FAIL_P
+
+    def root_only(g, tokens, parents):
+        return grammar_loop.jnp.broadcast_to(g.state[:, None], (tokens.shape[0], 1 + tokens.shape[1]))
+
+    monkeypatch.setattr(grammar_loop, "window_states", root_only)
+    assert law_pvalue(law_target, NgramDrafter(V, 1, 3), None) < FAIL_P
