@@ -52,6 +52,7 @@ def build_server(config, model_name: str | None = None, gate=None):
                     kv_pages=s.kv_pages or None, page_size=s.page_size, seed=config.sampling.seed,
                     prefill_chunk=s.prefill_chunk or None, prefix_cache=s.prefix_cache,
                     batch_prefill=s.batch_prefill, max_batched_tokens=s.max_batched_tokens or None,
+                    structured=s.structured,
                     policy=s.policy, model_name=model_name or config.model.name)
     return server, make_app(server, gate or Gate(limits=Limits.of(s)))
 

@@ -58,6 +58,8 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_cli.py",
     "test_server.py",
     "test_server_logprobs.py",
+    "test_structured_loop.py",
+    "test_server_structured.py",
     "test_ngram_ceiling.py",
     "test_roofline.py",
     "test_sampling.py",

@@ -292,6 +292,9 @@ class ServingConfig(Section):
     # (longest cached prompt prefix first)
     policy: str = "fcfs"
     precompile: bool = True  # python -m jaxspec.serve compiles every decode call shape before it listens
+    # structured output (response_format, tools, guided_*): the decode program carries a grammar
+    # table and the mask (docs/structured.md); off: such requests get a one-line 400
+    structured: bool = False
     max_body_bytes: int = 1048576  # a larger request body gets HTTP 413
     max_prompt_tokens: int = 0  # a longer prompt gets HTTP 400 (0: what max_context allows)
     max_tokens_limit: int = 0  # a request's max_tokens above this gets HTTP 400 (0: no ceiling)
@@ -320,6 +323,40 @@ class ServingConfig(Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class StructuredConfig(Section):
+    """Structured output for `python -m jaxspec.generate` (docs/structured.md): at most one of a
+    JSON Schema, any JSON object, a regex, or a list of choices; every prompt's output follows it."""
+
+    SECTION: ClassVar[str] = "structured"
+    json_schema: str | dict | None = None  # a JSON Schema (a YAML mapping, or JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the output matches this regex in full
+    choice: str | list | None = None  # the output is one of these strings (a YAML list)
+
+    def _validate(self):
+        if isinstance(self.choice, str):  # an override's list arrives as text
+            try:
+                object.__setattr__(self, "choice", yaml.safe_load(self.choice))
+            except yaml.YAMLError:
+                self._fail("choice", "use a YAML list of strings, e.g. [yes, no]")
+        given = [k for k in ("json_schema", "regex", "choice") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) > 1:
+            self._fail(given[1], f"set only one of json_schema, json_object, regex, choice (also set: {given[0]})")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            self._fail("choice", "use a non-empty list of strings")
+
+    def constraint(self):
+        """The constrain.Constraint (None: unconstrained); a one-line JaxspecError naming an
+        unsupported schema keyword."""
+        from jaxspec.constrain.host import make_constraint  # imported when a config asks for one
+
+        return make_constraint(json_schema=self.json_schema, json_object=self.json_object,
+                               regex=self.regex, choice=self.choice)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelLoadConfig = dataclasses.field(default_factory=ModelLoadConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
@@ -328,6 +365,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     serving: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+    structured: StructuredConfig = dataclasses.field(default_factory=StructuredConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The config in the YAML layout (the method's options under speculative.<method>)."""

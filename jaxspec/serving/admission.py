@@ -137,7 +137,8 @@ class Admission:
             jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
             jnp.asarray([req.seed], jnp.int32), self.capacity,
             cache=self._take_pool(slot, done) if self.paged else None,
-            penalties=self.engine.row_penalties([req.sampling.penalties]))
+            penalties=self.engine.row_penalties([req.sampling.penalties]),
+            grammar=self._grammar_rows([req], [slot]))
         return self.engine.with_adaptive(state, self.spec, costs_batch=1)
 
     def compile_prefills(self, prompt_lengths) -> int:
@@ -264,7 +265,8 @@ class Admission:
             jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.key,
             jnp.asarray([r.seed for r in reqs], jnp.int32), self.capacity,
             cache=self._take_pool_rows(slots, dones) if self.paged else None,
-            penalties=self.engine.row_penalties([r.sampling.penalties for r in reqs]))
+            penalties=self.engine.row_penalties([r.sampling.penalties for r in reqs]),
+            grammar=self._grammar_rows(reqs, slots))
         group = self.engine.with_adaptive(group, self.spec, costs_batch=1)
         for r, slot in zip(reqs, slots):
             self.kv.written(slot, r.prompt_ids)
