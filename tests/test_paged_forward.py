@@ -10,6 +10,8 @@
 - the TPU serving programs (decode, tree verify, prefill chunk) exported with
   `jax.export(platforms=["tpu"])` call the kernel once per layer on the pool as stored (read
   from the module text), and the CUDA ones JAX's Triton paged kernel once per layer;
+- on a (2, 2) mesh the TPU kernel runs per kv-head shard of the pool under shard_map and
+  equals the reference;
 - the optimised CPU decode loop (plain and speculative) copies or gathers no pool-sized buffer
   (the view path, the control, does, per layer's k and v).
 """
@@ -260,3 +262,24 @@ def test_the_optimised_cpu_decode_loop_copies_no_pool_sized_buffer(drafter):
     assert pool_copies("pages", drafter) == ()
     gathered = pool_copies("view", drafter)  # the control: the gather path copies views
     assert len(gathered) >= 2 * 2, gathered
+
+
+def test_the_kernel_on_a_pool_sharded_over_kv_heads_runs_per_head_shard():
+    """A (2, 2) mesh of simulated CPU devices (a subprocess: tests/paged_mesh_check.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent), str(here), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(here / "paged_mesh_check.py")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["manual"]
+    assert got["diff"] < 3e-2 and got["shifted_diff"] > 0.1, got
+

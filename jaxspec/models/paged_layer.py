@@ -122,11 +122,9 @@ def _attend(q, k_layer, v_layer, k_win, v_win, positions, *, scale, window, wind
     if window is not None or impl not in ("pallas_tpu", "pallas_gpu") or (
             softcap is not None and impl == "pallas_gpu"):
         o_c, m_c, l_c = committed_xla(qg, k_layer, v_layer, lengths, qpos, scale, window, softcap)
-    elif impl == "pallas_tpu":
-        o_c, m_c, l_c = committed_pallas_tpu(qg, k_layer, v_layer, lengths, scale, softcap,
-                                             interpret)
     else:
-        o_c, m_c, l_c = committed_pallas_gpu(qg, k_layer, v_layer, lengths, scale, interpret)
+        o_c, m_c, l_c = committed_on_head_shards(qg, k_layer, v_layer, lengths, scale, softcap,
+                                                 impl, interpret)
     # the window part: T keys, any mask (causal, a tree's ancestors), the sliding window
     wmask = blocks.window_part_mask(positions, window_mask, window)  # [B, T, T]
     wmask = jnp.broadcast_to(wmask[:, None], (b, g, t, t)).reshape(b, 1, g * t, t)
@@ -142,6 +140,24 @@ def _attend(q, k_layer, v_layer, k_win, v_win, positions, *, scale, window, wind
     o = a_c[..., None] * o_c + jax.lax.dot_general(p_win, vw.astype(jnp.float32), pv)
     o = (o / denom[..., None]).astype(q.dtype)  # [B, K, GT, H]
     return o.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+
+
+def committed_on_head_shards(qg, k_layer, v_layer, lengths, scale, softcap, impl, interpret):
+    """The committed part on impl's kernel, under `jax.shard_map` per (rows, kv heads) shard when
+    the program is traced under a kernel mesh (`attention_kernels.kernel_mesh`; no mesh: one
+    call): a pool sharded over kv heads is read by each device on its own heads (the pool has no
+    row dim: it is not split over "data"; each row's table and length go with its row)."""
+    from jaxspec.models.attention_kernels import on_head_shards
+
+    def part(q, k_pages, v_pages, table, n):
+        kl, vl = PagedLayer(k_pages, table), PagedLayer(v_pages, table)
+        if impl == "pallas_tpu":
+            return committed_pallas_tpu(q, kl, vl, n, scale, softcap, interpret)
+        return committed_pallas_gpu(q, kl, vl, n, scale, interpret)
+
+    args = [qg, k_layer.pages, v_layer.pages, k_layer.table, lengths]
+    dims = [(0, 1), (None, 0), (None, 0), (0, None), (0, None)]
+    return on_head_shards(part, args, dims, [(4, 0, 1), (3, 0, 1), (3, 0, 1)])
 
 
 def committed_xla(qg, k_layer: PagedLayer, v_layer: PagedLayer, lengths, qpos, scale,
