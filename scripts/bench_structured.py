@@ -75,6 +75,35 @@ def run(method: str, batch: int, constrained: bool, data, new: int, gamma: int) 
     }
 
 
+def mask_cost(data, batch: int, reps: int = 5, steps: int = 16) -> tuple[float, float]:
+    """(s/step free, s/step constrained) of plain decoding, the two interleaved `reps` times
+    (min of each: the least disturbed run on a shared machine), `steps` steps from the same
+    prefilled prompts, prefill excluded."""
+    import jax
+
+    from jaxspec.decode.sampling import SamplingParams
+
+    engine = build_engine(Config(generation=GenerationConfig(batch_size=batch)))
+    ids = [engine.encode(PROMPT.format(document=r["document"])) for r in data[:batch]]
+    sp = SamplingParams.make()
+    grammar = lambda: engine.grammar_for([Constraint(json_schema=data[0]["schema"])] * len(ids), batch)  # noqa: E731
+    best = {False: float("inf"), True: float("inf")}
+    for _ in range(reps + 1):  # the first round compiles
+        for constrained in (False, True):
+            engine._ensure_compiled(ids, 64, sp, batch, grammar() if constrained else None)
+            state = engine.prefill(ids, 64, sp, 0, list(range(len(ids))), batch,
+                                   grammar() if constrained else None)
+            jax.block_until_ready(state.tokens)
+            before = int(jax.device_get(state.row_steps).max())
+            t0 = time.perf_counter()
+            state = engine.decode(state, sp, steps)
+            jax.block_until_ready(state.tokens)
+            dt = time.perf_counter() - t0
+            done = int(jax.device_get(state.row_steps).max()) - before
+            best[constrained] = min(best[constrained], dt / max(done, 1))
+    return best[False], best[True]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--methods", nargs="+", default=["none", "ngram", "suffix"])
@@ -83,8 +112,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--out", default=None, help="also write the rows as JSON lines here")
+    p.add_argument("--mask-cost", action="store_true",
+                   help="only the mask's cost per plain step, constrained vs free, interleaved")
     args = p.parse_args(argv)
     data = rows(args.limit)
+    if args.mask_cost:
+        for batch in args.batches:
+            free, con = mask_cost(data, batch)
+            print(f"batch {batch}: plain step {1e3 * free:.2f} ms free, {1e3 * con:.2f} ms "
+                  f"constrained ({100 * (con / free - 1):+.1f}%)", flush=True)
+        return 0
     out = []
     for batch in args.batches:
         for constrained in (False, True):
