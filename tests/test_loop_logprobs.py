@@ -183,3 +183,25 @@ def test_penalty_counts_follow_the_committed_tokens(model):
     gen = state.tokens[0, len(ids): state.lengths[0]]
     np.testing.assert_array_equal(state.penalties.counts[0], np.bincount(gen, minlength=V))
     assert set(np.flatnonzero(state.penalties.prompt_mask[0])) == set(ids)
+
+
+@pytest.mark.patches_traced_code
+def test_reading_at_the_emitted_node_instead_of_its_parent_fails(model, monkeypatch):
+    """The broken variant: each token's logprob read at its own window node (one position late)
+    instead of the node that predicted it; the full-forward comparison catches it."""
+    from jaxspec.decode import logprobs as lp
+
+    real = lp.path_scored
+
+    def late(logits, path, path_tokens, num_acc, next_token, k, sp=None, mode="raw"):
+        shifted = jnp.concatenate([path[:, 1:], path[:, -1:]], axis=1)
+        return real(logits, shifted, path_tokens, num_acc, next_token, k, sp, mode)
+
+    monkeypatch.setattr(lp, "path_scored", late)  # speculate reads it
+    engine = Engine(model, NgramDrafter(V, 1, 3), num_speculative_tokens=3, logprobs=1)
+    [r] = engine.generate([PROMPTS[0]], max_new_tokens=14)
+    assert r.metrics["num_accepted_tokens"] > 0
+    ref = log_softmax(full_logits(model, PROMPTS[0] + r.token_ids))
+    errors = [abs(e["logprob"] - ref[len(PROMPTS[0]) - 1 + i, t])
+              for i, (t, e) in enumerate(zip(r.token_ids, r.logprobs))]
+    assert max(errors) > 1e-2
