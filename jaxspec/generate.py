@@ -179,6 +179,7 @@ def run(argv: list[str] | None = None) -> int:
     distributed.start(config.distributed)  # before any device is touched
     enable_compilation_cache()
     sp = sampling_params(config)  # validated before the model load
+    constraint = config.structured.constraint()  # an unsupported keyword: one line, exit 2
     engine = build_engine(config)
     gen = config.generation
     seed = config.sampling.seed
@@ -187,7 +188,7 @@ def run(argv: list[str] | None = None) -> int:
     note = engine.model_note()
     if note and primary:
         print(f"note: {note}", file=sys.stderr)
-    if len(prompts) == 1 and not args.json and engine.plan is None:
+    if len(prompts) == 1 and not args.json and engine.plan is None and constraint is None:
         n = gen.max_new_tokens
         pieces = engine.stream(prompts[0], max_new_tokens=n, sampling=sp, seed=seed)
         while True:
@@ -209,6 +210,7 @@ def run(argv: list[str] | None = None) -> int:
         sampling=sp,
         seed=seed,
         batch_size=gen.batch_size,
+        constraint=constraint,
     )
     for r in results if primary else ():
         if args.json:

@@ -52,7 +52,9 @@ def _check_keywords(schema, where="schema") -> None:
         raise TypeError(f"{where} must be a JSON object, got {type(schema).__name__}")
     for key, value in schema.items():
         if key not in SUPPORTED_KEYWORDS:
-            raise ValueError(f"unsupported JSON Schema keyword {key!r} at {where}; remove it or use guided_regex")
+            raise ValueError(
+                f"unsupported JSON Schema keyword {key!r} at {where}; remove it or constrain with a regex instead"
+            )
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
                 _check_keywords(sub, f"{where}.{key}.{name}")

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec.constrain import loop as grammar_loop
 from jaxspec.decode import acceptance, adaptive, adaptive_loop, sampling, tree
 from jaxspec.decode import logprob_record, logprobs, penalties as penalties_lib
 from jaxspec.decode.adaptive_loop import controller, plan_step
@@ -54,11 +55,13 @@ def prefill(
     capacity: int,
     cache: Any = None,
     penalties: Any = None,
+    grammar: grammar_loop.Grammar | None = None,
 ) -> DecodeState:
     """Run the prompt through the target, sample the first token, set up the drafter.
     cache: the target cache to prefill into (None: a fresh `target.init_cache`); the serving
     scheduler passes its shared page pool with the row's page table. penalties: the rows'
-    `penalties.Penalties` (None: off), their counts started here from the prompt."""
+    `penalties.Penalties` (None: off), their counts started here from the prompt. grammar: the
+    rows' constraints (constrain/loop.py; None: every row free), the first token sampled under it."""
     target = spec.target
     b, p = prompt_tokens.shape
     g = max(spec.depth, 1)
@@ -73,9 +76,14 @@ def prefill(
     if penalties is not None:
         penalties = penalties_lib.with_prompt(penalties, prompt_tokens, prompt_lengths)
     adjusted = penalties_lib.row_logits(penalties, logits)
+    if grammar is not None:
+        adjusted = grammar_loop.mask_logits(
+            adjusted, grammar_loop.allowed_mask(grammar, grammar.state))
     probs = sampling.logits_to_probs(adjusted, sp)  # [B, V]
     row_steps = jnp.zeros((b,), jnp.int32)
     first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
+    if grammar is not None:
+        grammar = grammar_loop.first_token(grammar, first)
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
     record = None
     if spec.logprobs is not None:
@@ -106,19 +114,20 @@ def prefill(
         accepted_per_position=jnp.zeros((b, g), jnp.int32),
         penalties=penalties_lib.commit(penalties, tokens, prompt_lengths, prompt_lengths + 1, 1),
         logprobs=record,
+        grammar=grammar,
     )
     return place(spec, state)
 
 
 def _score_logits(spec: LoopSpec, logits, adjusted):
     """The logits the emitted tokens' logprobs are read from: the model's own ("raw") or the
-    request's penalties and logit_bias applied ("processed", which `logprobs.log_probs` then
-    puts through the sampling transform)."""
+    request's penalties, logit_bias and constraint applied ("processed", which
+    `logprobs.log_probs` then puts through the sampling transform)."""
     return logits if spec.logprobs_mode == "raw" else adjusted
 
 
 def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
-           penalties: Any = None, with_scores: bool = False):
+           penalties: Any = None, with_scores: bool = False, allowed=None):
     """Target over the first `width` window entries -> (probs [B, T, V], hidden
     [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
     entries (past `width`: zeros, never accepted). penalties: the rows' `penalties.Penalties`,
@@ -128,7 +137,8 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
     With draft nodes the cache is only read and the window's k/v come back for `commit_kv`
     (nodes share positions; which are kept is known only after acceptance). A root-only window
     (plain decoding) always keeps its one entry, so it is written in place (window_kv None):
-    writing it after the forward made XLA copy the whole cache every step."""
+    writing it after the forward made XLA copy the whole cache every step. allowed: bool[B, T, V]
+    the tokens the constraint allows at each entry (None: no constraint)."""
     t = window.tokens.shape[1]
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
     in_place = t == 1
@@ -141,6 +151,8 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
     adjusted = logits if penalties is None else penalties_lib.window_logits(
         penalties, logits, window.tokens[:, :width], window.mask[:, :width, :width]
     )
+    if allowed is not None:  # bool[B, T, V]: each entry's constraint state along its path
+        adjusted = grammar_loop.mask_logits(adjusted, allowed[:, :width])
     probs = sampling.logits_to_probs(adjusted, sp)  # [B, width, V]
     pad = [(0, 0), (0, t - width), (0, 0)]
     probs = jnp.pad(probs, pad)
@@ -155,12 +167,13 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
 
 
 def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, num_nodes,
-                      penalties=None):
+                      penalties=None, allowed=None):
     """`verify` in the narrowest compiled width that holds every row's nodes -> (probs,
     hidden, cache, window_kv, scores: None unless spec.logprobs is set)."""
     widths = spec.verify_windows()
     with_scores = spec.logprobs is not None
-    run = lambda c, w: verify(spec, tparams, c, window, sp, w, penalties, with_scores)  # noqa: E731
+    run = lambda c, w: verify(spec, tparams, c, window, sp, w, penalties, with_scores,  # noqa: E731
+                              allowed)
     if len(widths) == 1:
         out = run(cache, widths[0])
         return (*out, None) if not with_scores else out
@@ -234,6 +247,7 @@ class _StepOut(NamedTuple):
     depth: Any = None  # int32[B] the deepest node verified (a chain: num_nodes)
     penalties: Any = None  # penalties.Penalties with this step's tokens counted (None: off)
     logprobs: Any = None  # logprob_record.Record with this step's tokens written (None: off)
+    grammar: Any = None  # constrain.loop.Grammar after the step (None: no constraint)
 
 
 def decode_step(
@@ -302,6 +316,7 @@ def _advance(spec: LoopSpec, state: DecodeState, out: _StepOut, plan) -> DecodeS
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
         penalties=out.penalties,
         logprobs=out.logprobs,
+        grammar=out.grammar if out.grammar is not None else state.grammar,
     )
     return place(spec, state)
 
@@ -347,16 +362,23 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     window = tree.build_window(
         _last_token(state), state.cache.lengths, proposal.tokens, parents, num_nodes
     )
+    g, allowed = state.grammar, None
+    if g is not None:  # each entry masked with the state along its own path
+        states = grammar_loop.window_states(g, proposal.tokens, parents)  # [B, 1+N]
+        allowed = grammar_loop.allowed_mask(g, states)  # [B, 1+N, V]
     p, hidden, cache, window_kv, scores = _verify_any_width(
-        spec, tparams, state.cache, window, sp, num_nodes, state.penalties
+        spec, tparams, state.cache, window, sp, num_nodes, state.penalties, allowed
     )
     path, num_acc, next_token = acceptance.accept_tree(
         proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, d + 1
     )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
-    tokens, lengths, _, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
+    tokens, lengths, count, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
     pen, record = _record(spec, state, sp, tokens, lengths, scores, path, path_tokens, num_acc,
                           next_token)
+    if g is not None:
+        masked = grammar_loop.masked_nodes(states, parents, num_nodes)
+        g = grammar_loop.after_step(g, states, path, num_acc, next_token, count, masked)
     cache = cache if window_kv is None else None  # read-only: _advance commits window_kv
     if spec.drafter is not None:
         commit_ctx = CommitContext(
@@ -373,7 +395,7 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     depth = jnp.max(jnp.where(verified, window.depth, 0), axis=1)
     return _StepOut(
         tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc, depth=depth,
-        penalties=pen, logprobs=record,
+        penalties=pen, logprobs=record, grammar=g,
     )
 
 
@@ -406,17 +428,23 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
         last, state.cache.lengths, jnp.zeros((b, m), jnp.int32), tree.chain_parents(b, m),
         jnp.zeros((b,), jnp.int32),
     )
+    g, allowed = state.grammar, None
+    if g is not None:
+        allowed = grammar_loop.allowed_mask(g, g.state)[:, None]  # [B, 1, V] the root's
     p, hidden, cache, window_kv, *scores = verify(
-        spec, tparams, state.cache, window, sp, 1, state.penalties, spec.logprobs is not None
+        spec, tparams, state.cache, window, sp, 1, state.penalties, spec.logprobs is not None,
+        allowed,
     )
     root_hidden = None if hidden is None else hidden[:, :, 0]  # [nl, B, D]
     next_token = acceptance.root_token(p[:, 0], k_accept, n)
     zeros = jnp.zeros((b,), jnp.int32)
-    tokens, lengths, _, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
+    tokens, lengths, count, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
     root_path = None if spec.logprobs is None else jnp.broadcast_to(window.tokens[:, :1], path.shape)
     pen, record = _record(spec, state, sp, tokens, lengths, scores[0] if scores else None, path,
                           root_path, zeros, next_token)  # the path: the root alone
+    if g is not None:
+        g = grammar_loop.after_step(g, g.state[:, None], path[:, :1], zeros, next_token, count, zeros)
     if dstate is None:  # nothing drafted: the drafter catches up later (or never reads it)
         dstate = state.drafter_state
     else:
@@ -429,7 +457,7 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
     cache = cache if in_place else None
     return _StepOut(
         tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden, zeros,
-        penalties=pen, logprobs=record,
+        penalties=pen, logprobs=record, grammar=g,
     )
 
 

@@ -35,6 +35,7 @@ class DecodeState:
     # penalties.Penalties (settings and counts) when some row has penalties or logit_bias on
     penalties: Any = None
     logprobs: Any = None  # logprob_record.Record when LoopSpec.logprobs is not None
+    grammar: Any = None  # constrain.loop.Grammar: rows' constraint states (None: all rows free)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,5 +91,6 @@ def place(spec: LoopSpec, state: DecodeState) -> DecodeState:
         return state
     b = state.lengths.shape[0]
     dstate = spec.mesh.constrain_drafter_state(state.drafter_state, b, spec.drafter)
-    state = spec.mesh.constrain(dataclasses.replace(state, drafter_state=None), b)
-    return dataclasses.replace(state, drafter_state=dstate)
+    grammar = state.grammar  # the stacked tables are not per row: left as placed
+    state = spec.mesh.constrain(dataclasses.replace(state, drafter_state=None, grammar=None), b)
+    return dataclasses.replace(state, drafter_state=dstate, grammar=grammar)

@@ -46,8 +46,12 @@ def fetch(state, plan=None) -> types.SimpleNamespace:
         fields["adaptive"] = state.adaptive
     if getattr(state, "logprobs", None) is not None:  # logprob_record.Record
         fields["logprobs"] = state.logprobs
+    g = getattr(state, "grammar", None)
+    if g is not None:  # constrained rows: where each ended, the drafts the mask removed
+        fields["grammar"] = {"state": g.state, "accepting": g.accepting, "num_masked": g.num_masked}
     fetched = jax.device_get(fields) if plan is None else sharding.fetch(fields)
-    return types.SimpleNamespace(**({"adaptive": None, "logprobs": None} | fetched))
+    return types.SimpleNamespace(**({"adaptive": None, "logprobs": None, "grammar": None}
+                                    | fetched))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +101,7 @@ class Report:
         per_pos = state.accepted_per_position[row, :depth].tolist() if depth else []
         per_pos += [0] * (depth - len(per_pos))  # a switched-off batch ran the plain program
         out = self.adaptive_metrics(state, row, steps) if self.adaptive else {}
+        out |= self.constraint_metrics(state, row, drafted, num_generated)
         return out | {
             "method": self.method,
             # the Hub commit the target was downloaded at ("" for local files)
@@ -116,6 +121,24 @@ class Report:
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "mean_accepted_length": (num_generated - 1) / steps if steps else 1.0,
             "accepted_per_position": [c / steps if steps else 0.0 for c in per_pos],
+        }
+
+    def constraint_metrics(self, state, row: int, drafted: int, num_generated: int) -> dict[str, Any]:
+        """A constrained row: whether its structure is complete (the automaton accepts), its
+        finish reason ("length" when max_new_tokens cut an unfinished structure), and the
+        draft nodes the mask removed. {} for a free row."""
+        g = getattr(state, "grammar", None)
+        if g is None or int(g["state"][row]) == -1:
+            return {}
+        s = int(g["state"][row])
+        complete = bool(s >= 0 and g["accepting"][s])
+        last = int(state.tokens[row, state.lengths[row] - 1]) if num_generated else -1
+        masked = int(g["num_masked"][row])
+        return {
+            "constraint_complete": complete,
+            "finish_reason": "stop" if complete and last in self.model.eos_token_ids else "length",
+            "num_masked_draft_tokens": masked,
+            "masked_draft_fraction": masked / drafted if drafted else 0.0,
         }
 
     def adaptive_metrics(self, state, row: int, steps: int) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from jaxspec.decode import logprobs as logprobs_lib, penalties as penalties_lib,
 from jaxspec.decode.adaptive import Controller, cost_table
 from jaxspec.engine.adaptive_host import AdaptiveHost
 from jaxspec.config import AdaptiveConfig
+from jaxspec.constrain import host as constrain_host
 from jaxspec.decode.drafter import check_target, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
@@ -133,6 +134,7 @@ class Engine:
             max_context=max_context, chat_template=chat_template, system_prompt=system_prompt,
         )
         self.programs = Programs()
+        self._grammar_compiler = None  # constrain.host.GrammarCompiler, made on first use
         self._call_costs: dict[int, tuple] = {}  # batch -> `call_costs` (host arrays)
         self.policy = None if self.adaptive is None else AdaptiveHost(
             self.adaptive, model, self.spec, drafter
@@ -248,15 +250,18 @@ class Engine:
         return target.init_cache(self.model.params, batch, capacity)
 
     def prefill_rows(self, spec, prompt, lengths, max_new, sp, key, row_ids, capacity: int,
-                     cache=None, penalties=None):
+                     cache=None, penalties=None, grammar=None):
         """`speculate.prefill` of these rows on `spec` (prompt int32[B, P], the rest per row),
         jitted; into `cache` where given (a page pool with these rows' tables, donated);
-        penalties: the rows' `penalties.Penalties` (None: off)."""
+        penalties: the rows' `penalties.Penalties` (None: off); grammar: the rows' constraints
+        (constrain.loop.Grammar) or None."""
         args = (spec, self.model.params, self.drafter_params, prompt, lengths, max_new, sp, key,
                 row_ids)
         if cache is None:
-            return speculate.prefill_jit(*args, capacity=capacity, penalties=penalties)
-        return prefill_into_cache(*args, capacity=capacity, cache=cache, penalties=penalties)
+            return speculate.prefill_jit(*args, capacity=capacity, penalties=penalties,
+                                         grammar=grammar)
+        return prefill_into_cache(*args, capacity=capacity, cache=cache, penalties=penalties,
+                                  grammar=grammar)
 
     def row_penalties(self, settings):
         """The serving state's `penalties.Penalties`: one (presence, frequency, repetition,
@@ -268,6 +273,14 @@ class Engine:
         """`prefill_rows` compiled ahead for `batch` prompts of `width` tokens (greedy values;
         `cache`: the shapes of the cache it writes into, or None; penalties: with the rows'
         `row_penalties`)."""
+        fn, args, kwargs = self.prefill_program(spec, batch, width, capacity, cache, penalties)
+        return fn.lower(*args, **kwargs).compile()
+
+    def prefill_program(self, spec, batch: int, width: int, capacity: int, cache=None,
+                        penalties: bool = False):
+        """(jitted function, args, kwargs) of `prefill_rows` for these shapes (abstract: to
+        compile ahead, or export for another platform); penalties: with the rows'
+        `row_penalties`, as the serving state carries them."""
         z = jax.ShapeDtypeStruct((batch,), jnp.int32)
         sp = SamplingParams.rows([(0.0, 0, 1.0, 0.0)] * batch)
         args = (spec, self.model.params, self.drafter_params,
@@ -275,14 +288,24 @@ class Engine:
                 jax.random.key(0), z)
         pen = self.row_penalties([penalties_lib.OFF] * batch) if penalties else None
         if cache is None:
-            return speculate.prefill_jit.lower(*args, capacity=capacity, penalties=pen).compile()
-        return prefill_into_cache.lower(*args, capacity=capacity, cache=cache,
-                                        penalties=pen).compile()
+            return speculate.prefill_jit, args, {"capacity": capacity, "penalties": pen}
+        return prefill_into_cache, args, {"capacity": capacity, "cache": cache, "penalties": pen}
 
     def write_prompt(self, target: Any, tokens, cache):
         """A prompt chunk [B, C] run at cache.lengths.. and its k/v written into `cache` (donated:
         updated in place); lengths not advanced. Chunked prefill's chunks before the last."""
         return _write_prompt(target, self.model.params, tokens, cache)
+
+    def compile_write_prompt(self, target: Any, batch: int, chunk: int, cache):
+        """`write_prompt` compiled ahead for `batch` chunks of `chunk` tokens into a cache of
+        `cache`'s shapes (a ShapeDtypeStruct tree)."""
+        fn, args, kwargs = self.write_prompt_program(target, batch, chunk, cache)
+        return fn.lower(*args, **kwargs).compile()
+
+    def write_prompt_program(self, target: Any, batch: int, chunk: int, cache):
+        """(jitted function, args, kwargs) of `write_prompt` for these shapes."""
+        tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
+        return _write_prompt, (target, self.model.params, tokens, cache), {}
 
     def decode_rows(self, spec, state, sp, steps: int):
         """Up to `steps` steps of `spec`'s loop over `state` (donated), jitted."""
@@ -291,8 +314,13 @@ class Engine:
 
     def compile_decode(self, spec, state, sp, steps: int):
         """`decode_rows` compiled ahead for `state`'s shapes (a ShapeDtypeStruct tree)."""
-        return speculate.decode_jit.lower(spec, self.model.params, self.drafter_params, state, sp,
-                                          jnp.int32(steps)).compile()
+        fn, args, kwargs = self.decode_program(spec, state, sp, steps)
+        return fn.lower(*args, **kwargs).compile()
+
+    def decode_program(self, spec, state, sp, steps: int):
+        """(jitted function, args, kwargs) of `decode_rows` for `state`'s shapes."""
+        args = (spec, self.model.params, self.drafter_params, state, sp, jnp.int32(steps))
+        return speculate.decode_jit, args, {}
 
     def call_costs(self, batch: int) -> tuple:
         """(costs f32[F, G+1], fills f32[F]) as host arrays: the controller's cost table for a
@@ -303,13 +331,26 @@ class Engine:
                                        np.asarray(fills, np.float32))
         return self._call_costs[batch]
 
-    def prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, penalties=None):
+    def prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, penalties=None,
+                grammar=None):
         """The prefilled decode state of a batch of token-id prompts (rows padded to batch_size);
-        penalties: (presence, frequency, repetition, logit_bias) for every row, None: off."""
+        penalties: (presence, frequency, repetition, logit_bias) for every row, None: off;
+        grammar: the rows' constraints (`grammar_for`), None: every row free."""
         self.calibrate(max(batch_size, len(batch_ids)))
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size)
         pen = self.penalties(penalties, args[3].shape[0])
-        return self.with_adaptive(speculate.prefill_jit(*args, capacity=capacity, penalties=pen))
+        return self.with_adaptive(speculate.prefill_jit(*args, capacity=capacity, penalties=pen,
+                                                        grammar=grammar))
+
+    def grammar_for(self, constraints, rows: int):
+        """Per row a constrain.Constraint or None -> the batch's device Grammar (None: no row
+        constrained); compiled tables cached by regex (constrain/host.py)."""
+        if all(c is None for c in constraints):
+            return None
+        if self._grammar_compiler is None:
+            self._grammar_compiler = constrain_host.GrammarCompiler(
+                self.model.tokenizer, self.model.target.vocab_size, tuple(self.model.eos_token_ids))
+        return self._grammar_compiler.batch(list(constraints), rows)
 
     def _decode_args(self, state, sp, max_steps: int):
         spec = self.spec_for(state.lengths.shape[0])
@@ -331,10 +372,13 @@ class Engine:
         seed: int = 0,
         batch_size: int = 1,
         penalties: tuple | None = None,
+        constraint=None,
     ) -> list[GenerationResult]:
         """Generate for every prompt, `batch_size` rows at a time (the last batch is padded).
         penalties: (presence, frequency, repetition, logit_bias {id: bias}) for every row
-        (decode/logit_bias.py; None: off), applied inside the loop, speculation lossless."""
+        (decode/logit_bias.py; None: off), applied inside the loop, speculation lossless.
+        constraint: a constrain.Constraint for every prompt, or one per prompt (None: free);
+        the output then follows it (docs/structured.md), lossless for every drafter."""
         if max_new_tokens < 1:
             raise JaxspecError(f"max_new_tokens={max_new_tokens} must be at least 1")
         if batch_size < 1:
@@ -348,23 +392,27 @@ class Engine:
             self.penalties(penalties, 1)  # validated before anything compiles
             if penalties_lib.is_off(penalties):
                 penalties = None
+        constraints = _per_prompt(constraint, len(prompts))
         results: list[GenerationResult] = []
         for start in range(0, len(prompts), batch_size):
             chunk = list(range(start, min(start + batch_size, len(prompts))))
+            grammar = self.grammar_for([constraints[i] for i in chunk], max(batch_size, len(chunk)))
             results += self._run_batch(
                 [prompts[i] for i in chunk], [encoded[i] for i in chunk], chunk,
-                max_new_tokens, sp, seed, batch_size, penalties,
+                max_new_tokens, sp, seed, batch_size, penalties, grammar,
             )
         return results
 
-    def _ensure_compiled(self, batch_ids, max_new_tokens, sp, batch_size, penalties=None) -> float:
+    def _ensure_compiled(self, batch_ids, max_new_tokens, sp, batch_size, penalties=None,
+                         grammar=None) -> float:
         """Compile the programs for this shape ahead of time (programs.Programs), so timings
         exclude compilation. Returns the seconds spent; 0.0 when this shape was already warm."""
         b = max(batch_size, len(batch_ids))
         self.calibrate(b)  # the explicit, announced step before anything of this size runs
         plain = self.spec_for(b) is self.plain_spec
         p = bucket(max(len(ids) for ids in batch_ids))
-        key = (b, p, bucket(max_new_tokens), sp.mode, plain, penalties is not None)
+        key = (b, p, bucket(max_new_tokens), sp.mode, plain, penalties is not None,
+               constrain_host.shape_key(grammar))
         if self.programs.warm(key):
             return 0.0
         capacity = self.capacity(p, max_new_tokens)
@@ -373,7 +421,7 @@ class Engine:
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         decode_args = lambda state: self._decode_args(self.with_adaptive(state), sp, 1)
         seconds = self.programs.compile(key, args, capacity, decode_args, self.plan is not None,
-                                        penalties=self.penalties(penalties, b))
+                                        penalties=self.penalties(penalties, b), grammar=grammar)
         compiling()
         return seconds
 
@@ -383,10 +431,12 @@ class Engine:
         return self._ensure_compiled([self.encode(prompt)], max_new_tokens, sp, batch_size)
 
     def _run_batch(self, prompts, batch_ids, row_ids, max_new_tokens, sp, seed, batch_size,
-                   penalties=None):
-        compile_s = self._ensure_compiled(batch_ids, max_new_tokens, sp, batch_size, penalties)
+                   penalties=None, grammar=None):
+        compile_s = self._ensure_compiled(batch_ids, max_new_tokens, sp, batch_size, penalties,
+                                          grammar)
         t0 = time.perf_counter()
-        state = self.prefill(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, penalties)
+        state = self.prefill(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, penalties,
+                             grammar)
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         state = self.decode(state, sp, 1 << 30)
@@ -470,3 +520,10 @@ def check_logprobs(k, mode: str) -> None:
     if mode not in logprobs_lib.MODES:
         raise JaxspecError(f"logprobs_mode={mode!r} is unknown: use one of "
                            f"{', '.join(logprobs_lib.MODES)}")
+def _per_prompt(constraint, n: int) -> list:
+    """A constraint for every prompt, or a list of one per prompt (None entries: free)."""
+    if constraint is None or not isinstance(constraint, (list, tuple)):
+        return [constraint] * n
+    if len(constraint) != n:
+        raise JaxspecError(f"{len(constraint)} constraints for {n} prompts: pass one per prompt, or one for all")
+    return list(constraint)

@@ -120,12 +120,14 @@ class Server:
                  max_queue: int = 64, kv_pages: int | None = None, page_size: int = 16,
                  seed: int = 0, model_name: str | None = None, static: bool = False,
                  paged: bool = True, prefill_chunk: int | None = None,
-                 prefix_cache: bool = True, policy: str = "fcfs", batch_prefill: bool = False):
+                 prefix_cache: bool = True, policy: str = "fcfs", batch_prefill: bool = False,
+                 max_batched_tokens: int | None = None, structured: bool = False):
         self.scheduler = Scheduler(
             engine, slots=slots, max_context=max_context, steps_per_call=steps_per_call,
             max_queue=max_queue, kv_pages=kv_pages, page_size=page_size, seed=seed,
             static=static, paged=paged, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-            policy=policy, batch_prefill=batch_prefill,
+            policy=policy, batch_prefill=batch_prefill, max_batched_tokens=max_batched_tokens,
+            structured=structured,
         )
         self.engine = engine
         self.model_name = model_name or getattr(engine.model, "name", "model")
@@ -137,16 +139,18 @@ class Server:
         self._thread.start()
 
     def submit(self, prompt: str | Sequence[int], sampling: Sampling | None = None, *,
-               request_id: str | None = None, priority: int = 0) -> Stream:
+               request_id: str | None = None, priority: int = 0, constraint=None) -> Stream:
         """Queue a request; raises JaxspecError (bad input) or QueueFull at once. Never waits
-        for a device call: the request lands in the scheduler's queue between calls."""
+        for a device call: the request lands in the scheduler's queue between calls.
+        constraint: a constrain.Constraint the output follows (needs structured=True)."""
         if self._closed:
             raise JaxspecError("the server is closed")
         if self._failure is not None:
             raise JaxspecError(f"the serving loop stopped: {self._failure}")
         stream = Stream(self)
         s = self.scheduler
-        req = s.new_request(prompt, sampling or Sampling(), stream, request_id, priority)
+        req = s.new_request(prompt, sampling or Sampling(), stream, request_id, priority,
+                            constraint)
         stream.request = req
         with self._lock:
             free = s.slots - len(s.active)  # waiting requests that free slots will take now

@@ -5,9 +5,10 @@ Honoured: model, prompt / messages (content as a string or a list of text parts)
 max_completion_tokens, temperature, top_p, stop, seed, stream, stream_options, user, n (up to
 16; seeds seed + i), logprobs / top_logprobs (up to 20), presence / frequency / repetition
 penalties and logit_bias (applied in the decode loop, lossless), and the extensions top_k,
-min_p, stop_token_ids. Accepted only at their neutral value (anything else is "not supported
-yet"): best_of 1, echo off, tools / functions absent, tool_choice "none", response_format
-text, suffix empty.
+min_p, stop_token_ids; structured output (serving/structured.py: response_format, tools with
+tool_choice "required" or a named function, guided_json / guided_regex / guided_choice).
+Accepted only at their neutral value (anything else is "not supported yet"): best_of 1, echo
+off, functions absent, suffix empty.
 """
 
 from __future__ import annotations
@@ -26,18 +27,19 @@ class HTTPError(Exception):
 HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
             "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "stream",
             "stream_options", "user", "parallel_tool_calls", "n", "logprobs", "top_logprobs",
-            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+            # structured output (serving/structured.py; a server without serving.structured
+            # answers a constraint with a one-line 400 naming the setting)
+            "response_format", "guided_json", "guided_regex", "guided_choice", "tools",
+            "tool_choice"}
 MAX_N = 16  # completions per request
 MAX_TOP_LOGPROBS = 20
 # field -> (its neutral values, what a client gets instead)
 NEUTRAL: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "one completion per request"),
     "echo": ((False,), "the prompt is not echoed"),
-    "tools": (([],), "no tool calls are produced"),
     "functions": (([],), "no function calls are produced"),
-    "tool_choice": (("none",), "no tool calls are produced"),
     "function_call": (("none",), "no function calls are produced"),
-    "response_format": (({"type": "text"},), "output is free text"),
     "suffix": (("",), "no suffix is appended"),
 }
 ROLES = ("system", "user", "assistant")

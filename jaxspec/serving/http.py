@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxspec.errors import JaxspecError
+from jaxspec.serving import structured
 from jaxspec.serving.api import Server
 from jaxspec.serving.fields import (
     HTTPError,
@@ -173,11 +174,13 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             return prompt
         raise HTTPError(400, "field 'prompt' must be a string or a list of token ids (one prompt)")
 
-    def chat_ids(messages) -> list[int]:
+    def chat_ids(messages, tools=None) -> list[int]:
         messages = chat_messages(messages)
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise HTTPError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}  # rendered as the model's template does
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **extra)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -220,8 +223,27 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 [[finite(v) for _, v in e["top"]] for e in entries], k)
         return chat_logprobs(*args) if chat else completion_logprobs(*args)
 
+    def message_choice(index: int, wanted, done, reason: str, lp, chat: bool) -> dict:
+        """One non-streamed choice: the text, or the tool calls a finished call parses to."""
+        calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
+        choice = {"index": index, "finish_reason": "tool_calls" if calls else reason,
+                  "logprobs": lp}
+        if calls:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        elif chat:
+            choice["message"] = {"role": "assistant", "content": done.text}
+        else:
+            choice["text"] = done.text
+        return choice
+
     async def respond(body, ids, chat: bool):
         refuse_unsupported(body)
+        wanted = structured.asked(body)
+        if wanted.constraint is not None and sched.grammars is None:
+            raise HTTPError(400, f"field {wanted.field!r} is not supported on this server: start "
+                                 "it with serving.structured=true")
+        if wanted.tool_call and not chat:
+            raise HTTPError(400, "tool calls need /v1/chat/completions")
         sampling = sampling_of(body, settle_max_tokens(body, ids), chat)
         streamed = wants_stream(body)
         n_choices = choices_of(body)
@@ -231,8 +253,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                                  "yet: set stream false or send n requests")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         if n_choices > 1:
-            return await respond_n(ids, sampling, n_choices, rid, chat)
-        stream = server.submit(ids, sampling, request_id=rid)
+            return await respond_n(ids, sampling, n_choices, rid, chat, wanted)
+        stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint)
         gate.enter(stream)
         timer = None
         if limits.request_timeout_s:
@@ -258,11 +280,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             finally:
                 close()
             lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat)
-            choice = {"index": 0, "finish_reason": reason, "logprobs": lp}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": done.text}
-            else:
-                choice["text"] = done.text
+            choice = message_choice(0, wanted, done, reason, lp, chat)
             kind = "chat.completion" if chat else "text_completion"
             return JSONResponse(head | {"object": kind, "choices": [choice], "usage": usage})
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -284,9 +302,22 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             try:
                 first = True
                 async for piece in stream:
+                    if wanted.tool_call:  # the call goes out whole, parsed, at the end
+                        continue
                     yield chunk(piece, first=first)
                     first = False
                 done, reason, usage = ended()
+                calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
+                if calls:
+                    delta = {"role": "assistant", "content": None,
+                             "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}
+                    out = head | {"object": kind, "choices": [
+                        {"index": 0, "delta": delta, "finish_reason": None}]}
+                    yield f"data: {json.dumps(out)}\n\n"
+                    reason, first = "tool_calls", False
+                elif wanted.tool_call and done.text:  # cut short: the text as it is
+                    yield chunk(done.text, first=first)
+                    first = False
                 # the tokens' logprobs come with the last chunk, all of them at once
                 lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat)
                 yield chunk("", reason, usage, first=first, logprobs=lp)
@@ -318,14 +349,14 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
         gate.leave(stream)
 
-    async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool):
+    async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted):
         """n completions of one prompt (not streamed): n requests, seeds seed + i (None: each
         its own), one choice each, usage summed."""
         streams, timers = [], []
         for i in range(n_choices):
             seed = None if sampling.seed is None else sampling.seed + i
             stream = server.submit(ids, dataclasses.replace(sampling, seed=seed),
-                                   request_id=f"{rid}-{i}")
+                                   request_id=f"{rid}-{i}", constraint=wanted.constraint)
             gate.enter(stream)
             streams.append(stream)
             timers.append(None if not limits.request_timeout_s else
@@ -338,13 +369,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                     pass
                 done, reason, usage = finished(stream, sampling)
                 total["completion_tokens"] += usage["completion_tokens"]
-                choice = {"index": i, "finish_reason": reason, "logprobs": logprobs_block(
-                    done, usage["completion_tokens"], sampling.logprobs, chat)}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": done.text}
-                else:
-                    choice["text"] = done.text
-                choices.append(choice)
+                choices.append(message_choice(i, wanted, done, reason, logprobs_block(
+                    done, usage["completion_tokens"], sampling.logprobs, chat), chat))
         except JaxspecError as e:
             raise _failure(e) from None
         finally:
@@ -367,6 +393,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     async def chat_completions(request: Request):
         body = await _body(request, limits.max_body_bytes)
         check_model(body)
-        return await respond(body, chat_ids(body.get("messages")), chat=True)
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+        return await respond(body, chat_ids(body.get("messages"), tools), chat=True)
 
     return app

@@ -133,3 +133,4 @@ class Request:
     replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
     logprobs: list | None = None  # `generated`'s logprobs (asked for: Sampling.logprobs)
     priority: int = 0  # higher first under serving.policy=priority
+    constraint: str | None = None  # the structured-output regex (serving.grammars), None: free

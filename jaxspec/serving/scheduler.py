@@ -36,7 +36,7 @@ from jaxspec.decode.penalties import OFF
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.runner import prefill_into_cache as prefill_into_pool
 from jaxspec.errors import JaxspecError
-from jaxspec.serving import paged_cache, prefix, rows
+from jaxspec.serving import grammars, paged_cache, prefix, rows
 from jaxspec.serving import policy as policy_lib
 from jaxspec.serving.admission import Admission
 from jaxspec.serving.batch import MIN_TABLE_PAGES, program_widths
@@ -71,6 +71,8 @@ class Scheduler(Admission, DeviceCall, Streaming):
         prefix_cache: bool = True,
         policy: str = "fcfs",
         batch_prefill: bool = False,
+        max_batched_tokens: int | None = None,
+        structured: bool = False,
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
         an empty batch, which then runs until its last row ends, every call over all `slots`
@@ -86,7 +88,13 @@ class Scheduler(Admission, DeviceCall, Streaming):
         policy: the scheduling policy's name (`serving.policy`: admission order and the row
         preempted when the pool is short).
         batch_prefill: the requests admitted in a round are prefilled several rows a call (and
-        chunked prompts' chunks likewise) instead of one call each (`admission`)."""
+        chunked prompts' chunks likewise) instead of one call each (`admission`).
+        max_batched_tokens: batched admission (implied) under a budget of prompt tokens per
+        round: the prefilling rows' next chunks first, then queued prompts while they fit; a
+        prompt longer than a chunk (prefill_chunk, else the budget) goes in chunks across
+        rounds where chunking is possible (else alone, the first of its round).
+        structured: rows may carry a constraint (`serving.grammars`: one fixed-size table in
+        the state, so the program carries the mask whether or not a row is constrained)."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
             raise JaxspecError(
                 f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
@@ -98,10 +106,19 @@ class Scheduler(Admission, DeviceCall, Streaming):
                 f"{engine.max_context}: build the engine with max_context={max_context}"
             )
         self.engine = engine
+        self.grammars = grammars.GrammarSlots(engine, slots) if structured else None
         self.slots, self.capacity, self.steps = slots, max_context, steps_per_call
         self.max_queue = max_queue
         self.static = static
-        self.batch_prefill = batch_prefill
+        if max_batched_tokens is not None and max_batched_tokens < 1:
+            raise JaxspecError(f"serving.max_batched_tokens={max_batched_tokens}: use an integer "
+                               ">= 1 (0 in a config: no budget)")
+        if max_batched_tokens and prefill_chunk and prefill_chunk > max_batched_tokens:
+            raise JaxspecError(f"serving.prefill_chunk={prefill_chunk} exceeds serving."
+                               f"max_batched_tokens={max_batched_tokens}: a chunk must fit a "
+                               "round's budget; lower prefill_chunk")
+        self.budget = max_batched_tokens or None  # prompt tokens prefilled per round at most
+        self.batch_prefill = batch_prefill or self.budget is not None
         per_row = pages_for(max_context, page_size)
         self.pool = PagePool(kv_pages or slots * per_row, page_size)
         if self.pool.num_pages < per_row:
@@ -124,13 +141,16 @@ class Scheduler(Admission, DeviceCall, Streaming):
             spec = engine.serving_spec(paged)
         self.spec = spec
         taps = spec.drafter is not None and spec.drafter.hidden_layers
-        self.chunk = prefill_chunk if self.paged and not static and not taps else None
+        chunk = prefill_chunk or self.budget  # under a budget, prompts over it go in chunks
+        self.chunk = chunk if self.paged and not static and not taps else None
         self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
         self.kv = KVManager(self.pool, max_context, steps_per_call, spec.depth, spec.num_nodes,
                             self.prefix_cache)
         if prefill_chunk is not None and prefill_chunk < 1:
             raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
         self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
+        self._round_left: int | None = None  # the round's budget left (`admission`)
+        self._round_tokens = 0  # prompt tokens prefilled this round
         self.key = jax.random.key(seed)
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}  # slot -> request
@@ -143,7 +163,13 @@ class Scheduler(Admission, DeviceCall, Streaming):
 
     # ---- submission (any thread; the api holds a lock around these) -----------------------
     def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None,
-                    priority: int = 0) -> Request:
+                    priority: int = 0, constraint=None) -> Request:
+        regex = None
+        if constraint is not None:
+            if self.grammars is None:
+                raise JaxspecError("structured output is off on this server: start it with "
+                                   "serving.structured=true")
+            regex = self.grammars.compile(constraint)
         ids = self.engine.encode(prompt)
         self.engine.check_fits(ids, int(sampling.max_tokens))
         need = len(ids) + int(sampling.max_tokens) + self.spec.depth + 1
@@ -163,7 +189,8 @@ class Scheduler(Admission, DeviceCall, Streaming):
         n = next(self._ids)
         seed = n if sampling.seed is None else int(sampling.seed)
         return Request(request_id or f"req-{n}", ids, sampling, seed, sink, time.perf_counter(),
-                       text=TextState(tuple(sampling.stop)), priority=int(priority))
+                       text=TextState(tuple(sampling.stop)), priority=int(priority),
+                       constraint=regex)
 
     def enqueue(self, req: Request) -> None:
         if len(self.queue) >= self.max_queue:
@@ -204,13 +231,27 @@ class Scheduler(Admission, DeviceCall, Streaming):
         """The state a `batch`-row prefill leaves (traced only, for `rows.batch_axes`)."""
         sp = SamplingParams.rows([GREEDY] * batch)
         z = jnp.zeros((batch,), jnp.int32)
+        g = None if self.grammars is None else self.grammars.rows([None] * batch)
         state = self.engine.prefill_rows(self.spec, jnp.zeros((batch, 16), jnp.int32), z + 1,
                                          z + 1, sp, self.key, z, self.capacity,
-                                         penalties=self.engine.row_penalties([OFF] * batch))
+                                         penalties=self.engine.row_penalties([OFF] * batch),
+                                         grammar=g)
         if self.spec.adaptive is None:
             return state
         g = self.spec.adaptive.gamma
         return dataclasses.replace(state, adaptive=self.spec.adaptive.init(batch, [1.0] * (g + 1)))
+
+    def _grammar_rows(self, reqs, slots):
+        """The Grammar these rows' prefill takes (None: structured output off); a constraint
+        new to the table is added, and the batch state given the table (`serving.grammars`)."""
+        if self.grammars is None:
+            return None
+        live = (set(self.active) | set(self.prefilling)) - set(slots)
+        regexes = [r.constraint for r in reqs]
+        delta = self.grammars.admit(regexes, list(slots), live)
+        if self.state is not None:
+            self.state = self.grammars.into_state(self.state, delta)
+        return self.grammars.rows(regexes)
 
     # ---- pages and preemption ---------------------------------------------------------------
     def _reserve_pages(self) -> None:

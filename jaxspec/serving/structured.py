@@ -1,0 +1,144 @@
+"""The request fields of structured output and tool calls, read into a `Constraint` (and back
+out of the constrained text into `tool_calls`).
+
+    response_format  {"type": "json_schema", "json_schema": {"schema": ...}} | {"type": "json_object"}
+                     | {"type": "text"} (free)
+    guided_json / guided_regex / guided_choice   vLLM's extensions (at most one constraint)
+    tools + tool_choice   "required": the output is one call {"name": ..., "arguments": {...}}
+                          of one of the tools (anyOf over their argument schemas); a named
+                          function {"type": "function", "function": {"name": N}}: the output is
+                          N's arguments object. "none" or absent: free text (the tools still
+                          rendered through the chat template). "auto" is refused (not parsed yet).
+
+The call is returned in OpenAI's form (`tool_calls`, finish_reason "tool_calls"), streamed as
+one delta at the end: the constraint makes the arguments parse, so nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+
+from jaxspec.constrain import Constraint
+from jaxspec.constrain.host import make_constraint
+from jaxspec.errors import JaxspecError
+from jaxspec.serving.fields import HTTPError
+
+FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "tools", "tool_choice")
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What a request constrains: the constraint (None: free) and, for a tool call, how to read
+    the output back (`named`: the function whose arguments the output is; else one of
+    `tools`, the output {"name", "arguments"})."""
+
+    constraint: Constraint | None = None
+    tools: tuple[str, ...] = ()  # tool_choice "required": the callable names
+    named: str | None = None  # tool_choice naming a function
+    field: str = ""  # the request field that asked for it (named in errors)
+
+    @property
+    def tool_call(self) -> bool:
+        return bool(self.tools) or self.named is not None
+
+
+def _schema_of(fmt) -> object:
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise HTTPError(400, "response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                             "\"schema\": {...}}}")
+    return spec["schema"]
+
+
+def _tools(body) -> dict[str, dict]:
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise HTTPError(400, "field 'tools' must be a list of {type: function, function: {...}}")
+    out = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise HTTPError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                                 "{\"name\": ..., \"parameters\": {...}}}")
+        out[fn["name"]] = fn.get("parameters") or {"type": "object"}
+    return out
+
+
+def asked(body: dict) -> Asked:
+    """The request's constraint; a one-line 400 for a malformed or unsupported one."""
+    try:
+        return _asked(body)
+    except JaxspecError as e:
+        raise HTTPError(400, str(e)) from None
+
+
+def _asked(body: dict) -> Asked:
+    given = {}
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_schema":
+            given["response_format"] = dict(json_schema=_schema_of(fmt))
+        elif kind == "json_object":
+            given["response_format"] = dict(json_object=True)
+        elif kind != "text":
+            raise HTTPError(400, f"response_format type {kind!r} is not supported: use text, "
+                                 "json_object or json_schema")
+    for name, key in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice")):
+        if body.get(name) is not None:
+            given[name] = {key: body[name]}
+    tools = _tools(body)
+    choice = body.get("tool_choice")
+    if choice is None and tools:
+        raise HTTPError(400, "field 'tools' without tool_choice means 'auto', which is not "
+                             "supported yet: send tool_choice 'required', a named function or 'none'")
+    if choice is None or choice == "none":
+        tool = None
+    elif not tools:
+        raise HTTPError(400, "field 'tool_choice' needs 'tools'")
+    elif choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": p},
+                  "required": ["name", "arguments"]} for n, p in tools.items()]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        tool = Asked(make_constraint(json_schema=schema), tools=tuple(tools), field="tool_choice")
+    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        name = choice["function"]["name"]
+        if name not in tools:
+            raise HTTPError(400, f"tool_choice names {name!r}, which is not in 'tools'")
+        tool = Asked(make_constraint(json_schema=tools[name]), named=name, field="tool_choice")
+    elif choice == "auto":
+        raise HTTPError(400, "tool_choice 'auto' is not supported yet: use 'required' or name "
+                             "the function")
+    else:
+        raise HTTPError(400, f"tool_choice={choice!r} is invalid: use 'none', 'required' or "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if tool is not None:
+        given["tool_choice"] = None
+    if len(given) > 1:
+        raise HTTPError(400, f"{' and '.join(sorted(given))} both constrain the output: send one")
+    if tool is not None:
+        return tool
+    if not given:
+        return Asked()
+    field, kwargs = next(iter(given.items()))
+    return Asked(make_constraint(**kwargs), field=field)
+
+
+def tool_calls(a: Asked, text: str) -> list[dict] | None:
+    """The constrained output as OpenAI tool_calls (None: not a tool call, or unfinished)."""
+    if not a.tool_call:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None  # cut by max_tokens: finish_reason "length", the text as it is
+    if a.named is not None:
+        name, args = a.named, value
+    else:
+        name, args = value["name"], value["arguments"]
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)}}
+    return [call]

@@ -1,0 +1,155 @@
+"""Structured output on the server (serving.structured): with the `openai` client over loopback,
+`response_format` json_schema / json_object and `guided_choice` answers equal the engine's own
+constrained greedy run and validate; `tool_choice` "required" and a named function return
+`tool_calls` whose arguments validate against the tool's schema, streamed and not; an
+unsupported schema keyword and tool_choice "auto" get a one-line 400."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from conftest import save_byte_tokenizer  # noqa: E402
+from jaxspec.constrain import Constraint  # noqa: E402
+from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
+from jaxspec.engine.runner import Engine  # noqa: E402
+from jaxspec.serving import Server  # noqa: E402
+from jaxspec.serving.http import make_app  # noqa: E402
+from tiny import tiny_model  # noqa: E402
+
+CONTEXT = 160
+NAME = "tiny-bytes"
+NEW = 64
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                           "ok": {"type": "boolean"}},
+          "required": ["city", "ok"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["unit", "days"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(save_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
+    tok.chat_template = TEMPLATE
+    model = dataclasses.replace(tiny_model(vocab=256, packed=True), tokenizer=tok, name=NAME)
+    return Engine(model, NgramDrafter(256, 1, 3), num_speculative_tokens=3, max_context=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    server = Server(engine, slots=3, max_context=CONTEXT, steps_per_call=4, max_queue=8,
+                    model_name=NAME, structured=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not http.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert http.started, "the server did not start within 60 s"
+    yield server, f"http://127.0.0.1:{port}"
+    http.should_exit = True
+    thread.join(timeout=60)
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def solo(engine, prompt, constraint):
+    ids = engine.model.tokenizer.encode(prompt)
+    r = engine.generate([ids], max_new_tokens=NEW, constraint=constraint)[0]
+    return r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_equals_the_engine_and_validates(client, engine, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    kw = dict(model=NAME, prompt="abc", max_tokens=NEW, temperature=0, extra_body={"response_format": fmt})
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    else:
+        r = client.completions.create(**kw)
+        assert r.choices[0].finish_reason == "stop"
+        text = r.choices[0].text
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert text == solo(engine, "abc", Constraint(json_schema=SCHEMA))
+
+
+def test_json_object_and_guided_choice_over_chat(client):
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=NEW, temperature=0,
+        extra_body={"guided_choice": ["alpha", "beta"]})
+    assert r.choices[0].message.content in ("alpha", "beta")
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=NEW, temperature=0,
+        response_format={"type": "json_object"})
+    c = r.choices[0]
+    if c.finish_reason == "stop":  # a random model may keep writing an object past NEW tokens
+        assert isinstance(json.loads(c.message.content), dict)
+    else:
+        assert c.finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_calls_parse_and_validate(client, stream, choice):
+    tool_choice = "required" if choice == "required" else {
+        "type": "function", "function": {"name": "get_time"}}
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "weather?"}], max_tokens=NEW,
+              temperature=0, tools=[WEATHER, TIME], tool_choice=tool_choice)
+    if stream:
+        calls, reason = [], None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            delta = chunk.choices[0].delta
+            calls += delta.tool_calls or []
+            assert not delta.content
+            reason = chunk.choices[0].finish_reason or reason
+    else:
+        r = client.chat.completions.create(**kw)
+        calls, reason = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert r.choices[0].message.content is None
+    assert reason == "tool_calls" and len(calls) == 1
+    fn = calls[0].function
+    if choice == "named":
+        assert fn.name == "get_time"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}[fn.name]
+    jsonschema.validate(json.loads(fn.arguments), schema)
+
+
+@pytest.mark.parametrize("extra, word", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "contentEncoding": "base64"}}}}, "contentEncoding"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "'auto'"),
+    ({"tools": [WEATHER]}, "'tools'"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_unsupported_constraints_get_a_one_line_400(served, extra, word):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | extra
+    r = httpx.post(served[1] + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "\n" not in message and word in message, message
