@@ -50,6 +50,8 @@ def build_engine(config: Config, target=None) -> Engine:
         mesh=plan,
         max_context=config.generation.max_context or None,
         adaptive=spec.adaptive,  # the config section itself (on when enabled)
+        logprobs=config.generation.logprobs,
+        logprobs_mode=config.generation.logprobs_mode,
     )
 
 

@@ -1,7 +1,7 @@
 """python -m jaxspec.serve --config C [section.key=value ...] [--host 127.0.0.1 --port 8000]: an
 OpenAI-compatible server (jaxspec/serving/http.py) over continuous batching, with the config's
 model, drafter, sampling defaults and `serving` section (slots, max_context, steps_per_call,
-max_queue, kv_pages, page_size, prefill_chunk, prefix_cache, batch_prefill, policy, precompile,
+max_queue, kv_pages, page_size, prefill_chunk, prefix_cache, batch_prefill, max_batched_tokens, policy, precompile,
 request limits, drain_s). Arguments are parsed before jax or the model load is imported.
 
 It listens at once (`/health` answers; `/ready` and requests get 503 while the decode programs
@@ -51,7 +51,8 @@ def build_server(config, model_name: str | None = None, gate=None):
                     steps_per_call=s.steps_per_call, max_queue=s.max_queue,
                     kv_pages=s.kv_pages or None, page_size=s.page_size, seed=config.sampling.seed,
                     prefill_chunk=s.prefill_chunk or None, prefix_cache=s.prefix_cache,
-                    batch_prefill=s.batch_prefill, structured=s.structured,
+                    batch_prefill=s.batch_prefill, max_batched_tokens=s.max_batched_tokens or None,
+                    structured=s.structured,
                     policy=s.policy, model_name=model_name or config.model.name)
     return server, make_app(server, gate or Gate(limits=Limits.of(s)))
 

@@ -45,7 +45,7 @@ CASES: dict[str, dict[str, list[str] | str]] = {
     "dflash": {"law": "tests/test_dflash.py (sampled chain, DFlash 2 and tree have the target law)",
                "identity": "tests/test_dflash.py (greedy is token identical at batch 8)",
                "greedy": "tests/test_dflash.py (greedy is token identical at batch 8)",
-               "hlo": "NOT COVERED: no cache-copy count yet"},
+               "hlo": ["dflash"]},
     "suffix": {"law": "tests/test_suffix.py (sampled suffix output has the target law)",
                "identity": "tests/test_suffix.py (greedy suffix is token identical)",
                "greedy": "tests/test_suffix.py (greedy suffix is token identical)",

@@ -17,6 +17,8 @@ from tiny import eagle_like, tiny_model
 from jaxspec import hlo
 from jaxspec.decode import speculate
 from jaxspec.decode.sampling import SamplingParams
+from jaxspec.drafters import dflash_net
+from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
@@ -38,9 +40,19 @@ def _model(layout):
     return m
 
 
+def _dflash(m):
+    """A random one-layer DFlash head over the target's first and last layers' features."""
+    spec = dflash_net.make_spec(m.cfg, m.cfg.num_layers, num_layers=1, block_size=5,
+                                mask_token_id=m.cfg.vocab_size - 1,
+                                target_layer_ids=(0, m.cfg.num_layers - 1), intermediate_size=32)
+    return DFlashDrafter(spec, m.cfg.vocab_size), dflash_net.init_params(spec, jax.random.key(1))
+
+
 def _drafter(m, method):
     if method == "eagle":  # initialised from the same target (its unrolled form)
         return eagle_like(_model("unrolled"))
+    if method == "dflash":
+        return _dflash(m)
     return {
         "none": (None, None),
         "ngram": (NgramDrafter(64, 1, 3), None),

@@ -8,6 +8,13 @@ shared prefix pages),
 with fewer prefill calls than admissions (so the batched path did run). A splice that put the
 rows into the wrong slots, or gave every row of a call the longest prompt's length, fails them
 (seen).
+
+Under a token budget (`serving.max_batched_tokens`) no round prefills more than the budget
+(long prompts go in chunks across rounds) and outputs still equal one-at-a-time admission; the
+control without a budget exceeds it, and a budget check turned off fails (seen). The warm-up
+(`compile_prefills`) covers every program batched admission calls with the prefix cache on
+(tails of every bucket, chunk writes): the run lowers none, counted (`tests/compiles.py`); a
+warm-up without the tails lowers 3 (seen).
 """
 
 from __future__ import annotations
@@ -46,8 +53,9 @@ def test_batched_admission_equals_one_at_a_time(tiny_target, prompts, name, page
         assert sched.pool.free_pages == sched.pool.num_pages
     assert outs[True] == outs[False] == solo
     assert stats[False].prefill_calls == stats[False].admitted == len(prompts)
-    # 3 together (a call of 2 and one of 1), then 2 together
-    assert stats[True].admitted == len(prompts) and stats[True].prefill_calls == 3
+    # 3 together (6 and 11 tokens share the 16-token bucket: one call; 21 another), then 2 of
+    # other buckets (34, 9): a call each
+    assert stats[True].admitted == len(prompts) and stats[True].prefill_calls == 4
 
 
 def test_batched_chunks_and_prefix_sharing_keep_outputs(tiny_target, prompts):
@@ -82,3 +90,72 @@ def test_batched_chunks_and_prefix_sharing_keep_outputs(tiny_target, prompts):
             assert sched.stats.prefill_calls < sched.stats.admitted + sum(
                 (len(p) - 1) // 16 for p in longs)  # fewer than one call per chunk and row
     assert outs[True] == outs[False] == solo
+
+
+def budget_arrivals(prompts):
+    """Eight prompts: the five short ones, then three long ones over a shared 40-token head
+    (61, 51, 74 tokens), arriving over the first rounds."""
+    system = [int(t) % 61 + 2 for t in range(40)]
+    longs = [system + p for p in prompts[1:4]]
+    every = [*prompts, *longs]
+    new = (*NEW, 6, 10, 8)
+    return [(r, p, Sampling(max_tokens=n))
+            for r, p, n in zip((0, 0, 0, 0, 1, 1, 1, 3), every, new)]
+
+
+def test_token_budget_equals_one_at_a_time_and_holds_each_round(tiny_target, prompts):
+    """serving.max_batched_tokens=32: no round prefills more than 32 prompt tokens (prompts
+    over 32 go in chunks of 32 across rounds; the first round's run whole, no row waiting),
+    and the outputs equal one-at-a-time admission and solo runs token for token. The control
+    without a budget prefills more than 32 in a round (so the bound can fail)."""
+    engine = engine_for(tiny_target, "ngram")
+    arrive = budget_arrivals(prompts)
+    solo = [engine.generate([p], max_new_tokens=s.max_tokens)[0].token_ids for _, p, s in arrive]
+    outs, stats = {}, {}
+    for mode, kw in {"one": {}, "batched": {"batch_prefill": True},
+                     "budget": {"max_batched_tokens": 32}}.items():
+        sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=2, **kw)
+        outs[mode] = [c.token_ids for c in run(sched, arrive)]
+        stats[mode] = sched.stats
+        assert sched.pool.free_pages == sched.pool.num_pages and not sched.prefilling
+    assert outs["budget"] == outs["one"] == outs["batched"] == solo
+    assert stats["batched"].max_round_prefill_tokens > 32  # the control: unbounded
+    assert 0 < stats["budget"].max_round_prefill_tokens <= 32
+    # the 74-token prompt alone needs three pieces: more prefill calls than admissions
+    assert stats["budget"].prefill_calls > stats["budget"].admitted == len(arrive)
+
+
+def test_budget_refuses_a_chunk_over_it(tiny_target):
+    from jaxspec.errors import JaxspecError
+
+    engine = engine_for(tiny_target, "plain")
+    with pytest.raises(JaxspecError, match="prefill_chunk=64 exceeds serving.max_batched"):
+        Scheduler(engine, max_context=CONTEXT, prefill_chunk=64, max_batched_tokens=32)
+
+
+PROGRAMS = ("prefill", "prefill_into_cache", "_write_prompt", "decode")  # the model's programs
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_warm_up_covers_every_prefill_batched_admission_calls(tiny_target, prompts, warm):
+    """compile_programs + compile_prefills (the bench's and a server's warm-up) compile every
+    program batched admission under a budget calls with the prefix cache on (whole prompts,
+    tails over shared pages and over earlier chunks, chunk writes, at every row width): the
+    run lowers none of the model's programs. The control (page_size 8: programs no earlier
+    test compiled, no warm-up) lowers some, so the count sees them."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from compiles import counting_lowerings
+
+    engine = engine_for(tiny_target, "ngram")
+    arrive = budget_arrivals(prompts)
+    sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=2,
+                      page_size=16 if warm else 8, max_batched_tokens=32)
+    if warm:
+        sched.compile_programs()
+        sched.compile_prefills([len(p) for _, p, _ in arrive])
+    with counting_lowerings() as lowered:
+        done = run(sched, arrive)
+    assert sum(c.metrics["prefix_cached_tokens"] for c in done) > 0  # tails ran
+    assert (lowered(*PROGRAMS) == 0) == warm, lowered(*PROGRAMS)

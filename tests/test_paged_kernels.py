@@ -120,6 +120,7 @@ def test_cuda_export_calls_the_triton_paged_kernel():
 def test_choose_attention_per_backend_and_window():
     from jaxspec.serving.paged_cache import choose_attention
 
-    assert choose_attention("tpu", 1) == choose_attention("tpu", 5) == "ragged_tpu"
-    assert choose_attention("gpu", 1) == "paged_gpu"
-    assert choose_attention("gpu", 5) == choose_attention("cpu", 1) == "xla"
+    assert choose_attention("tpu", 1) == choose_attention("tpu", 5) == "pallas_tpu"
+    assert choose_attention("cuda", 1) == choose_attention("gpu", 5) == "pallas_gpu"
+    assert choose_attention("cpu", 1) == choose_attention("tpu", 5, "float32") == "xla"
+    assert choose_attention("tpu", 5, sliding=True) == "xla"

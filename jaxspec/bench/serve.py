@@ -12,7 +12,10 @@ tokens whose k/v came from it and the most distinct pages rows held at once (a s
 `--system-prompt TEXT` puts one fixed text before every prompt (a shared system prompt);
 `--workload agent` serves the agent sessions' calls instead (data/agent_sessions.jsonl: a system
 prompt and tool schema repeated in every call, each call's prompt the conversation so far);
-`--prefix-cache on off` runs both (A/B). Every greedy run's outputs are compared with the first
+`--prefix-cache on off` runs both (A/B); `--admission one batched` runs one-at-a-time and
+batched admission (`--max-batched-tokens N`: under that budget per round) on the same requests,
+each run reporting the programs lowered while it ran (the warm-up compiles every prefill, tail and
+chunk program first: `Scheduler.compile_prefills`). Every greedy run's outputs are compared with the first
 greedy run's of the same model (`outputs_identical_to_first_greedy_run`): batching, cache and
 method must not change a token. Arguments are parsed before jax is imported."""
 
@@ -55,6 +58,9 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--admission", nargs="+", choices=("one", "batched"), default=["one"],
                    help="prefill admitted requests one a call, or several a call "
                         "(serving.batch_prefill); each is run")
+    p.add_argument("--max-batched-tokens", type=int,
+                   help="batched admission's prompt-token budget per round "
+                        "(serving.max_batched_tokens; default: none)")
     p.add_argument("--batching", nargs="+", choices=("continuous", "static"),
                    default=["continuous", "static"], help="batching modes to run")
     p.add_argument("--steps-per-call", type=int, default=8, help="decode steps per device call")
@@ -116,8 +122,30 @@ def memory_figures(server, done) -> dict:
     }
 
 
+LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # a program lowered
+
+
 def run_once(server, requests, arrivals):
-    """Submit each request at its arrival time; wait for all. -> figures of the run."""
+    """Submit each request at its arrival time; wait for all. -> figures of the run, with the
+    programs lowered while it ran (after the warm-up: 0 when it covered every shape)."""
+    import jax.monitoring
+
+    lowered = []
+
+    def listener(event: str, seconds: float, **kw) -> None:
+        if event == LOWERING_EVENT:
+            lowered.append(str(kw.get("fun_name", "")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fig = _run_once(server, requests, arrivals)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return fig | {"programs_lowered_in_run": len(lowered),
+                  "lowered_in_run": sorted(set(lowered))}
+
+
+def _run_once(server, requests, arrivals):
     streams, t0 = [None] * len(requests), time.perf_counter()
 
     def feed():
@@ -145,6 +173,7 @@ def run_once(server, requests, arrivals):
         "plain_fraction": _mean([d.metrics["adaptive_plain_fraction"] for d in done
                                  if "adaptive_plain_fraction" in d.metrics]),
         "prefill_calls": server.scheduler.stats.prefill_calls,
+        "max_round_prefill_tokens": server.scheduler.stats.max_round_prefill_tokens,
         "prefill_s": server.scheduler.stats.prefill_s,
         "decode_s": server.scheduler.stats.decode_s,
         # what ran: device calls by (rows, page-table slots) of the compiled program
@@ -180,6 +209,9 @@ def run(argv=None) -> int:
     serving = dict(slots=args.slots, max_context=args.max_context, page_size=args.page_size,
                    kv_pages=args.kv_pages, steps_per_call=args.steps_per_call,
                    prefill_chunk=args.prefill_chunk)
+    budget = args.max_batched_tokens  # batched admission's only
+    if budget is not None and budget < 1:
+        raise JaxspecError(f"--max-batched-tokens {budget}: use a token count >= 1")
     for path in args.configs:
         config = load_config(path)
         config = dataclasses.replace(config, generation=dataclasses.replace(
@@ -202,7 +234,9 @@ def run(argv=None) -> int:
             # width (Scheduler.compile_prefills), every call width with every page-table width
             # (Scheduler.compile_programs)
             with Server(engine, paged=layout == "paged", prefix_cache=cached == "on",
-                        batch_prefill=admission == "batched", **serving) as server:
+                        batch_prefill=admission == "batched",
+                        max_batched_tokens=budget if admission == "batched" else None,
+                        **serving) as server:
                 server.scheduler.compile_programs()
                 server.scheduler.compile_prefills([len(ids) for ids, _ in requests])
                 for ids, _ in requests:
@@ -215,10 +249,12 @@ def run(argv=None) -> int:
                 static = batching == "static"
                 with Server(engine, static=static, paged=layout == "paged",
                             prefix_cache=cached == "on", batch_prefill=admission == "batched",
+                            max_batched_tokens=budget if admission == "batched" else None,
                             **serving) as server:
                     fig = run_once(server, requests, arrivals)
                 fig |= {"config": path, "method": engine.method, "rate": rate,
-                        "batching": batching, "admission": admission}
+                        "batching": batching, "admission": admission, "prefix": cached,
+                        "max_batched_tokens": budget if admission == "batched" else None}
                 outputs = fig.pop("token_ids")
                 if config.sampling.temperature == 0:
                     first = greedy_outputs.setdefault(config.model.name, outputs)

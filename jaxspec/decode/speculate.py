@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from jaxspec.constrain import loop as grammar_loop
 from jaxspec.decode import acceptance, adaptive, adaptive_loop, sampling, tree
+from jaxspec.decode import logprob_record, logprobs, penalties as penalties_lib
 from jaxspec.decode.adaptive_loop import controller, plan_step
 from jaxspec.decode.drafter import CommitContext, DraftContext, Proposal, traits
 from jaxspec.decode.state import DecodeState, LoopSpec, place  # noqa: F401 (re-exported)
@@ -53,12 +54,14 @@ def prefill(
     row_ids: jax.Array,  # int32[B]
     capacity: int,
     cache: Any = None,
+    penalties: Any = None,
     grammar: grammar_loop.Grammar | None = None,
 ) -> DecodeState:
     """Run the prompt through the target, sample the first token, set up the drafter.
     cache: the target cache to prefill into (None: a fresh `target.init_cache`); the serving
-    scheduler passes its shared page pool with the row's page table. grammar: the rows'
-    constraints (constrain/loop.py; None: every row free), the first token sampled under it."""
+    scheduler passes its shared page pool with the row's page table. penalties: the rows'
+    `penalties.Penalties` (None: off), their counts started here from the prompt. grammar: the
+    rows' constraints (constrain/loop.py; None: every row free), the first token sampled under it."""
     target = spec.target
     b, p = prompt_tokens.shape
     g = max(spec.depth, 1)
@@ -70,14 +73,24 @@ def prefill(
     out = target.forward(tparams, prompt_tokens, cache, taps=hidden_layers)
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = target.logits(tparams, last)  # [B, V]
+    if penalties is not None:
+        penalties = penalties_lib.with_prompt(penalties, prompt_tokens, prompt_lengths)
+    adjusted = penalties_lib.row_logits(penalties, logits)
     if grammar is not None:
-        logits = grammar_loop.mask_logits(logits, grammar_loop.allowed_mask(grammar, grammar.state))
-    probs = sampling.logits_to_probs(logits, sp)  # [B, V]
+        adjusted = grammar_loop.mask_logits(
+            adjusted, grammar_loop.allowed_mask(grammar, grammar.state))
+    probs = sampling.logits_to_probs(adjusted, sp)  # [B, V]
     row_steps = jnp.zeros((b,), jnp.int32)
     first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
     if grammar is not None:
         grammar = grammar_loop.first_token(grammar, first)
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
+    record = None
+    if spec.logprobs is not None:
+        scores = _score_logits(spec, logits, adjusted)[:, None]  # [B, 1, V]
+        scored = logprobs.scored(scores, first[:, None], spec.logprobs, sp, spec.logprobs_mode)
+        record = logprob_record.write(logprob_record.empty(b, capacity, spec.logprobs),
+                                      prompt_lengths, jnp.ones((b,), jnp.int32), scored)
     tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first)
     done = jnp.isin(first, jnp.asarray(spec.eos_ids, jnp.int32)) | (max_new_tokens <= 1)
     dstate = None
@@ -99,15 +112,27 @@ def prefill(
         num_draft=zeros,
         num_accepted=zeros,
         accepted_per_position=jnp.zeros((b, g), jnp.int32),
+        penalties=penalties_lib.commit(penalties, tokens, prompt_lengths, prompt_lengths + 1, 1),
+        logprobs=record,
         grammar=grammar,
     )
     return place(spec, state)
 
 
-def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int, allowed=None):
+def _score_logits(spec: LoopSpec, logits, adjusted):
+    """The logits the emitted tokens' logprobs are read from: the model's own ("raw") or the
+    request's penalties, logit_bias and constraint applied ("processed", which
+    `logprobs.log_probs` then puts through the sampling transform)."""
+    return logits if spec.logprobs_mode == "raw" else adjusted
+
+
+def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
+           penalties: Any = None, with_scores: bool = False, allowed=None):
     """Target over the first `width` window entries -> (probs [B, T, V], hidden
     [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
-    entries (past `width`: zeros, never accepted).
+    entries (past `width`: zeros, never accepted). penalties: the rows' `penalties.Penalties`,
+    applied per entry from that entry's path (`penalties.window_logits`); with_scores: a fifth
+    output, the logits [B, T, V] the emitted tokens' logprobs are read from (`_score_logits`).
 
     With draft nodes the cache is only read and the window's k/v come back for `commit_kv`
     (nodes share positions; which are kept is known only after acceptance). A root-only window
@@ -123,38 +148,49 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int, 
         write_cache=in_place, taps=hidden_layers,
     )
     logits = spec.target.logits(tparams, out.hidden)  # [B, width, V]
-    if allowed is not None:
-        logits = grammar_loop.mask_logits(logits, allowed[:, :width])
-    probs = sampling.logits_to_probs(logits, sp)  # [B, width, V]
+    adjusted = penalties_lib.window_logits(
+        penalties, logits, window.tokens[:, :width], window.mask[:, :width, :width]
+    )
+    if allowed is not None:  # bool[B, T, V]: each entry's constraint state along its path
+        adjusted = grammar_loop.mask_logits(adjusted, allowed[:, :width])
+    probs = sampling.logits_to_probs(adjusted, sp)  # [B, width, V]
     pad = [(0, 0), (0, t - width), (0, 0)]
     probs = jnp.pad(probs, pad)
     layer_hidden = out.taps
     if layer_hidden is not None:
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
-    if in_place:
-        return probs, layer_hidden, out.cache, None
-    return probs, layer_hidden, out.cache, base.pad_window(spec.target, out.window_kv, t)
+    window_kv = None if in_place else base.pad_window(spec.target, out.window_kv, t)
+    if with_scores:
+        scores = jnp.pad(_score_logits(spec, logits, adjusted).astype(jnp.float32), pad)
+        return probs, layer_hidden, out.cache, window_kv, scores
+    return probs, layer_hidden, out.cache, window_kv
 
 
 def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, num_nodes,
-                      allowed=None):
+                      penalties=None, allowed=None):
+    """`verify` in the narrowest compiled width that holds every row's nodes -> (probs,
+    hidden, cache, window_kv, scores: None unless spec.logprobs is set)."""
     widths = spec.verify_windows()
+    with_scores = spec.logprobs is not None
+    run = lambda c, w: verify(spec, tparams, c, window, sp, w, penalties, with_scores,  # noqa: E731
+                              allowed)
     if len(widths) == 1:
-        return verify(spec, tparams, cache, window, sp, widths[0], allowed)
+        out = run(cache, widths[0])
+        return (*out, None) if not with_scores else out
     need = jnp.max(num_nodes) + 1
     branch = jnp.sum(jnp.asarray(widths)[:-1] < need)
 
     def branch_fn(c, w):  # with nodes, verify only reads the cache: it stays out of the switch
-        probs, hidden, _, window_kv = verify(spec, tparams, c, window, sp, w, allowed)
-        return probs, hidden, window_kv
+        probs, hidden, _, window_kv, *scores = run(c, w)
+        return probs, hidden, window_kv, (scores[0] if scores else None)
 
-    probs, hidden, window_kv = jax.lax.switch(
+    probs, hidden, window_kv, scores = jax.lax.switch(
         branch, [functools.partial(branch_fn, w=w) for w in widths], cache
     )
     if spec.mesh is not None and base.target_traits(spec.target).cache_axes is not None:
         # k/v laid out as the cache (else GSPMD may gather it)
         window_kv = spec.mesh.constrain_window_kv(window_kv)
-    return probs, hidden, cache, window_kv
+    return probs, hidden, cache, window_kv, scores
 
 
 def _emit(spec: LoopSpec, state: DecodeState, drafts, num_accepted, next_token):
@@ -209,6 +245,8 @@ class _StepOut(NamedTuple):
     num_accepted: jax.Array  # int32[B]
     root_hidden: Any = None  # [nl, B, D] the root's target features (one-token steps only)
     depth: Any = None  # int32[B] the deepest node verified (a chain: num_nodes)
+    penalties: Any = None  # penalties.Penalties with this step's tokens counted (None: off)
+    logprobs: Any = None  # logprob_record.Record with this step's tokens written (None: off)
     grammar: Any = None  # constrain.loop.Grammar after the step (None: no constraint)
 
 
@@ -276,6 +314,8 @@ def _advance(spec: LoopSpec, state: DecodeState, out: _StepOut, plan) -> DecodeS
         num_draft=state.num_draft + out.num_nodes * act,
         num_accepted=state.num_accepted + out.num_accepted * act,
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
+        penalties=out.penalties,
+        logprobs=out.logprobs,
         grammar=out.grammar if out.grammar is not None else state.grammar,
     )
     return place(spec, state)
@@ -326,14 +366,16 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     if g is not None:  # each entry masked with the state along its own path
         states = grammar_loop.window_states(g, proposal.tokens, parents)  # [B, 1+N]
         allowed = grammar_loop.allowed_mask(g, states)  # [B, 1+N, V]
-    p, hidden, cache, window_kv = _verify_any_width(
-        spec, tparams, state.cache, window, sp, num_nodes, allowed
+    p, hidden, cache, window_kv, scores = _verify_any_width(
+        spec, tparams, state.cache, window, sp, num_nodes, state.penalties, allowed
     )
     path, num_acc, next_token = acceptance.accept_tree(
         proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, d + 1
     )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
     tokens, lengths, count, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
+    pen, record = _record(spec, state, sp, tokens, lengths, scores, path, path_tokens, num_acc,
+                          next_token)
     if g is not None:
         masked = grammar_loop.masked_nodes(states, parents, num_nodes)
         g = grammar_loop.after_step(g, states, path, num_acc, next_token, count, masked)
@@ -353,8 +395,21 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     depth = jnp.max(jnp.where(verified, window.depth, 0), axis=1)
     return _StepOut(
         tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc, depth=depth,
-        grammar=g,
+        penalties=pen, logprobs=record, grammar=g,
     )
+
+
+def _record(spec, state, sp, tokens, lengths, scores, path, path_tokens, num_acc, next_token):
+    """(penalty counts, logprob record) after a step committed tokens[state.lengths:lengths]:
+    the path's tokens counted, their logprobs read at the nodes that emitted them."""
+    most = path.shape[1]
+    pen = penalties_lib.commit(state.penalties, tokens, state.lengths, lengths, most)
+    record = state.logprobs
+    if spec.logprobs is not None:
+        scored = logprobs.path_scored(scores, path, path_tokens, num_acc, next_token,
+                                      spec.logprobs, sp, spec.logprobs_mode)
+        record = logprob_record.write(record, state.lengths, lengths - state.lengths, scored)
+    return pen, record
 
 
 def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False) -> _StepOut:
@@ -376,12 +431,18 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
     g, allowed = state.grammar, None
     if g is not None:
         allowed = grammar_loop.allowed_mask(g, g.state)[:, None]  # [B, 1, V] the root's
-    p, hidden, cache, window_kv = verify(spec, tparams, state.cache, window, sp, 1, allowed)
+    p, hidden, cache, window_kv, *scores = verify(
+        spec, tparams, state.cache, window, sp, 1, state.penalties, spec.logprobs is not None,
+        allowed,
+    )
     root_hidden = None if hidden is None else hidden[:, :, 0]  # [nl, B, D]
     next_token = acceptance.root_token(p[:, 0], k_accept, n)
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, count, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
+    path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)
+    pen, record = _record(spec, state, sp, tokens, lengths, scores[0] if scores else None, path,
+                          path_tokens, zeros, next_token)
     if g is not None:
         g = grammar_loop.after_step(g, g.state[:, None], path[:, :1], zeros, next_token, count, zeros)
     if dstate is None:  # nothing drafted: the drafter catches up later (or never reads it)
@@ -396,7 +457,7 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
     cache = cache if in_place else None
     return _StepOut(
         tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden, zeros,
-        grammar=g,
+        penalties=pen, logprobs=record, grammar=g,
     )
 
 

@@ -32,6 +32,9 @@ class DecodeState:
     num_accepted: jax.Array  # int32[B] draft nodes accepted
     accepted_per_position: jax.Array  # int32[B, max(D, 1)] steps where depth i+1 was accepted
     adaptive: Any = None  # adaptive.AdaptiveState when LoopSpec.adaptive is set
+    # penalties.Penalties (settings and counts) when some row has penalties or logit_bias on
+    penalties: Any = None
+    logprobs: Any = None  # logprob_record.Record when LoopSpec.logprobs is not None
     grammar: Any = None  # constrain.loop.Grammar: rows' constraint states (None: all rows free)
 
 
@@ -52,6 +55,10 @@ class LoopSpec:
     # Adaptive speculation (jaxspec/decode/adaptive.py): per-row lengths as data; every window width
     # 2..γ+1 and a one-token step (no drafting) are compiled into the one program.
     adaptive: adaptive.Controller | None = None
+    # Emitted tokens' logprobs recorded, with this many top alternatives (0..20; None: none
+    # recorded, the program carries no logprob code), under `logprobs_mode` (decode/logprobs.py)
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     @property
     def num_nodes(self) -> int:  # N: window entries after the root

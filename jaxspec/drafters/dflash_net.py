@@ -97,9 +97,16 @@ def attend(q, blk_k, blk_v, ctx_k, ctx_v, q_pos, ctx_len, causal: bool, window: 
     blk_k/v [B, G, K, Hd] (at q_pos) under the layer's mask -> [B, G, N*Hd]; one softmax, f32."""
     b, g, n, hd = q.shape
     kv, s = ctx_k.shape[1], ctx_k.shape[2]
-    qg = q.reshape(b, g, kv, n // kv, hd)
+    r = n // kv
+    qg = q.reshape(b, g, kv, r, hd)
     f32 = jnp.float32
-    s_ctx = jnp.einsum("bgkrh,bksh->bkrgs", qg, ctx_k, preferred_element_type=f32)
+    # The context cache is contracted with dot_general in XLA's canonical batch order ([B, K]
+    # first, as models/blocks.py does): an einsum let XLA copy the whole cache transposed at
+    # batch 1 (tests/test_accelerator_path.py counts those copies).
+    batch = ((0, 1), (0, 1))
+    qk = qg.transpose(0, 2, 3, 1, 4).reshape(b, kv, r * g, hd)  # rows ordered (r, g)
+    s_ctx = jax.lax.dot_general(qk, ctx_k.astype(qk.dtype), (((3,), (3,)), batch),
+                                preferred_element_type=f32).reshape(b, kv, r, g, s)
     s_blk = jnp.einsum("bgkrh,bjkh->bkrgj", qg, blk_k, preferred_element_type=f32)
     qp = q_pos[:, :, None]  # [B, G, 1]
     ctx_pos = jnp.arange(s, dtype=jnp.int32)[None, None, :]
@@ -118,9 +125,9 @@ def attend(q, blk_k, blk_v, ctx_k, ctx_v, q_pos, ctx_len, causal: bool, window: 
     s_blk = jnp.where(ok_blk[:, None, None], s_blk, neg)
     w = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1) * hd**-0.5, axis=-1)
     w_ctx, w_blk = w[..., :s].astype(ctx_v.dtype), w[..., s:].astype(blk_v.dtype)
-    out = jnp.einsum("bkrgs,bksh->bgkrh", w_ctx, ctx_v) + jnp.einsum(
-        "bkrgj,bjkh->bgkrh", w_blk, blk_v
-    )
+    o_ctx = jax.lax.dot_general(w_ctx.reshape(b, kv, r * g, s), ctx_v, (((3,), (2,)), batch))
+    o_ctx = o_ctx.reshape(b, kv, r, g, hd).transpose(0, 3, 1, 2, 4)  # [B, G, K, R, Hd]
+    out = o_ctx + jnp.einsum("bkrgj,bjkh->bgkrh", w_blk, blk_v)
     return out.reshape(b, g, n * hd)
 
 

@@ -38,13 +38,15 @@ class Programs:
         capacity: int,
         decode_args_for: Callable,  # abstract prefill state -> speculate.decode_jit's arguments
         sharded: bool,  # the arguments are placed on a mesh (keep the output shardings)
+        penalties=None,  # the rows' penalties.Penalties (None: off)
         grammar=None,  # constrain.loop.Grammar of the batch (None: no constraint)
     ) -> float:
         """Compile this shape's programs (nothing if warm) -> seconds spent (0.0 if warm)."""
         if self.warm(key):
             return 0.0
         t0 = time.perf_counter()
-        lowered = speculate.prefill_jit.lower(*prefill_args, capacity=capacity, grammar=grammar)
+        lowered = speculate.prefill_jit.lower(*prefill_args, capacity=capacity, penalties=penalties,
+                                              grammar=grammar)
         prefill_attention = hlo.compiled_attention(lowered.as_text())
         shardings = lowered.compile().output_shardings
         state = jax.tree.map(  # on one device the real call's arrays are uncommitted: no sharding

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from jaxspec.decode import adaptive
+from jaxspec.decode import adaptive, logprob_record
 from jaxspec import sharding
 from jaxspec.models import base
 from jaxspec.decode.sampling import check_tokens
@@ -30,6 +30,8 @@ class GenerationResult:
     time_to_first_token_s: float
     decode_tokens_per_s: float
     metrics: dict[str, Any]
+    # per generated token {"logprob", "top": [(id, logprob), ...]} (the engine's `logprobs` set)
+    logprobs: list[dict] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -42,11 +44,14 @@ def fetch(state, plan=None) -> types.SimpleNamespace:
     fields = {n: getattr(state, n) for n in names}
     if getattr(state, "adaptive", None) is not None:  # the adaptive controller's statistics
         fields["adaptive"] = state.adaptive
+    if getattr(state, "logprobs", None) is not None:  # logprob_record.Record
+        fields["logprobs"] = state.logprobs
     g = getattr(state, "grammar", None)
     if g is not None:  # constrained rows: where each ended, the drafts the mask removed
         fields["grammar"] = {"state": g.state, "accepting": g.accepting, "num_masked": g.num_masked}
     fetched = jax.device_get(fields) if plan is None else sharding.fetch(fields)
-    return types.SimpleNamespace(**({"adaptive": None, "grammar": None} | fetched))
+    return types.SimpleNamespace(**({"adaptive": None, "logprobs": None, "grammar": None}
+                                    | fetched))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +85,8 @@ class Report:
                     time_to_first_token_s=ttft,
                     decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                     metrics=self.row_metrics(state, i, n, attention),
+                    logprobs=None if state.logprobs is None else logprob_record.row_entries(
+                        state.logprobs, i, len(ids), int(state.lengths[i])),
                 )
             )
         return out

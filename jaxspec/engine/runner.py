@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import progress, sharding, xla_cache
-from jaxspec.decode import speculate
+from jaxspec.decode import logprobs as logprobs_lib, penalties as penalties_lib, speculate
 from jaxspec.decode.adaptive import Controller, cost_table
 from jaxspec.engine.adaptive_host import AdaptiveHost
 from jaxspec.config import AdaptiveConfig
@@ -67,6 +67,8 @@ class Engine:
         mesh=None,  # a sharding.MeshPlan or jax Mesh: params, cache, batch and state sharded on it
         max_context: int | None = None,
         adaptive: AdaptiveConfig | None = None,  # the config section; None (or not enabled): off
+        logprobs: int | None = None,  # record emitted tokens' logprobs + this many top (0..20)
+        logprobs_mode: str = "raw",  # "raw" (the model's log_softmax) or "processed"
     ):
         xla_cache.enable()  # on by default, as in the CLI (JAXSPEC_XLA_CACHE=0: off)
         if drafter is None:
@@ -87,6 +89,7 @@ class Engine:
             t = traits(drafter) if drafter is not None else None
             own_layer, own_model = (None, None) if t is None else (t.model_cfg, t.model)
             drafter_params = self.plan.place_drafter(drafter_params, own_layer, own_model)
+        check_logprobs(logprobs, logprobs_mode)
         if max_context is not None and max_context < 2 + num_speculative_tokens:
             raise JaxspecError(
                 f"max_context={max_context} is too small: use at least {2 + num_speculative_tokens}"
@@ -117,11 +120,13 @@ class Engine:
             windows=(1, 2, *(traits(drafter).verify_windows if drafter is not None else ())),
             mesh=self.plan,
             adaptive=None if self.adaptive is None else Controller(depth, self.adaptive),
+            logprobs=logprobs, logprobs_mode=logprobs_mode,
         )
         # adaptive switch-off: a batch size where verification cannot pay runs this program
         self.plain_spec = speculate.LoopSpec(
             target=model.target, drafter=None, num_speculative_tokens=0,
             eos_ids=tuple(model.eos_token_ids), mesh=self.plan,
+            logprobs=logprobs, logprobs_mode=logprobs_mode,
         )
         self.requests = Requests(
             model, depth=self.spec.depth, num_nodes=self.spec.num_nodes,
@@ -186,6 +191,13 @@ class Engine:
         return self.policy.realized_gain(batch)
 
     # ---- running --------------------------------------------------------------------------
+    def penalties(self, settings, rows: int):
+        """`penalties.Penalties` for `rows` rows all with `settings` = (presence, frequency,
+        repetition, logit_bias dict) (None: off; validated, a one-line error naming the fix)."""
+        if settings is None:
+            return None
+        return penalties_lib.make([settings] * rows, self.model.target.vocab_size)
+
     def _prefill_args(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size):
         """(the prefill program's positional arguments, its capacity) for this batch."""
         packed = self.requests.pack(batch_ids, max_new_tokens, row_ids, batch_size)
@@ -238,32 +250,62 @@ class Engine:
         return target.init_cache(self.model.params, batch, capacity)
 
     def prefill_rows(self, spec, prompt, lengths, max_new, sp, key, row_ids, capacity: int,
-                     cache=None, grammar=None):
+                     cache=None, penalties=None, grammar=None):
         """`speculate.prefill` of these rows on `spec` (prompt int32[B, P], the rest per row),
         jitted; into `cache` where given (a page pool with these rows' tables, donated);
-        grammar: the rows' constraints (constrain.loop.Grammar) or None."""
+        penalties: the rows' `penalties.Penalties` (None: off); grammar: the rows' constraints
+        (constrain.loop.Grammar) or None."""
         args = (spec, self.model.params, self.drafter_params, prompt, lengths, max_new, sp, key,
                 row_ids)
         if cache is None:
-            return speculate.prefill_jit(*args, capacity=capacity, grammar=grammar)
-        return prefill_into_cache(*args, capacity=capacity, cache=cache, grammar=grammar)
+            return speculate.prefill_jit(*args, capacity=capacity, penalties=penalties,
+                                         grammar=grammar)
+        return prefill_into_cache(*args, capacity=capacity, cache=cache, penalties=penalties,
+                                  grammar=grammar)
 
-    def compile_prefill(self, spec, batch: int, width: int, capacity: int, cache=None):
+    def row_penalties(self, settings):
+        """The serving state's `penalties.Penalties`: one (presence, frequency, repetition,
+        logit_bias) per row, carried even when all are off (rows come and go)."""
+        return penalties_lib.make(settings, self.model.target.vocab_size, always=True)
+
+    def compile_prefill(self, spec, batch: int, width: int, capacity: int, cache=None,
+                        penalties: bool = False):
         """`prefill_rows` compiled ahead for `batch` prompts of `width` tokens (greedy values;
-        `cache`: the shapes of the cache it writes into, or None)."""
+        `cache`: the shapes of the cache it writes into, or None; penalties: with the rows'
+        `row_penalties`)."""
+        fn, args, kwargs = self.prefill_program(spec, batch, width, capacity, cache, penalties)
+        return fn.lower(*args, **kwargs).compile()
+
+    def prefill_program(self, spec, batch: int, width: int, capacity: int, cache=None,
+                        penalties: bool = False):
+        """(jitted function, args, kwargs) of `prefill_rows` for these shapes (abstract: to
+        compile ahead, or export for another platform); penalties: with the rows'
+        `row_penalties`, as the serving state carries them."""
         z = jax.ShapeDtypeStruct((batch,), jnp.int32)
         sp = SamplingParams.rows([(0.0, 0, 1.0, 0.0)] * batch)
         args = (spec, self.model.params, self.drafter_params,
                 jax.ShapeDtypeStruct((batch, width), jnp.int32), z, z, sp,
                 jax.random.key(0), z)
+        pen = self.row_penalties([penalties_lib.OFF] * batch) if penalties else None
         if cache is None:
-            return speculate.prefill_jit.lower(*args, capacity=capacity).compile()
-        return prefill_into_cache.lower(*args, capacity=capacity, cache=cache).compile()
+            return speculate.prefill_jit, args, {"capacity": capacity, "penalties": pen}
+        return prefill_into_cache, args, {"capacity": capacity, "cache": cache, "penalties": pen}
 
     def write_prompt(self, target: Any, tokens, cache):
         """A prompt chunk [B, C] run at cache.lengths.. and its k/v written into `cache` (donated:
         updated in place); lengths not advanced. Chunked prefill's chunks before the last."""
         return _write_prompt(target, self.model.params, tokens, cache)
+
+    def compile_write_prompt(self, target: Any, batch: int, chunk: int, cache):
+        """`write_prompt` compiled ahead for `batch` chunks of `chunk` tokens into a cache of
+        `cache`'s shapes (a ShapeDtypeStruct tree)."""
+        fn, args, kwargs = self.write_prompt_program(target, batch, chunk, cache)
+        return fn.lower(*args, **kwargs).compile()
+
+    def write_prompt_program(self, target: Any, batch: int, chunk: int, cache):
+        """(jitted function, args, kwargs) of `write_prompt` for these shapes."""
+        tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
+        return _write_prompt, (target, self.model.params, tokens, cache), {}
 
     def decode_rows(self, spec, state, sp, steps: int):
         """Up to `steps` steps of `spec`'s loop over `state` (donated), jitted."""
@@ -272,8 +314,13 @@ class Engine:
 
     def compile_decode(self, spec, state, sp, steps: int):
         """`decode_rows` compiled ahead for `state`'s shapes (a ShapeDtypeStruct tree)."""
-        return speculate.decode_jit.lower(spec, self.model.params, self.drafter_params, state, sp,
-                                          jnp.int32(steps)).compile()
+        fn, args, kwargs = self.decode_program(spec, state, sp, steps)
+        return fn.lower(*args, **kwargs).compile()
+
+    def decode_program(self, spec, state, sp, steps: int):
+        """(jitted function, args, kwargs) of `decode_rows` for `state`'s shapes."""
+        args = (spec, self.model.params, self.drafter_params, state, sp, jnp.int32(steps))
+        return speculate.decode_jit, args, {}
 
     def call_costs(self, batch: int) -> tuple:
         """(costs f32[F, G+1], fills f32[F]) as host arrays: the controller's cost table for a
@@ -284,12 +331,16 @@ class Engine:
                                        np.asarray(fills, np.float32))
         return self._call_costs[batch]
 
-    def prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, grammar=None):
+    def prefill(self, batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, penalties=None,
+                grammar=None):
         """The prefilled decode state of a batch of token-id prompts (rows padded to batch_size);
+        penalties: (presence, frequency, repetition, logit_bias) for every row, None: off;
         grammar: the rows' constraints (`grammar_for`), None: every row free."""
         self.calibrate(max(batch_size, len(batch_ids)))
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size)
-        return self.with_adaptive(speculate.prefill_jit(*args, capacity=capacity, grammar=grammar))
+        pen = self.penalties(penalties, args[3].shape[0])
+        return self.with_adaptive(speculate.prefill_jit(*args, capacity=capacity, penalties=pen,
+                                                        grammar=grammar))
 
     def grammar_for(self, constraints, rows: int):
         """Per row a constrain.Constraint or None -> the batch's device Grammar (None: no row
@@ -320,9 +371,12 @@ class Engine:
         sampling: SamplingParams | None = None,
         seed: int = 0,
         batch_size: int = 1,
+        penalties: tuple | None = None,
         constraint=None,
     ) -> list[GenerationResult]:
         """Generate for every prompt, `batch_size` rows at a time (the last batch is padded).
+        penalties: (presence, frequency, repetition, logit_bias {id: bias}) for every row
+        (decode/logit_bias.py; None: off), applied inside the loop, speculation lossless.
         constraint: a constrain.Constraint for every prompt, or one per prompt (None: free);
         the output then follows it (docs/structured.md), lossless for every drafter."""
         if max_new_tokens < 1:
@@ -333,6 +387,11 @@ class Engine:
         encoded = [self.encode(p) for p in prompts]
         for ids in encoded:
             self.check_fits(ids, max_new_tokens)
+        if penalties is not None:
+            penalties = tuple(penalties)
+            self.penalties(penalties, 1)  # validated before anything compiles
+            if penalties_lib.is_off(penalties):
+                penalties = None
         constraints = _per_prompt(constraint, len(prompts))
         results: list[GenerationResult] = []
         for start in range(0, len(prompts), batch_size):
@@ -340,18 +399,20 @@ class Engine:
             grammar = self.grammar_for([constraints[i] for i in chunk], max(batch_size, len(chunk)))
             results += self._run_batch(
                 [prompts[i] for i in chunk], [encoded[i] for i in chunk], chunk,
-                max_new_tokens, sp, seed, batch_size, grammar,
+                max_new_tokens, sp, seed, batch_size, penalties, grammar,
             )
         return results
 
-    def _ensure_compiled(self, batch_ids, max_new_tokens, sp, batch_size, grammar=None) -> float:
+    def _ensure_compiled(self, batch_ids, max_new_tokens, sp, batch_size, penalties=None,
+                         grammar=None) -> float:
         """Compile the programs for this shape ahead of time (programs.Programs), so timings
         exclude compilation. Returns the seconds spent; 0.0 when this shape was already warm."""
         b = max(batch_size, len(batch_ids))
         self.calibrate(b)  # the explicit, announced step before anything of this size runs
         plain = self.spec_for(b) is self.plain_spec
         p = bucket(max(len(ids) for ids in batch_ids))
-        key = (b, p, bucket(max_new_tokens), sp.mode, plain, constrain_host.shape_key(grammar))
+        key = (b, p, bucket(max_new_tokens), sp.mode, plain, penalties is not None,
+               constrain_host.shape_key(grammar))
         if self.programs.warm(key):
             return 0.0
         capacity = self.capacity(p, max_new_tokens)
@@ -360,7 +421,7 @@ class Engine:
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         decode_args = lambda state: self._decode_args(self.with_adaptive(state), sp, 1)
         seconds = self.programs.compile(key, args, capacity, decode_args, self.plan is not None,
-                                        grammar)
+                                        penalties=self.penalties(penalties, b), grammar=grammar)
         compiling()
         return seconds
 
@@ -370,10 +431,12 @@ class Engine:
         return self._ensure_compiled([self.encode(prompt)], max_new_tokens, sp, batch_size)
 
     def _run_batch(self, prompts, batch_ids, row_ids, max_new_tokens, sp, seed, batch_size,
-                   grammar=None):
-        compile_s = self._ensure_compiled(batch_ids, max_new_tokens, sp, batch_size, grammar)
+                   penalties=None, grammar=None):
+        compile_s = self._ensure_compiled(batch_ids, max_new_tokens, sp, batch_size, penalties,
+                                          grammar)
         t0 = time.perf_counter()
-        state = self.prefill(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, grammar)
+        state = self.prefill(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, penalties,
+                             grammar)
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         state = self.decode(state, sp, 1 << 30)
@@ -449,6 +512,14 @@ class Engine:
         return self.report.decode_text(token_ids)
 
 
+def check_logprobs(k, mode: str) -> None:
+    """A one-line JaxspecError naming the fix for a bad logprobs setting."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
+        raise JaxspecError(f"logprobs={k!r} is invalid: use an integer in 0..20 (top alternatives), "
+                           "or None for no logprobs")
+    if mode not in logprobs_lib.MODES:
+        raise JaxspecError(f"logprobs_mode={mode!r} is unknown: use one of "
+                           f"{', '.join(logprobs_lib.MODES)}")
 def _per_prompt(constraint, n: int) -> list:
     """A constraint for every prompt, or a list of one per prompt (None entries: free)."""
     if constraint is None or not isinstance(constraint, (list, tuple)):

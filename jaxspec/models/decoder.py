@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
+from jaxspec.models import paged_layer
 from jaxspec.models.cache import KVCache, cache_axes, init_cache
 
 Params = dict[str, Any]
@@ -102,6 +103,8 @@ def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=Non
     written per device (an [L*B*K, S, H] view merged the sharded dims: the whole stack was
     gathered every layer; a vmapped scatter re-laid the stack out on XLA:CPU, copying it).
     """
+    if isinstance(cache_l, paged_layer.PagedLayer):  # a page pool: written through its table
+        return cache_l.write(new, positions)
     if layer is None:
         one = lambda c, n, p: c.at[p].set(n, mode="drop")  # noqa: E731  c [S, H], n [T, H], p [T]
         return jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(

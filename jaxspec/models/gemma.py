@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.models.cache import KVCache
-from jaxspec.models import attention, base, blocks
+from jaxspec.models import attention, base, blocks, paged_layer
 from jaxspec.models.decoder import (
     ConfigTarget,
     ForwardOutput,
@@ -228,6 +228,10 @@ def _attend(cfg, i, lp, q, k_cache, v_cache, k, v, positions, window_mask):
     """Layer i's attention over its cache [B, K, S, H] and the window's k/v -> [B, T, N*H]."""
     b, t, n, h = q.shape
     lengths = positions[:, 0]
+    if isinstance(k_cache, paged_layer.PagedLayer):  # a paged pool, read through its table
+        return paged_layer.attend(q, k_cache, v_cache, k, v, positions, scale=cfg.attn_scale,
+                                  window=cfg.layer_window(i), window_mask=window_mask,
+                                  softcap=cfg.attn_logit_softcapping)
     if attention_path(cfg, i) == "masked":
         return blocks.masked_attention(
             q, k_cache, v_cache, k, v, lengths, positions, scale=cfg.attn_scale,

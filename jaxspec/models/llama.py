@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.models import attention, base, blocks, registry
+from jaxspec.models import attention, base, blocks, paged_layer, registry
 from jaxspec.models.cache import KVCache
 from jaxspec.models.decoder import (  # the shared pieces; llama.ModelConfig stays this family's name
     ConfigTarget,
@@ -210,7 +210,11 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, 
     if write:
         k_cache = write_kv(k_cache, k, positions)
         v_cache = write_kv(v_cache, v, positions)
-    if window is not None:  # sliding-window hook: the masked XLA path (the kernels know no window)
+    if isinstance(k_cache, paged_layer.PagedLayer):  # a paged pool, read through its table
+        attn = paged_layer.attend(q, k_cache, v_cache, k, v, positions, scale=h**-0.5,
+                                  window=window, window_mask=window_mask)
+        attn = attn.astype(q.dtype)
+    elif window is not None:  # sliding-window hook: the masked XLA path (the kernels know no window)
         attn = blocks.masked_attention(q, k_cache, v_cache, k, v, lengths, positions,
                                        scale=h**-0.5, window=window, window_mask=window_mask)
     elif _kernel_attention(lp, q):  # the cache's prefix mask, valid slots only

@@ -33,6 +33,7 @@ class Admission:
     def _admit(self) -> None:
         """Queued requests, in the policy's order, into free slots while the pool holds their
         prompt and one step: prefilled now, or (long prompts, chunked) a chunk per round."""
+        left = self._reserve_budget()  # None: no budget
         used = self.pool.used_pages  # the running rows grown for their next call
         self.stats.peak_used_pages = max(self.stats.peak_used_pages, used)
         if self.static and self.active:
@@ -43,6 +44,11 @@ class Admission:
                 break
             if not self.policy.admit(req, self.pool):
                 continue
+            if left is not None:  # the budget: it waits for a round it fits (or goes alone)
+                rest = len(req.prompt_ids) - self._cached_estimate(req)
+                chunks = self.chunk is not None and self.state is not None and rest > self.chunk
+                if not chunks and rest > left and left < self.budget:
+                    break
             cached = self.kv.take(req, free[0], written=self.state is not None)
             if cached is None:
                 break  # the pool is short: wait for a row to end
@@ -57,8 +63,12 @@ class Admission:
                 self.prefilling[slot] = [req, cached]  # a chunk per round (`_prefill_chunks`)
             elif self.batch_prefill:
                 ready.append((req, slot, cached))
+                if left is not None:
+                    left -= len(req.prompt_ids) - cached
             else:
                 self._prefill_into(req, slot, cached)
+        if left is not None:  # the chunk phase: the reserved chunks, then what is left
+            self._round_left += left
         self._prefill_batched(ready)
         self.stats.peak_used_pages = max(self.stats.peak_used_pages, self.pool.used_pages)
 
@@ -67,7 +77,10 @@ class Admission:
         (at most `chunk` tokens) through `speculate.prefill` with the pool already holding the
         rest (`paged_cache.TailTarget`), which splices the row in. False: none prefilling."""
         if self.batch_prefill:
-            return self._prefill_chunks_batched()
+            more = self._prefill_chunks_batched()
+            self.stats.max_round_prefill_tokens = max(self.stats.max_round_prefill_tokens,
+                                                      self._round_tokens)
+            return more
         for slot, entry in list(self.prefilling.items()):
             req, done = entry
             if len(req.prompt_ids) - done > self.chunk:
@@ -124,35 +137,111 @@ class Admission:
             jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
             jnp.asarray([req.seed], jnp.int32), self.capacity,
             cache=self._take_pool(slot, done) if self.paged else None,
+            penalties=self.engine.row_penalties([req.sampling.penalties]),
             grammar=self._grammar_rows([req], [slot]))
         return self.engine.with_adaptive(state, self.spec, costs_batch=1)
 
     def compile_prefills(self, prompt_lengths) -> int:
-        """Compile ahead the whole-prompt prefill of every bucket these prompt lengths fall in,
-        at every width admission may use (1, or each compiled width under batch_prefill), so no
-        admission waits for one; tails over shared pages and chunks still compile on first use.
-        -> programs compiled (already compiled ones come from the compilation cache)."""
-        count = 0
-        for width in sorted({bucket(n) for n in prompt_lengths}):
-            for rows_ in self.widths if self.batch_prefill else (1,):
-                cache = None
-                if self.paged:  # the pool and these rows' tables, as `_take_pool_rows` gives
-                    shape = self.engine.cache_shape(self.spec.target, 1, self.capacity)
-                    cache = paged_attention.PagedKVCache(
-                        shape.k, shape.v, jax.ShapeDtypeStruct((rows_, self.max_pages), jnp.int32),
-                        jax.ShapeDtypeStruct((rows_,), jnp.int32))
-                self.engine.compile_prefill(self.spec, rows_, width, self.capacity, cache)
-                count += 1
-        return count
+        """Compile ahead every prefill program admission may call for prompts of these lengths
+        (`prefill_programs`), so no admission waits for one. -> programs compiled (already
+        compiled ones come from the compilation cache; compiling ahead fills jit's own cache,
+        so the calls made while serving find them and lower nothing)."""
+        rows_ = self.prefill_programs(prompt_lengths)
+        for row in rows_:
+            fn, args, kwargs = row["program"]
+            fn.lower(*args, **kwargs).compile()
+        return len(rows_)
+
+    def prefill_programs(self, prompt_lengths) -> list[dict]:
+        """Every prefill program admission may call for prompts of these lengths, at every row
+        width it may use (1, or each compiled width under batch_prefill): the whole prompt of
+        each bucket; where tails run (the prefix cache, chunked prefill) the tail over written
+        pages of every tail bucket up to the prompt's bucket (up to the chunk's when chunked: a
+        longer rest goes in chunks); and the chunk writes. Each {"name" ("prefill",
+        "prefill_tail", "prefill_chunk"), "rows", "prompt_bucket", "tokens" (the tokens it
+        runs through the model), "program" ((jitted function, args, kwargs), abstract)}."""
+        out = []
+        widths = self.widths if self.batch_prefill else (1,)
+        tails = self.paged and (self.prefix_cache == "on" or self.chunk is not None)
+        for prompt in sorted({bucket(n) for n in prompt_lengths}):
+            most = min(prompt, bucket(self.chunk)) if self.chunk is not None else prompt
+            targets = [("prefill", prompt, self.spec.target)]
+            if tails:  # every tail bucket up to `most`
+                targets += [("prefill_tail", t, paged_cache.TailTarget(self.spec.target, t))
+                            for t in sorted({bucket(n) for n in range(1, most + 1)})]
+            for name, tokens, target in targets:
+                spec = dataclasses.replace(self.spec, target=target)
+                for rows_ in widths:
+                    out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
+                                "tokens": tokens, "program": self.engine.prefill_program(
+                                    spec, rows_, prompt, self.capacity, self._pool_shape(rows_),
+                                    penalties=True)})
+        if self.chunk is not None:
+            for rows_ in widths:
+                out.append({"name": "prefill_chunk", "rows": rows_, "prompt_bucket": None,
+                            "tokens": self.chunk, "program": self.engine.write_prompt_program(
+                                self.spec.target, rows_, self.chunk, self._pool_shape(rows_))})
+        return out
+
+    def _pool_shape(self, rows_: int):
+        """The shapes of the cache a `rows_`-row prefill writes into (the pool and these rows'
+        tables, as `_take_pool_rows` gives); None for a contiguous cache (made by the call)."""
+        if not self.paged:
+            return None
+        shape = self.engine.cache_shape(self.spec.target, 1, self.capacity)
+        return paged_attention.PagedKVCache(
+            shape.k, shape.v, jax.ShapeDtypeStruct((rows_, self.max_pages), jnp.int32),
+            jax.ShapeDtypeStruct((rows_,), jnp.int32))
+
+    # ---- the token budget per round (serving.max_batched_tokens) ----------------------------
+    def _reserve_budget(self) -> int | None:
+        """A new round: the budget's tokens left for new prompts once the prefilling rows'
+        next pieces (admission order, while they fit) are reserved; None: no budget."""
+        self._round_tokens = 0
+        if self.budget is None:
+            self._round_left = None
+            return None
+        reserved = 0
+        for req, done in self.prefilling.values():
+            piece = min(self.chunk, len(req.prompt_ids) - done)
+            if reserved + piece > self.budget:
+                break
+            reserved += piece
+        self._round_left = reserved
+        return self.budget - reserved
+
+    def _cached_estimate(self, req: Request) -> int:
+        """Prompt tokens of `req` the prefix cache would give it now (`KVManager.take`'s)."""
+        if not self.kv.sharing or self.state is None:
+            return 0
+        return len(self.pool.cached_prefix(req.prompt_ids)) * self.pool.page_size
+
+    def _budgeted(self, entries: list) -> list:
+        """The prefilling (slot, [request, done]) entries whose next piece (a chunk, or the
+        rest) fits what the round has left, in admission order; all of them without a budget."""
+        if self._round_left is None:
+            return entries
+        chosen = []
+        for slot, entry in entries:
+            piece = min(self.chunk, len(entry[0].prompt_ids) - entry[1])
+            if piece > self._round_left:
+                break
+            self._round_left -= piece
+            chosen.append((slot, entry))
+        return chosen
 
     # ---- batched admission (serving.batch_prefill) ------------------------------------------
     def _prefill_batched(self, ready: list[tuple[Request, int, int]]) -> None:
         """(request, slot, prompt tokens already in its pages) prefilled several rows a call:
-        whole prompts apart from tails over pages already written (a `TailTarget` program),
-        each set sorted by length (rows of a call share its bucket) and cut into compiled
-        widths (`batch.split_widths`: no padded rows)."""
-        for tails in (False, True):
-            group = sorted((x for x in ready if bool(x[2]) == tails),
+        grouped by program (the prompt's bucket, and the tail's for tails over pages already
+        written: a `TailTarget` program), so no row computes a longer row's padding, and each
+        group cut into compiled widths (`batch.split_widths`: no padded rows)."""
+        def shape(x):  # the call's program: prompt bucket, tail bucket (0: whole prompts)
+            req, _, done = x
+            return bucket(len(req.prompt_ids)), bucket(len(req.prompt_ids) - done) if done else 0
+
+        for key in sorted({shape(x) for x in ready}):  # no row padded to a longer one's bucket
+            group = sorted((x for x in ready if shape(x) == key),
                            key=lambda x: len(x[0].prompt_ids))
             for n in split_widths(self.widths, len(group)):
                 self._prefill_rows(group[:n])
@@ -176,10 +265,12 @@ class Admission:
             jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.key,
             jnp.asarray([r.seed for r in reqs], jnp.int32), self.capacity,
             cache=self._take_pool_rows(slots, dones) if self.paged else None,
+            penalties=self.engine.row_penalties([r.sampling.penalties for r in reqs]),
             grammar=self._grammar_rows(reqs, slots))
         group = self.engine.with_adaptive(group, self.spec, costs_batch=1)
         for r, slot in zip(reqs, slots):
             self.kv.written(slot, r.prompt_ids)
+        self._round_tokens += sum(len(r.prompt_ids) - d for r, d in zip(reqs, dones))
         if self.paged:  # the written pool apart: the splice must not copy it
             k, v = group.cache.k, group.cache.v
             group = dataclasses.replace(group, cache=dataclasses.replace(
@@ -199,10 +290,9 @@ class Admission:
     def _prefill_chunks_batched(self) -> bool:
         """`_prefill_chunks` with every prefilling row's next chunk in one write per compiled
         width, and the rows whose rest fits one chunk prefilled together (`_prefill_batched`)."""
-        more = [(s, e) for s, e in sorted(self.prefilling.items())
-                if len(e[0].prompt_ids) - e[1] > self.chunk]
-        last = [(e[0], s, e[1]) for s, e in sorted(self.prefilling.items())
-                if len(e[0].prompt_ids) - e[1] <= self.chunk]
+        entries = sorted(self._budgeted(list(self.prefilling.items())))
+        more = [(s, e) for s, e in entries if len(e[0].prompt_ids) - e[1] > self.chunk]
+        last = [(e[0], s, e[1]) for s, e in entries if len(e[0].prompt_ids) - e[1] <= self.chunk]
         while more:
             t0 = time.perf_counter()
             n = split_widths(self.widths, len(more))[0]
@@ -212,6 +302,7 @@ class Admission:
                                  jnp.int32)
             cache = self.engine.write_prompt(self.spec.target, tokens, cache)
             self._set_cache(k=cache.k, v=cache.v)
+            self._round_tokens += self.chunk * len(part)
             for slot, entry in part:
                 entry[1] += self.chunk
                 self.kv.written(slot, entry[0].prompt_ids[: entry[1]])  # shareable already

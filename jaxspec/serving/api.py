@@ -121,12 +121,13 @@ class Server:
                  seed: int = 0, model_name: str | None = None, static: bool = False,
                  paged: bool = True, prefill_chunk: int | None = None,
                  prefix_cache: bool = True, policy: str = "fcfs", batch_prefill: bool = False,
-                 structured: bool = False):
+                 max_batched_tokens: int | None = None, structured: bool = False):
         self.scheduler = Scheduler(
             engine, slots=slots, max_context=max_context, steps_per_call=steps_per_call,
             max_queue=max_queue, kv_pages=kv_pages, page_size=page_size, seed=seed,
             static=static, paged=paged, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-            policy=policy, batch_prefill=batch_prefill, structured=structured,
+            policy=policy, batch_prefill=batch_prefill, max_batched_tokens=max_batched_tokens,
+            structured=structured,
         )
         self.engine = engine
         self.model_name = model_name or getattr(engine.model, "name", "model")

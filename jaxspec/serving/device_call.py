@@ -30,12 +30,21 @@ HOST_FIELDS = ("tokens", "lengths", "done", "row_steps", "num_draft", "num_accep
 
 class DeviceCall:
     def compile_programs(self) -> int:
-        """Compile ahead every decode call this scheduler can make: each call width with each
-        page-table width (one width, every slot, for a contiguous cache), as a server's warm-up
-        (like a GPU server capturing its graphs): a call of a shape not seen yet otherwise
-        compiles while requests wait. Nothing runs; the state is untouched. -> programs
-        compiled (already compiled ones come from the compilation cache)."""
-        count = 0
+        """Compile ahead every decode call this scheduler can make (`decode_programs`), as a
+        server's warm-up (like a GPU server capturing its graphs): a call of a shape not seen
+        yet otherwise compiles while requests wait. Nothing runs; the state is untouched.
+        -> programs compiled (already compiled ones come from the compilation cache)."""
+        rows_ = self.decode_programs()
+        for row in rows_:
+            fn, args, kwargs = row["program"]
+            fn.lower(*args, **kwargs).compile()
+        return len(rows_)
+
+    def decode_programs(self) -> list[dict]:
+        """Every decode call this scheduler can make: each call width with each page-table
+        width (one width, every slot, for a contiguous cache). Each {"name": "decode", "rows",
+        "table_pages" (None: contiguous), "program" ((jitted function, args, kwargs))}."""
+        out = []
         for width in self.widths if self.paged else (self.slots,):
             shape = jax.eval_shape(lambda w=width: self._row_state_shape(w))
             sp = SamplingParams.rows([GREEDY] * width)
@@ -45,9 +54,10 @@ class DeviceCall:
                     table = jax.ShapeDtypeStruct((width, cols), jnp.int32)
                     shape = dataclasses.replace(shape, cache=dataclasses.replace(
                         shape.cache, page_table=table))
-                self.engine.compile_decode(self.spec, shape, sp, self.steps)
-                count += 1
-        return count
+                out.append({"name": "decode", "rows": width, "table_pages": cols,
+                            "program": self.engine.decode_program(self.spec, shape, sp,
+                                                                  self.steps)})
+        return out
 
     def _with_costs(self, state, width: int):
         """`state` with the controller's cost table for a `width`-row call (adaptive only)."""
@@ -94,7 +104,11 @@ class DeviceCall:
         fields = {n: getattr(self.state, n) for n in HOST_FIELDS}
         if self.state.adaptive is not None:
             fields["adaptive"] = self.state.adaptive
-        host = types.SimpleNamespace(**({"adaptive": None} | jax.device_get(fields)))
+        if self.state.logprobs is not None and any(  # only when a live request asked for them
+                r.sampling.logprobs is not None for r in self.active.values()):
+            fields["logprobs"] = self.state.logprobs
+        host = types.SimpleNamespace(
+            **({"adaptive": None, "logprobs": None} | jax.device_get(fields)))
         now = time.perf_counter()
         self.stats.device_calls += 1
         self.stats.decode_s += now - t0

@@ -2,12 +2,13 @@
 one-line 400 naming it (`HTTPError`), never silently ignored.
 
 Honoured: model, prompt / messages (content as a string or a list of text parts), max_tokens /
-max_completion_tokens, temperature, top_p, stop, seed, stream, stream_options, user, and the
-extensions top_k, min_p, stop_token_ids; structured output (serving/structured.py:
-response_format, tools with tool_choice "required" or a named function, guided_json /
-guided_regex / guided_choice). Accepted only at their neutral value (anything else is
-"not supported yet"): n / best_of 1, logprobs / top_logprobs / echo off, the penalties 0 (1 for
-repetition_penalty), logit_bias empty, functions absent, suffix empty.
+max_completion_tokens, temperature, top_p, stop, seed, stream, stream_options, user, n (up to
+16; seeds seed + i), logprobs / top_logprobs (up to 20), presence / frequency / repetition
+penalties and logit_bias (applied in the decode loop, lossless), and the extensions top_k,
+min_p, stop_token_ids; structured output (serving/structured.py: response_format, tools with
+tool_choice "required" or a named function, guided_json / guided_regex / guided_choice).
+Accepted only at their neutral value (anything else is "not supported yet"): best_of 1, echo
+off, functions absent, suffix empty.
 """
 
 from __future__ import annotations
@@ -25,22 +26,18 @@ class HTTPError(Exception):
 
 HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
             "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "stream",
-            "stream_options", "user", "parallel_tool_calls",
+            "stream_options", "user", "parallel_tool_calls", "n", "logprobs", "top_logprobs",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
             # structured output (serving/structured.py; a server without serving.structured
             # answers a constraint with a one-line 400 naming the setting)
             "response_format", "guided_json", "guided_regex", "guided_choice", "tools",
             "tool_choice"}
+MAX_N = 16  # completions per request
+MAX_TOP_LOGPROBS = 20
 # field -> (its neutral values, what a client gets instead)
 NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "one completion per request"),
     "best_of": ((1,), "one completion per request"),
-    "logprobs": ((False,), "no log-probabilities are returned"),
-    "top_logprobs": ((0,), "no log-probabilities are returned"),
     "echo": ((False,), "the prompt is not echoed"),
-    "presence_penalty": ((0,), "no penalties are applied"),
-    "frequency_penalty": ((0,), "no penalties are applied"),
-    "repetition_penalty": ((1,), "no penalties are applied"),
-    "logit_bias": (({},), "logits are not biased"),
     "functions": (([],), "no function calls are produced"),
     "function_call": (("none",), "no function calls are produced"),
     "suffix": (("",), "no suffix is appended"),
@@ -84,7 +81,65 @@ def requested_max_tokens(body: dict[str, Any]) -> tuple[str, int | None]:
     return name, _field(body, name, (int,), None)
 
 
-def sampling_of(body: dict[str, Any], max_tokens: int) -> Sampling:
+def choices_of(body: dict[str, Any]) -> int:
+    """n: completions asked for, 1..MAX_N."""
+    n = _field(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_N:
+        raise HTTPError(400, f"field 'n'={n} is out of range: use 1..{MAX_N}")
+    return n
+
+
+def logprobs_of(body: dict[str, Any], chat: bool) -> int | None:
+    """Top alternatives asked per token (None: no logprobs). Chat: `logprobs` true, with
+    `top_logprobs` 0..20; completions: `logprobs` 0..20."""
+    if chat:
+        on = _field(body, "logprobs", (bool,), False)
+        top = _field(body, "top_logprobs", (int,), None)
+        if top is not None and not on:
+            raise HTTPError(400, "field 'top_logprobs' is not supported without 'logprobs': "
+                                 "true: send both")
+        k = top or 0
+    else:
+        if body.get("top_logprobs") is not None:
+            raise HTTPError(400, "field 'top_logprobs' is for chat: on completions send "
+                                 "'logprobs': N")
+        k = _field(body, "logprobs", (int,), None)
+        on = k is not None
+    if not on:
+        return None
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise HTTPError(400, f"field {name!r}={k} is out of range: use 0..{MAX_TOP_LOGPROBS}")
+    return k
+
+
+def check_recorded(body: dict[str, Any], asked: int | None, recorded: int | None,
+                   chat: bool) -> None:
+    """400 when the request asks more top logprobs than the server's programs record
+    (`generation.logprobs`; None: none recorded)."""
+    if asked is None or (recorded is not None and asked <= recorded):
+        return
+    name = "top_logprobs" if chat and body.get("top_logprobs") is not None else "logprobs"
+    raise HTTPError(400, f"field {name!r}={_short(body[name])} is not supported by this server "
+                         f"(it records {recorded if recorded else 'no'} top logprobs): start it "
+                         "with generation.logprobs=20")
+
+
+def _logit_bias(body) -> tuple[tuple[int, float], ...]:
+    bias = _field(body, "logit_bias", (dict,), {})
+    out = []
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise HTTPError(400, f"field 'logit_bias' key {_short(key)} is not a token id") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise HTTPError(400, f"field 'logit_bias' value {_short(value)} must be a number")
+        out.append((tok, float(value)))
+    return tuple(sorted(out))
+
+
+def sampling_of(body: dict[str, Any], max_tokens: int, chat: bool = False) -> Sampling:
     """The request's Sampling (OpenAI's default temperature 1), `max_tokens` already settled."""
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -102,6 +157,11 @@ def sampling_of(body: dict[str, Any], max_tokens: int) -> Sampling:
         stop=tuple(stop),
         stop_token_ids=tuple(ids),
         seed=_field(body, "seed", (int,), None),
+        presence_penalty=_field(body, "presence_penalty", (int, float), 0.0),
+        frequency_penalty=_field(body, "frequency_penalty", (int, float), 0.0),
+        repetition_penalty=_field(body, "repetition_penalty", (int, float), 1.0),
+        logit_bias=_logit_bias(body),
+        logprobs=logprobs_of(body, chat),
     )
 
 

@@ -14,7 +14,9 @@ when a graceful stop ended the request. Extensions: `top_k`, `min_p`, `stop_toke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -27,15 +29,22 @@ from jaxspec.serving import structured
 from jaxspec.serving.api import Server
 from jaxspec.serving.fields import (
     HTTPError,
+    check_recorded,
     chat_messages,
+    choices_of,
     refuse_unsupported,
     requested_max_tokens,
     sampling_of,
     wants_stream,
 )
 from jaxspec.serving.gate import Gate
+from jaxspec.serving.logprob_shapes import chat_logprobs, completion_logprobs
 from jaxspec.serving.metrics import CONTENT_TYPE, ServerMetrics
 from jaxspec.serving.requests import QueueFull
+
+
+# the logprob returned for a token the request's filters cut (-inf: not JSON), as OpenAI's API
+FLOOR = -9999.0
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -200,6 +209,33 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                                  f"{sched.capacity}); lower it or shorten the prompt")
         return asked
 
+    def piece(tok: int) -> str:
+        return server.engine.decode_text([int(tok)])
+
+    def logprobs_block(done, returned: int, k, chat: bool):
+        """The choice's `logprobs` in OpenAI's shape (None when not asked for)."""
+        if k is None or done.logprobs is None:
+            return None
+        entries = done.logprobs[:returned]
+        finite = lambda x: x if math.isfinite(x) else FLOOR  # noqa: E731  JSON has no -inf
+        args = (piece, done.token_ids[:returned], [finite(e["logprob"]) for e in entries],
+                [[i for i, _ in e["top"]] for e in entries],
+                [[finite(v) for _, v in e["top"]] for e in entries], k)
+        return chat_logprobs(*args) if chat else completion_logprobs(*args)
+
+    def message_choice(index: int, wanted, done, reason: str, lp, chat: bool) -> dict:
+        """One non-streamed choice: the text, or the tool calls a finished call parses to."""
+        calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
+        choice = {"index": index, "finish_reason": "tool_calls" if calls else reason,
+                  "logprobs": lp}
+        if calls:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        elif chat:
+            choice["message"] = {"role": "assistant", "content": done.text}
+        else:
+            choice["text"] = done.text
+        return choice
+
     async def respond(body, ids, chat: bool):
         refuse_unsupported(body)
         wanted = structured.asked(body)
@@ -208,9 +244,16 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                                  "it with serving.structured=true")
         if wanted.tool_call and not chat:
             raise HTTPError(400, "tool calls need /v1/chat/completions")
-        sampling = sampling_of(body, settle_max_tokens(body, ids))
+        sampling = sampling_of(body, settle_max_tokens(body, ids), chat)
         streamed = wants_stream(body)
+        n_choices = choices_of(body)
+        check_recorded(body, sampling.logprobs, sched.spec.logprobs, chat)
+        if streamed and n_choices > 1:
+            raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true is not supported "
+                                 "yet: set stream false or send n requests")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        if n_choices > 1:
+            return await respond_n(ids, sampling, n_choices, rid, chat, wanted)
         stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint)
         gate.enter(stream)
         timer = None
@@ -222,21 +265,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
 
         def ended():
             """(finish reason, usage) as returned; counted in the metrics once."""
-            done = stream.result()
-            reason = gate.finish_reason(stream, done.finish_reason)
-            if reason == "cancelled":  # only the gate cancels a request it still answers
-                reason = "abort"
-            usage = done.usage()
-            n = returned_tokens(server.engine, done, sampling.stop_token_ids)
-            usage |= {"completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n}
-            metrics.observe(reason, usage)
-            return done, reason, usage
+            return finished(stream, sampling)
 
         def close():
-            if timer is not None:
-                timer.cancel()
-            stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
-            gate.leave(stream)
+            closed(stream, timer)
 
         if not streamed:
             try:
@@ -247,25 +279,20 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 raise _failure(e) from None
             finally:
                 close()
-            calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
-            reason = "tool_calls" if calls else reason
-            choice = {"index": 0, "finish_reason": reason, "logprobs": None}
-            if calls:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-            elif chat:
-                choice["message"] = {"role": "assistant", "content": done.text}
-            else:
-                choice["text"] = done.text
+            lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat)
+            choice = message_choice(0, wanted, done, reason, lp, chat)
             kind = "chat.completion" if chat else "text_completion"
             return JSONResponse(head | {"object": kind, "choices": [choice], "usage": usage})
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece, finish=None, usage=None, first=False):
+        def chunk(piece, finish=None, usage=None, first=False, logprobs=None):
             if chat:
                 delta = {"content": piece} | ({"role": "assistant"} if first else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish,
+                          "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": piece, "finish_reason": finish,
+                          "logprobs": logprobs}
             out = head | {"object": kind, "choices": [choice]}
             if usage is not None:
                 out["usage"] = usage
@@ -291,7 +318,9 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 elif wanted.tool_call and done.text:  # cut short: the text as it is
                     yield chunk(done.text, first=first)
                     first = False
-                yield chunk("", reason, usage, first=first)
+                # the tokens' logprobs come with the last chunk, all of them at once
+                lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat)
+                yield chunk("", reason, usage, first=first, logprobs=lp)
             except JaxspecError as e:  # the serving loop stopped: say so, end the stream
                 err = {"message": _failure(e).message, "type": "server_error", "code": 500}
                 yield f"data: {json.dumps({'error': err})}\n\n"
@@ -301,6 +330,56 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 close()  # the client went away mid-stream: free its row and pages
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    def finished(stream, sampling):
+        """(completion, finish reason, usage) as returned; counted in the metrics once."""
+        done = stream.result()
+        reason = gate.finish_reason(stream, done.finish_reason)
+        if reason == "cancelled":  # only the gate cancels a request it still answers
+            reason = "abort"
+        usage = done.usage()
+        n = returned_tokens(server.engine, done, sampling.stop_token_ids)
+        usage |= {"completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n}
+        metrics.observe(reason, usage)
+        return done, reason, usage
+
+    def closed(stream, timer):
+        if timer is not None:
+            timer.cancel()
+        stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
+        gate.leave(stream)
+
+    async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted):
+        """n completions of one prompt (not streamed): n requests, seeds seed + i (None: each
+        its own), one choice each, usage summed."""
+        streams, timers = [], []
+        for i in range(n_choices):
+            seed = None if sampling.seed is None else sampling.seed + i
+            stream = server.submit(ids, dataclasses.replace(sampling, seed=seed),
+                                   request_id=f"{rid}-{i}", constraint=wanted.constraint)
+            gate.enter(stream)
+            streams.append(stream)
+            timers.append(None if not limits.request_timeout_s else
+                          asyncio.get_running_loop().call_later(
+                              limits.request_timeout_s, gate.time_out, stream))
+        choices, total = [], {"prompt_tokens": len(ids), "completion_tokens": 0}
+        try:
+            for i, stream in enumerate(streams):
+                async for _ in stream:
+                    pass
+                done, reason, usage = finished(stream, sampling)
+                total["completion_tokens"] += usage["completion_tokens"]
+                choices.append(message_choice(i, wanted, done, reason, logprobs_block(
+                    done, usage["completion_tokens"], sampling.logprobs, chat), chat))
+        except JaxspecError as e:
+            raise _failure(e) from None
+        finally:
+            for stream, timer in zip(streams, timers):
+                closed(stream, timer)
+        total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+        kind = "chat.completion" if chat else "text_completion"
+        return JSONResponse({"id": rid, "created": int(time.time()), "model": server.model_name,
+                             "object": kind, "choices": choices, "usage": total})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

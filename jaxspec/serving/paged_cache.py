@@ -5,10 +5,12 @@ own cache is a per-layer `jaxspec.models.cache.KVCache` (Llama and Gemma in the 
 layouts). Its cache is one page pool per layer shared by the batch's rows plus a page table per
 row, so the speculative loop (`speculate.prefill` / `decode`) runs on it unchanged:
 
-  forward     the rows' pages gathered into a contiguous view (layer by layer), the inner
-              target's forward over it with write_cache=False (its attention, its kernels:
-              the same numbers as its own cache), then the window's k/v written through the
-              page table where write_cache=True;
+  forward     the inner target's forward with write_cache=False over a cache whose layers
+              are the page pools and the table (`models.paged_layer.PagedLayer`): each layer's
+              attention reads its pool through the table (a bounded XLA loop over the pages in
+              use on CPU, JAX's paged kernels on TPU/GPU; no contiguous view is gathered;
+              read="view" keeps the gather, for comparison), then the window's k/v written
+              in place through the page table where write_cache=True;
   commit_window  the accepted path's k/v written through the page table.
 
 num_pages None: a standalone cache (init_cache gives each row its own MP pages, as many as the
@@ -31,6 +33,7 @@ from jaxspec.models.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base
 from jaxspec.models import paged_attention as pa
+from jaxspec.models import paged_layer
 from jaxspec.serving.pages import pages_for
 
 _DELEGATED = tuple(n for n in base.TRAIT_NAMES if n not in ("prefix", "cache_axes"))
@@ -47,6 +50,7 @@ class PagedTarget:
     inner: Any  # a base.Target with a per-layer KVCache
     page_size: int = 16
     num_pages: int | None = None  # None: each row its own pages (a standalone cache)
+    read: str = "pages"  # "pages": attention reads the pool through the table; "view": gathered
 
     def __getattr__(self, name):  # the inner target's optional traits and plain attributes
         if name in _DELEGATED or name in ("name", "vocab_size", "hidden_size", "num_layers",
@@ -67,11 +71,29 @@ class PagedTarget:
         return pa.init_paged_cache(len(one.k), batch, pages, self.page_size, per_row, kv, h,
                                    one.k[0].dtype, identity=self.num_pages is None)
 
+    def layers(self, cache: pa.PagedKVCache) -> KVCache:
+        """What the inner forward reads: per layer the pool and the table (`read="pages"`,
+        `models.paged_layer`: no view is built), or the gathered contiguous view (`"view"`)."""
+        if self.read == "view":
+            return pa.view(cache)
+        if self.read != "pages":
+            raise ValueError(f"PagedTarget(read={self.read!r}): use 'pages' or 'view'")
+        k = tuple(paged_layer.PagedLayer(x, cache.page_table) for x in cache.k)
+        v = tuple(paged_layer.PagedLayer(x, cache.page_table) for x in cache.v)
+        return KVCache(k=k, v=v, lengths=cache.lengths)
+
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
         if positions is None:
             positions = cache.positions(tokens.shape[1])
-        out = self.inner.forward(params, tokens, pa.view(cache), positions=positions,
+        if write_cache and self.read == "pages":  # each layer writes its pool, then reads it
+            out = self.inner.forward(params, tokens, self.layers(cache), positions=positions,
+                                     window_mask=window_mask, write_cache=True, taps=taps)
+            k = tuple(layer.pages for layer in out.cache.k)
+            v = tuple(layer.pages for layer in out.cache.v)
+            return base.TargetOutput(out.hidden, out.taps, None,
+                                     dataclasses.replace(cache, k=k, v=v))
+        out = self.inner.forward(params, tokens, self.layers(cache), positions=positions,
                                  window_mask=window_mask, write_cache=False, taps=taps)
         if not write_cache:
             return base.TargetOutput(out.hidden, out.taps, out.window_kv, cache)
@@ -106,6 +128,17 @@ class TailTarget:
             raise AttributeError(name)
         return getattr(self.paged, name)
 
+    def layers(self, cache: pa.PagedKVCache) -> KVCache:
+        """What the inner forward reads: per layer the pool and the table (`read="pages"`,
+        `models.paged_layer`: no view is built), or the gathered contiguous view (`"view"`)."""
+        if self.read == "view":
+            return pa.view(cache)
+        if self.read != "pages":
+            raise ValueError(f"PagedTarget(read={self.read!r}): use 'pages' or 'view'")
+        k = tuple(paged_layer.PagedLayer(x, cache.page_table) for x in cache.k)
+        v = tuple(paged_layer.PagedLayer(x, cache.page_table) for x in cache.v)
+        return KVCache(k=k, v=v, lengths=cache.lengths)
+
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
         if taps or positions is not None or window_mask is not None:
@@ -128,15 +161,13 @@ def write_chunk(target: PagedTarget, params, tokens: jax.Array, cache: pa.PagedK
     return target.forward(params, tokens, cache).cache
 
 
-def choose_attention(backend: str, num_queries: int) -> str:
-    """Which paged attention a serving program over `num_queries` queries per row compiles on
-    `backend` ("tpu", "gpu"/"cuda", "cpu"): "ragged_tpu" (JAX's ragged paged kernel: decode,
-    verify windows and prefill chunks alike), "paged_gpu" (JAX's Triton paged kernel: it takes
-    one query per row, so plain decode only), else "xla" (the gather reference; on GPU for
-    verify windows and prefill, as JAX ships no multi-query paged kernel for CUDA). Tree masks
-    are no kernel's: a tree verify passes num_queries of its window and the caller keeps XLA."""
-    if backend == "tpu":
-        return "ragged_tpu"
-    if backend in ("gpu", "cuda") and num_queries == 1:
-        return "paged_gpu"
-    return "xla"
+def choose_attention(backend: str, num_queries: int, dtype="bfloat16", sliding: bool = False) -> str:
+    """Which committed-part attention a serving program over `num_queries` queries per row
+    compiles on `backend` ("tpu", "gpu"/"cuda", "cpu") for a pool of `dtype`
+    (`models.paged_layer`): "pallas_tpu" (JAX's paged flash kernel) and "pallas_gpu" (JAX's
+    Triton paged kernel) for bfloat16 pools, any window (decode, chain and tree verify, prompt
+    chunks: the window itself is a dense part merged by log-sum-exp); "xla" (the bounded loop
+    over the pages in use) on CPU, for float32 pools and for sliding-window layers."""
+    del num_queries  # every window length takes the same path
+    backend = "gpu" if backend == "cuda" else backend
+    return "xla" if sliding else paged_layer.resolve("auto", dtype, backend)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxspec.decode.logit_bias import check_penalties
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import sampling_problem
 from jaxspec.serving.text import TextState
@@ -28,6 +29,12 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # penalties and logit_bias (decode/logit_bias.py), applied in the loop, lossless
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # return the tokens' logprobs with this many top (None: none)
 
     def __post_init__(self):
         problem = sampling_problem(
@@ -44,6 +51,15 @@ class Sampling:
             )
         if self.seed is not None and not 0 <= int(self.seed) < 2**31:
             raise JaxspecError(f"seed={self.seed!r} must be in 0..2**31-1")
+        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        if self.logprobs is not None and not 0 <= int(self.logprobs) <= 20:
+            raise JaxspecError(f"logprobs={self.logprobs!r} is invalid: use 0..20")
+
+    @property
+    def penalties(self) -> tuple:
+        """(presence, frequency, repetition, logit_bias dict): `penalties.make`'s row setting."""
+        return (float(self.presence_penalty), float(self.frequency_penalty),
+                float(self.repetition_penalty), dict(self.logit_bias))
 
     @property
     def values(self) -> tuple[float, int, float, float]:
@@ -64,6 +80,8 @@ class Completion:
     queue_s: float  # submit -> admission (the last one, after a preemption)
     preemptions: int
     metrics: dict[str, Any]
+    # per token {"logprob", "top": [(id, logprob), ...]} when the request asked for logprobs
+    logprobs: list[dict] | None = None
 
     @property
     def num_generated_tokens(self) -> int:
@@ -113,5 +131,6 @@ class Request:
     peak_pages: int = 0  # the most KV pages the request held at once
     cached_tokens: int = 0  # prompt tokens whose k/v came from the prefix cache (last admission)
     replay: int = 0  # tokens of `generated` a restarted row recomputes before it streams again
+    logprobs: list | None = None  # `generated`'s logprobs (asked for: Sampling.logprobs)
     priority: int = 0  # higher first under serving.policy=priority
     constraint: str | None = None  # the structured-output regex (serving.grammars), None: free

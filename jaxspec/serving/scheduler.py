@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decode.logit_bias import bias_vector
+from jaxspec.decode.penalties import OFF
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.runner import prefill_into_cache as prefill_into_pool
 from jaxspec.errors import JaxspecError
@@ -69,6 +71,7 @@ class Scheduler(Admission, DeviceCall, Streaming):
         prefix_cache: bool = True,
         policy: str = "fcfs",
         batch_prefill: bool = False,
+        max_batched_tokens: int | None = None,
         structured: bool = False,
     ):
         """static: the static-batching baseline (bench_serve): requests are admitted only into
@@ -86,6 +89,10 @@ class Scheduler(Admission, DeviceCall, Streaming):
         preempted when the pool is short).
         batch_prefill: the requests admitted in a round are prefilled several rows a call (and
         chunked prompts' chunks likewise) instead of one call each (`admission`).
+        max_batched_tokens: batched admission (implied) under a budget of prompt tokens per
+        round: the prefilling rows' next chunks first, then queued prompts while they fit; a
+        prompt longer than a chunk (prefill_chunk, else the budget) goes in chunks across
+        rounds where chunking is possible (else alone, the first of its round).
         structured: rows may carry a constraint (`serving.grammars`: one fixed-size table in
         the state, so the program carries the mask whether or not a row is constrained)."""
         if slots < 1 or steps_per_call < 1 or max_queue < 1:
@@ -103,7 +110,15 @@ class Scheduler(Admission, DeviceCall, Streaming):
         self.slots, self.capacity, self.steps = slots, max_context, steps_per_call
         self.max_queue = max_queue
         self.static = static
-        self.batch_prefill = batch_prefill
+        if max_batched_tokens is not None and max_batched_tokens < 1:
+            raise JaxspecError(f"serving.max_batched_tokens={max_batched_tokens}: use an integer "
+                               ">= 1 (0 in a config: no budget)")
+        if max_batched_tokens and prefill_chunk and prefill_chunk > max_batched_tokens:
+            raise JaxspecError(f"serving.prefill_chunk={prefill_chunk} exceeds serving."
+                               f"max_batched_tokens={max_batched_tokens}: a chunk must fit a "
+                               "round's budget; lower prefill_chunk")
+        self.budget = max_batched_tokens or None  # prompt tokens prefilled per round at most
+        self.batch_prefill = batch_prefill or self.budget is not None
         per_row = pages_for(max_context, page_size)
         self.pool = PagePool(kv_pages or slots * per_row, page_size)
         if self.pool.num_pages < per_row:
@@ -126,13 +141,16 @@ class Scheduler(Admission, DeviceCall, Streaming):
             spec = engine.serving_spec(paged)
         self.spec = spec
         taps = spec.drafter is not None and spec.drafter.hidden_layers
-        self.chunk = prefill_chunk if self.paged and not static and not taps else None
+        chunk = prefill_chunk or self.budget  # under a budget, prompts over it go in chunks
+        self.chunk = chunk if self.paged and not static and not taps else None
         self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
         self.kv = KVManager(self.pool, max_context, steps_per_call, spec.depth, spec.num_nodes,
                             self.prefix_cache)
         if prefill_chunk is not None and prefill_chunk < 1:
             raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
         self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
+        self._round_left: int | None = None  # the round's budget left (`admission`)
+        self._round_tokens = 0  # prompt tokens prefilled this round
         self.key = jax.random.key(seed)
         self.queue: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}  # slot -> request
@@ -160,6 +178,13 @@ class Scheduler(Admission, DeviceCall, Streaming):
                 f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} "
                 f"(+ γ + 1 = {need} slots) exceeds serving.max_context={self.capacity}: "
                 "shorten the prompt or lower max_tokens"
+            )
+        bias_vector(dict(sampling.logit_bias), self.engine.target.vocab_size)  # ids in range
+        k = self.spec.logprobs
+        if sampling.logprobs is not None and (k is None or sampling.logprobs > k):
+            raise JaxspecError(
+                f"{sampling.logprobs} top logprobs asked, but the server records "
+                f"{'none' if k is None else k}: start it with generation.logprobs=20"
             )
         n = next(self._ids)
         seed = n if sampling.seed is None else int(sampling.seed)
@@ -208,7 +233,9 @@ class Scheduler(Admission, DeviceCall, Streaming):
         z = jnp.zeros((batch,), jnp.int32)
         g = None if self.grammars is None else self.grammars.rows([None] * batch)
         state = self.engine.prefill_rows(self.spec, jnp.zeros((batch, 16), jnp.int32), z + 1,
-                                         z + 1, sp, self.key, z, self.capacity, grammar=g)
+                                         z + 1, sp, self.key, z, self.capacity,
+                                         penalties=self.engine.row_penalties([OFF] * batch),
+                                         grammar=g)
         if self.spec.adaptive is None:
             return state
         g = self.spec.adaptive.gamma

@@ -21,4 +21,5 @@ class Stats:
     preemptions: int = 0
     prompt_tokens: int = 0  # prompt tokens admitted (readmissions included)
     prefix_cached_tokens: int = 0  # of those, tokens whose k/v came from the prefix cache
+    max_round_prefill_tokens: int = 0  # the most prompt tokens prefilled in one round (batched)
     peak_used_pages: int = 0  # the most distinct KV pages rows held at once (shared: once)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from jaxspec.decode import logprob_record
 from jaxspec.serving.requests import Completion, Request
 
 
@@ -30,6 +31,8 @@ class Streaming:
         if len(out) > len(req.generated) and not req.first_token:
             req.first_token = now
         req.generated = out
+        if req.sampling.logprobs is not None and getattr(host, "logprobs", None) is not None:
+            req.logprobs = logprob_record.row_entries(host.logprobs, slot, p, p + len(out))
         text = self.engine.decode_text([t for t in out if t not in stop_ids])
         piece, stopped = req.text.advance(text, final=reason is not None)
         if piece:
@@ -66,4 +69,5 @@ class Streaming:
             queue_s=(req.admitted or now) - req.submitted,
             preemptions=req.preemptions,
             metrics=metrics,
+            logprobs=req.logprobs,
         )

@@ -98,6 +98,72 @@ def generation_programs(engine, platform: str, *, batch: int = 1, prompt: int = 
     ]
 
 
+def _program_text(program, platform: str) -> str:
+    """A (jitted function, args, kwargs) program exported for `platform` (its StableHLO), or on
+    "cpu" compiled here (its optimised HLO): the text its attention is read from."""
+    from jax import export
+
+    from jaxspec import hlo
+
+    fn, args, kwargs = program
+    if platform == "cpu":
+        return fn.lower(*args, **kwargs).compile().as_text()
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in hlo.ATTENTION_TARGETS]
+    return export.export(fn, platforms=[platform], disabled_checks=checks)(
+        *args, **kwargs).mlir_module()
+
+
+def serving_scheduler(engine, config):
+    """The scheduler `python -m jaxspec.serve` builds for this config's `serving` section (the
+    engine built with serving.max_context): its programs are the server's."""
+    from jaxspec.serving.scheduler import Scheduler
+
+    s = config.serving
+    return Scheduler(engine, slots=s.slots, max_context=s.max_context,
+                     steps_per_call=s.steps_per_call, max_queue=s.max_queue,
+                     kv_pages=s.kv_pages or None, page_size=s.page_size,
+                     prefill_chunk=s.prefill_chunk or None, prefix_cache=s.prefix_cache,
+                     batch_prefill=s.batch_prefill,
+                     max_batched_tokens=s.max_batched_tokens or None, policy=s.policy)
+
+
+def serving_programs(engine, config, platform: str, prompt_lengths) -> list[dict[str, Any]]:
+    """Every program a server with `config` compiles on `platform` for prompts of these
+    lengths: its decode calls (each call width x page-table width; the verify window is in
+    the decode program) and its prefill programs (whole prompts per bucket, tails over
+    written pages, prompt chunks, at every admission width), as the scheduler's warm-up lists
+    them (`Scheduler.decode_programs`, `prefill_programs`), each exported for `platform` (or
+    compiled on cpu) with the attention read from it. Each {"name", "platform", "rows",
+    "table_pages", "prompt_bucket", "tokens", "kv_layout", "mesh", "dtype", "attention",
+    "kernel_calls", "text"}."""
+    import jax
+
+    from jaxspec import hlo
+
+    sched = serving_scheduler(engine, config)
+    mesh = sched.spec.mesh
+    shape = None if mesh is None else dict(mesh.mesh.shape)
+    dtype = str(jax.tree.leaves(engine.model.params)[0].dtype)
+    out = []
+    for row in [*sched.decode_programs(), *sched.prefill_programs(prompt_lengths)]:
+        text = _program_text(row.pop("program"), platform)
+        out.append({"name": row["name"], "platform": platform, "rows": row["rows"],
+                    "table_pages": row.get("table_pages"),
+                    "prompt_bucket": row.get("prompt_bucket"), "tokens": row.get("tokens"),
+                    "kv_layout": "paged" if sched.paged else "contiguous", "mesh": shape,
+                    "dtype": dtype, "attention": hlo.compiled_attention(text),
+                    "kernel_calls": hlo.attention_kernel_calls(text), "text": text})
+    return out
+
+
+def mesh_shape(text: str) -> tuple[int, int]:
+    """--mesh D,M -> (data, model)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"--mesh {text}: use DATA,MODEL, e.g. 2,4")
+    return int(parts[0]), int(parts[1])
+
+
 def make_parser() -> argparse.ArgumentParser:
     from jaxspec.bench.options import int_list
     from jaxspec.cli_support import ArgumentParser
@@ -113,6 +179,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="prompt lengths (bucketed as a run buckets them; default 128)")
     p.add_argument("--max-new-tokens", type=int_list("--max-new-tokens", 1, 1 << 20),
                    default=[128], help="new tokens per request (default 128)")
+    p.add_argument("--serving", action="store_true",
+                   help="the programs a server with this config compiles (its serving section): "
+                        "decode calls per width, prefill programs per prompt bucket")
+    p.add_argument("--mesh", type=mesh_shape, metavar="D,M",
+                   help="export under a mesh of DATA x MODEL devices (mesh.data, mesh.model); "
+                        "on a host without them, that many CPU devices are simulated")
     p.add_argument("--json", action="store_true", help="print a JSON list (else a table)")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     return p
@@ -122,17 +194,32 @@ def main(argv: list[str] | None = None) -> int:
     from jaxspec.cli_support import EXIT_USAGE
     from jaxspec.errors import JaxspecError
 
-    args = make_parser().parse_args(argv)
+    try:
+        args = make_parser().parse_args(argv)
+    except JaxspecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    mesh = [] if args.mesh is None else [f"mesh.data={args.mesh[0]}", f"mesh.model={args.mesh[1]}"]
+    if args.mesh is not None:
+        simulate_devices(args.mesh[0] * args.mesh[1])
     try:
         from jaxspec.build import build_engine
         from jaxspec.config import load_config
 
         config = load_config(args.config, args.overrides)
-        config = load_config(args.config, [*device_overrides(config, args.platform), *args.overrides])
+        overrides = [*device_overrides(config, args.platform), *mesh, *args.overrides]
+        config = load_config(args.config, overrides)
+        if args.serving:  # the engine as the server builds it
+            config = dataclasses.replace(config, generation=dataclasses.replace(
+                config.generation, max_context=config.serving.max_context))
         engine = build_engine(config)
-        rows = [row for b in args.batch_sizes for n in args.prompt for m in args.max_new_tokens
-                for row in generation_programs(engine, args.platform, batch=b, prompt=n,
-                                               max_new_tokens=m)]
+        if args.serving:
+            rows = serving_programs(engine, config, args.platform, args.prompt)
+        else:
+            rows = [row for b in args.batch_sizes for n in args.prompt
+                    for m in args.max_new_tokens
+                    for row in generation_programs(engine, args.platform, batch=b, prompt=n,
+                                                   max_new_tokens=m)]
     except JaxspecError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -140,6 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         row.pop("text")
     if args.json:
         print(json.dumps(rows, indent=1))
+    elif args.serving:
+        print("| program | platform | rows | table pages | prompt bucket | tokens | kv | mesh | "
+              "dtype | attention | kernel calls |")
+        print("|---|---|---:|---:|---:|---:|---|---|---|---|---:|")
+        for r in rows:
+            mesh_ = "x".join(map(str, r["mesh"].values())) if r["mesh"] else "-"
+            print(f"| {r['name']} | {r['platform']} | {r['rows']} | {r['table_pages'] or '-'} | "
+                  f"{r['prompt_bucket'] or '-'} | {r['tokens'] or '-'} | {r['kv_layout']} | "
+                  f"{mesh_} | {r['dtype']} | {r['attention']} | {r['kernel_calls']} |")
     else:
         print("| program | platform | batch | capacity | cache | dtype | attention | kernel calls |")
         print("|---|---|---:|---:|---|---|---|---:|")
@@ -148,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'x'.join(map(str, r['cache']))} | {r['dtype']} | {r['attention']} | "
                   f"{r['kernel_calls']} |")
     return 0
+
+
+def simulate_devices(count: int) -> None:
+    """Before jax starts: this host's CPU platform shows `count` devices (XLA_FLAGS), so a
+    mesh of that many can be built and exported here; an explicit device count is kept."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""The server honours logprobs, n, seed, penalties and logit_bias (issue 44 item 3), with the
+`openai` client over loopback: logprobs equal the engine's (which equal a full forward,
+tests/test_loop_logprobs.py) in OpenAI's chat and completions shapes, streamed and not; n
+returns n seeded rows (reproducible with `seed`); penalties and logit_bias change the greedy
+output exactly as the engine's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+from conftest import save_byte_tokenizer  # noqa: E402
+from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
+from jaxspec.engine.runner import Engine  # noqa: E402
+from jaxspec.serving import Server  # noqa: E402
+from jaxspec.serving.http import make_app  # noqa: E402
+from tiny import tiny_model  # noqa: E402
+
+CONTEXT = 128
+NAME = "tiny-bytes"
+NEW = 10
+PROMPT = "abcabcabc"
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(save_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
+    tok.chat_template = TEMPLATE
+    model = dataclasses.replace(tiny_model(vocab=256, packed=True), tokenizer=tok, name=NAME)
+    return Engine(model, NgramDrafter(256, 1, 3), num_speculative_tokens=3, max_context=CONTEXT,
+                  logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    server = Server(engine, slots=4, max_context=CONTEXT, steps_per_call=4, max_queue=16,
+                    model_name=NAME)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not http.started and thread.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert http.started
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                        timeout=300)
+    http.should_exit = True
+    thread.join(timeout=60)
+    server.close()
+
+
+def solo(engine, prompt, **kw):
+    ids = engine.model.tokenizer.encode(prompt)
+    return engine.generate([ids], max_new_tokens=NEW, **kw)[0]
+
+
+def test_completions_logprobs_equal_the_engines(engine, client):
+    ref = solo(engine, PROMPT)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                    logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ref.token_ids)
+    for got, want, top in zip(lp.token_logprobs, ref.logprobs, lp.top_logprobs):
+        assert abs(got - want["logprob"]) < 1e-5
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(want["top"][0][1], abs=1e-5)
+    streamed = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW,
+                                         temperature=0, logprobs=2, stream=True)
+    chunks = [c for c in streamed if c.choices and c.choices[0].logprobs]
+    got = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert got == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-5)
+
+
+def test_chat_logprobs_shape(client):
+    out = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=NEW,
+        temperature=0, logprobs=True, top_logprobs=4)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 4 and c.logprob <= 0 for c in content)
+    assert all(c.logprob >= c.top_logprobs[-1].logprob - 1e-6 for c in content)
+    none = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, temperature=0)
+    assert none.choices[0].logprobs is None
+
+
+def test_n_rows_are_seeded_and_reproducible(client):
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=1.0, n=4, seed=7)
+    first = client.completions.create(**ask)
+    again = client.completions.create(**ask)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert texts == [c.text for c in again.choices]  # seed: reproducible
+    assert len(set(texts)) > 1  # seeds seed + i: distinct samples
+    one = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=1.0,
+                                    seed=8)
+    assert one.choices[0].text == texts[1]  # row i is the request with seed + i
+    assert first.usage.completion_tokens == sum(
+        len(c.text.encode()) for c in first.choices) or first.usage.completion_tokens > 0
+
+
+def test_penalties_and_logit_bias_are_honoured(engine, client):
+    setting = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={"100": 8.0})
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                    extra_body={"repetition_penalty": 1.3}, **setting)
+    ref = solo(engine, PROMPT, penalties=(1.0, 0.5, 1.3, {"100": 8.0}))
+    assert out.choices[0].text == engine.decode_text(ref.token_ids)
+    assert out.choices[0].text != engine.decode_text(solo(engine, PROMPT).token_ids)
+
+
+@pytest.mark.parametrize("body, word", [
+    ({"n": 17}, "'n'=17 is out of range"),
+    ({"n": 2, "stream": True}, "not supported yet"),
+    ({"logprobs": 21}, "'logprobs'=21 is out of range"),
+    ({"logprobs": 6}, "it records 5 top logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty=3"),
+    ({"logit_bias": {"999": 1}}, "out of range"),
+    ({"best_of": 2}, "'best_of'=2 is not supported yet"),
+])
+def test_bad_fields_are_one_line_400s(client, body, word):
+    with pytest.raises(openai.BadRequestError, match=word):
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, extra_body=body)
