@@ -1,7 +1,7 @@
 """python scripts/prefill_rows_cost.py: seconds per prefill call at 1, 2 and 4 rows (whole prompts
 of the 128-token bucket, and 64-token tails over written pages), SmolLM2-135M, the serving
 scheduler's paged programs (first call of each shape untimed). Figures: BENCHMARKS.md."""
-import dataclasses, time, json, sys
+import dataclasses, time, json
 import jax, jax.numpy as jnp, numpy as np
 from jaxspec.build import build_engine
 from jaxspec.config import load_config
