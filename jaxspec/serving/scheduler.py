@@ -34,7 +34,7 @@ import numpy as np
 from jaxspec.decode.logit_bias import bias_vector
 from jaxspec.decode.penalties import OFF
 from jaxspec.decode.sampling import SamplingParams
-from jaxspec.engine.runner import prefill_into_cache as prefill_into_pool
+from jaxspec.engine.serving_surface import prefill_into_cache as prefill_into_pool
 from jaxspec.errors import JaxspecError
 from jaxspec.serving import grammars, paged_cache, prefix, rows
 from jaxspec.serving import policy as policy_lib
