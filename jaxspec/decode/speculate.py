@@ -37,93 +37,10 @@ from jaxspec.decode import acceptance, adaptive, adaptive_loop, sampling, tree
 from jaxspec.decode import logprob_record, logprobs, penalties as penalties_lib
 from jaxspec.decode.adaptive_loop import controller, plan_step
 from jaxspec.decode.drafter import CommitContext, DraftContext, Proposal, traits
+from jaxspec.decode.prefill import prefill, score_logits  # noqa: F401 (prefill re-exported)
 from jaxspec.decode.state import DecodeState, LoopSpec, place  # noqa: F401 (re-exported)
 from jaxspec.models import attention_kernels, base
 from jaxspec.decode.sampling import SamplingParams
-
-
-def prefill(
-    spec: LoopSpec,
-    tparams,
-    dparams,
-    prompt_tokens: jax.Array,  # int32[B, P] right-padded
-    prompt_lengths: jax.Array,  # int32[B]
-    max_new_tokens: jax.Array,  # int32[B]
-    sp: SamplingParams,
-    key: jax.Array,
-    row_ids: jax.Array,  # int32[B]
-    capacity: int,
-    cache: Any = None,
-    penalties: Any = None,
-    grammar: grammar_loop.Grammar | None = None,
-) -> DecodeState:
-    """Run the prompt through the target, sample the first token, set up the drafter.
-    cache: the target cache to prefill into (None: a fresh `target.init_cache`); the serving
-    scheduler passes its shared page pool with the row's page table. penalties: the rows'
-    `penalties.Penalties` (None: off), their counts started here from the prompt. grammar: the
-    rows' constraints (constrain/loop.py; None: every row free), the first token sampled under it."""
-    target = spec.target
-    b, p = prompt_tokens.shape
-    g = max(spec.depth, 1)
-    hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
-    if cache is None:
-        cache = target.init_cache(tparams, b, capacity)
-    if spec.mesh is not None:  # allocated sharded, not allocated whole and then split
-        cache = spec.mesh.constrain(cache, b)
-    out = target.forward(tparams, prompt_tokens, cache, taps=hidden_layers)
-    last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = target.logits(tparams, last)  # [B, V]
-    if penalties is not None:
-        penalties = penalties_lib.with_prompt(penalties, prompt_tokens, prompt_lengths)
-    adjusted = penalties_lib.row_logits(penalties, logits)
-    if grammar is not None:
-        adjusted = grammar_loop.mask_logits(
-            adjusted, grammar_loop.allowed_mask(grammar, grammar.state))
-    probs = sampling.logits_to_probs(adjusted, sp)  # [B, V]
-    row_steps = jnp.zeros((b,), jnp.int32)
-    first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
-    if grammar is not None:
-        grammar = grammar_loop.first_token(grammar, first)
-    tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
-    record = None
-    if spec.logprobs is not None:
-        scores = _score_logits(spec, logits, adjusted)[:, None]  # [B, 1, V]
-        scored = logprobs.scored(scores, first[:, None], spec.logprobs, sp, spec.logprobs_mode)
-        record = logprob_record.write(logprob_record.empty(b, capacity, spec.logprobs),
-                                      prompt_lengths, jnp.ones((b,), jnp.int32), scored)
-    tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first)
-    done = jnp.isin(first, jnp.asarray(spec.eos_ids, jnp.int32)) | (max_new_tokens <= 1)
-    dstate = None
-    if spec.drafter is not None:
-        dstate = spec.drafter.init(
-            dparams, base.bind(target, tparams), prompt_tokens, prompt_lengths, out.taps, capacity
-        )
-    zeros = jnp.zeros((b,), jnp.int32)
-    state = DecodeState(
-        tokens=tokens,
-        lengths=prompt_lengths + 1,
-        max_lengths=prompt_lengths + max_new_tokens,
-        done=done,
-        cache=out.cache.with_lengths(prompt_lengths),
-        drafter_state=dstate,
-        key=key,
-        row_ids=row_ids,
-        row_steps=row_steps + 1,
-        num_draft=zeros,
-        num_accepted=zeros,
-        accepted_per_position=jnp.zeros((b, g), jnp.int32),
-        penalties=penalties_lib.commit(penalties, tokens, prompt_lengths, prompt_lengths + 1, 1),
-        logprobs=record,
-        grammar=grammar,
-    )
-    return place(spec, state)
-
-
-def _score_logits(spec: LoopSpec, logits, adjusted):
-    """The logits the emitted tokens' logprobs are read from: the model's own ("raw") or the
-    request's penalties, logit_bias and constraint applied ("processed", which
-    `logprobs.log_probs` then puts through the sampling transform)."""
-    return logits if spec.logprobs_mode == "raw" else adjusted
 
 
 def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
@@ -132,7 +49,7 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
     [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
     entries (past `width`: zeros, never accepted). penalties: the rows' `penalties.Penalties`,
     applied per entry from that entry's path (`penalties.window_logits`); with_scores: a fifth
-    output, the logits [B, T, V] the emitted tokens' logprobs are read from (`_score_logits`).
+    output, the logits [B, T, V] the emitted tokens' logprobs are read from (`prefill.score_logits`).
 
     With draft nodes the cache is only read and the window's k/v come back for `commit_kv`
     (nodes share positions; which are kept is known only after acceptance). A root-only window
@@ -161,7 +78,7 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
     window_kv = None if in_place else base.pad_window(spec.target, out.window_kv, t)
     if with_scores:
-        scores = jnp.pad(_score_logits(spec, logits, adjusted).astype(jnp.float32), pad)
+        scores = jnp.pad(score_logits(spec, logits, adjusted).astype(jnp.float32), pad)
         return probs, layer_hidden, out.cache, window_kv, scores
     return probs, layer_hidden, out.cache, window_kv
 
