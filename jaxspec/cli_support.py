@@ -90,11 +90,14 @@ class _Interrupts:
         except (ValueError, OSError):
             return False
         self._sockets = (r, w)
+        self.unraisable = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         threading.Thread(target=self._watch, args=(r,), daemon=True, name="jaxspec-sigint").start()
         return True
 
     def uninstall(self) -> None:
         self._sockets[1].close()  # the watcher's recv sees EOF and the thread ends
+        sys.unraisablehook = self.unraisable
         try:
             signal.set_wakeup_fd(self.wakeup if self.wakeup is not None else -1)
             signal.signal(signal.SIGINT, self.previous or signal.default_int_handler)
@@ -108,6 +111,12 @@ class _Interrupts:
             print("\ninterrupted", file=sys.stderr)
             exit_now(EXIT_INTERRUPTED)
         raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable) -> None:
+        """Ctrl-C that lands in a callback Python cannot raise from (JAX's gc callback): no
+        traceback; the watcher thread ends the command as for any interrupt."""
+        if unraisable.exc_type is not KeyboardInterrupt:
+            self.unraisable(unraisable)
 
     def _watch(self, r) -> None:
         while True:

@@ -34,7 +34,12 @@ class GenerationResult:
     logprobs: list[dict] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The result as JSON; `logprobs` only where the engine records them
+        (generation.logprobs)."""
+        out = dataclasses.asdict(self)
+        if self.logprobs is None:
+            del out["logprobs"]
+        return out
 
 
 def fetch(state, plan=None) -> types.SimpleNamespace:
@@ -85,8 +90,9 @@ class Report:
                     time_to_first_token_s=ttft,
                     decode_tokens_per_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
                     metrics=self.row_metrics(state, i, n, attention),
-                    logprobs=None if state.logprobs is None else logprob_record.row_entries(
-                        state.logprobs, i, len(ids), int(state.lengths[i])),
+                    logprobs=None if getattr(state, "logprobs", None) is None
+                    else logprob_record.row_entries(state.logprobs, i, len(ids),
+                                                    int(state.lengths[i])),
                 )
             )
         return out
