@@ -35,11 +35,13 @@ def enable() -> str | None:
     drop_unreadable_entries()  # a damaged entry is replaced, not re-read on every run
     current = jax.config.jax_compilation_cache_dir
     if current:  # the user's (or an earlier call's) choice stands
+        restore_access_times(current)
         return current
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default 1 s
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
     compilation_cache.reset_cache()  # a program compiled before this call fixed "no cache"
+    restore_access_times(path)
     return path
 
 
@@ -69,3 +71,27 @@ def drop_unreadable_entries() -> bool:
     get_executable_and_time._jaxspec_heals = True
     cc.get_executable_and_time = get_executable_and_time
     return True
+
+
+def restore_access_times(path: str) -> int:
+    """Give every entry of a size-limited cache its access-time file; returns how many were missing.
+
+    With `jax_compilation_cache_max_size` set, JAX writes an entry and then its `-atime` file,
+    and every later write reads all of them to pick what to evict: a process interrupted between
+    the two writes (Ctrl-C while compiling) leaves an entry without one, and from then on every
+    write to that cache fails with FileNotFoundError. The restored entries count as just used.
+    """
+    import time
+
+    import jax
+
+    if jax.config.jax_compilation_cache_max_size == -1 or not Path(path).is_dir():
+        return 0
+    now = time.time_ns().to_bytes(8, "little")
+    restored = 0
+    for entry in Path(path).glob("*-cache"):
+        atime = entry.with_name(entry.name[: -len("-cache")] + "-atime")
+        if not atime.exists():
+            atime.write_bytes(now)
+            restored += 1
+    return restored

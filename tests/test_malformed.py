@@ -1234,3 +1234,25 @@ def test_a_truncated_xla_cache_entry_is_replaced(tmp_path):
     os.truncate(entries[0], 20)
     assert warnings_of_a_run() == 1  # jax warns and recompiles once ...
     assert warnings_of_a_run() == 0  # ... and the entry it wrote back is read from then on
+
+
+def test_an_entry_left_without_its_access_time_does_not_break_a_size_limited_cache(tmp_path):
+    """A Ctrl-C between JAX's two writes of an entry of a size-limited cache leaves it without its
+    `-atime` file; JAX's eviction then fails every later write. jaxspec restores the file."""
+    env = os.environ | {"JAXSPEC_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.getcwd(),
+                        "JAX_COMPILATION_CACHE_MAX_SIZE": "4000000000"}
+    for k in ("JAX_COMPILATION_CACHE_DIR", "JAXSPEC_XLA_CACHE"):
+        env.pop(k, None)
+    script = CACHE_SCRIPT.replace("* 3 + 1", "* {} + 1")
+
+    def warnings_of_a_run(scale: int) -> int:
+        done = subprocess.run([sys.executable, "-c", script.replace("{}", str(scale))], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    assert warnings_of_a_run(3) == 0
+    (atime,) = (tmp_path / "xla").glob("jit__lambda*-atime")
+    atime.unlink()  # what the interrupted writer leaves
+    assert warnings_of_a_run(5) == 0  # a new program is written, nothing fails
+    assert len(list((tmp_path / "xla").glob("jit__lambda*-cache"))) == 2
