@@ -6,10 +6,8 @@ test (fixed clients, fixed duration) checks every response."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
-import socket
 import threading
 import time
 
@@ -20,28 +18,20 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from conftest import save_byte_tokenizer  # noqa: E402
+from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
 from jaxspec.engine.runner import Engine  # noqa: E402
 from jaxspec.serving import QueueFull, Sampling, Server  # noqa: E402
 from jaxspec.serving.http import make_app  # noqa: E402
-from tiny import tiny_model  # noqa: E402
 
 CONTEXT = 128
-NAME = "tiny-bytes"
 PROMPTS = ["abcabcabc", "hello there", "xyz", "the cat sat on the mat"]
 NEW = 12
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(save_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
-    tok.chat_template = TEMPLATE
-    model = dataclasses.replace(tiny_model(vocab=256, packed=True), tokenizer=tok, name=NAME)
+    model = byte_chat_model(tmp_path_factory.mktemp("bytes"))
     return Engine(model, NgramDrafter(256, 1, 3), num_speculative_tokens=3, max_context=CONTEXT)
 
 
@@ -57,25 +47,14 @@ def solo(engine):
 def served(engine):
     server = Server(engine, slots=3, max_context=CONTEXT, steps_per_call=4, max_queue=3,
                     model_name=NAME)
-    sock = socket.socket()  # bound here and handed to uvicorn: the port is known, no race
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not http.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-    assert http.started, "the server did not start within 60 s"
-    yield server, f"http://127.0.0.1:{port}"
-    http.should_exit = True
-    thread.join(timeout=60)
+    with listening(make_app(server)) as url:
+        yield server, url
     server.close()
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[1] + "/v1", api_key="none", max_retries=0, timeout=300)
+    return openai_client(served[1])
 
 
 def complete(client, prompt, **kw):

@@ -7,10 +7,6 @@ output exactly as the engine's do.
 
 from __future__ import annotations
 
-import dataclasses
-import socket
-import threading
-import time
 
 import pytest
 
@@ -18,28 +14,20 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from conftest import save_byte_tokenizer  # noqa: E402
+from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
 from jaxspec.engine.runner import Engine  # noqa: E402
 from jaxspec.serving import Server  # noqa: E402
 from jaxspec.serving.http import make_app  # noqa: E402
-from tiny import tiny_model  # noqa: E402
 
 CONTEXT = 128
-NAME = "tiny-bytes"
 NEW = 10
 PROMPT = "abcabcabc"
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(save_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
-    tok.chat_template = TEMPLATE
-    model = dataclasses.replace(tiny_model(vocab=256, packed=True), tokenizer=tok, name=NAME)
+    model = byte_chat_model(tmp_path_factory.mktemp("bytes"))
     return Engine(model, NgramDrafter(256, 1, 3), num_speculative_tokens=3, max_context=CONTEXT,
                   logprobs=5)
 
@@ -48,20 +36,8 @@ def engine(tmp_path_factory):
 def client(engine):
     server = Server(engine, slots=4, max_context=CONTEXT, steps_per_call=4, max_queue=16,
                     model_name=NAME)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not http.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-    assert http.started
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                        timeout=300)
-    http.should_exit = True
-    thread.join(timeout=60)
+    with listening(make_app(server)) as url:
+        yield openai_client(url)
     server.close()
 
 

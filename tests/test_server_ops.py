@@ -7,11 +7,8 @@ limit's status code, the graceful drain in process and SIGTERM mid-stream on a r
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,8 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-from conftest import save_byte_tokenizer
-from tiny import tiny_model
+from loopback import NAME, byte_chat_model, listening
 
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
@@ -34,40 +30,15 @@ from jaxspec.serving import Sampling, Server
 from jaxspec.serving.gate import Gate, Limits
 from jaxspec.serving.http import make_app
 
-CONTEXT, GAMMA, NAME, KEY = 128, 3, "tiny-bytes", "sekrit-key"
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+CONTEXT, GAMMA, KEY = 128, 3, "sekrit-key"
 LIMITS = Limits(max_body_bytes=4096, max_prompt_tokens=60, max_tokens=80)
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(save_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
-    tok.chat_template = TEMPLATE
-    model = dataclasses.replace(tiny_model(vocab=256, packed=True), tokenizer=tok, name=NAME)
+    model = byte_chat_model(tmp_path_factory.mktemp("bytes"))
     return Engine(model, NgramDrafter(256, 1, GAMMA), num_speculative_tokens=GAMMA,
                   max_context=CONTEXT)
-
-
-@contextlib.contextmanager
-def listening(app):
-    """uvicorn on a socket bound here (port 0), started within 60 s; its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not http.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-    assert http.started, "the server did not start within 60 s"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        http.should_exit = True
-        thread.join(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +297,7 @@ def test_drain_refuses_new_requests_then_aborts_the_running_ones(server, engine)
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A tiny random Llama with the byte tokenizer, as `model.name` of a served config."""
-    from conftest import make_tiny_checkpoint
+    from conftest import make_tiny_checkpoint, save_byte_tokenizer
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1)
     return save_byte_tokenizer(path)

@@ -6,11 +6,7 @@ unsupported schema keyword and tool_choice "auto" get a one-line 400."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import socket
-import threading
-import time
 
 import httpx
 import jsonschema
@@ -20,16 +16,14 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from conftest import save_byte_tokenizer  # noqa: E402
+from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
 from jaxspec.constrain import Constraint  # noqa: E402
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
 from jaxspec.engine.runner import Engine  # noqa: E402
 from jaxspec.serving import Server  # noqa: E402
 from jaxspec.serving.http import make_app  # noqa: E402
-from tiny import tiny_model  # noqa: E402
 
 CONTEXT = 160
-NAME = "tiny-bytes"
 NEW = 64
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
@@ -46,11 +40,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(save_byte_tokenizer(tmp_path_factory.mktemp("bytes")))
-    tok.chat_template = TEMPLATE
-    model = dataclasses.replace(tiny_model(vocab=256, packed=True), tokenizer=tok, name=NAME)
+    model = byte_chat_model(tmp_path_factory.mktemp("bytes"), TEMPLATE)
     return Engine(model, NgramDrafter(256, 1, 3), num_speculative_tokens=3, max_context=CONTEXT)
 
 
@@ -58,25 +48,14 @@ def engine(tmp_path_factory):
 def served(engine):
     server = Server(engine, slots=3, max_context=CONTEXT, steps_per_call=4, max_queue=8,
                     model_name=NAME, structured=True)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(make_app(server), log_level="warning"))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not http.started and thread.is_alive() and time.time() < deadline:
-        time.sleep(0.05)
-    assert http.started, "the server did not start within 60 s"
-    yield server, f"http://127.0.0.1:{port}"
-    http.should_exit = True
-    thread.join(timeout=60)
+    with listening(make_app(server)) as url:
+        yield server, url
     server.close()
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served[1] + "/v1", api_key="none", max_retries=0, timeout=300)
+    return openai_client(served[1])
 
 
 def solo(engine, prompt, constraint):

@@ -211,15 +211,25 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
     else:
         o_c, m_c, l_c = _cache_part_xla(q5 if stacked_xla else qg, k_cache, v_cache, lengths,
                                         layer, scale, block, dots)
-    # merge: o_c is the cache part's unnormalised sum with running max m_c and weight sum l_c
+    return merge_cache_and_window(o_c, m_c, l_c, s_win, vw, q.shape, q.dtype)
+
+
+def merge_cache_and_window(o_c, m_c, l_c, s_win, vw, q_shape, dtype) -> jax.Array:
+    """Attention over the cache and the window, from the cache part's unnormalised sum o_c
+    [B, K, GT, H] with running max m_c and weight sum l_c [B, K, GT], and the window's masked
+    scores s_win [B, K, GT, T] over its values vw [B, K, T, H]; merged by log-sum-exp (a query
+    always sees itself, so the window part is never empty). Returns [B, T, N*H] in `dtype`,
+    q_shape = (B, T, N, H) of the query the rows (g, t) were grouped from."""
+    b, t, n, h = q_shape
+    kv = o_c.shape[1]
     m = jnp.maximum(m_c, s_win.max(-1))  # [B, K, GT]
     p_win = jnp.exp(s_win - m[..., None])
     a_c = jnp.exp(m_c - m)
     denom = a_c * l_c + p_win.sum(-1)
     pv = (((3,), (2,)), ((0, 1), (0, 1)))
     o = a_c[..., None] * o_c + jax.lax.dot_general(p_win, vw.astype(jnp.float32), pv)
-    o = (o / denom[..., None]).astype(q.dtype)  # [B, K, GT, H]
-    return o.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+    o = (o / denom[..., None]).astype(dtype)  # [B, K, GT, H]
+    return o.reshape(b, kv, n // kv, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
 def _cache_kernel(qg, k_cache, v_cache, lengths, layer, *, impl, scale, interpret):

@@ -132,14 +132,7 @@ def _attend(q, k_layer, v_layer, k_win, v_win, positions, *, scale, window, wind
     dims = (((3,), (3,)), ((0, 1), (0, 1)))
     s_win = jax.lax.dot_general(qg, kw.astype(qg.dtype), dims, preferred_element_type=jnp.float32)
     s_win = jnp.where(wmask, blocks.soft_cap(s_win * scale, softcap), _NEG)  # [B, K, GT, T]
-    m = jnp.maximum(m_c, s_win.max(-1))  # a query always sees itself
-    p_win = jnp.exp(s_win - m[..., None])
-    a_c = jnp.exp(m_c - m)
-    denom = a_c * l_c + p_win.sum(-1)
-    pv = (((3,), (2,)), ((0, 1), (0, 1)))
-    o = a_c[..., None] * o_c + jax.lax.dot_general(p_win, vw.astype(jnp.float32), pv)
-    o = (o / denom[..., None]).astype(q.dtype)  # [B, K, GT, H]
-    return o.reshape(b, kv, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
+    return attention.merge_cache_and_window(o_c, m_c, l_c, s_win, vw, q.shape, q.dtype)
 
 
 def committed_on_head_shards(qg, k_layer, v_layer, lengths, scale, softcap, impl, interpret):

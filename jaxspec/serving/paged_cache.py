@@ -128,17 +128,6 @@ class TailTarget:
             raise AttributeError(name)
         return getattr(self.paged, name)
 
-    def layers(self, cache: pa.PagedKVCache) -> KVCache:
-        """What the inner forward reads: per layer the pool and the table (`read="pages"`,
-        `models.paged_layer`: no view is built), or the gathered contiguous view (`"view"`)."""
-        if self.read == "view":
-            return pa.view(cache)
-        if self.read != "pages":
-            raise ValueError(f"PagedTarget(read={self.read!r}): use 'pages' or 'view'")
-        k = tuple(paged_layer.PagedLayer(x, cache.page_table) for x in cache.k)
-        v = tuple(paged_layer.PagedLayer(x, cache.page_table) for x in cache.v)
-        return KVCache(k=k, v=v, lengths=cache.lengths)
-
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
         if taps or positions is not None or window_mask is not None:
