@@ -7,6 +7,7 @@ compiled programs' HLO (copies, bytes) is tests/test_accelerator_path.py's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +19,33 @@ from jaxspec.models.cache import init_cache
 from jaxspec.models import attention, decoder, llama
 
 
-def _attention_inputs(seed=0, b=2, t=3, n=4, kv=2, s=64, h=16, layers=None):
+def _attention_inputs(seed=0, b=2, t=3, n=4, kv=2, s=64, h=16, layers=None, dtype="float32"):
+    """Random q, caches, window K/V (in `dtype`) and lengths, drawn in one compiled program."""
+    q, kc, vc, kw, vw = _random_arrays(seed, b=b, t=t, n=n, kv=kv, s=s, h=h, layers=layers,
+                                       dtype=dtype)
+    return q, kc, vc, kw, vw, jnp.asarray([5, 40][:b], jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("b", "t", "n", "kv", "s", "h", "layers", "dtype"))
+def _random_arrays(seed, *, b, t, n, kv, s, h, layers, dtype):
     ks = jax.random.split(jax.random.key(seed), 5)
     cache_shape = (b, kv, s, h) if layers is None else (layers, b, kv, s, h)
     q = jax.random.normal(ks[0], (b, t, n, h))
     kc, vc = jax.random.normal(ks[1], cache_shape), jax.random.normal(ks[2], cache_shape)
     kw, vw = jax.random.normal(ks[3], (b, t, kv, h)), jax.random.normal(ks[4], (b, t, kv, h))
-    lengths = jnp.asarray([5, 40][:b], jnp.int32)
-    return q, kc, vc, kw, vw, lengths
+    return tuple(a.astype(dtype) for a in (q, kc, vc, kw, vw))
+
+
+# attention.attend run eagerly compiles each of its ops as a program of its own (hundreds per
+# module); jitted, a call is one program. The XLA path's is shared by every test at the same shapes
+# and options (it reads no monkeypatched setting); a kernel's is traced afresh per call, since
+# tests monkeypatch what the kernels read at trace time (TPU page sizes, core counts).
+xla = jax.jit(functools.partial(attention.attend, impl="xla"), static_argnames=("chunk", "block"))
+
+
+def compiled(**options):
+    """attention.attend(*arrays, **options) as one freshly traced program."""
+    return jax.jit(lambda *a, **kw: attention.attend(*a, **kw, **options))
 
 
 def _dense_reference(q, kc, vc, kw, vw, lengths, window_mask):
@@ -55,19 +75,19 @@ def test_attend_xla_matches_dense_reference(tree):
     if tree:  # node 2 is a sibling of node 1: it sees the root and itself only
         mask = mask.at[:, 2, 1].set(False)
     want = _dense_reference(q, kc, vc, kw, vw, lengths, mask)
-    got = attention.attend(q, kc, vc, kw, vw, lengths, window_mask=mask, impl="xla")
+    got = xla(q, kc, vc, kw, vw, lengths, window_mask=mask)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     stacked = [jnp.stack([jnp.zeros_like(kc), kc, jnp.ones_like(kc)]) for kc in (kc, vc)]
-    got_l = attention.attend(q, *stacked, kw, vw, lengths, layer=jnp.int32(1), window_mask=mask, impl="xla")
+    got_l = xla(q, *stacked, kw, vw, lengths, layer=jnp.int32(1), window_mask=mask)
     np.testing.assert_allclose(got_l, want, rtol=1e-5, atol=1e-5)
 
 
 def test_attend_prefill_chunks_match_one_block():
     q, kc, vc, kw, vw, lengths = _attention_inputs(t=32, s=64)
-    whole = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=64)
-    chunked = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=8)
+    whole = xla(q, kc, vc, kw, vw, lengths, chunk=64)
+    chunked = xla(q, kc, vc, kw, vw, lengths, chunk=8)
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
-    ragged = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla", chunk=12)  # 12, 12, 8
+    ragged = xla(q, kc, vc, kw, vw, lengths, chunk=12)  # 12, 12, 8
     np.testing.assert_allclose(ragged, whole, rtol=1e-5, atol=1e-5)
     # any T is chunked: no score block has more than `chunk` queries (a 32-query one would)
     jaxpr = str(jax.make_jaxpr(lambda *a: attention.attend(*a, impl="xla", chunk=12))(
@@ -85,8 +105,8 @@ def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
     CPU; on a GPU scripts/bench_device.sh runs it compiled."""
     pytest.importorskip("jax.experimental.pallas.ops.gpu.decode_attention")
     q, kc, vc, kw, vw, lengths = _attention_inputs(t=2, s=128)
-    want = attention.attend(q, kc, vc, kw, vw, lengths, impl="xla")
-    got = attention.attend(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
+    want = xla(q, kc, vc, kw, vw, lengths)
+    got = compiled(impl="pallas_gpu", interpret=True)(q, kc, vc, kw, vw, lengths)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     assert _runs_a_kernel(q, kc, vc, kw, vw, lengths, impl="pallas_gpu", interpret=True)
     # a capacity the kernel's blocks do not divide runs the XLA path
@@ -97,15 +117,14 @@ def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
 def test_attend_pallas_gpu_stacked_kernel_matches_reference_in_interpret_mode(dtype):
     """Our Pallas GPU kernel on a stack at a traced layer (the stacked layout's GPU path): chain
     and tree windows, an empty prefix, a prefix ending mid-block, several splits."""
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=256, layers=3)
-    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=256, layers=3, dtype=dtype)
     lengths = jnp.asarray([0, 17, 250], jnp.int32)
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
     for mask in (None, attention.causal_mask(3, 3).at[:, 2, 1].set(False)):
         args = (q, kc, vc, kw, vw, lengths)
-        want = attention.attend(*args, layer=jnp.int32(1), window_mask=mask, impl="xla")
-        got = attention.attend(*args, layer=jnp.int32(1), window_mask=mask, impl="pallas_gpu",
-                               interpret=True)
+        want = xla(*args, layer=jnp.int32(1), window_mask=mask)
+        got = compiled(impl="pallas_gpu", interpret=True)(*args, layer=jnp.int32(1),
+                                                          window_mask=mask)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=tol, atol=tol)
     assert _runs_a_kernel(*args, layer=jnp.int32(1), impl="pallas_gpu", interpret=True)
@@ -122,15 +141,15 @@ def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatc
     from jaxspec.models import attention_kernels
 
     monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))  # 4 pages, 2 blocks
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=64, layers=3 if stacked else None)
-    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=64, layers=3 if stacked else None,
+                                             dtype=dtype)
     lengths = jnp.asarray([0, 17, 64 - 3], jnp.int32)
     layer = jnp.int32(1) if stacked else None
     tree = attention.causal_mask(3, 3).at[:, 2, 1].set(False)
     tol = 2e-2 if dtype == "bfloat16" else 1e-2
     for mask in (None, tree):
         args = (q, kc, vc, kw, vw, lengths)
-        want = attention.attend(*args, layer=layer, window_mask=mask, impl="xla")
+        want = xla(*args, layer=layer, window_mask=mask)
         got = jax.jit(lambda *a, mask=mask: attention.attend(
             *a, layer=layer, window_mask=mask, impl="pallas_tpu", interpret=True))(*args)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -138,7 +157,7 @@ def test_attend_pallas_tpu_kernel_matches_reference_in_interpret_mode(monkeypatc
     assert _runs_a_kernel(*args, layer=layer, impl="pallas_tpu", interpret=True)
     if not stacked:  # the same kernel under jax's own switch for TPU interpret mode
         with pltpu.force_tpu_interpret_mode():
-            forced = attention.attend(*args, window_mask=tree, impl="pallas_tpu")
+            forced = compiled(window_mask=tree, impl="pallas_tpu")(*args)
         np.testing.assert_allclose(np.asarray(forced, np.float32), np.asarray(got, np.float32),
                                    rtol=1e-6, atol=1e-6)
 
@@ -162,12 +181,11 @@ def test_attend_prefill_on_kernels_matches_reference_in_interpret_mode(monkeypat
 
     monkeypatch.setattr(attention_kernels, "tpu_pages", lambda slots: (16, 2))
     q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=300, n=4, kv=2, s=256, h=32,
-                                             layers=3 if stacked else None)
-    q, kc, vc, kw, vw = (a.astype(dtype) for a in (q, kc, vc, kw, vw))
+                                             layers=3 if stacked else None, dtype=dtype)
     lengths = jnp.asarray([0, 17, 141], jnp.int32)
     layer = jnp.int32(1) if stacked else None
     args = (q, kc, vc, kw, vw, lengths)
-    want = attention.attend(*args, layer=layer, impl="xla", chunk=100)  # 3 query chunks
+    want = xla(*args, layer=layer, chunk=100)  # 3 query chunks
     run = lambda *a: attention.attend(*a, layer=layer, impl=impl, interpret=True)
     got = np.asarray(jax.jit(run)(*args), np.float32)
     want = np.asarray(want, np.float32)
@@ -264,14 +282,14 @@ def test_attention_impl_follows_the_backend(monkeypatch, backend, dtype, want):
 def test_attend_blocked_cache_loop_matches_one_pass(stacked):
     q, kc, vc, kw, vw, lengths = _attention_inputs(t=3, s=64, layers=2 if stacked else None)
     layer = jnp.int32(1) if stacked else None
-    one = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=None)
+    one = xla(q, kc, vc, kw, vw, lengths, layer=layer, block=None)
     for block in (16, 32):
-        got = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=block)
+        got = xla(q, kc, vc, kw, vw, lengths, layer=layer, block=block)
         np.testing.assert_allclose(got, one, rtol=1e-5, atol=1e-5)
     empty = jnp.zeros_like(lengths)  # prefill: the loop reads no block
     np.testing.assert_allclose(
-        attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=16),
-        attention.attend(q, kc, vc, kw, vw, empty, layer=layer, impl="xla", block=None),
+        xla(q, kc, vc, kw, vw, empty, layer=layer, block=16),
+        xla(q, kc, vc, kw, vw, empty, layer=layer, block=None),
         rtol=1e-5, atol=1e-5)
 
 
@@ -297,12 +315,11 @@ def test_gpu_decode_kernel_merges_its_splits_in_float32():
     """bf16 cache, 16 slot splits of 128 (2048 slots, lengths across them): JAX's wrapper merged
     the splits' unnormalised outputs in bfloat16, twice the XLA path's error against a float64
     reference; merged in float32 the kernel is as accurate as the XLA path."""
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=2, t=2, s=2048, h=64)
-    q, kc, vc, kw, vw = (a.astype(jnp.bfloat16) for a in (q, kc, vc, kw, vw))
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=2, t=2, s=2048, h=64, dtype="bfloat16")
     lengths = jnp.asarray([2000, 1500], jnp.int32)
     want = _dense_reference(q, kc, vc, kw, vw, lengths, attention.causal_mask(2, 2))
     err = lambda impl, **opts: float(np.abs(np.asarray(  # noqa: E731
-        attention.attend(q, kc, vc, kw, vw, lengths, impl=impl, **opts), np.float64) - want).max())
+        compiled(impl=impl, **opts)(q, kc, vc, kw, vw, lengths), np.float64) - want).max())
     assert err("pallas_gpu", interpret=True) <= 1.25 * err("xla")
 
 
@@ -333,8 +350,7 @@ def test_tpu_kernel_on_two_tensorcores_splits_the_grid(monkeypatch):
     from jaxspec.models import attention_kernels as ak
 
     monkeypatch.setattr(ak, "tpu_pages", lambda slots: (16, 2))
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=64)
-    q, kc, vc, kw, vw = (a.astype(jnp.bfloat16) for a in (q, kc, vc, kw, vw))
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=3, t=3, s=64, dtype="bfloat16")
     lengths = jnp.asarray([0, 17, 61], jnp.int32)
     for cores in (1, 2):
         monkeypatch.setattr(ak, "tpu_cores", lambda: cores)  # noqa: B023
@@ -350,8 +366,7 @@ def test_prefill_on_an_empty_cache_runs_no_cache_kernel(impl):
     """An engine prefill (every length 0): the cache-part kernel sits in a branch taken only when
     some row has an earlier cache, so only the flash kernel runs; with an earlier cache the branch
     gives the merged result (interpret mode)."""
-    q, kc, vc, kw, vw, _ = _attention_inputs(b=2, t=300, n=4, kv=2, s=256, h=32)
-    q, kc, vc, kw, vw = (a.astype(jnp.bfloat16) for a in (q, kc, vc, kw, vw))
+    q, kc, vc, kw, vw, _ = _attention_inputs(b=2, t=300, n=4, kv=2, s=256, h=32, dtype="bfloat16")
     run = lambda *a: attention.attend(*a, impl=impl, interpret=True)  # noqa: E731
     jaxpr = jax.make_jaxpr(run)(q, kc, vc, kw, vw, jnp.zeros((2,), jnp.int32)).jaxpr
     # flash outside any branch (possibly inside its custom_vjp wrapper); the cache's kernel only
@@ -362,7 +377,7 @@ def test_prefill_on_an_empty_cache_runs_no_cache_kernel(impl):
     for lengths in ([0, 0], [0, 37]):
         lengths = jnp.asarray(lengths, jnp.int32)
         got = np.asarray(jax.jit(run)(q, kc, vc, kw, vw, lengths), np.float32)
-        want = np.asarray(attention.attend(q, kc, vc, kw, vw, lengths, impl="xla"), np.float32)
+        want = np.asarray(xla(q, kc, vc, kw, vw, lengths), np.float32)
         np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
 
 
@@ -393,9 +408,9 @@ def test_xla_path_with_dots_matches_the_cpu_form(monkeypatch, stacked):
 
     q, kc, vc, kw, vw, lengths = _attention_inputs(t=3, s=64, layers=2 if stacked else None)
     layer = jnp.int32(1) if stacked else None
-    cpu = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=16)
-    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
-    dots = attention.attend(q, kc, vc, kw, vw, lengths, layer=layer, impl="xla", block=16)
+    cpu = compiled(layer=layer, impl="xla", block=16)(q, kc, vc, kw, vw, lengths)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")  # read at trace time
+    dots = compiled(layer=layer, impl="xla", block=16)(q, kc, vc, kw, vw, lengths)
     np.testing.assert_allclose(dots, cpu, rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
     fn = jax.jit(lambda *a: attention.attend(*a, layer=layer))

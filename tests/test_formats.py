@@ -192,10 +192,15 @@ def torch_fc(torch, sd, feats, nbf):  # feats [3, T, Dt] -> [T, H]
     return x @ sd["fc.weight"].T
 
 
+# The drafters' and the target's forwards are called jitted: run eagerly each of their ops compiles
+# a program of its own (hundreds per test); jitted, a call is one program.
+_forward = jax.jit(llama.forward, static_argnums=(3, 4))
+
+
 def target_features(target, tokens, layers):  # int[T] -> f32[len(layers), T, D]
     ids = jnp.asarray(tokens, jnp.int32)[None]
     cache = init_cache(target.cfg.num_layers, 1, 64, target.cfg.num_kv_heads, target.cfg.head_dim)
-    out = llama.forward(target.params, ids, cache, target.cfg, tuple(layers))
+    out = _forward(target.params, ids, cache, target.cfg, tuple(layers))
     return np.asarray(out.layer_hidden[:, 0])
 
 
@@ -210,7 +215,7 @@ def test_eagle3_logits_match_an_independent_torch_forward(tmp_path, target, name
     drafter, dparams = formats.load_drafter_checkpoint("eagle", path, target)
     assert drafter.hidden_layers == (1, 3, 4)
     feats = target_features(target, TOKENS, drafter.hidden_layers)
-    ours = drafter.forward(
+    ours = jax.jit(drafter.forward)(
         dparams, base.bind(target.target, target.params), jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None]
     )
     with torch.no_grad():
@@ -229,12 +234,12 @@ def test_eagle3_chained_drafts_match_torch(tmp_path, target):
     feats = target_features(target, TOKENS, drafter.hidden_layers)
     cap = 32
     buf = jnp.zeros((1, cap), jnp.int32).at[0, : len(TOKENS)].set(jnp.asarray(TOKENS))
-    state = drafter.init(
+    state = jax.jit(drafter.init, static_argnums=5)(
         dparams, base.bind(target.target, target.params), buf[:, :p], jnp.asarray([p]), jnp.asarray(feats[:, None, :p]), cap
     )
     ctx = DraftContext(tokens=buf, lengths=jnp.asarray([p + 1]), active=jnp.ones((1,), bool))
     sp = SamplingParams.make(temperature=1.0)
-    prop, _ = drafter.propose(
+    prop, _ = jax.jit(drafter.propose, static_argnums=4)(
         dparams, base.bind(target.target, target.params), state, ctx, 2, sp, jax.random.split(jax.random.key(1), 1)
     )
     d1 = int(prop.tokens[0, 0])
@@ -347,7 +352,7 @@ def test_medusa_logits_match_an_independent_torch_forward(tmp_path, target, name
     drafter, dparams = formats.load_drafter_checkpoint("medusa", path, target)
     assert drafter.num_heads == 3
     h = np.random.default_rng(0).normal(size=(HIDDEN,)).astype(np.float32)
-    ours = np.asarray(head_logits(dparams, jnp.asarray(h), 3))
+    ours = np.asarray(jax.jit(head_logits, static_argnums=2)(dparams, jnp.asarray(h), 3))
     with torch.no_grad():
         ref = torch_medusa(torch, sd, layout, torch.as_tensor(h)).numpy()
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
@@ -422,12 +427,12 @@ def test_mtp_chain_matches_torch(tmp_path, target, own_head):
     feats = target_features(target, TOKENS, drafter.hidden_layers)  # final-normed hidden
     cap = 32
     buf = jnp.zeros((1, cap), jnp.int32).at[0, : len(TOKENS)].set(jnp.asarray(TOKENS))
-    state = drafter.init(
+    state = jax.jit(drafter.init, static_argnums=5)(
         dparams, base.bind(target.target, target.params), buf[:, :p], jnp.asarray([p]), jnp.asarray(feats[:, None, :p]), cap
     )
     ctx = DraftContext(tokens=buf, lengths=jnp.asarray([p + 1]), active=jnp.ones((1,), bool))
     sp = SamplingParams.make(temperature=1.0)
-    prop, _ = drafter.propose(
+    prop, _ = jax.jit(drafter.propose, static_argnums=4)(
         dparams, base.bind(target.target, target.params), state, ctx, 3, sp, jax.random.split(jax.random.key(2), 1)
     )
     embed = torch.as_tensor(np.asarray(target.params["embed"]))
@@ -548,7 +553,7 @@ def test_eagle3_round_trip_is_identical(tmp_path, target, src, dst):
     feats = target_features(target, TOKENS, d1.hidden_layers)
     args = (target.params, jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None])
     np.testing.assert_array_equal(
-        np.asarray(d1.forward(p1, *args)), np.asarray(d2.forward(p2, *args))
+        np.asarray(jax.jit(d1.forward)(p1, *args)), np.asarray(jax.jit(d2.forward)(p2, *args))
     )
 
 
@@ -779,7 +784,8 @@ def test_trained_eagle3_exports_exactly(tmp_path, trained, fmt):
     feats = target_features(tgt, TOKENS, ours.hidden_layers)
     args = (base.bind(tgt.target, tgt.params), jnp.asarray([TOKENS]), jnp.asarray(feats)[:, None])
     np.testing.assert_array_equal(
-        np.asarray(ours.forward(p_ours, *args)), np.asarray(pub.forward(p_pub, *args))
+        np.asarray(jax.jit(ours.forward)(p_ours, *args)),
+        np.asarray(jax.jit(pub.forward)(p_pub, *args)),
     )
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     a = Engine(tgt, ours, p_ours, num_speculative_tokens=3).generate(
@@ -810,8 +816,8 @@ def test_trained_medusa_exports_exactly_to_vllm(tmp_path, trained):
     np.testing.assert_array_equal(np.asarray(p_pub["d2t"]), np.asarray(p_ours["d2t"]))
     h = jnp.asarray(np.random.default_rng(1).normal(size=(3, tgt.cfg.hidden_size)), jnp.float32)
     np.testing.assert_allclose(
-        np.asarray(head_logits(p_pub, h, 2)),
-        np.asarray(jaxspec_medusa.head_logits(p_ours, h)),
+        np.asarray(jax.jit(head_logits, static_argnums=2)(p_pub, h, 2)),
+        np.asarray(jax.jit(jaxspec_medusa.head_logits)(p_ours, h)),
         rtol=1e-6,
         atol=1e-6,
     )

@@ -22,6 +22,13 @@ from jaxspec.models import attention, decoder, llama
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs a CPU backend and g++")
 
 
+# Run eagerly, every op (a slice, a cache write, the kernel's wrapper) compiles a program of its
+# own; these are compiled once per shape and shared by the tests.
+panel_matmul = jax.jit(kernels.panel_matmul)
+prefix_attention = jax.jit(kernels.prefix_attention, static_argnums=6)
+write_kv = jax.jit(decoder.write_kv)
+
+
 @pytest.mark.parametrize("out_features,in_features", [(1001, 577), (192, 576), (64, 3), (5, 16)])
 def test_panel_matmul_matches_float64(out_features, in_features):
     rng = np.random.default_rng(out_features)
@@ -30,7 +37,7 @@ def test_panel_matmul_matches_float64(out_features, in_features):
     np.testing.assert_array_equal(np.asarray(kernels.unpack(packed)), w)
     for rows in (1, 2, 3, 4, 5, 8, 13):
         x = rng.standard_normal((rows, in_features)).astype(np.float32)
-        got = np.asarray(jax.jit(kernels.panel_matmul)(jnp.asarray(x), packed))
+        got = np.asarray(panel_matmul(x, packed))
         want = x.astype(np.float64) @ w.astype(np.float64).T
         assert got.shape == (rows, out_features)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
@@ -40,11 +47,11 @@ def test_rows_are_bit_identical_whatever_the_window():
     """A verify window and a one-token step must see the same projection of the same row."""
     rng = np.random.default_rng(0)
     packed = kernels.pack(rng.standard_normal((300, 200)).astype(np.float32))
-    x = jnp.asarray(rng.standard_normal((2, 7, 200)).astype(np.float32))  # [B, T, I]
-    full = np.asarray(kernels.panel_matmul(x, packed))
+    x = rng.standard_normal((2, 7, 200)).astype(np.float32)  # [B, T, I]
+    full = np.asarray(panel_matmul(x, packed))
     for b in range(2):
         for t in range(7):
-            one = np.asarray(kernels.panel_matmul(x[b : b + 1, t : t + 1], packed))
+            one = np.asarray(panel_matmul(x[b : b + 1, t : t + 1], packed))
             np.testing.assert_array_equal(one[0, 0], full[b, t])
 
 
@@ -83,25 +90,26 @@ def test_prefix_attention_matches_float64(b, t, n, kv, slots, h):
     lengths[0] = 0  # an empty cache
     lengths[-1] = slots - t if b > 1 else lengths[-1]  # and a full one
     lengths = jnp.asarray(lengths, jnp.int32)
-    attend = jax.jit(kernels.prefix_attention, static_argnums=6)
-    got = np.asarray(attend(q, k, v, k_win, v_win, lengths, h**-0.5))
+    got = np.asarray(prefix_attention(q, k, v, k_win, v_win, lengths, h**-0.5))
     want = attention_reference(q, k, v, k_win, v_win, np.asarray(lengths), h**-0.5)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
     # the same with the window already written into the cache (what a plain step does)
-    written = [decoder.write_kv(c, w, lengths[:, None] + jnp.arange(t)) for c, w in ((k, k_win), (v, v_win))]
-    np.testing.assert_array_equal(np.asarray(attend(q, *written, k_win, v_win, lengths, h**-0.5)), got)
+    pos = np.asarray(lengths)[:, None] + np.arange(t)
+    written = [write_kv(c, w, pos) for c, w in ((k, k_win), (v, v_win))]
+    np.testing.assert_array_equal(
+        np.asarray(prefix_attention(q, *written, k_win, v_win, lengths, h**-0.5)), got)
 
 
 def test_prefix_attention_rows_are_bit_identical_whatever_the_window():
     """Verify row t equals a one-token step at that position, bit for bit (greedy identity)."""
     rng = np.random.default_rng(0)
-    q, k, v, k_win, v_win = attention_inputs(rng, 2, 6, 9, 3, 50, 64)
-    lengths = jnp.asarray([7, 30], jnp.int32)
-    full = np.asarray(kernels.prefix_attention(q, k, v, k_win, v_win, lengths, 0.125))
+    q, k, v, k_win, v_win = (np.asarray(a) for a in attention_inputs(rng, 2, 6, 9, 3, 50, 64))
+    lengths = np.asarray([7, 30], np.int32)
+    full = np.asarray(prefix_attention(q, k, v, k_win, v_win, lengths, 0.125))
     for t in range(6):  # the step at position lengths + t sees the first t window rows as cache
-        pos = lengths[:, None] + jnp.arange(t)
-        k_t, v_t = decoder.write_kv(k, k_win[:, :t], pos), decoder.write_kv(v, v_win[:, :t], pos)
-        one = kernels.prefix_attention(q[:, t : t + 1], k_t, v_t, k_win[:, t : t + 1], v_win[:, t : t + 1], lengths + t, 0.125)
+        pos = lengths[:, None] + np.arange(t, dtype=np.int32)
+        k_t, v_t = write_kv(k, k_win[:, :t], pos), write_kv(v, v_win[:, :t], pos)
+        one = prefix_attention(q[:, t : t + 1], k_t, v_t, k_win[:, t : t + 1], v_win[:, t : t + 1], lengths + t, 0.125)
         np.testing.assert_array_equal(np.asarray(one)[:, 0], full[:, t])
 
 
@@ -112,19 +120,20 @@ def test_prefix_attention_tree_mask(h):
     path was written into the cache (what plain decoding computes once the path is committed)."""
     rng = np.random.default_rng(h)
     parents = jnp.asarray([[-1, -1, 0, 0, 1, 3, 2], [-1, 0, 1, -1, 3, 0, 5]])
-    mask = tree.ancestors(parents, jnp.asarray([7, 7]))  # [B, 8, 8]
-    q, k, v, k_win, v_win = attention_inputs(rng, 2, 8, 9, 3, 50, h)
-    lengths = jnp.asarray([7, 30], jnp.int32)
-    got = np.asarray(kernels.prefix_attention(q, k, v, k_win, v_win, lengths, h**-0.5, mask))
-    want = attention.attend(q, k, v, k_win, v_win, lengths, window_mask=mask, impl="xla")
+    mask = np.asarray(tree.ancestors(parents, jnp.asarray([7, 7])))  # [B, 8, 8]
+    q, k, v, k_win, v_win = (np.asarray(a) for a in attention_inputs(rng, 2, 8, 9, 3, 50, h))
+    lengths = np.asarray([7, 30], np.int32)
+    got = np.asarray(prefix_attention(q, k, v, k_win, v_win, lengths, h**-0.5, mask))
+    want = jax.jit(lambda *a, mask: attention.attend(*a, window_mask=mask, impl="xla"))(
+        q, k, v, k_win, v_win, lengths, mask=mask)
     np.testing.assert_allclose(got.reshape(2, 8, -1), want, atol=2e-6, rtol=1e-5)
     for b in range(2):
         for t in range(8):
-            path = np.nonzero(np.asarray(mask[b, t]))[0]  # ancestors, then t itself
-            pos = lengths[b] + jnp.arange(len(path) - 1)
-            kb = decoder.write_kv(k[b : b + 1], k_win[b : b + 1, path[:-1]], pos[None])
-            vb = decoder.write_kv(v[b : b + 1], v_win[b : b + 1, path[:-1]], pos[None])
-            one = kernels.prefix_attention(
+            path = np.nonzero(mask[b, t])[0]  # ancestors, then t itself
+            pos = lengths[b] + np.arange(len(path) - 1, dtype=np.int32)
+            kb = write_kv(k[b : b + 1], k_win[b : b + 1, path[:-1]], pos[None])
+            vb = write_kv(v[b : b + 1], v_win[b : b + 1, path[:-1]], pos[None])
+            one = prefix_attention(
                 q[b : b + 1, t : t + 1], kb, vb, k_win[b : b + 1, t : t + 1],
                 v_win[b : b + 1, t : t + 1], lengths[b : b + 1] + len(path) - 1, h**-0.5,
             )
@@ -137,7 +146,7 @@ def test_packed_forward_matches_unrolled(tiny_llama_dir):
     assert (unrolled.layout, packed.layout) == ("unrolled", "packed")
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 9)), jnp.int32)
     logits = [
-        llama.forward_logits(m.params, tokens, m.init_cache(2, 16), m.cfg)[0]
+        jax.jit(llama.forward_logits, static_argnums=3)(m.params, tokens, m.init_cache(2, 16), m.cfg)[0]
         for m in (unrolled, packed)
     ]
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5 * float(jnp.abs(logits[0]).max()))
