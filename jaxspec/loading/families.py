@@ -27,8 +27,8 @@ import numpy as np
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
 from jaxspec.models import phi3, registry
+from jaxspec.models.phi3 import phi3_config_from_hf  # re-export: Phi-3's home is models/phi3.py
 from jaxspec.models.gemma import GemmaConfig, GemmaTarget
-from jaxspec.models.decoder import ModelConfig
 
 HF_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "phi3")
 GGUF_ARCHITECTURES = ("gemma2", "gemma3")
@@ -185,43 +185,6 @@ def _gemma_rope(hf: dict, family: str, source: str) -> tuple[float, float | None
         return theta, None, linear
     local_f = validate.Fields(local, source, "rope (sliding layers).")
     return theta, local_f.float("rope_theta", _GEMMA3_DEFAULTS["rope_local_theta"], **positive), linear
-
-
-def phi3_config_from_hf(hf: dict, *, dtype: str, source: str) -> ModelConfig:
-    """Phi-3 as a Llama-family config (fused weights are split on load)."""
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise JaxspecError(f"{source}: hidden_act={act!r} is not supported (silu)")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", None):
-        raise JaxspecError(
-            f"{source}: Phi-3 rope {kind!r} (the 128k variants) is not supported: use a 4k/8k model"
-        )
-    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise JaxspecError(f"{source}: partial_rotary_factor != 1 is not supported")
-    f = validate.Fields(hf, source)
-    dim = dict(lo=1, hi=validate.MAX_DIM)
-    hidden, heads, kv_heads, head_dim = validate.attention_dims(f)
-    rf = validate.Fields(rope, source, "rope_parameters.")
-    theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
-    if not theta > 0.0:
-        f.fail("rope_theta", theta, "use a finite number > 0")
-    return ModelConfig(
-        vocab_size=f.int("vocab_size", **dim),
-        hidden_size=hidden,
-        intermediate_size=f.int("intermediate_size", **dim),
-        num_layers=f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=theta,
-        rms_norm_eps=f.float("rms_norm_eps", 1e-5, lo=0.0, hi=1.0, lo_open=True),
-        tie_word_embeddings=f.bool("tie_word_embeddings", False),
-        max_position_embeddings=f.int("max_position_embeddings", 4096, lo=1, hi=(1 << 31) - 1),
-        dtype=dtype,
-        sliding_window=f.int("sliding_window", None, lo=1),
-    )
 
 
 # ------------------------------------------------------------------------------------- tensors
@@ -480,14 +443,9 @@ def _gemma_target_from_gguf(header, *, dtype: str, source: str) -> GemmaTarget:
     return GemmaTarget(cfg, name=cfg.family)
 
 
-def _phi3_target_from_hf(hf: dict, *, dtype: str, source: str):
-    return phi3.phi3_target(phi3_config_from_hf(hf, dtype=dtype, source=source))
-
-
 for _family in (
     registry.Family("gemma2", ("gemma2",), ("gemma2",), _gemma_target_from_hf, _gemma_target_from_gguf),
     registry.Family("gemma3", ("gemma3", "gemma3_text"), ("gemma3",), _gemma_target_from_hf,
                     _gemma_target_from_gguf),
-    registry.Family("phi3", ("phi3",), (), _phi3_target_from_hf),
 ):
     registry.register_family(_family)

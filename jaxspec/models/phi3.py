@@ -6,11 +6,17 @@ The fused weights are split on load into the Llama leaves (wq, wk, wv, w_gate, w
 runs on `models.llama` unchanged: every layout, the CPU kernels (the packed layout fuses them
 again, as it does for every Llama-family model) and the sharding rules (a fused [q; k; v] matrix
 could not be split over heads). The target is a `LlamaTarget` named "phi3".
+
+This module is Phi-3's one home: its config.json reader (`phi3_config_from_hf`, a dict in, so it
+sits with the forward below the loading layer), the fused-weight split, the target and the
+`register_family` call. `loading/families.py` reads its files (tensor names, tokenizer, eos).
 """
 
 from __future__ import annotations
 
+from jaxspec import validate
 from jaxspec.errors import JaxspecError
+from jaxspec.models import registry
 from jaxspec.models.llama import LlamaTarget, ModelConfig
 
 
@@ -43,3 +49,47 @@ def split_fused(flat: dict, cfg: ModelConfig) -> dict:
 
 def phi3_target(cfg: ModelConfig) -> LlamaTarget:
     return LlamaTarget(cfg, name="phi3")
+
+
+def phi3_config_from_hf(hf: dict, *, dtype: str, source: str) -> ModelConfig:
+    """Phi-3 as a Llama-family config (fused weights are split on load)."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise JaxspecError(f"{source}: hidden_act={act!r} is not supported (silu)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", None):
+        raise JaxspecError(
+            f"{source}: Phi-3 rope {kind!r} (the 128k variants) is not supported: use a 4k/8k model"
+        )
+    if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise JaxspecError(f"{source}: partial_rotary_factor != 1 is not supported")
+    f = validate.Fields(hf, source)
+    dim = dict(lo=1, hi=validate.MAX_DIM)
+    hidden, heads, kv_heads, head_dim = validate.attention_dims(f)
+    rf = validate.Fields(rope, source, "rope_parameters.")
+    theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
+    if not theta > 0.0:
+        f.fail("rope_theta", theta, "use a finite number > 0")
+    return ModelConfig(
+        vocab_size=f.int("vocab_size", **dim),
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size", **dim),
+        num_layers=f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-5, lo=0.0, hi=1.0, lo_open=True),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        max_position_embeddings=f.int("max_position_embeddings", 4096, lo=1, hi=(1 << 31) - 1),
+        dtype=dtype,
+        sliding_window=f.int("sliding_window", None, lo=1),
+    )
+
+
+def _phi3_target_from_hf(hf: dict, *, dtype: str, source: str) -> LlamaTarget:
+    return phi3_target(phi3_config_from_hf(hf, dtype=dtype, source=source))
+
+
+registry.register_family(registry.Family("phi3", ("phi3",), (), _phi3_target_from_hf))
