@@ -5,6 +5,7 @@ layout's tokens, accelerator defaults. The attention op's backends: tests/test_a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import cases
@@ -33,6 +34,7 @@ ACCEL_LIKE = roofline.compile_options()
 CAPACITY = 200  # distinct from every other dim of the tiny model, so cache buffers are unambiguous
 
 
+@functools.cache  # one model per layout for the module (immutable pytrees)
 def _model(layout):
     m = tiny_model(seed=0, layers=4, packed=layout == "packed")
     if layout == "stacked":
@@ -48,7 +50,9 @@ def _dflash(m):
     return DFlashDrafter(spec, m.cfg.vocab_size), dflash_net.init_params(spec, jax.random.key(1))
 
 
-def _drafter(m, method):
+@functools.cache  # one drafter per (layout, method) for the module
+def _drafter(layout, method):
+    m = _model(layout)
     if method == "eagle":  # initialised from the same target (its unrolled form)
         return eagle_like(_model("unrolled"))
     if method == "dflash":
@@ -79,7 +83,7 @@ def test_decode_loop_copies_no_cache(layout, method):
     and a layout or fusion choice around it copied whole caches (before session 10: EAGLE 16
     drafter-cache copies a step unrolled, 26 + 10 stacked; n-gram 14 stacked)."""
     m = _model(layout)
-    drafter, dparams = _drafter(m, method)
+    drafter, dparams = _drafter(layout, method)
     c = m.cfg
     for b in (2, 1) if layout != "packed" else (2,):
         text = decode_hlo(m, drafter, dparams, batch=b)
@@ -145,7 +149,7 @@ def test_stacked_layout_gives_unrolled_tokens(method):
     out = {}
     for layout in ("unrolled", "stacked"):
         m = _model(layout)
-        drafter, dparams = _drafter(m, method)
+        drafter, dparams = _drafter(layout, method)
         e = Engine(m, drafter, dparams, num_speculative_tokens=3 if drafter else 0)
         out[layout] = [r.token_ids for r in e.generate(prompts, max_new_tokens=24, batch_size=3)]
     assert out["stacked"] == out["unrolled"]

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from codegen import hlo_codegen_flags
 from jax.sharding import AbstractMesh
 
 from jaxspec.config import Config, MeshConfig, load_config
@@ -23,17 +22,22 @@ from jaxspec.sharding import ShardingRules, check_batch, check_model, make_mesh,
 ROOT = Path(__file__).resolve().parents[1]
 
 
-MODES = "parity,inside,collectives,loading,smollm2"
+MODES = "parity,inside,collectives,loading,smollm2,copies,kernels"
 
 
 @pytest.fixture(scope="module")
 def mesh_checks() -> dict:
-    """Every 8-device check in one subprocess (one jax start, not five): {mode: its result}."""
+    """Every 8-device check in one subprocess (one jax start, not seven): {mode: its result}.
+    The HLO-reading modes (collectives, copies) compile with roofline's read-only compiler
+    options (tests/codegen.py HLO_CODEGEN), which override the XLA_FLAGS code generation: they
+    read the optimised HLO users' compiles give whatever JAXSPEC_TEST_FAST_CODEGEN sets; kernels'
+    exported programs do not depend on XLA:CPU's code generation, and its interpret-mode values
+    are compared within a tolerance."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     proc = subprocess.run(
         [sys.executable, "tests/mesh_check.py", MODES],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -247,7 +251,7 @@ def test_cli_refuses_bad_meshes_in_one_line(argv, devices, fragment):
     assert fragment in _cli_error(argv, devices)
 
 
-def test_decode_loops_copy_no_cache_on_meshes():
+def test_decode_loops_copy_no_cache_on_meshes(mesh_checks):
     """The whole decode loop's optimised HLO (draft, verify, commit) on (1, 4) and (2, 4) meshes,
     one row per device, unrolled and stacked (packed is refused on a mesh), every method (a draft
     model and EAGLE also sharded by the target's rules), at a CPU engine's odd capacity and a
@@ -258,34 +262,21 @@ def test_decode_loops_copy_no_cache_on_meshes():
     sys.path.insert(0, str(ROOT / "tests"))
     import mesh_check
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu")  # the optimised HLO users' compiles give
-    env["XLA_FLAGS"] = (hlo_codegen_flags(env.get("XLA_FLAGS", ""))
-                        + " --xla_force_host_platform_device_count=8").strip()
-    proc = subprocess.run([sys.executable, "tests/mesh_check.py", "copies"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = check(json.loads(proc.stdout.strip().splitlines()[-1]), "copies")
+    out = check(mesh_checks, "copies")
     n = len(mesh_check.COPY_MESHES) * 2 * (len(mesh_check.COPY_METHODS) + 1)
     assert len(out) == n, sorted(out)
     bad = {k: v for k, v in out.items() if (v["copies"], v["zero_fills"]) != (0, 0)}
     assert bad == {}, bad
 
 
-def test_attention_kernels_run_on_each_devices_head_shard():
+def test_attention_kernels_run_on_each_devices_head_shard(mesh_checks):
     """Plain decoding of a bf16 model on a (2, 4) mesh, exported for TPU and CUDA, unrolled and
     stacked: every attention kernel call (prefill and decode) takes a per-device shard of the
     cache (1/8 of it: rows over "data", kv heads over "model"), never the whole cache, which
     GSPMD would first gather to every device (a custom call has no partitioning rule). In
     interpret mode on the mesh the sharded GPU kernels give the XLA path's values (the TPU
     interpreter hangs under shard_map on simulated devices)."""
-    # exported programs do not depend on XLA:CPU's code generation; the interpret-mode values are
-    # compared within a tolerance
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    proc = subprocess.run([sys.executable, "tests/mesh_check.py", "kernels"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = check(json.loads(proc.stdout.strip().splitlines()[-1]), "kernels")
+    out = check(mesh_checks, "kernels")
     want = {"tpu": "pallas_tpu", "cuda": "pallas_gpu"}
     for layout in ("unrolled", "stacked"):
         for platform in ("tpu", "cuda"):
