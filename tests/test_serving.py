@@ -79,7 +79,7 @@ def engine_for(target, name, context=CONTEXT):
 def run(scheduler, arrivals):
     """arrivals: [(round, prompt, Sampling)] -> completions in arrival order; a request joins
     the queue at its round (rounds = device calls), so later ones join a running batch."""
-    sinks, pending, rnd = [], sorted(enumerate(arrivals), key=lambda x: x[1][0]), 0
+    pending, rnd = sorted(enumerate(arrivals), key=lambda x: x[1][0]), 0
     order = [None] * len(arrivals)
     while pending or scheduler.busy:
         while pending and pending[0][1][0] <= rnd:
