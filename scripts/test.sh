@@ -20,7 +20,7 @@ Files, directories and node ids (path::test) select what runs; every other argum
 to pytest as is. docs/testing.md says what each module proves and costs.
 
 Compiled XLA programs are kept between runs in ~/.cache/jaxspec/test-xla (JAX's persistent cache,
-keyed by jax/jaxlib, the program and the XLA flags; capped at 4 GB, least recently used first):
+keyed by jax/jaxlib, the program and the XLA flags; emptied when past 4 GB, no eviction):
 a run after a change that leaves a program alone loads it; so are the CPU kernels and converted
 tokenizers (~/.cache/jaxspec/test-kept, keyed by their sources). --cold uses empty ones, removed
 at the end. Tests compile with XLA:CPU's faster code generation (JAXSPEC_TEST_FAST_CODEGEN=1) except

@@ -1,6 +1,11 @@
 """The notebooks run top to bottom headlessly (nbclient) on CPU with small settings
 (JAXSPEC_NB_SMALL=1: 16 new tokens); their install cell finds this checkout's jaxspec and skips
-pip (tests/test_wheel.py runs that cell's install path in a fresh venv)."""
+pip (tests/test_wheel.py runs that cell's install path in a fresh venv).
+
+A cell may take CELL_TIMEOUT_S and a notebook NOTEBOOK_TIMEOUT_S. Quiet, the quickstart's
+slowest cell compiles for ~30 s; in one CI run on a loaded machine it took over 300 s, while a mesh
+test beside it ran at 10x its quiet time. The test proves the notebooks run, not how fast they
+run (BENCHMARKS.md measures that)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+CELL_TIMEOUT_S = 900
+NOTEBOOK_TIMEOUT_S = 1800  # over pyproject's 900 s per test: a notebook is many compiles
 
 
 def run_notebook(name: str, tmp_path: Path, **env: str):
@@ -22,7 +29,7 @@ def run_notebook(name: str, tmp_path: Path, **env: str):
     os.environ.update({"JAXSPEC_NB_SMALL": "1", "MPLBACKEND": "Agg", **env})
     try:  # the kernel inherits this environment (JAXSPEC_CACHE_DIR from conftest included)
         nbclient.NotebookClient(
-            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+            nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
         ).execute()
     finally:
         for k, v in old.items():
@@ -35,6 +42,7 @@ def run_notebook(name: str, tmp_path: Path, **env: str):
     )
 
 
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
 def test_quickstart_runs(tmp_path):
     text = run_notebook("quickstart.ipynb", tmp_path)
     # the install cell found this checkout's jaxspec (not PyPI's X-ray "jaxspec") and said so
@@ -43,6 +51,7 @@ def test_quickstart_runs(tmp_path):
     assert "speedup (decode)" in text
 
 
+@pytest.mark.timeout(NOTEBOOK_TIMEOUT_S)
 def test_gamma_tuning_runs_with_measured_points(tmp_path):
     sweep = {
         "config": "smollm2-135m-ngram",
