@@ -262,6 +262,22 @@ def attention_dims(f: Fields, keys: tuple[str, str, str, str] = HF_ATTENTION) ->
     return hidden, heads, kv_heads, head_dim
 
 
+
+# Where a checkpoint format keeps the MLP width and the layer count.
+HF_STACK = ("intermediate_size", "num_hidden_layers")
+GGUF_STACK = ("feed_forward_length", "block_count")
+
+
+def decoder_dims(f: Fields, *, gguf: bool = False) -> dict[str, int]:
+    """The sizes every decoder config carries, under the config fields' names (hidden_size,
+    intermediate_size, num_layers, num_heads, num_kv_heads, head_dim): `attention_dims`' checks,
+    the MLP width and the layer count range-checked. From config.json keys, or GGUF metadata."""
+    (ffn_key, layers_key), attention = (GGUF_STACK, GGUF_ATTENTION) if gguf else (HF_STACK, HF_ATTENTION)
+    hidden, heads, kv_heads, head_dim = attention_dims(f, attention)
+    return {"hidden_size": hidden, "intermediate_size": f.int(ffn_key, lo=1, hi=MAX_DIM),
+            "num_layers": f.int(layers_key, lo=1, hi=MAX_LAYERS), "num_heads": heads,
+            "num_kv_heads": kv_heads, "head_dim": head_dim}
+
 # ---- counts against tensors ---------------------------------------------------------------
 
 

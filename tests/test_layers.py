@@ -1,7 +1,7 @@
 """Imports run one way: no circle among jaxspec's modules (module- and function-level imports
 alike) and no import from a lower layer up to a higher one, in the layer order that
 docs/architecture.md states (`LAYERS` below is read from it). Parsed with `ast`: nothing is
-imported, so the test costs no jax start."""
+imported, so the test costs no jax start. And modules stay small (`test_modules_stay_small`)."""
 
 from __future__ import annotations
 
@@ -192,3 +192,17 @@ def test_planted_upward_import_is_found(tmp_path):
     layers = layer_order("## Layers\n\n1. `models`\n2. `decode`\n3. `jaxspec`\n")
     assert upward(import_graph(package), layers) == [
         "jaxspec.models.cache -> jaxspec.decode", "jaxspec.models.cache -> jaxspec.decode.x"]
+
+
+# The size bounds the house keeps (issue 39): a module a reader takes in at once, the scheduler
+# a loop over its parts, the fixed-plan loop apart from adaptive speculation's.
+MAX_MODULE_LINES = 500
+MAX_LINES = {"jaxspec/serving/scheduler.py": 300, "jaxspec/decode/speculate.py": 420}
+
+
+def test_modules_stay_small():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in (ROOT / "jaxspec").rglob("*.py")}
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES.get(name, MAX_MODULE_LINES)}
+    assert over == {}, f"split these modules by purpose: {over}"
+    assert set(MAX_LINES) <= set(sizes), "a bounded module moved: update MAX_LINES"

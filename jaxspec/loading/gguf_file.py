@@ -108,28 +108,22 @@ def config_from_gguf(reader: GGUFReader, *, dtype: str, source: str) -> ModelCon
             f"supported: load the HF safetensors checkpoint instead"
         )
     f = validate.Fields(lambda key: get(key, validate.MISSING), source, f"{arch}.")
-    dim = dict(lo=1, hi=validate.MAX_DIM)
-    hidden, heads, kv_heads, head_dim = validate.attention_dims(f, validate.GGUF_ATTENTION)
+    dims = validate.decoder_dims(f, gguf=True)
+    head_dim = dims["head_dim"]
     rot = f.int("rope.dimension_count", head_dim, lo=0)
     if rot != head_dim:
         raise JaxspecError(
             f"{source}: partial rotary (rope dims {rot} of {head_dim}) is not supported"
         )
-    num_layers = f.int("block_count", lo=1, hi=validate.MAX_LAYERS)
     validate.check_layer_count(
-        num_layers, names, _BLOCK_RE, source, f"{arch}.block_count"
+        dims["num_layers"], names, _BLOCK_RE, source, f"{arch}.block_count"
     )  # before a param tree of that many layers is built
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise JaxspecError(f"{source} has no token_embd.weight: the file is incomplete")
     return ModelConfig(
         vocab_size=int(embed.shape[-1]),  # ne = [D, V]
-        hidden_size=hidden,
-        intermediate_size=f.int("feed_forward_length", **dim),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        **dims,
         rope_theta=f.float("rope.freq_base", 10000.0, lo=0.0, lo_open=True),
         rms_norm_eps=f.float("attention.layer_norm_rms_epsilon", 1e-5, lo=0.0, hi=1.0, lo_open=True),
         tie_word_embeddings="output.weight" not in names,

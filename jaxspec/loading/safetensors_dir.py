@@ -69,9 +69,8 @@ def config_from_hf(hf: dict, *, dtype: str, source: str = "config.json") -> Mode
         raise JaxspecError(
             f"{source}: attention_bias=true on {arch} (which biases o_proj too) is not supported"
         )
-    dim = dict(lo=1, hi=validate.MAX_DIM)
-    vocab = f.int("vocab_size", **dim)
-    hidden, heads, kv_heads, head_dim = validate.attention_dims(f)
+    vocab = f.int("vocab_size", lo=1, hi=validate.MAX_DIM)
+    dims = validate.decoder_dims(f)
     rope = f.dict("rope_parameters", None) if f.given("rope_parameters") else f.dict("rope_scaling", {})
     rf = validate.Fields(rope, source, "rope_parameters." if f.given("rope_parameters") else "rope_scaling.")
     theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
@@ -83,12 +82,7 @@ def config_from_hf(hf: dict, *, dtype: str, source: str = "config.json") -> Mode
         window = f.int("sliding_window", lo=1)
     return ModelConfig(
         vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=f.int("intermediate_size", **dim),
-        num_layers=f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        **dims,
         rope_theta=theta,
         rope_scaling=_rope_scaling(rf, source),
         rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),

@@ -34,9 +34,9 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Architecture of a Llama-family decoder layer stack (also the layer config other families
-    hand their drafters). Hashable: passed to jit as a static argument."""
+class DecoderDims:
+    """The sizes every family's config carries (`validate.decoder_dims` reads them from a
+    checkpoint's config), grouped attention checked."""
 
     vocab_size: int
     hidden_size: int
@@ -45,6 +45,19 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig(DecoderDims):
+    """Architecture of a Llama-family decoder layer stack (also the layer config other families
+    hand their drafters). Hashable: passed to jit as a static argument."""
+
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-5
@@ -63,12 +76,6 @@ class ModelConfig:
         if self.sliding_window is None or (self.sliding_layers is not None and not self.sliding_layers[i]):
             return None
         return self.sliding_window
-
-    def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
 
     @property
     def compute_dtype(self) -> jnp.dtype:

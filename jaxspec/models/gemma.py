@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
+from jaxspec.models import attention, base, blocks, paged_layer, registry
 from jaxspec.models.cache import KVCache
-from jaxspec.models import attention, base, blocks, paged_layer
 from jaxspec.models.decoder import (
     ConfigTarget,
     ForwardOutput,
@@ -51,67 +51,9 @@ from jaxspec.models.decoder import (
     stack_layers,
     write_kv,
 )
+from jaxspec.models.gemma_config import GemmaConfig, gemma_config_from_gguf, gemma_config_from_hf
 
 Params = dict[str, Any]
-FAMILIES = ("gemma2", "gemma3")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GemmaConfig:
-    """Architecture of a Gemma 2 / Gemma 3 text decoder. Hashable (a static jit argument)."""
-
-    family: str  # "gemma2" | "gemma3"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    query_pre_attn_scalar: float
-    sliding_window: int | None
-    sliding_layers: tuple[bool, ...]  # per layer: True = local (sliding-window) attention
-    rope_theta: float = 10000.0  # global layers (and every layer of Gemma 2)
-    rope_local_theta: float | None = None  # local layers (Gemma 3 `rope_local_base_freq`)
-    rope_linear_factor: float = 1.0  # global layers' linear position scaling (Gemma 3 4B+)
-    attn_logit_softcapping: float | None = None
-    final_logit_softcapping: float | None = None
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    max_position_embeddings: int = 8192
-    dtype: str = "float32"
-    # traits the generic loop code reads from every config
-    attention_bias: bool = False
-    rope_scaling: None = None
-
-    def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"family={self.family!r}: use one of {FAMILIES}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if len(self.sliding_layers) != self.num_layers:
-            raise ValueError(
-                f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers"
-            )
-        if any(self.sliding_layers) and not self.sliding_window:
-            raise ValueError("sliding layers need a sliding_window")
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.family == "gemma3"
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
-
-    @property
-    def attn_scale(self) -> float:
-        return float(self.query_pre_attn_scalar) ** -0.5
-
-    def layer_window(self, i: int) -> int | None:
-        return self.sliding_window if self.sliding_layers[i] else None
 
 
 def _layer_shapes(cfg: GemmaConfig) -> dict[str, tuple[int, ...]]:
@@ -401,3 +343,21 @@ class GemmaTarget(ConfigTarget):
 
     def param_axes(self, params: Params) -> Params:
         return param_axes(self.cfg, stacked=isinstance(params["layers"], dict))
+
+
+def _gemma_target_from_hf(hf: dict, *, dtype: str, source: str) -> GemmaTarget:
+    cfg = gemma_config_from_hf(hf, dtype=dtype, source=source)
+    return GemmaTarget(cfg, name=cfg.family)
+
+
+def _gemma_target_from_gguf(header, *, dtype: str, source: str) -> GemmaTarget:
+    cfg = gemma_config_from_gguf(header, dtype=dtype, source=source)
+    return GemmaTarget(cfg, name=cfg.family)
+
+
+for _family in (
+    registry.Family("gemma2", ("gemma2",), ("gemma2",), _gemma_target_from_hf, _gemma_target_from_gguf),
+    registry.Family("gemma3", ("gemma3", "gemma3_text"), ("gemma3",), _gemma_target_from_hf,
+                    _gemma_target_from_gguf),
+):
+    registry.register_family(_family)

@@ -9,7 +9,8 @@ could not be split over heads). The target is a `LlamaTarget` named "phi3".
 
 This module is Phi-3's one home: its config.json reader (`phi3_config_from_hf`, a dict in, so it
 sits with the forward below the loading layer), the fused-weight split, the target and the
-`register_family` call. `loading/families.py` reads its files (tensor names, tokenizer, eos).
+`register_family` call, with its tensor-name map. `loading/families.py` reads its files (tensors,
+tokenizer, eos).
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from jaxspec import validate
 from jaxspec.errors import JaxspecError
 from jaxspec.models import registry
 from jaxspec.models.llama import LlamaTarget, ModelConfig
+
+# config.json tensor names in a layer -> our leaves (the fused ones split by `split_fused`)
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.qkv_proj.weight": "wqkv",
+    "self_attn.o_proj.weight": "wo",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_up_proj.weight": "w_gate_up",
+    "mlp.down_proj.weight": "w_down",
+}
 
 
 def split_fused(flat: dict, cfg: ModelConfig) -> dict:
@@ -65,20 +76,14 @@ def phi3_config_from_hf(hf: dict, *, dtype: str, source: str) -> ModelConfig:
     if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
         raise JaxspecError(f"{source}: partial_rotary_factor != 1 is not supported")
     f = validate.Fields(hf, source)
-    dim = dict(lo=1, hi=validate.MAX_DIM)
-    hidden, heads, kv_heads, head_dim = validate.attention_dims(f)
+    dims = validate.decoder_dims(f)
     rf = validate.Fields(rope, source, "rope_parameters.")
     theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 10000.0)
     if not theta > 0.0:
         f.fail("rope_theta", theta, "use a finite number > 0")
     return ModelConfig(
-        vocab_size=f.int("vocab_size", **dim),
-        hidden_size=hidden,
-        intermediate_size=f.int("intermediate_size", **dim),
-        num_layers=f.int("num_hidden_layers", lo=1, hi=validate.MAX_LAYERS),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        vocab_size=f.int("vocab_size", lo=1, hi=validate.MAX_DIM),
+        **dims,
         rope_theta=theta,
         rms_norm_eps=f.float("rms_norm_eps", 1e-5, lo=0.0, hi=1.0, lo_open=True),
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
