@@ -61,27 +61,11 @@ def hf_model_type(hf: dict) -> str | None:
 
 def hf_tensors(path: Path, kind: str, cfg) -> dict[str, np.ndarray]:
     """Every text-decoder tensor under our flat names (memory-mapped); Phi-3's fused ones split."""
-    from jaxspec.loading.safetensors_dir import tensor_index
+    from jaxspec.loading.safetensors_dir import read_tensors, tensor_index
 
     names = phi3.HF_LAYER_NAMES if kind == "phi3" else HF_LAYER_NAMES
-    flat: dict[str, np.ndarray] = {}
-    unknown = []
-    for hf_name, shard in tensor_index(path).items():
-        if _SKIPPED.fullmatch(hf_name):
-            continue
-        ours = _our_hf_name(hf_name, names)
-        if ours is None:
-            unknown.append(hf_name)
-            continue
-        if ours == "lm_head" and cfg.tie_word_embeddings:
-            continue
-        flat[ours] = shard.tensor(hf_name)
-    if unknown:
-        more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
-        raise JaxspecError(
-            f"{path}: unexpected tensors {', '.join(sorted(unknown)[:3])}{more}: this {kind} "
-            f"variant is not supported"
-        )
+    flat = read_tensors(path, tensor_index(path), lambda n: _our_hf_name(n, names),
+                        tied=cfg.tie_word_embeddings, skip=_SKIPPED.fullmatch, variant=kind)
     return phi3.split_fused(flat, cfg) if kind == "phi3" else flat
 
 

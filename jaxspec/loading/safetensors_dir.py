@@ -167,27 +167,14 @@ def load_hf_tensors(
     validate.check_layer_count(
         cfg.num_layers, index, _LAYER_RE, str(path), "num_hidden_layers", below=skip_from_layer
     )
-    flat: dict[str, np.ndarray] = {}
-    unknown = []
-    for hf_name, shard in index.items():
+
+    def skipped(hf_name: str) -> bool:  # MTP layers past skip_from_layer; old rotary buffers
         m = _LAYER_RE.fullmatch(hf_name)
         if skip_from_layer is not None and m and int(m.group(1)) >= skip_from_layer:
-            continue
-        ours = _our_name(hf_name)
-        if ours is None:
-            if not _IGNORED.match(hf_name):
-                unknown.append(hf_name)
-            continue
-        if ours == "lm_head" and cfg.tie_word_embeddings:
-            continue  # some tied checkpoints also store the copy; transformers ignores it too
-        validate.require_float(shard.file, hf_name, shard.header[hf_name]["dtype"])
-        flat[ours] = shard.tensor(hf_name)
-    if unknown:
-        more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
-        raise JaxspecError(
-            f"{path}: unexpected tensors {', '.join(sorted(unknown)[:3])}{more}: this model variant "
-            f"is not supported"
-        )
+            return True
+        return _our_name(hf_name) is None and bool(_IGNORED.match(hf_name))
+
+    flat = read_tensors(path, index, _our_name, tied=cfg.tie_word_embeddings, skip=skipped)
     if "lm_head" not in flat and not cfg.tie_word_embeddings and "embed" in flat:
         raise JaxspecError(
             f"{path}: no lm_head.weight although config.json says tie_word_embeddings=false: "
@@ -195,6 +182,33 @@ def load_hf_tensors(
         )
     return flat
 
+
+
+def read_tensors(path: Path, index: dict, our_name, *, tied: bool, skip=None,
+                 variant: str = "model") -> dict[str, np.ndarray]:
+    """The tensors of `index` (`tensor_index`) under our flat names, memory-mapped, float dtypes
+    only. our_name: HF name -> ours, or None for a tensor this family does not know (refused,
+    naming up to three); skip: HF names to pass over; tied: a stored lm_head copy is dropped."""
+    flat: dict[str, np.ndarray] = {}
+    unknown = []
+    for hf_name, shard in index.items():
+        if skip is not None and skip(hf_name):
+            continue
+        ours = our_name(hf_name)
+        if ours is None:
+            unknown.append(hf_name)
+            continue
+        if ours == "lm_head" and tied:
+            continue  # some tied checkpoints also store the copy; transformers ignores it too
+        validate.require_float(shard.file, hf_name, shard.header[hf_name]["dtype"])
+        flat[ours] = shard.tensor(hf_name)
+    if unknown:
+        more = f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else ""
+        raise JaxspecError(
+            f"{path}: unexpected tensors {', '.join(sorted(unknown)[:3])}{more}: this {variant} "
+            f"variant is not supported"
+        )
+    return flat
 
 def _our_name(hf_name: str) -> str | None:
     if hf_name in GLOBAL_NAMES:

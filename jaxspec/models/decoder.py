@@ -90,6 +90,20 @@ def stack_layers(params: Params) -> Params:
     return params | {"layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
 
 
+
+def param_tree_axes(layer_axes: dict, cfg: DecoderDims, *, stacked: bool, tied: bool) -> Params:
+    """A family's logical axis names for every param leaf, from one layer's: the embedding, the
+    final norm, the layers (stacked: a leading "layers" axis; else one dict per layer) and the
+    LM head where it is not tied to the embedding."""
+    axes: Params = {"embed": ("vocab", "embed"), "final_norm": ("embed",)}
+    if stacked:
+        axes["layers"] = {k: ("layers", *v) for k, v in layer_axes.items()}
+    else:
+        axes["layers"] = tuple(dict(layer_axes) for _ in range(cfg.num_layers))
+    if not tied:
+        axes["lm_head"] = ("vocab", "embed")
+    return axes
+
 def linear(x: jax.Array, w) -> jax.Array:
     """x: [..., in] @ w: [out, in] -> [..., out]. `w` may be a CPU-kernel `PackedWeight`."""
     if isinstance(w, kernels.PackedWeight):

@@ -45,6 +45,7 @@ from jaxspec.models.decoder import (
     ModelConfig,
     attention_kernel_on,
     linear,
+    param_tree_axes,
     query_positions,
     run_layers,
     scan_layers,
@@ -94,14 +95,7 @@ def param_shapes(cfg: GemmaConfig) -> Params:
 def param_axes(cfg: GemmaConfig, *, stacked: bool = False) -> Params:
     """Logical axis names of every param leaf (same structure as the params)."""
     layer = {k: _LAYER_AXES[k] for k in _layer_shapes(cfg)}
-    axes: Params = {"embed": ("vocab", "embed"), "final_norm": ("embed",)}
-    if stacked:
-        axes["layers"] = {k: ("layers", *v) for k, v in layer.items()}
-    else:
-        axes["layers"] = tuple(dict(layer) for _ in range(cfg.num_layers))
-    if not cfg.tie_word_embeddings:
-        axes["lm_head"] = ("vocab", "embed")
-    return axes
+    return param_tree_axes(layer, cfg, stacked=stacked, tied=cfg.tie_word_embeddings)
 
 
 def init_params(cfg: GemmaConfig, key: jax.Array, scale: float = 0.02) -> Params:

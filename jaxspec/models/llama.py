@@ -36,6 +36,7 @@ from jaxspec.models.decoder import (  # the shared pieces; llama.ModelConfig sta
     ModelConfig,
     attention_kernel_on,
     linear,
+    param_tree_axes,
     query_positions,
     run_layers,
     scan_layers,
@@ -63,14 +64,7 @@ def param_axes(cfg: ModelConfig, *, stacked: bool = False) -> Params:
         layer |= {"bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",)}
     if cfg.qk_norm:
         layer |= {"q_norm": ("head_dim",), "k_norm": ("head_dim",)}
-    axes: Params = {"embed": ("vocab", "embed"), "final_norm": ("embed",)}
-    if stacked:
-        axes["layers"] = {k: ("layers", *v) for k, v in layer.items()}
-    else:
-        axes["layers"] = tuple(dict(layer) for _ in range(cfg.num_layers))
-    if not cfg.tie_word_embeddings:
-        axes["lm_head"] = ("vocab", "embed")
-    return axes
+    return param_tree_axes(layer, cfg, stacked=stacked, tied=cfg.tie_word_embeddings)
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
