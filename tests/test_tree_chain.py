@@ -20,11 +20,6 @@ from jaxspec.engine.runner import Engine
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):  # the layout configs load on a CPU
-    return tiny_target
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return motif_prompts(PROMPT_LENGTHS)
 
