@@ -20,6 +20,10 @@ from jaxspec.drafters import registry
 from jaxspec.decode.drafter import traits
 from jaxspec.engine.runner import Engine
 from jaxspec.decode.sampling import SamplingParams
+from jaxspec.drafters.lookup import LookupFirst
+from jaxspec.formats import load_drafter_checkpoint
+from jaxspec.sharding import check_batch
+from jaxspec.validate import check_tree_ranks
 
 
 def build_engine(config: Config, target=None) -> Engine:
@@ -29,8 +33,6 @@ def build_engine(config: Config, target=None) -> Engine:
     available fails at once.
     """
     from jaxspec.loading import load_model  # heavy (transformers, gguf): only when building
-    from jaxspec.sharding import check_batch
-
     spec = config.speculative
     drafters.check_method(spec.method)
     plan = mesh_plan(config.mesh)  # checked against the devices before the load
@@ -67,13 +69,9 @@ def build_drafter(spec: SpeculativeConfig, target) -> tuple[Any, Any]:
     )
     drafter, dparams = method.factory(spec.options, ctx)
     if spec.tree.choices:  # ranks beyond what the drafter ranks: one line, not a top_k traceback
-        from jaxspec.validate import check_tree_ranks
-
         d2t = dparams.get("d2t") if isinstance(dparams, dict) else None
         check_tree_ranks(spec.tree.choices, len(d2t) if d2t is not None else target.target.vocab_size)
     if spec.lookup.min_ngram:  # prompt lookup first, the method's draft elsewhere
-        from jaxspec.drafters.lookup import LookupFirst
-
         lookup = drafters.NgramDrafter(
             target.target.vocab_size, spec.lookup.min_ngram, spec.lookup.max_ngram
         )
@@ -84,8 +82,6 @@ def build_drafter(spec: SpeculativeConfig, target) -> tuple[Any, Any]:
 
 
 def _load_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input"):
-    from jaxspec.formats import load_drafter_checkpoint
-
     return load_drafter_checkpoint(method, path, target, fmt, eagle3_layer_ids)
 
 

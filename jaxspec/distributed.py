@@ -74,6 +74,6 @@ def mesh_plan(cfg):
         )
     if cfg.data * cfg.model == 1:
         return None
-    from jaxspec.sharding import MeshPlan, make_mesh
+    from jaxspec.sharding import MeshPlan, make_mesh  # jax: only when a mesh is asked for
 
     return MeshPlan(make_mesh(cfg.data, cfg.model), shard_drafter=cfg.shard_drafter)

@@ -15,6 +15,9 @@ starts without recompiling.
 
 from __future__ import annotations
 
+# Imported inside functions: jax, transformers and torch (and the jaxspec modules that load
+# them) load only when a command runs, so its --help answers in a second (tests/test_help.py).
+
 import argparse
 import json
 import os

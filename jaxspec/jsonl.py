@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxspec.errors import JaxspecError
+from jaxspec.validate import regular_file
 
 
 def read_jsonl(path: str | Path, label: str, missing_hint: str = "") -> list[tuple[int, Any]]:
     """[(line number, parsed object)] for the non-blank lines of `path`; `label` names the file
     in errors ("data file", "prompts file"), `missing_hint` is appended when it does not exist."""
-    from jaxspec.validate import regular_file
-
     if Path(path).exists():
         regular_file(Path(path), label, max_bytes=1 << 30)  # a FIFO or device would hang the read
     try:

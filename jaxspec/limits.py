@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from jaxspec.errors import JaxspecError
+
 MAX_SPECULATIVE_TOKENS = 16  # γ above this costs more verify than it can win back
 # Below this, logits / T overflow float32 for ordinary logits (T = 1e-38 gave NaN probabilities);
 # use 0 for greedy decoding.
@@ -75,8 +77,6 @@ def check_cache_fits(target, params, batch: int, capacity: int, free: int | None
     """A one-line JaxspecError when the target's cache for batch x capacity slots would not fit
     in free memory (checked before the cache is allocated, where XLA would fail with
     RESOURCE_EXHAUSTED or the host would swap)."""
-    from jaxspec.errors import JaxspecError
-
     need = kv_cache_bytes(target, params, batch, capacity)
     where = "memory"
     if free is None:

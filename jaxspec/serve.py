@@ -11,6 +11,9 @@ finish_reason "abort", every page is freed, and the process exits 0 (a second SI
 
 from __future__ import annotations
 
+# Imported inside functions: jax, transformers and torch (and the jaxspec modules that load
+# them) load only when a command runs, so its --help answers in a second (tests/test_help.py).
+
 import os
 import sys
 

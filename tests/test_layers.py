@@ -206,3 +206,46 @@ def test_modules_stay_small():
     over = {name: n for name, n in sizes.items() if n > MAX_LINES.get(name, MAX_MODULE_LINES)}
     assert over == {}, f"split these modules by purpose: {over}"
     assert set(MAX_LINES) <= set(sizes), "a bounded module moved: update MAX_LINES"
+
+
+LAZY_MARKER = "# Imported inside functions:"
+
+
+def unexplained_function_level_imports(package: Path) -> list[str]:
+    """`module:line` of every import of a jaxspec module inside a function that gives no reason:
+    none on its line or the line above, and no `# Imported inside functions: <why>` line in its
+    module (a command-line module's one reason for all of them, say)."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text()
+        if LAZY_MARKER in text:
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom) and not sub.level:
+                    names = [sub.module or ""]
+                elif isinstance(sub, ast.Import):
+                    names = [a.name for a in sub.names]
+                else:
+                    continue
+                said = "#" in lines[sub.lineno - 1] or lines[sub.lineno - 2].strip().startswith("#")
+                if any(n.split(".")[0] == "jaxspec" for n in names) and not said:
+                    out.append(f"{path.relative_to(package.parent)}:{sub.lineno}")
+    return sorted(set(out))
+
+
+def test_function_level_imports_say_why():
+    """An import inside a function hides a dependency from the module's head: only where import
+    cost (jax, torch, transformers before a command's --help) or a registration order needs it,
+    and then it says so."""
+    assert unexplained_function_level_imports(ROOT / "jaxspec") == []
+
+
+def test_an_unexplained_function_level_import_is_found(tmp_path):
+    package = plant(tmp_path, {"__init__.py": "", "a.py": "def f():\n    from jaxspec import b\n",
+                               "b.py": "def g():\n    from jaxspec import a  # registers a\n",
+                               "c.py": f"{LAZY_MARKER} the CLI's --help\ndef h():\n    import jaxspec.a\n"})
+    assert unexplained_function_level_imports(package) == ["jaxspec/a.py:2"]

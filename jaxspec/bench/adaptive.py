@@ -22,6 +22,9 @@ per prompt. Greedy: every output is checked against plain's. Writes results.json
 
 from __future__ import annotations
 
+# Imported inside functions: jax, transformers and torch (and the jaxspec modules that load
+# them) load only when a command runs, so its --help answers in a second (tests/test_help.py).
+
 import argparse
 import json
 import sys

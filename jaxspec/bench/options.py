@@ -3,6 +3,9 @@ optional packages a run needs, checked before anything loads."""
 
 from __future__ import annotations
 
+# Imported inside functions: jax, transformers and torch (and the jaxspec modules that load
+# them) load only when a command runs, so its --help answers in a second (tests/test_help.py).
+
 import argparse
 import importlib.util
 from pathlib import Path

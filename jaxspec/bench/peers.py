@@ -16,6 +16,9 @@ end-to-end tokens/s, not our decode-only figure.
 
 from __future__ import annotations
 
+# Imported inside functions: jax, transformers and torch (and the jaxspec modules that load
+# them) load only when a command runs, so its --help answers in a second (tests/test_help.py).
+
 import os
 import time
 from pathlib import Path

@@ -21,6 +21,9 @@ method must not change a token. Arguments are parsed before jax is imported."""
 
 from __future__ import annotations
 
+# Imported inside functions: jax, transformers and torch (and the jaxspec modules that load
+# them) load only when a command runs, so its --help answers in a second (tests/test_help.py).
+
 import json
 import sys
 import threading

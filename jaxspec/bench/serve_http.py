@@ -15,6 +15,9 @@ Loopback only: the URL's host must be 127.0.0.1 or localhost. Bad input: one lin
 
 from __future__ import annotations
 
+# Imported inside functions: jax, transformers and torch (and the jaxspec modules that load
+# them) load only when a command runs, so its --help answers in a second (tests/test_help.py).
+
 import http.client
 import json
 import sys

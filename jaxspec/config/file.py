@@ -12,6 +12,7 @@ import yaml
 from jaxspec.config.sections import SECTIONS, Config, SpeculativeConfig
 from jaxspec.errors import JaxspecError
 from jaxspec.options import Section, accepts_str, matches, names
+from jaxspec.validate import regular_file
 
 # Keys of earlier layouts -> where they live now (a one-line error names the new key).
 MOVED = {
@@ -131,8 +132,6 @@ def _build(cls, values: dict) -> Section:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    from jaxspec.validate import regular_file
-
     if path.exists():
         regular_file(path, "config file", max_bytes=1 << 20)
     try:

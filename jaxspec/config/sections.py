@@ -383,6 +383,6 @@ SECTIONS: dict[str, type[Section]] = {
 
 def _registry():
     """The drafter registry (jaxspec.drafters imports jax: read only when a method is named)."""
-    from jaxspec.drafters import registry
+    from jaxspec.drafters import registry  # jax: only when a method is named
 
     return registry

@@ -15,6 +15,9 @@ mtp <- mtp; draft_model <- jaxspec; dflash <- jaxspec (trained with method dflas
 
 from __future__ import annotations
 
+# Imported inside functions: this package's head stays jax-free (configs name formats, --help
+# lists them); the format modules and the drafters, which load jax, load when a checkpoint is read.
+
 from pathlib import Path
 
 from jaxspec.errors import JaxspecError

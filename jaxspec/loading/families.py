@@ -24,7 +24,12 @@ import numpy as np
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
-from jaxspec.models import phi3
+from jaxspec.loading import tokenizer as tk
+from jaxspec.loading.gguf_file import SUPPORTED_TYPES, LazyTensor
+from jaxspec.loading.gguf_header import GGUFHeader
+from jaxspec.loading.params import check_finite
+from jaxspec.loading.safetensors_dir import read_tensors, tensor_index
+from jaxspec.models import gemma, phi3
 from jaxspec.models.gemma import GemmaTarget
 from jaxspec.models.gemma_config import (
     GGUF_LAYER_NAMES,
@@ -34,6 +39,7 @@ from jaxspec.models.gemma_config import (
     gemma_config_from_hf,
     hf_kind,
 )
+from jaxspec.models.llama import LlamaTarget
 from jaxspec.models.phi3 import phi3_config_from_hf
 
 HF_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "phi3")
@@ -61,8 +67,6 @@ def hf_model_type(hf: dict) -> str | None:
 
 def hf_tensors(path: Path, kind: str, cfg) -> dict[str, np.ndarray]:
     """Every text-decoder tensor under our flat names (memory-mapped); Phi-3's fused ones split."""
-    from jaxspec.loading.safetensors_dir import read_tensors, tensor_index
-
     names = phi3.HF_LAYER_NAMES if kind == "phi3" else HF_LAYER_NAMES
     flat = read_tensors(path, tensor_index(path), lambda n: _our_hf_name(n, names),
                         tied=cfg.tie_word_embeddings, skip=_SKIPPED.fullmatch, variant=kind)
@@ -89,8 +93,6 @@ def _our_hf_name(hf_name: str, layer_names: dict) -> str | None:
 
 def gguf_tensors(header, cfg: GemmaConfig, *, source: str, lazy: bool = False) -> dict:
     """Every tensor dequantized under our names (norms back from llama.cpp's 1 + w to w)."""
-    from jaxspec.loading.gguf_file import SUPPORTED_TYPES, LazyTensor
-
     out_dtype = np.dtype(cfg.compute_dtype)
     flat = {}
     for t in header.tensors:
@@ -128,8 +130,6 @@ def _our_gguf_name(name: str) -> str | None:
 def gguf_tokenizer(path: Path, header):
     """The GGUF's tokenizer, built from the parsed metadata by transformers' own converter (no
     second parse of the file) and cached like `loading.tokenizer.load_gguf_tokenizer`'s."""
-    from jaxspec.loading import tokenizer as tk
-
     if "tokenizer.ggml.model" not in header.fields:
         return None
     cache = tk._cache_dir(path)
@@ -165,8 +165,6 @@ def gguf_eos(header, vocab_size: int, source: str) -> list[int]:
 def read_hf_dir(path: Path, hf: dict, dtype: str):
     """(config, flat tensors, tokenizer, eos ids, architecture) of a gemma2 / gemma3(_text) / phi3
     directory."""
-    from jaxspec.loading.tokenizer import load_dir_tokenizer
-
     kind = hf_model_type(hf)
     source = str(path / "config.json")
     if kind == "phi3":
@@ -182,13 +180,11 @@ def read_hf_dir(path: Path, hf: dict, dtype: str):
     if gen.exists():
         gen_fields = validate.Fields(validate.read_json(gen, "generation_config.json"), str(gen))
         eos += validate.token_ids(gen_fields, "eos_token_id", cfg.vocab_size)
-    return cfg, flat, load_dir_tokenizer(path), eos, arch
+    return cfg, flat, tk.load_dir_tokenizer(path), eos, arch
 
 
 def read_gguf(path: Path, dtype: str, lazy: bool = False):
     """(config, flat tensors, tokenizer, eos ids, architecture) of a gemma2 / gemma3 GGUF file."""
-    from jaxspec.loading.gguf_header import GGUFHeader
-
     header = GGUFHeader(path)
     cfg = gemma_config_from_gguf(header, dtype=dtype, source=str(path))
     flat = gguf_tensors(header, cfg, source=str(path), lazy=lazy)
@@ -198,9 +194,6 @@ def read_gguf(path: Path, dtype: str, lazy: bool = False):
 def assemble(cfg, flat: dict, *, source: str) -> dict:
     """Check names and shapes against the family's `param_shapes`, refuse NaN/inf, then nest
     (`layers.3.wq` -> params["layers"][3]["wq"]), as `loading.params.assemble` does for Llama."""
-    from jaxspec.loading.params import check_finite
-    from jaxspec.models import gemma
-
     shapes = gemma.param_shapes(cfg)
     want = {k: v for k, v in shapes.items() if k != "layers"}
     for i, layer in enumerate(shapes["layers"]):
@@ -234,8 +227,6 @@ def owns(cfg) -> bool:
 
 def target_for(cfg, arch: str):
     """The `models.base.Target` that runs a loaded config."""
-    from jaxspec.models.llama import LlamaTarget
-
     if isinstance(cfg, GemmaConfig):
         return GemmaTarget(cfg, name=arch)
     return phi3.phi3_target(cfg) if arch == "phi3" else LlamaTarget(cfg, name=arch)

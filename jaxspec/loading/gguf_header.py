@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from jaxspec import validate
 from jaxspec.errors import JaxspecError
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -112,8 +113,6 @@ class GGUFHeader:
 def peek_architecture(path: Path) -> str | None:
     """`general.architecture` from the first metadata fields, reading no arrays (None if the file
     does not declare one before its first array)."""
-    from jaxspec import validate
-
     validate.regular_file(path, "GGUF file", max_bytes=None)  # a FIFO or device would block here
     try:
         with open(path, "rb") as f:

@@ -38,7 +38,10 @@ from pathlib import Path
 from typing import Literal
 
 from jaxspec import progress
+from jaxspec import limits
 from jaxspec.errors import JaxspecError
+from jaxspec.loading.params import load_peak_bytes
+from jaxspec.loading.safetensors_dir import config_from_hf
 
 # A repo id: two segments of letters, digits, '-', '_', '.', neither starting with '.' or '-'.
 _SEGMENT = r"[A-Za-z0-9_][\w.-]{0,95}"
@@ -173,8 +176,6 @@ def choose_files(
 def check_fits(hub_id: HubId, estimate: int, dtype: str, free_bytes: int | None = None) -> None:
     """A one-line refusal when `estimate` bytes (the weights in `dtype`) exceed what the device
     can hold (`free_bytes`; None: measured), said before anything is downloaded."""
-    from jaxspec import limits
-
     where = "the given memory"
     if free_bytes is None:
         free, where = limits.free_memory_bytes()
@@ -209,9 +210,6 @@ def _estimate_bytes(hub_id, commit, sizes, weights, dtype, cache_dir) -> int:
     except Exception as e:  # noqa: BLE001 -- one small file: the same mapping as the listing
         raise _hub_error(e, hub_id) from None
     try:
-        from jaxspec.loading.params import load_peak_bytes
-        from jaxspec.loading.safetensors_dir import config_from_hf
-
         cfg = config_from_hf(hf_config, dtype=dtype, source=f"{hub_id}/config.json")
         return load_peak_bytes(cfg, dtype)["peak"]
     except Exception:  # noqa: BLE001 -- another family: by bytes

@@ -17,6 +17,7 @@ from jaxspec import kernels
 from jaxspec.errors import JaxspecError
 from jaxspec.models.decoder import ModelConfig
 from jaxspec.models.llama import Params, param_shapes, qkv_splits
+from jaxspec.sharding import check_model, param_shardings
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ACCELERATORS = ("tpu", "gpu")
@@ -183,8 +184,6 @@ def place_on_mesh(
     device its shards plus one tensor's shard. The stacked layout is assembled on the mesh, one
     layer at a time, into a preallocated sharded `[L, ...]` buffer.
     """
-    from jaxspec.sharding import check_model, param_shardings
-
     if layout == "packed":
         raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
     check_model(cfg, plan.mesh)

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Literal
 
 from jaxspec.errors import JaxspecError
+from jaxspec.loading.chunked import assembled_file
 from jaxspec.loading import hub
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PackagedModel:
     """A model file inside an installed wheel (the wheel need not be importable)."""
-
     name: str
     aliases: tuple[str, ...]
     distribution: str  # the pip name
@@ -78,8 +78,6 @@ class Source:
 def find_packaged_file(model: PackagedModel) -> Path | None:
     """Where `model.filename` sits on disk, or None when its wheel is not installed."""
     if model.chunked:  # hook: joined from its part packages
-        from jaxspec.loading.chunked import assembled_file
-
         return assembled_file(model.package, model.install_hint)
     candidates: list[Path] = []
     try:

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from jaxspec.models import attention, blocks
 from jaxspec.models import paged_attention as pa
+from jaxspec.models.attention_kernels import cache_part_in_row_chunks, on_head_shards
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked part adds exp(..) = 0
 BLOCK_SLOTS = 128  # committed slots per step of the XLA loop (whole pages)
@@ -59,7 +60,6 @@ TPU_MAX_ROWS = 256  # query rows per kv head per TPU kernel call (more: chunks)
 class PagedLayer:
     """One layer's k (or v) page pool and the rows' page table, in place of a [B, K, S, H] cache.
     Entries == NP in the table are unallocated (read as page NP-1: past the row's length)."""
-
     pages: jax.Array  # [K, NP, P, H]
     table: jax.Array  # int32[B, MP]
 
@@ -140,8 +140,6 @@ def committed_on_head_shards(qg, k_layer, v_layer, lengths, scale, softcap, impl
     the program is traced under a kernel mesh (`attention_kernels.kernel_mesh`; no mesh: one
     call): a pool sharded over kv heads is read by each device on its own heads (the pool has no
     row dim: it is not split over "data"; each row's table and length go with its row)."""
-    from jaxspec.models.attention_kernels import on_head_shards
-
     def part(q, k_pages, v_pages, table, n):
         kl, vl = PagedLayer(k_pages, table), PagedLayer(v_pages, table)
         if impl == "pallas_tpu":
@@ -205,8 +203,6 @@ def committed_pallas_tpu(qg, k_layer: PagedLayer, v_layer: PagedLayer, lengths, 
     the merge with the window cannot use). K/V are read in bfloat16 by the kernel."""
     b, kv, gt, h = qg.shape
     if gt > TPU_MAX_ROWS:  # a prompt chunk: the same call per chunk of rows
-        from jaxspec.models.attention_kernels import cache_part_in_row_chunks
-
         part = lambda x: committed_pallas_tpu(x, k_layer, v_layer, lengths, scale, softcap,  # noqa: E731
                                               interpret)
         return cache_part_in_row_chunks(part, qg, rows=TPU_MAX_ROWS)

@@ -19,6 +19,9 @@ below a speedup target cannot reach it by any prompt-lookup policy with that γ.
 
 from __future__ import annotations
 
+# Imported inside functions: jax, transformers and torch (and the jaxspec modules that load
+# them) load only when a command runs, so its --help answers in a second (tests/test_help.py).
+
 import argparse
 import json
 import sys

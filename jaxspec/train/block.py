@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxspec.drafters import block as block_lib
 from jaxspec.drafters import eagle as eagle_lib
+from jaxspec.train import checkpoint as ckpt
 from jaxspec.train import methods
 
 
@@ -60,8 +61,6 @@ class Block:
             eagle = methods.Eagle(hidden_layers=self.hidden_layers, input_scale=self.input_scale)
             params, _ = eagle.init(target, np.zeros((1,), np.int32), key)
             return params
-        from jaxspec.train import checkpoint as ckpt
-
         _, stored = ckpt.load_drafter(self.init_eagle, "eagle", target.cfg, target.params)
         return {k: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), stored[k])
                 for k in ("fuse", "in_proj", "layer", "norm")}

@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from jaxspec.engine.runner import Engine
 from jaxspec.jsonl import read_jsonl
+from jaxspec.loading import load_model
 from jaxspec.train import prompts as prompt_sets
 
 
@@ -224,11 +226,7 @@ def build(dc: DataConfig, model=None) -> Path:
     """Write every missing shard; returns the output dir. Prints a progress bar with an ETA."""
     from tqdm import tqdm
 
-    from jaxspec.engine.runner import Engine
-
     if model is None:
-        from jaxspec.loading import load_model
-
         model = load_model(dc.model, layout="auto")  # no gradients here: the fast layout
     out = Path(dc.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,9 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxspec.errors import JaxspecError
+from jaxspec.errors import JaxspecError, short
+from jaxspec.options import coerce
+from jaxspec.engine.runner import Engine
+from jaxspec.loading import load_model
+from jaxspec.output_dir import check_output_dir
 from jaxspec.train import checkpoint as ckpt
 from jaxspec.train import methods as methods_lib
+from jaxspec.train import prompts as prompt_sets
+from jaxspec.train.data import load_shards
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,8 +73,6 @@ def check_train_config(tc: TrainConfig) -> None:
     import math
     import typing
 
-    from jaxspec.errors import short
-    from jaxspec.options import coerce
 
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(tc):
@@ -104,8 +108,6 @@ def check_inputs(tc: TrainConfig, *, need_data: bool, need_prompts: bool) -> Non
     """What a run reads and writes, checked before the model loads: the data shards exist, the
     GSM8K file the evaluation reads exists, and export_dir may be written."""
     from pathlib import Path
-
-    from jaxspec.output_dir import check_output_dir
 
     if need_data:
         dirs = [d.strip() for d in tc.data_dir.split(",") if d.strip()]
@@ -192,8 +194,6 @@ def make_method(tc: TrainConfig):
 
 def evaluate(target, drafter, dparams, prompts, gamma, max_new) -> dict:
     """Run the real speculative decoder (greedy, batch 1) on held-out prompts."""
-    from jaxspec.engine.runner import Engine
-
     engine = Engine(target, drafter, dparams, num_speculative_tokens=gamma)
     res = engine.generate(prompts, max_new_tokens=max_new, batch_size=1)
     steps = sum(r.metrics["num_steps"] for r in res)
@@ -206,8 +206,6 @@ def evaluate(target, drafter, dparams, prompts, gamma, max_new) -> dict:
 
 
 def held_out_prompts(tc: TrainConfig) -> list:
-    from jaxspec.train import prompts as prompt_sets
-
     if tc.eval_prompts == 0:
         return []
 
@@ -218,7 +216,6 @@ def held_out_prompts(tc: TrainConfig) -> list:
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
     """What `train` returns, stopped early or not (one shape either way)."""
-
     params: Any  # the drafter's trained params
     state: dict  # {"params", "opt_state", "step"}: what a checkpoint holds
     history: list[dict]  # per-step metrics of this run
@@ -243,12 +240,8 @@ class _Setup(NamedTuple):
 def _prepare(tc: TrainConfig, target, data, log) -> _Setup:
     """Target, data, draft vocabulary, initial (or warm-started, or resumed) state."""
     if target is None:
-        from jaxspec.loading import load_model
-
         target = load_model(tc.model, layout="unrolled")  # gradients flow through its LM head
     if data is None:
-        from jaxspec.train.data import load_shards
-
         data = load_shards(tc.data_dir, window=tc.seq_len)
     method = make_method(tc)
     d2t = methods_lib.build_vocab(
