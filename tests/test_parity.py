@@ -157,6 +157,23 @@ def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
     assert err_incr < TOL
 
 
+def test_smollm2_prompt_logprobs_match_transformers(smollm2, smollm2_hf):
+    """What `echo` with logprobs returns (Engine.prompt_logprobs): each prompt token's
+    log-probability given the ones before it, and the top 20, as transformers computes them."""
+    from jaxspec.engine.runner import Engine
+
+    ids = chat_ids(smollm2.tokenizer, "Name a colour.")
+    got = Engine(smollm2).prompt_logprobs(ids)
+    with torch.no_grad():
+        ref = torch.log_softmax(torch.as_tensor(hf_logits(smollm2_hf, [ids])[0], dtype=torch.float64),
+                                -1).numpy()
+    assert len(got) == len(ids) - 1
+    chosen = np.array([g["logprob"] for g in got])
+    np.testing.assert_allclose(chosen, ref[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+    top = np.array([[v for _, v in g["top"]] for g in got])
+    np.testing.assert_allclose(top, -np.sort(-ref[:-1], axis=-1)[:, :20], atol=1e-4)
+
+
 TOKENIZER_STRINGS = [
     "Hello world",
     "  leading spaces and\ttabs\n\nnewlines  ",

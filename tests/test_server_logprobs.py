@@ -2,12 +2,14 @@
 `openai` client over loopback: logprobs equal the engine's (which equal a full forward,
 tests/test_loop_logprobs.py) in OpenAI's chat and completions shapes, streamed and not; n
 returns n seeded rows (reproducible with `seed`); penalties and logit_bias change the greedy
-output exactly as the engine's do.
+output exactly as the engine's do; echo returns the prompt, its own tokens scored as a full
+forward scores them (what lm-eval's loglikelihood tasks read).
 """
 
 from __future__ import annotations
 
-
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 pytest.importorskip("fastapi")
@@ -60,6 +62,39 @@ def test_completions_logprobs_equal_the_engines(engine, client):
     chunks = [c for c in streamed if c.choices and c.choices[0].logprobs]
     got = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
     assert got == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-5)
+
+
+def full_log_softmax(engine, ids) -> np.ndarray:
+    """f64[T, V]: log_softmax of the target's logits over `ids`, one unpadded forward."""
+    t, params = engine.model.target, engine.model.params
+    out = t.forward(params, jnp.asarray([ids], jnp.int32), t.init_cache(params, 1, len(ids)))
+    x = np.asarray(t.logits(params, out.hidden)[0], np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_echo_returns_the_prompt_with_its_tokens_scored(engine, client):
+    ref = solo(engine, PROMPT)
+    ids = engine.model.tokenizer.encode(PROMPT)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                    logprobs=3, echo=True)
+    assert out.choices[0].text == PROMPT + engine.decode_text(ref.token_ids)
+    lp, n = out.choices[0].logprobs, len(ids)
+    assert len(lp.tokens) == n + len(ref.token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing scores it
+    want = full_log_softmax(engine, ids)
+    for t in range(1, n):  # token t given tokens before it: row t - 1 of the forward
+        assert lp.token_logprobs[t] == pytest.approx(want[t - 1, ids[t]], abs=1e-5), t
+        assert max(lp.top_logprobs[t].values()) == pytest.approx(want[t - 1].max(), abs=1e-5)
+    assert lp.token_logprobs[n:] == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-5)
+    assert out.usage.prompt_tokens == n and out.usage.completion_tokens == len(ref.token_ids)
+    streamed = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW,
+                                         temperature=0, echo=True, stream=True)
+    texts = [c.choices[0].text for c in streamed if c.choices]
+    assert texts[0] == PROMPT and "".join(texts) == out.choices[0].text
+    plain = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                      echo=True)  # echo without logprobs: the text only
+    assert plain.choices[0].text == out.choices[0].text and plain.choices[0].logprobs is None
 
 
 def test_chat_logprobs_shape(client):

@@ -98,7 +98,7 @@ PROMPT = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
     ("/v1/chat/completions", {"logprobs": True}, "'logprobs'"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "'top_logprobs'"),
     ("/v1/completions", {"logprobs": 0}, "'logprobs'"),
-    ("/v1/completions", {"echo": True}, "'echo'"),
+    ("/v1/chat/completions", {"echo": True}, "'echo'"),  # completions: test_server_logprobs
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
      "'tools'"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "'response_format'"),

@@ -35,6 +35,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
 from jaxspec.models import base
 from jaxspec.engine.prepare import MIN_PROMPT_BUCKET, Requests, bucket
+from jaxspec.engine import prompt_scores
 from jaxspec.engine.programs import Programs
 from jaxspec.engine.results import GenerationResult, Report, fetch
 from jaxspec.engine.serving_surface import ServingSurface
@@ -390,6 +391,13 @@ class Engine(ServingSurface):
                 self._observe([ids], [result])
                 return result
             state = self.decode(state, sp, steps_per_chunk)
+
+    def prompt_logprobs(self, prompt: str | Sequence[int]) -> list[dict]:
+        """The prompt's own tokens scored by the target (engine/prompt_scores.py): for tokens
+        1..n-1, {"logprob", "top": [(id, logprob)] * 20}, raw log_softmax (what `echo` returns)."""
+        ids = self.encode(prompt)
+        self.check_fits(ids, 1)
+        return prompt_scores.prompt_logprobs(self.model.target, self.model.params, ids)
 
     # ---- results (results.Report): what the serving scheduler reuses ------------------------
     def row_metrics(self, state, row: int, num_generated: int) -> dict[str, Any]:

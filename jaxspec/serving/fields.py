@@ -6,9 +6,10 @@ max_completion_tokens, temperature, top_p, stop, seed, stream, stream_options, u
 16; seeds seed + i), logprobs / top_logprobs (up to 20), presence / frequency / repetition
 penalties and logit_bias (applied in the decode loop, lossless), and the extensions top_k,
 min_p, stop_token_ids; structured output (serving/structured.py: response_format, tools with
-tool_choice "required" or a named function, guided_json / guided_regex / guided_choice).
-Accepted only at their neutral value (anything else is "not supported yet"): best_of 1, echo
-off, functions absent, suffix empty.
+tool_choice "required" or a named function, guided_json / guided_regex / guided_choice); echo on
+/v1/completions (the prompt returned before the completion, and with logprobs its own tokens
+scored: the first null, as OpenAI's legacy API). Accepted only at their neutral value (anything
+else is "not supported yet"): best_of 1, echo off on chat, functions absent, suffix empty.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             # structured output (serving/structured.py; a server without serving.structured
             # answers a constraint with a one-line 400 naming the setting)
             "response_format", "guided_json", "guided_regex", "guided_choice", "tools",
-            "tool_choice"}
+            "tool_choice", "echo"}
 MAX_N = 16  # completions per request
 MAX_TOP_LOGPROBS = 20
 # field -> (its neutral values, what a client gets instead)
 NEUTRAL: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "one completion per request"),
-    "echo": ((False,), "the prompt is not echoed"),
     "functions": (([],), "no function calls are produced"),
     "function_call": (("none",), "no function calls are produced"),
     "suffix": (("",), "no suffix is appended"),
@@ -163,6 +163,15 @@ def sampling_of(body: dict[str, Any], max_tokens: int, chat: bool = False) -> Sa
         logit_bias=_logit_bias(body),
         logprobs=logprobs_of(body, chat),
     )
+
+
+def echo_of(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the prompt comes back before the completion (/v1/completions only)."""
+    echo = _field(body, "echo", (bool,), False)
+    if echo and chat:
+        raise HTTPError(400, "field 'echo' is not supported on chat (a reply never repeats "
+                             "the messages): use /v1/completions or remove it")
+    return echo
 
 
 def wants_stream(body: dict[str, Any]) -> bool:

@@ -32,6 +32,7 @@ from jaxspec.serving.fields import (
     check_recorded,
     chat_messages,
     choices_of,
+    echo_of,
     refuse_unsupported,
     requested_max_tokens,
     sampling_of,
@@ -212,18 +213,32 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     def piece(tok: int) -> str:
         return server.engine.decode_text([int(tok)])
 
-    def logprobs_block(done, returned: int, k, chat: bool):
-        """The choice's `logprobs` in OpenAI's shape (None when not asked for)."""
+    def logprobs_block(done, returned: int, k, chat: bool, echo=None):
+        """The choice's `logprobs` in OpenAI's shape (None when not asked for). echo: (prompt
+        ids, their scores) when the prompt comes back: its tokens first, the first unscored."""
         if k is None or done.logprobs is None:
             return None
-        entries = done.logprobs[:returned]
         finite = lambda x: x if math.isfinite(x) else FLOOR  # noqa: E731  JSON has no -inf
-        args = (piece, done.token_ids[:returned], [finite(e["logprob"]) for e in entries],
-                [[i for i, _ in e["top"]] for e in entries],
-                [[finite(v) for _, v in e["top"]] for e in entries], k)
+        tokens, entries, unscored = list(done.token_ids[:returned]), done.logprobs[:returned], []
+        if echo is not None:
+            ids, scores = echo
+            tokens, entries, unscored = list(ids) + tokens, list(scores) + list(entries), [None]
+        args = (piece, tokens, unscored + [finite(e["logprob"]) for e in entries],
+                unscored + [[i for i, _ in e["top"]] for e in entries],
+                unscored + [[finite(v) for _, v in e["top"]] for e in entries], k)
         return chat_logprobs(*args) if chat else completion_logprobs(*args)
 
-    def message_choice(index: int, wanted, done, reason: str, lp, chat: bool) -> dict:
+    async def echoed_scores(ids, k):
+        """(ids, the prompt's own tokens scored) for echo with logprobs, else None."""
+        if k is None:
+            return None
+        try:
+            return ids, await asyncio.to_thread(server.engine.prompt_logprobs, ids)
+        except JaxspecError as e:
+            raise _failure(e) from None
+
+    def message_choice(index: int, wanted, done, reason: str, lp, chat: bool,
+                       echoed: str = "") -> dict:
         """One non-streamed choice: the text, or the tool calls a finished call parses to."""
         calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
         choice = {"index": index, "finish_reason": "tool_calls" if calls else reason,
@@ -233,10 +248,11 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         elif chat:
             choice["message"] = {"role": "assistant", "content": done.text}
         else:
-            choice["text"] = done.text
+            choice["text"] = echoed + done.text
         return choice
 
-    async def respond(body, ids, chat: bool):
+    async def respond(body, ids, chat: bool, prompt_text: str = ""):
+        """One request: `prompt_text` is what echo returns (completions)."""
         refuse_unsupported(body)
         wanted = structured.asked(body)
         if wanted.constraint is not None and sched.grammars is None:
@@ -248,12 +264,14 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         streamed = wants_stream(body)
         n_choices = choices_of(body)
         check_recorded(body, sampling.logprobs, sched.spec.logprobs, chat)
+        echoed = prompt_text if echo_of(body, chat) else ""
         if streamed and n_choices > 1:
             raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true is not supported "
                                  "yet: set stream false or send n requests")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        echo = await echoed_scores(ids, sampling.logprobs) if echoed else None
         if n_choices > 1:
-            return await respond_n(ids, sampling, n_choices, rid, chat, wanted)
+            return await respond_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo)
         stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint)
         gate.enter(stream)
         timer = None
@@ -279,8 +297,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 raise _failure(e) from None
             finally:
                 close()
-            lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat)
-            choice = message_choice(0, wanted, done, reason, lp, chat)
+            lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat, echo)
+            choice = message_choice(0, wanted, done, reason, lp, chat, echoed)
             kind = "chat.completion" if chat else "text_completion"
             return JSONResponse(head | {"object": kind, "choices": [choice], "usage": usage})
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -301,6 +319,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         async def events():
             try:
                 first = True
+                if echoed:  # the prompt first, as it was sent
+                    yield chunk(echoed)
                 async for piece in stream:
                     if wanted.tool_call:  # the call goes out whole, parsed, at the end
                         continue
@@ -319,7 +339,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                     yield chunk(done.text, first=first)
                     first = False
                 # the tokens' logprobs come with the last chunk, all of them at once
-                lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat)
+                lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat,
+                                    echo)
                 yield chunk("", reason, usage, first=first, logprobs=lp)
             except JaxspecError as e:  # the serving loop stopped: say so, end the stream
                 err = {"message": _failure(e).message, "type": "server_error", "code": 500}
@@ -349,9 +370,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
         gate.leave(stream)
 
-    async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted):
+    async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed="",
+                        echo=None):
         """n completions of one prompt (not streamed): n requests, seeds seed + i (None: each
-        its own), one choice each, usage summed."""
+        its own), one choice each (each with the echoed prompt), usage summed."""
         streams, timers = [], []
         for i in range(n_choices):
             seed = None if sampling.seed is None else sampling.seed + i
@@ -370,7 +392,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 done, reason, usage = finished(stream, sampling)
                 total["completion_tokens"] += usage["completion_tokens"]
                 choices.append(message_choice(i, wanted, done, reason, logprobs_block(
-                    done, usage["completion_tokens"], sampling.logprobs, chat), chat))
+                    done, usage["completion_tokens"], sampling.logprobs, chat, echo), chat,
+                    echoed))
         except JaxspecError as e:
             raise _failure(e) from None
         finally:
@@ -387,7 +410,12 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         check_model(body)
         if "prompt" not in body:
             raise HTTPError(400, "field 'prompt' is required")
-        return await respond(body, prompt_ids(body["prompt"]), chat=False)
+        ids = prompt_ids(body["prompt"])
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        text = prompt if isinstance(prompt, str) else "".join(piece(t) for t in ids)
+        return await respond(body, ids, chat=False, prompt_text=text)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

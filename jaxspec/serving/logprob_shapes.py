@@ -42,22 +42,26 @@ def completion_logprobs(
     logprobs: int,
     offset: int = 0,
 ) -> dict:
-    """Completions `logprobs` object; `offset`: the text offset of the first token (the prompt's
-    length with echo, else 0)."""
+    """Completions `logprobs` object; `offset`: the text offset of the first token. With echo
+    the prompt's tokens come first, and the very first has no logprob: None in `chosen` and in
+    `top_ids` there gives null, as OpenAI's legacy API returns."""
     texts = [piece(int(t)) for t in tokens]
     offsets, at = [], offset
     for t in texts:
         offsets.append(at)
         at += len(t)
-    tops = []
+    tops: list[dict[str, float] | None] = []
     for ids, vals in zip(top_ids, top_values, strict=True):
+        if ids is None:
+            tops.append(None)
+            continue
         d: dict[str, float] = {}
         for i, v in list(zip(ids, vals))[:logprobs]:
             d.setdefault(piece(int(i)), float(v))  # two ids decoding alike: keep the likelier
         tops.append(d)
     return {
         "tokens": texts,
-        "token_logprobs": [float(x) for x in chosen],
+        "token_logprobs": [None if x is None else float(x) for x in chosen],
         "top_logprobs": tops,
         "text_offset": offsets,
     }
