@@ -125,6 +125,22 @@ def test_n_rows_are_seeded_and_reproducible(client):
         len(c.text.encode()) for c in first.choices) or first.usage.completion_tokens > 0
 
 
+def test_best_of_returns_the_likeliest_of_its_seeded_candidates(client):
+    """best_of=3 runs the rows n=3 runs (seeds seed + i) and returns the one whose tokens have the
+    highest summed logprob; usage counts all three."""
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=1.0, seed=11)
+    rows = client.completions.create(n=3, logprobs=0, **ask)
+    summed = [sum(c.logprobs.token_logprobs) for c in rows.choices]
+    assert len({c.text for c in rows.choices}) > 1 and len(set(summed)) == 3
+    best = client.completions.create(extra_body={"best_of": 3}, **ask)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None  # not asked for
+    assert best.choices[0].text == rows.choices[summed.index(max(summed))].text
+    assert best.usage.completion_tokens == rows.usage.completion_tokens
+    two = client.completions.create(n=2, extra_body={"best_of": 3}, logprobs=0, **ask)
+    assert [c.text for c in two.choices] == [
+        rows.choices[i].text for i in sorted(range(3), key=lambda i: -summed[i])[:2]]
+
+
 def test_penalties_and_logit_bias_are_honoured(engine, client):
     setting = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={"100": 8.0})
     out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=0,
@@ -141,7 +157,9 @@ def test_penalties_and_logit_bias_are_honoured(engine, client):
     ({"logprobs": 6}, "it records 5 top logprobs"),
     ({"presence_penalty": 3}, "presence_penalty=3"),
     ({"logit_bias": {"999": 1}}, "out of range"),
-    ({"best_of": 2}, "'best_of'=2 is not supported yet"),
+    ({"best_of": 17}, "'best_of'=17 is out of range"),
+    ({"n": 3, "best_of": 2}, "'best_of'=2 is out of range: use n"),
+    ({"best_of": 2, "stream": True}, "with 'stream': true is not supported"),
 ])
 def test_bad_fields_are_one_line_400s(client, body, word):
     with pytest.raises(openai.BadRequestError, match=word):

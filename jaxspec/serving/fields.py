@@ -8,8 +8,9 @@ penalties and logit_bias (applied in the decode loop, lossless), and the extensi
 min_p, stop_token_ids; structured output (serving/structured.py: response_format, tools with
 tool_choice "required" or a named function, guided_json / guided_regex / guided_choice); echo on
 /v1/completions (the prompt returned before the completion, and with logprobs its own tokens
-scored: the first null, as OpenAI's legacy API). Accepted only at their neutral value (anything
-else is "not supported yet"): best_of 1, echo off on chat, functions absent, suffix empty.
+scored: the first null, as OpenAI's legacy API); best_of (n..16 candidates, the n with the
+highest summed logprob returned). Accepted only at their neutral value (anything else is "not
+supported yet"): echo off on chat, functions absent, suffix empty.
 """
 
 from __future__ import annotations
@@ -32,12 +33,11 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             # structured output (serving/structured.py; a server without serving.structured
             # answers a constraint with a one-line 400 naming the setting)
             "response_format", "guided_json", "guided_regex", "guided_choice", "tools",
-            "tool_choice", "echo"}
+            "tool_choice", "echo", "best_of"}
 MAX_N = 16  # completions per request
 MAX_TOP_LOGPROBS = 20
 # field -> (its neutral values, what a client gets instead)
 NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "best_of": ((1,), "one completion per request"),
     "functions": (([],), "no function calls are produced"),
     "function_call": (("none",), "no function calls are produced"),
     "suffix": (("",), "no suffix is appended"),
@@ -87,6 +87,14 @@ def choices_of(body: dict[str, Any]) -> int:
     if not 1 <= n <= MAX_N:
         raise HTTPError(400, f"field 'n'={n} is out of range: use 1..{MAX_N}")
     return n
+
+
+def best_of_of(body: dict[str, Any], n: int) -> int:
+    """best_of: candidates generated, n..MAX_N (default n); the n likeliest are returned."""
+    best = _field(body, "best_of", (int,), n)
+    if not n <= best <= MAX_N:
+        raise HTTPError(400, f"field 'best_of'={best} is out of range: use n ({n})..{MAX_N}")
+    return best
 
 
 def logprobs_of(body: dict[str, Any], chat: bool) -> int | None:

@@ -31,6 +31,7 @@ from jaxspec.serving.fields import (
     HTTPError,
     check_recorded,
     chat_messages,
+    best_of_of,
     choices_of,
     echo_of,
     refuse_unsupported,
@@ -263,15 +264,24 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         sampling = sampling_of(body, settle_max_tokens(body, ids), chat)
         streamed = wants_stream(body)
         n_choices = choices_of(body)
+        candidates = best_of_of(body, n_choices)
         check_recorded(body, sampling.logprobs, sched.spec.logprobs, chat)
+        if candidates > n_choices and streamed:
+            raise HTTPError(400, f"field 'best_of'={candidates} with 'stream': true is not "
+                                 "supported (the best are known only at the end): set stream false")
+        if candidates > n_choices and sched.spec.logprobs is None:
+            raise HTTPError(400, f"field 'best_of'={candidates} is not supported by this server "
+                                 "(it ranks candidates by their recorded logprobs): start it with "
+                                 "generation.logprobs=0 or more")
         echoed = prompt_text if echo_of(body, chat) else ""
         if streamed and n_choices > 1:
             raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true is not supported "
                                  "yet: set stream false or send n requests")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         echo = await echoed_scores(ids, sampling.logprobs) if echoed else None
-        if n_choices > 1:
-            return await respond_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo)
+        if candidates > 1:
+            return await respond_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo,
+                                   candidates)
         stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint)
         gate.enter(stream)
         timer = None
@@ -371,11 +381,18 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         gate.leave(stream)
 
     async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed="",
-                        echo=None):
-        """n completions of one prompt (not streamed): n requests, seeds seed + i (None: each
-        its own), one choice each (each with the echoed prompt), usage summed."""
+                        echo=None, candidates: int = 0):
+        """n completions of one prompt (not streamed): `candidates` (best_of, at least n)
+        requests, seeds seed + i (None: each its own); past n, the n with the highest summed
+        logprob of their returned tokens, in that order. One choice each (each with the echoed
+        prompt); usage counts every candidate's tokens."""
+        candidates = max(candidates, n_choices)
+        ranked = candidates > n_choices
+        asked = sampling.logprobs
+        if ranked and asked is None:
+            sampling = dataclasses.replace(sampling, logprobs=0)  # the chosen tokens' only
         streams, timers = [], []
-        for i in range(n_choices):
+        for i in range(candidates):
             seed = None if sampling.seed is None else sampling.seed + i
             stream = server.submit(ids, dataclasses.replace(sampling, seed=seed),
                                    request_id=f"{rid}-{i}", constraint=wanted.constraint)
@@ -384,21 +401,25 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             timers.append(None if not limits.request_timeout_s else
                           asyncio.get_running_loop().call_later(
                               limits.request_timeout_s, gate.time_out, stream))
-        choices, total = [], {"prompt_tokens": len(ids), "completion_tokens": 0}
+        results, total = [], {"prompt_tokens": len(ids), "completion_tokens": 0}
         try:
-            for i, stream in enumerate(streams):
+            for stream in streams:
                 async for _ in stream:
                     pass
                 done, reason, usage = finished(stream, sampling)
                 total["completion_tokens"] += usage["completion_tokens"]
-                choices.append(message_choice(i, wanted, done, reason, logprobs_block(
-                    done, usage["completion_tokens"], sampling.logprobs, chat, echo), chat,
-                    echoed))
+                results.append((done, reason, usage["completion_tokens"]))
         except JaxspecError as e:
             raise _failure(e) from None
         finally:
             for stream, timer in zip(streams, timers):
                 closed(stream, timer)
+        if ranked:
+            summed = lambda r: sum(e["logprob"] for e in (r[0].logprobs or [])[: r[2]])  # noqa: E731
+            results = sorted(results, key=summed, reverse=True)[:n_choices]
+        choices = [message_choice(i, wanted, done, reason, logprobs_block(
+                       done, returned, asked, chat, echo), chat, echoed)
+                   for i, (done, reason, returned) in enumerate(results)]
         total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": rid, "created": int(time.time()), "model": server.model_name,
