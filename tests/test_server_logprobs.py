@@ -125,6 +125,30 @@ def test_n_rows_are_seeded_and_reproducible(client):
         len(c.text.encode()) for c in first.choices) or first.usage.completion_tokens > 0
 
 
+def test_n_streamed_equals_n_returned_whole(client):
+    """n with stream: each choice's chunks carry its index; joined per index they are the n
+    seeded rows a non-streamed request returns; each ends with a finish reason; the usage comes
+    once, in a chunk without choices."""
+    ask = dict(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=1.0, n=3, seed=5)
+    whole = client.completions.create(**ask)
+    texts, reasons, usage = ["", "", ""], [None] * 3, []
+    for c in client.completions.create(stream=True, logprobs=1, **ask):
+        usage += [c.usage] if c.usage else []
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+                assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) > 0
+    assert texts == [c.text for c in whole.choices] and len(set(texts)) > 1
+    assert reasons == [c.finish_reason for c in whole.choices]
+    assert len(usage) == 1 and usage[0].completion_tokens == whole.usage.completion_tokens
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, n=2, seed=3,
+        temperature=1.0, stream=True)
+    roles = [ch.delta.role for c in chat for ch in c.choices if ch.delta.role]
+    assert roles == ["assistant", "assistant"]  # the first chunk of each choice
+
+
 def test_best_of_returns_the_likeliest_of_its_seeded_candidates(client):
     """best_of=3 runs the rows n=3 runs (seeds seed + i) and returns the one whose tokens have the
     highest summed logprob; usage counts all three."""
@@ -152,7 +176,6 @@ def test_penalties_and_logit_bias_are_honoured(engine, client):
 
 @pytest.mark.parametrize("body, word", [
     ({"n": 17}, "'n'=17 is out of range"),
-    ({"n": 2, "stream": True}, "not supported yet"),
     ({"logprobs": 21}, "'logprobs'=21 is out of range"),
     ({"logprobs": 6}, "it records 5 top logprobs"),
     ({"presence_penalty": 3}, "presence_penalty=3"),

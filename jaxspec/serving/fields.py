@@ -3,7 +3,7 @@ one-line 400 naming it (`HTTPError`), never silently ignored.
 
 Honoured: model, prompt / messages (content as a string or a list of text parts), max_tokens /
 max_completion_tokens, temperature, top_p, stop, seed, stream, stream_options, user, n (up to
-16; seeds seed + i), logprobs / top_logprobs (up to 20), presence / frequency / repetition
+16; seeds seed + i; streamed too), logprobs / top_logprobs (up to 20), presence / frequency / repetition
 penalties and logit_bias (applied in the decode loop, lossless), and the extensions top_k,
 min_p, stop_token_ids; structured output (serving/structured.py: response_format, tools with
 tool_choice "required" or a named function, guided_json / guided_regex / guided_choice); echo on

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import time
 import uuid
 from typing import Any
@@ -25,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxspec.errors import JaxspecError
-from jaxspec.serving import structured
+from jaxspec.serving import choices, structured
 from jaxspec.serving.api import Server
 from jaxspec.serving.fields import (
     HTTPError,
@@ -40,13 +39,8 @@ from jaxspec.serving.fields import (
     wants_stream,
 )
 from jaxspec.serving.gate import Gate
-from jaxspec.serving.logprob_shapes import chat_logprobs, completion_logprobs
 from jaxspec.serving.metrics import CONTENT_TYPE, ServerMetrics
 from jaxspec.serving.requests import QueueFull
-
-
-# the logprob returned for a token the request's filters cut (-inf: not JSON), as OpenAI's API
-FLOOR = -9999.0
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -214,21 +208,6 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     def piece(tok: int) -> str:
         return server.engine.decode_text([int(tok)])
 
-    def logprobs_block(done, returned: int, k, chat: bool, echo=None):
-        """The choice's `logprobs` in OpenAI's shape (None when not asked for). echo: (prompt
-        ids, their scores) when the prompt comes back: its tokens first, the first unscored."""
-        if k is None or done.logprobs is None:
-            return None
-        finite = lambda x: x if math.isfinite(x) else FLOOR  # noqa: E731  JSON has no -inf
-        tokens, entries, unscored = list(done.token_ids[:returned]), done.logprobs[:returned], []
-        if echo is not None:
-            ids, scores = echo
-            tokens, entries, unscored = list(ids) + tokens, list(scores) + list(entries), [None]
-        args = (piece, tokens, unscored + [finite(e["logprob"]) for e in entries],
-                unscored + [[i for i, _ in e["top"]] for e in entries],
-                unscored + [[finite(v) for _, v in e["top"]] for e in entries], k)
-        return chat_logprobs(*args) if chat else completion_logprobs(*args)
-
     async def echoed_scores(ids, k):
         """(ids, the prompt's own tokens scored) for echo with logprobs, else None."""
         if k is None:
@@ -237,20 +216,6 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             return ids, await asyncio.to_thread(server.engine.prompt_logprobs, ids)
         except JaxspecError as e:
             raise _failure(e) from None
-
-    def message_choice(index: int, wanted, done, reason: str, lp, chat: bool,
-                       echoed: str = "") -> dict:
-        """One non-streamed choice: the text, or the tool calls a finished call parses to."""
-        calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
-        choice = {"index": index, "finish_reason": "tool_calls" if calls else reason,
-                  "logprobs": lp}
-        if calls:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-        elif chat:
-            choice["message"] = {"role": "assistant", "content": done.text}
-        else:
-            choice["text"] = echoed + done.text
-        return choice
 
     async def respond(body, ids, chat: bool, prompt_text: str = ""):
         """One request: `prompt_text` is what echo returns (completions)."""
@@ -274,11 +239,13 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                                  "(it ranks candidates by their recorded logprobs): start it with "
                                  "generation.logprobs=0 or more")
         echoed = prompt_text if echo_of(body, chat) else ""
-        if streamed and n_choices > 1:
-            raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true is not supported "
-                                 "yet: set stream false or send n requests")
+        if streamed and n_choices > 1 and wanted.tool_call:
+            raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true and tools is not "
+                                 "supported yet: set stream false or send n requests")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
         echo = await echoed_scores(ids, sampling.logprobs) if echoed else None
+        if streamed and n_choices > 1:
+            return stream_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo)
         if candidates > 1:
             return await respond_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo,
                                    candidates)
@@ -307,19 +274,19 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 raise _failure(e) from None
             finally:
                 close()
-            lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat, echo)
-            choice = message_choice(0, wanted, done, reason, lp, chat, echoed)
+            lp = choices.logprobs_block(piece, done, usage["completion_tokens"], sampling.logprobs, chat, echo)
+            choice = choices.message_choice(0, wanted, done, reason, lp, chat, echoed)
             kind = "chat.completion" if chat else "text_completion"
             return JSONResponse(head | {"object": kind, "choices": [choice], "usage": usage})
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(piece, finish=None, usage=None, first=False, logprobs=None):
+        def chunk(text, finish=None, usage=None, first=False, logprobs=None):
             if chat:
-                delta = {"content": piece} | ({"role": "assistant"} if first else {})
+                delta = {"content": text} | ({"role": "assistant"} if first else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish,
                           "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": piece, "finish_reason": finish,
+                choice = {"index": 0, "text": text, "finish_reason": finish,
                           "logprobs": logprobs}
             out = head | {"object": kind, "choices": [choice]}
             if usage is not None:
@@ -331,10 +298,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 first = True
                 if echoed:  # the prompt first, as it was sent
                     yield chunk(echoed)
-                async for piece in stream:
+                async for text in stream:
                     if wanted.tool_call:  # the call goes out whole, parsed, at the end
                         continue
-                    yield chunk(piece, first=first)
+                    yield chunk(text, first=first)
                     first = False
                 done, reason, usage = ended()
                 calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
@@ -349,7 +316,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                     yield chunk(done.text, first=first)
                     first = False
                 # the tokens' logprobs come with the last chunk, all of them at once
-                lp = logprobs_block(done, usage["completion_tokens"], sampling.logprobs, chat,
+                lp = choices.logprobs_block(piece, done, usage["completion_tokens"], sampling.logprobs, chat,
                                     echo)
                 yield chunk("", reason, usage, first=first, logprobs=lp)
             except JaxspecError as e:  # the serving loop stopped: say so, end the stream
@@ -380,6 +347,81 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
         gate.leave(stream)
 
+    def submit_n(ids, sampling, count: int, rid: str, wanted):
+        """`count` requests of one prompt, seeds seed + i (None: each its own): (streams, their
+        time-limit timers)."""
+        streams, timers = [], []
+        for i in range(count):
+            seed = None if sampling.seed is None else sampling.seed + i
+            stream = server.submit(ids, dataclasses.replace(sampling, seed=seed),
+                                   request_id=f"{rid}-{i}", constraint=wanted.constraint)
+            gate.enter(stream)
+            streams.append(stream)
+            timers.append(None if not limits.request_timeout_s else
+                          asyncio.get_running_loop().call_later(
+                              limits.request_timeout_s, gate.time_out, stream))
+        return streams, timers
+
+    def stream_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed, echo):
+        """n streamed completions of one prompt (seeds as `respond_n`'s): each choice's chunks
+        carry its index as they come, each ends with its finish reason (and logprobs), then one
+        chunk without choices holds the summed usage."""
+        streams, timers = submit_n(ids, sampling, n_choices, rid, wanted)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "created": int(time.time()), "model": server.model_name, "object": kind}
+
+        def chunk(i, text, finish=None, lp=None, first=False):
+            if chat:
+                part = {"delta": {"content": text} | ({"role": "assistant"} if first else {})}
+            else:
+                part = {"text": text}
+            one = {"index": i, **part, "finish_reason": finish, "logprobs": lp}
+            return f"data: {json.dumps(head | {'choices': [one]})}\n\n"
+
+        async def pump(i, stream, queue):  # (index, text or None at its end, error)
+            try:
+                async for text in stream:
+                    await queue.put((i, text, None))
+            except JaxspecError as e:
+                await queue.put((i, None, e))
+                return
+            await queue.put((i, None, None))
+
+        async def events():
+            queue: asyncio.Queue = asyncio.Queue()
+            tasks = [asyncio.create_task(pump(i, s, queue)) for i, s in enumerate(streams)]
+            total, first = {"prompt_tokens": len(ids), "completion_tokens": 0}, [True] * n_choices
+            try:
+                for i in range(n_choices if echoed else 0):
+                    yield chunk(i, echoed)
+                for _ in range(n_choices):  # each stream's end, in the order they come
+                    i, text, error = await queue.get()
+                    while text is not None:
+                        yield chunk(i, text, first=first[i])
+                        first[i] = False
+                        i, text, error = await queue.get()
+                    if error is not None:
+                        raise error
+                    done, reason, usage = finished(streams[i], sampling)
+                    total["completion_tokens"] += usage["completion_tokens"]
+                    lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
+                                                sampling.logprobs, chat, echo)
+                    yield chunk(i, "", reason, lp, first=first[i])
+                total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+                yield f"data: {json.dumps(head | {'choices': [], 'usage': total})}\n\n"
+            except JaxspecError as e:  # the serving loop stopped: say so, end the stream
+                err = {"message": _failure(e).message, "type": "server_error", "code": 500}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+            else:
+                yield "data: [DONE]\n\n"
+            finally:
+                for task in tasks:
+                    task.cancel()
+                for stream, timer in zip(streams, timers):
+                    closed(stream, timer)  # a client gone mid-stream frees every row
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed="",
                         echo=None, candidates: int = 0):
         """n completions of one prompt (not streamed): `candidates` (best_of, at least n)
@@ -391,16 +433,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         asked = sampling.logprobs
         if ranked and asked is None:
             sampling = dataclasses.replace(sampling, logprobs=0)  # the chosen tokens' only
-        streams, timers = [], []
-        for i in range(candidates):
-            seed = None if sampling.seed is None else sampling.seed + i
-            stream = server.submit(ids, dataclasses.replace(sampling, seed=seed),
-                                   request_id=f"{rid}-{i}", constraint=wanted.constraint)
-            gate.enter(stream)
-            streams.append(stream)
-            timers.append(None if not limits.request_timeout_s else
-                          asyncio.get_running_loop().call_later(
-                              limits.request_timeout_s, gate.time_out, stream))
+        streams, timers = submit_n(ids, sampling, candidates, rid, wanted)
         results, total = [], {"prompt_tokens": len(ids), "completion_tokens": 0}
         try:
             for stream in streams:
@@ -417,13 +450,13 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         if ranked:
             summed = lambda r: sum(e["logprob"] for e in (r[0].logprobs or [])[: r[2]])  # noqa: E731
             results = sorted(results, key=summed, reverse=True)[:n_choices]
-        choices = [message_choice(i, wanted, done, reason, logprobs_block(
+        made = [choices.message_choice(i, wanted, done, reason, choices.logprobs_block(piece, 
                        done, returned, asked, chat, echo), chat, echoed)
                    for i, (done, reason, returned) in enumerate(results)]
         total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": rid, "created": int(time.time()), "model": server.model_name,
-                             "object": kind, "choices": choices, "usage": total})
+                             "object": kind, "choices": made, "usage": total})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
