@@ -61,6 +61,15 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
+DONE = "data: [DONE]\n\n"  # a stream's last event
+
+
+def _stream_error(e: JaxspecError) -> str:
+    """The event that ends a stream whose serving loop stopped (headers are long sent)."""
+    err = {"message": _failure(e).message, "type": "server_error", "code": 500}
+    return f"data: {json.dumps({'error': err})}\n\n"
+
+
 def _failure(e: JaxspecError) -> HTTPError:
     """The serving loop stopped under a request: a 500 with its reason on one line."""
     line = " ".join(str(e).split())
@@ -274,7 +283,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 raise _failure(e) from None
             finally:
                 close()
-            lp = choices.logprobs_block(piece, done, usage["completion_tokens"], sampling.logprobs, chat, echo)
+            lp = choices.logprobs_block(piece, done, usage["completion_tokens"], sampling.logprobs,
+                                        chat, echo)
             choice = choices.message_choice(0, wanted, done, reason, lp, chat, echoed)
             kind = "chat.completion" if chat else "text_completion"
             return JSONResponse(head | {"object": kind, "choices": [choice], "usage": usage})
@@ -316,14 +326,13 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                     yield chunk(done.text, first=first)
                     first = False
                 # the tokens' logprobs come with the last chunk, all of them at once
-                lp = choices.logprobs_block(piece, done, usage["completion_tokens"], sampling.logprobs, chat,
-                                    echo)
+                lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
+                                            sampling.logprobs, chat, echo)
                 yield chunk("", reason, usage, first=first, logprobs=lp)
             except JaxspecError as e:  # the serving loop stopped: say so, end the stream
-                err = {"message": _failure(e).message, "type": "server_error", "code": 500}
-                yield f"data: {json.dumps({'error': err})}\n\n"
+                yield _stream_error(e)
             else:
-                yield "data: [DONE]\n\n"
+                yield DONE
             finally:
                 close()  # the client went away mid-stream: free its row and pages
 
@@ -410,10 +419,9 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
                 yield f"data: {json.dumps(head | {'choices': [], 'usage': total})}\n\n"
             except JaxspecError as e:  # the serving loop stopped: say so, end the stream
-                err = {"message": _failure(e).message, "type": "server_error", "code": 500}
-                yield f"data: {json.dumps({'error': err})}\n\n"
+                yield _stream_error(e)
             else:
-                yield "data: [DONE]\n\n"
+                yield DONE
             finally:
                 for task in tasks:
                     task.cancel()
@@ -448,10 +456,13 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             for stream, timer in zip(streams, timers):
                 closed(stream, timer)
         if ranked:
-            summed = lambda r: sum(e["logprob"] for e in (r[0].logprobs or [])[: r[2]])  # noqa: E731
+            def summed(result):  # the returned tokens' logprobs, added
+                done, _, returned = result
+                return sum(e["logprob"] for e in (done.logprobs or [])[:returned])
+
             results = sorted(results, key=summed, reverse=True)[:n_choices]
-        made = [choices.message_choice(i, wanted, done, reason, choices.logprobs_block(piece, 
-                       done, returned, asked, chat, echo), chat, echoed)
+        made = [choices.message_choice(i, wanted, done, reason, choices.logprobs_block(
+                    piece, done, returned, asked, chat, echo), chat, echoed)
                    for i, (done, reason, returned) in enumerate(results)]
         total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
         kind = "chat.completion" if chat else "text_completion"
