@@ -62,6 +62,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_server_structured.py",
     "test_policy.py",
     "test_server_logprobs.py",
+    "test_server_clients.py",
     "test_bench_device.py",
     "test_progress.py",
     "test_train.py",
