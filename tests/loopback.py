@@ -49,6 +49,31 @@ def listening(app, start_within_s: float = 60) -> Iterator[str]:
         thread.join(timeout=60)
 
 
+def speculative_byte_engine(directory: Path, context: int):
+    """The byte chat model under n-gram speculation (γ 3), recording 5 top logprobs: the engine
+    the server-field tests share."""
+    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.engine.runner import Engine
+
+    return Engine(byte_chat_model(directory), NgramDrafter(256, 1, 3), num_speculative_tokens=3,
+                  max_context=context, logprobs=5)
+
+
+@contextlib.contextmanager
+def serving(engine, context: int) -> Iterator[str]:
+    """`engine` behind a `Server` (4 slots, 4 steps per call) on loopback; yields the base URL."""
+    from jaxspec.serving import Server
+    from jaxspec.serving.http import make_app
+
+    server = Server(engine, slots=4, max_context=context, steps_per_call=4, max_queue=16,
+                    model_name=NAME)
+    try:
+        with listening(make_app(server)) as url:
+            yield url
+    finally:
+        server.close()
+
+
 def openai_client(url: str):
     """The real `openai` client on `url`, no retries (a failure shows), generous timeout."""
     import openai

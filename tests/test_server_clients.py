@@ -18,11 +18,7 @@ pytest.importorskip("openai")
 langchain_openai = pytest.importorskip("langchain_openai")
 litellm = pytest.importorskip("litellm")
 
-from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
-from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
-from jaxspec.engine.runner import Engine  # noqa: E402
-from jaxspec.serving import Server  # noqa: E402
-from jaxspec.serving.http import make_app  # noqa: E402
+from loopback import NAME, openai_client, serving, speculative_byte_engine  # noqa: E402
 
 # litellm's own pydantic models warn about themselves at import
 pytestmark = pytest.mark.filterwarnings("ignore:Items? .* `ReadOnly` qualifier:UserWarning")
@@ -34,14 +30,9 @@ QUESTION = "abcabcab"
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    model = byte_chat_model(tmp_path_factory.mktemp("bytes"))
-    engine = Engine(model, NgramDrafter(256, 1, 3), num_speculative_tokens=3, max_context=CONTEXT,
-                    logprobs=5)
-    server = Server(engine, slots=4, max_context=CONTEXT, steps_per_call=4, max_queue=16,
-                    model_name=NAME)
-    with listening(make_app(server)) as base:
+    with serving(speculative_byte_engine(tmp_path_factory.mktemp("bytes"), CONTEXT),
+                 CONTEXT) as base:
         yield base
-    server.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
-from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
-from jaxspec.engine.runner import Engine  # noqa: E402
-from jaxspec.serving import Server  # noqa: E402
-from jaxspec.serving.http import make_app  # noqa: E402
+from loopback import NAME, openai_client, serving, speculative_byte_engine  # noqa: E402
 
 CONTEXT = 128
 NEW = 10
@@ -29,18 +25,13 @@ PROMPT = "abcabcabc"
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    model = byte_chat_model(tmp_path_factory.mktemp("bytes"))
-    return Engine(model, NgramDrafter(256, 1, 3), num_speculative_tokens=3, max_context=CONTEXT,
-                  logprobs=5)
+    return speculative_byte_engine(tmp_path_factory.mktemp("bytes"), CONTEXT)
 
 
 @pytest.fixture(scope="module")
 def client(engine):
-    server = Server(engine, slots=4, max_context=CONTEXT, steps_per_call=4, max_queue=16,
-                    model_name=NAME)
-    with listening(make_app(server)) as url:
+    with serving(engine, CONTEXT) as url:
         yield openai_client(url)
-    server.close()
 
 
 def solo(engine, prompt, **kw):
