@@ -8,7 +8,6 @@ so `law[seq]` indexes an array of shape (V + 1,) * num_tokens.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import jax
@@ -18,16 +17,10 @@ from scipy import stats
 
 from jaxspec.decode import sampling
 from jaxspec.engine.runner import Engine
+from tiny import target_logits
 
 PASS_P = 1e-3  # a correct rule passes at this level
 FAIL_P = 1e-6  # a broken rule must fail below this one
-
-
-@functools.partial(jax.jit, static_argnames="target")
-def _target_logits(params, ids, target):
-    """i32[R, T] -> the target's logits, f32[R, T, V] (any models.base.Target)."""
-    cache = target.init_cache(params, ids.shape[0], ids.shape[1])
-    return target.logits(params, target.forward(params, ids, cache).hidden)
 
 
 _LAWS: dict = {}  # the tests ask for the same law many times (one per drafter and broken variant)
@@ -48,7 +41,7 @@ def _exact_law(model, prompt, sp, num_tokens: int, eos) -> np.ndarray:
     v = model.target.vocab_size
     prefixes = list(itertools.product(range(v), repeat=num_tokens - 1))
     ids = jnp.asarray([list(prompt) + list(seq) for seq in prefixes])  # [V^(n-1), P+n-1]
-    logits = _target_logits(model.params, ids, model.target)
+    logits = target_logits(model.params, ids, model.target)
     # The sampling transform op by op, not fused into one program: XLA:CPU at the suite's backend
     # optimisation level 0 was seen to miscompile it fused (a kept boundary token's weight came
     # out 0; the default level was right). The engine's programs are checked against this law.

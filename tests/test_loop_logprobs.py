@@ -23,7 +23,7 @@ from jaxspec.drafters.draft_model import layer_skip_drafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
-from tiny import tiny_model
+from tiny import sequence_logits, tiny_model
 
 V = 64
 PROMPTS = [[5, 9, 3, 5, 9, 3, 5, 9], [7, 1, 7, 1, 7, 2, 7]]
@@ -49,10 +49,7 @@ def drafter_for(model, name):
 
 def full_logits(model, ids) -> np.ndarray:
     """f64[T, V]: the target's logits over a whole sequence, one forward."""
-    t = model.target
-    cache = t.init_cache(model.params, 1, len(ids))
-    out = t.forward(model.params, jnp.asarray([ids]), cache)
-    return np.asarray(t.logits(model.params, out.hidden)[0], np.float64)
+    return sequence_logits(model.target, model.params, ids)
 
 
 def log_softmax(x):

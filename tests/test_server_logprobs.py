@@ -8,7 +8,6 @@ forward scores them (what lm-eval's loglikelihood tasks read).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,6 +16,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from loopback import NAME, openai_client, serving, speculative_byte_engine  # noqa: E402
+from tiny import sequence_logits  # noqa: E402
 
 CONTEXT = 128
 NEW = 10
@@ -56,10 +56,8 @@ def test_completions_logprobs_equal_the_engines(engine, client):
 
 
 def full_log_softmax(engine, ids) -> np.ndarray:
-    """f64[T, V]: log_softmax of the target's logits over `ids`, one unpadded forward."""
-    t, params = engine.model.target, engine.model.params
-    out = t.forward(params, jnp.asarray([ids], jnp.int32), t.init_cache(params, 1, len(ids)))
-    x = np.asarray(t.logits(params, out.hidden)[0], np.float64)
+    """f64[T, V]: log_softmax of the target's logits over `ids`, one forward."""
+    x = sequence_logits(engine.model.target, engine.model.params, ids)
     x = x - x.max(-1, keepdims=True)
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+
 import jax
 import numpy as np
 
@@ -95,3 +97,23 @@ def dflash_like(target, block_size=5, seed=0):
                                 mask_token_id=t.vocab_size - 1,
                                 target_layer_ids=(0, t.num_layers - 1))
     return DFlashDrafter(spec, t.vocab_size), dflash_net.init_params(spec, jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnames="target")
+def target_logits(params, ids, target):
+    """i32[R, T] -> f32[R, T, V]: the target's logits over whole rows, one forward (any
+    models.base.Target)."""
+    cache = target.init_cache(params, ids.shape[0], ids.shape[1])
+    return target.logits(params, target.forward(params, ids, cache).hidden)
+
+
+def sequence_logits(target, params, ids, bucket: int = 32) -> np.ndarray:
+    """f64[T, V]: the target's logits over one sequence, the reference the loop tests compare
+    with. The row is padded to a multiple of `bucket` (attention is causal: what follows a
+    position changes nothing at it), so sequences of every length share a few programs instead
+    of each compiling its own eager forward."""
+    width = -(-len(ids) // bucket) * bucket
+    row = np.zeros((1, width), np.int32)
+    row[0, : len(ids)] = ids
+    return np.asarray(target_logits(params, row, target)[0, : len(ids)], np.float64)
+
