@@ -1,8 +1,10 @@
 """Structured output on the server (serving.structured): with the `openai` client over loopback,
 `response_format` json_schema / json_object and `guided_choice` answers equal the engine's own
 constrained greedy run and validate; `tool_choice` "required" and a named function return
-`tool_calls` whose arguments validate against the tool's schema, streamed and not; an
-unsupported schema keyword and tool_choice "auto" get a one-line 400."""
+`tool_calls` whose arguments validate against the tool's schema, streamed and not;
+tool_choice "auto" (the template is Hermes-style) reads a `<tool_call>` block back as a call,
+streamed and not, and leaves a block naming no tool as content; an unsupported schema keyword
+gets a one-line 400."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from jaxspec.serving.http import make_app  # noqa: E402
 CONTEXT = 160
 NEW = 64
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}\n{% endif %}"
+            "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+            "<tool_call>\n{% endif %}"  # Hermes-style: the family's calls are <tool_call> blocks
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
                                            "ok": {"type": "boolean"}},
@@ -122,8 +125,8 @@ def test_tool_calls_parse_and_validate(client, stream, choice):
 @pytest.mark.parametrize("extra, word", [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "contentEncoding": "base64"}}}}, "contentEncoding"),
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "'auto'"),
-    ({"tools": [WEATHER]}, "'tools'"),
+    ({"tool_choice": "auto"}, "'tools'"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
 ])
 def test_unsupported_constraints_get_a_one_line_400(served, extra, word):
@@ -132,3 +135,39 @@ def test_unsupported_constraints_get_a_one_line_400(served, extra, word):
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert "\n" not in message and word in message, message
+
+
+CALL = r'<tool_call>\{"name":"get_time","arguments":\{"zone":"(utc|cet)"\}\}</tool_call>'
+
+
+def auto_answer(client, stream, regex):
+    """tool_choice "auto" with the text forced by guided_regex (a random model writes no call on
+    its own) -> (content, calls, finish reason)."""
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "t?"}], max_tokens=88,
+              temperature=0, tools=[WEATHER, TIME], tool_choice="auto",
+              extra_body={"guided_regex": regex})
+    if not stream:
+        c = client.chat.completions.create(**kw).choices[0]
+        return c.message.content, c.message.tool_calls or [], c.finish_reason
+    content, calls, reason = "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reason = chunk.choices[0].finish_reason or reason
+    return content or None, calls, reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_reads_the_hermes_call(client, stream):
+    content, calls, reason = auto_answer(client, stream, "Sure\\. " + CALL)
+    assert reason == "tool_calls" and len(calls) == 1 and content == "Sure. "
+    assert calls[0].function.name == "get_time"
+    assert json.loads(calls[0].function.arguments)["zone"] in ("utc", "cet")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_leaves_a_call_of_no_tool_as_content(client, stream):
+    content, calls, reason = auto_answer(client, stream, CALL.replace("get_time", "get_date"))
+    assert reason == "stop" and not calls
+    assert content.startswith("<tool_call>") and "get_date" in content

@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from outlines_core import Index, Vocabulary
 
-from jaxspec.constrain import Constraint, compile_tables, constraint_regex, mask
-from jaxspec.decode.acceptance import accept_row
+from jaxspec.constrain import Constraint, compile_tables, constraint_regex, draft, mask
+from jaxspec.constrain import loop as grammar_loop
+from jaxspec.decode.acceptance import accept_row, accept_tree_row
 
 # A character vocabulary plus a few multi-character tokens, id 0 = EOS.
 CHARS = [chr(c) for c in range(32, 127)]
@@ -139,43 +140,81 @@ def _bigrams(seed):
     return jax.nn.softmax(logits, -1)
 
 
+def _grammar(tables):
+    """The loop's Grammar (token classes) of these dense tables, one row."""
+    t = (np.asarray(tables.next), np.asarray(tables.accepting), int(tables.initial))
+    return grammar_loop.Grammar(*(jnp.asarray(x) for x in grammar_loop.batch_grammar([t], 1, (EOS,))))
+
+
 def _spec_step(tables, P, Q, last, state, key, variant):
-    """One chain step of G drafts for one row -> (emitted tokens int32[G+1], count, last, state)."""
+    """One chain step of G drafts for one row -> (emitted tokens int32[G+1], count, last, state).
+    Variants "handoff*": the drafter drafts unmasked from Q (autoregressive: each q depends on
+    the previous draft) and the loop's hand-off (constrain/draft.py) puts the chain under the
+    mask, redrawing or dropping disallowed drafts; "handoff_q_not_masked" reports Q unmasked."""
     kd, ka = jax.random.split(key)
-    dkeys = jax.random.split(kd, G)
+    dkeys = jax.random.split(kd, G + 1)
     toks, qs, s, prev = [], [], state, last
-    states = [state]
+    handoff = variant.startswith("handoff")
     for i in range(G):
         ok = mask.allowed(tables, s)
-        q_masked = mask.mask_probs(Q[prev], ok)
+        q_masked = Q[prev] if handoff else mask.mask_probs(Q[prev], ok)
         x = jax.random.categorical(dkeys[i], jnp.log(q_masked))
         toks.append(x)
-        qs.append(Q[prev] if variant == "q_not_masked" else q_masked)
+        qs.append(Q[prev] if variant in ("q_not_masked", "handoff") else q_masked)
         s = mask.advance(tables, s, x)
-        states.append(s)
         prev = x
     tokens = jnp.stack(toks).astype(jnp.int32)
+    num = jnp.int32(G)
+    if handoff:
+        g = _grammar(tables)._replace(state=state[None])
+        d = draft.mask_drafts(g, tokens[None], jnp.stack(qs)[None], None, num[None], dkeys[G][None],
+                              report_masked=variant == "handoff")
+        tokens, qs, num = d.tokens[0], list(d.probs[0]), d.num_nodes[0]
     chain = mask.chain_states(tables, state, tokens)  # the same states, from the tables alone
     if variant == "state_before_prefix":
         chain = jnp.full_like(chain, state)
     ctx = jnp.concatenate([last[None], tokens])  # the token each window position conditions on
     p = mask.mask_probs(P[ctx], mask.allowed(tables, chain))
-    n, nxt = accept_row(tokens, jnp.stack(qs), p, jnp.int32(G), ka)
+    n, nxt = accept_row(tokens, jnp.stack(qs), p, num, ka)
     emitted = jnp.where(jnp.arange(G + 1) < n, jnp.concatenate([tokens, tokens[-1:]]), nxt)
     new_state = mask.advance(tables, chain[n], nxt)
     return emitted, n + 1, nxt, new_state
 
 
+def _tree_step(tables, P, Q, last, state, key, variant):
+    """One tree step for one row -> (emitted int32[3], count, last, state). The tree: node 0 a
+    deterministic one-hot draft ('c': dropped where disallowed, the nodes after it renumbered),
+    node 1 ~ Q[last], nodes 2 and 3 i.i.d. children of node 1; drafted unmasked, put under the
+    mask by the loop's hand-off. "tree_q_not_masked" reports the drafter's own q."""
+    kd, ka = jax.random.split(key)
+    k = jax.random.split(kd, 4)
+    x1 = jax.random.categorical(k[0], jnp.log(Q[last]))
+    x2, x3 = (jax.random.categorical(k[i], jnp.log(Q[x1])) for i in (1, 2))
+    tokens = jnp.stack([jnp.int32(4), x1, x2, x3]).astype(jnp.int32)
+    q = jnp.stack([jax.nn.one_hot(4, LAW_V), Q[last], Q[x1], Q[x1]])
+    g = _grammar(tables)._replace(state=state[None])
+    d = draft.mask_drafts(g, tokens[None], q[None], jnp.array([[-1, -1, 1, 1]], jnp.int32),
+                          jnp.array([4]), k[3][None], report_masked=variant == "tree")
+    tokens, q, parents, num = d.tokens[0], d.probs[0], d.parents[0], d.num_nodes[0]
+    states = mask.tree_states(tables, state, tokens, parents)
+    window = jnp.concatenate([last[None], tokens])
+    p = mask.mask_probs(P[window], mask.allowed(tables, states))
+    path, n, nxt = accept_tree_row(tokens, parents, q, p, num, ka, 3)
+    emitted = jnp.where(jnp.arange(3) < n, window[path[jnp.minimum(jnp.arange(3) + 1, 2)]], nxt)
+    return emitted, n + 1, nxt, mask.advance(tables, states[path[n]], nxt)
+
+
 def _first_two(variant, rows):
     tables = compile_tables(LAW_REGEX, LAW_TOKENS, EOS, LAW_V)
     P, Q = _bigrams(0), _bigrams(1)
+    step = _tree_step if variant.startswith("tree") else _spec_step
 
     @jax.jit
     @jax.vmap
     def run(key):
         k1, k2 = jax.random.split(key)
-        e1, c1, last, s = _spec_step(tables, P, Q, jnp.int32(4), tables.initial, k1, variant)
-        e2, _, _, _ = _spec_step(tables, P, Q, last, s, k2, variant)
+        e1, c1, last, s = step(tables, P, Q, jnp.int32(4), tables.initial, k1, variant)
+        e2, _, _, _ = step(tables, P, Q, last, s, k2, variant)
         return jnp.where(c1 >= 2, e1[1], e2[0]), e1[0]
 
     second, first = run(jax.random.split(jax.random.key(7), rows))
@@ -192,11 +231,15 @@ def _first_two(variant, rows):
     return chi_square_pvalue(counts, law)
 
 
-def test_speculative_under_the_mask_has_the_constrained_law():
-    assert _first_two("correct", ROWS) > PASS_P
+@pytest.mark.parametrize("variant", ["correct", "handoff", "tree"])
+def test_speculative_under_the_mask_has_the_constrained_law(variant):
+    """"handoff", "tree": the loop's own hand-off (constrain/draft.py) puts an unmasked
+    drafter's chain or tree under the mask."""
+    assert _first_two(variant, ROWS) > PASS_P
 
 
-@pytest.mark.parametrize("variant", ["q_not_masked", "state_before_prefix"])
+@pytest.mark.parametrize("variant", ["q_not_masked", "state_before_prefix", "handoff_q_not_masked",
+                                     "tree_q_not_masked"])
 def test_broken_variants_fail_the_law(variant):
     assert _first_two(variant, ROWS) < FAIL_P
 

@@ -18,7 +18,8 @@ from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.drafters.suffix import SuffixDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
-from tiny import eagle_like, tiny_model
+from jaxspec.drafters.draft_model import layer_skip_drafter
+from tiny import dflash_like, eagle_like, tiny_model
 
 V = 64
 # id 0 = EOS (special); 1..63: the characters JSON needs (GPT-2 byte alphabet: printable ASCII)
@@ -79,12 +80,31 @@ def drafter(name, target, prompts, plain):
         return NgramDrafter(V, 1, 3), None
     if name == "eagle":
         return eagle_like(target)
+    if name == "layer_skip":  # the draft-model family: an autoregressive sampled drafter
+        return layer_skip_drafter(target.target, 1), None
+    if name == "layer_skip_tree":  # EAGLE-2 dynamic tree over the same drafter
+        return dataclasses.replace(layer_skip_drafter(target.target, 1), tree_top_k=2, tree_levels=3,
+                                   tree_budget=6), None
+    if name == "medusa_tree":  # parallel heads, a static tree
+        import jax
+        import numpy as np
+
+        from jaxspec.train import methods
+
+        m = methods.Medusa(num_heads=3)
+        params, frozen = m.init(target, np.arange(V), jax.random.key(3))
+        d = dataclasses.replace(m.drafter(target.target),
+                                tree_choices=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
+        return d, m.runtime(params, frozen)
+    if name == "dflash":
+        return dflash_like(target)
     tree = name == "suffix_tree"
     d = SuffixDrafter(V, store_tokens=512, budget=8 if tree else 0, depth=4 if tree else 0)
     return d, d.observe(d.empty_store(), [p + o for p, o in zip(prompts, plain)])
 
 
-@pytest.mark.parametrize("name", ["ngram", "suffix", "suffix_tree", "eagle"])
+@pytest.mark.parametrize("name", ["ngram", "suffix", "suffix_tree", "eagle", "layer_skip",
+                                  "layer_skip_tree", "medusa_tree", "dflash"])
 def test_greedy_speculative_equals_greedy_plain_under_the_constraint(target, prompts, plain, name):
     d, dparams = drafter(name, target, prompts, plain)
     out = Engine(target, d, dparams, num_speculative_tokens=4).generate(
@@ -95,6 +115,9 @@ def test_greedy_speculative_equals_greedy_plain_under_the_constraint(target, pro
     for r in out:
         assert r.metrics["finish_reason"] == "stop" and r.metrics["constraint_complete"]
         assert 0.0 <= r.metrics["masked_draft_fraction"] <= 1.0
+        assert r.metrics["num_draft_tokens"] <= r.metrics["num_proposed_draft_tokens"]
+    if not name.startswith("suffix"):  # random drafters: the mask removes some of their drafts
+        assert sum(r.metrics["num_masked_draft_tokens"] for r in out) > 0
 
 
 def test_constrained_and_free_rows_share_a_batch(target, prompts, plain):

@@ -9,9 +9,9 @@ program.
 
 Lossless: the target's logits at window position j are masked with the state reached along j's
 own path (`window_states`: the root's is the row's state, node i's is advanced from its parent's),
-before `logits_to_probs`, so p is the constrained law (greedy: the constrained argmax). A drafted
-token the constraint disallows has p = 0 and is rejected by the unchanged acceptance rule, whose
-output law is p whatever q the draft came from; such nodes are counted (`num_masked`).
+before `logits_to_probs`, so p is the constrained law (greedy: the constrained argmax). The
+drafts reach verify already under the mask (constrain/draft.py: each node's q masked in its
+parent's state, a disallowed token redrawn or dropped), counted in `num_masked`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class Grammar(NamedTuple):
     class_of: jax.Array  # int32[V] each token's class
     accepting: jax.Array  # bool[S]
     state: jax.Array  # int32[B] each row's state after its committed tokens (-1: free row)
-    num_masked: jax.Array  # int32[B] verified draft nodes the constraint disallowed
+    num_masked: jax.Array  # int32[B] drafted tokens the constraint disallowed (draft.py)
+    num_proposed: jax.Array  # int32[B] draft nodes proposed in constrained steps (the fraction's base)
 
 
 def allowed_mask(g: Grammar, states: jax.Array) -> jax.Array:
@@ -78,17 +79,8 @@ def window_states(g: Grammar, tokens: jax.Array, parents: jax.Array) -> jax.Arra
     return jax.lax.fori_loop(0, n, body, out)
 
 
-def masked_nodes(states: jax.Array, parents: jax.Array, num_nodes: jax.Array) -> jax.Array:
-    """int32[B]: verified nodes whose own token the constraint disallows (parent alive)."""
-    n = parents.shape[1]
-    parent_state = jnp.take_along_axis(states, parents + 1, axis=1)  # [B, N]
-    bad = (states[:, 1:] == DEAD) & (parent_state != DEAD)
-    real = jnp.arange(n)[None] < num_nodes[:, None]
-    return jnp.sum(bad & real, axis=1, dtype=jnp.int32)
-
-
 def after_step(g: Grammar, states: jax.Array, path: jax.Array, num_accepted: jax.Array,
-               next_token: jax.Array, count: jax.Array, masked: jax.Array) -> Grammar:
+               next_token: jax.Array, count: jax.Array) -> Grammar:
     """The grammar after a step that emitted `count` tokens (int32[B], `_emit`'s): path entries
     1..count while count <= num_accepted, else the whole accepted path and `next_token`. A
     rejected node's state is simply not read: the state rolls back with the cache.
@@ -98,7 +90,7 @@ def after_step(g: Grammar, states: jax.Array, path: jax.Array, num_accepted: jax
     after_next = advance(g, last, next_token)
     within = jnp.take_along_axis(path_states, jnp.minimum(count, path.shape[1] - 1)[:, None], axis=1)[:, 0]
     state = jnp.where(count > num_accepted, after_next, within)  # count 0 (done): path_states[0]
-    return g._replace(state=state.astype(jnp.int32), num_masked=g.num_masked + masked)
+    return g._replace(state=state.astype(jnp.int32))
 
 
 def first_token(g: Grammar, token: jax.Array) -> Grammar:
@@ -157,7 +149,8 @@ def batch_grammar(tables: list, rows: int, eos_ids: tuple[int, ...]) -> Grammar:
     starts = [UNCONSTRAINED if t is None else offsets[index[id(t)]] + int(t[2]) for t in tables]
     starts += [UNCONSTRAINED] * (rows - len(starts))
     by_class, class_of, acc = padded_tables(dense, acc)
-    return Grammar(by_class, class_of, acc, np.asarray(starts, np.int32), np.zeros((rows,), np.int32))
+    zeros = np.zeros((rows,), np.int32)
+    return Grammar(by_class, class_of, acc, np.asarray(starts, np.int32), zeros, zeros)
 
 
 def token_classes(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

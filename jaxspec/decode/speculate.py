@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec.constrain import loop as grammar_loop
+from jaxspec.constrain import draft as grammar_draft, loop as grammar_loop
 from jaxspec.decode import acceptance, adaptive, adaptive_loop, sampling, tree
 from jaxspec.decode import logprob_record, logprobs, penalties as penalties_lib
 from jaxspec.decode.adaptive_loop import controller, plan_step
@@ -258,6 +258,9 @@ def drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) 
         )
         if lengths is not None:
             proposal = adaptive.cut(proposal, lengths)
+        if state.grammar is not None:  # each node under its path's state (constrain/draft.py)
+            proposal, g = grammar_draft.mask_proposal(state.grammar, proposal, k_draft, active)
+            state = dataclasses.replace(state, grammar=g)
     num_nodes = jnp.where(active, proposal.num_proposed, 0)
     window_step = lambda: _window_step(
         spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes
@@ -294,8 +297,7 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     pen, record = _record(spec, state, sp, tokens, lengths, scores, path, path_tokens, num_acc,
                           next_token)
     if g is not None:
-        masked = grammar_loop.masked_nodes(states, parents, num_nodes)
-        g = grammar_loop.after_step(g, states, path, num_acc, next_token, count, masked)
+        g = grammar_loop.after_step(g, states, path, num_acc, next_token, count)
     cache = cache if window_kv is None else None  # read-only: _advance commits window_kv
     if spec.drafter is not None:
         commit_ctx = CommitContext(
@@ -361,7 +363,7 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
     pen, record = _record(spec, state, sp, tokens, lengths, scores[0] if scores else None, path,
                           root_path, zeros, next_token)  # the path: the root alone
     if g is not None:
-        g = grammar_loop.after_step(g, g.state[:, None], path[:, :1], zeros, next_token, count, zeros)
+        g = grammar_loop.after_step(g, g.state[:, None], path[:, :1], zeros, next_token, count)
     if dstate is None:  # nothing drafted: the drafter catches up later (or never reads it)
         dstate = state.drafter_state
     else:

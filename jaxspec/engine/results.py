@@ -53,7 +53,8 @@ def fetch(state, plan=None) -> types.SimpleNamespace:
         fields["logprobs"] = state.logprobs
     g = getattr(state, "grammar", None)
     if g is not None:  # constrained rows: where each ended, the drafts the mask removed
-        fields["grammar"] = {"state": g.state, "accepting": g.accepting, "num_masked": g.num_masked}
+        fields["grammar"] = {"state": g.state, "accepting": g.accepting, "num_masked": g.num_masked,
+                              "num_proposed": g.num_proposed}
     fetched = jax.device_get(fields) if plan is None else sharding.fetch(fields)
     return types.SimpleNamespace(**({"adaptive": None, "logprobs": None, "grammar": None}
                                     | fetched))
@@ -132,19 +133,21 @@ class Report:
     def constraint_metrics(self, state, row: int, drafted: int, num_generated: int) -> dict[str, Any]:
         """A constrained row: whether its structure is complete (the automaton accepts), its
         finish reason ("length" when max_new_tokens cut an unfinished structure), and the
-        draft nodes the mask removed. {} for a free row."""
+        drafted tokens the constraint disallowed (constrain/draft.py: redrawn from the masked q,
+        or dropped) out of the nodes proposed. {} for a free row."""
         g = getattr(state, "grammar", None)
         if g is None or int(g["state"][row]) == -1:
             return {}
         s = int(g["state"][row])
         complete = bool(s >= 0 and g["accepting"][s])
         last = int(state.tokens[row, state.lengths[row] - 1]) if num_generated else -1
-        masked = int(g["num_masked"][row])
+        masked, proposed = int(g["num_masked"][row]), int(g["num_proposed"][row])
         return {
             "constraint_complete": complete,
             "finish_reason": "stop" if complete and last in self.model.eos_token_ids else "length",
             "num_masked_draft_tokens": masked,
-            "masked_draft_fraction": masked / drafted if drafted else 0.0,
+            "num_proposed_draft_tokens": proposed,  # before the mask (num_draft_tokens: after)
+            "masked_draft_fraction": masked / proposed if proposed else 0.0,
         }
 
     def adaptive_metrics(self, state, row: int, steps: int) -> dict[str, Any]:

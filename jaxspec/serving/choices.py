@@ -35,11 +35,11 @@ def logprobs_block(piece: Callable[[int], str], done, returned: int, k, chat: bo
 def message_choice(index: int, wanted, done, reason: str, lp, chat: bool,
                    echoed: str = "") -> dict:
     """One non-streamed choice: the text, or the tool calls a finished call parses to."""
-    calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
+    content, calls = structured.answer(wanted, done.text, reason)
     choice = {"index": index, "finish_reason": "tool_calls" if calls else reason,
               "logprobs": lp}
     if calls:
-        choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
     elif chat:
         choice["message"] = {"role": "assistant", "content": done.text}
     else:

@@ -93,11 +93,11 @@ class GrammarSlots:
         n = len(regexes)
         # copies: the decode loop donates its state, tables included
         return Grammar(*(jnp.copy(t) for t in self.tables), jnp.asarray(starts, jnp.int32),
-                       jnp.zeros((n,), jnp.int32))
+                       jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32))
 
     def into_state(self, state, delta):
         """`state` with the current table (and live rows shifted by `delta`)."""
         g = state.grammar
         moved = g.state if delta is None else jnp.where(g.state >= 0, g.state + jnp.asarray(delta), g.state)
         return dataclasses.replace(state, grammar=Grammar(*(jnp.copy(t) for t in self.tables),
-                                                          moved, g.num_masked))
+                                                          moved, g.num_masked, g.num_proposed))

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxspec.errors import JaxspecError
-from jaxspec.serving import choices, structured
+from jaxspec.serving import choices, structured, tool_parse
 from jaxspec.serving.api import Server
 from jaxspec.serving.fields import (
     HTTPError,
@@ -229,11 +229,11 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     async def respond(body, ids, chat: bool, prompt_text: str = ""):
         """One request: `prompt_text` is what echo returns (completions)."""
         refuse_unsupported(body)
-        wanted = structured.asked(body)
+        wanted = structured.asked(body, tool_parse.template_format(tokenizer))
         if wanted.constraint is not None and sched.grammars is None:
             raise HTTPError(400, f"field {wanted.field!r} is not supported on this server: start "
                                  "it with serving.structured=true")
-        if wanted.tool_call and not chat:
+        if wanted.has_tools and not chat:
             raise HTTPError(400, "tool calls need /v1/chat/completions")
         sampling = sampling_of(body, settle_max_tokens(body, ids), chat)
         streamed = wants_stream(body)
@@ -248,7 +248,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                                  "(it ranks candidates by their recorded logprobs): start it with "
                                  "generation.logprobs=0 or more")
         echoed = prompt_text if echo_of(body, chat) else ""
-        if streamed and n_choices > 1 and wanted.tool_call:
+        if streamed and n_choices > 1 and wanted.has_tools:
             raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true and tools is not "
                                  "supported yet: set stream false or send n requests")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
@@ -308,13 +308,16 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                 first = True
                 if echoed:  # the prompt first, as it was sent
                     yield chunk(echoed)
+                held = structured.Streamed(wanted)  # calls go out whole, parsed, at the end
                 async for text in stream:
-                    if wanted.tool_call:  # the call goes out whole, parsed, at the end
-                        continue
-                    yield chunk(text, first=first)
-                    first = False
+                    if text := held.feed(text):
+                        yield chunk(text, first=first)
+                        first = False
                 done, reason, usage = ended()
-                calls = structured.tool_calls(wanted, done.text) if reason == "stop" else None
+                rest, calls = held.end(done.text, reason)
+                if rest:  # cut short, not a call, or the text around the calls
+                    yield chunk(rest, first=first)
+                    first = False
                 if calls:
                     delta = {"role": "assistant", "content": None,
                              "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}
@@ -322,9 +325,6 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
                         {"index": 0, "delta": delta, "finish_reason": None}]}
                     yield f"data: {json.dumps(out)}\n\n"
                     reason, first = "tool_calls", False
-                elif wanted.tool_call and done.text:  # cut short: the text as it is
-                    yield chunk(done.text, first=first)
-                    first = False
                 # the tokens' logprobs come with the last chunk, all of them at once
                 lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
                                             sampling.logprobs, chat, echo)
