@@ -299,7 +299,8 @@ class DFlashOptions(trained.CheckpointOptions):
     """speculative.dflash: a DFlash / DFlash 2 head in the authors' layout (config.json with
     architectures [DFlashDraftModel | DFlash2DraftModel]). γ (num_speculative_tokens) is at most
     block_size - 1; a static tree (speculative.tree.kind=static) takes its paths of per-position
-    ranks from speculative.tree.choices."""
+    ranks from speculative.tree.choices, a dynamic one (kind=dynamic) its top_k, depth (at most
+    block_size - 1), budget and children from speculative.tree."""
 
     SECTION: ClassVar[str] = "speculative.dflash"
     tree_children: Literal["top_k", "sampled"] = "top_k"
