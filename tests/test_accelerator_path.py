@@ -57,6 +57,9 @@ def _drafter(layout, method):
         return eagle_like(_model("unrolled"))
     if method == "dflash":
         return _dflash(m)
+    if method == "dflash_tree":  # a dynamic tree: 5 nodes over 3 block positions, per step
+        drafter, dparams = _dflash(m)
+        return dataclasses.replace(drafter, tree_top_k=2, tree_levels=3, tree_budget=5), dparams
     return {
         "none": (None, None),
         "ngram": (NgramDrafter(64, 1, 3), None),

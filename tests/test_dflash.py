@@ -394,14 +394,26 @@ def plain(greedy_target, mixed_prompts):
     return Engine(greedy_target).generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
 
 
-@pytest.mark.parametrize("kind", ["chain", "dflash2", "tree"])
+def with_tree(drafter, kind, children="top_k"):
+    """The head as the tree `kind` names: a static tree of ranks (TREE) or a dynamic one (the
+    drafter's path probabilities pick 5 of up to 2 + 2*4 candidates over 3 block positions)."""
+    if "dynamic" in kind:
+        return dataclasses.replace(drafter, tree_top_k=2, tree_levels=3, tree_budget=5,
+                                   tree_children=children)
+    if "tree" in kind:
+        return dataclasses.replace(drafter, tree_choices=TREE, tree_children=children)
+    return drafter
+
+
+@pytest.mark.parametrize("kind", ["chain", "dflash2", "tree", "dflash2-tree", "dynamic",
+                                  "dflash2-dynamic"])
 def test_greedy_dflash_is_token_identical_at_batch_8(greedy_target, mixed_prompts, plain, kind):
+    """Chains, static trees and dynamic trees of DFlash 1 and 2 heads emit plain's tokens."""
     from jaxspec.engine.runner import Engine
 
-    version = 2 if kind == "dflash2" else 1
+    version = 2 if kind.startswith("dflash2") else 1
     drafter, dparams = tiny_head(greedy_target.target, version, block=5, layers=(0, 2))
-    if kind == "tree":
-        drafter = dataclasses.replace(drafter, tree_choices=TREE)
+    drafter = with_tree(drafter, kind)
     engine = Engine(greedy_target, drafter, dparams, num_speculative_tokens=4)
     out = engine.generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
@@ -438,22 +450,29 @@ class NextPositionsQ:
         return proposal._replace(probs=jnp.roll(proposal.probs, -1, axis=1)), state
 
 
+LAW_TREE = ((0,), (1,), (0, 0), (1, 0))
+
+
 def law_head(target, kind):
-    version = 2 if kind == "dflash2" else 1
+    version = 2 if "dflash2" in kind else 1
     drafter, dparams = tiny_head(target.target, version, block=4, mask=0, seed=4, top_k=V)
-    if kind == "tree":
-        drafter = dataclasses.replace(drafter, tree_choices=((0,), (1,), (0, 0), (1, 0)),
+    if "dynamic" in kind:
+        drafter = dataclasses.replace(drafter, tree_top_k=2, tree_levels=2, tree_budget=4,
                                       tree_children="sampled")
-    if kind == "broken":
+    elif "tree" in kind:
+        drafter = dataclasses.replace(drafter, tree_choices=LAW_TREE, tree_children="sampled")
+    if kind.startswith("broken"):
         drafter = NextPositionsQ(drafter)
     return drafter, dparams
 
 
-@pytest.mark.parametrize("kind", ["chain", "dflash2", "tree", "broken"])
+@pytest.mark.parametrize("kind", ["chain", "dflash2", "tree", "dflash2-tree", "dflash2-dynamic",
+                                  "broken", "broken-dflash2-dynamic"])
 def test_sampled_dflash_has_the_target_law(law_target, kind):
     """Sampled output (temperature, top-k, top-p, min-p on both sides) has the target's exact
-    law for the chain, DFlash 2's selector and a sampled tree; the broken variant that reports
-    the next position's q fails at the same settings and sample size."""
+    law for the chain, DFlash 2's selector, sampled static trees (DFlash 1 and 2) and a sampled
+    dynamic DFlash 2 tree; the broken variants that report another node's q (the chain's and
+    the dynamic tree's) fail at the same settings and sample size."""
     from distribution import FAIL_P, PASS_P, pvalue
     from jaxspec.decode.sampling import SamplingParams
 
@@ -463,8 +482,10 @@ def test_sampled_dflash_has_the_target_law(law_target, kind):
     drafted = sum(r.metrics["num_draft_tokens"] for r in results)
     accepted = sum(r.metrics["num_accepted_tokens"] for r in results)
     print(f"{kind}: p {p:.2e}, acceptance {accepted / drafted:.2f}")
-    assert 0.02 * drafted < accepted < 0.95 * drafted  # acceptance and rejection both happen
-    assert (p < FAIL_P) if kind == "broken" else (p > PASS_P)
+    # acceptance and rejection both happen (a tree's drafted count is its nodes, most of them
+    # off the accepted path: these random DFlash 2 heads keep 1-3 % of them)
+    assert 0.005 * drafted < accepted < 0.95 * drafted
+    assert (p < FAIL_P) if kind.startswith("broken") else (p > PASS_P)
 
 
 # ---- the published layout from a config: detected, checked against the target ---------------
@@ -503,6 +524,12 @@ def test_config_reads_the_authors_layout_and_refuses_another_targets_head(tiny_q
     tree = ["speculative.tree.kind=static", "speculative.tree.choices=[[0],[1],[0,0]]",
             f"speculative.dflash.checkpoint={tmp_path / 'head'}"]
     assert build_drafter(spec_of(*tree), m)[0].tree_nodes == 3
+    dynamic = ["speculative.tree.kind=dynamic", "speculative.tree.top_k=2",
+               "speculative.tree.budget=5", f"speculative.dflash.checkpoint={tmp_path / 'head'}"]
+    built = build_drafter(spec_of(*dynamic, "speculative.tree.depth=3"), m)[0]
+    assert (built.tree_nodes, built.tree_depth) == (5, 3)
+    with pytest.raises(JaxspecError, match="drafts at most 4 positions"):
+        build_drafter(spec_of(*dynamic, "speculative.tree.depth=5"), m)
     bad = {
         "num_target_layers": ({"num_target_layers": 5}, "target of 5 layers"),
         "hidden": ({"hidden_size": 32, "head_dim": 8}, "hidden size is 32"),

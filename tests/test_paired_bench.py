@@ -114,3 +114,21 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
     assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error:")
     assert needle in p.stderr
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_batch_call_is_one_row_of_throughput_and_row_steps():
+    """--batch-size B: the B results of one call share its decode seconds; the row counts every
+    row's tokens after its first and sums their steps (so speedup is throughput over plain's)."""
+    from types import SimpleNamespace
+
+    def result(n, steps, decode_s, toks):
+        return SimpleNamespace(num_generated_tokens=n, decode_tokens_per_s=(n - 1) / decode_s,
+                               metrics={"num_steps": steps}, token_ids=toks)
+
+    row = paired.batch_figures([result(9, 4, 2.0, [1]), result(5, 3, 2.0, [2]),
+                                result(1, 0, 2.0, [3])])
+    assert row["decode_s"] == pytest.approx(2.0)
+    assert (row["num_generated_tokens"], row["num_steps"]) == (1 + 8 + 4, 7)
+    assert row["tokens"] == [[1], [2], [3]]
+    assert paired.round_figures([row])["mean_accepted_length"] == pytest.approx(12 / 7)
+    assert paired.batch_figures([result(5, 2, 1.0, [7])])["tokens"] == [7]  # batch 1: as before

@@ -203,9 +203,11 @@ def run_tree(job: dict[str, Any]) -> list[dict]:
     target = load_model(first.name, dtype=first.dtype, layout=first.layout)
     engines = {m: build_engine(c, target=target) for m, c in cfgs.items()}
     ids = [engines[BASELINE].encode(p) for p in job["prompts"]]
+    batch = job.get("batch_size", 1)
+    groups = [ids[i : i + batch] for i in range(0, len(ids), batch)]  # one call each
     for e in engines.values():
-        for x in ids:
-            e.warmup(x, max_new_tokens=job["max_new_tokens"])
+        for g in groups:
+            e.warmup(max(g, key=len), max_new_tokens=job["max_new_tokens"], batch_size=batch)
     turns = Path(job["turn_dir"]) if job.get("turn_dir") else None
     log = turns / f"{job['label']}.jsonl" if turns else None
     if turns:
@@ -220,15 +222,12 @@ def run_tree(job: dict[str, Any]) -> list[dict]:
             _wait(lambda: (turns / "turn").read_text() == job["label"], job)
         order = methods[k % len(methods):] + methods[: k % len(methods)]
         load = os.getloadavg()[0]
-        for i, x in enumerate(ids):
+        for i, x in enumerate(groups):
             for m in order:
-                res = engines[m].generate([x], max_new_tokens=job["max_new_tokens"])[0]
-                n = res.num_generated_tokens
-                tps = res.decode_tokens_per_s
-                row = {"round": k, "method": m, "prompt": i, "num_generated_tokens": n,
-                       "num_steps": int(res.metrics["num_steps"]),
-                       "decode_s": (n - 1) / tps if n > 1 and tps else 0.0,
-                       "tokens": list(res.token_ids), "load_average": load}
+                out = engines[m].generate(x, max_new_tokens=job["max_new_tokens"],
+                                          batch_size=batch)
+                row = {"round": k, "method": m, "prompt": i, **batch_figures(out),
+                       "load_average": load}
                 rows.append(row)
                 if log:
                     with log.open("a") as f:
@@ -236,6 +235,18 @@ def run_tree(job: dict[str, Any]) -> list[dict]:
         if turns:
             (turns / "turn").write_text(job["peer"])
     return rows
+
+
+def batch_figures(results) -> dict[str, Any]:
+    """One generate call's rows (a batch decodes together: every row reports the same decode
+    seconds) -> one row of figures: tokens after each row's first, row-steps summed."""
+    decode_s = max(((r.num_generated_tokens - 1) / r.decode_tokens_per_s
+                    for r in results if r.num_generated_tokens > 1 and r.decode_tokens_per_s),
+                   default=0.0)
+    tokens = [list(r.token_ids) for r in results]
+    return {"num_generated_tokens": 1 + sum(max(r.num_generated_tokens - 1, 0) for r in results),
+            "num_steps": sum(int(r.metrics["num_steps"]) for r in results),
+            "decode_s": decode_s, "tokens": tokens[0] if len(tokens) == 1 else tokens}
 
 
 def _wait(ready, job: dict[str, Any]) -> None:
@@ -283,6 +294,9 @@ def make_parser():
                    help="Spec-Bench first turns, one per category then again (default 6)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="T")
     p.add_argument("--rounds", type=int, default=3, metavar="R")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B",
+                   help="prompts decoded together per call (default 1); speedup is then "
+                   "throughput over plain's, step cost per row-step")
     p.add_argument("--data", default=str(REPO_ROOT / "data" / "spec_bench_dev.jsonl"),
                    metavar="FILE.jsonl")
     p.add_argument("--tree", metavar="DIR", help="a second source tree (e.g. a worktree of "
@@ -295,7 +309,7 @@ def check_args(args) -> None:
     from jaxspec.errors import JaxspecError
 
     for flag, v in (("--prompts", args.prompts), ("--max-new-tokens", args.max_new_tokens),
-                    ("--rounds", args.rounds)):
+                    ("--rounds", args.rounds), ("--batch-size", args.batch_size)):
         if v < 1:
             raise JaxspecError(f"{flag} {v}: use an integer >= 1")
     for name in args.configs:
@@ -317,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     job = {"root": str(REPO_ROOT), "methods": methods, "prompts": prompts,
-           "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "label": "a"}
+           "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "label": "a",
+           "batch_size": args.batch_size}
     proc = None
     if args.tree:
         turn_dir = out.parent / (out.stem + ".turns")
@@ -353,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m jaxspec.bench.paired " + " ".join(argv or sys.argv[1:]),
         "settings": {"methods": {m: CONFIG_NAMES.get(m, m) for m in methods},
                      "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                     "rounds": args.rounds, "data": args.data, "tree_a": str(REPO_ROOT),
+                     "rounds": args.rounds, "batch_size": args.batch_size, "data": args.data,
+                     "tree_a": str(REPO_ROOT),
                      "tree_b": str(Path(args.tree).resolve()) if args.tree else None},
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average": os.getloadavg(),

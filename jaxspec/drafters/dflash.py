@@ -16,10 +16,18 @@ exactly as the q reported for it, given the drafts before it):
                   candidates depend on the token chosen at i-1; q_i (those scores through the
                   target's logits transform) is the law x_i is drawn from given x_{i-1}, and
                   that conditional is what is reported.
-  tree            a static tree of ranks (jaxspec.decode.tree.check_choices): node [r_1..r_d]
-                  sits at block position d. tree_children "top_k": the rank-r_d token of q_d,
-                  reported one-hot (deterministic given the context); "sampled": each node is
-                  its own draw from q_d and reports q_d (i.i.d. siblings, SpecInfer).
+  trees           a node at depth d sits at block position d; its children's law is
+                  q_{d+1}(. | node): DFlash 1's position distribution (the node's token
+                  unused), DFlash 2's selector scores with the node's token as predecessor.
+                  static  a tree of ranks (jaxspec.decode.tree.check_choices): node [r_1..r_d]
+                          under tree_children "top_k" is the rank-r_d token of its law, reported
+                          one-hot (deterministic given context and parent); "sampled": each node
+                          its own draw from its law, reporting it (i.i.d. siblings, SpecInfer).
+                  dynamic the DDTree idea through jaxspec.decode.tree.grow (EAGLE-2's rule): the
+                          shape chosen per step from the drafter's own path probabilities
+                          (levels <= block positions, tree_budget nodes: one compiled shape);
+                          its lossless argument holds since a node's law reads only its
+                          ancestors' tokens (see grow).
 """
 
 from __future__ import annotations
@@ -41,6 +49,16 @@ from jaxspec.models import base, decoder
 TREE_CHILDREN = ("top_k", "sampled")
 
 
+class BlockDraft(NamedTuple):
+    """One block forward's outputs, read per position by the tree and chain builders."""
+
+    h: jax.Array  # [B, G, D] final-normed hidden of the mask entries
+    logits: jax.Array  # f32[B, G, V]
+    hp: jax.Array | None  # DFlash 2: [B, G, R] the selector's projected hidden
+    unary: jax.Array | None  # DFlash 2: f32[B, G, Kc] the candidates' logits
+    cands: jax.Array | None  # DFlash 2: int32[B, G, Kc] the candidates
+
+
 class DFlashState(NamedTuple):
     k: tuple  # per draft layer [B, K, S, Hd]: context keys at slot = position
     v: tuple  # per draft layer [B, K, S, Hd]
@@ -52,31 +70,48 @@ class DFlashDrafter:
     target_vocab: int
     name: str = "dflash"
     variable_length: bool = False
-    tree_choices: tuple[tuple[int, ...], ...] | None = None  # None: a chain of γ drafts
-    tree_children: Literal["top_k", "sampled"] = "top_k"
+    tree_choices: tuple[tuple[int, ...], ...] | None = None  # static tree; None: no static tree
+    tree_children: Literal["top_k", "sampled", "without_replacement"] = "top_k"
+    tree_top_k: int = 0  # dynamic tree (> 0): nodes expanded per level, children per node
+    tree_levels: int = 0  # dynamic: levels (block positions drafted)
+    tree_budget: int = 0  # dynamic: nodes kept (best path probabilities)
     causal_override: bool | None = None  # tests only: force every layer's block mask
 
     def __post_init__(self):
-        if self.tree_children not in TREE_CHILDREN:
+        dynamic = self.tree_top_k > 0
+        allowed = tree.CHILDREN if dynamic else TREE_CHILDREN
+        if self.tree_children not in allowed:
             raise JaxspecError(
                 f"speculative.dflash.tree_children={self.tree_children!r} is invalid: use one "
-                f"of {', '.join(TREE_CHILDREN)}"
+                f"of {', '.join(allowed)}"
             )
+        if dynamic and self.tree_choices is not None:
+            raise JaxspecError("a DFlash tree is static (tree.choices) or dynamic, not both: "
+                               "set speculative.tree.kind")
+        kc = self.spec.selector_top_k
         if self.tree_choices is not None:
-            if self.spec.version == 2:
-                raise JaxspecError(
-                    "DFlash 2 heads draft a chain (the selector walks the block in order): use "
-                    "speculative.tree.kind=chain with this checkpoint"
-                )
             choices = tree.check_choices(self.tree_choices)
-            depth = max(map(len, choices))
-            if depth > self.max_drafts:
+            self._check_depth(max(map(len, choices)), "tree choices reach")
+            if kc is not None and max(max(p) for p in choices) >= kc:
                 raise JaxspecError(
-                    f"tree choices reach depth {depth} but this DFlash head drafts at most "
-                    f"{self.max_drafts} positions (block_size {self.spec.block_size}): use paths "
-                    f"of at most {self.max_drafts} ranks"
+                    f"tree choices use rank {max(max(p) for p in choices)} but this DFlash 2 "
+                    f"head's selector keeps {kc} candidates per position: use ranks < {kc}"
                 )
             object.__setattr__(self, "tree_choices", choices)
+        if dynamic:
+            self._check_depth(self.tree_levels, "speculative.tree.depth is")
+            if kc is not None and self.tree_top_k > kc:
+                raise JaxspecError(
+                    f"speculative.tree.top_k={self.tree_top_k} exceeds this DFlash 2 head's "
+                    f"{kc} selector candidates per position: use top_k <= {kc}"
+                )
+
+    def _check_depth(self, depth: int, what: str) -> None:
+        if depth > self.max_drafts:
+            raise JaxspecError(
+                f"{what} depth {depth} but this DFlash head drafts at most {self.max_drafts} "
+                f"positions (block_size {self.spec.block_size}): use at most {self.max_drafts}"
+            )
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # jaxspec taps: input of layer i = HF i
@@ -88,10 +123,14 @@ class DFlashDrafter:
 
     @property
     def tree_nodes(self) -> int | None:
+        if self.tree_top_k:
+            return self.tree_budget
         return None if self.tree_choices is None else len(self.tree_choices)
 
     @property
     def tree_depth(self) -> int | None:
+        if self.tree_top_k:
+            return self.tree_levels
         return None if self.tree_choices is None else max(map(len, self.tree_choices))
 
     def target_needs(self, dparams) -> tuple[str, ...]:
@@ -143,7 +182,7 @@ class DFlashDrafter:
     def propose(self, dparams, tparams, state: DFlashState, ctx: DraftContext, num_tokens, sp,
                 keys):
         b = ctx.lengths.shape[0]
-        if self.tree_choices is not None:
+        if self.tree_choices is not None or self.tree_top_k:
             return self._propose_tree(dparams, tparams, state, ctx, sp, keys), state
         if num_tokens > self.max_drafts:
             raise JaxspecError(
@@ -151,55 +190,93 @@ class DFlashDrafter:
                 f"(block_size {self.spec.block_size}: {self.max_drafts} drafts): use "
                 f"num_speculative_tokens <= {self.max_drafts}"
             )
-        h = self.block_hidden(dparams, tparams, state, ctx, num_tokens)  # [B, G, D]
-        logits = self.head_logits(tparams, h)  # [B, G, V]
+        blk = self._block(dparams, tparams, state, ctx, num_tokens)
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, G]
         if self.spec.version == 2:
-            last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)[:, 0]
-            tokens, q = self._select(dparams, h, logits, last, sp, step_keys)
+            tokens, q = self._select(dparams, blk, self._anchor(ctx), sp, step_keys)
         else:
-            q = sampling.logits_to_probs(logits, sp)  # [B, G, V]: q_i from the context alone
+            q = sampling.logits_to_probs(blk.logits, sp)  # [B, G, V]: q_i from the context alone
             tokens = jax.vmap(sampling.sample_rows, in_axes=(1, 1), out_axes=1)(step_keys, q)
         return Proposal(tokens, q, jnp.full((b,), num_tokens, jnp.int32)), state
 
-    def _select(self, dparams, h, logits, anchor, sp, step_keys):
-        """DFlash 2's candidate selector, in block order: (tokens int32[B, G], q f32[B, G, V])."""
-        kc = self.spec.selector_top_k
-        unary, cands = jax.lax.top_k(logits, kc)  # [B, G, Kc]
+    @staticmethod
+    def _anchor(ctx: DraftContext) -> jax.Array:  # int32[B]: the last committed token
+        return jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)[:, 0]
+
+    def _block(self, dparams, tparams, state, ctx, drafts: int) -> BlockDraft:
+        h = self.block_hidden(dparams, tparams, state, ctx, drafts)  # [B, G, D]
+        logits = self.head_logits(tparams, h)  # [B, G, V]
+        if self.spec.version == 1:
+            return BlockDraft(h, logits, None, None, None)
+        unary, cands = jax.lax.top_k(logits, self.spec.selector_top_k)  # [B, G, Kc]
         hp = decoder.linear(h, dparams["selector"]["proj"])  # [B, G, R]
-        v = logits.shape[-1]
-        rows = jnp.arange(logits.shape[0])[:, None]
+        return BlockDraft(h, logits, hp, unary, cands)
 
-        def step(prev, xs):
-            hp_i, un_i, c_i, k_i = xs  # [B, R], [B, Kc], [B, Kc], [B]
-            scores = net.selector_scores(dparams, hp_i, un_i, c_i, prev)  # [B, Kc]
-            full = jnp.full((scores.shape[0], v), -jnp.inf, jnp.float32)
-            q = sampling.logits_to_probs(full.at[rows, c_i].set(scores), sp)  # [B, V]
-            tok = sampling.sample_rows(k_i, q)
-            return tok, (tok, q)
+    def position_logits(self, dparams, blk: BlockDraft, pos: int, prev) -> jax.Array:
+        """f32[B, M, V]: the law of block position pos (token L + pos) after M predecessors
+        prev int32[B, M] (the tokens at position pos - 1). DFlash 1: the position's logits
+        (prev unused); DFlash 2: the selector's scores given each predecessor, -inf off its
+        candidates."""
+        b, m = prev.shape
+        v = blk.logits.shape[-1]
+        if self.spec.version == 1:
+            return jnp.broadcast_to(blk.logits[:, pos, None], (b, m, v))
+        rep = lambda a: jnp.repeat(a[:, pos], m, axis=0)  # noqa: E731  [B*M, ...]
+        cands = rep(blk.cands)
+        scores = net.selector_scores(dparams, rep(blk.hp), rep(blk.unary), cands,
+                                     prev.reshape(-1))  # [B*M, Kc]
+        full = jnp.full((b * m, v), -jnp.inf, jnp.float32)
+        full = full.at[jnp.arange(b * m)[:, None], cands].set(scores)
+        return full.reshape(b, m, v)
 
-        sw = lambda a: jnp.swapaxes(a, 0, 1)  # noqa: E731  scan over block positions
-        _, (toks, qs) = jax.lax.scan(step, anchor.astype(jnp.int32),
-                                     (sw(hp), sw(unary), sw(cands), sw(step_keys)))
-        return sw(toks), sw(qs)
+    def _select(self, dparams, blk: BlockDraft, anchor, sp, step_keys):
+        """DFlash 2's candidate selector, in block order: (tokens int32[B, G], q f32[B, G, V])."""
+        prev, toks, qs = anchor.astype(jnp.int32), [], []
+        for i in range(blk.logits.shape[1]):
+            logits = self.position_logits(dparams, blk, i, prev[:, None])[:, 0]  # [B, V]
+            q = sampling.logits_to_probs(logits, sp)
+            prev = sampling.sample_rows(step_keys[:, i], q)  # [B]
+            toks.append(prev)
+            qs.append(q)
+        return jnp.stack(toks, axis=1), jnp.stack(qs, axis=1)
 
     def _propose_tree(self, dparams, tparams, state, ctx, sp, keys) -> Proposal:
         b = ctx.lengths.shape[0]
+        anchor = self._anchor(ctx).astype(jnp.int32)
+        if self.tree_top_k:
+            blk = self._block(dparams, tparams, state, ctx, self.tree_levels)
+
+            def expand(carry, level, front: tree.Frontier):  # children of depth level + 1
+                return carry, self.position_logits(dparams, blk, level + 1, front.ids)
+
+            root = self.position_logits(dparams, blk, 0, anchor[:, None])[:, 0]  # [B, V]
+            grown, _ = tree.grow(expand, None, root, sp, keys, top_k=self.tree_top_k,
+                                 levels=self.tree_levels, budget=self.tree_budget,
+                                 children=self.tree_children)
+            num = jnp.full((b,), self.tree_budget, jnp.int32)
+            return Proposal(grown.ids, grown.q, num, grown.parents)
         parents, depth, rank = tree.static_layout(self.tree_choices)
-        logits = self.draft_logits(dparams, tparams, state, ctx, max(depth))  # [B, G, V]
-        at = jnp.asarray(depth) - 1  # [Nn] block position of each node
-        if self.tree_children == "top_k":  # the rank-r token of q_d, one-hot q
-            top = jax.lax.top_k(logits, max(rank) + 1)[1]  # [B, G, R]
-            tokens = top[:, at, jnp.asarray(rank)]  # [B, Nn]
-            probs = jax.nn.one_hot(tokens, self.target_vocab, dtype=jnp.float32)
-        else:  # each node its own draw from q_{depth(n)}, reporting it
-            q_nodes = sampling.logits_to_probs(logits, sp)[:, at]  # [B, Nn, V]
-            node_keys = jax.vmap(lambda k: jax.random.split(k, len(parents)))(keys)
-            tokens = jax.vmap(sampling.sample_rows, in_axes=(1, 1), out_axes=1)(node_keys, q_nodes)
-            probs = q_nodes
         n = len(parents)
+        blk = self._block(dparams, tparams, state, ctx, max(depth))
+        node_keys = jax.vmap(lambda k: jax.random.split(k, n))(keys)  # [B, Nn]
+        tokens, probs = [None] * n, [None] * n
+        for d in range(1, max(depth) + 1):  # level by level: a node's law reads its parent
+            at = [i for i in range(n) if depth[i] == d]
+            prev = jnp.stack([anchor if parents[i] < 0 else tokens[parents[i]] for i in at], 1)
+            logits = self.position_logits(dparams, blk, d - 1, prev)  # [B, M, V]
+            if self.tree_children == "top_k":  # the rank-r token of the node's law, one-hot q
+                top = jax.lax.top_k(logits, max(rank[i] for i in at) + 1)[1]  # [B, M, R]
+                toks = jnp.stack([top[:, j, rank[i]] for j, i in enumerate(at)], axis=1)
+                q = jax.nn.one_hot(toks, self.target_vocab, dtype=jnp.float32)
+            else:  # each node its own draw from its law, reporting it
+                q = sampling.logits_to_probs(logits, sp)
+                toks = jax.vmap(sampling.sample_rows, in_axes=(1, 1), out_axes=1)(
+                    node_keys[:, jnp.asarray(at)], q)
+            for j, i in enumerate(at):
+                tokens[i], probs[i] = toks[:, j].astype(jnp.int32), q[:, j]
         par = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
-        return Proposal(tokens, probs, jnp.full((b,), n, jnp.int32), par)
+        num = jnp.full((b,), n, jnp.int32)
+        return Proposal(jnp.stack(tokens, 1), jnp.stack(probs, 1), num, par)
 
     def advance(self, dparams, tparams, state: DFlashState, ctx: DraftContext) -> DFlashState:
         """Nothing to update without drafting: the state changes only when features commit
@@ -222,7 +299,8 @@ class DFlashOptions(trained.CheckpointOptions):
     """speculative.dflash: a DFlash / DFlash 2 head in the authors' layout (config.json with
     architectures [DFlashDraftModel | DFlash2DraftModel]). γ (num_speculative_tokens) is at most
     block_size - 1; a static tree (speculative.tree.kind=static) takes its paths of per-position
-    ranks from speculative.tree.choices."""
+    ranks from speculative.tree.choices, a dynamic one (kind=dynamic) its top_k, depth (at most
+    block_size - 1), budget and children from speculative.tree."""
 
     SECTION: ClassVar[str] = "speculative.dflash"
     tree_children: Literal["top_k", "sampled"] = "top_k"
@@ -246,11 +324,13 @@ def build(options: DFlashOptions, ctx: BuildContext):
         drafter = dataclasses.replace(
             drafter, tree_choices=choices, tree_children=options.tree_children
         )
+    if ctx.spec.tree.kind == "dynamic":
+        drafter = dataclasses.replace(drafter, **tree.dynamic_fields(ctx.spec.tree))
     return drafter, dparams
 
 
 register_drafter(
     "dflash", build, train="jaxspec.train.dflash:DFlash", formats=("jaxspec", "dflash"),
-    options=DFlashOptions, tree_kinds=("static",), summary=(
+    options=DFlashOptions, tree_kinds=("static", "dynamic"), summary=(
     "DFlash / DFlash 2 block diffusion drafting: one drafter forward over [last token, mask x γ] "
     "reading the target's fused hidden states; the authors' published heads load"))
