@@ -26,6 +26,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.models.cache import CACHE_AXES, KVCache
+from jaxspec.models.paged_attention import PagedKVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base, llama
 
@@ -201,11 +202,32 @@ def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingR
     )
 
 
+def paged_cache_shardings(cache: PagedKVCache, mesh: Mesh,
+                          rules: ShardingRules = ShardingRules()) -> PagedKVCache:
+    """A serving page pool: each layer's pages [K, NP, P, H] over `model` by kv heads (whole
+    heads, when they divide it; the pool has no row dim, so each data group holds all pages of
+    its heads), the rows' page table [B, MP] and lengths [B] over `data`. A zero-size
+    placeholder (the scheduler's pool held outside the state) is replicated."""
+    def pages(x):
+        if x.ndim != 4:
+            return NamedSharding(mesh, P())
+        return NamedSharding(mesh, _fitted_spec(rules, ("kv_heads", None, None, None), x.shape,
+                                                mesh, {}))
+
+    rows = lambda x: NamedSharding(  # noqa: E731
+        mesh, _fitted_spec(rules, ("batch",) + (None,) * (x.ndim - 1), x.shape, mesh, {}))
+    return PagedKVCache(k=jax.tree.map(pages, cache.k), v=jax.tree.map(pages, cache.v),
+                        page_table=rows(cache.page_table), lengths=rows(cache.lengths))
+
+
 def state_shardings(tree, batch: int, mesh: Mesh, rules: ShardingRules = ShardingRules()):
     """Any per-request pytree (decode state, drafter state, buffers): KV caches by the cache
-    rules, other leaves with a leading [B] axis over `batch`, everything else replicated."""
+    rules (a page pool by `paged_cache_shardings`), other leaves with a leading [B] axis over
+    `batch`, everything else replicated."""
 
     def one(x):
+        if isinstance(x, PagedKVCache):
+            return paged_cache_shardings(x, mesh, rules)
         if isinstance(x, KVCache):
             return cache_shardings(x, mesh, rules)
         if x.ndim >= 1 and x.shape[0] == batch:
@@ -213,7 +235,7 @@ def state_shardings(tree, batch: int, mesh: Mesh, rules: ShardingRules = Shardin
             return NamedSharding(mesh, spec)
         return NamedSharding(mesh, P())
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KVCache))
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, (KVCache, PagedKVCache)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_serving.py",
     "test_adaptive.py",
     "test_sharding.py",
+    "test_serving_mesh.py",
     "test_families.py",
     "test_accelerator_path.py",
     "test_tree.py",

@@ -121,7 +121,8 @@ def _attend(q, k_layer, v_layer, k_win, v_win, positions, *, scale, window, wind
     qpos = jnp.broadcast_to(positions[:, None, :], (b, g, t)).reshape(b, 1, g * t)  # [B, 1, GT]
     if window is not None or impl not in ("pallas_tpu", "pallas_gpu") or (
             softcap is not None and impl == "pallas_gpu"):
-        o_c, m_c, l_c = committed_xla(qg, k_layer, v_layer, lengths, qpos, scale, window, softcap)
+        o_c, m_c, l_c = committed_xla_on_head_shards(qg, k_layer, v_layer, lengths, qpos, scale,
+                                                     window, softcap)
     else:
         o_c, m_c, l_c = committed_on_head_shards(qg, k_layer, v_layer, lengths, scale, softcap,
                                                  impl, interpret)
@@ -148,6 +149,19 @@ def committed_on_head_shards(qg, k_layer, v_layer, lengths, scale, softcap, impl
 
     args = [qg, k_layer.pages, v_layer.pages, k_layer.table, lengths]
     dims = [(0, 1), (None, 0), (None, 0), (0, None), (0, None)]
+    return on_head_shards(part, args, dims, [(4, 0, 1), (3, 0, 1), (3, 0, 1)])
+
+
+def committed_xla_on_head_shards(qg, k_layer, v_layer, lengths, qpos, scale, window, softcap):
+    """`committed_xla` per (rows, kv heads) shard under a kernel mesh, as the kernels run: each
+    device reads its own heads' pages for its own rows (left to GSPMD, the block gathers of a
+    pool sharded over kv heads may be laid out otherwise); no mesh: one call, the same program."""
+    def part(q, k_pages, v_pages, table, n, qp):
+        return committed_xla(q, PagedLayer(k_pages, table), PagedLayer(v_pages, table), n, qp,
+                             scale, window, softcap)
+
+    args = [qg, k_layer.pages, v_layer.pages, k_layer.table, lengths, qpos]
+    dims = [(0, 1), (None, 0), (None, 0), (0, None), (0, None), (0, None)]
     return on_head_shards(part, args, dims, [(4, 0, 1), (3, 0, 1), (3, 0, 1)])
 
 

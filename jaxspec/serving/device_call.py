@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode.sampling import SamplingParams
+from jaxspec.sharding import fetch
 from jaxspec.models import paged_attention
 from jaxspec.serving import rows
 from jaxspec.serving.batch import call_width, hole
@@ -108,7 +109,7 @@ class DeviceCall:
                 r.sampling.logprobs is not None for r in self.active.values()):
             fields["logprobs"] = self.state.logprobs
         host = types.SimpleNamespace(
-            **({"adaptive": None, "logprobs": None} | jax.device_get(fields)))
+            **({"adaptive": None, "logprobs": None} | fetch(fields)))  # every process's rows
         now = time.perf_counter()
         self.stats.device_calls += 1
         self.stats.decode_s += now - t0

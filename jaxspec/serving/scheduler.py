@@ -9,7 +9,8 @@ stream); its parts live beside it: `admission` (prefill of queued requests, whol
 
 The target KV cache is paged on device (`serving.paged_cache.PagedTarget`): one page pool per
 layer shared by the rows, each row's page table uploaded from `pages.PagePool` before every
-device call. Targets without a per-layer cache or under a mesh keep a contiguous per-slot cache
+device call; on a mesh the pool is sharded over kv heads (`sharding.paged_cache_shardings`), the
+rows over data. Targets without a per-layer cache keep a contiguous per-slot cache
 with the same page bookkeeping (`kv_layout` says which ran). Prefix sharing (`serving.prefix`):
 a prompt starting with full pages an earlier prompt wrote shares them and prefills the rest.
 
@@ -47,6 +48,7 @@ from jaxspec.serving.requests import QueueFull, Request, Sampling
 from jaxspec.serving.stats import Stats
 from jaxspec.serving.streaming import Streaming
 from jaxspec.serving.text import TextState
+from jaxspec.sharding import fetch
 
 # names that lived here before the split, importable from here still
 __all__ = ["MIN_TABLE_PAGES", "QueueFull", "Request", "Scheduler", "Stats", "prefill_into_pool",
@@ -134,7 +136,7 @@ class Scheduler(Admission, DeviceCall, Streaming):
         self.widths = program_widths(slots)
         self.table_widths = program_widths(per_row, MIN_TABLE_PAGES)
         spec = engine.serving_spec()
-        self.paged = paged and spec.mesh is None and paged_cache.pageable(
+        self.paged = paged and paged_cache.pageable(
             engine.cache_shape(engine.target, 1, 8))
         if self.paged:
             paged = paged_cache.PagedTarget(engine.target, page_size, self.pool.num_pages)
@@ -261,7 +263,7 @@ class Scheduler(Admission, DeviceCall, Streaming):
         self.kv.reserve(self.active, self._host_lengths(), self.policy.victim, self._preempt)
 
     def _host_lengths(self) -> np.ndarray:
-        return np.asarray(jax.device_get(self.state.lengths))
+        return np.asarray(fetch(self.state.lengths))  # several processes: every one's rows
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

@@ -1,0 +1,118 @@
+"""Run by tests/test_serving_mesh.py in a subprocess with 8 simulated CPU devices (the flag must
+be set before jax starts): the serving scheduler on a (2, 4) mesh with its page pool sharded over
+kv heads, against solo one-device runs; the pool's shardings after serving; pool-sized copies in
+the optimised HLO of every decode program the scheduler compiles. Prints one JSON object.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/serving_mesh_check.py [replicated|view]
+
+The controls (n-gram only): `replicated`, a pool kept whole on every device (the sharding rules
+for the pool replaced by a replicated one): the shard checks must show it; `view`, the paged
+forward reading gathered contiguous views of the rows' pages (`PagedTarget(read="view")`): the
+copy count must show it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import mesh_check
+from jaxspec import hlo, sharding
+from jaxspec.drafters import NgramDrafter
+from jaxspec.engine.runner import Engine
+from jaxspec.serving import Sampling, paged_cache
+from jaxspec.serving.scheduler import Scheduler
+
+CONTEXT = 96
+PAGE = 8
+SLOTS = 4
+NEW = (9, 14, 5, 12, 7, 10)
+METHODS = {"plain": (None, 0), "ngram": (NgramDrafter(mesh_check.V, 1, 3), 3)}
+
+
+class Sink:
+    def __init__(self):
+        self.done = None
+
+    def push(self, piece):
+        pass
+
+    def finish(self, completion, error=None):
+        assert error is None, error
+        self.done = completion
+
+
+def serve(sched, prompts):
+    """Requests arriving one a round, so later ones join a running batch -> token ids."""
+    sinks, pending, rnd = [], list(zip(prompts, NEW)), 0
+    while pending or sched.busy:
+        if pending:
+            prompt, n = pending.pop(0)
+            sinks.append(Sink())
+            sched.enqueue(sched.new_request(prompt, Sampling(max_tokens=n), sinks[-1]))
+        sched.run_once()
+        rnd += 1
+        assert rnd < 500, "the scheduler did not finish"
+    return [s.done.token_ids for s in sinks]
+
+
+def pool_copies(sched) -> dict:
+    """Pool-sized copies in each decode program's optimised HLO (the codegen the one-device
+    HLO checks read: tests/mesh_check.ACCEL_LIKE), counted at one device's pool shard."""
+    cfg = sched.engine.model.cfg
+    kv = cfg.num_kv_heads // sched.spec.mesh.mesh.shape["model"]
+    shard = (kv, sched.pool.num_pages, PAGE, cfg.head_dim)
+    out = {}
+    for row in sched.decode_programs():
+        fn, args, kwargs = row["program"]
+        text = fn.lower(*args, **kwargs).compile(compiler_options=mesh_check.ACCEL_LIKE).as_text()
+        traffic = hlo.cache_traffic(text, shard)
+        out[f"{row['rows']}x{row['table_pages']}"] = list(traffic.copies[:3]) + (
+            [f"... {len(traffic.copies)} in all"] if len(traffic.copies) > 3 else [])
+    return out
+
+
+def main(control: str | None) -> dict:
+    if control == "view":
+        sys.modules["jaxspec.serving.scheduler"].paged_cache.PagedTarget = functools.partial(
+            paged_cache.PagedTarget, read="view")
+    if control == "replicated":  # the control: every device holds the whole pool
+        whole = sharding.paged_cache_shardings
+
+        def replicate(cache, mesh, rules=sharding.ShardingRules()):
+            out = whole(cache, mesh, rules)
+            rep = lambda s: NamedSharding(mesh, P()) if len(s.spec) == 4 else s  # noqa: E731
+            return type(out)(k=jax.tree.map(rep, out.k), v=jax.tree.map(rep, out.v),
+                             page_table=out.page_table, lengths=out.lengths)
+
+        sharding.paged_cache_shardings = replicate
+    target = mesh_check.model()
+    prompts = [p for p in mesh_check.PROMPTS[: len(NEW)]]
+    plan = sharding.MeshPlan(sharding.make_mesh(2, 4))
+    out = {}
+    for name, (drafter, gamma) in METHODS.items():
+        if control and name != "ngram":
+            continue
+        args = (target, drafter, () if drafter else None)
+        solo = Engine(*args, num_speculative_tokens=gamma, max_context=CONTEXT)
+        want = [solo.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]
+        eng = Engine(*args, num_speculative_tokens=gamma, max_context=CONTEXT, mesh=plan)
+        sched = Scheduler(eng, slots=SLOTS, max_context=CONTEXT, steps_per_call=3, page_size=PAGE)
+        got = serve(sched, prompts)
+        pool = sched.state.cache.k[0]
+        out[name] = {"same": got == want, "kv_layout": sched.kv_layout,
+                     "pool_spec": str(tuple(pool.sharding.spec)),
+                     "pool_shard": list(pool.addressable_shards[0].data.shape),
+                     "copies": pool_copies(sched) if name == "ngram" else None}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else None)), flush=True)
