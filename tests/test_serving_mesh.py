@@ -50,6 +50,30 @@ def test_no_decode_program_copies_the_pool_on_a_mesh(served):
     assert {k: v for k, v in copies.items() if v} == {}, copies
 
 
+def test_a_round_carries_its_requests_and_cancellations_whole():
+    """`lockstep.exchange` (one process: it broadcasts to itself) returns process 0's events for
+    payloads of every padding, and `apply` queues a follower's copies with process 0's seeds
+    and flags the cancelled ones."""
+    import collections
+    import types
+
+    from jaxspec.serving import lockstep
+    from jaxspec.serving.requests import Sampling
+
+    for n in (1, 3, 4, 5, 700):
+        events = {"new": [("r1", list(range(n)), Sampling(max_tokens=3, stop=("x",)), 11, 2)],
+                  "cancel": ["r0"]}
+        assert lockstep.exchange(False, events) == (False, events)
+    assert lockstep.exchange(True) == (True, {})
+    sched = types.SimpleNamespace(queue=collections.deque(), active={}, prefilling={})
+    lockstep.apply(sched, events)
+    (req,) = sched.queue
+    assert (req.id, req.prompt_ids, req.seed, req.priority) == ("r1", list(range(700)), 11, 2)
+    assert req.text.stops == ("x",) and not req.cancelled
+    lockstep.apply(sched, {"cancel": ["r1"]})
+    assert req.cancelled
+
+
 # ---- python -m jaxspec.serve over two processes (jax.distributed on loopback) ----------------
 
 PROMPTS = ("Hello there", "The quick brown fox", "1 2 3 4")
