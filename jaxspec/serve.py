@@ -4,6 +4,10 @@ model, drafter, sampling defaults and `serving` section (slots, max_context, ste
 max_queue, kv_pages, page_size, prefill_chunk, prefix_cache, batch_prefill, max_batched_tokens, policy, precompile,
 request limits, drain_s). Arguments are parsed before jax or the model load is imported.
 
+With `distributed.*` naming several processes (`jaxspec.distributed`), run the same command on
+each: the mesh spans every process's devices, process 0 listens and schedules, the others follow
+its rounds (`serving.lockstep`) and exit when it stops.
+
 It listens at once (`/health` answers; `/ready` and requests get 503 while the decode programs
 compile), prints `jaxspec.serve: listening on http://H:P` and then `... ready`. SIGTERM or
 SIGINT: new requests get 503, running ones get serving.drain_s to finish and are then ended with
@@ -37,27 +41,50 @@ def make_parser() -> ArgumentParser:
     return p
 
 
-def build_server(config, model_name: str | None = None, gate=None):
-    """(Server, FastAPI app) for a Config: the engine is built with serving.max_context."""
+def serving_engine(config):
+    """(engine, Scheduler options) for a Config: the engine built with serving.max_context."""
     import dataclasses
 
     from jaxspec.build import build_engine
+
+    s = config.serving
+    # the batch a mesh's data axis must divide is the server's slots
+    config = dataclasses.replace(config, generation=dataclasses.replace(
+        config.generation, max_context=s.max_context, batch_size=s.slots))
+    options = dict(slots=s.slots, max_context=s.max_context, steps_per_call=s.steps_per_call,
+                   max_queue=s.max_queue, kv_pages=s.kv_pages or None, page_size=s.page_size,
+                   seed=config.sampling.seed, prefill_chunk=s.prefill_chunk or None,
+                   prefix_cache=s.prefix_cache, batch_prefill=s.batch_prefill,
+                   max_batched_tokens=s.max_batched_tokens or None, structured=s.structured,
+                   policy=s.policy)
+    return build_engine(config), options
+
+
+def build_server(config, model_name: str | None = None, gate=None):
+    """(Server, FastAPI app) for a Config: the engine is built with serving.max_context."""
     from jaxspec.serving import Server
     from jaxspec.serving.gate import Gate, Limits
     from jaxspec.serving.http import make_app
 
-    s = config.serving
-    config = dataclasses.replace(
-        config, generation=dataclasses.replace(config.generation, max_context=s.max_context))
-    engine = build_engine(config)
-    server = Server(engine, slots=s.slots, max_context=s.max_context,
-                    steps_per_call=s.steps_per_call, max_queue=s.max_queue,
-                    kv_pages=s.kv_pages or None, page_size=s.page_size, seed=config.sampling.seed,
-                    prefill_chunk=s.prefill_chunk or None, prefix_cache=s.prefix_cache,
-                    batch_prefill=s.batch_prefill, max_batched_tokens=s.max_batched_tokens or None,
-                    structured=s.structured,
-                    policy=s.policy, model_name=model_name or config.model.name)
-    return server, make_app(server, gate or Gate(limits=Limits.of(s)))
+    engine, options = serving_engine(config)
+    server = Server(engine, **options, model_name=model_name or config.model.name)
+    return server, make_app(server, gate or Gate(limits=Limits.of(config.serving)))
+
+
+def follow(config) -> int:
+    """A process other than 0 of a multi-process mesh: the same scheduler as process 0's, run
+    round by round as process 0 broadcasts them (`serving.lockstep`), until it closes."""
+    import jax
+
+    from jaxspec.serving import lockstep
+    from jaxspec.serving.scheduler import Scheduler
+
+    engine, options = serving_engine(config)
+    scheduler = Scheduler(engine, **options)
+    say(f"process {jax.process_index()} of {jax.process_count()}: following process 0's rounds")
+    rounds = lockstep.follow(scheduler)
+    say(f"process {jax.process_index()}: process 0 closed after {rounds} rounds run here")
+    return 0
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -148,6 +175,12 @@ def run(argv: list[str] | None = None) -> int:
     from jaxspec.serving.gate import Gate, Limits
 
     config = load_config(args.config, [*args.overrides, *args.override])
+    from jaxspec import distributed
+
+    # several processes (distributed.*): one mesh over all their devices; process 0 serves HTTP
+    if distributed.start(config.distributed) and not distributed.is_primary():
+        enable_compilation_cache()
+        return follow(config)
     key = args.api_key or os.environ.get("JAXSPEC_API_KEY") or None
     if args.host not in LOOPBACK and key is None:
         say(f"warning: listening on {args.host} without an API key: anyone who reaches the port "

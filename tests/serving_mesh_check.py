@@ -30,7 +30,7 @@ from jaxspec.engine.runner import Engine
 from jaxspec.serving import Sampling, paged_cache
 from jaxspec.serving.scheduler import Scheduler
 
-CONTEXT = 96
+CONTEXT = 200  # 25 pages of 8 a row: the XLA loop reads blocks of 5 pages, a row's view is 25
 PAGE = 8
 SLOTS = 4
 NEW = (9, 14, 5, 12, 7, 10)
@@ -64,18 +64,27 @@ def serve(sched, prompts):
 
 
 def pool_copies(sched) -> dict:
-    """Pool-sized copies in each decode program's optimised HLO (the codegen the one-device
-    HLO checks read: tests/mesh_check.ACCEL_LIKE), counted at one device's pool shard."""
+    """Copies, zero-fills and gathers as large as one device's pool shard, or (whole-row tables)
+    as its rows' contiguous view of their pages (what a gather of the pages builds), in each decode
+    program's optimised HLO (the codegen the one-device HLO checks read:
+    tests/mesh_check.ACCEL_LIKE)."""
     cfg = sched.engine.model.cfg
-    kv = cfg.num_kv_heads // sched.spec.mesh.mesh.shape["model"]
+    mesh = sched.spec.mesh.mesh.shape
+    kv = cfg.num_kv_heads // mesh["model"]
     shard = (kv, sched.pool.num_pages, PAGE, cfg.head_dim)
     out = {}
     for row in sched.decode_programs():
         fn, args, kwargs = row["program"]
         text = fn.lower(*args, **kwargs).compile(compiler_options=mesh_check.ACCEL_LIKE).as_text()
-        traffic = hlo.cache_traffic(text, shard)
-        out[f"{row['rows']}x{row['table_pages']}"] = list(traffic.copies[:3]) + (
-            [f"... {len(traffic.copies)} in all"] if len(traffic.copies) > 3 else [])
+        rows = row["rows"] // mesh["data"] if row["rows"] % mesh["data"] == 0 else row["rows"]
+        found = [*hlo.cache_traffic(text, shard).copies, *hlo.cache_traffic(text, shard).zero_fills]
+        if row["table_pages"] == sched.max_pages:  # a whole row's view (200 slots): nothing else
+            # has that many (the XLA loop's blocks hold 40); narrower views are the size of
+            # score buffers
+            view = (rows, kv, row["table_pages"] * PAGE, cfg.head_dim)
+            found += hlo.cache_traffic(text, view).copies
+        out[f"{row['rows']}x{row['table_pages']}"] = found[:3] + (
+            [f"... {len(found)} in all"] if len(found) > 3 else [])
     return out
 
 

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Sequence
 
 from jaxspec.errors import JaxspecError
+from jaxspec.serving import lockstep
 from jaxspec.serving.requests import Completion, QueueFull, Sampling
 from jaxspec.serving.scheduler import Scheduler
 
@@ -133,6 +134,10 @@ class Server:
         self.model_name = model_name or getattr(engine.model, "name", "model")
         self._lock = threading.Condition()  # guards the inbox, the closed flag, cancellations
         self._inbox: list = []
+        # a mesh over several processes: each round broadcast to the followers (`lockstep`),
+        # cancellations carried in it (flagged here only when every process flags them)
+        self._lockstep = lockstep.spans_processes()
+        self._cancels: list[str] = []
         self._closed = False
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="jaxspec-serving", daemon=True)
@@ -147,6 +152,9 @@ class Server:
             raise JaxspecError("the server is closed")
         if self._failure is not None:
             raise JaxspecError(f"the serving loop stopped: {self._failure}")
+        if constraint is not None and self._lockstep:
+            raise JaxspecError("structured output is not served over several processes: "
+                               "drop the response format or serve from one process")
         stream = Stream(self)
         s = self.scheduler
         req = s.new_request(prompt, sampling or Sampling(), stream, request_id, priority,
@@ -160,12 +168,22 @@ class Server:
             self._lock.notify_all()
         return stream
 
+    def prompt_logprobs(self, ids):
+        """The prompt's own tokens scored (echo with logprobs: `Engine.prompt_logprobs`). One
+        process only: a forward on process 0 alone would wait for the others in a collective."""
+        if self._lockstep:
+            raise JaxspecError("echo with logprobs is not served over several processes: drop "
+                               "logprobs or echo, or serve from one process")
+        return self.engine.prompt_logprobs(ids)
+
     def generate(self, prompt, sampling: Sampling | None = None) -> Completion:
         return self.submit(prompt, sampling).result()
 
     def _cancel(self, stream: Stream) -> None:
         with self._lock:
-            if stream.request is not None:
+            if stream.request is not None and self._lockstep:
+                self._cancels.append(stream.request.id)
+            elif stream.request is not None:
                 stream.request.cancelled = True
             self._lock.notify_all()
 
@@ -180,7 +198,10 @@ class Server:
     def _loop(self) -> None:
         s = self.scheduler
         try:
-            while True:
+            while self._lockstep:
+                if not self._lockstep_round():
+                    break
+            while not self._lockstep:
                 with self._lock:
                     self._lock.wait_for(lambda: self._closed or self._inbox or s.busy)
                     if self._closed:
@@ -191,11 +212,33 @@ class Server:
                 s.run_once()  # outside the lock: submit and cancel never wait for the device
         except BaseException as e:  # noqa: BLE001 -- every waiting stream learns why
             self._failure = e
+            if self._lockstep:  # the followers stop too (best effort: they wait in a collective)
+                lockstep.exchange(closing=True)
         reason = "the server closed" if self._failure is None else (
             f"the serving loop stopped: {self._failure}")
         with self._lock:
             for req in [*self._inbox, *s.queue, *s.active.values()]:
                 req.sink.finish(None, JaxspecError(reason))
+
+    def _lockstep_round(self) -> bool:
+        """One round on process 0 of several: its inputs broadcast, applied, then run here as
+        on every follower (`lockstep`). False once closed."""
+        s = self.scheduler
+        with self._lock:
+            self._lock.wait_for(lambda: self._closed or self._inbox or self._cancels or s.busy,
+                                timeout=lockstep.HEARTBEAT_S)
+            new, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+            closed = self._closed
+        events = {"new": [lockstep.describe(r) for r in new], "cancel": cancels}
+        closing, events = lockstep.exchange(closed, events)
+        if closing:
+            self._inbox[:0] = new  # ended below with the queue's
+            return False
+        lockstep.apply(s, events, own=new)
+        if s.busy:
+            s.run_once()
+        return True
 
     def close(self) -> None:
         with self._lock:

@@ -222,7 +222,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         if k is None:
             return None
         try:
-            return ids, await asyncio.to_thread(server.engine.prompt_logprobs, ids)
+            return ids, await asyncio.to_thread(server.prompt_logprobs, ids)
         except JaxspecError as e:
             raise _failure(e) from None
 

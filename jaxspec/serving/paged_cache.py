@@ -17,7 +17,8 @@ num_pages None: a standalone cache (init_cache gives each row its own MP pages, 
 capacity needs). With num_pages the pool is fixed and the table starts unallocated: the
 scheduler (`serving.scheduler`) fills it from `serving.pages.PagePool` before every device call.
 The optional traits are the inner target's, except `prefix` and `cache_axes` (a layer-skip
-drafter's prefix cache and mesh sharding of the pool are not provided: refused in one line).
+drafter's prefix cache is not provided: refused in one line; on a mesh the pool is sharded by
+`sharding.paged_cache_shardings`, not by the inner cache's axes).
 """
 
 from __future__ import annotations
