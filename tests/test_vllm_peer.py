@@ -345,3 +345,59 @@ def test_the_schema_check_catches_what_vllm_would_reject(tmp_path):
     bad = vllm_eagle3_problems(out, target_layers=8, target_vocab=64)
     assert any("q_proj" in b for b in bad) and any("d2t" in b or "t2d" in b for b in bad)
     assert vllm_eagle3_problems(out, target_layers=4, target_vocab=64)  # taps past the target
+
+
+# ---- the recorded serving and thread-gap runs as tables (jaxspec.bench.vllm_tables) ------------
+SERVING = Path(__file__).with_name("data") / "vllm_serving"  # scripts/bench_vllm_serving.sh's dir
+GAP = Path(__file__).with_name("data") / "vllm_thread_gap.jsonl"  # scripts/vllm_thread_gap.py's
+
+
+def test_recorded_serving_rows_compare_every_server_with_jaxspec_plain():
+    from jaxspec.bench import vllm_tables as vt
+
+    runs = vt.read_jsonl(SERVING / "runs.jsonl")
+    rows = vt.serving_rows(runs)
+    keys = {(r["server"], r["method"], r["rate"]) for r in rows}
+    assert {s for s, _, _ in keys} == {"jaxspec", "vllm"} and len(rows) == len(keys) >= 4
+    for r in rows:  # greedy on both servers, speculation lossless: every completion the same
+        assert r["same_as_jaxspec_plain"] == r["requests"], r
+    # one vLLM completion changed: counted once, in that row only
+    i = next(i for i, r in enumerate(runs) if r["label"].startswith("vllm"))
+    runs[i] = dict(runs[i], texts=["changed"] + runs[i]["texts"][1:])
+    changed = {(r["server"], r["method"], r["rate"]): r["same_as_jaxspec_plain"]
+               for r in vt.serving_rows(runs)}
+    label = runs[i]["label"].partition("-")[2]
+    assert changed[("vllm", label, float(runs[i]["rate"]))] == runs[i]["requests"] - 1
+    assert sum(v != r["requests"] for v, r in zip(changed.values(), rows)) == 1
+    lines = vt.serving_lines(runs, vt.read_jsonl(SERVING / "startup.jsonl"))
+    assert len([ln for ln in lines if ln.startswith("| ") and "req/s" not in ln]) == len(rows)
+    assert "Start-up" in lines[-1] and "vllm" in lines[-1]
+
+
+def test_recorded_gap_medians_and_a_cut_run_is_one_line():
+    import statistics
+
+    from jaxspec.bench import vllm_tables as vt
+
+    recs = vt.read_jsonl(GAP)
+    rows = vt.gap_rows(recs)
+    for r in rows:
+        mine = [x["ms_per_token"] for x in recs if x.get("busy") == r["busy"]
+                and x.get("engine") == "jaxspec"]
+        assert r["jaxspec_ms"] == statistics.median(mine) and len(mine) >= 2
+        assert r["ratio"] == pytest.approx(r["jaxspec_ms"] / r["vllm_ms"])
+        assert r["same_tokens"] == r["pairs"]  # the same greedy tokens from both engines
+    cut = [x for x in recs if not (x.get("busy") == rows[-1]["busy"] and x.get("engine") == "vllm")]
+    with pytest.raises(JaxspecError, match="no vllm records"):
+        vt.gap_rows(cut)
+
+
+def test_tables_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    from jaxspec.bench import vllm_tables as vt
+
+    (tmp_path / "runs.jsonl").write_text('{"label": "jaxspec-plain"\n')
+    assert vt.main(["serving", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "runs.jsonl:1" in err and "\n" not in err
+    assert vt.main(["gap", str(tmp_path / "none.jsonl")]) == 2
+    assert vt.main(["other", "x"]) == 2
