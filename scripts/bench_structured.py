@@ -5,6 +5,8 @@ BENCHMARKS.md.
 
     python scripts/bench_structured.py                       # plain, ngram, suffix; batch 1 and 8
     python scripts/bench_structured.py --methods plain ngram --batches 1 --limit 8
+    python scripts/bench_structured.py --methods none configs/smollm2-135m-eagle.yaml --batches 1
+    # a config's path in --methods: its whole speculative section (a trained head's checkpoint)
 
 Per (method, batch, constrained): decode tokens/s (generated tokens over decode time; compile
 excluded), speedup over plain at the same batch and constraint, mean accepted length, the
@@ -23,7 +25,7 @@ from pathlib import Path
 import jsonschema
 
 from jaxspec.build import build_engine
-from jaxspec.config import Config, GenerationConfig, SpeculativeConfig
+from jaxspec.config import Config, GenerationConfig, SpeculativeConfig, load_config
 from jaxspec.constrain import Constraint
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "structured_extraction.jsonl"
@@ -45,7 +47,10 @@ def valid(text: str, schema) -> bool:
 
 
 def run(method: str, batch: int, constrained: bool, data, new: int, gamma: int) -> dict:
-    spec = SpeculativeConfig(method=method, num_speculative_tokens=gamma)
+    if method.endswith((".yaml", ".yml")):  # a shipped config: its drafter and its γ
+        spec = load_config(method).speculative
+    else:
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=gamma)
     engine = build_engine(Config(speculative=spec, generation=GenerationConfig(batch_size=batch)))
     prompts = [PROMPT.format(document=r["document"]) for r in data]
     schema = data[0]["schema"]
