@@ -204,14 +204,14 @@ def constrained_law(target):
     """Exact probability of each choice under the target masked to the choices (char tokens),
     computed independently of constrain/: the allowed set after a prefix read off the strings."""
     import numpy as np
-    from distribution import _target_logits
+    from tiny import target_logits
 
     tid = {ch: i + 1 for i, ch in enumerate(CHARS)}
     law = []
     for c in CHOICES:
         seq = [tid[ch] for ch in c] + [0]
         ids = np.asarray([LAW_PROMPT + seq[:-1]])
-        logits = np.asarray(_target_logits(target.params, ids, target=target.target))[0]
+        logits = np.asarray(target_logits(target.params, ids, target=target.target))[0]
         p = 1.0
         for i, tok in enumerate(seq):
             prefix = c[:i]

@@ -63,7 +63,7 @@ def test_bad_tree_choices_are_clear_errors():
 @pytest.mark.parametrize(
     "overrides,word",
     [
-        (["speculative.tree.kind=dynamic"], "supported by method draft_model or eagle"),
+        (["speculative.tree.kind=dynamic"], "kind=dynamic is supported by method"),
         (["speculative.method=eagle", "speculative.tree.kind=dynamic", "speculative.tree.children=gumbel"],
          "one of top_k, sampled, without_replacement"),
         (["speculative.method=eagle", "speculative.tree.kind=static"], "medusa or ngram"),

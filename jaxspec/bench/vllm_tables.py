@@ -119,6 +119,10 @@ def gap_lines(records: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: python -m jaxspec.bench.vllm_tables {serving OUT_DIR | gap FILE.jsonl}\n")
+        print(__doc__)
+        return 0
     if len(argv) != 2 or argv[0] not in ("serving", "gap"):
         print("usage: python -m jaxspec.bench.vllm_tables {serving OUT_DIR | gap FILE.jsonl}",
               file=sys.stderr)
