@@ -32,6 +32,7 @@ PROMPTS = [
 ]
 SHIPPED = [
     ("eagle", "checkpoints/smollm2-135m-eagle", 4),
+    ("eagle3", "checkpoints/smollm2-135m-eagle3", 3),
     ("medusa", "checkpoints/smollm2-135m-medusa", 3),
     ("draft_model", "checkpoints/smollm2-135m-draft", 3),
 ]
@@ -57,6 +58,18 @@ def test_shipped_drafter_greedy_is_token_identical(target, plain, method, path, 
         assert a.token_ids == b.token_ids
     # the drafter is trained: it gets drafts accepted
     assert np.mean([r.metrics["mean_accepted_length"] for r in spec]) > 1.2
+
+
+def test_shipped_eagle3_head_exports_to_a_layout_vllm_loads(target, tmp_path):
+    """The shipped eagle3 head, exported as vLLM runs it (issue 45: the same head in both engines),
+    fits vLLM's Eagle3LlamaForCausalLM schema on the real target: shapes, taps, d2t/t2d."""
+    from test_vllm_peer import vllm_eagle3_problems
+
+    from jaxspec.export import export
+
+    export("checkpoints/smollm2-135m-eagle3", "eagle3", tmp_path / "e3", target=target)
+    cfg = target.cfg
+    assert vllm_eagle3_problems(tmp_path / "e3", cfg.num_layers, cfg.vocab_size) == []
 
 
 # ---- exact distribution on a tiny target, draft vocabulary reduced ---------------------------
