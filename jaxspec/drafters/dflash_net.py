@@ -36,6 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.models import blocks, decoder, llama
 
 
@@ -186,9 +187,11 @@ def block_hidden(spec: DFlashSpec, dparams, x, positions, contexts, ctx_len, *, 
 
 
 def logits(spec: DFlashSpec, head, h) -> jax.Array:
-    """h [..., D] through the target's LM-head rows head [V, D] -> f32[..., V], scaled and
-    soft-capped as the checkpoint says."""
-    out = decoder.linear(h, head.astype(h.dtype)).astype(jnp.float32) * spec.output_multiplier
+    """h [..., D] through the target's LM-head rows head [V, D] (or the CPU kernels'
+    PackedWeight of them) -> f32[..., V], scaled and soft-capped as the checkpoint says."""
+    if not isinstance(head, kernels.PackedWeight):
+        head = head.astype(h.dtype)
+    out = decoder.linear(h, head).astype(jnp.float32) * spec.output_multiplier
     cap = spec.final_logit_softcapping
     return out if not cap else jnp.tanh(out / cap) * cap
 
