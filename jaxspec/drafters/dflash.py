@@ -38,6 +38,7 @@ from typing import ClassVar, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.decode import sampling, tree
 from jaxspec.drafters import dflash_net as net
 from jaxspec.drafters import trained
@@ -324,6 +325,8 @@ class DFlashOptions(trained.CheckpointOptions):
 
 def build(options: DFlashOptions, ctx: BuildContext):
     drafter, dparams = trained.load("dflash", options, ctx)
+    if kernels.available() and base.uses_cpu_kernels(ctx.target.target, ctx.target.params):
+        dparams = net.pack_for_cpu(dparams)  # the target's packed layout: the head's too
     if ctx.spec.tree.kind == "static":
         choices = tuple(tuple(p) for p in ctx.spec.tree.choices)
         drafter = dataclasses.replace(

@@ -206,6 +206,28 @@ def selector_scores(dparams, hp, unary, candidates, predecessor):
     return unary + jnp.einsum("br,bkr->bk", a, succ)
 
 
+LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # per layer, read by linear
+
+
+def pack_for_cpu(dparams):
+    """Every weight the network reads only through `decoder.linear` (fc, the layers' projections
+    and MLP, DFlash 2's convolution and selector projections) as CPU-kernel panels
+    (`kernels.PackedWeight`): the block forward and the commit are multi-row matmuls (γ + 1 rows),
+    where XLA:CPU's matmul first copies each weight; the panel kernel streams it once."""
+    def layer(lp):
+        out = {k: kernels.pack(w) if k in LINEAR_KEYS else w for k, w in lp.items()}
+        for name in ("attn_conv", "mlp_conv"):
+            if name in lp:
+                out[name] = {**lp[name], "proj": kernels.pack(lp[name]["proj"])}
+        return out
+
+    out = {**dparams, "fc": kernels.pack(dparams["fc"]),
+           "layers": tuple(layer(lp) for lp in dparams["layers"])}
+    if "selector" in dparams:
+        out["selector"] = {**dparams["selector"], "proj": kernels.pack(dparams["selector"]["proj"])}
+    return out
+
+
 def make_spec(target_cfg: llama.ModelConfig, num_target_layers: int, *, num_layers: int = 1,
               block_size: int = 16, mask_token_id: int, target_layer_ids=None,
               intermediate_size: int | None = None, **extra) -> DFlashSpec:
