@@ -96,6 +96,21 @@ def test_decode_loop_copies_no_cache(layout, method):
             assert (b, traffic.copies, traffic.zero_fills) == (b, (), ())
 
 
+def test_dflash_runs_the_packed_lm_head_as_stored():
+    """DFlash drafts through the target's whole LM head every step: in the packed CPU layout it
+    must run the panels as stored (head_weight), not unpack them. Reading it through head_table
+    copied the whole [V, D] head each step (SmolLM2: 36 of a step's 127 ms); that variant fails
+    here with one [V, D] copy. V = 320 (five panels) is distinct from every other dim."""
+    from jaxspec import kernels
+    if not kernels.available():
+        pytest.skip(f"CPU kernels unavailable: {kernels.unavailable_reason()}")
+    m = tiny_model(seed=0, layers=2, vocab=320, packed=True)
+    drafter, dparams = _dflash(m)
+    text = decode_hlo(m, drafter, dparams, batch=1)
+    traffic = hlo.cache_traffic(text, (1, 1, m.cfg.vocab_size, m.cfg.hidden_size))
+    assert traffic.copies == ()
+
+
 def test_copy_counter_sees_a_cache_through_scan_xs():
     """The pre-fix stacked forward (cache as lax.scan xs/ys) in miniature: the counter must see the
     zero-filled ys buffer and the copies."""

@@ -558,3 +558,16 @@ def test_adaptive_dflash_is_token_identical(greedy_target, mixed_prompts, plain)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in out], axis=0)
     assert hist[0] > 0 and hist[1:].sum() > 0  # plain and drafted steps
+
+
+def test_top_indices_is_lax_top_k_with_ties():
+    """The static top_k tree ranks block positions with k max-reductions (XLA:CPU sorted the
+    whole vocabulary for lax.top_k inside the loop): same indices, ties to the lower index, and
+    -inf entries not re-picked (a variant without the taken mask re-picked tied indices)."""
+    from jaxspec.drafters.dflash import top_indices
+
+    x = jnp.round(jax.random.normal(jax.random.key(3), (2, 3, 257)) * 2) / 2  # many ties
+    for k in (1, 2, 4):
+        np.testing.assert_array_equal(top_indices(x, k), jax.lax.top_k(x, k)[1])
+    sparse = jnp.full((1, 8), -jnp.inf).at[0, 5].set(0.0)
+    np.testing.assert_array_equal(top_indices(sparse, 3), [[5, 0, 1]])

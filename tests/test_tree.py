@@ -359,15 +359,16 @@ def smol_plain(smollm2):
     return Engine(smollm2).generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
 
 
-@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram", "draft"])
+@pytest.mark.parametrize("name", ["eagle-tree", "medusa-tree", "ngram-tree", "draft-tree",
+                                  "dflash-tree", "dflash-dynamic"])
 def test_shipped_tree_config_is_token_identical(smollm2, smol_plain, name):
     from jaxspec.build import build_engine
     from jaxspec.config import load_config
 
-    engine = build_engine(load_config(f"configs/smollm2-135m-{name}-tree.yaml"), target=smollm2)
+    engine = build_engine(load_config(f"configs/smollm2-135m-{name}.yaml"), target=smollm2)
     results = engine.generate(SMOL_PROMPTS, max_new_tokens=32, batch_size=2)
     assert [r.token_ids for r in results] == [r.token_ids for r in smol_plain]
     assert np.mean([r.metrics["mean_accepted_length"] for r in results]) > 1.1
     nodes = engine.spec.num_nodes  # eagle, medusa, draft: every step verifies the whole tree
-    assert all(r.metrics["nodes_per_step"] == nodes or name == "ngram" for r in results)
+    assert all(r.metrics["nodes_per_step"] == nodes or name == "ngram-tree" for r in results)
     assert all(r.metrics["nodes_per_step"] > 0 for r in results)

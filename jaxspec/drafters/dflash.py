@@ -38,6 +38,7 @@ from typing import ClassVar, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.decode import sampling, tree
 from jaxspec.drafters import dflash_net as net
 from jaxspec.drafters import trained
@@ -167,8 +168,13 @@ class DFlashDrafter:
         return self.head_logits(tparams, self.block_hidden(dparams, tparams, state, ctx, drafts))
 
     def head_logits(self, tparams, h) -> jax.Array:
-        head = base.require(tparams.target, "head_table", "drafter 'dflash'")(tparams.params)
-        return net.logits(self.spec, head, h)
+        """The target's LM head as it stores it (head_weight: the packed CPU-kernel layout runs
+        as one panel matmul; unpacking it through head_table copied the whole [V, D] head every
+        step, 36 of a step's 127 ms on SmolLM2), else its plain rows (head_table)."""
+        found = base.target_traits(tparams.target).head_weight
+        if found is None:
+            found = base.require(tparams.target, "head_table", "drafter 'dflash'")
+        return net.logits(self.spec, found(tparams.params), h)
 
     # ---- protocol -----------------------------------------------------------------------------
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
@@ -259,9 +265,20 @@ class DFlashDrafter:
         n = len(parents)
         blk = self._block(dparams, tparams, state, ctx, max(depth))
         node_keys = jax.vmap(lambda k: jax.random.split(k, n))(keys)  # [B, Nn]
+        ranked = None  # DFlash 1, top_k children: a position's ranks read no parent, so one
+        # top_k over the block's own logits; per level over parent-broadcast copies, XLA:CPU
+        # sorted each copy's whole vocabulary (3 sorts, 112 of a step's 224 ms on SmolLM2)
+        if self.tree_children == "top_k" and self.spec.version == 1:
+            ranked = top_indices(blk.logits, max(rank) + 1)  # [B, depth, R]
         tokens, probs = [None] * n, [None] * n
         for d in range(1, max(depth) + 1):  # level by level: a node's law reads its parent
             at = [i for i in range(n) if depth[i] == d]
+            if ranked is not None:  # the rank-r token of the position, one-hot q
+                toks = jnp.stack([ranked[:, d - 1, rank[i]] for i in at], axis=1)  # [B, M]
+                q = jax.nn.one_hot(toks, self.target_vocab, dtype=jnp.float32)
+                for j, i in enumerate(at):
+                    tokens[i], probs[i] = toks[:, j].astype(jnp.int32), q[:, j]
+                continue
             prev = jnp.stack([anchor if parents[i] < 0 else tokens[parents[i]] for i in at], 1)
             logits = self.position_logits(dparams, blk, d - 1, prev)  # [B, M, V]
             if self.tree_children == "top_k":  # the rank-r token of the node's law, one-hot q
@@ -293,6 +310,21 @@ class DFlashDrafter:
         return self._write(dparams, state, ctx.hidden, ctx.prev_lengths - 1)
 
 
+def top_indices(x, k: int) -> jax.Array:
+    """int32[..., k]: lax.top_k(x, k)'s indices (descending, ties to the lower index) as k
+    max-reductions. Inside the decode loop XLA:CPU turned lax.top_k over [B, G, V] into a sort of
+    the whole vocabulary (63 ms a step at V = 49152); k passes over it cost ~1 ms."""
+    iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    taken = jnp.zeros(x.shape, bool)
+    out = []
+    for _ in range(k):
+        m = jnp.max(jnp.where(taken, -jnp.inf, x), axis=-1, keepdims=True)
+        i = jnp.min(jnp.where((x == m) & ~taken, iota, x.shape[-1]), axis=-1)  # [...]
+        taken = taken | (iota == i[..., None])
+        out.append(i)
+    return jnp.stack(out, axis=-1)
+
+
 # ---- method "dflash" --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DFlashOptions(trained.CheckpointOptions):
@@ -319,6 +351,8 @@ class DFlashOptions(trained.CheckpointOptions):
 
 def build(options: DFlashOptions, ctx: BuildContext):
     drafter, dparams = trained.load("dflash", options, ctx)
+    if kernels.available() and base.uses_cpu_kernels(ctx.target.target, ctx.target.params):
+        dparams = net.pack_for_cpu(dparams)  # the target's packed layout: the head's too
     if ctx.spec.tree.kind == "static":
         choices = tuple(tuple(p) for p in ctx.spec.tree.choices)
         drafter = dataclasses.replace(

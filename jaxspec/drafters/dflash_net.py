@@ -36,6 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.models import blocks, decoder, llama
 
 
@@ -186,9 +187,11 @@ def block_hidden(spec: DFlashSpec, dparams, x, positions, contexts, ctx_len, *, 
 
 
 def logits(spec: DFlashSpec, head, h) -> jax.Array:
-    """h [..., D] through the target's LM-head rows head [V, D] -> f32[..., V], scaled and
-    soft-capped as the checkpoint says."""
-    out = decoder.linear(h, head.astype(h.dtype)).astype(jnp.float32) * spec.output_multiplier
+    """h [..., D] through the target's LM-head rows head [V, D] (or the CPU kernels'
+    PackedWeight of them) -> f32[..., V], scaled and soft-capped as the checkpoint says."""
+    if not isinstance(head, kernels.PackedWeight):
+        head = head.astype(h.dtype)
+    out = decoder.linear(h, head).astype(jnp.float32) * spec.output_multiplier
     cap = spec.final_logit_softcapping
     return out if not cap else jnp.tanh(out / cap) * cap
 
@@ -201,6 +204,28 @@ def selector_scores(dparams, hp, unary, candidates, predecessor):
     a = sel["pred"][predecessor].astype(jnp.float32) * hp.astype(jnp.float32)  # [B, R]
     succ = sel["succ"][candidates].astype(jnp.float32)  # [B, Kc, R]
     return unary + jnp.einsum("br,bkr->bk", a, succ)
+
+
+LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # per layer, read by linear
+
+
+def pack_for_cpu(dparams):
+    """Every weight the network reads only through `decoder.linear` (fc, the layers' projections
+    and MLP, DFlash 2's convolution and selector projections) as CPU-kernel panels
+    (`kernels.PackedWeight`): the block forward and the commit are multi-row matmuls (γ + 1 rows),
+    where XLA:CPU's matmul first copies each weight; the panel kernel streams it once."""
+    def layer(lp):
+        out = {k: kernels.pack(w) if k in LINEAR_KEYS else w for k, w in lp.items()}
+        for name in ("attn_conv", "mlp_conv"):
+            if name in lp:
+                out[name] = {**lp[name], "proj": kernels.pack(lp[name]["proj"])}
+        return out
+
+    out = {**dparams, "fc": kernels.pack(dparams["fc"]),
+           "layers": tuple(layer(lp) for lp in dparams["layers"])}
+    if "selector" in dparams:
+        out["selector"] = {**dparams["selector"], "proj": kernels.pack(dparams["selector"]["proj"])}
+    return out
 
 
 def make_spec(target_cfg: llama.ModelConfig, num_target_layers: int, *, num_layers: int = 1,

@@ -33,6 +33,9 @@ that needs one the target lacks is refused in one line (`require`):
   embedding_table(params) -> [V, D]   the embedding matrix (training, export)
   head_table(params) -> [V, D]        the LM-head rows when logits are one matmul (trained heads
                                       gather their draft vocabulary from it)
+  head_weight(params)                 the same head as stored, for `decoder.linear` ([V, D] or the
+                                      CPU kernels' PackedWeight): a drafter that runs the whole
+                                      head every step (DFlash) reads it without unpacking it
   prefix(num_layers) -> Target        the same params run through only the first num_layers
                                       layers, then the final norm and head (layer skip)
   layer_config                        a `llama.ModelConfig` with the target's dims (hidden,
@@ -102,6 +105,7 @@ class Traits(NamedTuple):
     embed: Any  # bound method or None
     embedding_table: Any
     head_table: Any
+    head_weight: Any
     prefix: Any
     layer_config: Any  # llama.ModelConfig or None
     layer_weights: Any
@@ -121,6 +125,7 @@ _WHAT = {
     "embed": "a shared token embedding",
     "embedding_table": "an embedding table",
     "head_table": "an LM-head matrix",
+    "head_weight": "an LM-head weight",
     "prefix": "a layer prefix",
     "layer_config": "a decoder-layer shape (layer_config)",
     "layer_weights": "Llama-named layer weights",

@@ -238,6 +238,11 @@ class ConfigTarget:
         w = params.get("lm_head", params["embed"])
         return kernels.unpack(w) if isinstance(w, kernels.PackedWeight) else w
 
+    def head_weight(self, params: Params):
+        """The LM head as stored ([V, D], or PackedWeight in the packed layout), for `linear`:
+        unpacking it inside a decode step copied all V x D weights every step."""
+        return params.get("lm_head", params["embed"])
+
     def cache_axes(self, cache: KVCache) -> KVCache:
         return cache_axes(self.cfg.num_layers, stacked=not isinstance(cache.k, tuple))
 
