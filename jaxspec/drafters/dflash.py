@@ -169,8 +169,8 @@ class DFlashDrafter:
 
     def head_logits(self, tparams, h) -> jax.Array:
         """The target's LM head as it stores it (head_weight: the packed CPU-kernel layout runs
-        as one panel matmul; unpacking it through head_table copied the whole [V, D] head every
-        step, 36 of a step's 127 ms on SmolLM2), else its plain rows (head_table)."""
+        as one panel matmul; unpacking it through head_table would copy the whole [V, D] head
+        every step), else its plain rows (head_table)."""
         found = base.target_traits(tparams.target).head_weight
         if found is None:
             found = base.require(tparams.target, "head_table", "drafter 'dflash'")
@@ -267,7 +267,7 @@ class DFlashDrafter:
         node_keys = jax.vmap(lambda k: jax.random.split(k, n))(keys)  # [B, Nn]
         ranked = None  # DFlash 1, top_k children: a position's ranks read no parent, so one
         # top_k over the block's own logits; per level over parent-broadcast copies, XLA:CPU
-        # sorted each copy's whole vocabulary (3 sorts, 112 of a step's 224 ms on SmolLM2)
+        # sorts each copy's whole vocabulary (BENCHMARKS.md, "DFlash step cost")
         if self.tree_children == "top_k" and self.spec.version == 1:
             ranked = top_indices(blk.logits, max(rank) + 1)  # [B, depth, R]
         tokens, probs = [None] * n, [None] * n
@@ -312,8 +312,8 @@ class DFlashDrafter:
 
 def top_indices(x, k: int) -> jax.Array:
     """int32[..., k]: lax.top_k(x, k)'s indices (descending, ties to the lower index) as k
-    max-reductions. Inside the decode loop XLA:CPU turned lax.top_k over [B, G, V] into a sort of
-    the whole vocabulary (63 ms a step at V = 49152); k passes over it cost ~1 ms."""
+    max-reductions. Inside the decode loop XLA:CPU turns lax.top_k over [B, G, V] into a sort of
+    the whole vocabulary; k passes over it are far cheaper for small k."""
     iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
     taken = jnp.zeros(x.shape, bool)
     out = []
