@@ -80,6 +80,8 @@ def make_parser() -> argparse.ArgumentParser:
         help="= generation.chat_template=false (feed prompts as raw text)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (loading, compiling; on by default)")
     p.add_argument(
         "--recalibrate",
         action="store_true",
@@ -148,6 +150,7 @@ def read_prompts_file(path: str) -> list[str]:
 def parse(argv: list[str] | None = None):
     """argv -> (args, Config, prompts); everything checked that can be without loading a model."""
     args = make_parser().parse_intermixed_args(argv)  # before any heavy import: --help is instant
+    progress.set_quiet(args.quiet)
     reading = progress.start(f"reading {args.config or 'the default config'} (and importing jax)")
     from jaxspec.config import load_config
 

@@ -35,6 +35,8 @@ def make_parser() -> ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
     p.add_argument("--model-name", help="the model id clients send (default: the config's model)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines (model load, compiles); the jaxspec.serve lines stay")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $JAXSPEC_API_KEY; /health "
                         "and /ready stay open)")
@@ -159,8 +161,34 @@ def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None) -> Non
         raise failure[0]
 
 
+def prepare_programs(scheduler) -> None:
+    """The warm-up after `listening`: every decode program the scheduler can call, loaded from
+    the persistent cache or compiled, saying which (the cache's own answers) and how far along."""
+    import time
+
+    from jaxspec import progress
+    from jaxspec.engine import cache_watch
+
+    programs = scheduler.decode_programs()
+    n = len(programs)
+    say(f"/health answers; requests get 503 until 'ready': {n} decode programs to load from the "
+        "cache or compile first (serving.precompile=false skips)")
+    t0 = time.perf_counter()
+    started = progress.start(f"server decode programs ({n})")
+    with cache_watch.watch(cache_watch.announcer(started, expected=n)) as answers:
+        for program in programs:
+            fn, args, kwargs = program["program"]
+            fn.lower(*args, **kwargs).compile()
+    started(answers.summary())
+    say(f"{answers.summary()} in {time.perf_counter() - t0:.1f} s")
+
+
 def run(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    if args.quiet:
+        from jaxspec import progress
+
+        progress.set_quiet()
     if not 0 <= args.port < 65536:
         raise JaxspecError(f"--port {args.port} is out of range: use 0..65535")
     try:
@@ -186,17 +214,16 @@ def run(argv: list[str] | None = None) -> int:
         say(f"warning: listening on {args.host} without an API key: anyone who reaches the port "
             "can generate (set --api-key or JAXSPEC_API_KEY)")
     enable_compilation_cache()
+    say(f"loading {config.model.name} and building the engine; then listening, then the decode "
+        "programs, then 'ready'")
     gate = Gate(api_key=key, limits=Limits.of(config.serving), ready=False)
     server, app = build_server(config, args.model_name, gate)
     warm_up = None
     if config.serving.precompile:  # else a call of a new width compiles while requests wait
-        def warm_up():
-            import time
-
-            t0 = time.perf_counter()
-            say("compiling the decode programs (serving.precompile=false skips)")
-            n = server.scheduler.compile_programs()
-            say(f"{n} programs ready in {time.perf_counter() - t0:.1f} s")
+        warm_up = lambda: prepare_programs(server.scheduler)
+    else:
+        say("serving.precompile=false: each decode width compiles (or loads from the cache) on "
+            "its first request")
     try:
         serve_until_stopped(uvicorn, app, args.host, args.port, warm_up)
         h = server.health()

@@ -35,7 +35,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
 from jaxspec.models import base
 from jaxspec.engine.prepare import MIN_PROMPT_BUCKET, Requests, bucket
-from jaxspec.engine import prompt_scores
+from jaxspec.engine import cache_watch, prompt_scores
 from jaxspec.engine.programs import Programs
 from jaxspec.engine.results import GenerationResult, Report, fetch
 from jaxspec.engine.serving_surface import ServingSurface
@@ -307,12 +307,13 @@ class Engine(ServingSurface):
             return 0.0
         capacity = self.capacity(p, max_new_tokens)
         check_cache_fits(self.model.target, self.model.params, b, capacity)  # before any buffer of that size exists
-        compiling = progress.compiling(b, self.method)
+        preparing = progress.start(f"decode programs ({self.method}, batch {b}; prefill and decode)")
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         decode_args = lambda state: self._decode_args(self.with_adaptive(state), sp, 1)
-        seconds = self.programs.compile(key, args, capacity, decode_args, self.plan is not None,
-                                        penalties=self.penalties(penalties, b), grammar=grammar)
-        compiling()
+        with cache_watch.watch(cache_watch.announcer(preparing, expected=2)) as answers:
+            seconds = self.programs.compile(key, args, capacity, decode_args, self.plan is not None,
+                                            penalties=self.penalties(penalties, b), grammar=grammar)
+        preparing(answers.summary())
         return seconds
 
     def warmup(self, prompt, *, max_new_tokens=128, sampling=None, batch_size=1) -> float:
