@@ -136,10 +136,12 @@ class _Ticker:
         self.steps: list[Started] = []
         self.shown = False  # a live line is on screen (no newline yet)
         self.thread: threading.Thread | None = None
+        self.wake = threading.Event()  # a new step: tick from now, not from the last sleep
 
     def push(self, step: Started) -> None:
         with self.lock:
             self.steps.append(step)
+            self.wake.set()
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self.run, name="jaxspec-progress", daemon=True)
                 self.thread.start()
@@ -156,7 +158,9 @@ class _Ticker:
 
     def run(self) -> None:
         while True:
-            time.sleep(TICK_S)
+            if self.wake.wait(TICK_S):
+                self.wake.clear()
+                continue
             with self.lock:
                 if not self.steps:
                     self.clear_live()

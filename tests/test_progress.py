@@ -1,11 +1,18 @@
-"""A user who waits is told why: progress lines on stderr (never stdout), and the Python API keeps
-compiled programs in the same persistent XLA cache as the CLI unless JAXSPEC_XLA_CACHE=0."""
+"""A user who waits is told why, wherever stderr goes: progress on stderr (never stdout), a live
+line on a terminal, timestamped lines with a status every few seconds elsewhere, off with
+--quiet / JAXSPEC_PROGRESS=0 / the `jaxspec` logger silenced; compile messages say what the
+persistent cache answered; the Python API keeps compiled programs in the same cache as the CLI
+unless JAXSPEC_XLA_CACHE=0."""
 
 from __future__ import annotations
 
+import io
+import logging
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,29 +20,91 @@ import pytest
 from jaxspec import progress
 
 ROOT = Path(__file__).resolve().parents[1]
+STAMPED = re.compile(r"^\d\d:\d\d:\d\d jaxspec: ")
 
 
 def test_a_step_is_announced_on_stderr_with_its_time(capsys, monkeypatch):
-    monkeypatch.setenv("JAXSPEC_PROGRESS", "1")
+    monkeypatch.delenv("JAXSPEC_PROGRESS")  # on by default, even for a pipe
     with progress.step("compiling"):
         pass
     with pytest.raises(RuntimeError), progress.step("loading"):
         raise RuntimeError("boom")
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.splitlines()[0] == "jaxspec: compiling ..."
-    assert err.splitlines()[1].startswith("jaxspec: compiling: done in ")
-    assert err.splitlines()[3].startswith("jaxspec: loading: failed in ")
+    lines = [STAMPED.sub("", line) for line in err.splitlines()]
+    assert all(STAMPED.match(line) for line in err.splitlines()), err
+    assert lines[0] == "compiling ..."
+    assert lines[1].startswith("compiling: done in ")
+    assert lines[3].startswith("loading: failed in ")
 
 
-def test_progress_is_off_for_a_pipe_unless_asked(capsys, monkeypatch):
-    monkeypatch.delenv("JAXSPEC_PROGRESS", raising=False)
-    assert not progress.enabled()  # capsys: stderr is not a terminal
-    progress.note("hidden")
+def test_a_long_step_off_a_terminal_prints_its_status_every_few_seconds(capsys, monkeypatch):
+    monkeypatch.delenv("JAXSPEC_PROGRESS")
+    monkeypatch.setattr(progress, "TICK_S", 0.02)
+    monkeypatch.setattr(progress, "QUIET_TICK_S", 0.1)
+    with progress.step("compiling") as started:
+        started.update("program 1 of 2")
+        time.sleep(0.5)
+    lines = [STAMPED.sub("", line) for line in capsys.readouterr().err.splitlines()]
+    assert lines[1].startswith("compiling: program 1 of 2 (")
+    ticks = [line for line in lines if "s so far)" in line]
+    assert 3 <= len(ticks) <= 7, lines  # one per 0.1 s of silence, not one per tick
+    assert lines[-1].startswith("compiling: done in ")
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_gets_one_live_line(monkeypatch):
+    monkeypatch.delenv("JAXSPEC_PROGRESS")
+    monkeypatch.setattr(progress, "TICK_S", 0.02)
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    with progress.step("loading"):
+        time.sleep(0.2)
+    text = screen.getvalue()
+    assert text.startswith("jaxspec: loading ...\n")  # no timestamps on a terminal
+    assert "\r\033[Kjaxspec: loading: 0 s so far" in text  # redrawn in place
+    assert text.endswith("\r\033[Kjaxspec: loading: done in " + text.rsplit("done in ", 1)[1])
+    assert text.count("\n") == 2  # the live line never leaves a line behind
+
+
+def test_quiet_the_environment_and_the_logger_each_turn_it_off(capsys, monkeypatch):
+    from jaxspec import generate
+
+    monkeypatch.delenv("JAXSPEC_PROGRESS")
+    try:
+        generate.parse(["--quiet", "--prompt", "Hi"])  # the CLI's flag, read before any step
+        progress.note("hidden by --quiet")
+    finally:
+        progress.set_quiet(False)
     monkeypatch.setenv("JAXSPEC_PROGRESS", "0")
-    with progress.step("hidden"):
+    with progress.step("hidden by JAXSPEC_PROGRESS=0"):
         pass
-    assert capsys.readouterr() == ("", "")
+    monkeypatch.delenv("JAXSPEC_PROGRESS")
+    logger = logging.getLogger("jaxspec")
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # what a Python user does to silence it
+    try:
+        with progress.step("hidden by the logger"):
+            pass
+    finally:
+        logger.setLevel(level)
+    progress.note("shown")
+    err = capsys.readouterr().err
+    assert "hidden" not in err and err.endswith("jaxspec: shown\n")
+
+
+def test_no_tqdm_ipywidgets_warning_once_jaxspec_is_imported():
+    """In a Jupyter kernel without ipywidgets, transformers' tqdm.auto warns at import."""
+    code = ("import jaxspec.progress, warnings\n"
+            "warnings.warn('IProgress not found. Please update jupyter and ipywidgets.')\n"
+            "warnings.warn('a warning that stays')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert "IProgress" not in done.stderr and "a warning that stays" in done.stderr
 
 
 # A fresh process: the XLA cache is process-wide state, decided before the first compile.
@@ -64,34 +133,52 @@ def api_run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
 
 def test_the_python_api_compiles_into_the_persistent_cache_and_says_so(tmp_path):
     done = api_run(tmp_path)
-    lines = done.stderr.splitlines()
-    assert any(line.startswith("jaxspec: compiling decode program") for line in lines)
-    assert any("cached afterwards): done in " in line for line in lines), done.stderr
+    lines = [STAMPED.sub("", line) for line in done.stderr.splitlines()]
+    assert any(line.startswith("decode programs (plain, batch 1") for line in lines)
+    assert any("compiling program 1 of 2 (jit_prefill; not in the cache)" in line
+               for line in lines), done.stderr
+    assert any(line.endswith(" s") and "compiled 2 programs (kept in the cache" in line
+               for line in lines), done.stderr
     assert any((tmp_path / "xla").iterdir())
 
 
 def test_the_cache_is_off_with_jaxspec_xla_cache_0(tmp_path):
-    api_run(tmp_path, JAXSPEC_XLA_CACHE="0")
+    done = api_run(tmp_path, JAXSPEC_XLA_CACHE="0")
     assert not (tmp_path / "xla").exists()
+    assert "compiled (the persistent cache is off)" in done.stderr
+    assert "from the cache" not in done.stderr
 
 
-def test_cli_json_stays_clean_with_progress_on(tmp_path):
-    """Progress forced on (as scripts/run_default.sh does): stdout is still only JSON lines."""
+def test_cli_says_what_the_cache_answered_and_json_stays_clean(tmp_path):
+    """Progress on by default with stderr a pipe: stdout is still only JSON lines; the first run
+    compiles, the second loads the same programs from the cache and says so (and never
+    "compiling")."""
     import json
 
     from conftest import make_tiny_checkpoint, save_byte_tokenizer
 
     tiny = save_byte_tokenizer(make_tiny_checkpoint(tmp_path / "tiny", "llama", seed=1,
                                                     num_hidden_layers=1))
-    done = subprocess.run(
-        [sys.executable, "-m", "jaxspec.generate", f"model.name={tiny}", "--prompt", "Hi",
-         "--prompt", "Yo", "--max-new-tokens", "3", "--json", "speculative.method=ngram"],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "JAXSPEC_PROGRESS": "1"},
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [r["prompt"] for r in rows] == ["Hi", "Yo"]
-    progress_lines = [line for line in done.stderr.splitlines() if line.startswith("jaxspec: ")]
-    assert any(line.startswith("jaxspec: loading ") for line in progress_lines)
-    assert any(line.startswith("jaxspec: compiling decode program") for line in progress_lines)
+    env = {k: v for k, v in os.environ.items() if k != "JAXSPEC_PROGRESS"}  # kept kernels stay
+    env |= {"PYTHONPATH": str(ROOT), "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
+
+    def cli(*extra):
+        done = subprocess.run(
+            [sys.executable, "-m", "jaxspec.generate", f"model.name={tiny}", "--prompt", "Hi",
+             "--prompt", "Yo", "--max-new-tokens", "3", "--json",
+             *extra],
+            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = [json.loads(line) for line in done.stdout.splitlines()]
+        assert [r["prompt"] for r in rows] == ["Hi", "Yo"]
+        return [STAMPED.sub("", ln) for ln in done.stderr.splitlines() if STAMPED.match(ln)]
+
+    cold = cli()
+    assert any(line.startswith("loading ") for line in cold)
+    assert any("compiling program 2 of 2 (jit_decode; not in the cache)" in line for line in cold)
+    assert any("compiled 2 programs (kept in the cache for the next run) in " in line
+               for line in cold), cold
+    warm = cli()
+    assert any("loaded 2 programs from the cache in " in line for line in warm), warm
+    assert not any("compil" in line for line in warm), warm
