@@ -169,11 +169,12 @@ def prepare_programs(scheduler) -> None:
     from jaxspec import progress
     from jaxspec.engine import cache_watch
 
-    programs = scheduler.decode_programs()
+    t0 = time.perf_counter()
+    with progress.step("tracing the server's decode call shapes"):
+        programs = scheduler.decode_programs()
     n = len(programs)
     say(f"/health answers; requests get 503 until 'ready': {n} decode programs to load from the "
         "cache or compile first (serving.precompile=false skips)")
-    t0 = time.perf_counter()
     started = progress.start(f"server decode programs ({n})")
     with cache_watch.watch(cache_watch.announcer(started, expected=n)) as answers:
         for program in programs:
@@ -186,18 +187,19 @@ def prepare_programs(scheduler) -> None:
 def run(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.quiet:
-        from jaxspec import progress
+        from jaxspec import progress as quiet_progress
 
-        progress.set_quiet()
+        quiet_progress.set_quiet()
     if not 0 <= args.port < 65536:
         raise JaxspecError(f"--port {args.port} is out of range: use 0..65535")
     try:
         import uvicorn
     except ImportError:
         raise JaxspecError(
-            "the server needs the serve extra: pip install 'jaxspec-decoding[serve]' (the "
-            "distribution's name; PyPI's 'jaxspec' is another project)"
+            "the server needs the serve extra: bash scripts/setup.sh main in a checkout, or "
+            "pip install -e '.[serve]' there (jaxspec-decoding is not on PyPI)"
         ) from None
+    from jaxspec import progress
     from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.config import load_config
     from jaxspec.serving.gate import Gate, Limits
@@ -217,7 +219,8 @@ def run(argv: list[str] | None = None) -> int:
     say(f"loading {config.model.name} and building the engine; then listening, then the decode "
         "programs, then 'ready'")
     gate = Gate(api_key=key, limits=Limits.of(config.serving), ready=False)
-    server, app = build_server(config, args.model_name, gate)
+    with progress.step(f"building the engine and the scheduler ({config.serving.slots} slots)"):
+        server, app = build_server(config, args.model_name, gate)
     warm_up = None
     if config.serving.precompile:  # else a call of a new width compiles while requests wait
         warm_up = lambda: prepare_programs(server.scheduler)

@@ -20,7 +20,7 @@ only file read for that) -> `snapshot_download(allow_patterns=the chosen names)`
 into the cache atomically (a file appears under its final name only when complete; a failed run
 leaves no partial file) and resumes a cut connection from the last whole chunk it wrote (a Range
 request, in the same run). Progress (bytes, total, rate) goes to stderr when jaxspec's progress
-lines are on (a terminal, a notebook, JAXSPEC_PROGRESS=1). The environment is read at each call,
+lines are on (the default; off with --quiet, JAXSPEC_PROGRESS=0 or the `jaxspec` logger). The environment is read at each call,
 not at import: `HF_ENDPOINT`, `HF_HOME` / `HF_HUB_CACHE`, `HF_TOKEN`, `HF_HUB_OFFLINE` (offline:
 the cache only, no request at all).
 """
