@@ -95,3 +95,25 @@ def test_generate_help_lists_the_methods_and_the_shipped_configs():
     assert sorted(re.findall(r"\w+", methods.replace("(plain decoding)", ""))) == shipped
     configs = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").glob("*.yaml"))
     assert configs and all(re.search(rf"^  {re.escape(c)} +\w+$", text, re.M) for c in configs)
+
+
+def test_a_script_beside_a_clone_named_jaxspec_gets_the_package_or_the_fix(tmp_path):
+    """The import trap: a folder named `jaxspec` (a clone) beside the script is imported first.
+    Installed elsewhere, the installed package is what the script gets; not installed (no
+    site-packages: `-S`), one ImportError that names the fix."""
+    (tmp_path / "jaxspec").symlink_to(ROOT, target_is_directory=True)
+    script = tmp_path / "use.py"
+    script.write_text("import jaxspec\nprint(jaxspec.__file__, 'Engine' in jaxspec.__all__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    installed = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                               text=True, timeout=60, cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    where, has_engine = installed.stdout.split()
+    assert Path(where).parent.name == "jaxspec" and Path(where).parent != tmp_path / "jaxspec"
+    assert has_engine == "True"
+    bare = subprocess.run([sys.executable, "-S", str(script)], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert bare.returncode == 1
+    last = bare.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: 'jaxspec' here is the jaxspec checkout"), bare.stderr
+    assert f"pip install -e {tmp_path / 'jaxspec'}" in last
