@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from jaxspec import xla_cache
+from jaxspec import progress, xla_cache
 from jaxspec.errors import JaxspecError
 
 EXIT_USAGE = 2
@@ -149,9 +149,11 @@ def run(main: Callable[[list[str] | None], int], argv: list[str] | None = None) 
             exit_now(status)
         return status
     except JaxspecError as e:
+        progress.stop()
         print(error_line(e), file=sys.stderr)
         return EXIT_USAGE
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        progress.stop()
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
         print(error_line(f"cannot open{where}: {e.strerror or e}: check the path"), file=sys.stderr)
         return EXIT_USAGE

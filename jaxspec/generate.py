@@ -151,7 +151,8 @@ def parse(argv: list[str] | None = None):
     """argv -> (args, Config, prompts); everything checked that can be without loading a model."""
     args = make_parser().parse_intermixed_args(argv)  # before any heavy import: --help is instant
     progress.set_quiet(args.quiet)
-    reading = progress.start(f"reading {args.config or 'the default config'} (and importing jax)")
+    reading = progress.start(f"reading {args.config or 'the default config'} (and importing jax)",
+                             announce=False)
     from jaxspec.config import load_config
 
     config = load_config(args.config, [*args.overrides, *flag_overrides(args)])

@@ -93,12 +93,14 @@ class Started:
     """A step under way: `update` says what it is doing now; call it when the step is over
     (`outcome` says how it ended)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, announce: bool = True):
         self.message, self.detail = message, ""
         self.on, self.start = enabled(), time.perf_counter()
         self.last_line = self.start
+        self.shown = announce  # a silent step speaks only once it is long (a status line)
         if self.on:
-            LOG.info(f"{message} ...")
+            if announce:
+                LOG.info(f"{message} ...")
             _TICKER.push(self)
 
     def elapsed(self) -> float:
@@ -123,7 +125,11 @@ class Started:
         if self.on:
             self.on = False
             _TICKER.pop(self)
-            LOG.info(f"{self.message}: {outcome} in {elapsed:.1f} s")
+            if self.shown:
+                LOG.info(f"{self.message}: {outcome} in {elapsed:.1f} s")
+            else:
+                with _TICKER.lock:
+                    _TICKER.clear_live()
         return elapsed
 
 
@@ -174,6 +180,7 @@ class _Ticker:
                         self.shown = True
                     elif time.perf_counter() - step.last_line >= QUIET_TICK_S:
                         step.last_line = time.perf_counter()
+                        step.shown = True
                         LOG.info(step.status())
                 except Exception:  # a closed stderr ends the ticking, never the program
                     self.steps.clear()
@@ -182,9 +189,18 @@ class _Ticker:
 _TICKER = _Ticker()
 
 
-def start(message: str) -> Started:
-    """Announce `message` now; calling the result prints how long it took."""
-    return Started(message)
+def start(message: str, announce: bool = True) -> Started:
+    """Announce `message` now; calling the result prints how long it took. `announce=False`:
+    nothing unless the step runs long (a live line, or a status line every 10 s)."""
+    return Started(message, announce)
+
+
+def stop() -> None:
+    """End every open step silently and clear a live line: before an error line, so the error
+    is the only line a failed command leaves."""
+    with _TICKER.lock:
+        _TICKER.steps.clear()
+        _TICKER.clear_live()
 
 
 @contextlib.contextmanager

@@ -52,6 +52,20 @@ def test_a_long_step_off_a_terminal_prints_its_status_every_few_seconds(capsys, 
     assert lines[-1].startswith("compiling: done in ")
 
 
+def test_a_silent_step_speaks_only_when_long(capsys, monkeypatch):
+    """The CLI's config reading: a bad config's error must stay the only line it prints."""
+    monkeypatch.delenv("JAXSPEC_PROGRESS")
+    monkeypatch.setattr(progress, "TICK_S", 0.02)
+    monkeypatch.setattr(progress, "QUIET_TICK_S", 0.2)
+    progress.start("quick", announce=False)()
+    assert capsys.readouterr().err == ""
+    slow = progress.start("slow", announce=False)
+    time.sleep(0.5)
+    slow()
+    lines = [STAMPED.sub("", line) for line in capsys.readouterr().err.splitlines()]
+    assert lines[0].startswith("slow: 0 s so far") and lines[-1].startswith("slow: done in ")
+
+
 class Terminal(io.StringIO):
     def isatty(self):
         return True
