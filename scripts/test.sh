@@ -42,7 +42,7 @@ done
 set -- ${args[@]+"${args[@]}"}
 
 setup_started=$SECONDS
-bash scripts/setup.sh
+bash scripts/setup.sh test  # the full environment: the main job's packages plus the test extra
 echo "test.sh: setup took $((SECONDS - setup_started)) s" >&2
 # The suite compiles many hundreds of XLA programs in one process; each maps memory, and past the
 # default vm.max_map_count (65530) XLA:CPU segfaulted mid-suite. Raise it where we may (root);
