@@ -216,8 +216,8 @@ def run(argv: list[str] | None = None) -> int:
         say(f"warning: listening on {args.host} without an API key: anyone who reaches the port "
             "can generate (set --api-key or JAXSPEC_API_KEY)")
     enable_compilation_cache()
-    say(f"loading {config.model.name} and building the engine; then listening, then the decode "
-        "programs, then 'ready'")
+    then = "the decode programs, then 'ready'" if config.serving.precompile else "'ready'"
+    say(f"loading {config.model.name} and building the engine; then listening, then {then}")
     gate = Gate(api_key=key, limits=Limits.of(config.serving), ready=False)
     with progress.step(f"building the engine and the scheduler ({config.serving.slots} slots)"):
         server, app = build_server(config, args.model_name, gate)
