@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
-from jaxspec.models import base, blocks, hybrid_cache, registry
+from jaxspec.models import attention, base, blocks, hybrid_cache, registry
 from jaxspec.models import linear_attention as la
 from jaxspec.models.decoder import DecoderDims, ModelConfig, linear, write_kv
 
@@ -236,8 +236,7 @@ def _attention_layer(cfg, lp, x, k_cache, v_cache, lengths, positions, write, wi
     k = _partial_rope(_norm(k, lp["k_norm"], cfg), positions, cfg).astype(k_cache.dtype)
     if write:
         k_cache, v_cache = write_kv(k_cache, k, positions), write_kv(v_cache, v, positions)
-    attn = blocks.masked_attention(q, k_cache, v_cache, k, v, lengths, positions,
-                                   scale=h**-0.5, window_mask=window_mask)
+    attn = attention.attend(q, k_cache, v_cache, k, v, lengths, window_mask=window_mask)
     attn = (attn.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
     x = _mlp(cfg, lp, x + linear(attn, lp["wo"]))
     return (x, k_cache, v_cache) if write else (x, k, v)
