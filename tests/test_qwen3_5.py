@@ -193,14 +193,24 @@ def _drafter(name: str, model):
     return draft, _perturbed(model.params), 3
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_model_tree"])
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_model_tree", "adaptive"])
 def test_greedy_speculation_is_token_identical(model, prompts, plain, name):
+    """`adaptive`: the draft model under adaptive speculation, whose one-token steps write the
+    state ring inside the forward and whose drafted steps commit 1..3 nodes."""
+    from jaxspec.config import AdaptiveConfig
     from jaxspec.engine.runner import Engine
 
-    drafter, dparams, gamma = _drafter(name, model)
-    engine = Engine(model, drafter, dparams, num_speculative_tokens=gamma)
+    drafter, dparams, gamma = _drafter("draft_model" if name == "adaptive" else name, model)
+    adaptive = None
+    if name == "adaptive":
+        adaptive = AdaptiveConfig(enabled=True, step_costs=[1.0, 1.2, 1.4, 1.6], draft_cost=0.0,
+                                  probe_every=4, decay=0.5)
+    engine = Engine(model, drafter, dparams, num_speculative_tokens=gamma, adaptive=adaptive)
     out = engine.generate(prompts, max_new_tokens=NEW, batch_size=4)
     assert [r.token_ids for r in out] == plain
+    if name == "adaptive":  # plain and drafted steps both taken
+        hist = np.sum([r.metrics["adaptive_gamma_hist"] for r in out], axis=0)
+        assert hist[0] > 0 and hist[1:].sum() > 0
     accepted = [r.metrics["num_accepted_tokens"] for r in out]
     drafted = sum(r.metrics["num_draft_tokens"] for r in out)
     if name == "draft_model":  # drafts both accepted and rejected, rows at different lengths
