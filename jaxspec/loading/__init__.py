@@ -151,7 +151,8 @@ def load_model(
         revision=src.revision,
         load_seconds=time.perf_counter() - start,
         layout_note=layout_note,
-        target=hybrid_files.target_for(cfg) if hybrid_files.owns(cfg) else families.target_for(cfg, arch),
+        target=(hybrid_files.target_for(cfg) if hybrid_files.owns(cfg)
+                else families.target_for(cfg, arch)),
     )
 
 

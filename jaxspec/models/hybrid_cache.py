@@ -60,7 +60,8 @@ def read_state(ring: jax.Array, lengths: jax.Array) -> jax.Array:
 
 
 def write_states(ring: jax.Array, states: jax.Array, lengths_after: jax.Array) -> jax.Array:
-    """ring [B, R, ...] <- states [B, P, ...] at lengths_after int32[B, P] (P < R distinct slots)."""
+    """ring [B, R, ...] <- states [B, P, ...] at lengths_after int32[B, P] (P < R: distinct
+    slots)."""
     rows = jnp.arange(ring.shape[0])[:, None]
     return ring.at[rows, lengths_after % ring.shape[1]].set(states.astype(ring.dtype))
 

@@ -169,7 +169,8 @@ def project(lp: dict, y: jax.Array, dims: Dims, linear):
     z = linear(y, lp["in_z"]).reshape(b, t, dims.value_heads, dims.value_dim)
     beta = jax.nn.sigmoid(linear(y, lp["in_b"]).astype(jnp.float32))
     a = linear(y, lp["in_a"]).astype(jnp.float32)
-    g = -jnp.exp(lp["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + lp["dt_bias"].astype(jnp.float32))
+    dt = jax.nn.softplus(a + lp["dt_bias"].astype(jnp.float32))
+    g = -jnp.exp(lp["A_log"].astype(jnp.float32)) * dt
     return mixed, z, g, beta
 
 

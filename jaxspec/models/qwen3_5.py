@@ -150,7 +150,8 @@ def qwen3_5_config_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35Config
         conv_kernel=lin.int("linear_conv_kernel_dim", 4, lo=2, hi=64),
         rope_theta=theta, partial_rotary_factor=partial,
         rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", f.bool("tie_word_embeddings", False))),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings",
+                                        f.bool("tie_word_embeddings", False))),
         max_position_embeddings=f.int("max_position_embeddings", 32768, lo=1, hi=(1 << 31) - 1),
         dtype=dtype,
     )
@@ -195,7 +196,8 @@ def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Param
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)  # noqa: E731
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=is_shape)
     keys = jax.random.split(key, len(leaves))
-    out = [((0.1 if len(s) == 1 else scale) * jax.random.normal(k, s)) for s, k in zip(leaves, keys)]
+    out = [(0.1 if len(s) == 1 else scale) * jax.random.normal(k, s)
+           for s, k in zip(leaves, keys)]
     params = jax.tree.unflatten(treedef, out)
     for i, lp in enumerate(params["layers"]):
         if cfg.is_linear(i):
@@ -289,13 +291,15 @@ def forward(params: Params, tokens: jax.Array, cache: hybrid_cache.HybridCache, 
     window's (k, v, ssm states, conv states), every leaf [B, T, ...], for `commit_window`.
     limit int32[B]: entries at positions >= limit are padding (a right-padded prompt)."""
     if window_mask is not None and write_cache:
-        raise ValueError("forward(window_mask=...) needs write_cache=False (write the kept entries after)")
+        raise ValueError("forward(window_mask=...) needs write_cache=False (write the kept "
+                         "entries after)")
     b, t = tokens.shape
     positions = cache.positions(t) if positions is None else positions
     limit = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32) if limit is None else limit
     x = params["embed"][tokens].astype(cfg.compute_dtype)
     collected = {0: x}
-    k_new, v_new, ssm_new, conv_new = list(cache.k), list(cache.v), list(cache.ssm), list(cache.conv)
+    k_new, v_new = list(cache.k), list(cache.v)
+    ssm_new, conv_new = list(cache.ssm), list(cache.conv)
     for i, lp in enumerate(params["layers"][: cfg.num_layers]):
         j = cfg.slot(i)
         if cfg.is_linear(i):
@@ -314,7 +318,8 @@ def forward(params: Params, tokens: jax.Array, cache: hybrid_cache.HybridCache, 
     if not write_cache:
         return base.TargetOutput(x, tapped, new, cache)
     k, v, ssm, conv = new
-    return base.TargetOutput(x, tapped, None, dataclasses.replace(cache, k=k, v=v, ssm=ssm, conv=conv))
+    cache = dataclasses.replace(cache, k=k, v=v, ssm=ssm, conv=conv)
+    return base.TargetOutput(x, tapped, None, cache)
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
