@@ -3,7 +3,9 @@ and speculation that rolls the linear layers' recurrent state back exactly.
 
 A tiny random `Qwen3_5ForCausalLM` (three linear layers, one full) is written with
 `save_pretrained` inside the test, float32: logits of a prefill and of a token-by-token decode
-equal transformers' within 2e-4, and 24 greedy tokens equal transformers' own `generate`.
+equal transformers' within 2e-4, and 24 greedy tokens equal transformers' own `generate`. The
+published multimodal layout (`text_config`, `model.language_model.`, vision tower and `mtp.*`
+beside it) loads the same text model.
 
 Speculation (models/hybrid_cache.py: a ring of states per linear layer, indexed by length): greedy
 speculative == greedy plain for an n-gram chain, a draft model that is a perturbed copy of the
@@ -115,6 +117,31 @@ def test_logits_match_transformers(checkpoint, loaded, prompt_ids):
     for incremental in (False, True):
         ours = our_logits(loaded.target, loaded.params, prompt_ids, incremental=incremental)
         np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_the_multimodal_layout_loads_its_text_model(checkpoint, loaded, prompt_ids, tmp_path):
+    """The published layout: model_type qwen3_5 with a `text_config`, the text model under
+    `model.language_model.`, a vision tower and the native MTP head (`mtp.*`) beside it: the
+    text model loads (the others skipped) and computes what the plain checkpoint does."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    _, path = checkpoint
+    tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in load_file(path / "model.safetensors").items()}
+    tensors |= {"mtp.fc.weight": np.zeros((64, 128), np.float32),
+                "model.visual.patch_embed.proj.weight": np.zeros((8, 3), np.float32)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    text = json.loads((path / "config.json").read_text()) | {"mtp_num_hidden_layers": 1}
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    multimodal = load_model(tmp_path)
+    ids = jnp.asarray(prompt_ids)
+    run = lambda m: m.target.logits(  # noqa: E731
+        m.params, m.target.forward(m.params, ids, m.init_cache(2, 32)).hidden)
+    np.testing.assert_array_equal(np.asarray(run(multimodal)), np.asarray(run(loaded)))
 
 
 def hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
