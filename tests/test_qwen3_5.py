@@ -9,7 +9,8 @@ beside it) loads the same text model.
 
 Speculation (models/hybrid_cache.py: a ring of states per linear layer, indexed by length): greedy
 speculative == greedy plain for an n-gram chain, a draft model that is a perturbed copy of the
-target (chain and dynamic tree, batch 4 with rows accepting different lengths); a broken commit
+target (chain, dynamic tree and adaptive speculation, batch 4 with rows accepting different
+lengths) and layer skip (the target's own first layers, its own state ring); a broken commit
 that keeps the state of the last drafted position whatever was accepted fails the exact sampled
 law that the real commit passes (a perturbed-copy draft model, about half its drafts accepted).
 A Qwen3.5 checkpoint served by the scheduler (its contiguous per-row cache: the ring of states is
@@ -208,11 +209,13 @@ def _perturbed(params, scale: float = 0.003):
 
 
 def _drafter(name: str, model):
-    from jaxspec.drafters.draft_model import ModelDrafter
+    from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
     from jaxspec.drafters.ngram import NgramDrafter
 
     if name == "ngram":
         return NgramDrafter(VOCAB, 1, 3), None, 4
+    if name == "layer_skip":  # the target's first 3 layers (linear, linear, full)
+        return layer_skip_drafter(model.target, 3), None, 3
     draft = ModelDrafter(model=model.target, target_vocab=VOCAB)
     if name == "draft_model_tree":
         draft = dataclasses.replace(draft, tree_top_k=3, tree_levels=3, tree_budget=8)
@@ -220,7 +223,8 @@ def _drafter(name: str, model):
     return draft, _perturbed(model.params), 3
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_model_tree", "adaptive"])
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_model_tree", "layer_skip",
+                                  "adaptive"])
 def test_greedy_speculation_is_token_identical(model, prompts, plain, name):
     """`adaptive`: the draft model under adaptive speculation, whose one-token steps write the
     state ring inside the forward and whose drafted steps commit 1..3 nodes."""
@@ -242,7 +246,7 @@ def test_greedy_speculation_is_token_identical(model, prompts, plain, name):
     drafted = sum(r.metrics["num_draft_tokens"] for r in out)
     if name == "draft_model":  # drafts both accepted and rejected, rows at different lengths
         assert 0 < sum(accepted) < 0.9 * drafted and len(set(accepted)) > 1
-    elif name == "draft_model_tree":
+    elif name in ("draft_model_tree", "layer_skip"):
         assert sum(accepted) > 0
 
 
