@@ -43,7 +43,7 @@ def prefill(
         cache = target.init_cache(tparams, b, capacity)
     if spec.mesh is not None:  # allocated sharded, not allocated whole and then split
         cache = spec.mesh.constrain(cache, b)
-    out = target.forward(tparams, prompt_tokens, cache, taps=hidden_layers)
+    out = base.forward_prompt(target, tparams, prompt_tokens, cache, prompt_lengths, hidden_layers)
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = target.logits(tparams, last)  # [B, V]
     if penalties is not None:

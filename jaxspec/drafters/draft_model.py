@@ -81,7 +81,7 @@ class ModelDrafter(tree.DynamicTreeDrafter):
     def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
         net, params = self.net(dparams, tparams)
         cache = net.init_cache(params, prompt_tokens.shape[0], capacity)
-        return net.forward(params, prompt_tokens, cache).cache
+        return base.forward_prompt(net, params, prompt_tokens, cache, prompt_lengths).cache
 
     def _logits(self, run, hidden):
         """hidden [..., D] -> (draft logits f32[..., Nd], target ids int32[Nd] of the draft

@@ -45,7 +45,17 @@ TOP = {
 
 def detect(config: dict) -> str | None:
     n = config.get("num_nextn_predict_layers")
+    if native_mtp_layers(config):  # Qwen3.5 / Qwen3-Next: detected, refused by `read`
+        return "mtp"
     return "mtp" if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+def native_mtp_layers(config: dict) -> int:
+    """The Qwen3.5 / Qwen3-Next MTP layers a config declares (`mtp_num_hidden_layers`, top level
+    or `text_config`): the `mtp.*` layout, which `read` refuses (0: none declared)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    n = text.get("mtp_num_hidden_layers", config.get("mtp_num_hidden_layers"))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 0
 
 
 def read(path, target_cfg, where=None):
@@ -53,6 +63,12 @@ def read(path, target_cfg, where=None):
     path = Path(path)
     where = where or str(path)
     config = T.read_config(path)
+    if native_mtp_layers(config):
+        raise JaxspecError(
+            f"{where}: the Qwen3.5 / Qwen3-Next MTP layout (mtp.* tensors) is not supported: "
+            f"method 'mtp' reads DeepSeek-V3-style modules (num_nextn_predict_layers >= 1); "
+            f"use speculative.method ngram or draft_model"
+        )
     if not detect(config):
         raise JaxspecError(
             f"{where}: config.json has no num_nextn_predict_layers >= 1: not an MTP checkpoint"

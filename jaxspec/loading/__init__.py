@@ -18,7 +18,7 @@ from jaxspec import progress, xla_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec import validate
-from jaxspec.loading import families
+from jaxspec.loading import families, hybrid_files
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
 from jaxspec.loading.gguf_header import peek_architecture
 from jaxspec.loading.params import (
@@ -115,6 +115,7 @@ def load_model(
     xla_cache.enable()  # on by default, as in the CLI (JAXSPEC_XLA_CACHE=0: off)
     loading = progress.start(f"loading {name_or_path}")
     check_options(dtype, layout)
+    requested_layout = layout
     dtype = resolve_dtype(dtype)
     if mesh is not None and layout == "packed":
         raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
@@ -127,8 +128,11 @@ def load_model(
     if src.kind == "gguf":
         cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
     else:
-        cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype)
-    if families.owns(cfg):  # family hook: the family's own param shapes
+        cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype, requested_layout, mesh)
+    if hybrid_files.owns(cfg):  # hybrid family hook: assembled by its reader, per-layer arrays
+        layout, layout_note = "unrolled", "hybrid linear attention: per-layer arrays"
+        params = flat
+    elif families.owns(cfg):  # family hook: the family's own param shapes
         params = families.assemble(cfg, flat, source=str(src.path))
     else:
         params = assemble(cfg, flat, source=str(src.path))
@@ -147,7 +151,8 @@ def load_model(
         revision=src.revision,
         load_seconds=time.perf_counter() - start,
         layout_note=layout_note,
-        target=families.target_for(cfg, arch),
+        target=(hybrid_files.target_for(cfg) if hybrid_files.owns(cfg)
+                else families.target_for(cfg, arch)),
     )
 
 
@@ -166,11 +171,14 @@ def _read_gguf(path: Path, dtype: str, lazy: bool = False):
     return cfg, flat, tokenizer, eos, metadata(reader, "general.architecture")
 
 
-def _read_hf_dir(path: Path, dtype: str):
+def _read_hf_dir(path: Path, dtype: str, layout: str = "auto", mesh=None):
     hf = read_hf_config(path)
     source = str(path / "config.json")
     if "model_type" in hf:  # refused before any tensor is read, naming the supported ones
         family = targets.family_for_model_type(hf["model_type"], source)
+        if family.name in hybrid_files.FAMILIES:  # hybrid hook: per-layer arrays, one device
+            hybrid_files.check_layout(layout, mesh)
+            return hybrid_files.read_hf_dir(path, hf, dtype)
         if family.name in families.FAMILIES:  # family hook: gemma2, gemma3, phi3
             return families.read_hf_dir(path, hf, dtype)
     cfg = config_from_hf(hf, dtype=dtype, source=source)

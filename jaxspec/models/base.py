@@ -54,6 +54,11 @@ that needs one the target lacks is refused in one line (`require`):
                                       absent: every leaf is [B, T', ...], padded on axis 1
   layout(params) -> str               "unrolled" | "stacked" | "packed" (reported, calibrated)
   uses_cpu_kernels(params) -> bool    the CPU panel/attention kernels run these params
+  forward_prompt(params, tokens, cache, prompt_lengths, taps) -> TargetOutput
+                                      forward (write_cache=True) over right-padded prompts whose
+                                      rows hold prompt_lengths int32[B] tokens: a target with
+                                      recurrent state (models/qwen3_5.py) keeps each row's state
+                                      at its own length; absent: forward (padding is masked)
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class Traits(NamedTuple):
     pad_window: Any
     layout: Any
     uses_cpu_kernels: Any
+    forward_prompt: Any
 
 
 TRAIT_NAMES = Traits._fields
@@ -137,6 +143,7 @@ _WHAT = {
     "pad_window": "window padding",
     "layout": "a layout",
     "uses_cpu_kernels": "CPU-kernel support",
+    "forward_prompt": "a padded-prompt forward",
 }
 
 
@@ -178,6 +185,16 @@ def pad_window(target: Target, window_kv: Any, entries: int) -> Any:
 def uses_cpu_kernels(target: Target, params: Any) -> bool:
     fn = target_traits(target).uses_cpu_kernels
     return bool(fn is not None and fn(params))
+
+
+def forward_prompt(target: Target, params: Any, tokens: jax.Array, cache: Any,
+                   prompt_lengths: jax.Array, taps: tuple[int, ...] = ()) -> TargetOutput:
+    """The cache written with right-padded prompts (prompt_lengths int32[B] real tokens per row):
+    the target's `forward_prompt` where it has one, else its plain forward."""
+    fn = target_traits(target).forward_prompt
+    if fn is None:
+        return target.forward(params, tokens, cache, taps=taps)
+    return fn(params, tokens, cache, prompt_lengths, taps=taps)
 
 
 def compute_dtype(target: Target):

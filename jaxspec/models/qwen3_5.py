@@ -1,0 +1,437 @@
+"""Qwen3.5 (dense, text) as pure functions over a param pytree: a hybrid decoder whose layers are
+Gated DeltaNet linear attention (`models/linear_attention.py`) or gated full attention, in the
+order of the config's `layer_types` (three linear layers per full one in the published models).
+
+What sets it apart from Qwen3 (each a block of `models/blocks.py` or `linear_attention.py`):
+  * RMS norms scale by (1 + w) (Gemma's), except the linear layers' gated norm (w);
+  * full attention: q_proj yields a query and an output gate per head ([q_h; gate_h]), the
+    attention output is multiplied by sigmoid(gate); q/k RMS norms; RoPE on the first
+    `partial_rotary_factor` of each head (text positions: the three M-RoPE sections coincide);
+  * linear layers carry recurrent state instead of k/v (`models/hybrid_cache.py`).
+
+Params (torch `Linear` layout `[out, in]`), per layer a dict by its type:
+
+    full attention  {"attn_norm", "wq": [2 N H, D], "wk", "wv": [K H, D], "wo": [D, N H],
+                     "q_norm", "k_norm": [H], "mlp_norm", "w_gate", "w_up", "w_down"}
+    linear          {"attn_norm", "in_qkv": [C, D], "in_z": [Hv Dv, D], "in_b", "in_a": [Hv, D],
+                     "conv": [C, Kc], "dt_bias", "A_log": [Hv], "norm": [Dv],
+                     "out": [D, Hv Dv], "mlp_norm", "w_gate", "w_up", "w_down"}
+    {"embed": [V, D], "layers": tuple, "final_norm": [D], "lm_head": [V, D] (untied)}
+
+One layout, per-layer arrays ("unrolled"). This module is the family's one home: config reader,
+tensor-name map, forward, target and `register_family`; `loading/hybrid_files.py` reads files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec import validate
+from jaxspec.errors import JaxspecError
+from jaxspec.models import attention, base, blocks, hybrid_cache, registry
+from jaxspec.models import linear_attention as la
+from jaxspec.models.decoder import DecoderDims, ModelConfig, linear, write_kv
+
+Params = dict[str, Any]
+LAYER_TYPES = ("linear_attention", "full_attention")
+DEFAULT_RING = 16  # linear-state slots per row: windows and draft rollbacks up to 15 tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Qwen35Config(DecoderDims):
+    layer_types: tuple[str, ...]
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+    conv_kernel: int = 4
+    rope_theta: float = 10000000.0
+    partial_rotary_factor: float = 0.25
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    dtype: str = "float32"
+    state_ring: int = DEFAULT_RING
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def linear_dims(self) -> la.Dims:
+        return la.Dims(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
+                       self.linear_value_dim, self.conv_kernel)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear(self, i: int) -> bool:
+        return self.layer_types[i] == "linear_attention"
+
+    def slot(self, i: int) -> int:
+        """Layer i's index among the layers of its own type (its cache leaves)."""
+        return sum(self.is_linear(j) == self.is_linear(i) for j in range(i))
+
+
+# config.json tensor names in a layer -> our leaves
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "linear_attn.in_proj_qkv.weight": "in_qkv",
+    "linear_attn.in_proj_z.weight": "in_z",
+    "linear_attn.in_proj_b.weight": "in_b",
+    "linear_attn.in_proj_a.weight": "in_a",
+    "linear_attn.conv1d.weight": "conv",  # [C, 1, Kc] stored, [C, Kc] ours
+    "linear_attn.dt_bias": "dt_bias",
+    "linear_attn.A_log": "A_log",
+    "linear_attn.norm.weight": "norm",
+    "linear_attn.out_proj.weight": "out",
+}
+
+
+def qwen3_5_config_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35Config:
+    """config.json of Qwen3_5ForCausalLM (`qwen3_5_text`) or the text part of the multimodal
+    `qwen3_5` config, every field checked; layer types other than linear_attention /
+    full_attention refused in one line before any tensor is read."""
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    f = validate.Fields(text, source)
+    act = f.str("hidden_act", "silu")
+    if act != "silu":
+        raise JaxspecError(f"{source}: hidden_act={act!r} is not supported (Qwen3.5: silu)")
+    if f.bool("attention_bias", False):
+        raise JaxspecError(f"{source}: attention_bias=true is not supported by jaxspec's Qwen3.5")
+    if "num_experts" in text or "moe_intermediate_size" in text:
+        raise JaxspecError(f"{source}: Qwen3.5-MoE is not supported here: jaxspec runs the dense "
+                           f"Qwen3.5 (qwen3_5_text)")
+    dims = validate.decoder_dims(f)
+    types = text.get("layer_types")
+    if types is None:
+        every = f.int("full_attention_interval", 4, lo=1)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                 for i in range(dims["num_layers"])]
+    if not isinstance(types, list) or len(types) != dims["num_layers"]:
+        f.fail("layer_types", types, f"give one entry per layer ({dims['num_layers']})")
+    bad = sorted({t for t in types if t not in LAYER_TYPES})
+    if bad:
+        raise JaxspecError(f"{source}: layer_types {bad} are not supported: jaxspec's Qwen3.5 "
+                           f"implements {', '.join(LAYER_TYPES)}")
+    if "full_attention" not in types:
+        f.fail("layer_types", types, "give at least one full_attention layer")
+    rope = f.dict("rope_parameters", None) if f.given("rope_parameters") else {}
+    rf = validate.Fields(rope, source, "rope_parameters.")
+    kind = rf.str("rope_type", "default")
+    if kind != "default":
+        raise JaxspecError(f"{source}: rope_type {kind!r} is not supported (Qwen3.5: default)")
+    theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 1e7)
+    partial = rf.float("partial_rotary_factor", f.float("partial_rotary_factor", 0.25),
+                       lo=0.0, hi=1.0, lo_open=True)
+    lin = validate.Fields(text, source)
+    cfg = Qwen35Config(
+        vocab_size=f.int("vocab_size", lo=1, hi=validate.MAX_DIM), **dims,
+        layer_types=tuple(types),
+        linear_key_heads=lin.int("linear_num_key_heads", 16, lo=1),
+        linear_value_heads=lin.int("linear_num_value_heads", 32, lo=1),
+        linear_key_dim=lin.int("linear_key_head_dim", 128, lo=1),
+        linear_value_dim=lin.int("linear_value_head_dim", 128, lo=1),
+        conv_kernel=lin.int("linear_conv_kernel_dim", 4, lo=2, hi=64),
+        rope_theta=theta, partial_rotary_factor=partial,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings",
+                                        f.bool("tie_word_embeddings", False))),
+        max_position_embeddings=f.int("max_position_embeddings", 32768, lo=1, hi=(1 << 31) - 1),
+        dtype=dtype,
+    )
+    if cfg.linear_value_heads % cfg.linear_key_heads:
+        lin.fail("linear_num_value_heads", cfg.linear_value_heads,
+                 f"use a multiple of linear_num_key_heads={cfg.linear_key_heads}")
+    if cfg.rotary_dim % 2:
+        rf.fail("partial_rotary_factor", partial, "give an even number of rotary dims per head")
+    return cfg
+
+
+# ------------------------------------------------------------------------------------ params
+
+
+def layer_shapes(cfg: Qwen35Config, i: int) -> dict[str, tuple[int, ...]]:
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    common = {"attn_norm": (d,), "mlp_norm": (d,), "w_gate": (f, d), "w_up": (f, d),
+              "w_down": (d, f)}
+    if cfg.is_linear(i):
+        ld = cfg.linear_dims
+        vd = ld.value_heads * ld.value_dim
+        return common | {"in_qkv": (ld.channels, d), "in_z": (vd, d),
+                         "in_b": (ld.value_heads, d), "in_a": (ld.value_heads, d),
+                         "conv": (ld.channels, ld.conv_kernel), "dt_bias": (ld.value_heads,),
+                         "A_log": (ld.value_heads,), "norm": (ld.value_dim,), "out": (d, vd)}
+    nh, kh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return common | {"wq": (2 * nh, d), "wk": (kh, d), "wv": (kh, d), "wo": (d, nh),
+                     "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
+
+
+def param_shapes(cfg: Qwen35Config) -> Params:
+    shapes: Params = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
+                      "layers": tuple(layer_shapes(cfg, i) for i in range(cfg.num_layers))}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
+def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random params: matrices N(0, scale), norms near their neutral value, A_log in log(1..16)."""
+    shapes = param_shapes(cfg)
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)  # noqa: E731
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=is_shape)
+    keys = jax.random.split(key, len(leaves))
+    out = [(0.1 if len(s) == 1 else scale) * jax.random.normal(k, s)
+           for s, k in zip(leaves, keys)]
+    params = jax.tree.unflatten(treedef, out)
+    for i, lp in enumerate(params["layers"]):
+        if cfg.is_linear(i):
+            lp["A_log"] = jnp.log(jnp.linspace(1.0, 16.0, lp["A_log"].shape[0]))
+            lp["norm"] = 1.0 + lp["norm"]
+    return jax.tree.map(lambda x: x.astype(cfg.compute_dtype), params)
+
+
+# ----------------------------------------------------------------------------------- forward
+
+
+def _norm(x, w, cfg):
+    return blocks.rms_norm(x, w, cfg.rms_norm_eps, offset=1.0)
+
+
+def _partial_rope(x, positions, cfg):  # [B, T, N, H]: rotate the first rotary_dim dims
+    rd = cfg.rotary_dim
+    inv_freq = blocks.rope_inv_freq(rd, cfg.rope_theta)
+    rotated = blocks.apply_rope(x[..., :rd], positions, inv_freq)
+    return jnp.concatenate([rotated, x[..., rd:]], axis=-1)
+
+
+def _mlp(cfg, lp, x):
+    y = _norm(x, lp["mlp_norm"], cfg)
+    return x + linear(blocks.swiglu(linear(y, lp["w_gate"]), linear(y, lp["w_up"])), lp["w_down"])
+
+
+def _attention_layer(cfg, lp, x, k_cache, v_cache, lengths, positions, write, window_mask):
+    """Gated full attention + MLP -> (x, k_cache, v_cache) writing, else (x, window k, window v)."""
+    b, t, _ = x.shape
+    n, h = cfg.num_heads, cfg.head_dim
+    y = _norm(x, lp["attn_norm"], cfg)
+    qg = linear(y, lp["wq"]).reshape(b, t, n, 2 * h)
+    q, gate = qg[..., :h], qg[..., h:].reshape(b, t, n * h)
+    k = linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, h)
+    v = linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, h).astype(v_cache.dtype)
+    q = _partial_rope(_norm(q, lp["q_norm"], cfg), positions, cfg)
+    k = _partial_rope(_norm(k, lp["k_norm"], cfg), positions, cfg).astype(k_cache.dtype)
+    if write:
+        k_cache, v_cache = write_kv(k_cache, k, positions), write_kv(v_cache, v, positions)
+    attn = attention.attend(q, k_cache, v_cache, k, v, lengths, window_mask=window_mask)
+    attn = (attn.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+    x = _mlp(cfg, lp, x + linear(attn, lp["wo"]))
+    return (x, k_cache, v_cache) if write else (x, k, v)
+
+
+def _linear_layer(cfg, lp, x, ssm_ring, conv_ring, lengths, positions, write, window_mask, limit):
+    """Gated DeltaNet + MLP -> (x, ssm ring, conv ring) writing (states of entries below `limit`
+    int32[B] into the rings), else (x, every entry's ssm state, every entry's conv state)."""
+    b, t, _ = x.shape
+    dims = cfg.linear_dims
+    mixed, z, g, beta = la.project(lp, _norm(x, lp["attn_norm"], cfg), dims, linear)
+    inputs = la.conv_inputs(mixed, hybrid_cache.read_state(conv_ring, lengths), positions,
+                            window_mask)  # [B, T, Kc, C]
+    q, k, v = la.split_heads(la.causal_conv(inputs, lp["conv"]), dims)
+    state0 = hybrid_cache.read_state(ssm_ring, lengths)
+    parents = la.entry_parents(positions, window_mask)
+    conv_states = inputs[:, :, 1:]  # [B, T, Kc-1, C]: the inputs after each entry
+    if write:
+        slots = (positions + 1) % cfg.state_ring
+        valid = positions < limit[:, None]
+        out, ssm_ring = la.delta_rule(q, k, v, g, beta, state0, parents, keep_states=False,
+                                      chain=True, ring=ssm_ring, ring_slots=slots, ring_valid=valid)
+        conv_ring = _write_in_order(conv_ring, conv_states, slots, valid)
+        states = (ssm_ring, conv_ring)
+    else:
+        out, ssm_states = la.delta_rule(q, k, v, g, beta, state0, parents, keep_states=True,
+                                        chain=window_mask is None)
+        states = (ssm_states, conv_states)
+    out = la.gated_rms_norm(out.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps)
+    x = _mlp(cfg, lp, x + linear(out.reshape(b, t, -1), lp["out"]))
+    return (x, *states)
+
+
+def _write_in_order(ring, states, slots, valid):
+    """ring [B, R, ...] <- states [B, T, ...] at slots [B, T] where valid, later entries last."""
+    rows = jnp.arange(ring.shape[0])
+
+    def body(r, inp):
+        s, slot, ok = inp
+        keep = ok.reshape((-1,) + (1,) * (s.ndim - 1))
+        return r.at[rows, slot].set(jnp.where(keep, s.astype(r.dtype), r[rows, slot])), None
+
+    xs = (jnp.swapaxes(states, 0, 1), jnp.swapaxes(slots, 0, 1), jnp.swapaxes(valid, 0, 1))
+    return jax.lax.scan(body, ring, xs)[0]
+
+
+def forward(params: Params, tokens: jax.Array, cache: hybrid_cache.HybridCache, cfg: Qwen35Config,
+            *, positions=None, window_mask=None, write_cache=True, taps=(), limit=None):
+    """tokens int32[B, T] at positions [B, T] -> base.TargetOutput. write_cache=False returns the
+    window's (k, v, ssm states, conv states), every leaf [B, T, ...], for `commit_window`.
+    limit int32[B]: entries at positions >= limit are padding (a right-padded prompt)."""
+    if window_mask is not None and write_cache:
+        raise ValueError("forward(window_mask=...) needs write_cache=False (write the kept "
+                         "entries after)")
+    b, t = tokens.shape
+    positions = cache.positions(t) if positions is None else positions
+    limit = jnp.full((b,), jnp.iinfo(jnp.int32).max, jnp.int32) if limit is None else limit
+    x = params["embed"][tokens].astype(cfg.compute_dtype)
+    collected = {0: x}
+    k_new, v_new = list(cache.k), list(cache.v)
+    ssm_new, conv_new = list(cache.ssm), list(cache.conv)
+    for i, lp in enumerate(params["layers"][: cfg.num_layers]):
+        j = cfg.slot(i)
+        if cfg.is_linear(i):
+            x, ssm_new[j], conv_new[j] = _linear_layer(
+                cfg, lp, x, cache.ssm[j], cache.conv[j], cache.lengths, positions, write_cache,
+                window_mask, limit)
+        else:
+            x, k_new[j], v_new[j] = _attention_layer(
+                cfg, lp, x, cache.k[j], cache.v[j], cache.lengths, positions, write_cache,
+                window_mask)
+        collected[i + 1] = x
+    x = _norm(x, params["final_norm"], cfg)
+    collected[cfg.num_layers] = x
+    tapped = jnp.stack([collected[i] for i in taps]) if taps else None
+    new = (tuple(k_new), tuple(v_new), tuple(ssm_new), tuple(conv_new))
+    if not write_cache:
+        return base.TargetOutput(x, tapped, new, cache)
+    k, v, ssm, conv = new
+    cache = dataclasses.replace(cache, k=k, v=v, ssm=ssm, conv=conv)
+    return base.TargetOutput(x, tapped, None, cache)
+
+
+def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
+    w = params.get("lm_head", params["embed"]).astype(hidden.dtype)
+    return linear(hidden, w).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Target:
+    """Qwen3.5 as a `models.base.Target` (per-layer arrays). Hashable: part of the jit key."""
+
+    cfg: Qwen35Config
+    name: str = "qwen3_5"
+
+    vocab_size = property(lambda self: self.cfg.vocab_size)
+    hidden_size = property(lambda self: self.cfg.hidden_size)
+    num_layers = property(lambda self: self.cfg.num_layers)
+    max_position_embeddings = property(lambda self: self.cfg.max_position_embeddings)
+    dtype = property(lambda self: self.cfg.dtype)
+
+    @property
+    def num_linear(self) -> int:
+        return sum(self.cfg.is_linear(i) for i in range(self.cfg.num_layers))
+
+    def init_cache(self, params: Params, batch: int, capacity: int) -> hybrid_cache.HybridCache:
+        c, ld = self.cfg, self.cfg.linear_dims
+        return hybrid_cache.init_cache(
+            batch=batch, capacity=capacity, num_attention=c.num_layers - self.num_linear,
+            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_linear=self.num_linear,
+            ring=c.state_ring, ssm_shape=(ld.value_heads, ld.key_dim, ld.value_dim),
+            conv_shape=(ld.conv_kernel - 1, ld.channels), dtype=c.compute_dtype)
+
+    def forward(self, params, tokens, cache, *, positions=None, window_mask=None,
+                write_cache=True, taps=()) -> base.TargetOutput:
+        return forward(params, tokens, cache, self.cfg, positions=positions,
+                       window_mask=window_mask, write_cache=write_cache, taps=tuple(taps))
+
+    def forward_prompt(self, params, tokens, cache, prompt_lengths, *, taps=()):
+        """A write_cache forward over right-padded prompts holding prompt_lengths int32[B] tokens:
+        the linear layers keep each row's states at its own length, not the padding's."""
+        return forward(params, tokens, cache, self.cfg, taps=tuple(taps),
+                       limit=cache.lengths + prompt_lengths)
+
+    def logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        return lm_head(params, hidden)
+
+    def commit_window(self, cache, window_kv, path, positions):
+        """The path's entries (path int32[B, P] window indices) at positions [B, P]: their k/v into
+        the attention layers' slots, their states into the rings at lengths positions + 1."""
+        if path.shape[1] >= self.cfg.state_ring:
+            raise ValueError(f"a path of {path.shape[1]} entries needs state_ring > "
+                             f"{path.shape[1]} (it is {self.cfg.state_ring})")
+        k_win, v_win, ssm_win, conv_win = window_kv
+        pick = lambda w: jnp.take_along_axis(  # noqa: E731  [B, T, ...] -> [B, P, ...]
+            w, path.reshape(path.shape + (1,) * (w.ndim - 2)), axis=1)
+        k = tuple(write_kv(c, pick(w), positions) for c, w in zip(cache.k, k_win))
+        v = tuple(write_kv(c, pick(w), positions) for c, w in zip(cache.v, v_win))
+        ssm = tuple(hybrid_cache.write_states(r, pick(w), positions + 1)
+                    for r, w in zip(cache.ssm, ssm_win))
+        conv = tuple(hybrid_cache.write_states(r, pick(w), positions + 1)
+                     for r, w in zip(cache.conv, conv_win))
+        return dataclasses.replace(cache, k=k, v=v, ssm=ssm, conv=conv)
+
+    # optional traits
+    def embed(self, params: Params, tokens: jax.Array) -> jax.Array:
+        return params["embed"][tokens].astype(self.cfg.compute_dtype)
+
+    def embedding_table(self, params: Params) -> jax.Array:
+        return params["embed"]
+
+    def head_table(self, params: Params) -> jax.Array:
+        return params.get("lm_head", params["embed"])
+
+    def head_weight(self, params: Params):
+        return params.get("lm_head", params["embed"])
+
+    def final_norm(self, params: Params) -> jax.Array:
+        return 1.0 + params["final_norm"]
+
+    @property
+    def layer_config(self) -> ModelConfig:
+        """A Llama layer of the target's attention dims (sizes a drafter's decoder layer)."""
+        c = self.cfg
+        return ModelConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size, num_layers=c.num_layers,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps,
+            tie_word_embeddings=c.tie_word_embeddings,
+            max_position_embeddings=c.max_position_embeddings, dtype=c.dtype)
+
+    def init_params(self, key: jax.Array, layout: str = "unrolled") -> Params:
+        if layout != "unrolled":
+            raise JaxspecError(f"layout {layout!r}: Qwen3.5 runs per-layer arrays (unrolled) only")
+        return init_params(self.cfg, key)
+
+    def prefix(self, num_layers: int) -> Qwen35Target:
+        if not 1 <= num_layers <= self.cfg.num_layers:
+            raise ValueError(f"prefix of {num_layers} layers: the target has {self.cfg.num_layers}")
+        return dataclasses.replace(self, cfg=dataclasses.replace(
+            self.cfg, num_layers=num_layers, layer_types=self.cfg.layer_types[:num_layers]))
+
+    def head_counts(self) -> dict[str, int]:
+        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
+
+    def layout(self, params: Params) -> str:
+        return "unrolled"
+
+
+def _target_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35Target:
+    return Qwen35Target(qwen3_5_config_from_hf(hf, dtype=dtype, source=source))
+
+
+registry.register_family(
+    registry.Family("qwen3_5", ("qwen3_5", "qwen3_5_text"), (), _target_from_hf))
