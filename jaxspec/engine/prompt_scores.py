@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decode.logprobs import scored
-from jaxspec.engine.prepare import bucket
+from jaxspec.engine.prepare import prompt_bucket
 
 TOP = 20  # alternatives computed per position (OpenAI's most); a request takes its first k
 
@@ -37,7 +37,7 @@ def prompt_logprobs(target, params, ids: list[int]) -> list[dict]:
     likeliest first)}, the shape the decode loop's recorded logprobs take."""
     if len(ids) < 2:
         return []
-    padded = np.zeros((1, bucket(len(ids))), np.int32)
+    padded = np.zeros((1, prompt_bucket(len(ids))), np.int32)
     padded[0, : len(ids)] = ids
     chosen, top_ids, top_values = jax.device_get(_scores(target, params, jnp.asarray(padded)))
     n = len(ids) - 1
