@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.constrain import loop as grammar_loop
 from jaxspec.decode import logprob_record, logprobs, penalties as penalties_lib, sampling
 from jaxspec.decode.sampling import SamplingParams
@@ -43,7 +44,7 @@ def prefill(
         cache = target.init_cache(tparams, b, capacity)
     if spec.mesh is not None:  # allocated sharded, not allocated whole and then split
         cache = spec.mesh.constrain(cache, b)
-    out = target.forward(tparams, prompt_tokens, cache, taps=hidden_layers)
+    out = target.forward(kernels.for_prompts(tparams), prompt_tokens, cache, taps=hidden_layers)
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = target.logits(tparams, last)  # [B, V]
     if penalties is not None:

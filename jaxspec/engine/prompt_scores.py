@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import kernels
 from jaxspec.decode.logprobs import scored
 from jaxspec.engine.prepare import prompt_bucket
 
@@ -27,7 +28,7 @@ def _scores(target, params, tokens):
     """tokens int32[1, T] -> (chosen f32[T-1], top ids int32[T-1, TOP], top values f32[T-1, TOP])
     for tokens 1..T-1."""
     cache = target.init_cache(params, 1, tokens.shape[1])
-    hidden = target.forward(params, tokens, cache).hidden  # [1, T, D]
+    hidden = target.forward(kernels.for_prompts(params), tokens, cache).hidden  # [1, T, D]
     logits = target.logits(params, hidden[0, :-1])  # [T-1, V]: position t predicts t + 1
     return scored(logits, tokens[0, 1:], min(TOP, logits.shape[-1]))
 
