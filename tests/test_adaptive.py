@@ -643,8 +643,8 @@ def test_the_cost_curve_follows_the_context():
 def test_speculation_switches_off_at_a_long_context(target):
     """A drafter that pays at a short context but not at a long one (verify cost per fill, as
     calibration measures it: attention over the context grows with it): the same repetitive
-    text speculates after a 24-token prompt and runs plain steps after a 400-token one (the
-    metrics show it), greedy output identical to plain decoding's at both."""
+    text drafts after a 24-token prompt (from the prior's first step on) and runs plain steps only
+    after a 400-token one (the metrics show it), greedy output identical to plain decoding's."""
     costs = {64: [1.0, 1.05, 1.1, 1.15], 384: [1.0, 2.2, 3.4, 4.6]}  # no window pays at 384
     engine = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
                     num_speculative_tokens=3,
@@ -655,7 +655,7 @@ def test_speculation_switches_off_at_a_long_context(target):
     got = engine.generate([short, long], max_new_tokens=16)
     assert [r.token_ids for r in got] == [r.token_ids for r in plain]
     at_short, at_long = (r.metrics for r in got)
-    assert at_short["adaptive_gamma_mean"] > 1 and at_short["adaptive_plain_fraction"] < 0.5
+    assert at_short["num_draft_tokens"] > 0 and sum(at_short["adaptive_gamma_hist"][1:]) > 0
     assert at_long["adaptive_plain_fraction"] == 1.0 and at_long["num_draft_tokens"] == 0
 
 
