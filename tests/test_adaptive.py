@@ -640,6 +640,25 @@ def test_the_cost_curve_follows_the_context():
     assert float(after.spent) == pytest.approx(1.55)
 
 
+def test_speculation_switches_off_at_a_long_context(target):
+    """A drafter that pays at a short context but not at a long one (verify cost per fill, as
+    calibration measures it: attention over the context grows with it): the same repetitive
+    text drafts after a 24-token prompt (from the prior's first step on) and runs plain steps only
+    after a 400-token one (the metrics show it), greedy output identical to plain decoding's."""
+    costs = {64: [1.0, 1.05, 1.1, 1.15], 384: [1.0, 2.2, 3.4, 4.6]}  # no window pays at 384
+    engine = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
+                    num_speculative_tokens=3,
+                    adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0, explore=0.0))
+    motif = [5, 9, 13, 17, 21, 25]
+    short, long = (motif * 70)[:24], (motif * 70)[:400]
+    plain = Engine(target).generate([short, long], max_new_tokens=16)
+    got = engine.generate([short, long], max_new_tokens=16)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    at_short, at_long = (r.metrics for r in got)
+    assert at_short["num_draft_tokens"] > 0 and sum(at_short["adaptive_gamma_hist"][1:]) > 0
+    assert at_long["adaptive_plain_fraction"] == 1.0 and at_long["num_draft_tokens"] == 0
+
+
 def cache_file_differs(a, b) -> bool:
     return calibration.cache_file(a) != calibration.cache_file(b)
 

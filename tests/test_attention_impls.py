@@ -89,10 +89,12 @@ def test_attend_prefill_chunks_match_one_block():
     np.testing.assert_allclose(chunked, whole, rtol=1e-5, atol=1e-5)
     ragged = xla(q, kc, vc, kw, vw, lengths, chunk=12)  # 12, 12, 8
     np.testing.assert_allclose(ragged, whole, rtol=1e-5, atol=1e-5)
-    # any T is chunked: no score block has more than `chunk` queries (a 32-query one would)
+    # any T is chunked: no score block has more than `chunk` queries (a 32-query one would),
+    # and a causal chunk reads the window keys up to its last query only: 12, 24, then 32
     jaxpr = str(jax.make_jaxpr(lambda *a: attention.attend(*a, impl="xla", chunk=12))(
         q, kc, vc, kw, vw, lengths))
-    assert "f32[2,2,64,32]" not in jaxpr and "f32[2,2,24,32]" in jaxpr  # [B, K, G*C, Tw]
+    assert "f32[2,2,64,32]" not in jaxpr  # [B, K, G*C, Tw]
+    assert "f32[2,2,24,12]" in jaxpr and "f32[2,2,24,24]" in jaxpr
 
 
 def _runs_a_kernel(*args, **kw) -> bool:

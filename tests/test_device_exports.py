@@ -179,7 +179,7 @@ def test_the_programs_tool_lists_what_a_device_run_compiles(capsys):
     assert [r["name"] for r in rows] == ["prefill", "decode"]
     for r in rows:
         assert r["attention"] == "pallas_tpu" and r["kernel_calls"] > 0
-        assert r["dtype"] == "bfloat16" and r["prompt_bucket"] == 64
+        assert r["dtype"] == "bfloat16" and r["prompt_bucket"] == 48  # prepare.prompt_bucket(40)
         assert r["capacity"] % 128 == 0 and r["cache"][-2] == r["capacity"]
     assert main(["--config", "configs/smollm2-135m.yaml", "--platform", "tpu",
                  "speculative.method=nope"]) == 2

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import tiny_model
+from tiny import motif_prompts, sequence_logits, tiny_model
 
 from jaxspec.decode import adaptive, calibration, speculate
 from jaxspec.engine.adaptive_host import REPROBE_BATCHES, AdaptiveHost
@@ -18,7 +18,7 @@ from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
-from jaxspec.engine.prepare import Requests, bucket
+from jaxspec.engine.prepare import Requests, bucket, prompt_bucket
 from jaxspec.engine.programs import Programs
 from jaxspec.engine.results import Report, fetch
 from jaxspec.decode.sampling import SamplingParams
@@ -52,6 +52,26 @@ def test_requests_pack_bucket_and_check(target):
     with pytest.raises(JaxspecError, match="generation.max_context=40"):
         small.check_fits([1] * 30, 8)
     assert small.capacity(16, 8) >= 40
+
+
+def test_prompt_buckets_pad_little_and_keep_greedy_output(target):
+    """Prompts pad to `prompt_bucket` (at most 1.25x past 64 tokens, a few programs per octave),
+    the cache to the power-of-two `bucket`; greedy output over such a width (70 tokens -> 80,
+    cache sized from 128) is the reference forward's argmax chain, speculative or plain."""
+    assert [prompt_bucket(n) for n in (1, 16, 17, 65, 660, 769, 1025)] == [16, 16, 32, 80, 768,
+                                                                           896, 1280]
+    assert max(prompt_bucket(n) / n for n in range(65, 9000)) <= 1.25
+    assert len({prompt_bucket(n) for n in range(1, 8193)}) <= 4 * len({bucket(n) for n in
+                                                                       range(1, 8193)})
+    batch = Requests(target).pack([[3] * 70], 8, row_ids=[0], batch_size=1)
+    assert batch.prompt.shape == (1, 80) and batch.capacity >= 128 + bucket(8)
+    prompt = motif_prompts([70], seed=3)[0]
+    plain = Engine(target).generate([prompt], max_new_tokens=12)[0].token_ids
+    logits = sequence_logits(target.target, target.params, prompt + plain)
+    reference = [int(i) for i in logits[len(prompt) - 1 : -1].argmax(-1)]
+    assert plain == reference[: len(plain)] and plain
+    spec = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3)
+    assert spec.generate([prompt], max_new_tokens=12)[0].token_ids == plain
 
 
 # ---- the compiled-program cache ---------------------------------------------------------------

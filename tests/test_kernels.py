@@ -43,6 +43,25 @@ def test_panel_matmul_matches_float64(out_features, in_features):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def test_a_prompts_weights_run_as_a_gemm_with_the_same_product():
+    """`kernels.for_prompts` marks a prefill's weights: over PROMPT_GEMM_ROWS rows or more they
+    run as XLA's GEMM on the panels (same product, float64 reference), fewer keep the kernel
+    bit for bit, and decode's weights stay unmarked."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((130, 96)).astype(np.float32)  # a padded last panel
+    params = {"layers": ({"w": kernels.pack(w)},), "norm": jnp.ones((3,))}
+    marked = kernels.for_prompts(params)
+    assert marked["layers"][0]["w"].prompt and not params["layers"][0]["w"].prompt
+    x = rng.standard_normal((2, kernels.PROMPT_GEMM_ROWS, 96)).astype(np.float32)
+    got = np.asarray(jax.jit(kernels.panel_matmul)(x, marked["layers"][0]["w"]))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.shape == (2, kernels.PROMPT_GEMM_ROWS, 130)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    few = x[:1, :3]
+    np.testing.assert_array_equal(np.asarray(panel_matmul(few, marked["layers"][0]["w"])),
+                                  np.asarray(panel_matmul(few, params["layers"][0]["w"])))
+
+
 def test_rows_are_bit_identical_whatever_the_window():
     """A verify window and a one-token step must see the same projection of the same row."""
     rng = np.random.default_rng(0)

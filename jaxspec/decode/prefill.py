@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.constrain import loop as grammar_loop
 from jaxspec.decode import logprob_record, logprobs, penalties as penalties_lib, sampling
 from jaxspec.decode.sampling import SamplingParams
@@ -43,7 +44,8 @@ def prefill(
         cache = target.init_cache(tparams, b, capacity)
     if spec.mesh is not None:  # allocated sharded, not allocated whole and then split
         cache = spec.mesh.constrain(cache, b)
-    out = base.forward_prompt(target, tparams, prompt_tokens, cache, prompt_lengths, hidden_layers)
+    out = base.forward_prompt(target, kernels.for_prompts(tparams), prompt_tokens, cache,
+                              prompt_lengths, hidden_layers)
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = target.logits(tparams, last)  # [B, V]
     if penalties is not None:

@@ -1,6 +1,7 @@
 """Request preparation, host side: a prompt (text or token ids) -> token ids, checked against
 the model's (and drafter's) context and vocabulary, and a batch of them packed into the prefill
-program's arrays, prompts padded to a power-of-two bucket (few shapes, few compilations).
+program's arrays, prompts padded to a prompt bucket (`prompt_bucket`: at most 1.25x the prompt,
+few shapes) and the KV cache sized from the power-of-two `bucket` (one decode program per octave).
 
     prep = Requests(model, depth=spec.depth, num_nodes=spec.num_nodes)
     ids = prep.encode("Hi!")
@@ -22,6 +23,7 @@ from jaxspec.loading.tokenizer import encode_prompt
 from jaxspec.models import attention
 
 MIN_PROMPT_BUCKET = 16
+PROMPT_BUCKET_STEPS = 4  # prompt buckets per power-of-two octave (padding at most 1 / STEPS)
 
 
 def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
@@ -32,10 +34,22 @@ def bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
     return size
 
 
+def prompt_bucket(n: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
+    """The width a prompt of n tokens is padded to for prefill: `minimum`, else n rounded up to a
+    multiple of (the power of two below n) / PROMPT_BUCKET_STEPS, at least `minimum`: 660 -> 768,
+    1025 -> 1280. Padded positions stay under 1.25x the prompt past 4 x `minimum` tokens (at most
+    `minimum` - 1 below), for PROMPT_BUCKET_STEPS prefill programs per octave instead of one;
+    the cache (and so the decode program) is still sized by the power-of-two `bucket`."""
+    if n <= minimum:
+        return minimum
+    step = max((1 << ((n - 1).bit_length() - 1)) // PROMPT_BUCKET_STEPS, minimum)
+    return -(-n // step) * step
+
+
 class Batch(NamedTuple):
     """The prefill program's per-row inputs (numpy; padding rows finish at once)."""
 
-    prompt: np.ndarray  # int32[B, P] right-padded to the prompt bucket
+    prompt: np.ndarray  # int32[B, P] right-padded to the prompt bucket (`prompt_bucket`)
     lengths: np.ndarray  # int32[B]
     max_new: np.ndarray  # int32[B]
     row_ids: np.ndarray  # int32[B] request ids (a row's randomness depends on its id only)
@@ -111,9 +125,11 @@ class Requests:
         return attention.kernel_capacity(need, backend)
 
     def pack(self, batch_ids, max_new_tokens: int, row_ids, batch_size: int) -> Batch:
-        """The batch's arrays: max(batch_size, rows) rows, prompts right-padded to their bucket."""
+        """The batch's arrays: max(batch_size, rows) rows, prompts right-padded to the longest's
+        `prompt_bucket`, the cache sized from its power-of-two `bucket`."""
         b = max(batch_size, len(batch_ids))
-        p = bucket(max(len(ids) for ids in batch_ids))
+        longest = max(len(ids) for ids in batch_ids)
+        p = prompt_bucket(longest)
         prompt = np.zeros((b, p), np.int32)
         lengths = np.ones((b,), np.int32)
         for i, ids in enumerate(batch_ids):
@@ -123,4 +139,4 @@ class Requests:
         max_new[len(batch_ids) :] = 1  # padding rows finish at once
         rows = np.zeros((b,), np.int32)
         rows[: len(row_ids)] = row_ids
-        return Batch(prompt, lengths, max_new, rows, self.capacity(p, max_new_tokens))
+        return Batch(prompt, lengths, max_new, rows, self.capacity(bucket(longest), max_new_tokens))

@@ -23,6 +23,7 @@ class Programs:
     def __init__(self):
         self.attention: dict[str, str] = {}  # the last shape's, per program
         self._by_key: dict[Hashable, dict[str, str]] = {}
+        self._decode: dict[Hashable, str] = {}  # decode programs compiled, by decode key
 
     def warm(self, key: Hashable) -> bool:
         """Whether this shape is compiled; if so its attention becomes `attention`."""
@@ -40,8 +41,10 @@ class Programs:
         sharded: bool,  # the arguments are placed on a mesh (keep the output shardings)
         penalties=None,  # the rows' penalties.Penalties (None: off)
         grammar=None,  # constrain.loop.Grammar of the batch (None: no constraint)
+        decode_key: Hashable = None,  # the decode program's shape (None: `key`'s own)
     ) -> float:
-        """Compile this shape's programs (nothing if warm) -> seconds spent (0.0 if warm)."""
+        """Compile this shape's programs (nothing if warm) -> seconds spent (0.0 if warm). Prefill
+        widths finer than the cache's size share one decode program (`decode_key`)."""
         if self.warm(key):
             return 0.0
         t0 = time.perf_counter()
@@ -53,9 +56,11 @@ class Programs:
             lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where if sharded else None),
             lowered.out_info, shardings,
         )
-        decode = speculate.decode_jit.lower(*decode_args_for(state))
-        decode.compile()
-        self.attention = {"prefill": prefill_attention,
-                          "decode": hlo.compiled_attention(decode.as_text())}
+        decode_key = key if decode_key is None else decode_key
+        if decode_key not in self._decode:
+            decode = speculate.decode_jit.lower(*decode_args_for(state))
+            decode.compile()
+            self._decode[decode_key] = hlo.compiled_attention(decode.as_text())
+        self.attention = {"prefill": prefill_attention, "decode": self._decode[decode_key]}
         self._by_key[key] = self.attention
         return time.perf_counter() - t0

@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import kernels
 from jaxspec.decode.logprobs import scored
-from jaxspec.engine.prepare import bucket
+from jaxspec.engine.prepare import prompt_bucket
 
 TOP = 20  # alternatives computed per position (OpenAI's most); a request takes its first k
 
@@ -27,7 +28,7 @@ def _scores(target, params, tokens):
     """tokens int32[1, T] -> (chosen f32[T-1], top ids int32[T-1, TOP], top values f32[T-1, TOP])
     for tokens 1..T-1."""
     cache = target.init_cache(params, 1, tokens.shape[1])
-    hidden = target.forward(params, tokens, cache).hidden  # [1, T, D]
+    hidden = target.forward(kernels.for_prompts(params), tokens, cache).hidden  # [1, T, D]
     logits = target.logits(params, hidden[0, :-1])  # [T-1, V]: position t predicts t + 1
     return scored(logits, tokens[0, 1:], min(TOP, logits.shape[-1]))
 
@@ -37,7 +38,7 @@ def prompt_logprobs(target, params, ids: list[int]) -> list[dict]:
     likeliest first)}, the shape the decode loop's recorded logprobs take."""
     if len(ids) < 2:
         return []
-    padded = np.zeros((1, bucket(len(ids))), np.int32)
+    padded = np.zeros((1, prompt_bucket(len(ids))), np.int32)
     padded[0, : len(ids)] = ids
     chosen, top_ids, top_values = jax.device_get(_scores(target, params, jnp.asarray(padded)))
     n = len(ids) - 1

@@ -34,7 +34,7 @@ from jaxspec.decode.drafter import check_target, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, check_cache_fits
 from jaxspec.models import base
-from jaxspec.engine.prepare import MIN_PROMPT_BUCKET, Requests, bucket
+from jaxspec.engine.prepare import MIN_PROMPT_BUCKET, Requests, bucket, prompt_bucket
 from jaxspec.engine import cache_watch, prompt_scores
 from jaxspec.engine.programs import Programs
 from jaxspec.engine.results import GenerationResult, Report, fetch
@@ -300,19 +300,21 @@ class Engine(ServingSurface):
         b = max(batch_size, len(batch_ids))
         self.calibrate(b)  # the explicit, announced step before anything of this size runs
         plain = self.spec_for(b) is self.plain_spec
-        p = bucket(max(len(ids) for ids in batch_ids))
-        key = (b, p, bucket(max_new_tokens), sp.mode, plain, penalties is not None,
-               constrain_host.shape_key(grammar))
+        longest = max(len(ids) for ids in batch_ids)
+        decode_key = (b, bucket(longest), bucket(max_new_tokens), sp.mode, plain,
+                      penalties is not None, constrain_host.shape_key(grammar))
+        key = (prompt_bucket(longest),) + decode_key  # the prefill's width, the cache's size
         if self.programs.warm(key):
             return 0.0
-        capacity = self.capacity(p, max_new_tokens)
+        capacity = self.capacity(bucket(longest), max_new_tokens)
         check_cache_fits(self.model.target, self.model.params, b, capacity)  # before any buffer of that size exists
         preparing = progress.start(f"decode programs ({self.method}, batch {b}; prefill and decode)")
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
         decode_args = lambda state: self._decode_args(self.with_adaptive(state), sp, 1)
         with cache_watch.watch(cache_watch.announcer(preparing, expected=2)) as answers:
             seconds = self.programs.compile(key, args, capacity, decode_args, self.plan is not None,
-                                            penalties=self.penalties(penalties, b), grammar=grammar)
+                                            penalties=self.penalties(penalties, b), grammar=grammar,
+                                            decode_key=decode_key)
         preparing(answers.summary())
         return seconds
 

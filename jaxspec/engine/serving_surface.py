@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.decode import penalties as penalties_lib, speculate
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.models import base
@@ -26,7 +27,7 @@ prefill_into_cache = jax.jit(speculate.prefill, static_argnames=("spec", "capaci
 def _write_prompt(target, params, tokens, cache):
     """tokens [B, C] run at cache.lengths.. through `target`, their k/v written (the cache
     donated); lengths not advanced."""
-    return target.forward(params, tokens, cache).cache
+    return target.forward(kernels.for_prompts(params), tokens, cache).cache
 
 
 class ServingSurface:

@@ -39,6 +39,7 @@ import numpy as np
 from jaxspec.paths import cache_root
 
 PANEL = 64  # output rows per panel; must match kPanel in panel_matmul.cc
+PROMPT_GEMM_ROWS = 64  # a prompt's projections over this many rows or more: XLA's GEMM
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("panel_matmul.cc", "prefix_attention.cc"))
 _HEADERS = (Path(__file__).with_name("parallel.h"),)
 _TARGETS = {"jaxspec_panel_matmul": "JaxspecPanelMatmul", "jaxspec_prefix_attention": "JaxspecPrefixAttention"}
@@ -51,6 +52,8 @@ class PackedWeight:
 
     panels: jax.Array  # f32[P, I, 64]
     out_features: int = dataclasses.field(metadata=dict(static=True))
+    # a prompt's weight (`for_prompts`): many rows run as XLA's GEMM on the panels
+    prompt: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:  # the logical [O, I] shape
@@ -78,10 +81,25 @@ def unpack(w: PackedWeight) -> jax.Array:
     return jnp.transpose(w.panels, (0, 2, 1)).reshape(p * PANEL, i)[: w.out_features]
 
 
+def for_prompts(params):
+    """`params` with every PackedWeight marked as a prompt's (`PackedWeight.prompt`): what a
+    prefill runs on. Decode and verify keep the kernel (one FMA chain per output whatever the
+    window, so their projections agree bit for bit); a prompt's many rows are compute-bound,
+    where the kernel's 4-row register block reaches about a third of XLA's GEMM."""
+    mark = lambda w: dataclasses.replace(w, prompt=True) if isinstance(w, PackedWeight) else w  # noqa: E731
+    return jax.tree.map(mark, params, is_leaf=lambda w: isinstance(w, PackedWeight))
+
+
 def panel_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    """x: f32[..., I] @ w: PackedWeight[O, I] -> f32[..., O]. Needs `available()`."""
-    _register()
+    """x: f32[..., I] @ w: PackedWeight[O, I] -> f32[..., O]. Needs `available()`, except for a
+    prompt's weight (`for_prompts`) over at least PROMPT_GEMM_ROWS rows: XLA's GEMM on the
+    panels (no copy of the weight back to [O, I])."""
     p, _, _ = w.panels.shape
+    if w.prompt and np.prod(x.shape[:-1]) >= PROMPT_GEMM_ROWS:
+        out = jnp.einsum("...i,pij->...pj", x.astype(jnp.float32), w.panels)
+        out = out.reshape(x.shape[:-1] + (p * PANEL,))
+        return out if p * PANEL == w.out_features else out[..., : w.out_features]
+    _register()
     out = jax.ffi.ffi_call(
         "jaxspec_panel_matmul",
         jax.ShapeDtypeStruct(x.shape[:-1] + (p * PANEL,), jnp.float32),

@@ -19,11 +19,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.decode.sampling import SamplingParams
-from jaxspec.engine.prepare import bucket
+from jaxspec.engine.prepare import bucket, prompt_bucket
 from jaxspec.models import paged_attention
 from jaxspec.serving import paged_cache, rows
 from jaxspec.serving.batch import hole, split_widths
 from jaxspec.serving.requests import Request
+
+
+def prompt_width(n: int, done: int) -> int:
+    """The prompt array's width for a prompt of n tokens: its `prompt_bucket` when the whole
+    prompt runs (the prefill computes every padded position), the power-of-two `bucket` when
+    only a tail from `done` runs (the tail has its own bucket; the array only carries tokens)."""
+    return bucket(n) if done else prompt_bucket(n)
 
 
 class Admission:
@@ -129,7 +136,7 @@ class Admission:
         if done:
             tail = paged_cache.TailTarget(spec.target, bucket(len(ids) - done))
             spec = dataclasses.replace(spec, target=tail)
-        prompt = np.zeros((1, bucket(len(ids))), np.int32)
+        prompt = np.zeros((1, prompt_width(len(ids), done)), np.int32)
         prompt[0, : len(ids)] = ids
         sp = SamplingParams.rows([req.sampling.values])
         state = self.engine.prefill_rows(
@@ -155,7 +162,7 @@ class Admission:
     def prefill_programs(self, prompt_lengths) -> list[dict]:
         """Every prefill program admission may call for prompts of these lengths, at every row
         width it may use (1, or each compiled width under batch_prefill): the whole prompt of
-        each bucket; where tails run (the prefix cache, chunked prefill) the tail over written
+        each `prompt_bucket`; where tails run (the prefix cache, chunked prefill) the tail over written
         pages of every tail bucket up to the prompt's bucket (up to the chunk's when chunked: a
         longer rest goes in chunks); and the chunk writes. Each {"name" ("prefill",
         "prefill_tail", "prefill_chunk"), "rows", "prompt_bucket", "tokens" (the tokens it
@@ -163,24 +170,31 @@ class Admission:
         out = []
         widths = self.widths if self.batch_prefill else (1,)
         tails = self.paged and (self.prefix_cache == "on" or self.chunk is not None)
-        for prompt in sorted({bucket(n) for n in prompt_lengths}):
+        for prompt in sorted({prompt_bucket(n) for n in prompt_lengths}):  # whole prompts
+            out += self._programs_at(prompt, [("prefill", prompt, self.spec.target)], widths)
+        for prompt in sorted({bucket(n) for n in prompt_lengths} if tails else ()):
             most = min(prompt, bucket(self.chunk)) if self.chunk is not None else prompt
-            targets = [("prefill", prompt, self.spec.target)]
-            if tails:  # every tail bucket up to `most`
-                targets += [("prefill_tail", t, paged_cache.TailTarget(self.spec.target, t))
-                            for t in sorted({bucket(n) for n in range(1, most + 1)})]
-            for name, tokens, target in targets:
-                spec = dataclasses.replace(self.spec, target=target)
-                for rows_ in widths:
-                    out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
-                                "tokens": tokens, "program": self.engine.prefill_program(
-                                    spec, rows_, prompt, self.capacity, self._pool_shape(rows_),
-                                    penalties=True)})
+            targets = [("prefill_tail", t, paged_cache.TailTarget(self.spec.target, t))
+                       for t in sorted({bucket(n) for n in range(1, most + 1)})]
+            out += self._programs_at(prompt, targets, widths)  # every tail bucket up to `most`
         if self.chunk is not None:
             for rows_ in widths:
                 out.append({"name": "prefill_chunk", "rows": rows_, "prompt_bucket": None,
                             "tokens": self.chunk, "program": self.engine.write_prompt_program(
                                 self.spec.target, rows_, self.chunk, self._pool_shape(rows_))})
+        return out
+
+    def _programs_at(self, prompt: int, targets, widths) -> list[dict]:
+        """`prefill_programs`' rows of prompts `prompt` wide: each (name, tokens, target) at
+        every row width."""
+        out = []
+        for name, tokens, target in targets:
+            spec = dataclasses.replace(self.spec, target=target)
+            for rows_ in widths:
+                out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
+                            "tokens": tokens, "program": self.engine.prefill_program(
+                                spec, rows_, prompt, self.capacity, self._pool_shape(rows_),
+                                penalties=True)})
         return out
 
     def _pool_shape(self, rows_: int):
@@ -238,7 +252,8 @@ class Admission:
         group cut into compiled widths (`batch.split_widths`: no padded rows)."""
         def shape(x):  # the call's program: prompt bucket, tail bucket (0: whole prompts)
             req, _, done = x
-            return bucket(len(req.prompt_ids)), bucket(len(req.prompt_ids) - done) if done else 0
+            n = len(req.prompt_ids)
+            return prompt_width(n, done), bucket(n - done) if done else 0
 
         for key in sorted({shape(x) for x in ready}):  # no row padded to a longer one's bucket
             group = sorted((x for x in ready if shape(x) == key),
@@ -256,7 +271,8 @@ class Admission:
         if any(dones):
             tail = bucket(max(len(r.prompt_ids) - d for r, d in zip(reqs, dones)))
             spec = dataclasses.replace(spec, target=paged_cache.TailTarget(spec.target, tail))
-        prompt = np.zeros((len(reqs), bucket(max(len(r.prompt_ids) for r in reqs))), np.int32)
+        prompt = np.zeros((len(reqs), prompt_width(max(len(r.prompt_ids) for r in reqs),
+                                                   any(dones))), np.int32)
         for i, r in enumerate(reqs):
             prompt[i, : len(r.prompt_ids)] = r.prompt_ids
         sp = SamplingParams.rows([r.sampling.values for r in reqs])

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.models.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base
@@ -148,7 +149,7 @@ class TailTarget:
 def write_chunk(target: PagedTarget, params, tokens: jax.Array, cache: pa.PagedKVCache):
     """tokens [B, C] run at cache.lengths.. and their k/v written through the page table (the
     pool donated: updated in place); lengths not advanced. A prompt chunk of chunked prefill."""
-    return target.forward(params, tokens, cache).cache
+    return target.forward(kernels.for_prompts(params), tokens, cache).cache
 
 
 def choose_attention(backend: str, num_queries: int, dtype="bfloat16", sliding: bool = False) -> str:

@@ -69,12 +69,12 @@ def generation_programs(engine, platform: str, *, batch: int = 1, prompt: int = 
     from jaxspec import hlo
     from jaxspec.decode import speculate
     from jaxspec.decode.sampling import SamplingParams
-    from jaxspec.engine.prepare import bucket
+    from jaxspec.engine.prepare import bucket, prompt_bucket as width_of
 
     spec = engine.spec if spec is None else spec
-    prompt_bucket = bucket(prompt)
+    prompt_bucket = width_of(prompt)  # the prefill's width; the cache is sized by `bucket`
     if capacity is None:
-        capacity = engine.capacity(prompt_bucket, max_new_tokens, backend=BACKEND[platform])
+        capacity = engine.capacity(bucket(prompt), max_new_tokens, backend=BACKEND[platform])
     sp = SamplingParams.make()
     args = (engine.model.params, engine.drafter_params,
             jnp.zeros((batch, prompt_bucket), jnp.int32), jnp.ones((batch,), jnp.int32),

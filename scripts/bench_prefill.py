@@ -1,0 +1,127 @@
+"""python scripts/bench_prefill.py: time to first token side by side, jaxspec against transformers
+(PyTorch CPU, the same SmolLM2 weights, the same token ids), and both against torch's own GEMM
+at the model's matmul shape, in one run on this machine. Figures: BENCHMARKS.md (issue 61).
+
+Torch runs in a child process of its own (no XLA threads beside it), before jaxspec's timings.
+Per prompt length (tokens): jaxspec's warm TTFT (the compiled prefill call: prompt through the
+target + first token; second call of the shape, compile excluded) for each weight layout, the
+width it pads to; transformers' `model(ids)` + argmax (its TTFT); each as the effective prefill
+rate, prompt tokens x 2 x non-embedding params / TTFT (GFLOP/s), next to torch's GEMM at
+[prompt, hidden] x [hidden, intermediate] (the MLP's up projection). Best of --repeats.
+
+    PYTHONPATH=$PWD python scripts/bench_prefill.py --lengths 40 600 2000 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def best(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls of fn (after one untimed call): seconds."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    """n token ids of plain English prose (a paragraph repeated as needed), no chat template."""
+    text = ("The history of the printing press begins with movable type in East Asia and the "
+            "screw presses of the Rhine valley. Gutenberg combined them with an oil-based ink and "
+            "a hand mould for casting letters, and within fifty years presses ran in hundreds of "
+            "European towns, changing how news, science and religion travelled. ")
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(text, add_special_tokens=False)
+    return ids[:n]
+
+
+def torch_gemm_gflops(torch, m: int, k: int, n: int, repeats: int) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    seconds = best(lambda: torch.mm(a, b), repeats * 3)
+    return 2 * m * k * n / seconds / 1e9
+
+
+def torch_rows(args, prompts: dict[int, list[int]]) -> dict[int, dict]:
+    """{tokens: torch's GEMM rate and transformers' TTFT} for these prompts, measured in this
+    process (no jax in it: XLA's worker threads would share the cores with torch's)."""
+    import torch
+
+    from jaxspec.bench.peers import load_hf
+    from jaxspec.loading import resolve
+
+    torch.set_num_threads(args.threads)
+    hf = load_hf(str(resolve(args.model).path), torch)
+    out = {}
+    for n, ids in prompts.items():
+        row = {"torch_gemm_gflops": round(torch_gemm_gflops(
+            torch, n, hf.config.hidden_size, hf.config.intermediate_size, args.repeats), 1)}
+        if not args.skip_hf:
+            x = torch.tensor([ids])
+
+            def first_token():
+                with torch.no_grad():
+                    return int(hf(x, use_cache=True).logits[0, -1].argmax())
+
+            row["transformers_ttft_s"] = round(best(first_token, args.repeats), 4)
+        out[n] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[40, 600, 2000])
+    ap.add_argument("--layouts", nargs="+", default=["packed", "unrolled"])
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (jax uses all cores)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true", help="torch's GEMM only, no transformers")
+    ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.torch_only:  # the child process: torch's figures for the prompts on stdin
+        prompts = {int(n): ids for n, ids in json.loads(sys.stdin.read()).items()}
+        print(json.dumps(torch_rows(args, prompts)))
+        return
+
+    import jax
+
+    from jaxspec.engine.prepare import prompt_bucket
+    from jaxspec.engine.runner import Engine
+    from jaxspec.loading import load_model
+
+    engines = {layout: Engine(load_model(args.model, layout=layout), chat_template=False)
+               for layout in args.layouts}
+    model = next(iter(engines.values())).model
+    prompts = {n: prompt_ids(model.tokenizer, n) for n in args.lengths}
+    child = subprocess.run([sys.executable, __file__, "--torch-only", *sys.argv[1:]],
+                           input=json.dumps(prompts), capture_output=True, text=True, check=True)
+    peer = {int(k): v for k, v in json.loads(child.stdout.strip().splitlines()[-1]).items()}
+    cfg = model.cfg
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    per_layer = h * cfg.num_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * cfg.intermediate_size
+    params = cfg.num_layers * per_layer  # the matmul weights (embedding and LM head apart)
+    for n, ids in prompts.items():
+        row = {"tokens": n, "padded_to": prompt_bucket(n)} | peer[n]
+        for layout, engine in engines.items():
+            ttfts = []
+            for _ in range(args.repeats + 1):  # the first call compiles (not in its TTFT)
+                r = engine.generate([ids], max_new_tokens=1)[0]
+                ttfts.append(r.time_to_first_token_s)
+            row[f"jaxspec_{layout}_ttft_s"] = round(min(ttfts), 4)
+        for k in [k for k in row if k.endswith("_ttft_s")]:
+            row[k.replace("_ttft_s", "_gflops")] = round(2 * n * params / row[k] / 1e9, 1)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"non_embedding_params": params, "threads": args.threads,
+                      "jax_devices": str(jax.devices()), "cpus": os.cpu_count()}))
+
+
+if __name__ == "__main__":
+    main()
