@@ -62,12 +62,9 @@ def _placed(p: Placement, model: base.Target, params, cache, tokens):
             aot.on(tokens, batch if tokens.shape[0] % p.mesh.shape["data"] == 0 else rep))
 
 
-def _check_fits(compiled, p: Placement, program: str) -> None:
-    mem = compiled.memory_analysis()
-    if mem is None:
-        return
-    need = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-            + mem.temp_size_in_bytes)
+def _check_fits(need: float, p: Placement, program: str) -> None:
+    """need: bytes per chip (memory_analysis() of the compiled program, or before compiling its
+    arguments' share)."""
     if need > p.target.memory:
         raise JaxspecError(
             f"the {program} program needs {need / 2**30:.1f} GiB per chip but a {p.target.name} "
@@ -81,17 +78,22 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
     params = roofline.abstract_params(model, layout)
     cache = roofline.abstract_cache(model, params, batch, capacity)
     tokens = jax.ShapeDtypeStruct((batch, window), jnp.int32)
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    _check_fits((nbytes(params) + nbytes(cache)) / p.chips, p, program)  # before a long compile
     params_in, cache_in, tokens_in = _placed(p, model, params, cache, tokens)
     compiled = aot.compile_for(p.target, roofline._step(model, False), params_in, tokens_in,
                                cache_in)
-    _check_fits(compiled, p, program)
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        _check_fits(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                    - mem.alias_size_in_bytes + mem.temp_size_in_bytes, p, program)
     text = compiled.as_text()
     trips = attention.cache_loop_trips(valid, capacity)
     kernels, syncs = step_model.launches(text, unknown_trip=max(trips, 1))
     if p.target.platform == "tpu":
         syncs = 0  # control flow runs on the chip
     moved = hlo.device_bytes(text, unknown_trip=trips)
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    weights = nbytes(params)
     need = roofline.min_bytes(model, params, cache, batch, window, valid, window)
     ca = compiled.cost_analysis()
     ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
@@ -101,6 +103,7 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
         "chips": p.chips, "weight_bytes": weights, "kv_bytes": need - weights,
         "bytes_moved": moved, "bytes_ratio": round(moved * p.chips / need, 3),
         "kernels": kernels if p.target.platform == "cuda" else None, "host_syncs": syncs,
+        "large_copies": len(step_model.large_copies(text)),
         "collectives": step_model.collectives(text), "attention": hlo.compiled_attention(text),
         "floor_ms": round(step_model.floor_ms(need / p.chips, p.target.bandwidth), 4),
         "predicted_ms": round(step_model.predicted_ms(
