@@ -71,12 +71,14 @@ def launches(text: str, *, unknown_trip: int = 1, computation: str | None = None
 
 
 def large_copies(text: str, limit: int = 1 << 20) -> list[str]:
-    """Copies (`copy`, or a fusion rooted in one) whose output exceeds `limit` bytes: a buffer the
-    step re-writes whole, e.g. a weight sliced out of a stack or a transposed cache."""
+    """Copies (`copy`, a dynamic slice, or a fusion rooted in either) whose output exceeds `limit`
+    bytes: a buffer the step writes whole, e.g. a weight sliced out of a layer stack or a
+    transposed cache."""
     comps = hlo.parse(text)
+    copying = ("copy", "dynamic-slice")
     return [i.name for c in comps.values() for i in c
-            if (i.opcode == "copy" or i.opcode == "fusion" and i.calls
-                and hlo._root_opcode(comps, i.calls) == "copy")
+            if (i.opcode in copying or i.opcode == "fusion" and i.calls
+                and hlo._root_opcode(comps, i.calls) in copying)
             and hlo._shape_bytes(hlo.shape_of(i.line)) > limit]
 
 
