@@ -156,5 +156,8 @@ def on(tree, sharding):
 
 def compile_for(t: AccelTarget, jitted, *args, **kwargs):
     """`jitted` (a jax.jit function) compiled for `t` from abstract args placed on its devices."""
+    from jax._src import config
+
     lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(t.platform,))
-    return lowered.compile()
+    with config.enable_compilation_cache(False):  # a compile-only client cannot load entries
+        return lowered.compile()
