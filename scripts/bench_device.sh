@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device benchmark, from a fresh clone on a TPU VM or a GPU box: every shipped method against
 # plain decoding in one run, in the accelerator defaults (model.dtype auto = bfloat16, layout auto
-# = stacked), plus the roofline of the compiled programs and the attention kernels against XLA's.
+# = unrolled: per-layer weights), plus the roofline of the compiled programs and the attention kernels against XLA's.
 # Writes BENCHMARKS-ready markdown (summary.md, roofline.md, attention.md), results.json and
 # device.json (backend, device kind, jax version) to OUT_DIR. Every figure's row names the
 # attention implementation read from its compiled program (jaxspec.hlo.compiled_attention).

@@ -313,7 +313,7 @@ def main(argv=None) -> int:
                    help="default: model.dtype; auto = this backend's (bfloat16 on TPU/GPU, float32 "
                    "on CPU, where XLA upcasts bf16 ops and scatters: measure float32 here)")
     p.add_argument("--layout", choices=("stacked", "unrolled"),
-                   help="default: model.layout; auto = this backend's (stacked on TPU/GPU)")
+                   help="default: model.layout; auto = this backend's (unrolled on TPU/GPU)")
     p.add_argument("--batch", default="1,8,32", metavar="B,..")
     p.add_argument("--window", default="1,5,16", metavar="T,..", help="1 = decode, >1 = verify")
     p.add_argument("--capacity", type=int, default=2048, help="cache slots per row")
