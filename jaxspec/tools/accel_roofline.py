@@ -74,7 +74,10 @@ def _check_fits(need: float, p: Placement, program: str) -> None:
 
 def measure(p: Placement, model: base.Target, layout: str, program: str, batch: int,
             window: int, capacity: int, valid: int) -> dict:
-    """One program compiled for the placement's target, read: the issue-55 JSON fields."""
+    """One program compiled for the placement's target, read. weight_bytes: the params a step
+    must read (the embedding table's gathered rows where it is not the LM head); kv_bytes: the
+    valid KV prefix read and the window's rows written; min_bytes: both + the f32 logits out
+    (roofline.min_bytes), all model totals; bytes_moved: per chip."""
     params = roofline.abstract_params(model, layout)
     cache = roofline.abstract_cache(model, params, batch, capacity)
     tokens = jax.ShapeDtypeStruct((batch, window), jnp.int32)
@@ -93,15 +96,16 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
     if p.target.platform == "tpu":
         syncs = 0  # control flow runs on the chip
     moved = hlo.device_bytes(text, unknown_trip=trips)
-    weights = nbytes(params)
     need = roofline.min_bytes(model, params, cache, batch, window, valid, window)
+    kv = nbytes([x for x in jax.tree.leaves(cache) if x.ndim >= 4]) * (valid + window) / capacity
+    logits = batch * window * model.vocab_size * 4
     ca = compiled.cost_analysis()
     ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
     row = {
         "target": p.target.name, "program": program, "batch": batch, "window": window,
         "layout": layout, "dtype": model.dtype, "capacity": capacity, "valid": valid,
-        "chips": p.chips, "weight_bytes": weights, "kv_bytes": need - weights,
-        "bytes_moved": moved, "bytes_ratio": round(moved * p.chips / need, 3),
+        "chips": p.chips, "weight_bytes": int(need - kv - logits), "kv_bytes": int(kv),
+        "min_bytes": int(need), "bytes_moved": moved, "bytes_ratio": round(moved * p.chips / need, 3),
         "kernels": kernels if p.target.platform == "cuda" else None, "host_syncs": syncs,
         "large_copies": len(step_model.large_copies(text)),
         "collectives": step_model.collectives(text), "attention": hlo.compiled_attention(text),

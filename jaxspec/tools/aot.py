@@ -70,6 +70,16 @@ def target(name: str) -> AccelTarget:
     return TARGETS[name]()
 
 
+def target_of_device(kind: str) -> str | None:
+    """The TARGETS name of a real device's `device_kind` ("NVIDIA H200", "TPU v5 lite"), or None."""
+    kind = kind.lower()
+    for needle, name in (("h200", "h200"), ("h100", "h100"), ("v5 lite", "v5e"), ("v5e", "v5e"),
+                         ("v6", "v6e"), ("v5p", "v5p"), ("tpu v5", "v5p")):
+        if needle in kind:
+            return name
+    return None
+
+
 def wheels(jax_version: str) -> dict[str, str]:
     """The compiler wheels for this jax: {platform: pip requirement(s)}."""
     return {"cuda": f"jax-cuda12-plugin=={jax_version} jax-cuda12-pjrt=={jax_version}",
