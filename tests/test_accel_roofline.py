@@ -130,3 +130,38 @@ def test_missing_wheels_name_the_install_command(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and "pip install --no-deps --target" in out.stderr
     assert "libtpu==" in out.stderr, out.stderr
+
+
+def test_ngram_step_on_gpu_has_no_host_sync():
+    """The n-gram loop (variable-length proposals: several verify widths) compiled for an H200:
+    its step runs the widest window rather than a switch over widths (a host sync a step on
+    XLA:GPU), and the accept walk stays on the device."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from tiny import tiny_model
+
+    from jaxspec.decode import speculate
+    from jaxspec.decode.sampling import SamplingParams
+    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.engine.runner import Engine
+    from jaxspec.models import llama
+
+    t = aot.target("h200")
+    on_gpu = jax.sharding.SingleDeviceSharding(aot.devices(t)[0])
+    m = tiny_model(seed=0, layers=2)
+    cfg = dataclasses.replace(m.cfg, dtype="bfloat16")
+    m = dataclasses.replace(m, cfg=cfg, params=llama.init_params(cfg, jax.random.key(0)))
+    e = Engine(m, NgramDrafter(cfg.vocab_size, 1, 3), None, num_speculative_tokens=4)
+    assert len(e.spec.verify_windows()) > 1  # the CPU's program switches over these
+    sp = SamplingParams.make()
+    args = (m.params, None, jnp.zeros((1, 32), jnp.int32), jnp.full((1,), 5, jnp.int32),
+            jnp.full((1,), 16, jnp.int32), sp, jax.random.key(0), jnp.zeros((1,), jnp.int32))
+    state = jax.eval_shape(lambda *a: speculate.prefill(
+        e.spec, *a, capacity=e.capacity(32, 16, backend="gpu")), *args)
+    put = lambda tree: aot.on(tree, on_gpu)  # noqa: E731
+    compiled = aot.compile_for(t, speculate.decode_jit, e.spec, put(m.params), None, put(state),
+                               put(sp), put(jnp.int32(1)))
+    kernels, syncs = step_model.loop_step(compiled.as_text())
+    assert syncs == 0 and kernels > 0

@@ -16,10 +16,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxspec import hlo
+from jaxspec import hlo, sharding
 from jaxspec.errors import JaxspecError
 from jaxspec.models import attention, base
-from jaxspec.tools import aot, roofline, step_model
+from jaxspec.tools import aot, step_model, step_programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +36,6 @@ class Placement:
 
 
 def placement(target_name: str, mesh: tuple[int, int] | None, model: base.Target) -> Placement:
-    from jaxspec import sharding
-
     t = aot.target(target_name)
     chips = 1 if mesh is None else mesh[0] * mesh[1]
     devs = aot.devices(t, chips)
@@ -49,8 +47,6 @@ def placement(target_name: str, mesh: tuple[int, int] | None, model: base.Target
 
 
 def _placed(p: Placement, model: base.Target, params, cache, tokens):
-    from jaxspec import sharding
-
     if p.mesh is None:
         s = jax.sharding.SingleDeviceSharding(p.devices[0])
         return aot.on(params, s), aot.on(cache, s), aot.on(tokens, s)
@@ -77,14 +73,14 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
     """One program compiled for the placement's target, read. weight_bytes: the params a step
     must read (the embedding table's gathered rows where it is not the LM head); kv_bytes: the
     valid KV prefix read and the window's rows written; min_bytes: both + the f32 logits out
-    (roofline.min_bytes), all model totals; bytes_moved: per chip."""
-    params = roofline.abstract_params(model, layout)
-    cache = roofline.abstract_cache(model, params, batch, capacity)
+    (step_programs.min_bytes), all model totals; bytes_moved: per chip."""
+    params = step_programs.abstract_params(model, layout)
+    cache = step_programs.abstract_cache(model, params, batch, capacity)
     tokens = jax.ShapeDtypeStruct((batch, window), jnp.int32)
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     _check_fits((nbytes(params) + nbytes(cache)) / p.chips, p, program)  # before a long compile
     params_in, cache_in, tokens_in = _placed(p, model, params, cache, tokens)
-    compiled = aot.compile_for(p.target, roofline._step(model, False), params_in, tokens_in,
+    compiled = aot.compile_for(p.target, step_programs._step(model, False), params_in, tokens_in,
                                cache_in)
     mem = compiled.memory_analysis()
     if mem is not None:
@@ -96,7 +92,7 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
     if p.target.platform == "tpu":
         syncs = 0  # control flow runs on the chip
     moved = hlo.device_bytes(text, unknown_trip=trips)
-    need = roofline.min_bytes(model, params, cache, batch, window, valid, window)
+    need = step_programs.min_bytes(model, params, cache, batch, window, valid, window)
     kv = nbytes([x for x in jax.tree.leaves(cache) if x.ndim >= 4]) * (valid + window) / capacity
     logits = batch * window * model.vocab_size * 4
     ca = compiled.cost_analysis()

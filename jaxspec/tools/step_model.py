@@ -10,7 +10,7 @@ model that turns it into milliseconds.
 - predicted_ms = bytes / (EFFICIENCY x bandwidth) + kernels x LAUNCH_US + host_syncs x SYNC_US,
   fitted (least squares) on the NVIDIA H200 cost curve in docs/device/h200-shapes.json (the
   stacked layout's decode programs at batch 1 / 8 / 32 of three shapes, compiled here for h200:
-  `python -m jaxspec.tools.step_model`, which prints the fit and its per-point error). Refit when
+  `python -m jaxspec.tools.step_model_fit`, which prints the fit and its per-point error). Refit when
   a device run adds points. On TPU the same bytes term is used with the TPU's launch cost taken as
   the GPU's (an upper bound: a TPU program is one launch), beside XLA's own `optimal_seconds`.
 """
@@ -70,6 +70,16 @@ def launches(text: str, *, unknown_trip: int = 1, computation: str | None = None
     return walk(name) if name else (0, 0)
 
 
+def loop_step(text: str) -> tuple[int, int]:
+    """(kernels, host_syncs) of one step of a decode loop program: the body of the entry's
+    outermost while loop (the generation loop), its own predicate read not counted."""
+    comps = hlo.parse(text)
+    loop = next((i for i in comps.get(_entry(text), []) if i.opcode == "while"), None)
+    if loop is None:
+        raise ValueError("no while loop at the top level of the program")
+    return launches(text, computation=hlo._BODY.search(loop.line).group(1))
+
+
 def large_copies(text: str, limit: int = 1 << 20) -> list[str]:
     """Copies (`copy`, a dynamic slice, or a fusion rooted in either) whose output exceeds `limit`
     bytes: a buffer the step writes whole, e.g. a weight sliced out of a layer stack or a
@@ -96,56 +106,3 @@ def predicted_ms(bytes_moved: float, bandwidth: float, kernels: int, host_syncs:
 
 def floor_ms(min_bytes: float, bandwidth: float) -> float:
     return 1e3 * min_bytes / bandwidth
-
-
-# The H200 cost curve's points (docs/device/h200-shapes.json): shape -> the MODEL_SHAPES name.
-CALIBRATION_SHAPES = {"llama-3.1-8b": "llama3-8b", "llama-3.2-1b": "llama3-1b",
-                      "smollm2-135m": "smollm2-135m"}
-
-
-def calibration_points(batches=(1, 8, 32)) -> list[dict]:
-    """The measured H200 decode steps with the same programs compiled here for h200 (the stacked
-    layout they ran, capacity fill + 64 as the calibration allotted, bfloat16)."""
-    import json
-    from pathlib import Path
-
-    from jaxspec.tools import accel_roofline, roofline
-
-    doc = json.loads((Path(__file__).parents[2] / "docs/device/h200-shapes.json").read_text())
-    out = []
-    for shape, name in CALIBRATION_SHAPES.items():
-        model = roofline.shape_target(name, "bfloat16")
-        place = accel_roofline.placement("h200", None, model)
-        for c in doc["shapes"][shape]["cost_curve"]:
-            if c["width"] != 1 or c["batch"] not in batches:
-                continue
-            row = accel_roofline.measure(place, model, "stacked", "decode", c["batch"], 1,
-                                         c["fill"] + 64, c["fill"])
-            out.append(row | {"shape": shape, "measured_ms": c["step_ms"]})
-    return out
-
-
-def fit(points: list[dict], bandwidth: float) -> tuple[float, float, float]:
-    """(EFFICIENCY, LAUNCH_US, SYNC_US) by least squares over the points."""
-    import numpy as np
-
-    a = np.array([[1e3 * p["bytes_moved"] / bandwidth, 1e-3 * p["kernels"], 1e-3 * p["host_syncs"]]
-                  for p in points])
-    y = np.array([p["measured_ms"] for p in points])
-    (inv_eff, launch, sync), *_ = np.linalg.lstsq(a, y, rcond=None)
-    return 1 / inv_eff, launch, sync
-
-
-if __name__ == "__main__":
-    from jaxspec.tools import aot
-
-    pts = calibration_points()
-    bw = aot.target("h200").bandwidth
-    eff, launch, sync = fit(pts, bw)
-    print(f"EFFICIENCY = {eff:.3f}  LAUNCH_US = {launch:.2f}  SYNC_US = {sync:.2f}")
-    for p in pts:
-        t = (1e3 * p["bytes_moved"] / (eff * bw) + 1e-3 * p["kernels"] * launch
-             + 1e-3 * p["host_syncs"] * sync)
-        print(f"{p['shape']} b{p['batch']}: bytes {p['bytes_moved'] / 1e9:.2f} GB, kernels "
-              f"{p['kernels']}, syncs {p['host_syncs']}, measured {p['measured_ms']:.2f} ms, "
-              f"fitted {t:.2f} ms")
