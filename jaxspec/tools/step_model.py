@@ -10,7 +10,7 @@ model that turns it into milliseconds.
 - predicted_ms = bytes / (EFFICIENCY x bandwidth) + kernels x LAUNCH_US + host_syncs x SYNC_US,
   fitted (least squares) on the NVIDIA H200 cost curve in docs/device/h200-shapes.json (the
   stacked layout's decode programs at batch 1 / 8 / 32 of three shapes, compiled here for h200:
-  `python -m jaxspec.tools.step_model_fit`, which prints the fit and its per-point error). Refit when
+  `python scripts/fit_step_model.py`, which prints the fit and its per-point error). Refit when
   a device run adds points. On TPU the same bytes term is used with the TPU's launch cost taken as
   the GPU's (an upper bound: a TPU program is one launch), beside XLA's own `optimal_seconds`.
 """

@@ -2,17 +2,20 @@
 programs the device ran (docs/device/h200-shapes.json, batch 1 / 8 / 32 of three shapes) compiled
 here for h200, their bytes, kernels and host syncs against the measured step times, least squares.
 
-    python -m jaxspec.tools.step_model_fit     # prints the constants and each point's fit
+    python scripts/fit_step_model.py     # prints the constants and each point's fit
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from jaxspec.tools import accel_roofline, aot, roofline
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxspec.tools import accel_roofline, aot, roofline, step_model  # noqa: E402
 
 
 # The H200 cost curve's points (docs/device/h200-shapes.json): shape -> the MODEL_SHAPES name.
@@ -23,7 +26,7 @@ CALIBRATION_SHAPES = {"llama-3.1-8b": "llama3-8b", "llama-3.2-1b": "llama3-1b",
 def calibration_points(batches=(1, 8, 32)) -> list[dict]:
     """The measured H200 decode steps with the same programs compiled here for h200 (the stacked
     layout they ran, capacity fill + 64 as the calibration allotted, bfloat16)."""
-    doc = json.loads((Path(__file__).parents[2] / "docs/device/h200-shapes.json").read_text())
+    doc = json.loads((Path(__file__).resolve().parents[1] / "docs/device/h200-shapes.json").read_text())
     out = []
     for shape, name in CALIBRATION_SHAPES.items():
         model = roofline.shape_target(name, "bfloat16")
