@@ -144,15 +144,24 @@ def cache_traffic(text: str, layer_cache_shape: tuple[int, ...]) -> CacheTraffic
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
           "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+# An array with its layout: TPU layouts name an on-chip memory space (`S(1)`: VMEM), which a
+# program reads without moving HBM bytes; the async copies into it (copy-start, slice-start)
+# are the HBM reads.
+_ARRAY_IN = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
+_ON_CHIP = re.compile(r"S\([1-4]\)")
+ASYNC_INTO_CHIP = ("copy-start", "slice-start")
+ASYNC_DONE = ("copy-done", "slice-done")
 _TRIP = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 SLICING = ("dynamic-slice", "slice", "gather")
 
 
-def _shape_bytes(shape: str) -> int:
+def _shape_bytes(shape: str, *, on_chip: bool = False) -> int:
+    """Bytes of the HBM arrays in `shape` (on_chip: of the on-chip ones instead)."""
     return sum(_BYTES.get(t, 0) * math.prod(int(d) for d in dims.split(",") if d)
-               for t, dims in _ARRAY.findall(shape))
+               for t, dims, layout in _ARRAY_IN.findall(shape)
+               if bool(_ON_CHIP.search(layout or "")) == on_chip)
 
 
 def _operands(line: str, opcode: str) -> list[str]:
@@ -267,7 +276,12 @@ def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_tri
                 continue
             operands = [_shape_bytes(shapes.get(o, "")) for o in _operands(ins.line, op)]
             out = _shape_bytes(shape_of(ins.line))
-            if op == "fusion" and ins.calls:
+            into_chip = _shape_bytes(shape_of(ins.line), on_chip=True)
+            if op in ASYNC_INTO_CHIP and into_chip:  # TPU prefetch: one HBM read
+                total += into_chip
+            elif op in ASYNC_DONE and into_chip:  # the prefetched copy lands on chip
+                continue
+            elif op == "fusion" and ins.calls:
                 total += _fusion_bytes(comps, ins.calls, operands, out)
             elif op in IN_PLACE:
                 upd = operands[2] if op == "scatter" else operands[1]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device benchmark, from a fresh clone on a TPU VM or a GPU box: every shipped method against
 # plain decoding in one run, in the accelerator defaults (model.dtype auto = bfloat16, layout auto
-# = stacked), plus the roofline of the compiled programs and the attention kernels against XLA's.
+# = unrolled: per-layer weights), plus the roofline of the compiled programs and the attention kernels against XLA's.
 # Writes BENCHMARKS-ready markdown (summary.md, roofline.md, attention.md), results.json and
 # device.json (backend, device kind, jax version) to OUT_DIR. Every figure's row names the
 # attention implementation read from its compiled program (jaxspec.hlo.compiled_attention).
@@ -92,7 +92,8 @@ if [ "$smoke" = 1 ]; then
   configs=(configs/smollm2-135m.yaml configs/smollm2-135m-ngram.yaml)
   core=(--n-per-category 1 --max-new-tokens 4 --no-plots)
   sweeps=(--n-per-category 1 --max-new-tokens 4 --gammas 2 --sweep-prompts 1 --no-plots)
-  budget=(60 240 300 120)  # roofline, attention, core table, sweeps (seconds)
+  budget=(60 240 300 120 120)  # roofline, attention, core table, sweeps, shapes (seconds)
+  shapes=()  # the shapes part is a device measurement only
 else
   roof=(--batch 1,8,32 --window 1,5,16 --capacity 2048)
   attn=()
@@ -103,7 +104,11 @@ else
   core=(--n-per-category 2 --max-new-tokens 128)
   sweeps=(--n-per-category 1 --max-new-tokens 64 --gammas 2,4,8 --sweep-prompts 3
           --batch-sizes 1,8,32 --batch-rounds 1 --batch-max-new-tokens 64)
-  budget=(45 75 240 90)  # + installs and model load: < 8 minutes on a GPU
+  budget=(30 45 150 60 150)  # + installs and model load: < 8 minutes on a GPU
+  # random weights of real shapes: the accelerator (unrolled) vs the stacked layout, plain vs
+  # n-gram, batch 1 / 8 / 32, each step beside jaxspec.tools.step_model's prediction
+  shapes=(--shapes llama-3.2-1b,llama-3.1-8b --batches 1,8,32 --widths 1,5 --new-tokens 64
+          --layouts unrolled,stacked --budget-s 120)
 fi
 mark() {  # a smoke run's outputs say so, at the top, so no CPU figure passes for a device one
   if [ "$smoke" = 1 ]; then sed -i '1i SMOKE (cpu): not a device figure' "$1"; fi
@@ -124,6 +129,10 @@ part() {  # part NAME SECONDS CMD...: run with its budget; a part over it is rep
 JAXSPEC_ATTENTION=xla part roofline "${budget[0]}" "$py" -m jaxspec.tools.roofline \
   --config configs/smollm2-135m.yaml "${roof[@]}" > "$out/roofline.md" || true
 mark "$out/roofline.md"
+# 1b. real shapes with random weights, both layouts, measured beside predicted
+if [ "${#shapes[@]}" -gt 0 ]; then
+  part shapes "${budget[4]}" "$py" scripts/bench_device_shapes.py "$out/shapes" "${shapes[@]}" || true
+fi
 # 2. the attention op: this backend's Pallas kernels vs XLA on per-layer and stacked caches, each
 #    row with the implementation its compiled program holds; then prefill (the flash kernels)
 part attention "${budget[1]}" "$py" scripts/bench_attention.py "${attn[@]}" > "$out/attention.md" || true

@@ -4,8 +4,9 @@ What speculative decoding gains on a device is set by two numbers: how many toke
 (the drafter's acceptance, a property of the model and the text) and what a verify step over a
 window of w positions costs against a one-token step (a property of the device, the shapes and
 the program). This measures the second for real shapes (SmolLM2-135M, Llama-3.2-1B,
-Llama-3.1-8B) with random bfloat16 weights in the accelerator layout (stacked, attention on the
-device's kernels, the implementation read from the compiled program), so it runs where no
+Llama-3.1-8B) with random bfloat16 weights in the accelerator layout (unrolled: per-layer
+weights) and the stacked one, attention on the device's kernels (the implementation read from
+the compiled program), each step beside jaxspec.tools.step_model's prediction, so it runs where no
 checkpoint can be brought (the weights do not change a step's cost), and then the whole loop:
 plain decoding's tokens/s and n-gram speculation's steps on a repetitive prompt, side by side.
 
@@ -55,19 +56,37 @@ class RandomModel:  # the fields of jaxspec.loading.LoadedModel the engine and c
         return llama.LlamaTarget(self.cfg)
 
 
-def random_model(name: str, dtype: str):
+def random_model(name: str, dtype: str, layout: str = "unrolled"):
     import jax
 
     from jaxspec.models import decoder, llama
 
     cfg = llama.ModelConfig(**SHAPES[name], dtype=dtype, max_position_embeddings=8192)
-    params = decoder.stack_layers(llama.init_params(cfg, jax.random.key(0), scale=0.02))
+    params = llama.init_params(cfg, jax.random.key(0), scale=0.02)
+    params = decoder.stack_layers(params) if layout == "stacked" else params
     jax.block_until_ready(params)
     return RandomModel(cfg=cfg, params=params, name=name)
 
 
-def cost_curve(model, batches, widths, fill) -> list[dict]:
-    """A verify step over each window width at each batch, in one-token steps (width 1 = 1.0)."""
+def predicted(model, layout: str, batch: int, width: int, fill: int) -> dict:
+    """The step's prediction by jaxspec.tools.step_model, from this device's own compile of the
+    same forward (bytes, kernels, host syncs), beside the measurement; {} off a known device."""
+    import jax
+
+    from jaxspec.tools import accel_roofline, aot
+
+    name = aot.target_of_device(jax.devices()[0].device_kind)
+    if name is None:
+        return {}
+    place = accel_roofline.Placement(aot.target(name), jax.devices()[:1], None)
+    r = accel_roofline.measure(place, model.target, layout, "decode" if width == 1 else "verify",
+                               batch, width, fill + 64, fill)
+    return {k: r[k] for k in ("predicted_ms", "floor_ms", "bytes_moved", "kernels", "host_syncs")}
+
+
+def cost_curve(model, batches, widths, fill, layout="unrolled") -> list[dict]:
+    """A verify step over each window width at each batch, in one-token steps (width 1 = 1.0),
+    each with the step model's prediction beside it (widths 1 and 5 only: compiles cost)."""
     from jaxspec.decode import calibration
 
     rows = []
@@ -76,7 +95,8 @@ def cost_curve(model, batches, widths, fill) -> list[dict]:
         base = seconds[0]
         for w, s in zip(widths, seconds):
             rows.append({"batch": b, "width": w, "fill": fill, "step_ms": 1e3 * s,
-                         "cost": s / base if base else float("nan")})
+                         "cost": s / base if base else float("nan"), "layout": layout,
+                         **(predicted(model, layout, b, w, fill) if w in (1, 5) else {})})
     return rows
 
 
@@ -127,8 +147,10 @@ def markdown(report: dict) -> str:
             lines += [f"### {shape}: {r['error']}", ""]
             continue
         lines += [f"### {shape} ({r['params_b']:.2f} B params)", "",
-                  "| batch | window | step ms | cost (plain steps) |", "|---:|---:|---:|---:|"]
-        lines += [f"| {c['batch']} | {c['width']} | {c['step_ms']:.3f} | {c['cost']:.2f} |"
+                  "| batch | window | step ms | cost (plain steps) | predicted ms | floor ms |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {c['batch']} | {c['width']} | {c['step_ms']:.3f} | {c['cost']:.2f} | "
+                  f"{c.get('predicted_ms', '-')} | {c.get('floor_ms', '-')} |"
                   for c in r.get("cost_curve", [])]
         if r.get("loop"):
             lines += ["", "| method | batch | decode tok/s | wall tok/s | mean accepted "
@@ -146,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--widths", default="1,2,4,8,16")
+    p.add_argument("--layouts", default="unrolled,stacked",
+                   help="params layouts: unrolled (the accelerator layout), stacked (lax.scan)")
     p.add_argument("--fill", type=int, default=1024, help="tokens each row holds (cost curve)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
@@ -170,18 +194,20 @@ def main(argv=None) -> int:
     report = {"device": jax.devices()[0].device_kind, "backend": backend, "jax": jax.__version__,
               "dtype": args.dtype, "precision": args.precision or "default", "shapes": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    for shape in args.shapes.split(","):
+    for shape, layout in [(s, lay) for s in args.shapes.split(",")
+                          for lay in args.layouts.split(",")]:
+        base_shape, shape = shape, f"{shape} {layout}"
         if time.perf_counter() - start > args.budget_s:
             report["shapes"][shape] = {"error": "skipped: over the time budget"}
             continue
         print(f"== {shape} ({time.perf_counter() - start:.0f} s)", flush=True)
         try:
-            model = random_model(shape, args.dtype)
+            model = random_model(base_shape, args.dtype, layout)
             n = sum(x.size for x in jax.tree.leaves(model.params))
             r = report["shapes"][shape] = {"params_b": n / 1e9}
             if not args.loop_only:
                 r["cost_curve"] = cost_curve(model, ints(args.batches), ints(args.widths),
-                                             args.fill)
+                                             args.fill, layout)
             print(markdown({**report, "shapes": {shape: r}}), flush=True)
             r["loop"] = [row for b in (1, 8) for row in loop_speed(model, b, args.new_tokens)]
             del model

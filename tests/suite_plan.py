@@ -60,6 +60,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_cli_inputs.py",
     "test_paged_cache.py",
     "test_ngram_ceiling.py",
+    "test_accel_roofline.py",
     "test_roofline.py",
     "test_server_structured.py",
     "test_policy.py",

@@ -86,7 +86,9 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
 def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, num_nodes,
                       penalties=None, allowed=None):
     """`verify` in the narrowest compiled width that holds every row's nodes -> (probs,
-    hidden, cache, window_kv, scores: None unless spec.logprobs is set)."""
+    hidden, cache, window_kv, scores: None unless spec.logprobs is set). On a GPU the widest
+    window runs always: XLA:GPU reads a switch's branch index back to the host (a sync a step),
+    and a window there costs about a one-token step anyway (BENCHMARKS.md, "Device")."""
     widths = spec.verify_windows()
     with_scores = spec.logprobs is not None
     run = lambda c, w: verify(spec, tparams, c, window, sp, w, penalties, with_scores,  # noqa: E731
@@ -101,9 +103,11 @@ def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, n
         probs, hidden, _, window_kv, *scores = run(c, w)
         return probs, hidden, window_kv, (scores[0] if scores else None)
 
-    probs, hidden, window_kv, scores = jax.lax.switch(
-        branch, [functools.partial(branch_fn, w=w) for w in widths], cache
-    )
+    switch = lambda c: jax.lax.switch(  # noqa: E731
+        branch, [functools.partial(branch_fn, w=w) for w in widths], c)
+    widest = functools.partial(branch_fn, w=widths[-1])
+    probs, hidden, window_kv, scores = jax.lax.platform_dependent(
+        cache, cuda=widest, rocm=widest, default=switch)
     if spec.mesh is not None and base.target_traits(spec.target).cache_axes is not None:
         # k/v laid out as the cache (else GSPMD may gather it)
         window_kv = spec.mesh.constrain_window_kv(window_kv)

@@ -46,8 +46,9 @@ def resolve_dtype(dtype: str) -> str:
 
 def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
     """(layout, why it was chosen). "auto": "packed" where the CPU panel kernel runs (float32, one
-    CPU device), else "unrolled" -- and the why says which condition failed, since the packed
-    layout is the one whose greedy output is bit-identical across batch and window sizes."""
+    CPU device), else "unrolled" (on TPU/GPU the accelerator layout: per-layer weights, each read
+    once a step) -- and the why says which condition failed, since the packed layout is the one
+    whose greedy output is bit-identical across batch and window sizes."""
     if layout != "auto":
         if layout == "packed" and not kernels.available():
             raise JaxspecError(
@@ -56,7 +57,8 @@ def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
             )
         return layout, "requested"
     if jax.default_backend() in ACCELERATORS:
-        return "stacked", f"auto: lax.scan over layers on {jax.default_backend()} (cache updated in place)"
+        return "unrolled", (f"auto: per-layer weights on {jax.default_backend()} (each read once "
+                            "a step; a stack's layer slices are copied out on GPU)")
     if jax.default_backend() != "cpu":
         return "unrolled", f"auto: the {jax.default_backend()} backend has no CPU kernels"
     if jax.device_count() != 1:

@@ -50,12 +50,20 @@ def fixed_order_sum(x: jax.Array) -> jax.Array:
     return x
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis, [..., D] -> [..., 1]: the fixed-order sum on the CPU (its
+    exactness device, see fixed_order_sum), a plain reduction (one fused kernel) on TPU / GPU,
+    chosen by the platform the program is lowered for."""
+    plain = lambda v: jnp.sum(v, axis=-1, keepdims=True)  # noqa: E731
+    return jax.lax.platform_dependent(x, cpu=fixed_order_sum, default=plain)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
     """RMS norm in float32, scaled by `offset + w`: offset 0 is Llama's `w`, offset 1 Gemma's
     `(1 + w)` (Gemma stores its norm weights centred on zero). Cast back to x's dtype after the
     scale, as HF Gemma does (identical for Llama in float32)."""
     x32 = x.astype(jnp.float32)
-    mean_sq = fixed_order_sum(x32 * x32) / x.shape[-1]
+    mean_sq = row_sum(x32 * x32) / x.shape[-1]
     y = x32 * jax.lax.rsqrt(mean_sq + eps)
     scale = w.astype(jnp.float32)
     if offset:

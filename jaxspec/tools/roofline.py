@@ -4,6 +4,13 @@ with the minimum a step must move.
 
     python -m jaxspec.tools.roofline --config configs/smollm2-135m.yaml
     python -m jaxspec.tools.roofline --model-shape llama3-8b --batch 1,8,32 --window 1,5,16 --json
+    python -m jaxspec.tools.roofline --target h200 --model-shape llama3-8b --batch 1 --json
+    python -m jaxspec.tools.roofline --target v5e --mesh 1,8 --model-config path/to/config.json
+
+With --target (h100, h200, v5e, v5p, v6e) the programs compile for that accelerator here, on
+compile-only devices (jaxspec.tools.aot; the `aot` extra's wheels), and are read per chip by
+jaxspec.tools.accel_roofline: bytes moved, kernels, host syncs, collectives, attention, floor and
+predicted milliseconds (jaxspec.tools.step_model). Without it, as below, on this host's XLA:CPU.
 
 Per program: XLA cost-analysis flops and bytes; the minimum bytes (weights once — the embedding
 table only where it is the LM head, else the gathered rows — plus the valid KV prefix read, the new
@@ -65,6 +72,10 @@ MODEL_SHAPES = {
     "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_layers": 30,
                          "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "tie_word_embeddings": True,
                          "rope_theta": 100000.0, "max_position_embeddings": 8192},
+    "llama3-1b": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                  "num_layers": 16, "num_heads": 32, "num_kv_heads": 8, "head_dim": 64,
+                  "tie_word_embeddings": True, "rope_theta": 500000.0,
+                  "max_position_embeddings": 131072},
     "llama3-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_layers": 32,
                       "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "rope_theta": 500000.0,
                       "max_position_embeddings": 131072},
@@ -117,29 +128,29 @@ class Program:
                                            "fused_ratio": round(self.fused_bytes / self.min_bytes, 3)}
 
 
+step_programs = _OnFirstUse("jaxspec.tools.step_programs")
+
+
 def abstract_params(target: base.Target, layout: str):
-    """The target's params as ShapeDtypeStructs (its `init_params` trait, never run)."""
-    init = base.require(target, "init_params", "the roofline")
-    return jax.eval_shape(lambda: init(jax.random.key(0), layout))
+    """The target's params as ShapeDtypeStructs (jaxspec.tools.step_programs)."""
+    return step_programs.abstract_params(target, layout)
 
 
 def abstract_cache(target: base.Target, params, batch, capacity):
-    """The cache the target allocates for these (abstract) params, as ShapeDtypeStructs."""
-    return jax.eval_shape(lambda: target.init_cache(params, batch, capacity))
+    return step_programs.abstract_cache(target, params, batch, capacity)
 
 
 def _cache_block(cache) -> tuple[int, ...]:
-    """One layer's cache buffer shape (the size hlo.cache_traffic looks for): [B, K, S, H]."""
-    return max((x.shape[-4:] for x in jax.tree.leaves(cache) if x.ndim >= 4), key=len)
+    return step_programs._cache_block(cache)
 
 
 def _step(target: base.Target, last_only):
-    def step(params, tokens, cache):  # one target forward + logits; the cache is donated
-        out = target.forward(params, tokens, cache)
-        hidden = out.hidden[:, -1:] if last_only else out.hidden
-        return target.logits(params, hidden), out.cache
+    return step_programs._step(target, last_only)
 
-    return jax.jit(step, donate_argnums=2)
+
+def min_bytes(target: base.Target, params, cache, batch, window, valid, logits_rows) -> float:
+    """Weights once + valid KV + new KV + f32 logits (jaxspec.tools.step_programs.min_bytes)."""
+    return step_programs.min_bytes(target, params, cache, batch, window, valid, logits_rows)
 
 
 def compile_options() -> dict:
@@ -155,23 +166,6 @@ def _costs(compiled) -> tuple[float, float]:
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     return float(ca.get("flops", 0.0)), float(ca.get("bytes accessed", 0.0))
-
-
-def min_bytes(target: base.Target, params, cache, batch, window, valid, logits_rows) -> float:
-    """Weights once + valid KV read + new KV written + f32 logits out. The embedding table
-    (`embedding_table`) counts whole only where it is the LM head (`head_table`), else its
-    gathered rows; a cache slot costs the cache's bytes over its B x S slots."""
-    item = jnp.dtype(target.dtype).itemsize
-    nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize  # noqa: E731
-    weights = sum(nbytes(x) for x in jax.tree.leaves(params))
-    t = base.target_traits(target)
-    table = t.embedding_table(params) if t.embedding_table is not None else None
-    if table is not None and not (t.head_table is not None and t.head_table(params) is table):
-        weights += batch * window * target.hidden_size * item - nbytes(table)  # rows only
-    capacity = _cache_block(cache)[2]
-    per_slot = sum(nbytes(x) for x in jax.tree.leaves(cache) if x.ndim >= 4) / (batch * capacity)
-    kv = batch * (valid + window) * per_slot
-    return float(weights + kv + batch * logits_rows * target.vocab_size * 4)
 
 
 def measure(target: base.Target, layout, program, batch, window, capacity, valid) -> Program:
@@ -240,6 +234,8 @@ def model_target(args, config) -> base.Target:
     dtype = resolve_dtype(args.dtype or config.model.dtype)  # auto: this backend's choice
     if args.model_shape:
         return shape_target(args.model_shape, dtype)
+    if getattr(args, "model_config", None):
+        return config_json_target(args.model_config, dtype)
     from jaxspec.loading import resolve
     from jaxspec.loading.gguf_file import config_from_gguf, open_gguf
     from jaxspec.loading.safetensors_dir import config_from_hf, read_hf_config
@@ -250,6 +246,32 @@ def model_target(args, config) -> base.Target:
     else:
         cfg = config_from_hf(read_hf_config(src.path), dtype=dtype, source=str(src.path))
     return llama.LlamaTarget(cfg)
+
+
+def config_json_target(path: str, dtype: str) -> base.Target:
+    """A Llama-family target from a Hugging Face config.json (no weights are read)."""
+    from pathlib import Path
+
+    from jaxspec import validate
+    from jaxspec.loading import families
+    from jaxspec.loading.safetensors_dir import config_from_hf
+    from jaxspec.models import registry
+
+    hf = validate.read_json(Path(path), "--model-config")
+    if not isinstance(hf, dict):
+        raise JaxspecError(f"--model-config {path}: not a config.json object")
+    family = registry.family_for_model_type(hf.get("model_type"), path)
+    if family.name in families.FAMILIES:
+        raise JaxspecError(f"--model-config {path}: model_type {hf.get('model_type')!r} is read "
+                           "only with its weights here: use --config with the checkpoint")
+    return llama.LlamaTarget(config_from_hf(hf, dtype=dtype, source=path))
+
+
+def _mesh(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise JaxspecError(f"--mesh {text!r}: use DATA,MODEL, e.g. 1,8")
+    return int(parts[0]), int(parts[1])
 
 
 def _ints(text: str) -> list[int]:
@@ -274,16 +296,22 @@ def main(argv=None) -> int:
                    help="default: model.dtype; auto = this backend's (bfloat16 on TPU/GPU, float32 "
                    "on CPU, where XLA upcasts bf16 ops and scatters: measure float32 here)")
     p.add_argument("--layout", choices=("stacked", "unrolled"),
-                   help="default: model.layout; auto = this backend's (stacked on TPU/GPU)")
+                   help="default: model.layout; auto = this backend's (unrolled on TPU/GPU)")
     p.add_argument("--batch", default="1,8,32", metavar="B,..")
     p.add_argument("--window", default="1,5,16", metavar="T,..", help="1 = decode, >1 = verify")
     p.add_argument("--capacity", type=int, default=2048, help="cache slots per row")
     p.add_argument("--fill", type=float, default=0.5, help="valid fraction of the cache")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per program")
+    p.add_argument("--target", metavar="NAME", help="compile for this accelerator here: h100, "
+                   "h200, v5e, v5p, v6e (default: this host's XLA:CPU)")
+    p.add_argument("--mesh", metavar="D,M", help="with --target: a DATA x MODEL mesh of chips")
+    p.add_argument("--model-config", metavar="config.json", help="a Hugging Face config.json")
     try:
         args = p.parse_args(argv)
         config = load_config(args.config, args.overrides)
+        if args.target:
+            return _accelerator(args, config)
         layout = args.layout or config.model.layout
         if layout == "auto":  # this backend's choice; the CPU kernel's layout is not abstract
             from jaxspec.loading.params import resolve_layout
@@ -307,6 +335,29 @@ def main(argv=None) -> int:
         print(f"{args.model_shape or config.model.name}, {layout}, {target.dtype}, capacity "
               f"{args.capacity}, cache {args.fill:.0%} full")
         print(format_table(rows))
+    return 0
+
+
+def _accelerator(args, config) -> int:
+    """--target: the programs compiled for an accelerator (jaxspec.tools.accel_roofline)."""
+    from jaxspec.tools import accel_roofline, aot
+
+    aot.target(args.target)  # an unknown name fails before anything compiles
+    mesh = _mesh(args.mesh) if args.mesh else None
+    layout = args.layout or config.model.layout
+    layout = "stacked" if layout == "stacked" else "unrolled"  # auto: the accelerator layout
+    if not 0 <= args.fill < 1 or args.capacity < 16:
+        raise JaxspecError("use --capacity >= 16 and 0 <= --fill < 1")
+    args.dtype = args.dtype or "bfloat16"  # the accelerators' dtype
+    target = model_target(args, config)
+    place = accel_roofline.placement(args.target, mesh, target)
+    out = accel_roofline.rows(place, target, layout, _ints(args.batch), _ints(args.window),
+                              args.capacity, args.fill)
+    if args.json:
+        for r in out:
+            print(json.dumps(r))
+    else:
+        print(accel_roofline.format_rows(out))
     return 0
 
 
