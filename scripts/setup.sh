@@ -83,8 +83,8 @@ if [ "$job" = test ]; then
     step "installing the deviceless GPU/TPU compilers for jax $jax_version into .venv/aot (~1.2 GB)"
     rm -rf .venv/aot
     python -m pip install --no-deps --target .venv/aot "jax-cuda12-plugin==$jax_version" \
-      "jax-cuda12-pjrt==$jax_version" "$(python -c 'import jax; from importlib.metadata import requires
-  print(next(r.split(";")[0].strip() for r in requires("jax") if r.startswith("libtpu")))')"
+      "jax-cuda12-pjrt==$jax_version" "$(python -c 'from importlib.metadata import requires; print(next(r.split(";")[0].strip()
+for r in requires("jax") if r.startswith("libtpu")))')"
     echo "$jax_version" > .venv/aot/.jax-version
   fi
 fi
