@@ -95,13 +95,14 @@ def integer_regex(lo: int | None, hi: int | None) -> str:
 
 
 def number_regex(lo: int | None, hi: int | None) -> str:
-    """A regex of JSON numbers in [lo, hi] (integral bounds), written without an exponent."""
+    """A regex of JSON numbers in [lo, hi] (integral bounds), written without an exponent and
+    with at most 15 fraction digits (a double holds no more), so a sampled number ends."""
 
     def magnitude(mlo: int, mhi: int | None) -> str:  # i(.f)? with mlo <= i.f <= mhi
         if mhi is None:
-            return f"(?:{uint_range(mlo, None)})(?:\\.[0-9]+)?"
-        head = [f"(?:{uint_range(mlo, mhi - 1)})(?:\\.[0-9]+)?"] if mlo <= mhi - 1 else []
-        return "|".join(head + [f"{mhi}(?:\\.0+)?"])
+            return f"(?:{uint_range(mlo, None)})(?:\\.[0-9]{{1,15}})?"
+        head = [f"(?:{uint_range(mlo, mhi - 1)})(?:\\.[0-9]{{1,15}})?"] if mlo <= mhi - 1 else []
+        return "|".join(head + [f"{mhi}(?:\\.0{{1,15}})?"])
 
     parts = []
     if hi is None or hi >= 0:
