@@ -10,6 +10,7 @@ import dataclasses
 import json
 
 import jsonschema
+import numpy as np
 import pytest
 import schemas
 from hypothesis import given, settings
@@ -265,7 +266,15 @@ def law_pvalue(target, d, dparams):
     for r in out:
         t = text(r.token_ids)
         counts[CHOICES.index(t) if t in CHOICES and r.token_ids[-1] == 0 else -1] += 1
-    return chi_square_pvalue(counts, constrained_law(target))
+    totals = {k: sum(r.metrics.get(k, 0) for r in out) for k in (
+        "num_proposed_draft_tokens", "num_masked_draft_tokens", "num_draft_tokens", "num_accepted_tokens")}
+    return chi_square_pvalue(counts, constrained_law(target)), totals
+
+
+def law_eagle(target):
+    """EAGLE drafting every id (the default eagle_like drafts even ids only, and under CHOICES
+    the one even id allowed is EOS: nothing to renormalise over, nothing to redraw)."""
+    return eagle_like(target, draft_ids=np.arange(V))
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +287,14 @@ def test_sampled_constrained_output_has_the_exact_law(law_target, name):
     from distribution import PASS_P
 
     d, dparams = {"plain": (None, None), "ngram": (NgramDrafter(V, 1, 3), None)}.get(name) or (
-        eagle_like(law_target))
-    assert law_pvalue(law_target, d, dparams) > PASS_P
+        law_eagle(law_target))
+    p, n = law_pvalue(law_target, d, dparams)
+    assert p > PASS_P
+    if name == "eagle":  # the hand-off fired: drafts outside the choices' next letters redrawn
+        # from q renormalised over the allowed ones ("a", "b" at the start), kept drafts both
+        # accepted and rejected (a residual draw)
+        assert n["num_masked_draft_tokens"] > 100, n
+        assert 0 < n["num_accepted_tokens"] < n["num_draft_tokens"], n
 
 
 @pytest.mark.patches_traced_code
@@ -290,7 +305,7 @@ def test_the_law_test_catches_nodes_masked_with_the_root_state(law_target, monke
         return grammar_loop.jnp.broadcast_to(g.state[:, None], (tokens.shape[0], 1 + tokens.shape[1]))
 
     monkeypatch.setattr(grammar_loop, "window_states", root_only)
-    assert law_pvalue(law_target, NgramDrafter(V, 1, 3), None) < FAIL_P
+    assert law_pvalue(law_target, NgramDrafter(V, 1, 3), None)[0] < FAIL_P
 
 
 def test_adaptive_speculation_under_the_constraint_equals_plain(target, prompts, plain):
