@@ -148,12 +148,13 @@ def _json_type(value) -> set[str]:
 
 def _check_combinations(node: dict, where: str) -> None:
     """Refuse the keyword combinations outlines-core drops one side of."""
-    constraining = set(node) - ANNOTATIONS - {"type"}
-    for combinator in ("anyOf", "allOf", "$ref", "enum", "const"):
-        others = sorted(constraining - {combinator} - ({"$defs", "definitions"} if combinator == "$ref" else set()))
-        if combinator in node and others and not (combinator == "allOf" and others == ["$defs"]):
-            raise refuse(others[0], where, f"not enforced beside {combinator!r}: move it into the "
-                         f"{'branches' if combinator.endswith('Of') else 'referenced schema' if combinator == '$ref' else 'listed values'}")
+    constraining = set(node) - ANNOTATIONS - {"type", "$defs", "definitions"}
+    where_to = {"anyOf": "the branches", "allOf": "the branch", "$ref": "the referenced schema",
+                "enum": "the listed values", "const": "the listed value"}
+    for combinator, target in where_to.items():
+        others = sorted(constraining - {combinator})
+        if combinator in node and others:
+            raise refuse(others[0], where, f"not enforced beside {combinator!r}: move it into {target}")
     types = node.get("type")
     if ("enum" in node or "const" in node) and isinstance(types, str):
         values = node["enum"] if "enum" in node else [node["const"]]
