@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from codegen import FAST
-from suite_plan import EXPECTED_SKIPS, LONGEST_FIRST, PRODUCTION_CODEGEN, QUICK  # noqa: E402
+from skip_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
+from suite_plan import LONGEST_FIRST, PRODUCTION_CODEGEN, QUICK  # noqa: E402
 
 # Tests run many small programs, so compile time dominates. With JAXSPEC_TEST_FAST_CODEGEN=1
 # (scripts/test.sh sets it for every module but PRODUCTION_CODEGEN) XLA:CPU compiles with
@@ -145,27 +146,6 @@ def pytest_collection_modifyitems(items):
     # xdist's workers take whole files in collection order: the longest first (suite_plan.py).
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
-
-
-def _skip_expected(module: str, reason: str) -> bool:
-    return any(module == m and fragment in reason for m, fragment in EXPECTED_SKIPS)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """In CI (CI=true) a skip not listed in suite_plan.EXPECTED_SKIPS is a failure: everything
-    the project installs (the CPU kernels, the Gemma wheels, every test extra) must be there."""
-    outcome = yield
-    report = outcome.get_result()
-    if os.environ.get("CI", "").lower() != "true" or not report.skipped:
-        return
-    if hasattr(report, "wasxfail"):
-        return
-    reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    if not _skip_expected(item.path.name, reason):
-        report.outcome = "failed"
-        report.longrepr = (f"unexpected skip in CI (not in tests/suite_plan.py EXPECTED_SKIPS): "
-                           f"{reason}")
 
 
 def _memory_maps_near_limit(fraction: float = 0.5) -> bool:

@@ -3,9 +3,10 @@ be set before jax starts): the serving scheduler on a (2, 4) mesh with its page 
 kv heads, against solo one-device runs; the pool's shardings after serving; pool-sized copies in
 the optimised HLO of every decode program the scheduler compiles. Prints one JSON object.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/serving_mesh_check.py [replicated|view]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/serving_mesh_check.py [view] [replicated]
 
-The controls (n-gram only): `replicated`, a pool kept whole on every device (the sharding rules
+The controls (n-gram only, run after the real thing in the same process, each undone after):
+`replicated`, a pool kept whole on every device (the sharding rules
 for the pool replaced by a replicated one): the shard checks must show it; `view`, the paged
 forward reading gathered contiguous views of the rows' pages (`PagedTarget(read="view")`): the
 copy count must show it.
@@ -63,7 +64,7 @@ def serve(sched, prompts):
     return [s.done.token_ids for s in sinks]
 
 
-def pool_copies(sched) -> dict:
+def pool_copies(sched, which: str = "all") -> dict:
     """Copies, zero-fills and gathers as large as one device's pool shard, or (whole-row tables)
     as its rows' contiguous view of their pages (what a gather of the pages builds), in each decode
     program's optimised HLO (the codegen the one-device HLO checks read:
@@ -74,6 +75,8 @@ def pool_copies(sched) -> dict:
     shard = (kv, sched.pool.num_pages, PAGE, cfg.head_dim)
     out = {}
     for row in sched.decode_programs():
+        if which == "whole" and row["table_pages"] != sched.max_pages:
+            continue
         fn, args, kwargs = row["program"]
         text = fn.lower(*args, **kwargs).compile(compiler_options=mesh_check.ACCEL_LIKE).as_text()
         rows = row["rows"] // mesh["data"] if row["rows"] % mesh["data"] == 0 else row["rows"]
@@ -88,40 +91,66 @@ def pool_copies(sched) -> dict:
     return out
 
 
-def main(control: str | None) -> dict:
-    if control == "view":
-        sys.modules["jaxspec.serving.scheduler"].paged_cache.PagedTarget = functools.partial(
-            paged_cache.PagedTarget, read="view")
-    if control == "replicated":  # the control: every device holds the whole pool
-        whole = sharding.paged_cache_shardings
+def control(name: str):
+    """Apply a control (module docstring) -> a function that undoes it."""
+    if name == "view":
+        module = sys.modules["jaxspec.serving.scheduler"].paged_cache
+        real = module.PagedTarget
+        module.PagedTarget = functools.partial(paged_cache.PagedTarget, read="view")
+    else:  # "replicated": every device holds the whole pool
+        module, real = sharding, sharding.paged_cache_shardings
 
         def replicate(cache, mesh, rules=sharding.ShardingRules()):
-            out = whole(cache, mesh, rules)
+            out = real(cache, mesh, rules)
             rep = lambda s: NamedSharding(mesh, P()) if len(s.spec) == 4 else s  # noqa: E731
             return type(out)(k=jax.tree.map(rep, out.k), v=jax.tree.map(rep, out.v),
                              page_table=out.page_table, lengths=out.lengths)
 
-        sharding.paged_cache_shardings = replicate
+        module.paged_cache_shardings = replicate
+    attr = "PagedTarget" if name == "view" else "paged_cache_shardings"
+
+    def undo():
+        setattr(module, attr, real)
+        jax.clear_caches()
+
+    jax.clear_caches()  # no program traced before the control serves it
+    return undo
+
+
+def run(target, prompts, plan, name, with_solo=True, copies_of=None) -> dict:
+    drafter, gamma = METHODS[name]
+    args = (target, drafter, () if drafter else None)
+    eng = Engine(*args, num_speculative_tokens=gamma, max_context=CONTEXT, mesh=plan)
+    sched = Scheduler(eng, slots=SLOTS, max_context=CONTEXT, steps_per_call=3, page_size=PAGE)
+    got = serve(sched, prompts)
+    pool = sched.state.cache.k[0]
+    out = {"kv_layout": sched.kv_layout, "pool_spec": str(tuple(pool.sharding.spec)),
+           "pool_shard": list(pool.addressable_shards[0].data.shape),
+           "copies": pool_copies(sched, copies_of) if copies_of else None}
+    if with_solo:
+        solo = Engine(*args, num_speculative_tokens=gamma, max_context=CONTEXT)
+        want = [solo.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]
+        out["same"] = got == want
+    return out
+
+
+def main(controls: list[str]) -> dict:
+    """plain and n-gram serving, then each control in turn (n-gram, at the same settings; the
+    view control's copies read in the whole-row programs, where its gathered view is)."""
     target = mesh_check.model()
     prompts = [p for p in mesh_check.PROMPTS[: len(NEW)]]
     plan = sharding.MeshPlan(sharding.make_mesh(2, 4))
-    out = {}
-    for name, (drafter, gamma) in METHODS.items():
-        if control and name != "ngram":
-            continue
-        args = (target, drafter, () if drafter else None)
-        solo = Engine(*args, num_speculative_tokens=gamma, max_context=CONTEXT)
-        want = [solo.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]
-        eng = Engine(*args, num_speculative_tokens=gamma, max_context=CONTEXT, mesh=plan)
-        sched = Scheduler(eng, slots=SLOTS, max_context=CONTEXT, steps_per_call=3, page_size=PAGE)
-        got = serve(sched, prompts)
-        pool = sched.state.cache.k[0]
-        out[name] = {"same": got == want, "kv_layout": sched.kv_layout,
-                     "pool_spec": str(tuple(pool.sharding.spec)),
-                     "pool_shard": list(pool.addressable_shards[0].data.shape),
-                     "copies": pool_copies(sched) if name == "ngram" else None}
+    out = {name: run(target, prompts, plan, name, copies_of="all" if name == "ngram" else None)
+           for name in METHODS}
+    for name in controls:
+        undo = control(name)
+        try:
+            out[f"control_{name}"] = run(target, prompts, plan, "ngram", with_solo=False,
+                                         copies_of="whole" if name == "view" else None)
+        finally:
+            undo()
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1] if len(sys.argv) > 1 else None)), flush=True)
+    print(json.dumps(main(sys.argv[1:])), flush=True)

@@ -93,6 +93,32 @@ def test_logprobs_equal_a_full_forward(model, name, temperature):
         assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
 
 
+# Found by a seeded search over prompts (the same model): the trigram [50, 3, 24] (24 is the
+# prefill's greedy token) occurs twice; the most recent match (the tree's branch 0, and what the
+# chain drafts) continues 62, 26, 28, the earlier one (branch 1) 11, 19, 15: what greedy writes.
+BRANCH_PROMPT = [59, 12, 50, 3, 24, 11, 19, 15, 8, 9, 50, 3, 24, 62, 26, 28, 46, 4, 57, 14, 10, 35, 50, 3]
+
+
+def test_tree_logprobs_along_a_non_first_branch_at_depth_three(model):
+    """One tree step accepts three tokens through branch 1 (nodes 2, 4, 6 in the level-by-level
+    layout, not 1, 2, 3): the chain, which drafts branch 0 alone, takes more steps for the same
+    tokens; every token's logprob still equals the full forward's at the node that predicted it."""
+    tree = Engine(model, NgramDrafter(V, 1, 3, branches=2, depth=3), num_speculative_tokens=3,
+                  logprobs=K)
+    chain = Engine(model, NgramDrafter(V, 1, 3), num_speculative_tokens=3)
+    [t] = tree.generate([BRANCH_PROMPT], max_new_tokens=4)
+    [c] = chain.generate([BRANCH_PROMPT], max_new_tokens=4)
+    assert t.token_ids == c.token_ids
+    assert t.metrics["num_steps"] == 1 and t.metrics["num_accepted_tokens"] == 3, t.metrics
+    assert t.metrics["accepted_per_position"][2] == 1.0
+    assert c.metrics["num_steps"] >= 2, c.metrics  # branch 0 alone did not accept all three
+    ref = log_softmax(full_logits(model, BRANCH_PROMPT + t.token_ids))
+    for i, (tok, entry) in enumerate(zip(t.token_ids, t.logprobs)):
+        row = ref[len(BRANCH_PROMPT) - 1 + i]
+        assert abs(entry["logprob"] - row[tok]) < 1e-4, (i, entry["logprob"], row[tok])
+        np.testing.assert_allclose([v for _, v in entry["top"]], np.sort(row)[::-1][:K], atol=1e-4)
+
+
 def test_adaptive_one_token_steps_record_logprobs_too(model):
     """Adaptive speculation's plain steps (the one-token branch) record as the window step."""
     adaptive = AdaptiveConfig(enabled=True, step_costs=[1.0, 3.0, 3.1, 3.2])  # mostly plain

@@ -4,7 +4,8 @@ constrained greedy run and validate; `tool_choice` "required" and a named functi
 `tool_calls` whose arguments validate against the tool's schema, streamed and not;
 tool_choice "auto" (the template is Hermes-style) reads a `<tool_call>` block back as a call,
 streamed and not, and leaves a block naming no tool as content; an unsupported schema keyword
-gets a one-line 400."""
+gets a one-line 400, in response_format and in a tool's parameters; sampled outputs of a schema
+with integer and number bounds, string lengths and a date format validate both ways in."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+import schemas  # noqa: E402
 from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
 from jaxspec.constrain import Constraint  # noqa: E402
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
@@ -92,8 +94,9 @@ def test_json_object_and_guided_choice_over_chat(client):
     c = r.choices[0]
     if c.finish_reason == "stop":  # a random model may keep writing an object past NEW tokens
         assert isinstance(json.loads(c.message.content), dict)
-    else:
-        assert c.finish_reason == "length"
+    else:  # cut by the budget: every token spent, inside an object
+        assert c.finish_reason == "length" and r.usage.completion_tokens == NEW
+        assert c.message.content.startswith("{"), c.message.content
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -122,7 +125,36 @@ def test_tool_calls_parse_and_validate(client, stream, choice):
     jsonschema.validate(json.loads(fn.arguments), schema)
 
 
+BOUNDED = {"type": "object", "properties": {  # short names: a tool call fits the context
+    "n": {"type": "integer", "minimum": 1, "maximum": 5},
+    "x": {"type": "number", "minimum": -2, "maximum": 2},
+    "t": {"type": "string", "minLength": 1, "maxLength": 3},
+    "d": {"type": "string", "format": "date"}}, "required": ["n", "x", "t", "d"],
+    "additionalProperties": False}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": BOUNDED}}
+
+
+def test_sampled_bounded_schemas_validate_in_response_format_and_tools(client):
+    """The reported case: a tool's {"type": "integer", "minimum": 1, "maximum": 5} once came
+    back 1000. Sampled (temperature 1), both ways in, every keyword of BOUNDED is enforced."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "b", "schema": BOUNDED}}
+    kw = dict(model=NAME, max_tokens=100, temperature=1.0, seed=0)
+    r = client.chat.completions.create(messages=[{"role": "user", "content": "go"}],
+                                       response_format=fmt, **kw)
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    schemas.validate(json.loads(r.choices[0].message.content), BOUNDED)
+    r = client.chat.completions.create(messages=[{"role": "user", "content": "find"}],
+                                       tools=[SEARCH], tool_choice="required", **kw)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    schemas.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), BOUNDED)
+
+
 @pytest.mark.parametrize("extra, word", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}}, "oneOf"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "multipleOf": 2}}}}}],
+      "tool_choice": "required"}, "multipleOf"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "contentEncoding": "base64"}}}}, "contentEncoding"),
     ({"tool_choice": "auto"}, "'tools'"),

@@ -4,8 +4,8 @@ sharded over kv heads (one of the tiny model's 4 kv heads per device, rows over 
 output equals one-device solo runs for plain decoding and n-gram speculation, and no decode
 program the scheduler compiles copies, zero-fills or gathers a buffer as large as a device's
 pool shard or its rows' contiguous view (read in the optimised HLO with the codegen the
-one-device HLO checks use). The controls fail them: `serving_mesh_check.py replicated` (the pool
-whole on every device) the shard checks, `serving_mesh_check.py view` (the forward reading
+one-device HLO checks use). The controls, run in the same subprocess after the real thing and undone after, fail them:
+`replicated` (the pool whole on every device) the shard checks, `view` (the forward reading
 gathered views of the pages) the copy check."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def served() -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    proc = subprocess.run([sys.executable, "tests/serving_mesh_check.py"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "tests/serving_mesh_check.py", "view", "replicated"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -39,7 +39,7 @@ def test_mesh_serving_greedy_equals_solo_runs_on_a_paged_pool(served, method):
 
 
 def test_the_pool_stays_sharded_over_kv_heads(served):
-    for out in served.values():
+    for out in (served["plain"], served["ngram"]):
         assert out["pool_spec"] == "('model',)", out
         assert out["pool_shard"][0] == 1, out  # [K/4, NP, P, H]: one kv head per device
 
@@ -48,6 +48,22 @@ def test_no_decode_program_copies_the_pool_on_a_mesh(served):
     copies = served["ngram"]["copies"]
     assert len(copies) == 12, copies  # widths 1, 2, 4 x tables of 4, 8, 16, 25 pages
     assert {k: v for k, v in copies.items() if v} == {}, copies
+
+
+def test_the_replicated_control_fails_the_shard_checks(served):
+    """The pool kept whole on every device: all four kv heads on each, the spec empty."""
+    out = served["control_replicated"]
+    assert out["kv_layout"] == "paged", out
+    assert out["pool_spec"] == "()" and out["pool_shard"][0] == 4, out
+
+
+def test_the_view_control_fails_the_copy_check(served):
+    """The forward reading gathered views of the pages: the copy check finds the views' copies in
+    the 4-wide whole-row program (12 of them), where the paged read's programs have none. (At
+    widths 1 and 2 it finds none: the check reads copies of a row view's exact shape, and those
+    narrower programs build theirs otherwise; docs/testing.md lists the gap.)"""
+    copies = served["control_view"]["copies"]
+    assert set(copies) == {"1x25", "2x25", "4x25"} and copies["4x25"], copies
 
 
 def test_a_round_carries_its_requests_and_cancellations_whole():

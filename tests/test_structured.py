@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import jsonschema
 import numpy as np
 import pytest
+import schemas
 from distribution import FAIL_P, PASS_P, chi_square_pvalue
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -204,6 +205,32 @@ def _tree_step(tables, P, Q, last, state, key, variant):
     return emitted, n + 1, nxt, mask.advance(tables, states[path[n]], nxt)
 
 
+def _law_index():
+    """outlines-core's own automaton of LAW_REGEX: the reference the law reads its allowed
+    tokens from, apart from constrain/ (its tables, mask and advance are what is tested). Not
+    the regex language itself: outlines-core 0.2.14 disallows some tokens the language allows
+    ("a" after "ab", though "abab" matches): test_outlines_core_allows_every_prefix_token."""
+    by_bytes = {}
+    for tid, b in LAW_TOKENS.items():
+        by_bytes.setdefault(b, []).append(tid)
+    return Index(LAW_REGEX, Vocabulary(EOS, by_bytes))
+
+
+def _allowed_after(index, tokens) -> np.ndarray:
+    """bool[LAW_V]: the tokens outlines-core's automaton allows after these token ids."""
+    state = index.get_initial_state()
+    for t in tokens:
+        state = index.get_next_state(state, t)
+    ok = np.zeros(LAW_V, bool)
+    ok[sorted(index.get_allowed_tokens(state))] = True
+    return ok
+
+
+def _masked(p: np.ndarray, ok: np.ndarray) -> np.ndarray:
+    w = np.where(ok, p, 0.0)
+    return w / w.sum()
+
+
 def _first_two(variant, rows):
     tables = compile_tables(LAW_REGEX, LAW_TOKENS, EOS, LAW_V)
     P, Q = _bigrams(0), _bigrams(1)
@@ -220,15 +247,35 @@ def _first_two(variant, rows):
     second, first = run(jax.random.split(jax.random.key(7), rows))
     counts = np.zeros((LAW_V, LAW_V))
     np.add.at(counts, (np.asarray(first), np.asarray(second)), 1)
-    # the exact law of plain constrained sampling: p'(t1 | c, s0) p'(t2 | t1, s1)
-    s0 = tables.initial
-    p1 = np.asarray(mask.mask_probs(P[4], mask.allowed(tables, s0)))
+    # the exact law of plain constrained sampling, p'(t1 | c) p'(t2 | t1), computed apart from
+    # constrain/: numpy over outlines-core's own automaton (_law_index)
+    index, pn = _law_index(), np.asarray(P, np.float64)
     law = np.zeros((LAW_V, LAW_V))
-    for t1 in range(LAW_V):
+    p1 = _masked(pn[4], _allowed_after(index, []))
+    for t1 in range(1, LAW_V):
         if p1[t1] > 0:
-            s1 = mask.advance(tables, s0, jnp.int32(t1))
-            law[t1] = p1[t1] * np.asarray(mask.mask_probs(P[t1], mask.allowed(tables, s1)))
+            law[t1] = p1[t1] * _masked(pn[t1], _allowed_after(index, [t1]))
     return chi_square_pvalue(counts, law)
+
+
+@pytest.mark.xfail(strict=True, reason="outlines-core 0.2.14's Index disallows 'a' after 'ab' "
+                   "under (ab|c)+b? (a prefix of 'abab'): the constrained law leaves out valid text")
+def test_outlines_core_allows_every_prefix_token():
+    """A token is allowed where the text so far plus its bytes still begins a string of the
+    language (checked with Python's re over every string up to 8 letters). Strict xfail: it
+    turns into a failure the day outlines-core allows them, so this note goes."""
+    import itertools
+    import re
+
+    words = ("".join(w) for n in range(9) for w in itertools.product("abc", repeat=n))
+    prefixes = {w[:i] for w in words if re.fullmatch(LAW_REGEX, w) for i in range(len(w) + 1)}
+    index = _law_index()
+    for text_ids in ([], [1], [3], [4], [3, 4]):
+        text = "".join(LAW_TOKENS[t].decode() for t in text_ids)
+        want = {t for t, b in LAW_TOKENS.items() if text + b.decode() in prefixes}
+        want |= {EOS} if re.fullmatch(LAW_REGEX, text) else set()
+        got = set(np.flatnonzero(_allowed_after(index, text_ids)).tolist())
+        assert got == want, (text, sorted(got), sorted(want))
 
 
 @pytest.mark.parametrize("variant", ["correct", "handoff", "tree"])
@@ -244,28 +291,45 @@ def test_broken_variants_fail_the_law(variant):
     assert _first_two(variant, ROWS) < FAIL_P
 
 
-_LEAF = st.sampled_from([
-    {"type": "integer"}, {"type": "boolean"}, {"type": "null"}, {"type": "string", "maxLength": 6},
-    {"enum": ["x", "yz", 3]}, {"type": "number"}, {"type": "string", "pattern": "[a-c]{1,3}"},
-])
-_SCHEMA = st.recursive(
-    _LEAF,
-    lambda inner: st.one_of(
-        st.dictionaries(st.sampled_from(["a", "b", "name", "age"]), inner, min_size=1, max_size=3).map(
-            lambda props: {"type": "object", "properties": props, "required": sorted(props)}),
-        inner.map(lambda items: {"type": "array", "items": items, "maxItems": 3}),
-    ),
-    max_leaves=4,
-)
-
-
-@settings(max_examples=10, deadline=None, derandomize=True)
-@given(schema=_SCHEMA, seed=st.integers(0, 2**16))
-def test_generated_schemas_validate(schema, seed):
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(schema=schemas.schemas(), seed=st.integers(0, 2**16))
+def test_every_accepted_keyword_is_enforced(schema, seed):
+    """Schemas drawn from every accepted keyword (tests/schemas.py): each completed walk under the
+    mask validates with jsonschema (formats parsed by the standard library)."""
     tables = compile_tables(constraint_regex(Constraint(json_schema=schema)), TOKENS, EOS, VOCAB)
-    toks, complete = _walk_tokens(tables, np.random.default_rng(seed))
-    assert complete
-    jsonschema.validate(json.loads(b"".join(TOKENS[t] for t in toks)), schema)
+    rng = np.random.default_rng(seed)
+    for _ in range(3):
+        toks, complete = _walk_tokens(tables, rng)
+        assert complete
+        schemas.validate(json.loads(b"".join(TOKENS[t] for t in toks)), schema)
+
+
+@pytest.mark.parametrize("schema,keyword", schemas.REFUSED, ids=[k for _, k in schemas.REFUSED])
+def test_every_other_keyword_is_refused_by_name(schema, keyword):
+    with pytest.raises(ValueError) as e:
+        constraint_regex(Constraint(json_schema=schema))
+    assert f"'{keyword}'" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_bounds_outlines_core_drops_are_enforced():
+    """The reported case: {"type": "integer", "minimum": 1, "maximum": 5} once let 1000 through."""
+    schema = {"type": "object", "properties": {"limit": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["limit"]}
+    tables = compile_tables(constraint_regex(Constraint(json_schema=schema)), TOKENS, EOS, VOCAB)
+    seen = set()
+    for seed in range(40):
+        toks, complete = _walk_tokens(tables, np.random.default_rng(seed))
+        assert complete
+        seen.add(json.loads(b"".join(TOKENS[t] for t in toks))["limit"])
+    assert seen == {1, 2, 3, 4, 5}
+    from outlines_core.json_schema import build_regex_from_schema  # control: outlines-core alone
+
+    bare = compile_tables(build_regex_from_schema(json.dumps(schema)), TOKENS, EOS, VOCAB)
+    state = int(bare.initial)
+    for ch in b'{"limit":1000}':
+        state = int(np.asarray(bare.next)[state, CHARS.index(chr(ch)) + 1])
+        assert state >= 0
+    assert bool(bare.accepting[state])
 
 
 def test_deterministic_drafts_are_cut_at_the_first_disallowed_token():

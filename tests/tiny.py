@@ -65,13 +65,15 @@ def near_tie_model(seed=0, delta=1e-6, layers=2, packed=True, **kw) -> TinyModel
     return TinyModel(cfg, params, eos_token_ids=(-1,))
 
 
-def eagle_like(target):
-    """An untrained EAGLE drafter (jaxspec's own, taps 1, 2, 2, every other token drafted) and
-    its params, for a tiny target (packed for the CPU kernels or not)."""
+def eagle_like(target, draft_ids=None):
+    """An untrained EAGLE drafter (jaxspec's own, taps 1, 2, 2) and its params, for a tiny target
+    (packed for the CPU kernels or not). It drafts `draft_ids` only (default: every other token,
+    the even ids 0..62); a test whose constraint allows odd ids passes the ids it needs drafted."""
     from jaxspec.train import methods  # training code: only the tests that need it import it
 
+    ids = np.arange(0, 64, 2) if draft_ids is None else np.asarray(draft_ids)
     m = methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0)
-    params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
+    params, frozen = m.init(target, ids.astype(np.int32), jax.random.key(7))
     return m.drafter(target.target), m.runtime(params, frozen)
 
 

@@ -3,8 +3,9 @@
 outlines-core was picked because its `Index(regex, vocabulary)` is exactly a token-level DFA
 (per state: allowed tokens and the next state), which maps one-to-one onto a device table, so
 the whole decode loop stays one compiled program; xgrammar/llguidance are pushdown automata with
-a host-side mask per step. JSON Schema goes through `outlines_core.json_schema`; keywords it does
-not cover are refused with a one-line error naming the keyword.
+a host-side mask per step. JSON Schema goes through `outlines_core.json_schema` after
+constrain/schema.py checks it: each keyword is enforced (by outlines-core or by a regex of ours)
+or refused with a one-line error naming it.
 """
 
 from __future__ import annotations
@@ -16,18 +17,8 @@ import re
 
 import numpy as np
 
+from jaxspec.constrain.schema import prepare, substitute
 from jaxspec.constrain.tables import Tables
-
-# JSON Schema keywords outlines-core 0.2 turns into a regex; anything else is refused by name.
-SUPPORTED_KEYWORDS = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
-    "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "pattern",
-    "format", "minLength", "maxLength", "minimum", "maximum", "title", "description", "$schema", "$id",
-    "default", "examples", "minDigits", "maxDigits", "uniqueItems", "minProperties", "maxProperties",
-})
-_SCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-
 
 @dataclasses.dataclass(frozen=True)
 class Constraint:
@@ -45,26 +36,6 @@ class Constraint:
             raise ValueError("a constraint takes exactly one of json_schema, json_object, regex, choice")
 
 
-def _check_keywords(schema, where="schema") -> None:
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise TypeError(f"{where} must be a JSON object, got {type(schema).__name__}")
-    for key, value in schema.items():
-        if key not in SUPPORTED_KEYWORDS:
-            raise ValueError(
-                f"unsupported JSON Schema keyword {key!r} at {where}; remove it or constrain with a regex instead"
-            )
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                _check_keywords(sub, f"{where}.{key}.{name}")
-        elif key in _SCHEMA_LISTS and isinstance(value, list):
-            for i, sub in enumerate(value):
-                _check_keywords(sub, f"{where}.{key}[{i}]")
-        elif key in ("items", "additionalProperties") and isinstance(value, dict):
-            _check_keywords(value, f"{where}.{key}")
-
-
 def constraint_regex(c: Constraint) -> str:
     """The regex a constraint compiles to (ValueError naming the problem otherwise)."""
     from outlines_core.json_schema import build_regex_from_schema
@@ -79,11 +50,12 @@ def constraint_regex(c: Constraint) -> str:
     schema = {"type": "object"} if c.json_object else c.json_schema
     if isinstance(schema, str):
         schema = json.loads(schema)
-    _check_keywords(schema)
+    prepared, subs = prepare(schema)
     try:
-        return build_regex_from_schema(json.dumps(schema, sort_keys=True))
+        regex = build_regex_from_schema(json.dumps(prepared, sort_keys=True))
     except (ValueError, TypeError) as e:
         raise ValueError(f"unsupported JSON Schema: {str(e).splitlines()[0]}") from None
+    return substitute(regex, subs)
 
 
 def _bytes_to_unicode() -> dict[str, int]:
