@@ -11,6 +11,7 @@ The model is reached only through the engine's serving surface (`Engine.prefill_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -99,6 +100,35 @@ class Admission:
         return bool(self.prefilling) or bool(self.active)
 
     def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
+        """`req` prefilled into `slot` (`_prefill_row`); a failure fails `req` alone."""
+        with self._confined([req]) as failed:
+            self._prefill_row(req, slot, done)
+        if failed:
+            self._fail(req, failed[0])
+
+    @contextlib.contextmanager
+    def _confined(self, reqs, release: bool = True):
+        """Around a prefill of `reqs`: an exception is caught and the yielded list gets it, with
+        the pool put back (and, `release`, their slots' pages freed), so only they fail. Re-raised when the pool
+        went with the failed call (donated and deleted): then the engine cannot go on."""
+        pool = self.state.cache if self.paged and self.state is not None else None
+        failed: list[BaseException] = []
+        try:
+            yield failed
+        except Exception as e:  # noqa: BLE001 -- confined below, or re-raised
+            if pool is not None and any(x.is_deleted() for x in jax.tree.leaves((pool.k, pool.v))):
+                raise
+            if pool is not None:
+                self._set_cache(k=pool.k, v=pool.v)
+            for r in reqs:
+                slot = next((s for s, a in self.active.items() if a is r), r.slot)
+                self.active.pop(slot, None)
+                if slot >= 0 and release:
+                    self.pool.release(slot)
+                r.slot = -1
+            failed.append(e)
+
+    def _prefill_row(self, req: Request, slot: int, done: int = 0) -> None:
         t0 = time.perf_counter()
         row = self._row_state(self.spec, req, slot, done)
         self.kv.written(slot, req.prompt_ids)
@@ -244,8 +274,22 @@ class Admission:
             group = sorted((x for x in ready if shape(x) == key),
                            key=lambda x: len(x[0].prompt_ids))
             for n in split_widths(self.widths, len(group)):
-                self._prefill_rows(group[:n])
+                self._prefill_rows_confined(group[:n])
                 group = group[n:]
+
+    def _prefill_rows_confined(self, items: list[tuple[Request, int, int]]) -> None:
+        """`_prefill_rows`; when the call fails, each row is prefilled alone, so only the
+        request that caused it fails."""
+        alone = len(items) == 1
+        with self._confined([r for r, _, _ in items], release=alone) as failed:
+            self._prefill_rows(items)
+        if not failed:
+            return
+        if alone:
+            self._fail(items[0][0], failed[0])
+            return
+        for item in items:
+            self._prefill_rows_confined([item])
 
     def _prefill_rows(self, items: list[tuple[Request, int, int]]) -> None:
         """One prefill call over these rows (a batch of `_prefill_into`), spliced into their

@@ -18,14 +18,15 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxspec.errors import JaxspecError
 from jaxspec.serving import choices, structured, tool_parse
+from jaxspec.serving.answers import DONE, drained, error, failure, returned_tokens, stream_error
 from jaxspec.serving.api import Server
+from jaxspec.serving.body import read_body
 from jaxspec.serving.fields import (
     HTTPError,
     check_recorded,
@@ -40,53 +41,7 @@ from jaxspec.serving.fields import (
 )
 from jaxspec.serving.gate import Gate
 from jaxspec.serving.metrics import CONTENT_TYPE, ServerMetrics
-from jaxspec.serving.requests import QueueFull
-
-
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
-
-
-async def _body(request: Request, limit: int) -> dict[str, Any]:
-    raw = await request.body()
-    if limit and len(raw) > limit:
-        raise HTTPError(413, f"the request body is {len(raw)} bytes: serving.max_body_bytes "
-                             f"allows {limit}", "request_too_large")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise HTTPError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
-    return body
-
-
-DONE = "data: [DONE]\n\n"  # a stream's last event
-
-
-def _stream_error(e: JaxspecError) -> str:
-    """The event that ends a stream whose serving loop stopped (headers are long sent)."""
-    err = {"message": _failure(e).message, "type": "server_error", "code": 500}
-    return f"data: {json.dumps({'error': err})}\n\n"
-
-
-def _failure(e: JaxspecError) -> HTTPError:
-    """The serving loop stopped under a request: a 500 with its reason on one line."""
-    line = " ".join(str(e).split())
-    return HTTPError(500, line if len(line) <= 300 else line[:297] + "...", "server_error")
-
-
-def returned_tokens(engine, done, stop_ids) -> int:
-    """Tokens behind the text returned: a stop string cuts the text, and the tokens generated
-    past it (in the same device call) are not counted."""
-    ids, stop_ids = done.token_ids, set(stop_ids)
-
-    def shown(k):
-        return len(engine.decode_text([t for t in ids[:k] if t not in stop_ids]))
-
-    if shown(len(ids)) <= len(done.text):
-        return len(ids)
-    return next(k for k in range(len(ids) + 1) if shown(k) >= len(done.text))
+from jaxspec.serving.requests import EngineStopped, QueueFull
 
 
 def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
@@ -105,42 +60,52 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         if path in open_paths:
             return await call_next(request)
         if not gate.authorized(request.headers.get("authorization")):
-            return _error(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+            return error(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
                           "authentication_error")
         size = request.headers.get("content-length", "")
         if limits.max_body_bytes and size.isdigit() and int(size) > limits.max_body_bytes:
-            return _error(413, f"the request body is {size} bytes: serving.max_body_bytes allows "
+            return error(413, f"the request body is {size} bytes: serving.max_body_bytes allows "
                                f"{limits.max_body_bytes}", "request_too_large")
+        if request.method == "POST" and server.failure is not None:
+            return error(503, "the serving loop stopped and the process is exiting: send the "
+                               "request to another replica", "unavailable")
         if request.method == "POST" and gate.draining:
-            return _error(503, "the server is stopping: send the request to another replica",
+            return error(503, "the server is stopping: send the request to another replica",
                           "unavailable")
         if request.method == "POST" and not gate.ready:
-            return _error(503, "the server is compiling its programs: retry when /ready "
+            return error(503, "the server is compiling its programs: retry when /ready "
                                "answers 200", "unavailable")
         return await call_next(request)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_, e: HTTPError):
-        return _error(e.status, e.message, e.kind)
+        return error(e.status, e.message, e.kind)
 
     @app.exception_handler(QueueFull)
     async def _full(_, e: QueueFull):
-        return _error(429, str(e), "rate_limit_error")
+        return error(429, str(e), "rate_limit_error")
+
+    @app.exception_handler(EngineStopped)
+    async def _stopped(_, e: EngineStopped):
+        return error(503, str(e), "unavailable")
 
     @app.exception_handler(JaxspecError)
     async def _bad(_, e: JaxspecError):
-        return _error(400, str(e), "invalid_request_error")
+        return error(400, str(e), "invalid_request_error")
 
     @app.get("/health")
     async def health():
-        return server.health()
+        h = server.health()
+        return h if server.failure is None else JSONResponse(h, 503)
 
     @app.get("/ready")
     async def ready():
+        if server.failure is not None:
+            return error(503, "the serving loop stopped: the process is exiting", "unavailable")
         if gate.draining:
-            return _error(503, "the server is stopping", "unavailable")
+            return error(503, "the server is stopping", "unavailable")
         if not gate.ready:
-            return _error(503, "the server is compiling its programs", "unavailable")
+            return error(503, "the server is compiling its programs", "unavailable")
         return {"status": "ready"}
 
     @app.get("/metrics")
@@ -224,9 +189,9 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         try:
             return ids, await asyncio.to_thread(server.prompt_logprobs, ids)
         except JaxspecError as e:
-            raise _failure(e) from None
+            raise failure(e) from None
 
-    async def respond(body, ids, chat: bool, prompt_text: str = ""):
+    async def respond(body, ids, chat: bool, prompt_text: str = "", request=None):
         """One request: `prompt_text` is what echo returns (completions)."""
         refuse_unsupported(body)
         wanted = structured.asked(body, tool_parse.template_format(tokenizer))
@@ -256,14 +221,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         if streamed and n_choices > 1:
             return stream_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo)
         if candidates > 1:
-            return await respond_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo,
-                                   candidates)
+            return await respond_n(request, ids, sampling, n_choices, rid, chat, wanted, echoed,
+                                   echo, candidates)
         stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint)
-        gate.enter(stream)
-        timer = None
-        if limits.request_timeout_s:
-            timer = asyncio.get_running_loop().call_later(
-                limits.request_timeout_s, gate.time_out, stream)
+        timer = watch(stream)
         created = int(time.time())
         head = {"id": rid, "created": created, "model": server.model_name}
 
@@ -276,11 +237,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
 
         if not streamed:
             try:
-                async for _ in stream:
-                    pass
+                await drained(request, [stream])
                 done, reason, usage = ended()
             except JaxspecError as e:
-                raise _failure(e) from None
+                raise failure(e) from None
             finally:
                 close()
             lp = choices.logprobs_block(piece, done, usage["completion_tokens"], sampling.logprobs,
@@ -304,34 +264,35 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             return f"data: {json.dumps(out)}\n\n"
 
         async def events():
+            first = True
             try:
-                first = True
-                if echoed:  # the prompt first, as it was sent
-                    yield chunk(echoed)
-                held = structured.Streamed(wanted)  # calls go out whole, parsed, at the end
-                async for text in stream:
-                    if text := held.feed(text):
-                        yield chunk(text, first=first)
+                try:
+                    if echoed:  # the prompt first, as it was sent
+                        yield chunk(echoed)
+                    held = structured.Streamed(wanted)  # calls go out whole, parsed, at the end
+                    async for text in stream:
+                        if text := held.feed(text):
+                            yield chunk(text, first=first)
+                            first = False
+                    done, reason, usage = ended()
+                    rest, calls = held.end(done.text, reason)
+                    if rest:  # cut short, not a call, or the text around the calls
+                        yield chunk(rest, first=first)
                         first = False
-                done, reason, usage = ended()
-                rest, calls = held.end(done.text, reason)
-                if rest:  # cut short, not a call, or the text around the calls
-                    yield chunk(rest, first=first)
-                    first = False
-                if calls:
-                    delta = {"role": "assistant", "content": None,
-                             "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}
-                    out = head | {"object": kind, "choices": [
-                        {"index": 0, "delta": delta, "finish_reason": None}]}
-                    yield f"data: {json.dumps(out)}\n\n"
-                    reason, first = "tool_calls", False
-                # the tokens' logprobs come with the last chunk, all of them at once
-                lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
-                                            sampling.logprobs, chat, echo)
-                yield chunk("", reason, usage, first=first, logprobs=lp)
-            except JaxspecError as e:  # the serving loop stopped: say so, end the stream
-                yield _stream_error(e)
-            else:
+                    if calls:
+                        delta = {"role": "assistant", "content": None,
+                                 "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}
+                        out = head | {"object": kind, "choices": [
+                            {"index": 0, "delta": delta, "finish_reason": None}]}
+                        yield f"data: {json.dumps(out)}\n\n"
+                        reason, first = "tool_calls", False
+                    # the tokens' logprobs come with the last chunk, all of them at once
+                    lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
+                                                sampling.logprobs, chat, echo)
+                    yield chunk("", reason, usage, first=first, logprobs=lp)
+                except JaxspecError as e:  # it failed: a finish reason, the error, the end
+                    yield chunk("", "error", first=first)
+                    yield stream_error(e)
                 yield DONE
             finally:
                 close()  # the client went away mid-stream: free its row and pages
@@ -350,6 +311,14 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         metrics.observe(reason, usage)
         return done, reason, usage
 
+    def watch(stream):
+        """`stream` counted in flight, under the request time limit: its timer (or None)."""
+        gate.enter(stream)
+        if not limits.request_timeout_s:
+            return None
+        return asyncio.get_running_loop().call_later(limits.request_timeout_s, gate.time_out,
+                                                     stream)
+
     def closed(stream, timer):
         if timer is not None:
             timer.cancel()
@@ -359,17 +328,11 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     def submit_n(ids, sampling, count: int, rid: str, wanted):
         """`count` requests of one prompt, seeds seed + i (None: each its own): (streams, their
         time-limit timers)."""
-        streams, timers = [], []
-        for i in range(count):
-            seed = None if sampling.seed is None else sampling.seed + i
-            stream = server.submit(ids, dataclasses.replace(sampling, seed=seed),
-                                   request_id=f"{rid}-{i}", constraint=wanted.constraint)
-            gate.enter(stream)
-            streams.append(stream)
-            timers.append(None if not limits.request_timeout_s else
-                          asyncio.get_running_loop().call_later(
-                              limits.request_timeout_s, gate.time_out, stream))
-        return streams, timers
+        seeds = [None if sampling.seed is None else sampling.seed + i for i in range(count)]
+        streams = server.submit_all(ids, [dataclasses.replace(sampling, seed=s) for s in seeds],
+                                    [f"{rid}-{i}" for i in range(count)],
+                                    constraint=wanted.constraint)
+        return streams, [watch(stream) for stream in streams]
 
     def stream_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed, echo):
         """n streamed completions of one prompt (seeds as `respond_n`'s): each choice's chunks
@@ -400,27 +363,29 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             queue: asyncio.Queue = asyncio.Queue()
             tasks = [asyncio.create_task(pump(i, s, queue)) for i, s in enumerate(streams)]
             total, first = {"prompt_tokens": len(ids), "completion_tokens": 0}, [True] * n_choices
+            i = 0
             try:
-                for i in range(n_choices if echoed else 0):
-                    yield chunk(i, echoed)
-                for _ in range(n_choices):  # each stream's end, in the order they come
-                    i, text, error = await queue.get()
-                    while text is not None:
-                        yield chunk(i, text, first=first[i])
-                        first[i] = False
+                try:
+                    for i in range(n_choices if echoed else 0):
+                        yield chunk(i, echoed)
+                    for _ in range(n_choices):  # each stream's end, in the order they come
                         i, text, error = await queue.get()
-                    if error is not None:
-                        raise error
-                    done, reason, usage = finished(streams[i], sampling)
-                    total["completion_tokens"] += usage["completion_tokens"]
-                    lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
-                                                sampling.logprobs, chat, echo)
-                    yield chunk(i, "", reason, lp, first=first[i])
-                total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
-                yield f"data: {json.dumps(head | {'choices': [], 'usage': total})}\n\n"
-            except JaxspecError as e:  # the serving loop stopped: say so, end the stream
-                yield _stream_error(e)
-            else:
+                        while text is not None:
+                            yield chunk(i, text, first=first[i])
+                            first[i] = False
+                            i, text, error = await queue.get()
+                        if error is not None:
+                            raise error
+                        done, reason, usage = finished(streams[i], sampling)
+                        total["completion_tokens"] += usage["completion_tokens"]
+                        lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
+                                                    sampling.logprobs, chat, echo)
+                        yield chunk(i, "", reason, lp, first=first[i])
+                    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+                    yield f"data: {json.dumps(head | {'choices': [], 'usage': total})}\n\n"
+                except JaxspecError as e:  # it failed: a finish reason, the error, the end
+                    yield chunk(i, "", "error")
+                    yield stream_error(e)
                 yield DONE
             finally:
                 for task in tasks:
@@ -430,8 +395,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed="",
-                        echo=None, candidates: int = 0):
+    async def respond_n(request, ids, sampling, n_choices: int, rid: str, chat: bool, wanted,
+                        echoed="", echo=None, candidates: int = 0):
         """n completions of one prompt (not streamed): `candidates` (best_of, at least n)
         requests, seeds seed + i (None: each its own); past n, the n with the highest summed
         logprob of their returned tokens, in that order. One choice each (each with the echoed
@@ -444,14 +409,13 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         streams, timers = submit_n(ids, sampling, candidates, rid, wanted)
         results, total = [], {"prompt_tokens": len(ids), "completion_tokens": 0}
         try:
+            await drained(request, streams)
             for stream in streams:
-                async for _ in stream:
-                    pass
                 done, reason, usage = finished(stream, sampling)
                 total["completion_tokens"] += usage["completion_tokens"]
                 results.append((done, reason, usage["completion_tokens"]))
         except JaxspecError as e:
-            raise _failure(e) from None
+            raise failure(e) from None
         finally:
             for stream, timer in zip(streams, timers):
                 closed(stream, timer)
@@ -471,7 +435,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request, limits.max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)
         check_model(body)
         if "prompt" not in body:
             raise HTTPError(400, "field 'prompt' is required")
@@ -480,13 +444,14 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         text = prompt if isinstance(prompt, str) else "".join(piece(t) for t in ids)
-        return await respond(body, ids, chat=False, prompt_text=text)
+        return await respond(body, ids, chat=False, prompt_text=text, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _body(request, limits.max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)
         check_model(body)
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-        return await respond(body, chat_ids(body.get("messages"), tools), chat=True)
+        return await respond(body, chat_ids(body.get("messages"), tools), chat=True,
+                             request=request)
 
     return app

@@ -181,7 +181,12 @@ class Scheduler(Admission, DeviceCall, Streaming):
                 f"(+ γ + 1 = {need} slots) exceeds serving.max_context={self.capacity}: "
                 "shorten the prompt or lower max_tokens"
             )
-        bias_vector(dict(sampling.logit_bias), self.engine.target.vocab_size)  # ids in range
+        vocab = self.engine.target.vocab_size
+        bias_vector(dict(sampling.logit_bias), vocab)  # ids and values in range
+        bad = next((t for t in sampling.stop_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise JaxspecError(f"stop_token_ids holds {bad}, outside the vocabulary: use ids "
+                               f"in [0, {vocab})")
         k = self.spec.logprobs
         if sampling.logprobs is not None and (k is None or sampling.logprobs > k):
             raise JaxspecError(
