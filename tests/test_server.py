@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("fastapi")
@@ -22,6 +23,7 @@ from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E4
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
 from jaxspec.engine.runner import Engine  # noqa: E402
 from jaxspec.serving import QueueFull, Sampling, Server  # noqa: E402
+from jaxspec.serving.requests import RequestFailed  # noqa: E402
 from jaxspec.serving.http import make_app  # noqa: E402
 
 CONTEXT = 128
@@ -66,7 +68,7 @@ def idle(server, timeout=60):
     end = time.time() + timeout
     while time.time() < end:
         h = server.health()
-        if h["active"] == 0 and h["queued"] == 0:
+        if h["active"] == 0 and h["queued"] == 0 and h["in_flight"] == 0:
             return h
         time.sleep(0.05)
     raise AssertionError(f"still busy: {server.health()}")
@@ -241,3 +243,179 @@ def test_the_serve_command_answers_health_on_loopback():
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+# ---- attacks: hostile bodies, a fuzzed schema, faults (issue 57) ---------------------------
+def post_raw(url, path, content, **kw):
+    return httpx.post(url + path, content=content, timeout=120, **kw)
+
+
+def one_line(r, status, word=""):
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    assert "\n" not in message and word in message, message
+    return r
+
+
+@pytest.mark.parametrize("body, word", [
+    (b"[" * 100_000 + b"]" * 100_000, "nests"),
+    (b'{"prompt": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", "nests"),
+    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "surrogate"),
+    (b'{"prompt": "a", "temperature": NaN}', "NaN"),
+    (b'{"prompt": "a", "temperature": 1e999}', "finite"),
+    (b'{"prompt": "a", "seed": ' + b"9" * 5000 + b"}", "JSON"),
+    (b'{"prompt": [-1, 5], "max_tokens": 2}', "-1"),
+    (b'{"prompt": [97, 256], "max_tokens": 2}', "256"),
+    (b'{"prompt": "a", "stop_token_ids": [-1]}', "stop_token_ids"),
+    (b'{"prompt": "a", "repetition_penalty": 1e-300}', "repetition_penalty"),
+    (b'{"prompt": "a", "temperature": 1e300}', "temperature"),
+    (b'{"prompt": "a", "top_p": 1e-300}', "top_p"),
+    (b'{"prompt": "a", "logit_bias": {"-1": 5}}', "logit_bias"),
+    (b'{"prompt": "a", "logit_bias": {"3": 1e300}}', "logit_bias"),
+    (b'{"prompt": "a", "stream": true, "stream_options": {"include_usage": "x"}}', "stream_options"),
+    (b'"a string"', "JSON object"),
+])
+def test_hostile_bodies_get_a_one_line_400(served, body, word):
+    one_line(post_raw(served[1], "/v1/completions", body), 400, word)
+
+
+def test_a_chunked_upload_is_refused_once_past_the_limit(served):
+    """1 MiB + 4 KiB sent chunked, the body never ended: the 413 comes anyway (counted as it
+    arrives, not read whole)."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(served[1])
+    with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"x" * 65536
+        for _ in range(17):  # one chunk past the limit; the terminating chunk is never sent
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
+
+
+def test_429_and_503_carry_retry_after(served):
+    server, url = served
+    idle(server)
+    held = [server.submit([97, 98, 99], Sampling(max_tokens=110)) for _ in range(3)]
+    try:
+        while server.health()["active"] < 3:
+            time.sleep(0.01)
+        held += [server.submit([97, 98, 99], Sampling(max_tokens=110)) for _ in range(2)]
+        # n = 2 needs two places and the queue has one: refused whole, nothing of it queued
+        r = one_line(httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2,
+                                                               "n": 2}, timeout=60), 429, "queue")
+        assert int(r.headers["retry-after"]) >= 1
+        assert server.health()["queued"] == 2
+    finally:
+        for s in held:
+            s.cancel()
+    idle(server)
+
+
+def test_a_dropped_request_not_streamed_is_cancelled(served, engine, monkeypatch):
+    """The client gives up after 1 s on a request of 110 tokens, device calls slowed to 0.5 s
+    (4 steps each: 110 tokens take 3.5 s at the very least): the server ends it at once
+    instead of generating on for nobody."""
+    server, url = served
+    idle(server)
+    body = {"prompt": [97, 98, 99], "max_tokens": 110, "temperature": 0}
+    httpx.post(url + "/v1/completions", json=body | {"max_tokens": 8}, timeout=120)  # compiled
+    decode = engine.decode_rows
+    monkeypatch.setattr(engine, "decode_rows",
+                        lambda *a, **k: (time.sleep(0.5), decode(*a, **k))[1])
+    t0 = time.time()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=1.0)
+    h = idle(server, timeout=30)
+    assert time.time() - t0 < 3.0, "the dropped request ran on"
+    assert h["free_pages"] == h["kv_pages"]
+
+
+def test_an_exception_in_one_prefill_fails_that_request_alone(served, client, solo, engine,
+                                                              monkeypatch):
+    server, url = served
+    penalties = engine.row_penalties
+
+    def faulty(settings):
+        if any(s[0] == 1.25 for s in settings):  # presence 1.25 marks the victim
+            raise RuntimeError("injected prefill fault")
+        return penalties(settings)
+
+    monkeypatch.setattr(engine, "row_penalties", faulty)
+    for stream in (False, True):
+        body = {"prompt": "abc", "max_tokens": 4, "presence_penalty": 1.25, "stream": stream}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        if not stream:
+            one_line(r, 500, "injected prefill fault")
+        else:
+            events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+            assert json.loads(events[-3])["choices"][0]["finish_reason"] == "error"
+            assert "injected prefill fault" in json.loads(events[-2])["error"]["message"]
+            assert events[-1] == "[DONE]"
+    assert complete(client, PROMPTS[0]).choices[0].text == solo[PROMPTS[0]]
+    h = idle(server)
+    assert h["status"] == "ok" and h["free_pages"] == h["kv_pages"]
+
+
+def test_a_row_whose_math_breaks_fails_alone(served, client, solo, engine, monkeypatch):
+    """A row given a repetition penalty of 0 on the device (past every host check, as a bug
+    there would let it: presence 1.75 marks it): NaN probabilities, tokens outside the
+    vocabulary; that request fails with one line, a greedy request beside it returns its solo
+    text."""
+    import dataclasses
+
+    server, _ = served
+    idle(server)
+    penalties = engine.row_penalties
+
+    def broken(settings):
+        marked = [s[0] == 1.75 for s in settings]
+        pen = penalties([(0.0, *s[1:]) if m else s for s, m in zip(settings, marked)])
+        return dataclasses.replace(pen, repetition=jnp.where(jnp.asarray(marked), 0.0,
+                                                             pen.repetition))
+
+    monkeypatch.setattr(engine, "row_penalties", broken)
+    victim = server.submit(list(b"the cat sat on the mat"),
+                           Sampling(max_tokens=8, temperature=1.0, presence_penalty=1.75))
+    assert complete(client, PROMPTS[3]).choices[0].text == solo[PROMPTS[3]]
+    with pytest.raises(RequestFailed, match="outside the vocabulary"):
+        victim.result(timeout=120)
+    h = idle(server)
+    assert h["status"] == "ok" and h["free_pages"] == h["kv_pages"]
+
+
+def test_engine_death_fails_ready_and_health_ends_streams_and_stops_the_process(
+        engine, monkeypatch, capfd):
+    """The serving loop itself dies (the device call raises): the stream in flight ends with
+    finish_reason "error" and [DONE], /health and /ready answer 503, a new request 503 with
+    Retry-After, the cause is on stderr, and `serve_until_stopped` returns (the process exits
+    3: `jaxspec.serve.EXIT_ENGINE_DIED`)."""
+    from jaxspec import serve
+
+    doomed = Server(engine, slots=2, max_context=CONTEXT, steps_per_call=4, model_name=NAME)
+    monkeypatch.setattr(engine, "decode_rows", lambda *a, **k: 1 / 0)
+    app = make_app(doomed)
+    stopped = threading.Thread(target=serve.serve_until_stopped,
+                               args=(uvicorn, app, "127.0.0.1", 0, None, doomed.died))
+    try:
+        with listening(make_app(doomed)) as url:
+            stopped.start()
+            body = {"prompt": "abc", "max_tokens": 4, "stream": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+            assert json.loads(events[-3])["choices"][0]["finish_reason"] == "error"
+            assert json.loads(events[-2])["error"]["code"] == 503 and events[-1] == "[DONE]"
+            assert httpx.get(url + "/health").status_code == 503
+            assert httpx.get(url + "/ready").status_code == 503
+            r = one_line(post_raw(url, "/v1/completions", b'{"prompt": "a"}'), 503, "stopped")
+            assert int(r.headers["retry-after"]) >= 1
+            stopped.join(timeout=30)
+            assert not stopped.is_alive()
+    finally:
+        doomed.close()
+    err = capfd.readouterr().err
+    assert "the serving loop stopped: ZeroDivisionError" in err and "exit status 3" in err
+    assert serve.EXIT_ENGINE_DIED == 3

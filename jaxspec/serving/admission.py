@@ -101,14 +101,14 @@ class Admission:
 
     def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
         """`req` prefilled into `slot` (`_prefill_row`); a failure fails `req` alone."""
-        with self._confined([req]) as failed:
+        with self._confined([req], [slot]) as failed:
             self._prefill_row(req, slot, done)
         if failed:
             self._fail(req, failed[0])
 
     @contextlib.contextmanager
-    def _confined(self, reqs, release: bool = True):
-        """Around a prefill of `reqs`: an exception is caught and the yielded list gets it, with
+    def _confined(self, reqs, slots, release: bool = True):
+        """Around a prefill of `reqs` into `slots`: an exception is caught and the yielded list gets it, with
         the pool put back (and, `release`, their slots' pages freed), so only they fail. Re-raised when the pool
         went with the failed call (donated and deleted): then the engine cannot go on."""
         pool = self.state.cache if self.paged and self.state is not None else None
@@ -120,10 +120,10 @@ class Admission:
                 raise
             if pool is not None:
                 self._set_cache(k=pool.k, v=pool.v)
-            for r in reqs:
-                slot = next((s for s, a in self.active.items() if a is r), r.slot)
-                self.active.pop(slot, None)
-                if slot >= 0 and release:
+            for r, slot in zip(reqs, slots):
+                if self.active.get(slot) is r:  # spliced in before the failure: out again
+                    self._release(r)
+                elif release:
                     self.pool.release(slot)
                 r.slot = -1
             failed.append(e)
@@ -281,7 +281,8 @@ class Admission:
         """`_prefill_rows`; when the call fails, each row is prefilled alone, so only the
         request that caused it fails."""
         alone = len(items) == 1
-        with self._confined([r for r, _, _ in items], release=alone) as failed:
+        with self._confined([r for r, _, _ in items], [s for _, s, _ in items],
+                            release=alone) as failed:
             self._prefill_rows(items)
         if not failed:
             return

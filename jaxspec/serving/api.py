@@ -65,6 +65,7 @@ class Stream:
         with self._cond:
             self._done, self._error = completion, error
             self._wake()
+        self._server._ended(self)
 
     def _wake(self) -> None:
         self._cond.notify_all()
@@ -159,6 +160,7 @@ class Server:
         self._closed = False
         self._failure: BaseException | None = None
         self.died = threading.Event()  # set when the serving loop stopped on an exception
+        self._unfinished: set = set()  # streams submitted and not ended (under the lock)
         self._thread = threading.Thread(target=self._loop, name="jaxspec-serving", daemon=True)
         self._thread.start()
 
@@ -195,8 +197,13 @@ class Server:
                 raise QueueFull(f"the queue holds {s.max_queue} requests and cannot take "
                                 f"{len(reqs)} more: retry later")
             self._inbox.extend(reqs)
+            self._unfinished.update(streams)
             self._lock.notify_all()
         return streams
+
+    def _ended(self, stream: Stream) -> None:
+        with self._lock:
+            self._unfinished.discard(stream)
 
     def prompt_logprobs(self, ids):
         """The prompt's own tokens scored (echo with logprobs: `Engine.prompt_logprobs`). One
@@ -223,7 +230,8 @@ class Server:
                 "active": len(s.active), "queued": len(s.queue) + len(self._inbox),
                 "slots": s.slots, "free_pages": s.pool.free_pages, "kv_pages": s.pool.num_pages,
                 "cached_pages": s.pool.cached_pages, "prefix_cache": s.prefix_cache,
-                "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions}
+                "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions,
+                "in_flight": len(self._unfinished), "failed": s.stats.failed}
 
     def _loop(self) -> None:
         s = self.scheduler

@@ -182,8 +182,20 @@ def echo_of(body: dict[str, Any], chat: bool) -> bool:
     return echo
 
 
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # booleans (usage always comes)
+
+
 def wants_stream(body: dict[str, Any]) -> bool:
-    return _field(body, "stream", (bool,), False)
+    """`stream`, with `stream_options` an object of STREAM_OPTIONS booleans."""
+    streamed = _field(body, "stream", (bool,), False)
+    options = _field(body, "stream_options", (dict,), None)
+    for key, value in (options or {}).items():
+        if key not in STREAM_OPTIONS:
+            raise HTTPError(400, f"field 'stream_options' key {_short(key)} is not supported: "
+                                 f"use {', '.join(STREAM_OPTIONS)}")
+        if not isinstance(value, bool):
+            raise HTTPError(400, f"field 'stream_options.{key}'={_short(value)} must be bool")
+    return streamed
 
 
 def chat_messages(messages) -> list[dict[str, str]]:

@@ -44,6 +44,25 @@ from jaxspec.serving.metrics import CONTENT_TYPE, ServerMetrics
 from jaxspec.serving.requests import EngineStopped, QueueFull
 
 
+class Refusing:
+    """ASGI middleware: HTTP requests that `refusal(request)` answers get that answer."""
+
+    def __init__(self, app, refusal):
+        self.app, self.refusal = app, refusal
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            answer = self.refusal(Request(scope))
+            if answer is not None:
+                return await answer(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _clip(n: int) -> str:
+    text = str(n)
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
 def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     """The app over a Server; `gate`: its key, limits and readiness (default: open, ready)."""
     app = FastAPI(title="jaxspec", docs_url=None, redoc_url=None)
@@ -54,11 +73,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     sched = server.scheduler
     open_paths = ("/health", "/ready")
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        path = request.url.path
-        if path in open_paths:
-            return await call_next(request)
+    def refusal(request: Request):
+        """The answer a request gets before any handler (key, size, state), or None."""
+        if request.url.path in open_paths:
+            return None
         if not gate.authorized(request.headers.get("authorization")):
             return error(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
                           "authentication_error")
@@ -75,7 +93,11 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         if request.method == "POST" and not gate.ready:
             return error(503, "the server is compiling its programs: retry when /ready "
                                "answers 200", "unavailable")
-        return await call_next(request)
+        return None
+
+    # a plain ASGI middleware: the handlers keep the client's own `receive`, so a request not
+    # streamed sees its client go away (`answers.drained`); Starlette's BaseHTTPMiddleware hides it
+    app.add_middleware(Refusing, refusal=refusal)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_, e: HTTPError):
@@ -141,6 +163,11 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             return [int(t) for t in tokenizer.encode(prompt)]
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = server.engine.target.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise HTTPError(400, f"field 'prompt' holds token id {_clip(bad)}, outside the "
+                                     f"vocabulary: use ids in [0, {vocab})")
             return prompt
         raise HTTPError(400, "field 'prompt' must be a string or a list of token ids (one prompt)")
 
