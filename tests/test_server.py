@@ -419,3 +419,119 @@ def test_engine_death_fails_ready_and_health_ends_streams_and_stops_the_process(
     err = capfd.readouterr().err
     assert "the serving loop stopped: ZeroDivisionError" in err and "exit status 3" in err
     assert serve.EXIT_ENGINE_DIED == 3
+
+
+EXTREMES = (0, -1, 1e-300, -1e-300, 1e300, -1e300, 2**63, 0.999999999, 1.0000001, 101)
+WRONG_TYPES = (True, "1", [], {})
+SWEPT = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+         "repetition_penalty", "seed", "n", "best_of", "logprobs", "max_tokens",
+         "max_completion_tokens", "stream", "stream_options", "stop", "stop_token_ids",
+         "logit_bias", "echo", "prompt")
+
+
+def check_answer(r, body) -> bool:
+    """A 2xx or a one-line 4xx; a stream ends with [DONE] and no error. -> whether 2xx."""
+    assert r.status_code < 500, (body, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert "\n" not in r.json()["error"]["message"], r.text
+        return False
+    if body.get("stream") is True:
+        events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]" and '"error"' not in r.text, (body, r.text[-300:])
+    return True
+
+
+def test_every_field_at_every_extreme(served, client, solo):
+    """Each field the server reads, alone in a good request, at each extreme and wrong type
+    (inside lists and maps too: stop_token_ids [x], logit_bias {"3": x} and {x: 1}): never a
+    5xx, and the server goes on."""
+    server, url = served
+    failed, ok = server.health()["failed"], 0
+    for name in SWEPT:
+        for value in EXTREMES + WRONG_TYPES:
+            values = {"stop_token_ids": [[value]], "logit_bias": [{"3": value}, {str(value): 1}],
+                      "prompt": [[97, value]]}.get(name, []) + [value]
+            for v in values:
+                body = {"prompt": "abc", "max_tokens": 3, "temperature": 1.0, name: v}
+                ok += check_answer(httpx.post(url + "/v1/completions",
+                                              content=json.dumps(body).encode(), timeout=120),
+                                   body)
+    assert ok >= 20
+    h = idle(server)
+    assert h["status"] == "ok" and h["failed"] == failed and h["free_pages"] == h["kv_pages"]
+    assert complete(client, PROMPTS[0]).choices[0].text == solo[PROMPTS[0]]
+
+
+def _fuzzed_bodies():
+    """(path, body) over the request schema: a valid request with up to three fields drawn from
+    what the server reads, each valid, at an edge (1e-300, 1e300, 2**63, -1, a lone
+    surrogate) or of the wrong type -- mostly one odd value in an otherwise good request, the
+    kind that reaches the device."""
+    from hypothesis import strategies as st
+
+    extreme, wrong = st.sampled_from(EXTREMES), st.sampled_from(WRONG_TYPES)
+    ids = st.one_of(st.integers(0, 255), st.sampled_from([-1, 256, 2**31, -(2**63), 10**30]))
+    text = st.one_of(st.text(max_size=8), st.sampled_from(["\ud800", "\udfff x", "\x00", ""]))
+
+    def field(valid):  # numbers: their extremes; anything: a wrong type now and then
+        return st.one_of(valid, valid, extreme, extreme, wrong)
+
+    unit = st.floats(0, 1)
+    fields = {
+        "temperature": field(st.floats(0, 2)), "top_p": field(unit),
+        "top_k": field(st.integers(0, 300)), "min_p": field(unit),
+        "presence_penalty": field(st.floats(-2, 2)), "frequency_penalty": field(st.floats(-2, 2)),
+        "repetition_penalty": field(st.floats(0.01, 100)), "seed": field(st.integers(0, 99)),
+        "logit_bias": field(st.dictionaries(ids.map(str), st.floats(-100, 100), max_size=3)),
+        "stop": field(st.one_of(text, st.lists(text, max_size=3))),
+        "stop_token_ids": field(st.lists(ids, max_size=3)),
+        "n": field(st.integers(1, 3)), "best_of": field(st.integers(1, 3)),
+        "stream": field(st.booleans()),
+        "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+        "logprobs": field(st.integers(0, 5)), "echo": field(st.booleans()), "user": text,
+        "model": field(st.just(NAME)), "response_format": field(st.just({"type": "text"})),
+        "suffix": text, "max_completion_tokens": field(st.integers(1, 4)),
+        "max_tokens": field(st.integers(1, 4)),
+    }
+
+    @st.composite
+    def body(draw):
+        chat = draw(st.booleans())
+        if chat:
+            content = draw(field(text))
+            out = {"messages": draw(field(st.just([{"role": "user", "content": content}])))}
+        else:
+            out = {"prompt": draw(field(st.one_of(text.filter(bool),
+                                                  st.lists(ids, min_size=1, max_size=4))))}
+        out["max_tokens"] = 3
+        for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True)):
+            out[name] = draw(fields[name])
+        return ("/v1/chat/completions" if chat else "/v1/completions"), out
+
+    return body()
+
+
+def test_fuzzed_requests_never_break_the_server(served, client, solo):
+    """Hypothesis over the request schema against the live server: every answer a 2xx or a
+    one-line 4xx (a stream: no error event, ends with [DONE]); then the server is ready and a
+    greedy request still returns the engine's tokens. Bounded: 60 cases."""
+    from hypothesis import HealthCheck, given, settings
+
+    server, url = served
+    seen, failed = {"2xx": 0, "4xx": 0}, server.health()["failed"]
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(_fuzzed_bodies())
+    def case(path_body):
+        path, body = path_body
+        r = httpx.post(url + path, content=json.dumps(body).encode(), timeout=120)
+        seen["2xx" if check_answer(r, body) else "4xx"] += 1
+
+    case()
+    assert seen["2xx"] >= 5 and seen["4xx"] >= 5, seen
+    assert httpx.get(url + "/ready").status_code == 200
+    assert complete(client, PROMPTS[2]).choices[0].text == solo[PROMPTS[2]]
+    h = idle(server)
+    assert h["status"] == "ok" and h["free_pages"] == h["kv_pages"] and h["failed"] == failed
+    print(f"fuzzed: {seen}")
