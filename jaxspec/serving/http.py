@@ -244,6 +244,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true and tools is not "
                                  "supported yet: set stream false or send n requests")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        if wanted.constraint is not None:  # off the event loop, under its budget
+            await asyncio.to_thread(sched.grammars.compile, wanted.constraint)
         echo = await echoed_scores(ids, sampling.logprobs) if echoed else None
         if streamed and n_choices > 1:
             return stream_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo)
