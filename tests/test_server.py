@@ -538,3 +538,21 @@ def test_fuzzed_requests_never_break_the_server(served, client, solo):
     h = idle(server)
     assert h["status"] == "ok" and h["free_pages"] == h["kv_pages"] and h["failed"] == failed
     print(f"fuzzed: {seen}")
+
+
+def test_cache_salt_keeps_prefix_hits_within_a_tenant(served):
+    """A 40-token prompt (two full pages) cached under salt "a": a request of salt "b" (or none)
+    neither shares the pages nor sees them in cached_tokens; salt "a" again does."""
+    server, url = served
+    prompt = "the quick brown fox jumps over the lazy dog"
+
+    def cached(**salt):
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0} | salt
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        return r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="a") == 0
+    assert cached(cache_salt="b") == 0 and cached() == 0
+    assert cached(cache_salt="a") == 32
+    one_line(httpx.post(url + "/v1/completions", json={"prompt": "x", "cache_salt": "s" * 257},
+                        timeout=60), 400, "cache_salt")

@@ -91,7 +91,7 @@ class Admission:
                 cache = self.engine.write_prompt(self.spec.target, tokens, cache)
                 self._set_cache(k=cache.k, v=cache.v)
                 entry[1] = done + self.chunk
-                self.kv.written(slot, req.prompt_ids[: entry[1]])  # shareable already
+                self.kv.written(slot, req.prompt_ids[: entry[1]], req.cache_salt)  # shareable
                 self.stats.prefill_s += time.perf_counter() - t0
                 self.stats.prefill_calls += 1
             else:
@@ -131,7 +131,7 @@ class Admission:
     def _prefill_row(self, req: Request, slot: int, done: int = 0) -> None:
         t0 = time.perf_counter()
         row = self._row_state(self.spec, req, slot, done)
-        self.kv.written(slot, req.prompt_ids)
+        self.kv.written(slot, req.prompt_ids, req.cache_salt)
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
             if self.paged:  # the tiled state shares the row's pool: not donated with it
@@ -244,7 +244,7 @@ class Admission:
         """Prompt tokens of `req` the prefix cache would give it now (`KVManager.take`'s)."""
         if not self.kv.sharing or self.state is None:
             return 0
-        return len(self.pool.cached_prefix(req.prompt_ids)) * self.pool.page_size
+        return len(self.pool.cached_prefix(req.prompt_ids, req.cache_salt)) * self.pool.page_size
 
     def _budgeted(self, entries: list) -> list:
         """The prefilling (slot, [request, done]) entries whose next piece (a chunk, or the
@@ -314,7 +314,7 @@ class Admission:
             grammar=self._grammar_rows(reqs, slots))
         group = self.engine.with_adaptive(group, self.spec, costs_batch=1)
         for r, slot in zip(reqs, slots):
-            self.kv.written(slot, r.prompt_ids)
+            self.kv.written(slot, r.prompt_ids, r.cache_salt)
         self._round_tokens += sum(len(r.prompt_ids) - d for r, d in zip(reqs, dones))
         if self.paged:  # the written pool apart: the splice must not copy it
             k, v = group.cache.k, group.cache.v
@@ -350,7 +350,8 @@ class Admission:
             self._round_tokens += self.chunk * len(part)
             for slot, entry in part:
                 entry[1] += self.chunk
-                self.kv.written(slot, entry[0].prompt_ids[: entry[1]])  # shareable already
+                self.kv.written(slot, entry[0].prompt_ids[: entry[1]],  # shareable already
+                                entry[0].cache_salt)
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.prefill_calls += 1
         for _, slot, _ in last:

@@ -165,16 +165,19 @@ class Server:
         self._thread.start()
 
     def submit(self, prompt: str | Sequence[int], sampling: Sampling | None = None, *,
-               request_id: str | None = None, priority: int = 0, constraint=None) -> Stream:
+               request_id: str | None = None, priority: int = 0, constraint=None,
+               cache_salt: bytes = b"") -> Stream:
         """Queue a request; raises JaxspecError (bad input) or QueueFull at once. Never waits
         for a device call: the request lands in the scheduler's queue between calls.
-        constraint: a constrain.Constraint the output follows (needs structured=True)."""
+        constraint: a constrain.Constraint the output follows (needs structured=True).
+        cache_salt: the prefix cache's namespace (a tenant's): pages its prompts wrote are
+        shared only with requests of the same salt."""
         return self.submit_all(prompt, [sampling or Sampling()], [request_id], priority,
-                               constraint)[0]
+                               constraint, cache_salt)[0]
 
     def submit_all(self, prompt: str | Sequence[int], samplings: Sequence[Sampling],
                    request_ids: Sequence[str | None], priority: int = 0,
-                   constraint=None) -> list[Stream]:
+                   constraint=None, cache_salt: bytes = b"") -> list[Stream]:
         """One request per Sampling (n completions of one prompt), queued all or none: QueueFull
         when the queue cannot take every one, so no part of a refused request runs."""
         if self._closed:
@@ -188,7 +191,8 @@ class Server:
         streams, reqs, s = [], [], self.scheduler
         for sampling, rid in zip(samplings, request_ids):
             stream = Stream(self)
-            stream.request = s.new_request(prompt, sampling, stream, rid, priority, constraint)
+            stream.request = s.new_request(prompt, sampling, stream, rid, priority, constraint,
+                                           cache_salt)
             streams.append(stream)
             reqs.append(stream.request)
         with self._lock:

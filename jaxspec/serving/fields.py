@@ -15,6 +15,7 @@ supported yet"): echo off on chat, functions absent, suffix empty.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from jaxspec.serving.requests import Sampling
@@ -33,7 +34,7 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             # structured output (serving/structured.py; a server without serving.structured
             # answers a constraint with a one-line 400 naming the setting)
             "response_format", "guided_json", "guided_regex", "guided_choice", "tools",
-            "tool_choice", "echo", "best_of"}
+            "tool_choice", "echo", "best_of", "cache_salt"}
 MAX_N = 16  # completions per request
 MAX_TOP_LOGPROBS = 20
 # field -> (its neutral values, what a client gets instead)
@@ -171,6 +172,22 @@ def sampling_of(body: dict[str, Any], max_tokens: int, chat: bool = False) -> Sa
         logit_bias=_logit_bias(body),
         logprobs=logprobs_of(body, chat),
     )
+
+
+MAX_SALT = 256  # characters of a cache_salt
+
+
+def cache_salt_of(body: dict[str, Any], tenant: str = "") -> bytes:
+    """The prefix cache's namespace for this request: its `cache_salt` (a string) with the
+    client's API key (`tenant`: requests under different keys never share cached pages, nor
+    learn through `cached_tokens` what another's prompts hold). b"": the shared namespace."""
+    salt = _field(body, "cache_salt", (str,), "")
+    if len(salt) > MAX_SALT:
+        raise HTTPError(400, f"field 'cache_salt' is {len(salt)} characters: use at most "
+                             f"{MAX_SALT}")
+    if not salt and not tenant:
+        return b""
+    return hashlib.sha256(tenant.encode() + b"\0" + salt.encode()).digest()
 
 
 def echo_of(body: dict[str, Any], chat: bool) -> bool:

@@ -32,6 +32,7 @@ from jaxspec.serving.fields import (
     check_recorded,
     chat_messages,
     best_of_of,
+    cache_salt_of,
     choices_of,
     echo_of,
     refuse_unsupported,
@@ -248,11 +249,14 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             await asyncio.to_thread(sched.grammars.compile, wanted.constraint)
         echo = await echoed_scores(ids, sampling.logprobs) if echoed else None
         if streamed and n_choices > 1:
-            return stream_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo)
+            return stream_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo,
+                            tenant_salt(request, body))
         if candidates > 1:
             return await respond_n(request, ids, sampling, n_choices, rid, chat, wanted, echoed,
-                                   echo, candidates)
-        stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint)
+                                   echo, candidates, tenant_salt(request, body))
+        salt = tenant_salt(request, body)
+        stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint,
+                               cache_salt=salt)
         timer = watch(stream)
         created = int(time.time())
         head = {"id": rid, "created": created, "model": server.model_name}
@@ -354,20 +358,26 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
         gate.leave(stream)
 
-    def submit_n(ids, sampling, count: int, rid: str, wanted):
+    def tenant_salt(request, body) -> bytes:
+        """The request's cache namespace: its cache_salt under its API key (with a key set)."""
+        tenant = request.headers.get("authorization", "") if gate.api_key else ""
+        return cache_salt_of(body, tenant)
+
+    def submit_n(ids, sampling, count: int, rid: str, wanted, salt: bytes):
         """`count` requests of one prompt, seeds seed + i (None: each its own): (streams, their
         time-limit timers)."""
         seeds = [None if sampling.seed is None else sampling.seed + i for i in range(count)]
         streams = server.submit_all(ids, [dataclasses.replace(sampling, seed=s) for s in seeds],
                                     [f"{rid}-{i}" for i in range(count)],
-                                    constraint=wanted.constraint)
+                                    constraint=wanted.constraint, cache_salt=salt)
         return streams, [watch(stream) for stream in streams]
 
-    def stream_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed, echo):
+    def stream_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed, echo,
+                 salt: bytes):
         """n streamed completions of one prompt (seeds as `respond_n`'s): each choice's chunks
         carry its index as they come, each ends with its finish reason (and logprobs), then one
         chunk without choices holds the summed usage."""
-        streams, timers = submit_n(ids, sampling, n_choices, rid, wanted)
+        streams, timers = submit_n(ids, sampling, n_choices, rid, wanted, salt)
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "created": int(time.time()), "model": server.model_name, "object": kind}
 
@@ -425,7 +435,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def respond_n(request, ids, sampling, n_choices: int, rid: str, chat: bool, wanted,
-                        echoed="", echo=None, candidates: int = 0):
+                        echoed="", echo=None, candidates: int = 0, salt: bytes = b""):
         """n completions of one prompt (not streamed): `candidates` (best_of, at least n)
         requests, seeds seed + i (None: each its own); past n, the n with the highest summed
         logprob of their returned tokens, in that order. One choice each (each with the echoed
@@ -435,7 +445,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         asked = sampling.logprobs
         if ranked and asked is None:
             sampling = dataclasses.replace(sampling, logprobs=0)  # the chosen tokens' only
-        streams, timers = submit_n(ids, sampling, candidates, rid, wanted)
+        streams, timers = submit_n(ids, sampling, candidates, rid, wanted, salt)
         results, total = [], {"prompt_tokens": len(ids), "completion_tokens": 0}
         try:
             await drained(request, streams)

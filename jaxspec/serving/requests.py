@@ -151,3 +151,4 @@ class Request:
     logprobs: list | None = None  # `generated`'s logprobs (asked for: Sampling.logprobs)
     priority: int = 0  # higher first under serving.policy=priority
     constraint: str | None = None  # the structured-output regex (serving.grammars), None: free
+    cache_salt: bytes = b""  # the tenant's prefix-cache namespace (serving.prefix)

@@ -165,7 +165,7 @@ class Scheduler(Admission, DeviceCall, Streaming):
 
     # ---- submission (any thread; the api holds a lock around these) -----------------------
     def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None,
-                    priority: int = 0, constraint=None) -> Request:
+                    priority: int = 0, constraint=None, cache_salt: bytes = b"") -> Request:
         regex = None
         if constraint is not None:
             if self.grammars is None:
@@ -197,7 +197,7 @@ class Scheduler(Admission, DeviceCall, Streaming):
         seed = n if sampling.seed is None else int(sampling.seed)
         return Request(request_id or f"req-{n}", ids, sampling, seed, sink, time.perf_counter(),
                        text=TextState(tuple(sampling.stop)), priority=int(priority),
-                       constraint=regex)
+                       constraint=regex, cache_salt=bytes(cache_salt))
 
     def enqueue(self, req: Request) -> None:
         if len(self.queue) >= self.max_queue:
