@@ -9,7 +9,9 @@ min_p, stop_token_ids; structured output (serving/structured.py: response_format
 tool_choice "required" or a named function, guided_json / guided_regex / guided_choice); echo on
 /v1/completions (the prompt returned before the completion, and with logprobs its own tokens
 scored: the first null, as OpenAI's legacy API); best_of (n..16 candidates, the n with the
-highest summed logprob returned). Accepted only at their neutral value (anything else is "not
+highest summed logprob returned); cache_salt (the prefix cache's namespace, with the API key).
+Numbers are checked to where the math is defined (`Sampling`, `limits.sampling_problem`). Accepted
+only at their neutral value (anything else is "not
 supported yet"): echo off on chat, functions absent, suffix empty.
 """
 

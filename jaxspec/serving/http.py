@@ -2,13 +2,16 @@
 `/v1/completions`, `/v1/chat/completions` (the tokenizer's chat template), SSE streaming,
 `/v1/models`, `/v1/models/{id}`, `/health` (alive), `/ready` (compiled and admitting),
 `/metrics` (Prometheus). Bad requests get a 400 with a one-line message (fields it does not
-honour included: `serving.fields`), a full queue a 429, an unknown model a 404, a missing key a
-401, a body over serving.max_body_bytes a 413, any request while compiling or stopping a 503; a
-client that disconnects mid-stream cancels its request (row and pages freed). `usage` counts
+honour included: `serving.fields`; the body itself: `serving.body`), a full queue a 429, an
+unknown model a 404, a missing key a 401, a body over serving.max_body_bytes a 413, any request
+while compiling or stopping a 503 (429 and 503 with Retry-After); a client that disconnects
+cancels its request, streamed or not (row and pages freed). `usage` counts
 the tokens returned and carries the speculative loop's figures under `speculative`.
 
 Finish reasons beyond OpenAI's: "length" also when serving.request_timeout_s ran out, "abort"
-when a graceful stop ended the request. Extensions: `top_k`, `min_p`, `stop_token_ids`.
+when a graceful stop ended the request, "error" when the request failed in the serving loop
+(docs/serving.md: a failure is confined to its request; the loop's own death stops the process).
+Extensions: `top_k`, `min_p`, `stop_token_ids`, `cache_salt` (the prefix cache's namespace).
 """
 
 from __future__ import annotations
