@@ -556,3 +556,27 @@ def test_cache_salt_keeps_prefix_hits_within_a_tenant(served):
     assert cached(cache_salt="a") == 32
     one_line(httpx.post(url + "/v1/completions", json={"prompt": "x", "cache_salt": "s" * 257},
                         timeout=60), 400, "cache_salt")
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    """Not only --api-key (visible in ps): --api-key-file, $JAXSPEC_API_KEY_FILE,
+    $JAXSPEC_API_KEY; an empty or missing file is a one-line error."""
+    from jaxspec import serve
+    from jaxspec.errors import JaxspecError
+
+    parse = serve.make_parser().parse_args
+    monkeypatch.delenv("JAXSPEC_API_KEY", raising=False)
+    monkeypatch.delenv("JAXSPEC_API_KEY_FILE", raising=False)
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    assert serve.api_key(parse([])) is None
+    assert serve.api_key(parse(["--api-key-file", str(key)])) == "s3cret"
+    monkeypatch.setenv("JAXSPEC_API_KEY_FILE", str(key))
+    assert serve.api_key(parse([])) == "s3cret"
+    monkeypatch.delenv("JAXSPEC_API_KEY_FILE")
+    monkeypatch.setenv("JAXSPEC_API_KEY", "from-env")
+    assert serve.api_key(parse([])) == "from-env"
+    (tmp_path / "empty").write_text("\n")
+    for path, word in ((tmp_path / "empty", "empty"), (tmp_path / "none", "cannot read")):
+        with pytest.raises(JaxspecError, match=word):
+            serve.api_key(parse(["--api-key-file", str(path)]))

@@ -111,9 +111,7 @@ class Admission:
         """Around a prefill of `reqs` into `slots`: an exception is caught and the yielded
         list gets it, with the pool put back (and, `release`, their slots' pages freed), so
         only they fail. Re-raised when the pool went with the failed call (donated and
-        deleted): then the engine cannot go on."""Around a prefill of `reqs` into `slots`: an exception is caught and the yielded list gets it, with
-        the pool put back (and, `release`, their slots' pages freed), so only they fail. Re-raised when the pool
-        went with the failed call (donated and deleted): then the engine cannot go on."""
+        deleted): then the engine cannot go on."""
         pool = self.state.cache if self.paged and self.state is not None else None
         failed: list[BaseException] = []
         try:
