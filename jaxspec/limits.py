@@ -11,6 +11,11 @@ MAX_SPECULATIVE_TOKENS = 16  # γ above this costs more verify than it can win b
 # Below this, logits / T overflow float32 for ordinary logits (T = 1e-38 gave NaN probabilities);
 # use 0 for greedy decoding.
 MIN_TEMPERATURE = 1e-4
+# Above this a sampled row is uniform for any logits a model gives; the bound keeps T finite in
+# float32 (T = 1e300 becomes inf there).
+MAX_TEMPERATURE = 100.0
+# The smallest top_p the float32 nucleus keeps a token for (1e-300 becomes 0 there).
+MIN_TOP_P = 1e-6
 
 
 def sampling_problem(temperature, top_k, top_p, min_p) -> tuple[str, str] | None:
@@ -19,12 +24,13 @@ def sampling_problem(temperature, top_k, top_p, min_p) -> tuple[str, str] | None
     t, k, tp, mp = (float(x) for x in (temperature, top_k, top_p, min_p))
     if not (math.isfinite(t) and t >= 0.0):
         return "temperature", "use a finite value >= 0 (0 = greedy)"
-    if 0.0 < t < MIN_TEMPERATURE:
-        return "temperature", f"use 0 for greedy decoding or a value >= {MIN_TEMPERATURE:g}"
+    if 0.0 < t < MIN_TEMPERATURE or t > MAX_TEMPERATURE:
+        return "temperature", (f"use 0 for greedy decoding or a value in [{MIN_TEMPERATURE:g}, "
+                               f"{MAX_TEMPERATURE:g}]")
     if not (math.isfinite(k) and k >= 0 and k == int(k) and k <= 2**31 - 1):
         return "top_k", "use an integer >= 0 (0 = off)"
-    if not 0.0 < tp <= 1.0:
-        return "top_p", "use a value in (0, 1] (1.0 = off)"
+    if not MIN_TOP_P <= tp <= 1.0:
+        return "top_p", f"use a value in [{MIN_TOP_P:g}, 1] (1.0 = off)"
     if not 0.0 <= mp < 1.0:
         return "min_p", "use a value in [0, 1) (0.0 = off)"
     return None

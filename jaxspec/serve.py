@@ -11,7 +11,10 @@ its rounds (`serving.lockstep`) and exit when it stops.
 It listens at once (`/health` answers; `/ready` and requests get 503 while the decode programs
 compile), prints `jaxspec.serve: listening on http://H:P` and then `... ready`. SIGTERM or
 SIGINT: new requests get 503, running ones get serving.drain_s to finish and are then ended with
-finish_reason "abort", every page is freed, and the process exits 0 (a second SIGINT forces)."""
+finish_reason "abort", every page is freed, and the process exits 0 (a second SIGINT forces).
+If the serving loop itself dies (a request's failure is confined to it; this is the rest),
+/health and /ready answer 503, the cause goes to stderr, the streams in flight end with
+finish_reason "error", and the process exits 3 so a supervisor restarts it."""
 
 from __future__ import annotations
 
@@ -39,7 +42,10 @@ def make_parser() -> ArgumentParser:
                    help="no progress lines (model load, compiles); the jaxspec.serve lines stay")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (default: $JAXSPEC_API_KEY; /health "
-                        "and /ready stay open)")
+                        "and /ready stay open). Visible in ps: prefer the variable or the file")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the key from this file's first line (default: "
+                        "$JAXSPEC_API_KEY_FILE)")
     return p
 
 
@@ -90,6 +96,23 @@ def follow(config) -> int:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+EXIT_ENGINE_DIED = 3  # the serving loop stopped on an exception: a supervisor restarts it
+
+
+def api_key(args) -> str | None:
+    """The key from --api-key, --api-key-file, $JAXSPEC_API_KEY_FILE or $JAXSPEC_API_KEY (None:
+    no key)."""
+    path = args.api_key_file or os.environ.get("JAXSPEC_API_KEY_FILE")
+    if args.api_key or not path:
+        return args.api_key or os.environ.get("JAXSPEC_API_KEY") or None
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JaxspecError(f"cannot read the API key file {path}: {e}") from None
+    if not key:
+        raise JaxspecError(f"the API key file {path} is empty: write the key on its first line")
+    return key
 
 
 def say(line: str) -> None:
@@ -99,11 +122,13 @@ def say(line: str) -> None:
         pass
 
 
-def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None) -> None:
+def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None,
+                        died=None) -> None:
     """Run uvicorn on a socket bound here (port 0: any free one, so the port is known), and print
     the URL on stderr once it accepts connections: `jaxspec.serve: listening on http://H:P`.
     `warm_up()` then runs on a thread (the app's gate answers 503 until it returns). The first
-    SIGTERM/SIGINT drains the app's gate on a thread, then stops uvicorn."""
+    SIGTERM/SIGINT drains the app's gate on a thread, then stops uvicorn; so does `died` (a
+    threading.Event: the serving loop stopped) once set, after the streams it ended are sent."""
     import socket
     import threading
     import time
@@ -155,7 +180,17 @@ def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None) -> Non
         gate.ready = True
         say("ready")
 
+    def watch():
+        died.wait()
+        gate.ready = False
+        say("stopping: the serving loop died (its cause is above); exit status "
+            f"{EXIT_ENGINE_DIED}")
+        time.sleep(0.5)  # the handlers send what the loop ended with
+        server.should_exit = True
+
     threading.Thread(target=announce, daemon=True).start()
+    if died is not None:
+        threading.Thread(target=watch, name="jaxspec-watch", daemon=True).start()
     server.run(sockets=[sock])
     if failure:
         raise failure[0]
@@ -211,7 +246,7 @@ def run(argv: list[str] | None = None) -> int:
     if distributed.start(config.distributed) and not distributed.is_primary():
         enable_compilation_cache()
         return follow(config)
-    key = args.api_key or os.environ.get("JAXSPEC_API_KEY") or None
+    key = api_key(args)
     if args.host not in LOOPBACK and key is None:
         say(f"warning: listening on {args.host} without an API key: anyone who reaches the port "
             "can generate (set --api-key or JAXSPEC_API_KEY)")
@@ -228,13 +263,13 @@ def run(argv: list[str] | None = None) -> int:
         say("serving.precompile=false: each decode width compiles (or loads from the cache) on "
             "its first request")
     try:
-        serve_until_stopped(uvicorn, app, args.host, args.port, warm_up)
+        serve_until_stopped(uvicorn, app, args.host, args.port, warm_up, server.died)
         h = server.health()
         say(f"stopped: {h['free_pages']} of {h['kv_pages']} KV pages free, "
             f"{h['active']} rows running, {h['queued']} queued")
     finally:
         server.close()
-    return 0
+    return 0 if server.failure is None else EXIT_ENGINE_DIED
 
 
 def main(argv: list[str] | None = None) -> int:

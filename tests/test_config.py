@@ -196,8 +196,8 @@ def test_wrong_type_in_yaml(tmp_path):
     [
         (["sampling.temperature=-0.1"], ["sampling.temperature", ">= 0"]),
         (["sampling.temperature=.inf"], ["sampling.temperature"]),
-        (["sampling.top_p=0"], ["sampling.top_p", "(0, 1]"]),
-        (["sampling.top_p=1.5"], ["sampling.top_p", "(0, 1]"]),
+        (["sampling.top_p=0"], ["sampling.top_p", "[1e-06, 1]"]),
+        (["sampling.top_p=1.5"], ["sampling.top_p", "[1e-06, 1]"]),
         (["sampling.min_p=1"], ["sampling.min_p"]),
         (["sampling.top_k=-1"], ["sampling.top_k"]),
         (["sampling.seed=-1"], ["sampling.seed"]),

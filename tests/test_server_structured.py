@@ -24,6 +24,7 @@ from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E4
 from jaxspec.constrain import Constraint  # noqa: E402
 from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
 from jaxspec.engine.runner import Engine  # noqa: E402
+from jaxspec.errors import JaxspecError  # noqa: E402
 from jaxspec.serving import Server  # noqa: E402
 from jaxspec.serving.http import make_app  # noqa: E402
 
@@ -160,6 +161,9 @@ def test_sampled_bounded_schemas_validate_in_response_format_and_tools(client):
     ({"tool_choice": "auto"}, "'tools'"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    # refused before compiling: the automaton needs more states than the table holds
+    ({"guided_regex": "[a-z]{5000}"}, "5001 automaton states"),
+    ({"guided_regex": "(ab|c){1,100000}"}, "automaton states"),
 ])
 def test_unsupported_constraints_get_a_one_line_400(served, extra, word):
     body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | extra
@@ -203,3 +207,25 @@ def test_tool_choice_auto_leaves_a_call_of_no_tool_as_content(client, stream):
     content, calls, reason = auto_answer(client, stream, CALL.replace("get_time", "get_date"))
     assert reason == "stop" and not calls
     assert content.startswith("<tool_call>") and "get_date" in content
+
+
+def test_grammar_tables_are_kept_within_their_byte_budget(engine):
+    """An LRU of host tables bounded by bytes: three constraints through a budget of one; the
+    evicted ones compile again when admitted, their rows start where a fresh table puts them."""
+    from jaxspec.serving.grammars import GrammarSlots
+
+    regexes = ["(yes|no)", "[0-9]{2}", "(red|green|blue)"]
+    compiler = GrammarSlots(engine, 2).compiler
+    one = max(sum(x.nbytes for x in compiler.tables(Constraint(regex=r))[:2]) for r in regexes)
+    slots = GrammarSlots(engine, 2, cache_bytes=one)
+    with pytest.raises(JaxspecError, match="bytes of tables"):  # refused before it compiles
+        slots.compile(Constraint(regex="[a-z]{40}"))
+    for r in regexes:
+        slots.compile(Constraint(regex=r))
+        assert slots.cached_bytes <= one
+    slots.admit([regexes[0], regexes[2]], [0, 1], set())
+    fresh = GrammarSlots(engine, 2)
+    for r in (regexes[0], regexes[2]):
+        fresh.compile(Constraint(regex=r))
+    fresh.admit([regexes[0], regexes[2]], [0, 1], set())
+    assert slots.rows(regexes[::2]).state.tolist() == fresh.rows(regexes[::2]).state.tolist()

@@ -77,14 +77,16 @@ def test_a_round_carries_its_requests_and_cancellations_whole():
     from jaxspec.serving.requests import Sampling
 
     for n in (1, 3, 4, 5, 700):
-        events = {"new": [("r1", list(range(n)), Sampling(max_tokens=3, stop=("x",)), 11, 2)],
+        events = {"new": [("r1", list(range(n)), Sampling(max_tokens=3, stop=("x",)), 11, 2,
+                           b"salt")],
                   "cancel": ["r0"]}
         assert lockstep.exchange(False, events) == (False, events)
     assert lockstep.exchange(True) == (True, {})
     sched = types.SimpleNamespace(queue=collections.deque(), active={}, prefilling={})
     lockstep.apply(sched, events)
     (req,) = sched.queue
-    assert (req.id, req.prompt_ids, req.seed, req.priority) == ("r1", list(range(700)), 11, 2)
+    assert (req.id, req.prompt_ids, req.seed, req.priority, req.cache_salt) == (
+        "r1", list(range(700)), 11, 2, b"salt")
     assert req.text.stops == ("x",) and not req.cancelled
     lockstep.apply(sched, {"cancel": ["r1"]})
     assert req.cancelled

@@ -298,7 +298,7 @@ class ServingConfig(Section):
     max_body_bytes: int = 1048576  # a larger request body gets HTTP 413
     max_prompt_tokens: int = 0  # a longer prompt gets HTTP 400 (0: what max_context allows)
     max_tokens_limit: int = 0  # a request's max_tokens above this gets HTTP 400 (0: no ceiling)
-    request_timeout_s: float = 0.0  # a request still running after this ends, "length" (0: none)
+    request_timeout_s: float = 600.0  # a request still running after this ends, "length" (0: none)
     drain_s: float = 30.0  # on SIGTERM/SIGINT, running requests get this long, then "abort"
 
     def _validate(self):

@@ -4,7 +4,7 @@ Applied to raw logits before `logits_to_probs`, and -- for speculation to stay l
 target's AND the drafter's logits at each position, with the counts of the tokens generated up to
 that position. Definitions as vLLM's (`vllm/model_executor/layers/utils.apply_penalties`):
 
-- repetition r (1 = off, > 0): tokens seen in the prompt or the generated text get logit / r if
+- repetition r (1 = off, in [0.01, 100]: 1e-300 is 0 in float32, a division by zero): tokens seen in the prompt or the generated text get logit / r if
   positive, logit * r otherwise;
 - frequency f (0 = off, in [-2, 2]): logit -= f * (times the token was generated);
 - presence p (0 = off, in [-2, 2]): logit -= p * (1 if generated at all);
@@ -38,13 +38,18 @@ def bias_vector(logit_bias: dict | None, vocab: int) -> np.ndarray:
     return out
 
 
+REPETITION_RANGE = (0.01, 100.0)  # logits scaled by at most 100x either way stay finite
+
+
 def check_penalties(presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0) -> None:
     """Host-side validation with the ranges OpenAI / vLLM accept."""
     for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
         if not -2.0 <= float(v) <= 2.0:
             raise JaxspecError(f"{name}={v!r} is out of range: use [-2, 2] (0 = off)")
-    if not float(repetition) > 0.0:
-        raise JaxspecError(f"repetition_penalty={repetition!r} is invalid: use > 0 (1 = off)")
+    low, high = REPETITION_RANGE
+    if not low <= float(repetition) <= high:
+        raise JaxspecError(f"repetition_penalty={repetition!r} is out of range: use "
+                           f"[{low:g}, {high:g}] (1 = off)")
 
 
 def adjust(

@@ -11,6 +11,7 @@ The model is reached only through the engine's serving surface (`Engine.prefill_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -97,7 +98,7 @@ class Admission:
                 cache = self.engine.write_prompt(self.spec.target, tokens, cache)
                 self._set_cache(k=cache.k, v=cache.v)
                 entry[1] = done + self.chunk
-                self.kv.written(slot, req.prompt_ids[: entry[1]])  # shareable already
+                self.kv.written(slot, req.prompt_ids[: entry[1]], req.cache_salt)  # shareable
                 self.stats.prefill_s += time.perf_counter() - t0
                 self.stats.prefill_calls += 1
             else:
@@ -106,9 +107,39 @@ class Admission:
         return bool(self.prefilling) or bool(self.active)
 
     def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
+        """`req` prefilled into `slot` (`_prefill_row`); a failure fails `req` alone."""
+        with self._confined([req], [slot]) as failed:
+            self._prefill_row(req, slot, done)
+        if failed:
+            self._fail(req, failed[0])
+
+    @contextlib.contextmanager
+    def _confined(self, reqs, slots, release: bool = True):
+        """Around a prefill of `reqs` into `slots`: an exception is caught and the yielded
+        list gets it, with the pool put back (and, `release`, their slots' pages freed), so
+        only they fail. Re-raised when the pool went with the failed call (donated and
+        deleted): then the engine cannot go on."""
+        pool = self.state.cache if self.paged and self.state is not None else None
+        failed: list[BaseException] = []
+        try:
+            yield failed
+        except Exception as e:  # noqa: BLE001 -- confined below, or re-raised
+            if pool is not None and any(x.is_deleted() for x in jax.tree.leaves((pool.k, pool.v))):
+                raise
+            if pool is not None:
+                self._set_cache(k=pool.k, v=pool.v)
+            for r, slot in zip(reqs, slots):
+                if self.active.get(slot) is r:  # spliced in before the failure: out again
+                    self._release(r)
+                elif release:
+                    self.pool.release(slot)
+                r.slot = -1
+            failed.append(e)
+
+    def _prefill_row(self, req: Request, slot: int, done: int = 0) -> None:
         t0 = time.perf_counter()
         row = self._row_state(self.spec, req, slot, done)
-        self.kv.written(slot, req.prompt_ids)
+        self.kv.written(slot, req.prompt_ids, req.cache_salt)
         if self.state is None:
             self.state = rows.tile_rows(row, self.slots, self._axes)
             if self.paged:  # the tiled state shares the row's pool: not donated with it
@@ -228,7 +259,7 @@ class Admission:
         """Prompt tokens of `req` the prefix cache would give it now (`KVManager.take`'s)."""
         if not self.kv.sharing or self.state is None:
             return 0
-        return len(self.pool.cached_prefix(req.prompt_ids)) * self.pool.page_size
+        return len(self.pool.cached_prefix(req.prompt_ids, req.cache_salt)) * self.pool.page_size
 
     def _budgeted(self, entries: list) -> list:
         """The prefilling (slot, [request, done]) entries whose next piece (a chunk, or the
@@ -259,8 +290,23 @@ class Admission:
             group = sorted((x for x in ready if shape(x) == key),
                            key=lambda x: len(x[0].prompt_ids))
             for n in split_widths(self.widths, len(group)):
-                self._prefill_rows(group[:n])
+                self._prefill_rows_confined(group[:n])
                 group = group[n:]
+
+    def _prefill_rows_confined(self, items: list[tuple[Request, int, int]]) -> None:
+        """`_prefill_rows`; when the call fails, each row is prefilled alone, so only the
+        request that caused it fails."""
+        alone = len(items) == 1
+        with self._confined([r for r, _, _ in items], [s for _, s, _ in items],
+                            release=alone) as failed:
+            self._prefill_rows(items)
+        if not failed:
+            return
+        if alone:
+            self._fail(items[0][0], failed[0])
+            return
+        for item in items:
+            self._prefill_rows_confined([item])
 
     def _prefill_rows(self, items: list[tuple[Request, int, int]]) -> None:
         """One prefill call over these rows (a batch of `_prefill_into`), spliced into their
@@ -285,7 +331,7 @@ class Admission:
             grammar=self._grammar_rows(reqs, slots))
         group = self.engine.with_adaptive(group, self.spec, costs_batch=1)
         for r, slot in zip(reqs, slots):
-            self.kv.written(slot, r.prompt_ids)
+            self.kv.written(slot, r.prompt_ids, r.cache_salt)
         self._round_tokens += sum(len(r.prompt_ids) - d for r, d in zip(reqs, dones))
         if self.paged:  # the written pool apart: the splice must not copy it
             k, v = group.cache.k, group.cache.v
@@ -321,7 +367,8 @@ class Admission:
             self._round_tokens += self.chunk * len(part)
             for slot, entry in part:
                 entry[1] += self.chunk
-                self.kv.written(slot, entry[0].prompt_ids[: entry[1]])  # shareable already
+                self.kv.written(slot, entry[0].prompt_ids[: entry[1]],  # shareable already
+                                entry[0].cache_salt)
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.prefill_calls += 1
         for _, slot, _ in last:

@@ -19,10 +19,28 @@ from collections.abc import Sequence
 
 from jaxspec.errors import JaxspecError
 from jaxspec.serving import lockstep
-from jaxspec.serving.requests import Completion, QueueFull, Sampling
+from jaxspec.serving.requests import Completion, EngineStopped, QueueFull, Sampling
 from jaxspec.serving.scheduler import Scheduler
 
 _END = object()
+
+
+def _one_line(error: BaseException) -> str:
+    line = " ".join(f"{type(error).__name__}: {error}".split())
+    return line if len(line) <= 240 else line[:237] + "..."
+
+
+def _log_failure(error: BaseException) -> None:
+    """The serving loop's death on stderr, with its traceback (an operator's log)."""
+    import sys
+    import traceback
+
+    try:
+        print(f"jaxspec.serve: the serving loop stopped: {_one_line(error)}", file=sys.stderr)
+        traceback.print_exception(error, file=sys.stderr)
+        sys.stderr.flush()
+    except OSError:  # stderr closed
+        pass
 
 
 class Stream:
@@ -47,6 +65,7 @@ class Stream:
         with self._cond:
             self._done, self._error = completion, error
             self._wake()
+        self._server._ended(self)
 
     def _wake(self) -> None:
         self._cond.notify_all()
@@ -140,33 +159,55 @@ class Server:
         self._cancels: list[str] = []
         self._closed = False
         self._failure: BaseException | None = None
+        self.died = threading.Event()  # set when the serving loop stopped on an exception
+        self._unfinished: set = set()  # streams submitted and not ended (under the lock)
         self._thread = threading.Thread(target=self._loop, name="jaxspec-serving", daemon=True)
         self._thread.start()
 
     def submit(self, prompt: str | Sequence[int], sampling: Sampling | None = None, *,
-               request_id: str | None = None, priority: int = 0, constraint=None) -> Stream:
+               request_id: str | None = None, priority: int = 0, constraint=None,
+               cache_salt: bytes = b"") -> Stream:
         """Queue a request; raises JaxspecError (bad input) or QueueFull at once. Never waits
         for a device call: the request lands in the scheduler's queue between calls.
-        constraint: a constrain.Constraint the output follows (needs structured=True)."""
+        constraint: a constrain.Constraint the output follows (needs structured=True).
+        cache_salt: the prefix cache's namespace (a tenant's): pages its prompts wrote are
+        shared only with requests of the same salt."""
+        return self.submit_all(prompt, [sampling or Sampling()], [request_id], priority,
+                               constraint, cache_salt)[0]
+
+    def submit_all(self, prompt: str | Sequence[int], samplings: Sequence[Sampling],
+                   request_ids: Sequence[str | None], priority: int = 0,
+                   constraint=None, cache_salt: bytes = b"") -> list[Stream]:
+        """One request per Sampling (n completions of one prompt), queued all or none: QueueFull
+        when the queue cannot take every one, so no part of a refused request runs."""
         if self._closed:
             raise JaxspecError("the server is closed")
         if self._failure is not None:
-            raise JaxspecError(f"the serving loop stopped: {self._failure}")
+            raise EngineStopped(f"the serving loop stopped ({_one_line(self._failure)}): the "
+                                "process is exiting; retry on a restarted server")
         if constraint is not None and self._lockstep:
             raise JaxspecError("structured output is not served over several processes: "
                                "drop the response format or serve from one process")
-        stream = Stream(self)
-        s = self.scheduler
-        req = s.new_request(prompt, sampling or Sampling(), stream, request_id, priority,
-                            constraint)
-        stream.request = req
+        streams, reqs, s = [], [], self.scheduler
+        for sampling, rid in zip(samplings, request_ids):
+            stream = Stream(self)
+            stream.request = s.new_request(prompt, sampling, stream, rid, priority, constraint,
+                                           cache_salt)
+            streams.append(stream)
+            reqs.append(stream.request)
         with self._lock:
             free = s.slots - len(s.active)  # waiting requests that free slots will take now
-            if len(self._inbox) + len(s.queue) >= s.max_queue + free:
-                raise QueueFull(f"the queue holds {s.max_queue} requests: retry later")
-            self._inbox.append(req)
+            if len(self._inbox) + len(s.queue) + len(reqs) > s.max_queue + free:
+                raise QueueFull(f"the queue holds {s.max_queue} requests and cannot take "
+                                f"{len(reqs)} more: retry later")
+            self._inbox.extend(reqs)
+            self._unfinished.update(streams)
             self._lock.notify_all()
-        return stream
+        return streams
+
+    def _ended(self, stream: Stream) -> None:
+        with self._lock:
+            self._unfinished.discard(stream)
 
     def prompt_logprobs(self, ids):
         """The prompt's own tokens scored (echo with logprobs: `Engine.prompt_logprobs`). One
@@ -193,7 +234,8 @@ class Server:
                 "active": len(s.active), "queued": len(s.queue) + len(self._inbox),
                 "slots": s.slots, "free_pages": s.pool.free_pages, "kv_pages": s.pool.num_pages,
                 "cached_pages": s.pool.cached_pages, "prefix_cache": s.prefix_cache,
-                "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions}
+                "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions,
+                "in_flight": len(self._unfinished), "failed": s.stats.failed}
 
     def _loop(self) -> None:
         s = self.scheduler
@@ -212,13 +254,26 @@ class Server:
                 s.run_once()  # outside the lock: submit and cancel never wait for the device
         except BaseException as e:  # noqa: BLE001 -- every waiting stream learns why
             self._failure = e
+            _log_failure(e)
             if self._lockstep:  # the followers stop too (best effort: they wait in a collective)
                 lockstep.exchange(closing=True)
-        reason = "the server closed" if self._failure is None else (
-            f"the serving loop stopped: {self._failure}")
+        if self._failure is None:
+            error = JaxspecError("the server closed")
+        else:
+            error = EngineStopped(f"the serving loop stopped ({_one_line(self._failure)}): the "
+                                  "process is exiting")
         with self._lock:
-            for req in [*self._inbox, *s.queue, *s.active.values()]:
-                req.sink.finish(None, JaxspecError(reason))
+            waiting = [*self._inbox, *s.queue, *s.active.values(),
+                       *(r for r, _ in s.prefilling.values())]
+            for req in waiting:
+                req.sink.finish(None, error)
+        if self._failure is not None:
+            self.died.set()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the serving loop stopped (None: it runs, or was closed)."""
+        return self._failure
 
     def _lockstep_round(self) -> bool:
         """One round on process 0 of several: its inputs broadcast, applied, then run here as

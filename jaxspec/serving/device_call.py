@@ -113,8 +113,7 @@ class DeviceCall:
         now = time.perf_counter()
         self.stats.device_calls += 1
         self.stats.decode_s += now - t0
-        for slot, req in list(self.active.items()):
-            self._stream_row(req, host, now)
+        self._stream_rows(host, now)
 
     def _set_cache(self, **fields) -> None:
         self.state = dataclasses.replace(

@@ -9,12 +9,15 @@ min_p, stop_token_ids; structured output (serving/structured.py: response_format
 tool_choice "required" or a named function, guided_json / guided_regex / guided_choice); echo on
 /v1/completions (the prompt returned before the completion, and with logprobs its own tokens
 scored: the first null, as OpenAI's legacy API); best_of (n..16 candidates, the n with the
-highest summed logprob returned). Accepted only at their neutral value (anything else is "not
+highest summed logprob returned); cache_salt (the prefix cache's namespace, with the API key).
+Numbers are checked to where the math is defined (`Sampling`, `limits.sampling_problem`). Accepted
+only at their neutral value (anything else is "not
 supported yet"): echo off on chat, functions absent, suffix empty.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from jaxspec.serving.requests import Sampling
@@ -33,7 +36,7 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             # structured output (serving/structured.py; a server without serving.structured
             # answers a constraint with a one-line 400 naming the setting)
             "response_format", "guided_json", "guided_regex", "guided_choice", "tools",
-            "tool_choice", "echo", "best_of"}
+            "tool_choice", "echo", "best_of", "cache_salt"}
 MAX_N = 16  # completions per request
 MAX_TOP_LOGPROBS = 20
 # field -> (its neutral values, what a client gets instead)
@@ -173,6 +176,22 @@ def sampling_of(body: dict[str, Any], max_tokens: int, chat: bool = False) -> Sa
     )
 
 
+MAX_SALT = 256  # characters of a cache_salt
+
+
+def cache_salt_of(body: dict[str, Any], tenant: str = "") -> bytes:
+    """The prefix cache's namespace for this request: its `cache_salt` (a string) with the
+    client's API key (`tenant`: requests under different keys never share cached pages, nor
+    learn through `cached_tokens` what another's prompts hold). b"": the shared namespace."""
+    salt = _field(body, "cache_salt", (str,), "")
+    if len(salt) > MAX_SALT:
+        raise HTTPError(400, f"field 'cache_salt' is {len(salt)} characters: use at most "
+                             f"{MAX_SALT}")
+    if not salt and not tenant:
+        return b""
+    return hashlib.sha256(tenant.encode() + b"\0" + salt.encode()).digest()
+
+
 def echo_of(body: dict[str, Any], chat: bool) -> bool:
     """Whether the prompt comes back before the completion (/v1/completions only)."""
     echo = _field(body, "echo", (bool,), False)
@@ -182,8 +201,20 @@ def echo_of(body: dict[str, Any], chat: bool) -> bool:
     return echo
 
 
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")  # booleans (usage always comes)
+
+
 def wants_stream(body: dict[str, Any]) -> bool:
-    return _field(body, "stream", (bool,), False)
+    """`stream`, with `stream_options` an object of STREAM_OPTIONS booleans."""
+    streamed = _field(body, "stream", (bool,), False)
+    options = _field(body, "stream_options", (dict,), None)
+    for key, value in (options or {}).items():
+        if key not in STREAM_OPTIONS:
+            raise HTTPError(400, f"field 'stream_options' key {_short(key)} is not supported: "
+                                 f"use {', '.join(STREAM_OPTIONS)}")
+        if not isinstance(value, bool):
+            raise HTTPError(400, f"field 'stream_options.{key}'={_short(value)} must be bool")
+    return streamed
 
 
 def chat_messages(messages) -> list[dict[str, str]]:

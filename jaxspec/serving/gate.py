@@ -23,7 +23,7 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int = 0
     max_tokens: int = 0
-    request_timeout_s: float = 0.0
+    request_timeout_s: float = 600.0
     drain_s: float = 30.0
 
     @classmethod

@@ -7,25 +7,59 @@ starts at its block's initial state, a free row is -1. A new constraint is appen
 table is full, blocks no live row uses are dropped and the table is rebuilt compacted, the live
 rows' states moved by their block's shift (`Grammar.state += delta`). Host tables are compiled
 at submit time (a bad schema is a 400 there), cached by regex (constrain.host).
+
+Bounded (a constraint is a client's input): a regex whose automaton needs more states than the
+table holds is refused before it compiles (a finite language's longest string of L characters
+needs L + 1 states: `[a-z]{3000}` took 70 s and 563 MB to learn that); a compile runs on one
+worker thread under a time budget (`compile_s`; past it the request gets a 400 and the worker
+finishes alone); the host tables are kept in an LRU bounded by bytes (`cache_bytes`), blocks on
+device never evicted (an evicted one is compiled again when a queued request is admitted).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
+import re._parser as sre
+import threading
 
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.constrain import compile as constrain_compile
 from jaxspec.constrain.host import GrammarCompiler, check
 from jaxspec.constrain.loop import UNCONSTRAINED, Grammar, padded_tables, stack_blocks
 from jaxspec.errors import JaxspecError
 
 
+COMPILE_S = 20.0  # a constraint's compile budget (seconds)
+CACHE_BYTES = 512 << 20  # host tables kept (int32[S, V] each: a 3000-state schema on a 49k
+# vocabulary is 590 MB)
+KEPT_CONSTRAINTS = 4096  # constraints remembered to recompile an evicted block
+
+
+def states_needed(regex: str) -> int:
+    """A lower bound on the automaton states a regex needs: its longest match + 1 when that is
+    finite, else its shortest + 1 (0: Python's parser does not read it; the compile decides)."""
+    try:
+        low, high = sre.parse(regex).getwidth()
+    except Exception:  # noqa: BLE001 -- another dialect's syntax: no estimate
+        return 0
+    return (high if high < sre.MAXREPEAT else low) + 1
+
+
 class GrammarSlots:
-    def __init__(self, engine, slots: int, max_states: int = 4096, max_classes: int = 1024):
+    def __init__(self, engine, slots: int, max_states: int = 4096, max_classes: int = 1024,
+                 compile_s: float = COMPILE_S, cache_bytes: int = CACHE_BYTES):
         m = engine.model
         self.compiler = GrammarCompiler(m.tokenizer, m.target.vocab_size, tuple(m.eos_token_ids))
         self.slots, self.max_states, self.max_classes = slots, max_states, max_classes
+        self.compile_s, self.cache_bytes = compile_s, cache_bytes
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, "jaxspec-grammar")
+        self._lock = threading.Lock()  # one compile's bookkeeping at a time
+        self._sizes: collections.OrderedDict = collections.OrderedDict()  # regex -> bytes, LRU
+        self._constraints: collections.OrderedDict = collections.OrderedDict()  # regex -> it
         self.vocab = m.target.vocab_size
         self.order: list[str] = []  # block regexes in table order
         self.offsets: dict[str, int] = {}
@@ -34,13 +68,71 @@ class GrammarSlots:
 
     def compile(self, constraint) -> str:
         """Host tables for a request's constraint (at submit: errors are the client's) -> its
-        regex, the key admission passes back."""
+        regex, the key admission passes back. Bounded as the module says; thread-safe, and
+        called off the serving thread (the HTTP layer compiles on a worker before it submits)."""
         regex = check(constraint)
-        nxt = self.compiler.tables(constraint)[0]
+        with self._lock:
+            self._constraints[regex] = constraint
+            self._constraints.move_to_end(regex)
+            while len(self._constraints) > KEPT_CONSTRAINTS:
+                self._constraints.popitem(last=False)
+            if regex in self._sizes:
+                self._sizes.move_to_end(regex)
+                return regex
+        self._check_size(regex)
+        job = self._worker.submit(self.compiler.tables, constraint)
+        try:
+            nxt, accepting, _ = job.result(timeout=self.compile_s)
+        except concurrent.futures.TimeoutError:
+            raise JaxspecError(f"the constraint did not compile within {self.compile_s:g} s: "
+                               "simplify it") from None
         if nxt.shape[0] > self.max_states:
+            self.compiler._tables.pop(regex, None)
             raise JaxspecError(f"the constraint compiles to {nxt.shape[0]} automaton states: "
                                f"serving.structured_states={self.max_states} holds fewer; raise it")
+        self._kept(regex, nxt.nbytes + accepting.nbytes)
         return regex
+
+    def _check_size(self, regex: str) -> None:
+        """A one-line JaxspecError when the regex's automaton cannot fit, before compiling."""
+        need = states_needed(regex)
+        if need > self.max_states:
+            raise JaxspecError(f"the constraint needs at least {need} automaton states: the "
+                               f"table holds {self.max_states}; simplify it (shorter counted "
+                               "repeats, fewer fixed lengths)")
+        if need * self.vocab * 4 > self.cache_bytes:  # its host table alone: int32[S, V]
+            raise JaxspecError(f"the constraint needs at least {need} automaton states, "
+                               f"{need * self.vocab * 4:,} bytes of tables over this "
+                               f"vocabulary (the cache holds {self.cache_bytes:,}); simplify it")
+
+    def _kept(self, regex: str, size: int) -> None:
+        """A compiled regex counted in the LRU, the least recent dropped past `cache_bytes`
+        (not blocks on device); the compile function's own cache emptied (this one bounds)."""
+        with self._lock:
+            constrain_compile._compile_cached.cache_clear()
+            self._sizes[regex] = size
+            total = sum(self._sizes.values())
+            for old in list(self._sizes):
+                if total <= self.cache_bytes:
+                    break
+                if old in self.offsets or old == regex:
+                    continue
+                total -= self._sizes.pop(old)
+                self.compiler._tables.pop(old, None)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of host tables kept (at most `cache_bytes` beyond the blocks on device)."""
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def _host(self, regex: str):
+        """A block's host tables, compiled again if the LRU dropped them since its submit."""
+        tables = self.compiler._tables.get(regex)
+        if tables is None:
+            tables = self.compiler.tables(self._constraints[regex])
+            self._kept(regex, tables[0].nbytes + tables[1].nbytes)
+        return tables
 
     def _upload(self, built):
         if built is None:  # nothing yet: every token allowed nowhere, no row constrained
@@ -50,7 +142,7 @@ class GrammarSlots:
         return jnp.asarray(by_class), jnp.asarray(class_of), jnp.asarray(acc)
 
     def _build(self, order):
-        blocks = [self.compiler._tables[r] for r in order]
+        blocks = [self._host(r) for r in order]
         dense, acc, offsets = stack_blocks(blocks, self.compiler.eos_ids)
         if dense.shape[0] > self.max_states:
             return None, None
@@ -89,7 +181,7 @@ class GrammarSlots:
     def rows(self, regexes: list[str | None]) -> Grammar:
         """The Grammar a prefill of these rows takes: the current table, each row's start."""
         starts = [UNCONSTRAINED if r is None else
-                  self.offsets[r] + int(self.compiler._tables[r][2]) for r in regexes]
+                  self.offsets[r] + int(self._host(r)[2]) for r in regexes]
         n = len(regexes)
         # copies: the decode loop donates its state, tables included
         return Grammar(*(jnp.copy(t) for t in self.tables), jnp.asarray(starts, jnp.int32),

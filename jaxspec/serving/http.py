@@ -2,13 +2,16 @@
 `/v1/completions`, `/v1/chat/completions` (the tokenizer's chat template), SSE streaming,
 `/v1/models`, `/v1/models/{id}`, `/health` (alive), `/ready` (compiled and admitting),
 `/metrics` (Prometheus). Bad requests get a 400 with a one-line message (fields it does not
-honour included: `serving.fields`), a full queue a 429, an unknown model a 404, a missing key a
-401, a body over serving.max_body_bytes a 413, any request while compiling or stopping a 503; a
-client that disconnects mid-stream cancels its request (row and pages freed). `usage` counts
+honour included: `serving.fields`; the body itself: `serving.body`), a full queue a 429, an
+unknown model a 404, a missing key a 401, a body over serving.max_body_bytes a 413, any request
+while compiling or stopping a 503 (429 and 503 with Retry-After); a client that disconnects
+cancels its request, streamed or not (row and pages freed). `usage` counts
 the tokens returned and carries the speculative loop's figures under `speculative`.
 
 Finish reasons beyond OpenAI's: "length" also when serving.request_timeout_s ran out, "abort"
-when a graceful stop ended the request. Extensions: `top_k`, `min_p`, `stop_token_ids`.
+when a graceful stop ended the request, "error" when the request failed in the serving loop
+(docs/serving.md: a failure is confined to its request; the loop's own death stops the process).
+Extensions: `top_k`, `min_p`, `stop_token_ids`, `cache_salt` (the prefix cache's namespace).
 """
 
 from __future__ import annotations
@@ -18,19 +21,21 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxspec.errors import JaxspecError
 from jaxspec.serving import choices, structured, tool_parse
+from jaxspec.serving.answers import DONE, drained, error, failure, returned_tokens, stream_error
 from jaxspec.serving.api import Server
+from jaxspec.serving.body import read_body
 from jaxspec.serving.fields import (
     HTTPError,
     check_recorded,
     chat_messages,
     best_of_of,
+    cache_salt_of,
     choices_of,
     echo_of,
     refuse_unsupported,
@@ -40,53 +45,26 @@ from jaxspec.serving.fields import (
 )
 from jaxspec.serving.gate import Gate
 from jaxspec.serving.metrics import CONTENT_TYPE, ServerMetrics
-from jaxspec.serving.requests import QueueFull
+from jaxspec.serving.requests import EngineStopped, QueueFull
 
 
-def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+class Refusing:
+    """ASGI middleware: HTTP requests that `refusal(request)` answers get that answer."""
+
+    def __init__(self, app, refusal):
+        self.app, self.refusal = app, refusal
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            answer = self.refusal(Request(scope))
+            if answer is not None:
+                return await answer(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
-async def _body(request: Request, limit: int) -> dict[str, Any]:
-    raw = await request.body()
-    if limit and len(raw) > limit:
-        raise HTTPError(413, f"the request body is {len(raw)} bytes: serving.max_body_bytes "
-                             f"allows {limit}", "request_too_large")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise HTTPError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
-    return body
-
-
-DONE = "data: [DONE]\n\n"  # a stream's last event
-
-
-def _stream_error(e: JaxspecError) -> str:
-    """The event that ends a stream whose serving loop stopped (headers are long sent)."""
-    err = {"message": _failure(e).message, "type": "server_error", "code": 500}
-    return f"data: {json.dumps({'error': err})}\n\n"
-
-
-def _failure(e: JaxspecError) -> HTTPError:
-    """The serving loop stopped under a request: a 500 with its reason on one line."""
-    line = " ".join(str(e).split())
-    return HTTPError(500, line if len(line) <= 300 else line[:297] + "...", "server_error")
-
-
-def returned_tokens(engine, done, stop_ids) -> int:
-    """Tokens behind the text returned: a stop string cuts the text, and the tokens generated
-    past it (in the same device call) are not counted."""
-    ids, stop_ids = done.token_ids, set(stop_ids)
-
-    def shown(k):
-        return len(engine.decode_text([t for t in ids[:k] if t not in stop_ids]))
-
-    if shown(len(ids)) <= len(done.text):
-        return len(ids)
-    return next(k for k in range(len(ids) + 1) if shown(k) >= len(done.text))
+def _clip(n: int) -> str:
+    text = str(n)
+    return text if len(text) <= 24 else text[:21] + "..."
 
 
 def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
@@ -99,48 +77,61 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
     sched = server.scheduler
     open_paths = ("/health", "/ready")
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        path = request.url.path
-        if path in open_paths:
-            return await call_next(request)
+    def refusal(request: Request):
+        """The answer a request gets before any handler (key, size, state), or None."""
+        if request.url.path in open_paths:
+            return None
         if not gate.authorized(request.headers.get("authorization")):
-            return _error(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
+            return error(401, "a valid API key is required: send 'Authorization: Bearer KEY'",
                           "authentication_error")
         size = request.headers.get("content-length", "")
         if limits.max_body_bytes and size.isdigit() and int(size) > limits.max_body_bytes:
-            return _error(413, f"the request body is {size} bytes: serving.max_body_bytes allows "
+            return error(413, f"the request body is {size} bytes: serving.max_body_bytes allows "
                                f"{limits.max_body_bytes}", "request_too_large")
+        if request.method == "POST" and server.failure is not None:
+            return error(503, "the serving loop stopped and the process is exiting: send the "
+                               "request to another replica", "unavailable")
         if request.method == "POST" and gate.draining:
-            return _error(503, "the server is stopping: send the request to another replica",
+            return error(503, "the server is stopping: send the request to another replica",
                           "unavailable")
         if request.method == "POST" and not gate.ready:
-            return _error(503, "the server is compiling its programs: retry when /ready "
+            return error(503, "the server is compiling its programs: retry when /ready "
                                "answers 200", "unavailable")
-        return await call_next(request)
+        return None
+
+    # a plain ASGI middleware: the handlers keep the client's own `receive`, so a request not
+    # streamed sees its client go away (`answers.drained`); Starlette's BaseHTTPMiddleware hides it
+    app.add_middleware(Refusing, refusal=refusal)
 
     @app.exception_handler(HTTPError)
     async def _http_error(_, e: HTTPError):
-        return _error(e.status, e.message, e.kind)
+        return error(e.status, e.message, e.kind)
 
     @app.exception_handler(QueueFull)
     async def _full(_, e: QueueFull):
-        return _error(429, str(e), "rate_limit_error")
+        return error(429, str(e), "rate_limit_error")
+
+    @app.exception_handler(EngineStopped)
+    async def _stopped(_, e: EngineStopped):
+        return error(503, str(e), "unavailable")
 
     @app.exception_handler(JaxspecError)
     async def _bad(_, e: JaxspecError):
-        return _error(400, str(e), "invalid_request_error")
+        return error(400, str(e), "invalid_request_error")
 
     @app.get("/health")
     async def health():
-        return server.health()
+        h = server.health()
+        return h if server.failure is None else JSONResponse(h, 503)
 
     @app.get("/ready")
     async def ready():
+        if server.failure is not None:
+            return error(503, "the serving loop stopped: the process is exiting", "unavailable")
         if gate.draining:
-            return _error(503, "the server is stopping", "unavailable")
+            return error(503, "the server is stopping", "unavailable")
         if not gate.ready:
-            return _error(503, "the server is compiling its programs", "unavailable")
+            return error(503, "the server is compiling its programs", "unavailable")
         return {"status": "ready"}
 
     @app.get("/metrics")
@@ -176,6 +167,11 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             return [int(t) for t in tokenizer.encode(prompt)]
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = server.engine.target.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise HTTPError(400, f"field 'prompt' holds token id {_clip(bad)}, outside the "
+                                     f"vocabulary: use ids in [0, {vocab})")
             return prompt
         raise HTTPError(400, "field 'prompt' must be a string or a list of token ids (one prompt)")
 
@@ -224,9 +220,9 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         try:
             return ids, await asyncio.to_thread(server.prompt_logprobs, ids)
         except JaxspecError as e:
-            raise _failure(e) from None
+            raise failure(e) from None
 
-    async def respond(body, ids, chat: bool, prompt_text: str = ""):
+    async def respond(body, ids, chat: bool, prompt_text: str = "", request=None):
         """One request: `prompt_text` is what echo returns (completions)."""
         refuse_unsupported(body)
         wanted = structured.asked(body, tool_parse.template_format(tokenizer))
@@ -252,18 +248,19 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             raise HTTPError(400, f"field 'n'={n_choices} with 'stream': true and tools is not "
                                  "supported yet: set stream false or send n requests")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
+        if wanted.constraint is not None:  # off the event loop, under its budget
+            await asyncio.to_thread(sched.grammars.compile, wanted.constraint)
         echo = await echoed_scores(ids, sampling.logprobs) if echoed else None
         if streamed and n_choices > 1:
-            return stream_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo)
+            return stream_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo,
+                            tenant_salt(request, body))
         if candidates > 1:
-            return await respond_n(ids, sampling, n_choices, rid, chat, wanted, echoed, echo,
-                                   candidates)
-        stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint)
-        gate.enter(stream)
-        timer = None
-        if limits.request_timeout_s:
-            timer = asyncio.get_running_loop().call_later(
-                limits.request_timeout_s, gate.time_out, stream)
+            return await respond_n(request, ids, sampling, n_choices, rid, chat, wanted, echoed,
+                                   echo, candidates, tenant_salt(request, body))
+        salt = tenant_salt(request, body)
+        stream = server.submit(ids, sampling, request_id=rid, constraint=wanted.constraint,
+                               cache_salt=salt)
+        timer = watch(stream)
         created = int(time.time())
         head = {"id": rid, "created": created, "model": server.model_name}
 
@@ -276,11 +273,10 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
 
         if not streamed:
             try:
-                async for _ in stream:
-                    pass
+                await drained(request, [stream])
                 done, reason, usage = ended()
             except JaxspecError as e:
-                raise _failure(e) from None
+                raise failure(e) from None
             finally:
                 close()
             lp = choices.logprobs_block(piece, done, usage["completion_tokens"], sampling.logprobs,
@@ -304,34 +300,35 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             return f"data: {json.dumps(out)}\n\n"
 
         async def events():
+            first = True
             try:
-                first = True
-                if echoed:  # the prompt first, as it was sent
-                    yield chunk(echoed)
-                held = structured.Streamed(wanted)  # calls go out whole, parsed, at the end
-                async for text in stream:
-                    if text := held.feed(text):
-                        yield chunk(text, first=first)
+                try:
+                    if echoed:  # the prompt first, as it was sent
+                        yield chunk(echoed)
+                    held = structured.Streamed(wanted)  # calls go out whole, parsed, at the end
+                    async for text in stream:
+                        if text := held.feed(text):
+                            yield chunk(text, first=first)
+                            first = False
+                    done, reason, usage = ended()
+                    rest, calls = held.end(done.text, reason)
+                    if rest:  # cut short, not a call, or the text around the calls
+                        yield chunk(rest, first=first)
                         first = False
-                done, reason, usage = ended()
-                rest, calls = held.end(done.text, reason)
-                if rest:  # cut short, not a call, or the text around the calls
-                    yield chunk(rest, first=first)
-                    first = False
-                if calls:
-                    delta = {"role": "assistant", "content": None,
-                             "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}
-                    out = head | {"object": kind, "choices": [
-                        {"index": 0, "delta": delta, "finish_reason": None}]}
-                    yield f"data: {json.dumps(out)}\n\n"
-                    reason, first = "tool_calls", False
-                # the tokens' logprobs come with the last chunk, all of them at once
-                lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
-                                            sampling.logprobs, chat, echo)
-                yield chunk("", reason, usage, first=first, logprobs=lp)
-            except JaxspecError as e:  # the serving loop stopped: say so, end the stream
-                yield _stream_error(e)
-            else:
+                    if calls:
+                        delta = {"role": "assistant", "content": None,
+                                 "tool_calls": [c | {"index": i} for i, c in enumerate(calls)]}
+                        out = head | {"object": kind, "choices": [
+                            {"index": 0, "delta": delta, "finish_reason": None}]}
+                        yield f"data: {json.dumps(out)}\n\n"
+                        reason, first = "tool_calls", False
+                    # the tokens' logprobs come with the last chunk, all of them at once
+                    lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
+                                                sampling.logprobs, chat, echo)
+                    yield chunk("", reason, usage, first=first, logprobs=lp)
+                except JaxspecError as e:  # it failed: a finish reason, the error, the end
+                    yield chunk("", "error", first=first)
+                    yield stream_error(e)
                 yield DONE
             finally:
                 close()  # the client went away mid-stream: free its row and pages
@@ -350,32 +347,40 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         metrics.observe(reason, usage)
         return done, reason, usage
 
+    def watch(stream):
+        """`stream` counted in flight, under the request time limit: its timer (or None)."""
+        gate.enter(stream)
+        if not limits.request_timeout_s:
+            return None
+        return asyncio.get_running_loop().call_later(limits.request_timeout_s, gate.time_out,
+                                                     stream)
+
     def closed(stream, timer):
         if timer is not None:
             timer.cancel()
         stream.cancel()  # no-op once finished; frees the row if the handler is cancelled
         gate.leave(stream)
 
-    def submit_n(ids, sampling, count: int, rid: str, wanted):
+    def tenant_salt(request, body) -> bytes:
+        """The request's cache namespace: its cache_salt under its API key (with a key set)."""
+        tenant = request.headers.get("authorization", "") if gate.api_key else ""
+        return cache_salt_of(body, tenant)
+
+    def submit_n(ids, sampling, count: int, rid: str, wanted, salt: bytes):
         """`count` requests of one prompt, seeds seed + i (None: each its own): (streams, their
         time-limit timers)."""
-        streams, timers = [], []
-        for i in range(count):
-            seed = None if sampling.seed is None else sampling.seed + i
-            stream = server.submit(ids, dataclasses.replace(sampling, seed=seed),
-                                   request_id=f"{rid}-{i}", constraint=wanted.constraint)
-            gate.enter(stream)
-            streams.append(stream)
-            timers.append(None if not limits.request_timeout_s else
-                          asyncio.get_running_loop().call_later(
-                              limits.request_timeout_s, gate.time_out, stream))
-        return streams, timers
+        seeds = [None if sampling.seed is None else sampling.seed + i for i in range(count)]
+        streams = server.submit_all(ids, [dataclasses.replace(sampling, seed=s) for s in seeds],
+                                    [f"{rid}-{i}" for i in range(count)],
+                                    constraint=wanted.constraint, cache_salt=salt)
+        return streams, [watch(stream) for stream in streams]
 
-    def stream_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed, echo):
+    def stream_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed, echo,
+                 salt: bytes):
         """n streamed completions of one prompt (seeds as `respond_n`'s): each choice's chunks
         carry its index as they come, each ends with its finish reason (and logprobs), then one
         chunk without choices holds the summed usage."""
-        streams, timers = submit_n(ids, sampling, n_choices, rid, wanted)
+        streams, timers = submit_n(ids, sampling, n_choices, rid, wanted, salt)
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": rid, "created": int(time.time()), "model": server.model_name, "object": kind}
 
@@ -400,27 +405,29 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
             queue: asyncio.Queue = asyncio.Queue()
             tasks = [asyncio.create_task(pump(i, s, queue)) for i, s in enumerate(streams)]
             total, first = {"prompt_tokens": len(ids), "completion_tokens": 0}, [True] * n_choices
+            i = 0
             try:
-                for i in range(n_choices if echoed else 0):
-                    yield chunk(i, echoed)
-                for _ in range(n_choices):  # each stream's end, in the order they come
-                    i, text, error = await queue.get()
-                    while text is not None:
-                        yield chunk(i, text, first=first[i])
-                        first[i] = False
+                try:
+                    for i in range(n_choices if echoed else 0):
+                        yield chunk(i, echoed)
+                    for _ in range(n_choices):  # each stream's end, in the order they come
                         i, text, error = await queue.get()
-                    if error is not None:
-                        raise error
-                    done, reason, usage = finished(streams[i], sampling)
-                    total["completion_tokens"] += usage["completion_tokens"]
-                    lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
-                                                sampling.logprobs, chat, echo)
-                    yield chunk(i, "", reason, lp, first=first[i])
-                total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
-                yield f"data: {json.dumps(head | {'choices': [], 'usage': total})}\n\n"
-            except JaxspecError as e:  # the serving loop stopped: say so, end the stream
-                yield _stream_error(e)
-            else:
+                        while text is not None:
+                            yield chunk(i, text, first=first[i])
+                            first[i] = False
+                            i, text, error = await queue.get()
+                        if error is not None:
+                            raise error
+                        done, reason, usage = finished(streams[i], sampling)
+                        total["completion_tokens"] += usage["completion_tokens"]
+                        lp = choices.logprobs_block(piece, done, usage["completion_tokens"],
+                                                    sampling.logprobs, chat, echo)
+                        yield chunk(i, "", reason, lp, first=first[i])
+                    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+                    yield f"data: {json.dumps(head | {'choices': [], 'usage': total})}\n\n"
+                except JaxspecError as e:  # it failed: a finish reason, the error, the end
+                    yield chunk(i, "", "error")
+                    yield stream_error(e)
                 yield DONE
             finally:
                 for task in tasks:
@@ -430,8 +437,8 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def respond_n(ids, sampling, n_choices: int, rid: str, chat: bool, wanted, echoed="",
-                        echo=None, candidates: int = 0):
+    async def respond_n(request, ids, sampling, n_choices: int, rid: str, chat: bool, wanted,
+                        echoed="", echo=None, candidates: int = 0, salt: bytes = b""):
         """n completions of one prompt (not streamed): `candidates` (best_of, at least n)
         requests, seeds seed + i (None: each its own); past n, the n with the highest summed
         logprob of their returned tokens, in that order. One choice each (each with the echoed
@@ -441,17 +448,16 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         asked = sampling.logprobs
         if ranked and asked is None:
             sampling = dataclasses.replace(sampling, logprobs=0)  # the chosen tokens' only
-        streams, timers = submit_n(ids, sampling, candidates, rid, wanted)
+        streams, timers = submit_n(ids, sampling, candidates, rid, wanted, salt)
         results, total = [], {"prompt_tokens": len(ids), "completion_tokens": 0}
         try:
+            await drained(request, streams)
             for stream in streams:
-                async for _ in stream:
-                    pass
                 done, reason, usage = finished(stream, sampling)
                 total["completion_tokens"] += usage["completion_tokens"]
                 results.append((done, reason, usage["completion_tokens"]))
         except JaxspecError as e:
-            raise _failure(e) from None
+            raise failure(e) from None
         finally:
             for stream, timer in zip(streams, timers):
                 closed(stream, timer)
@@ -471,7 +477,7 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request, limits.max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)
         check_model(body)
         if "prompt" not in body:
             raise HTTPError(400, "field 'prompt' is required")
@@ -480,13 +486,14 @@ def make_app(server: Server, gate: Gate | None = None) -> FastAPI:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         text = prompt if isinstance(prompt, str) else "".join(piece(t) for t in ids)
-        return await respond(body, ids, chat=False, prompt_text=text)
+        return await respond(body, ids, chat=False, prompt_text=text, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _body(request, limits.max_body_bytes)
+        body = await read_body(request, limits.max_body_bytes)
         check_model(body)
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-        return await respond(body, chat_ids(body.get("messages"), tools), chat=True)
+        return await respond(body, chat_ids(body.get("messages"), tools), chat=True,
+                             request=request)
 
     return app

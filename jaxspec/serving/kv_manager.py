@@ -42,12 +42,13 @@ class KVManager:
         slots = self.slots_needed(req, len(req.prompt_ids), 1)
         if not self.sharing or not written:
             return 0 if self.pool.grow(slot, slots) else None
-        return self.pool.admit(slot, req.prompt_ids, slots)
+        return self.pool.admit(slot, req.prompt_ids, slots, req.cache_salt)
 
-    def written(self, slot: int, tokens: Sequence[int]) -> None:
-        """Row `slot`'s prompt pages holding `tokens` are written: shareable from now on."""
+    def written(self, slot: int, tokens: Sequence[int], salt: bytes = b"") -> None:
+        """Row `slot`'s prompt pages holding `tokens` are written: shareable from now on (under
+        `salt`, the request's cache_salt)."""
         if self.sharing:
-            self.pool.register(slot, tokens)
+            self.pool.register(slot, tokens, salt)
 
     def reserve(self, active: Mapping[int, object], lengths, victim: Callable,
                 preempt: Callable) -> None:

@@ -60,7 +60,7 @@ def exchange(closing: bool = False, events: dict | None = None) -> tuple[bool, d
 
 def describe(req: Request) -> tuple:
     """What a follower needs to build the same request (`apply`)."""
-    return (req.id, list(req.prompt_ids), req.sampling, req.seed, req.priority)
+    return (req.id, list(req.prompt_ids), req.sampling, req.seed, req.priority, req.cache_salt)
 
 
 class _Dropped:
@@ -77,11 +77,11 @@ def apply(scheduler, events: dict, own: list | None = None) -> None:
     """A round's events into `scheduler`: its new requests queued in order (process 0 passes
     its own Request objects, `own`, in the same order; a follower builds them as
     `Scheduler.new_request` would, with process 0's seed), then the cancellations flagged."""
-    for i, (rid, ids, sampling, seed, priority) in enumerate(events.get("new", ())):
+    for i, (rid, ids, sampling, seed, priority, salt) in enumerate(events.get("new", ())):
         req = own[i] if own is not None else Request(rid, ids, sampling, seed, _Dropped(),
                                                time.perf_counter(),
                                                text=TextState(tuple(sampling.stop)),
-                                               priority=priority)
+                                               priority=priority, cache_salt=salt)
         scheduler.queue.append(req)  # counted against max_queue on process 0
     cancel = set(events.get("cancel", ()))
     if cancel:

@@ -89,19 +89,21 @@ class PagePool:
             table.append(page)
         return True
 
-    def cached_prefix(self, tokens: Sequence[int]) -> list[int]:
-        """The cached pages a prompt of `tokens` may start with (never its last token's)."""
+    def cached_prefix(self, tokens: Sequence[int], salt: bytes = b"") -> list[int]:
+        """The cached pages a prompt of `tokens` may start with (never its last token's), among
+        those named under `salt`."""
         keys = prefix.page_keys(tokens, self.page_size,
-                                prefix.shareable_pages(len(tokens), self.page_size))
+                                prefix.shareable_pages(len(tokens), self.page_size), salt)
         return self._index.lookup(keys)
 
-    def admit(self, row: int, tokens: Sequence[int], slots: int) -> int | None:
+    def admit(self, row: int, tokens: Sequence[int], slots: int,
+              salt: bytes = b"") -> int | None:
         """A new row (no pages yet) for a prompt of `tokens`, holding `slots` slots: its table
         starts with the prompt's cached pages (shared), the rest fresh. Returns the prompt
         tokens whose k/v the shared pages hold; None (nothing taken) if the pool is short."""
         if self.tables.get(row):
             raise ValueError(f"row {row} already holds pages")
-        shared = self.cached_prefix(tokens)
+        shared = self.cached_prefix(tokens, salt)
         idle = sum(p in self._index.idle for p in shared)  # counted free now, not once taken
         if pages_for(slots, self.page_size) - len(shared) > self.free_pages - idle:
             return None
@@ -112,13 +114,13 @@ class PagePool:
         self.grow(row, slots)
         return len(shared) * self.page_size
 
-    def register(self, row: int, tokens: Sequence[int]) -> int:
+    def register(self, row: int, tokens: Sequence[int], salt: bytes = b"") -> int:
         """Name the full pages of `row`'s table that hold `tokens` (its prompt's first tokens,
         their k/v written), so later prompts starting the same share them. Returns how many
         pages are named after it (a page whose content is already named elsewhere stays the
         row's own)."""
         table = self.tables.get(row, [])
-        keys = prefix.page_keys(tokens, self.page_size, len(table))
+        keys = prefix.page_keys(tokens, self.page_size, len(table), salt)
         for key, page in zip(keys, table):
             self._index.name(key, page)
         return sum(page in self._index.key_of for page in table[: len(keys)])

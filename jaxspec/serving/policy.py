@@ -69,7 +69,8 @@ class PrefixAware(FirstComeFirstServed):
     order among equals; preemption as first come, first served."""
 
     def order(self, queue: Sequence) -> list:
-        return sorted(queue, key=lambda r: -len(self.pool.cached_prefix(r.prompt_ids)))
+        return sorted(queue, key=lambda r: -len(self.pool.cached_prefix(r.prompt_ids,
+                                                                         r.cache_salt)))
 
 
 POLICIES: dict[str, type] = {}

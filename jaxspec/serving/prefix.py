@@ -26,12 +26,16 @@ import numpy as np
 ROOT = b""  # the key before a prompt's first page
 
 
-def page_keys(tokens: Sequence[int], page_size: int, pages: int | None = None) -> list[bytes]:
-    """The chained keys of the first `pages` full pages of `tokens` (None: every full page)."""
+def page_keys(tokens: Sequence[int], page_size: int, pages: int | None = None,
+              salt: bytes = b"") -> list[bytes]:
+    """The chained keys of the first `pages` full pages of `tokens` (None: every full page).
+    `salt` (a tenant's `cache_salt`) starts the chain: pages named under one salt are never
+    found under another, so no tenant learns what another's prompts hold."""
     full = len(tokens) // page_size
     pages = full if pages is None else min(pages, full)
     ids = np.asarray(tokens[: pages * page_size], np.int64).reshape(pages, page_size)
-    keys, key = [], ROOT
+    keys = []
+    key = ROOT if not salt else hashlib.blake2b(b"salt\0" + salt, digest_size=16).digest()
     for row in ids:
         key = hashlib.blake2b(key + row.tobytes(), digest_size=16).digest()
         keys.append(key)

@@ -15,6 +15,23 @@ class QueueFull(JaxspecError):
     """The scheduler's queue holds `max_queue` requests already (HTTP 429)."""
 
 
+class RequestFailed(JaxspecError):
+    """One request failed inside the serving loop (its prefill, or what its row produced); the
+    loop and the other requests go on (HTTP 500 for it alone)."""
+
+    @classmethod
+    def of(cls, error: BaseException) -> RequestFailed:
+        if isinstance(error, RequestFailed):
+            return error
+        line = " ".join(f"{type(error).__name__}: {error}".split())
+        return cls(f"this request failed in the serving loop ({line[:240]}); the server goes on")
+
+
+class EngineStopped(JaxspecError):
+    """The serving loop itself stopped (HTTP 503): the process exits so a supervisor restarts
+    it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """Per-request settings. The sampling values are data in the batch (a row's law is its own);
@@ -134,3 +151,4 @@ class Request:
     logprobs: list | None = None  # `generated`'s logprobs (asked for: Sampling.logprobs)
     priority: int = 0  # higher first under serving.policy=priority
     constraint: str | None = None  # the structured-output regex (serving.grammars), None: free
+    cache_salt: bytes = b""  # the tenant's prefix-cache namespace (serving.prefix)

@@ -165,7 +165,7 @@ class Scheduler(Admission, DeviceCall, Streaming):
 
     # ---- submission (any thread; the api holds a lock around these) -----------------------
     def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None,
-                    priority: int = 0, constraint=None) -> Request:
+                    priority: int = 0, constraint=None, cache_salt: bytes = b"") -> Request:
         regex = None
         if constraint is not None:
             if self.grammars is None:
@@ -181,7 +181,12 @@ class Scheduler(Admission, DeviceCall, Streaming):
                 f"(+ γ + 1 = {need} slots) exceeds serving.max_context={self.capacity}: "
                 "shorten the prompt or lower max_tokens"
             )
-        bias_vector(dict(sampling.logit_bias), self.engine.target.vocab_size)  # ids in range
+        vocab = self.engine.target.vocab_size
+        bias_vector(dict(sampling.logit_bias), vocab)  # ids and values in range
+        bad = next((t for t in sampling.stop_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise JaxspecError(f"stop_token_ids holds {bad}, outside the vocabulary: use ids "
+                               f"in [0, {vocab})")
         k = self.spec.logprobs
         if sampling.logprobs is not None and (k is None or sampling.logprobs > k):
             raise JaxspecError(
@@ -192,7 +197,7 @@ class Scheduler(Admission, DeviceCall, Streaming):
         seed = n if sampling.seed is None else int(sampling.seed)
         return Request(request_id or f"req-{n}", ids, sampling, seed, sink, time.perf_counter(),
                        text=TextState(tuple(sampling.stop)), priority=int(priority),
-                       constraint=regex)
+                       constraint=regex, cache_salt=bytes(cache_salt))
 
     def enqueue(self, req: Request) -> None:
         if len(self.queue) >= self.max_queue:

@@ -19,6 +19,7 @@ class Stats:
     admitted: int = 0
     finished: int = 0
     preemptions: int = 0
+    failed: int = 0  # requests ended by a failure of their own (the loop went on)
     prompt_tokens: int = 0  # prompt tokens admitted (readmissions included)
     prefix_cached_tokens: int = 0  # of those, tokens whose k/v came from the prefix cache
     max_round_prefill_tokens: int = 0  # the most prompt tokens prefilled in one round (batched)

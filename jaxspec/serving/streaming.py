@@ -10,13 +10,35 @@ import time
 from typing import Any
 
 from jaxspec.decode import logprob_record
-from jaxspec.serving.requests import Completion, Request
+from jaxspec.serving.requests import Completion, Request, RequestFailed
 
 
 class Streaming:
+    def _stream_rows(self, host, now: float) -> None:
+        """Every live row streamed; a row whose tokens or text cannot be read fails alone (its
+        request gets the error, its row and pages are freed), the others go on."""
+        for slot, req in list(self.active.items()):
+            try:
+                self._stream_row(req, host, now)
+            except Exception as e:  # noqa: BLE001 -- confined to the request that caused it
+                self._fail(req, e)
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        """End `req` with RequestFailed: its row (if it holds one) and pages are freed."""
+        if req.slot >= 0 and self.active.get(req.slot) is req:
+            self._release(req)
+        self.stats.failed += 1
+        req.sink.finish(None, RequestFailed.of(error))
+
     def _stream_row(self, req: Request, host, now: float) -> None:
         slot, p = req.slot, len(req.prompt_ids)
         out = host.tokens[slot, p : host.lengths[slot]].tolist()
+        vocab = self.engine.target.vocab_size
+        bad = next((t for t in out if not 0 <= t < vocab), None)
+        if bad is not None:  # never a token: NaN probabilities sample out of the vocabulary
+            raise RequestFailed(f"this request's sampling produced token id {bad}, outside the "
+                                f"vocabulary [0, {vocab}): its sampling values give no "
+                                "distribution; the server goes on")
         if len(out) < req.replay:  # a restarted row still recomputing what was streamed
             return
         req.replay = 0
