@@ -151,6 +151,12 @@ class DFlashDrafter:
 
     def block_hidden(self, dparams, tparams, state: DFlashState, ctx: DraftContext, drafts: int):
         """One forward over the block [last, mask x drafts] -> h [B, drafts, D] of the masks."""
+        return self.block_entries(dparams, tparams, state, ctx, drafts)[:, 1:]
+
+    def block_entries(self, dparams, tparams, state: DFlashState, ctx: DraftContext, masks: int):
+        """One forward over the block [last, mask x masks] -> h [B, masks + 1, D], every entry
+        (DSpark drafts from the anchor entry too)."""
+        drafts = masks
         last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)  # [B, 1]
         b = last.shape[0]
         masks = jnp.full((b, drafts), self.spec.mask_token_id, jnp.int32)
@@ -161,7 +167,7 @@ class DFlashDrafter:
         positions = (ctx.lengths - 1)[:, None] + jnp.arange(drafts + 1, dtype=jnp.int32)
         h = net.block_hidden(self.spec, dparams, x, positions, zip(state.k, state.v),
                              ctx.lengths - 1, causal=self.causal_override)
-        return h[:, 1:]
+        return h
 
     def draft_logits(self, dparams, tparams, state, ctx, drafts: int) -> jax.Array:
         """f32[B, drafts, V]: the distributions of tokens L .. L+drafts-1 (before sampling)."""

@@ -1,0 +1,131 @@
+"""`speculative.method: dspark`: DSpark (speculators 0.9.0 `speculators.models.dspark`): DFlash's
+parallel block backbone (drafters/dflash_net.py, shared, not copied) plus a light sequential head
+that biases each block slot's logits by the token drafted before it, and a confidence head that
+predicts each slot's acceptance (drafters/dspark_heads.py).
+
+Slots: the block is [last committed token x_{L-1} (the anchor), mask x ...] at positions L-1 ...
+  sample_from_anchor  slot s predicts x_{L+s}: γ drafts from a block of γ entries (γ <= block_size)
+  otherwise           slot s >= 1 predicts x_{L-1+s} (DFlash's convention): γ + 1 entries
+Draft i's previous token is the anchor for i = 0, else draft i - 1 (the RNN head also runs over
+the unused anchor slot first when it does not draft, as the reference's does).
+
+Target features: the speculators convention, aux_hidden_state_layer_ids[i] = the input of target
+layer i (HF hidden_states[i], vLLM's taps).
+
+Why sampling stays lossless (jaxspec.decode.acceptance needs each proposed token distributed
+exactly as the q reported for it, given the drafts before it): the backbone's logits read only
+the committed context; the bias of draft i reads draft i - 1 (and the RNN state, a function of
+drafts < i); the chain walks the block in order, draws draft i from q_i = transform(z_i + b_i)
+with its own key, and reports that q_i -- the law it was drawn from given its predecessors.
+
+State, init, commit: DFlash's (the per-layer context caches); propose writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decode import sampling
+from jaxspec.drafters import dspark_heads as hd
+from jaxspec.drafters import trained
+from jaxspec.drafters.base import DraftContext, Proposal
+from jaxspec.drafters.dflash import DFlashDrafter, DFlashState
+from jaxspec.drafters.registry import BuildContext, register_drafter
+from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkDrafter(DFlashDrafter):
+    heads: hd.HeadSpec = hd.HeadSpec(0)
+    name: str = "dspark"
+    report_unbiased_q: bool = False  # tests only: a broken variant reporting q without the bias
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:  # speculators ids are jaxspec taps (layer inputs)
+        return tuple(self.spec.target_layer_ids)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.spec.block_size - (0 if self.heads.sample_from_anchor else 1)
+
+    def _entries(self, dparams, tparams, state: DFlashState, ctx: DraftContext, drafts: int):
+        """The block forward for `drafts` drafts -> (h [B, E, D], base logits f32[B, E, V])."""
+        masks = drafts - 1 if self.heads.sample_from_anchor else drafts
+        h = self.block_entries(dparams, tparams, state, ctx, masks)
+        return h, self.head_logits(tparams, h)
+
+    def walk(self, dparams, h, base, anchor, pick):
+        """The block's slots in order: h [B, E, D], base f32[B, E, V], anchor int32[B];
+        pick(i, logits f32[B, V]) -> draft i int32[B]. Returns (logits f32[B, E, V] with the
+        sequential bias, confidence logits f32[B, E] or None, drafts int32[B, γ])."""
+        heads, first = self.heads, 0 if self.heads.sample_from_anchor else 1
+        state = hd.init_state(heads, anchor.shape)
+        prev, zs, confs, toks = anchor.astype(jnp.int32), [], [], []
+        for s in range(h.shape[1]):
+            bias, e, state = hd.step(heads, dparams, prev, h[:, s], state)
+            z = base[:, s] if bias is None else base[:, s] + bias
+            zs.append(z)
+            confs.append(hd.confidence_logit(heads, dparams, h[:, s], e))
+            if s >= first:
+                prev = pick(s - first, z).astype(jnp.int32)
+                toks.append(prev)
+        conf = None if confs[0] is None else jnp.stack(confs, axis=1)
+        return jnp.stack(zs, axis=1), conf, jnp.stack(toks, axis=1)
+
+    def teacher_forced(self, dparams, tparams, state, ctx: DraftContext, tokens):
+        """Given drafts tokens int32[B, γ] (the reference's training view: the true block):
+        (logits f32[B, E, V], confidence logits f32[B, E] or None) of every block slot."""
+        h, base = self._entries(dparams, tparams, state, ctx, tokens.shape[1])
+        z, conf, _ = self.walk(dparams, h, base, self._anchor(ctx), lambda i, _: tokens[:, i])
+        return z, conf
+
+    def propose(self, dparams, tparams, state: DFlashState, ctx: DraftContext, num_tokens, sp,
+                keys):
+        if self.tree_choices is not None or self.tree_top_k:
+            raise JaxspecError("dspark drafts chains only: unset speculative.tree")
+        if num_tokens > self.max_drafts:
+            raise JaxspecError(
+                f"num_speculative_tokens={num_tokens} exceeds this DSpark head's block "
+                f"(block_size {self.spec.block_size}: {self.max_drafts} drafts): use "
+                f"num_speculative_tokens <= {self.max_drafts}"
+            )
+        b = ctx.lengths.shape[0]
+        step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, γ]
+        h, base = self._entries(dparams, tparams, state, ctx, num_tokens)
+        first = 0 if self.heads.sample_from_anchor else 1
+        qs = []
+
+        def pick(i, z):  # draft i: one draw from its biased law, which is what is reported
+            q = sampling.logits_to_probs(z, sp)
+            if self.report_unbiased_q:
+                qs.append(sampling.logits_to_probs(base[:, first + i], sp))
+            else:
+                qs.append(q)
+            return sampling.sample_rows(step_keys[:, i], q)
+
+        _, _, tokens = self.walk(dparams, h, base, self._anchor(ctx), pick)
+        return Proposal(tokens, jnp.stack(qs, axis=1), jnp.full((b,), num_tokens, jnp.int32)), state
+
+
+# ---- method "dspark" --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DSparkOptions(trained.CheckpointOptions):
+    """speculative.dspark: a DSpark head in the speculators 0.9.0 layout (config.json with
+    speculators_model_type "dspark"). γ (num_speculative_tokens) is at most block_size
+    (sample_from_anchor) or block_size - 1."""
+
+    SECTION: ClassVar[str] = "speculative.dspark"
+
+
+def build(options: DSparkOptions, ctx: BuildContext):
+    return trained.load("dspark", options, ctx)
+
+
+register_drafter(
+    "dspark", build, formats=("dspark",), options=DSparkOptions, summary=(
+    "DSpark (speculators 0.9.0): DFlash's parallel block plus a sequential Markov / gated / RNN "
+    "logit bias along the drafted block and a per-position confidence head"))
