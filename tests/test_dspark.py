@@ -256,7 +256,8 @@ def test_block_size_over_the_head_is_refused(targets, tmp_path):
     from jaxspec.engine.runner import Engine
 
     with pytest.raises(JaxspecError, match="num_speculative_tokens=4 exceeds"):
-        Engine(m, drafter, dparams, num_speculative_tokens=BLOCK).generate([[1, 2]], 2)
+        Engine(m, drafter, dparams, num_speculative_tokens=BLOCK).generate(
+            [[1, 2]], max_new_tokens=2)
 
 
 # ---- the loop: greedy identity, the exact sampled law ---------------------------------------
