@@ -308,7 +308,7 @@ def test_greedy_dspark_is_token_identical_at_batch_8(greedy_target, mixed_prompt
 V = 8
 PROMPT = [1, 2, 3, 4, 5]
 FILTERED = dict(temperature=0.6, top_k=6, top_p=0.95, min_p=0.05)
-LAW_ROWS = 6000
+LAW_ROWS = 3000
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +318,7 @@ def law_target():
     return tiny_model(seed=5, scale=0.3, vocab=V, layers=2, hidden=32, eos=(-1,))
 
 
-@pytest.mark.parametrize("kind", ["vanilla", "rnn", "broken-vanilla"])
+@pytest.mark.parametrize("kind", ["gated", "broken-gated"])
 def test_sampled_dspark_has_the_target_law(law_target, kind):
     """Sampled output has the target's exact law: each draft is drawn from its Markov-biased
     law given the draft before it, and that law is reported; the broken variant that reports
