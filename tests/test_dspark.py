@@ -294,15 +294,56 @@ def mixed_prompts():
     return [[int(t) for t in rng.integers(1, 63, size=n)] for n in (5, 17, 9, 30, 12, 3, 25, 8)]
 
 
-@pytest.mark.parametrize("kind, anchor", [("vanilla", True), ("rnn", False)])
-def test_greedy_dspark_is_token_identical_at_batch_8(greedy_target, mixed_prompts, kind, anchor):
+@pytest.mark.parametrize("kind, anchor, cost", [("vanilla", True, 0.0), ("rnn", False, 0.0),
+                                                ("gated", True, 0.3)])
+def test_greedy_dspark_is_token_identical_at_batch_8(greedy_target, mixed_prompts, kind, anchor,
+                                                     cost):
+    """Greedy chains of every head type and slot convention emit plain's tokens, and so does
+    confidence-scheduled verification (cost > 0), whose per-row lengths then vary."""
     from jaxspec.engine.runner import Engine
 
     plain = Engine(greedy_target).generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
-    drafter, dparams = tiny_head(greedy_target.target, kind, anchor=anchor, layers=(0, 2))
+    drafter, dparams = tiny_head(greedy_target.target, kind, anchor=anchor, layers=(0, 2),
+                                 cost_per_draft=cost, variable_length=cost > 0)
     engine = Engine(greedy_target, drafter, dparams, num_speculative_tokens=3)
     out = engine.generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    drafted = sum(r.metrics["num_draft_tokens"] for r in out)
+    steps = sum(r.metrics["num_steps"] for r in out)
+    print(f"{kind} cost {cost}: {drafted / steps:.2f} drafts verified per step")
+    if cost > 0:
+        assert 0 < drafted < 3 * steps
+
+
+def test_scheduled_length_maximises_tokens_per_cost():
+    """Sure drafts are all verified, hopeless ones none; in between the length follows the
+    cost: E(k) = 1 + sum of survivals, k = argmax E(k) / (1 + c k)."""
+    from jaxspec.drafters import dspark_heads as hd
+
+    logit = lambda p: float(np.log(p / (1 - p)))  # noqa: E731
+    conf = jnp.asarray([[logit(0.999)] * 4, [logit(0.01)] * 4, [logit(0.9), logit(0.5),
+                                                                logit(0.2), logit(0.2)]])
+    np.testing.assert_array_equal(hd.scheduled_length(conf, 0.2), [4, 0, 2])
+    # row 3 at cost 0.05: survivals .9, .45, .09, .018 -> E/cost 1.81, 2.14, 2.12, 2.05
+    assert int(hd.scheduled_length(conf, 0.05)[2]) == 2
+    assert int(hd.scheduled_length(conf, 0.0)[2]) == 4  # free drafts: verify all
+    drafter, _ = tiny_head_spec_only()
+    with pytest.raises(JaxspecError, match="lacks: set it to 0"):
+        dataclasses.replace(drafter, cost_per_draft=0.3)
+
+
+def tiny_head_spec_only():
+    """A DSpark drafter without a confidence head (no params needed)."""
+    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters import dspark_heads as hd
+    from jaxspec.drafters.dspark import DSparkDrafter
+    from tiny import tiny_model
+
+    t = tiny_model(seed=2, vocab=16, layers=2, hidden=32).target
+    spec = net.make_spec(t.layer_config, t.num_layers, num_layers=1, block_size=BLOCK,
+                         mask_token_id=0, target_layer_ids=(0,))
+    heads = hd.HeadSpec(markov_rank=4, confidence=False)
+    return DSparkDrafter(spec, t.vocab_size, heads=heads), None
 
 
 V = 8
@@ -318,17 +359,21 @@ def law_target():
     return tiny_model(seed=5, scale=0.3, vocab=V, layers=2, hidden=32, eos=(-1,))
 
 
-@pytest.mark.parametrize("kind", ["gated", "broken-gated"])
+@pytest.mark.parametrize("kind", ["gated-scheduled", "broken-gated"])
 def test_sampled_dspark_has_the_target_law(law_target, kind):
     """Sampled output has the target's exact law: each draft is drawn from its Markov-biased
-    law given the draft before it, and that law is reported; the broken variant that reports
+    law given the draft before it, and that law is reported (here with confidence-scheduled
+    per-row lengths); the broken variant that reports
     the backbone's law without the bias fails at the same settings and sample size."""
     from distribution import FAIL_P, PASS_P, pvalue
     from jaxspec.decode.sampling import SamplingParams
 
     broken = kind.startswith("broken")
-    drafter, dparams = tiny_head(law_target.target, kind.removeprefix("broken-"), block=3,
-                                 seed=4, scale=3.0, report_unbiased_q=broken)
+    scheduled = kind.endswith("-scheduled")  # per-row lengths from the confidence head
+    head_type = kind.removeprefix("broken-").removesuffix("-scheduled")
+    drafter, dparams = tiny_head(law_target.target, head_type, block=3, seed=4, scale=3.0,
+                                 report_unbiased_q=broken, cost_per_draft=0.3 * scheduled,
+                                 variable_length=scheduled)
     sp = SamplingParams.make(**FILTERED)
     p, results = pvalue(law_target, drafter, dparams, sp, PROMPT, rows=LAW_ROWS, gamma=2)
     drafted = sum(r.metrics["num_draft_tokens"] for r in results)

@@ -43,6 +43,15 @@ class DSparkDrafter(DFlashDrafter):
     heads: hd.HeadSpec = hd.HeadSpec(0)
     name: str = "dspark"
     report_unbiased_q: bool = False  # tests only: a broken variant reporting q without the bias
+    # confidence-scheduled verification (> 0: variable_length): each verified draft's cost as a
+    # fraction of a plain step; every row verifies dspark_heads.scheduled_length drafts
+    cost_per_draft: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.cost_per_draft > 0 and not self.heads.confidence:
+            raise JaxspecError("speculative.dspark.cost_per_draft schedules verification by the "
+                               "confidence head, which this DSpark head lacks: set it to 0")
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # speculators ids are jaxspec taps (layer inputs)
@@ -107,8 +116,11 @@ class DSparkDrafter(DFlashDrafter):
                 qs.append(q)
             return sampling.sample_rows(step_keys[:, i], q)
 
-        _, _, tokens = self.walk(dparams, h, base, self._anchor(ctx), pick)
-        return Proposal(tokens, jnp.stack(qs, axis=1), jnp.full((b,), num_tokens, jnp.int32)), state
+        _, conf, tokens = self.walk(dparams, h, base, self._anchor(ctx), pick)
+        num = jnp.full((b,), num_tokens, jnp.int32)
+        if self.cost_per_draft > 0:  # the lengths read only the drafts before each: lossless
+            num = hd.scheduled_length(conf[:, first:], self.cost_per_draft)
+        return Proposal(tokens, jnp.stack(qs, axis=1), num), state
 
 
 # ---- method "dspark" --------------------------------------------------------------------------
@@ -119,10 +131,23 @@ class DSparkOptions(trained.CheckpointOptions):
     (sample_from_anchor) or block_size - 1."""
 
     SECTION: ClassVar[str] = "speculative.dspark"
+    # > 0: confidence-scheduled verification: each row verifies the number of drafts that
+    # maximises expected tokens / (1 + cost_per_draft * drafts), from the confidence head's
+    # survival estimate; cost_per_draft is one verified draft's cost in plain steps (the slope
+    # of the calibrated step-cost curve at the serving batch); 0: always γ drafts
+    cost_per_draft: float = 0.0
+
+    def _validate(self):
+        if not 0.0 <= self.cost_per_draft < 100.0:
+            self._fail("cost_per_draft", "use a number in [0, 100); 0 verifies γ drafts always")
 
 
 def build(options: DSparkOptions, ctx: BuildContext):
-    return trained.load("dspark", options, ctx)
+    drafter, dparams = trained.load("dspark", options, ctx)
+    if options.cost_per_draft > 0:
+        drafter = dataclasses.replace(drafter, cost_per_draft=options.cost_per_draft,
+                                      variable_length=True)
+    return drafter, dparams
 
 
 register_drafter(

@@ -84,6 +84,19 @@ def confidence_logit(spec: HeadSpec, hp, h, e) -> jax.Array | None:
     return _lin(x, hp["confidence"]["w"], hp["confidence"]["b"])[..., 0]
 
 
+def scheduled_length(conf_logits, cost_per_draft: float) -> jax.Array:
+    """int32[B]: the verify length per row from the confidence head: conf_logits f32[B, γ] are
+    the per-draft acceptance logits, so survival S_i = prod_{j<=i} sigmoid(conf_j) estimates the
+    chance that draft i is accepted, E(k) = 1 + sum_{i<k} S_i the expected tokens of a step
+    verifying k drafts, and cost(k) = 1 + cost_per_draft * k its cost in plain steps (the
+    step-cost curve's slope); k = argmax_k E(k) / cost(k) over 0..γ (ties: the shorter)."""
+    survival = jnp.cumprod(jax.nn.sigmoid(conf_logits.astype(jnp.float32)), axis=-1)
+    expected = 1.0 + jnp.concatenate([jnp.zeros_like(survival[:, :1]),
+                                      jnp.cumsum(survival, axis=-1)], axis=-1)  # [B, γ+1]
+    cost = 1.0 + cost_per_draft * jnp.arange(expected.shape[-1], dtype=jnp.float32)
+    return jnp.argmax(expected / cost, axis=-1).astype(jnp.int32)
+
+
 def init_params(spec: HeadSpec, key, hidden: int, vocab: int, scale: float = 0.5) -> dict:
     """Random head params (tests, a new head): weights N(0, scale^2 / fan_in)."""
     r = spec.markov_rank
