@@ -294,17 +294,29 @@ def mixed_prompts():
     return [[int(t) for t in rng.integers(1, 63, size=n)] for n in (5, 17, 9, 30, 12, 3, 25, 8)]
 
 
-@pytest.mark.parametrize("kind, anchor, cost", [("vanilla", True, 0.0), ("rnn", False, 0.0),
-                                                ("gated", True, 0.3)])
-def test_greedy_dspark_is_token_identical_at_batch_8(greedy_target, mixed_prompts, kind, anchor,
-                                                     cost):
-    """Greedy chains of every head type and slot convention emit plain's tokens, and so does
-    confidence-scheduled verification (cost > 0), whose per-row lengths then vary."""
+TREE = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
+DYNAMIC = dict(tree_top_k=2, tree_levels=3, tree_budget=5)
+
+
+@pytest.fixture(scope="module")
+def plain(greedy_target, mixed_prompts):
     from jaxspec.engine.runner import Engine
 
-    plain = Engine(greedy_target).generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
+    return Engine(greedy_target).generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
+
+
+@pytest.mark.parametrize("kind, anchor, cost, shape", [
+    ("vanilla", True, 0.0, {}), ("rnn", False, 0.0, {}), ("gated", True, 0.3, {}),
+    ("vanilla", False, 0.0, {"tree_choices": TREE}), ("gated", True, 0.0, DYNAMIC)])
+def test_greedy_dspark_is_token_identical_at_batch_8(greedy_target, mixed_prompts, plain, kind,
+                                                     anchor, cost, shape):
+    """Greedy chains of every head type and slot convention emit plain's tokens, and so do
+    confidence-scheduled verification (cost > 0, whose per-row lengths then vary), a static
+    tree and a dynamic tree (the bias along each path)."""
+    from jaxspec.engine.runner import Engine
+
     drafter, dparams = tiny_head(greedy_target.target, kind, anchor=anchor, layers=(0, 2),
-                                 cost_per_draft=cost, variable_length=cost > 0)
+                                 cost_per_draft=cost, variable_length=cost > 0, **shape)
     engine = Engine(greedy_target, drafter, dparams, num_speculative_tokens=3)
     out = engine.generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
@@ -359,7 +371,7 @@ def law_target():
     return tiny_model(seed=5, scale=0.3, vocab=V, layers=2, hidden=32, eos=(-1,))
 
 
-@pytest.mark.parametrize("kind", ["gated-scheduled", "broken-gated"])
+@pytest.mark.parametrize("kind", ["gated-scheduled", "gated-tree", "broken-gated"])
 def test_sampled_dspark_has_the_target_law(law_target, kind):
     """Sampled output has the target's exact law: each draft is drawn from its Markov-biased
     law given the draft before it, and that law is reported (here with confidence-scheduled
@@ -370,10 +382,13 @@ def test_sampled_dspark_has_the_target_law(law_target, kind):
 
     broken = kind.startswith("broken")
     scheduled = kind.endswith("-scheduled")  # per-row lengths from the confidence head
-    head_type = kind.removeprefix("broken-").removesuffix("-scheduled")
+    head_type = kind.removeprefix("broken-").split("-")[0]
     drafter, dparams = tiny_head(law_target.target, head_type, block=3, seed=4, scale=3.0,
                                  report_unbiased_q=broken, cost_per_draft=0.3 * scheduled,
                                  variable_length=scheduled)
+    if kind.endswith("-tree"):  # sampled children: each node a draw from its biased law
+        drafter = dataclasses.replace(drafter, tree_choices=((0,), (1,), (0, 0), (1, 0)),
+                                      tree_children="sampled")
     sp = SamplingParams.make(**FILTERED)
     p, results = pvalue(law_target, drafter, dparams, sp, PROMPT, rows=LAW_ROWS, gamma=2)
     drafted = sum(r.metrics["num_draft_tokens"] for r in results)

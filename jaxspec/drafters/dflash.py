@@ -123,6 +123,10 @@ class DFlashDrafter:
         return self.spec.block_size - 1
 
     @property
+    def positions_read_no_parent(self) -> bool:  # a position's law is the same under any parent
+        return self.spec.version == 1
+
+    @property
     def tree_nodes(self) -> int | None:
         if self.tree_top_k:
             return self.tree_budget
@@ -274,7 +278,7 @@ class DFlashDrafter:
         ranked = None  # DFlash 1, top_k children: a position's ranks read no parent, so one
         # top_k over the block's own logits; per level over parent-broadcast copies, XLA:CPU
         # sorts each copy's whole vocabulary (BENCHMARKS.md, "DFlash step cost")
-        if self.tree_children == "top_k" and self.spec.version == 1:
+        if self.tree_children == "top_k" and self.positions_read_no_parent:
             ranked = top_indices(blk.logits, max(rank) + 1)  # [B, depth, R]
         tokens, probs = [None] * n, [None] * n
         for d in range(1, max(depth) + 1):  # level by level: a node's law reads its parent

@@ -17,6 +17,11 @@ exactly as the q reported for it, given the drafts before it): the backbone's lo
 the committed context; the bias of draft i reads draft i - 1 (and the RNN state, a function of
 drafts < i); the chain walks the block in order, draws draft i from q_i = transform(z_i + b_i)
 with its own key, and reports that q_i -- the law it was drawn from given its predecessors.
+Trees (vanilla and gated heads; DFlash's builders, drafters/dflash.py): a node at depth d is
+draft d - 1, its children's law is the slot's base logits plus the bias its own token gives, so
+a node's law reads only its ancestors' tokens (static trees of ranks, or jaxspec.decode.tree.grow).
+Confidence scheduling (cost_per_draft > 0) cuts a row's chain after k drafts, k a function of
+the confidences, each of which reads only earlier drafts: a stopping rule, lossless as EAGLE's.
 
 State, init, commit: DFlash's (the per-layer context caches); propose writes nothing.
 """
@@ -29,11 +34,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decode import sampling
+from jaxspec.decode import sampling, tree
 from jaxspec.drafters import dspark_heads as hd
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import DraftContext, Proposal
-from jaxspec.drafters.dflash import DFlashDrafter, DFlashState
+from jaxspec.drafters.dflash import BlockDraft, DFlashDrafter, DFlashOptions, DFlashState
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
 
@@ -49,6 +54,9 @@ class DSparkDrafter(DFlashDrafter):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.heads.stateful and (self.tree_choices is not None or self.tree_top_k):
+            raise JaxspecError("an RNN DSpark head drafts chains only (its state follows one "
+                               "path): set speculative.tree.kind=chain")
         if self.cost_per_draft > 0 and not self.heads.confidence:
             raise JaxspecError("speculative.dspark.cost_per_draft schedules verification by the "
                                "confidence head, which this DSpark head lacks: set it to 0")
@@ -60,6 +68,25 @@ class DSparkDrafter(DFlashDrafter):
     @property
     def max_drafts(self) -> int:
         return self.spec.block_size - (0 if self.heads.sample_from_anchor else 1)
+
+    @property
+    def positions_read_no_parent(self) -> bool:
+        return self.heads.markov_rank == 0
+
+    def _block(self, dparams, tparams, state, ctx, drafts: int) -> BlockDraft:
+        """The drafting slots' hidden and base logits (index i: draft i), for the tree builder."""
+        h, base = self._entries(dparams, tparams, state, ctx, drafts)
+        first = 0 if self.heads.sample_from_anchor else 1
+        return BlockDraft(h[:, first:], base[:, first:], None, None, None)
+
+    def position_logits(self, dparams, blk: BlockDraft, pos: int, prev) -> jax.Array:
+        """f32[B, M, V]: the law of draft pos after M candidate predecessors prev int32[B, M]:
+        the slot's base logits plus the sequential bias each predecessor gives (vanilla and
+        gated heads: the bias reads only the predecessor and the slot)."""
+        h = jnp.broadcast_to(blk.h[:, pos, None], (*prev.shape, blk.h.shape[-1]))
+        bias, _, _ = hd.step(self.heads, dparams, prev, h, hd.init_state(self.heads, prev.shape))
+        out = jnp.broadcast_to(blk.logits[:, pos, None], (*prev.shape, blk.logits.shape[-1]))
+        return out if bias is None else out + bias
 
     def _entries(self, dparams, tparams, state: DFlashState, ctx: DraftContext, drafts: int):
         """The block forward for `drafts` drafts -> (h [B, E, D], base logits f32[B, E, V])."""
@@ -95,7 +122,7 @@ class DSparkDrafter(DFlashDrafter):
     def propose(self, dparams, tparams, state: DFlashState, ctx: DraftContext, num_tokens, sp,
                 keys):
         if self.tree_choices is not None or self.tree_top_k:
-            raise JaxspecError("dspark drafts chains only: unset speculative.tree")
+            return self._propose_tree(dparams, tparams, state, ctx, sp, keys), state
         if num_tokens > self.max_drafts:
             raise JaxspecError(
                 f"num_speculative_tokens={num_tokens} exceeds this DSpark head's block "
@@ -125,10 +152,11 @@ class DSparkDrafter(DFlashDrafter):
 
 # ---- method "dspark" --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DSparkOptions(trained.CheckpointOptions):
+class DSparkOptions(DFlashOptions):
     """speculative.dspark: a DSpark head in the speculators 0.9.0 layout (config.json with
     speculators_model_type "dspark"). γ (num_speculative_tokens) is at most block_size
-    (sample_from_anchor) or block_size - 1."""
+    (sample_from_anchor) or block_size - 1; trees as for dflash (vanilla and gated heads: the
+    sequential bias along each path)."""
 
     SECTION: ClassVar[str] = "speculative.dspark"
     # > 0: confidence-scheduled verification: each row verifies the number of drafts that
@@ -138,6 +166,7 @@ class DSparkOptions(trained.CheckpointOptions):
     cost_per_draft: float = 0.0
 
     def _validate(self):
+        super()._validate()
         if not 0.0 <= self.cost_per_draft < 100.0:
             self._fail("cost_per_draft", "use a number in [0, 100); 0 verifies γ drafts always")
 
@@ -145,12 +174,22 @@ class DSparkOptions(trained.CheckpointOptions):
 def build(options: DSparkOptions, ctx: BuildContext):
     drafter, dparams = trained.load("dspark", options, ctx)
     if options.cost_per_draft > 0:
+        if ctx.spec.tree.kind != "chain":
+            raise JaxspecError("speculative.dspark.cost_per_draft schedules chains: set "
+                               "speculative.tree.kind=chain or cost_per_draft=0")
         drafter = dataclasses.replace(drafter, cost_per_draft=options.cost_per_draft,
                                       variable_length=True)
+    if ctx.spec.tree.kind == "static":
+        choices = tuple(tuple(p) for p in ctx.spec.tree.choices)
+        drafter = dataclasses.replace(drafter, tree_choices=choices,
+                                      tree_children=options.tree_children)
+    if ctx.spec.tree.kind == "dynamic":
+        drafter = dataclasses.replace(drafter, **tree.dynamic_fields(ctx.spec.tree))
     return drafter, dparams
 
 
 register_drafter(
-    "dspark", build, formats=("dspark",), options=DSparkOptions, summary=(
+    "dspark", build, formats=("dspark",), options=DSparkOptions,
+    tree_kinds=("static", "dynamic"), summary=(
     "DSpark (speculators 0.9.0): DFlash's parallel block plus a sequential Markov / gated / RNN "
     "logit bias along the drafted block and a per-position confidence head"))
