@@ -396,3 +396,37 @@ def test_sampled_dspark_has_the_target_law(law_target, kind):
     print(f"{kind}: p {p:.2e}, acceptance {accepted / drafted:.2f}")
     assert 0.02 * drafted < accepted < 0.95 * drafted
     assert (p < FAIL_P) if broken else (p > PASS_P)
+
+
+def spec_of(*overrides):
+    from jaxspec.config import load_config
+
+    base_ = ["speculative.method=dspark", "speculative.num_speculative_tokens=3"]
+    return load_config(None, [*base_, *overrides]).speculative
+
+
+def test_config_builds_the_head_with_its_schedule_and_trees(targets, tmp_path):
+    """speculative.method=dspark reads the speculators layout through the config; the scheduler
+    and trees are set from it; a scheduler without a confidence head, an RNN head as a tree and a
+    tree depth past the block are refused in one line."""
+    from jaxspec.build import build_drafter
+
+    hf, m = targets["qwen3"]
+    make_reference(hf, "gated", True).save_pretrained(tmp_path / "gated")
+    make_reference(hf, "rnn", True, enable_confidence_head=False,
+                   confidence_head_with_markov=False).save_pretrained(tmp_path / "rnn")
+    head = f"speculative.dspark.checkpoint={tmp_path / 'gated'}"
+    drafter, _ = build_drafter(spec_of(head, "speculative.dspark.cost_per_draft=0.2"), m)
+    assert drafter.name == "dspark" and drafter.cost_per_draft == 0.2 and drafter.variable_length
+    tree = ["speculative.tree.kind=static", "speculative.tree.choices=[[0],[1],[0,0]]"]
+    assert build_drafter(spec_of(head, *tree), m)[0].tree_nodes == 3
+    dynamic = ["speculative.tree.kind=dynamic", "speculative.tree.top_k=2",
+               "speculative.tree.budget=5"]
+    rnn = f"speculative.dspark.checkpoint={tmp_path / 'rnn'}"
+    for overrides, message in (
+            ((rnn, "speculative.dspark.cost_per_draft=0.2"), "which this DSpark head lacks"),
+            ((rnn, *tree), "RNN DSpark head drafts chains only"),
+            ((head, *dynamic, "speculative.tree.depth=5"), "drafts at most 4 positions")):
+        with pytest.raises(JaxspecError, match=message) as err:
+            build_drafter(spec_of(*overrides), m)
+        assert "\n" not in str(err.value)
