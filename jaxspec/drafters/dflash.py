@@ -123,6 +123,10 @@ class DFlashDrafter:
         return self.spec.block_size - 1
 
     @property
+    def positions_read_no_parent(self) -> bool:  # a position's law is the same under any parent
+        return self.spec.version == 1
+
+    @property
     def tree_nodes(self) -> int | None:
         if self.tree_top_k:
             return self.tree_budget
@@ -151,6 +155,12 @@ class DFlashDrafter:
 
     def block_hidden(self, dparams, tparams, state: DFlashState, ctx: DraftContext, drafts: int):
         """One forward over the block [last, mask x drafts] -> h [B, drafts, D] of the masks."""
+        return self.block_entries(dparams, tparams, state, ctx, drafts)[:, 1:]
+
+    def block_entries(self, dparams, tparams, state: DFlashState, ctx: DraftContext, masks: int):
+        """One forward over the block [last, mask x masks] -> h [B, masks + 1, D], every entry
+        (DSpark drafts from the anchor entry too)."""
+        drafts = masks
         last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)  # [B, 1]
         b = last.shape[0]
         masks = jnp.full((b, drafts), self.spec.mask_token_id, jnp.int32)
@@ -161,7 +171,7 @@ class DFlashDrafter:
         positions = (ctx.lengths - 1)[:, None] + jnp.arange(drafts + 1, dtype=jnp.int32)
         h = net.block_hidden(self.spec, dparams, x, positions, zip(state.k, state.v),
                              ctx.lengths - 1, causal=self.causal_override)
-        return h[:, 1:]
+        return h
 
     def draft_logits(self, dparams, tparams, state, ctx, drafts: int) -> jax.Array:
         """f32[B, drafts, V]: the distributions of tokens L .. L+drafts-1 (before sampling)."""
@@ -268,7 +278,7 @@ class DFlashDrafter:
         ranked = None  # DFlash 1, top_k children: a position's ranks read no parent, so one
         # top_k over the block's own logits; per level over parent-broadcast copies, XLA:CPU
         # sorts each copy's whole vocabulary (BENCHMARKS.md, "DFlash step cost")
-        if self.tree_children == "top_k" and self.spec.version == 1:
+        if self.tree_children == "top_k" and self.positions_read_no_parent:
             ranked = top_indices(blk.logits, max(rank) + 1)  # [B, depth, R]
         tokens, probs = [None] * n, [None] * n
         for d in range(1, max(depth) + 1):  # level by level: a node's law reads its parent

@@ -1,0 +1,195 @@
+"""`speculative.method: dspark`: DSpark (speculators 0.9.0 `speculators.models.dspark`): DFlash's
+parallel block backbone (drafters/dflash_net.py, shared, not copied) plus a light sequential head
+that biases each block slot's logits by the token drafted before it, and a confidence head that
+predicts each slot's acceptance (drafters/dspark_heads.py).
+
+Slots: the block is [last committed token x_{L-1} (the anchor), mask x ...] at positions L-1 ...
+  sample_from_anchor  slot s predicts x_{L+s}: γ drafts from a block of γ entries (γ <= block_size)
+  otherwise           slot s >= 1 predicts x_{L-1+s} (DFlash's convention): γ + 1 entries
+Draft i's previous token is the anchor for i = 0, else draft i - 1 (the RNN head also runs over
+the unused anchor slot first when it does not draft, as the reference's does).
+
+Target features: the speculators convention, aux_hidden_state_layer_ids[i] = the input of target
+layer i (HF hidden_states[i], vLLM's taps).
+
+Why sampling stays lossless (jaxspec.decode.acceptance needs each proposed token distributed
+exactly as the q reported for it, given the drafts before it): the backbone's logits read only
+the committed context; the bias of draft i reads draft i - 1 (and the RNN state, a function of
+drafts < i); the chain walks the block in order, draws draft i from q_i = transform(z_i + b_i)
+with its own key, and reports that q_i -- the law it was drawn from given its predecessors.
+Trees (vanilla and gated heads; DFlash's builders, drafters/dflash.py): a node at depth d is
+draft d - 1, its children's law is the slot's base logits plus the bias its own token gives, so
+a node's law reads only its ancestors' tokens (static trees of ranks, or jaxspec.decode.tree.grow).
+Confidence scheduling (cost_per_draft > 0) cuts a row's chain after k drafts, k a function of
+the confidences, each of which reads only earlier drafts: a stopping rule, lossless as EAGLE's.
+
+State, init, commit: DFlash's (the per-layer context caches); propose writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decode import sampling, tree
+from jaxspec.drafters import dspark_heads as hd
+from jaxspec.drafters import trained
+from jaxspec.drafters.base import DraftContext, Proposal
+from jaxspec.drafters.dflash import BlockDraft, DFlashDrafter, DFlashOptions, DFlashState
+from jaxspec.drafters.registry import BuildContext, register_drafter
+from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkDrafter(DFlashDrafter):
+    heads: hd.HeadSpec = hd.HeadSpec(0)
+    name: str = "dspark"
+    report_unbiased_q: bool = False  # tests only: a broken variant reporting q without the bias
+    # confidence-scheduled verification (> 0: variable_length): each verified draft's cost as a
+    # fraction of a plain step; every row verifies dspark_heads.scheduled_length drafts
+    cost_per_draft: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.heads.stateful and (self.tree_choices is not None or self.tree_top_k):
+            raise JaxspecError("an RNN DSpark head drafts chains only (its state follows one "
+                               "path): set speculative.tree.kind=chain")
+        if self.cost_per_draft > 0 and not self.heads.confidence:
+            raise JaxspecError("speculative.dspark.cost_per_draft schedules verification by the "
+                               "confidence head, which this DSpark head lacks: set it to 0")
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:  # speculators ids are jaxspec taps (layer inputs)
+        return tuple(self.spec.target_layer_ids)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.spec.block_size - (0 if self.heads.sample_from_anchor else 1)
+
+    @property
+    def positions_read_no_parent(self) -> bool:
+        return self.heads.markov_rank == 0
+
+    def _block(self, dparams, tparams, state, ctx, drafts: int) -> BlockDraft:
+        """The drafting slots' hidden and base logits (index i: draft i), for the tree builder."""
+        h, base = self._entries(dparams, tparams, state, ctx, drafts)
+        first = 0 if self.heads.sample_from_anchor else 1
+        return BlockDraft(h[:, first:], base[:, first:], None, None, None)
+
+    def position_logits(self, dparams, blk: BlockDraft, pos: int, prev) -> jax.Array:
+        """f32[B, M, V]: the law of draft pos after M candidate predecessors prev int32[B, M]:
+        the slot's base logits plus the sequential bias each predecessor gives (vanilla and
+        gated heads: the bias reads only the predecessor and the slot)."""
+        h = jnp.broadcast_to(blk.h[:, pos, None], (*prev.shape, blk.h.shape[-1]))
+        bias, _, _ = hd.step(self.heads, dparams, prev, h, hd.init_state(self.heads, prev.shape))
+        out = jnp.broadcast_to(blk.logits[:, pos, None], (*prev.shape, blk.logits.shape[-1]))
+        return out if bias is None else out + bias
+
+    def _entries(self, dparams, tparams, state: DFlashState, ctx: DraftContext, drafts: int):
+        """The block forward for `drafts` drafts -> (h [B, E, D], base logits f32[B, E, V])."""
+        masks = drafts - 1 if self.heads.sample_from_anchor else drafts
+        h = self.block_entries(dparams, tparams, state, ctx, masks)
+        return h, self.head_logits(tparams, h)
+
+    def walk(self, dparams, h, base, anchor, pick):
+        """The block's slots in order: h [B, E, D], base f32[B, E, V], anchor int32[B];
+        pick(i, logits f32[B, V]) -> draft i int32[B]. Returns (logits f32[B, E, V] with the
+        sequential bias, confidence logits f32[B, E] or None, drafts int32[B, γ])."""
+        heads, first = self.heads, 0 if self.heads.sample_from_anchor else 1
+        state = hd.init_state(heads, anchor.shape)
+        prev, zs, confs, toks = anchor.astype(jnp.int32), [], [], []
+        for s in range(h.shape[1]):
+            bias, e, state = hd.step(heads, dparams, prev, h[:, s], state)
+            z = base[:, s] if bias is None else base[:, s] + bias
+            zs.append(z)
+            confs.append(hd.confidence_logit(heads, dparams, h[:, s], e))
+            if s >= first:
+                prev = pick(s - first, z).astype(jnp.int32)
+                toks.append(prev)
+        conf = None if confs[0] is None else jnp.stack(confs, axis=1)
+        return jnp.stack(zs, axis=1), conf, jnp.stack(toks, axis=1)
+
+    def teacher_forced(self, dparams, tparams, state, ctx: DraftContext, tokens):
+        """Given drafts tokens int32[B, γ] (the reference's training view: the true block):
+        (logits f32[B, E, V], confidence logits f32[B, E] or None) of every block slot."""
+        h, base = self._entries(dparams, tparams, state, ctx, tokens.shape[1])
+        z, conf, _ = self.walk(dparams, h, base, self._anchor(ctx), lambda i, _: tokens[:, i])
+        return z, conf
+
+    def propose(self, dparams, tparams, state: DFlashState, ctx: DraftContext, num_tokens, sp,
+                keys):
+        if self.tree_choices is not None or self.tree_top_k:
+            return self._propose_tree(dparams, tparams, state, ctx, sp, keys), state
+        if num_tokens > self.max_drafts:
+            raise JaxspecError(
+                f"num_speculative_tokens={num_tokens} exceeds this DSpark head's block "
+                f"(block_size {self.spec.block_size}: {self.max_drafts} drafts): use "
+                f"num_speculative_tokens <= {self.max_drafts}"
+            )
+        b = ctx.lengths.shape[0]
+        step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, γ]
+        h, base = self._entries(dparams, tparams, state, ctx, num_tokens)
+        first = 0 if self.heads.sample_from_anchor else 1
+        qs = []
+
+        def pick(i, z):  # draft i: one draw from its biased law, which is what is reported
+            q = sampling.logits_to_probs(z, sp)
+            if self.report_unbiased_q:
+                qs.append(sampling.logits_to_probs(base[:, first + i], sp))
+            else:
+                qs.append(q)
+            return sampling.sample_rows(step_keys[:, i], q)
+
+        _, conf, tokens = self.walk(dparams, h, base, self._anchor(ctx), pick)
+        num = jnp.full((b,), num_tokens, jnp.int32)
+        if self.cost_per_draft > 0:  # the lengths read only the drafts before each: lossless
+            num = hd.scheduled_length(conf[:, first:], self.cost_per_draft)
+        return Proposal(tokens, jnp.stack(qs, axis=1), num), state
+
+
+# ---- method "dspark" --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DSparkOptions(DFlashOptions):
+    """speculative.dspark: a DSpark head in the speculators 0.9.0 layout (config.json with
+    speculators_model_type "dspark"). γ (num_speculative_tokens) is at most block_size
+    (sample_from_anchor) or block_size - 1; trees as for dflash (vanilla and gated heads: the
+    sequential bias along each path)."""
+
+    SECTION: ClassVar[str] = "speculative.dspark"
+    # > 0: confidence-scheduled verification: each row verifies the number of drafts that
+    # maximises expected tokens / (1 + cost_per_draft * drafts), from the confidence head's
+    # survival estimate; cost_per_draft is one verified draft's cost in plain steps (the slope
+    # of the calibrated step-cost curve at the serving batch); 0: always γ drafts
+    cost_per_draft: float = 0.0
+
+    def _validate(self):
+        super()._validate()
+        if not 0.0 <= self.cost_per_draft < 100.0:
+            self._fail("cost_per_draft", "use a number in [0, 100); 0 verifies γ drafts always")
+
+
+def build(options: DSparkOptions, ctx: BuildContext):
+    drafter, dparams = trained.load("dspark", options, ctx)
+    if options.cost_per_draft > 0:
+        if ctx.spec.tree.kind != "chain":
+            raise JaxspecError("speculative.dspark.cost_per_draft schedules chains: set "
+                               "speculative.tree.kind=chain or cost_per_draft=0")
+        drafter = dataclasses.replace(drafter, cost_per_draft=options.cost_per_draft,
+                                      variable_length=True)
+    if ctx.spec.tree.kind == "static":
+        choices = tuple(tuple(p) for p in ctx.spec.tree.choices)
+        drafter = dataclasses.replace(drafter, tree_choices=choices,
+                                      tree_children=options.tree_children)
+    if ctx.spec.tree.kind == "dynamic":
+        drafter = dataclasses.replace(drafter, **tree.dynamic_fields(ctx.spec.tree))
+    return drafter, dparams
+
+
+register_drafter(
+    "dspark", build, formats=("dspark",), options=DSparkOptions,
+    tree_kinds=("static", "dynamic"), summary=(
+    "DSpark (speculators 0.9.0): DFlash's parallel block plus a sequential Markov / gated / RNN "
+    "logit bias along the drafted block and a per-position confidence head"))

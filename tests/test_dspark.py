@@ -1,0 +1,432 @@
+"""DSpark (method `dspark`): parity of the draft logits and confidences with the reference package
+(`speculators` 0.9.0 on PyPI, torch) for every sequential-head variant and both slot conventions,
+the speculators layout read and written, bad checkpoints refused in one line, and the loop:
+greedy identical to plain at batch 8, the sampled law exact (a broken q seen failing).
+
+Error measure: max |ours - theirs| / max |theirs| over the compared values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import shutil
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import import_torch
+from jaxspec.drafters.base import DraftContext
+from jaxspec.errors import JaxspecError
+from jaxspec.formats import dspark as fmt
+from jaxspec.loading import load_model
+from jaxspec.models import base
+
+torch = import_torch()
+
+
+def _import_reference():
+    """speculators.models.dspark; its package imports two training-data packages (datasets,
+    hs_connectors) that the model code never calls: stand-ins when they are not installed."""
+    class _Absent(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return type(name, (), {})
+
+    for name in ("datasets", "hs_connectors"):
+        try:
+            __import__(name)
+        except ImportError:
+            sys.modules[name] = _Absent(name)
+    return pytest.importorskip("speculators.models.dspark")
+
+
+ref = _import_reference()
+ref_core = sys.modules["speculators.models.dspark.core"]
+
+TOL = 1e-4
+BLOCK = 4
+MASK = 95
+RANK = 8
+
+
+def rel_err(ours, theirs) -> float:
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+@pytest.fixture(scope="module")
+def targets(tiny_qwen3_dir, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, path in (("qwen3", tiny_qwen3_dir), ("llama", tiny_llama_dir)):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        out[name] = (hf, load_model(path, layout="unrolled"))
+    return out
+
+
+def make_reference(hf, kind, anchor, *, layers=(0, 1), seed=0, **overrides):
+    """A random-weight DSparkDraftModel over the target hf (its layer config, 2 draft layers),
+    with the target's embedding and LM head, as from_training_args builds one."""
+    import copy
+
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    layer = copy.deepcopy(hf.config)
+    layer.num_hidden_layers = 2
+    layer._attn_implementation = "eager"
+    if getattr(layer, "layer_types", None):
+        layer.layer_types = ["full_attention"] * 2
+    kw = dict(transformer_layer_config=layer, draft_vocab_size=layer.vocab_size,
+              block_size=BLOCK, aux_hidden_state_layer_ids=list(layers), mask_token_id=MASK,
+              sample_from_anchor=anchor, markov_rank=RANK, markov_head_type=kind,
+              speculators_config=SpeculatorsConfig(
+                  algorithm="dspark", default_proposal_method="greedy",
+                  proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK)],
+                  verifier=VerifierConfig(name_or_path=None, architectures=[])))
+    kw |= overrides
+    torch.manual_seed(seed)
+    model = ref.DSparkDraftModel(ref.DSparkSpeculatorConfig(**kw)).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            scale = 1.0 if "markov_w1" in name else 0.15
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else scale * noise)
+        model.embed_tokens.weight.copy_(hf.model.embed_tokens.weight)
+        model.lm_head.weight.copy_(hf.lm_head.weight)
+    return model
+
+
+PROMPTS = [[5, 17, 90, 3, 42, 7, 60, 31, 8], [11, 85, 64, 2, 19]]
+NEXT = [77, 12]  # the last committed token of each row (the anchor)
+CONT = [[33, 9, 50, 21, 4], [70, 6, 88, 13, 40]]  # the block's true continuation
+
+
+def reference_outputs(model, hf, prompt, nxt, cont):
+    """The reference training forward's block at the anchor (one anchor, its true block):
+    (logits [BLOCK, V] with the Markov bias, confidence logits [BLOCK] or None)."""
+    ids = torch.tensor([prompt + [nxt] + cont[:BLOCK]])
+    t, p = ids.shape[1], len(prompt)
+    with torch.no_grad():
+        out = hf(ids, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i] for i in model.target_layer_ids], dim=-1)
+        loss_mask = torch.zeros(1, t, dtype=torch.long)
+        loss_mask[0, p] = 1  # the only anchor select_anchors can pick
+        seen = {}
+
+        def capture(logits, targets, confidence_logits, *args, **kwargs):
+            seen["logits"], seen["conf"] = logits, confidence_logits
+            return torch.zeros(()), {}
+
+        orig, ref_core.compute_metrics = ref_core.compute_metrics, capture
+        try:
+            model(feats, ids, loss_mask, torch.zeros(1, t, hf.config.hidden_size),
+                  torch.zeros(1, t, dtype=torch.long), max_anchors=1)
+        finally:
+            ref_core.compute_metrics = orig
+    conf = seen["conf"]
+    return seen["logits"][0].numpy(), None if conf is None else conf[0].numpy()
+
+
+def batch_inputs():
+    b, p = len(PROMPTS), max(map(len, PROMPTS))
+    padded = np.zeros((b, p), np.int32)
+    tokens = np.zeros((b, p + 1), np.int32)
+    for i, (row, nxt) in enumerate(zip(PROMPTS, NEXT)):
+        padded[i, : len(row)] = row
+        tokens[i, : len(row) + 1] = [*row, nxt]
+    plens = jnp.asarray([len(r) for r in PROMPTS], jnp.int32)
+    return jnp.asarray(padded), plens, jnp.asarray(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _teacher_forced(drafter, dparams, target, params, padded, plens, tokens, drafts):
+    tparams = base.bind(target, params)
+    cache = target.init_cache(params, padded.shape[0], 32)
+    out = target.forward(params, padded, cache, taps=drafter.hidden_layers)
+    state = drafter.init(dparams, tparams, padded, plens, out.taps, 32)
+    ctx = DraftContext(tokens, plens + 1, jnp.ones(plens.shape, bool))
+    return drafter.teacher_forced(dparams, tparams, state, ctx, drafts)
+
+
+def jaxspec_outputs(drafter, dparams, m):
+    padded, plens, tokens = batch_inputs()
+    drafts = jnp.asarray([c[: drafter.max_drafts] for c in CONT], jnp.int32)
+    z, conf = _teacher_forced(drafter, dparams, m.target, m.params, padded, plens, tokens, drafts)
+    return np.asarray(z), None if conf is None else np.asarray(conf)
+
+
+CASES = {  # name: (target, head type, sample_from_anchor, config overrides)
+    "qwen3-vanilla": ("qwen3", "vanilla", True, {}),
+    "qwen3-gated": ("qwen3", "gated", True, {}),
+    "qwen3-rnn": ("qwen3", "rnn", True, {}),
+    "llama-vanilla": ("llama", "vanilla", True, {}),
+    "llama-rnn-not-anchor": ("llama", "rnn", False, {}),
+    "qwen3-gated-not-anchor-plain-confidence": ("qwen3", "gated", False,
+                                                {"confidence_head_with_markov": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_draft_logits_and_confidence_match_reference(case, targets, tmp_path):
+    """jaxspec reads the speculators layout and, on the true block (the reference's training
+    view), gives every slot's biased logits and confidence logit within 1e-4 for each row of a
+    mixed-length batch; with the sequential head's output weights zeroed it does not (the test
+    sees the bias)."""
+    tname, kind, anchor, overrides = CASES[case]
+    hf, m = targets[tname]
+    model = make_reference(hf, kind, anchor, **overrides)
+    model.save_pretrained(tmp_path)
+    drafter, dparams = fmt.read(tmp_path, m.target)
+    assert drafter.heads.markov_type == kind and drafter.heads.sample_from_anchor == anchor
+    z, conf = jaxspec_outputs(drafter, dparams, m)
+    unbiased = {**dparams, "markov": {**dparams["markov"],
+                                      "w2": jnp.zeros_like(dparams["markov"]["w2"])}}
+    z0, _ = jaxspec_outputs(drafter, unbiased, m)
+    for row, (prompt, nxt, cont) in enumerate(zip(PROMPTS, NEXT, CONT)):
+        ref_z, ref_conf = reference_outputs(model, hf, prompt, nxt, cont)
+        first = 0 if anchor else 1  # slot 0 predicts nothing without sample_from_anchor
+        err = rel_err(z[row, first:], ref_z[first:])
+        cerr = rel_err(conf[row, first:], ref_conf[first:])
+        print(f"{case} row {row}: logits rel err {err:.1e}, confidence {cerr:.1e}, "
+              f"unbiased {rel_err(z0[row, first:], ref_z[first:]):.1e}")
+        assert err < TOL and cerr < TOL
+        assert rel_err(z0[row, first:], ref_z[first:]) > 100 * TOL
+
+
+def test_written_head_loads_in_the_reference_and_reads_back(targets, tmp_path):
+    """fmt.write's directory loads with DSparkDraftModel.from_pretrained (its config validated by
+    speculators) and reads back to the same drafter and params."""
+    hf, m = targets["qwen3"]
+    model = make_reference(hf, "rnn", True)
+    model.save_pretrained(tmp_path / "a")
+    drafter, dparams = fmt.read(tmp_path / "a", m.target)
+    fmt.write(tmp_path / "b", drafter, dparams)
+    loaded = ref.DSparkDraftModel.from_pretrained(tmp_path / "b")
+    assert loaded.config.markov_head_type == "rnn" and loaded.config.markov_rank == RANK
+    theirs = {k: v for k, v in model.state_dict().items() if k in loaded.state_dict()
+              and "embed" not in k and "lm_head" not in k and "verifier" not in k}
+    for k, v in theirs.items():
+        np.testing.assert_array_equal(loaded.state_dict()[k].numpy(), v.numpy(), err_msg=k)
+    again, params2 = fmt.read(tmp_path / "b", m.target)
+    assert again == drafter
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), dparams, params2))
+
+
+def edited(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"speculators_model_type": "peagle2"}, "type 'peagle2' is not supported"),
+    ({"markov_head_type": "lstm"}, "markov_head_type='lstm' is unknown"),
+    ({"aux_hidden_state_layer_ids": [0, 9]}, "aux_hidden_state_layer_ids [0, 9] must be"),
+    ({"block_size": 1, "sample_from_anchor": False}, "block_size 1 drafts nothing"),
+])
+def test_bad_checkpoints_are_refused_in_one_line(change, message, targets, tmp_path):
+    from jaxspec.formats import detect_format, load_drafter_checkpoint
+
+    hf, m = targets["qwen3"]
+    make_reference(hf, "vanilla", True).save_pretrained(tmp_path / "a")
+    assert detect_format(tmp_path / "a") == "dspark"
+    bad = edited(tmp_path / "a", tmp_path / "b", **change)
+    with pytest.raises(JaxspecError) as err:
+        load_drafter_checkpoint("dspark", bad, m)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_block_size_over_the_head_is_refused(targets, tmp_path):
+    hf, m = targets["qwen3"]
+    make_reference(hf, "vanilla", False).save_pretrained(tmp_path)
+    drafter, dparams = fmt.read(tmp_path, m.target)
+    from jaxspec.engine.runner import Engine
+
+    with pytest.raises(JaxspecError, match="num_speculative_tokens=4 exceeds"):
+        Engine(m, drafter, dparams, num_speculative_tokens=BLOCK).generate(
+            [[1, 2]], max_new_tokens=2)
+
+
+# ---- the loop: greedy identity, the exact sampled law ---------------------------------------
+
+NEW = 20
+
+
+def tiny_head(target, kind="vanilla", *, anchor=True, block=BLOCK, seed=0, layers=(0, 1),
+              scale=0.5, **kw):
+    """A random DSpark head for a tiny jaxspec target (models.base.Target)."""
+    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters import dspark_heads as hd
+    from jaxspec.drafters.dspark import DSparkDrafter
+
+    spec = net.make_spec(target.layer_config, target.num_layers, num_layers=2, block_size=block,
+                         mask_token_id=target.vocab_size - 1, target_layer_ids=layers)
+    heads = hd.HeadSpec(markov_rank=4, markov_type=kind, sample_from_anchor=anchor)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    dparams = net.init_params(spec, k1) | hd.init_params(
+        heads, k2, target.hidden_size, target.vocab_size, scale)
+    return DSparkDrafter(spec, target.vocab_size, heads=heads, **kw), dparams
+
+
+@pytest.fixture(scope="module")
+def greedy_target():
+    from tiny import tiny_model
+
+    return tiny_model(seed=2, scale=0.3, eos=(-1,))
+
+
+@pytest.fixture(scope="module")
+def mixed_prompts():
+    rng = np.random.default_rng(1)
+    return [[int(t) for t in rng.integers(1, 63, size=n)] for n in (5, 17, 9, 30, 12, 3, 25, 8)]
+
+
+TREE = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0))
+DYNAMIC = dict(tree_top_k=2, tree_levels=3, tree_budget=5)
+
+
+@pytest.fixture(scope="module")
+def plain(greedy_target, mixed_prompts):
+    from jaxspec.engine.runner import Engine
+
+    return Engine(greedy_target).generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
+
+
+@pytest.mark.parametrize("kind, anchor, cost, shape", [
+    ("vanilla", True, 0.0, {}), ("rnn", False, 0.0, {}), ("gated", True, 0.3, {}),
+    ("vanilla", False, 0.0, {"tree_choices": TREE}), ("gated", True, 0.0, DYNAMIC)])
+def test_greedy_dspark_is_token_identical_at_batch_8(greedy_target, mixed_prompts, plain, kind,
+                                                     anchor, cost, shape):
+    """Greedy chains of every head type and slot convention emit plain's tokens, and so do
+    confidence-scheduled verification (cost > 0, whose per-row lengths then vary), a static
+    tree and a dynamic tree (the bias along each path)."""
+    from jaxspec.engine.runner import Engine
+
+    drafter, dparams = tiny_head(greedy_target.target, kind, anchor=anchor, layers=(0, 2),
+                                 cost_per_draft=cost, variable_length=cost > 0, **shape)
+    engine = Engine(greedy_target, drafter, dparams, num_speculative_tokens=3)
+    out = engine.generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    drafted = sum(r.metrics["num_draft_tokens"] for r in out)
+    steps = sum(r.metrics["num_steps"] for r in out)
+    print(f"{kind} cost {cost}: {drafted / steps:.2f} drafts verified per step")
+    if cost > 0:
+        assert 0 < drafted < 3 * steps
+
+
+def test_scheduled_length_maximises_tokens_per_cost():
+    """Sure drafts are all verified, hopeless ones none; in between the length follows the
+    cost: E(k) = 1 + sum of survivals, k = argmax E(k) / (1 + c k)."""
+    from jaxspec.drafters import dspark_heads as hd
+
+    logit = lambda p: float(np.log(p / (1 - p)))  # noqa: E731
+    conf = jnp.asarray([[logit(0.999)] * 4, [logit(0.01)] * 4, [logit(0.9), logit(0.5),
+                                                                logit(0.2), logit(0.2)]])
+    np.testing.assert_array_equal(hd.scheduled_length(conf, 0.2), [4, 0, 2])
+    # row 3 at cost 0.05: survivals .9, .45, .09, .018 -> E/cost 1.81, 2.14, 2.12, 2.05
+    assert int(hd.scheduled_length(conf, 0.05)[2]) == 2
+    assert int(hd.scheduled_length(conf, 0.0)[2]) == 4  # free drafts: verify all
+    drafter, _ = tiny_head_spec_only()
+    with pytest.raises(JaxspecError, match="lacks: set it to 0"):
+        dataclasses.replace(drafter, cost_per_draft=0.3)
+
+
+def tiny_head_spec_only():
+    """A DSpark drafter without a confidence head (no params needed)."""
+    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters import dspark_heads as hd
+    from jaxspec.drafters.dspark import DSparkDrafter
+    from tiny import tiny_model
+
+    t = tiny_model(seed=2, vocab=16, layers=2, hidden=32).target
+    spec = net.make_spec(t.layer_config, t.num_layers, num_layers=1, block_size=BLOCK,
+                         mask_token_id=0, target_layer_ids=(0,))
+    heads = hd.HeadSpec(markov_rank=4, confidence=False)
+    return DSparkDrafter(spec, t.vocab_size, heads=heads), None
+
+
+V = 8
+PROMPT = [1, 2, 3, 4, 5]
+FILTERED = dict(temperature=0.6, top_k=6, top_p=0.95, min_p=0.05)
+LAW_ROWS = 3000
+
+
+@pytest.fixture(scope="module")
+def law_target():
+    from tiny import tiny_model
+
+    return tiny_model(seed=5, scale=0.3, vocab=V, layers=2, hidden=32, eos=(-1,))
+
+
+@pytest.mark.parametrize("kind", ["gated-scheduled", "gated-tree", "broken-gated"])
+def test_sampled_dspark_has_the_target_law(law_target, kind):
+    """Sampled output has the target's exact law: each draft is drawn from its Markov-biased
+    law given the draft before it, and that law is reported (here with confidence-scheduled
+    per-row lengths); the broken variant that reports
+    the backbone's law without the bias fails at the same settings and sample size."""
+    from distribution import FAIL_P, PASS_P, pvalue
+    from jaxspec.decode.sampling import SamplingParams
+
+    broken = kind.startswith("broken")
+    scheduled = kind.endswith("-scheduled")  # per-row lengths from the confidence head
+    head_type = kind.removeprefix("broken-").split("-")[0]
+    drafter, dparams = tiny_head(law_target.target, head_type, block=3, seed=4, scale=3.0,
+                                 report_unbiased_q=broken, cost_per_draft=0.3 * scheduled,
+                                 variable_length=scheduled)
+    if kind.endswith("-tree"):  # sampled children: each node a draw from its biased law
+        drafter = dataclasses.replace(drafter, tree_choices=((0,), (1,), (0, 0), (1, 0)),
+                                      tree_children="sampled")
+    sp = SamplingParams.make(**FILTERED)
+    p, results = pvalue(law_target, drafter, dparams, sp, PROMPT, rows=LAW_ROWS, gamma=2)
+    drafted = sum(r.metrics["num_draft_tokens"] for r in results)
+    accepted = sum(r.metrics["num_accepted_tokens"] for r in results)
+    print(f"{kind}: p {p:.2e}, acceptance {accepted / drafted:.2f}")
+    assert 0.02 * drafted < accepted < 0.95 * drafted
+    assert (p < FAIL_P) if broken else (p > PASS_P)
+
+
+def spec_of(*overrides):
+    from jaxspec.config import load_config
+
+    base_ = ["speculative.method=dspark", "speculative.num_speculative_tokens=3"]
+    return load_config(None, [*base_, *overrides]).speculative
+
+
+def test_config_builds_the_head_with_its_schedule_and_trees(targets, tmp_path):
+    """speculative.method=dspark reads the speculators layout through the config; the scheduler
+    and trees are set from it; a scheduler without a confidence head, an RNN head as a tree and a
+    tree depth past the block are refused in one line."""
+    from jaxspec.build import build_drafter
+
+    hf, m = targets["qwen3"]
+    make_reference(hf, "gated", True).save_pretrained(tmp_path / "gated")
+    make_reference(hf, "rnn", True, enable_confidence_head=False,
+                   confidence_head_with_markov=False).save_pretrained(tmp_path / "rnn")
+    head = f"speculative.dspark.checkpoint={tmp_path / 'gated'}"
+    drafter, _ = build_drafter(spec_of(head, "speculative.dspark.cost_per_draft=0.2"), m)
+    assert drafter.name == "dspark" and drafter.cost_per_draft == 0.2 and drafter.variable_length
+    tree = ["speculative.tree.kind=static", "speculative.tree.choices=[[0],[1],[0,0]]"]
+    assert build_drafter(spec_of(head, *tree), m)[0].tree_nodes == 3
+    dynamic = ["speculative.tree.kind=dynamic", "speculative.tree.top_k=2",
+               "speculative.tree.budget=5"]
+    rnn = f"speculative.dspark.checkpoint={tmp_path / 'rnn'}"
+    for overrides, message in (
+            ((rnn, "speculative.dspark.cost_per_draft=0.2"), "which this DSpark head lacks"),
+            ((rnn, *tree), "RNN DSpark head drafts chains only"),
+            ((head, *dynamic, "speculative.tree.depth=5"), "drafts at most 4 positions")):
+        with pytest.raises(JaxspecError, match=message) as err:
+            build_drafter(spec_of(*overrides), m)
+        assert "\n" not in str(err.value)
