@@ -15,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxspec.tools import accel_roofline, aot, roofline, step_model  # noqa: E402
+from jaxspec.tools import accel_roofline, aot, roofline  # noqa: E402
 
 
 # The H200 cost curve's points (docs/device/h200-shapes.json): shape -> the MODEL_SHAPES name.
