@@ -57,7 +57,7 @@ fi
 # dependencies (they would move torch/transformers); loguru is the one its model loading imports.
 # tests/test_dspark.py stands in for the training-data packages (datasets, hs_connectors) that
 # its package imports and the model code never calls.
-if ! python -m pip show speculators >/dev/null 2>&1; then
+if [ "$job" = test ] && ! python -m pip show speculators >/dev/null 2>&1; then
   step "installing the DSpark reference (speculators==0.9.0, loguru, --no-deps)"
   python -m pip install --no-deps speculators==0.9.0 loguru==0.7.3
 fi
