@@ -1,0 +1,127 @@
+"""A routed mixture-of-experts MLP block as pure functions: top-k routing per token and the
+experts each token picked, nothing computed for the experts no token woke.
+
+Every token is routed on its own (softmax over the router logits, top-k, optionally renormed:
+Qwen3-MoE's `norm_topk_prob`), so a verify window or a draft tree of T entries routes each entry
+exactly as a one-token step would: speculation changes which experts a step wakes, never which
+expert a token uses. Two ways to run the chosen experts, picked from static shapes:
+
+  "gather"   few (token, expert) pairs (N*k < E: decode and short verify windows): each pair's
+             expert weights are gathered and applied, reading N*k experts, never all E;
+  "grouped"  many pairs (prompts, wide windows): pairs sorted by expert and run as one grouped
+             matmul (`jax.lax.ragged_dot`), each expert's weights read once, each pair computed
+             once (no E/k-fold dense compute).
+
+Both return the per-pair outputs in the router's slot order and sum them over the k slots in that
+same order, so the two paths agree to float rounding.
+
+Params of one block (torch `Linear` layout, contracted on the last dim; E experts, F the expert
+width, D the model dim):
+
+    {"router": [E, D], "we_gate": [E, F, D], "we_up": [E, F, D], "we_down": [E, D, F]}
+
+`experts_woken` is the expected number of distinct experts N routed tokens wake (what a verify
+window costs on a memory-bound step, `decode/calibration.py`).
+
+Dimension letters: N tokens (batch x window, flattened), E experts, k experts per token,
+F expert width, D model dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Params = dict[str, Any]
+
+LAYER_KEYS = ("router", "we_gate", "we_up", "we_down")
+# logical axes: experts split over a mesh axis (the rules table's "experts"); the expert width is
+# not split as well (one mesh axis cannot cut two dims of a leaf)
+LAYER_AXES = {
+    "router": (None, "embed"),
+    "we_gate": ("experts", None, "embed"),
+    "we_up": ("experts", None, "embed"),
+    "we_down": ("experts", "embed", None),
+}
+
+
+def layer_shapes(num_experts: int, expert_width: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    e, f, d = num_experts, expert_width, hidden
+    return {"router": (e, d), "we_gate": (e, f, d), "we_up": (e, f, d), "we_down": (e, d, f)}
+
+
+def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk: bool):
+    """router [E, D], x [N, D] -> (weights f32[N, k], experts int32[N, k]), highest first.
+    Softmax in float32 over all E, then the top k (renormed to sum 1 when `norm_topk`); the
+    weights are cast to x's dtype as transformers does."""
+    logits = jax.lax.dot_general(x, router.astype(x.dtype), (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [N, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def _swiglu_pairs(h_gate, h_up):
+    return jax.nn.silu(h_gate) * h_up
+
+
+def experts_gather(p: Params, x: jax.Array, experts: jax.Array) -> jax.Array:
+    """Each (token, slot) pair through its own expert: x [N, D], experts int32[N, k] ->
+    [N, k, D]. Reads the N*k chosen experts' weights (a gather), none of the others."""
+    wg, wu, wd = p["we_gate"][experts], p["we_up"][experts], p["we_down"][experts]  # [N, k, ...]
+    h = _swiglu_pairs(jnp.einsum("nd,nkfd->nkf", x, wg.astype(x.dtype)),
+                      jnp.einsum("nd,nkfd->nkf", x, wu.astype(x.dtype)))
+    return jnp.einsum("nkf,nkdf->nkd", h, wd.astype(x.dtype))
+
+
+def experts_grouped(p: Params, x: jax.Array, experts: jax.Array) -> jax.Array:
+    """The same as `experts_gather` by one grouped matmul per projection: the N*k pairs sorted
+    by expert, `ragged_dot` over the [E, ...] weights with each expert's pair count, then put
+    back in (token, slot) order. x [N, D], experts int32[N, k] -> [N, k, D]."""
+    n, k = experts.shape
+    e = p["we_gate"].shape[0]
+    flat = experts.reshape(-1)  # [N*k], pair j = token j // k, slot j % k
+    order = jnp.argsort(flat, stable=True)
+    rows = x[order // k]  # [N*k, D], sorted by expert
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
+    w = lambda name: jnp.swapaxes(p[name], 1, 2).astype(x.dtype)  # noqa: E731  [E, in, out]
+    h = _swiglu_pairs(jax.lax.ragged_dot(rows, w("we_gate"), sizes),
+                      jax.lax.ragged_dot(rows, w("we_up"), sizes))  # [N*k, F]
+    out = jax.lax.ragged_dot(h, w("we_down"), sizes)  # [N*k, D]
+    unsorted = jnp.zeros_like(out).at[order].set(out)
+    return unsorted.reshape(n, k, -1)
+
+
+def path_for(tokens: int, top_k: int, num_experts: int) -> str:
+    """The experts path a block of `tokens` routed tokens takes (static)."""
+    return "gather" if tokens * top_k < num_experts else "grouped"
+
+
+def moe_block(p: Params, x: jax.Array, *, top_k: int, norm_topk: bool,
+              path: str | None = None) -> jax.Array:
+    """The routed MLP: x [..., D] -> [..., D], each token the router-weighted sum of its top-k
+    experts' SwiGLU outputs (summed over the slots in router order). `path`: "gather" |
+    "grouped" (None: `path_for` the token count)."""
+    shape = x.shape
+    xs = x.reshape(-1, shape[-1])  # [N, D]
+    weights, experts = route(p["router"], xs, top_k, norm_topk)
+    e = p["router"].shape[0]
+    path = path or path_for(xs.shape[0], top_k, e)
+    run = experts_gather if path == "gather" else experts_grouped
+    pairs = run(p, xs, experts)  # [N, k, D]
+    out = pairs[:, 0] * weights[:, :1]
+    for slot in range(1, top_k):  # a fixed order, whatever the path
+        out = out + pairs[:, slot] * weights[:, slot : slot + 1]
+    return out.reshape(shape)
+
+
+def experts_woken(tokens: int, top_k: int, num_experts: int) -> float:
+    """Expected distinct experts `tokens` tokens wake when each picks top_k of num_experts
+    uniformly: E * (1 - (1 - k/E)^N). One token wakes k; a window of many wakes up to E."""
+    if num_experts <= 0 or top_k <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** max(tokens, 0))
