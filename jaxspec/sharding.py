@@ -39,6 +39,7 @@ class ShardingRules:
     heads: str | None = "model"
     kv_heads: str | None = "model"
     mlp: str | None = "model"
+    experts: str | None = "model"  # routed experts (models/moe.py): whole experts per device
     vocab: str | None = "model"
     embed: str | None = None
     head_dim: str | None = None
@@ -54,7 +55,8 @@ class ShardingRules:
 
     def replicated_over_model(self) -> ShardingRules:
         """Only the batch keeps its axis (the default for drafters)."""
-        return ShardingRules(batch=self.batch, heads=None, kv_heads=None, mlp=None, vocab=None)
+        return ShardingRules(batch=self.batch, heads=None, kv_heads=None, mlp=None, experts=None,
+                             vocab=None)
 
 
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:

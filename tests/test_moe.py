@@ -8,7 +8,9 @@ transformers' `generate`; greedy speculation (n-gram chain and tree, a draft mod
 perturbed copy of the target, batch of 4 prompts of mixed lengths) is token-identical to greedy
 plain; the two expert paths (gather, grouped) equal a dense all-experts reference; broken
 variants (the top-k weights not renormed, one routing shared by a whole window) fail parity; bad
-checkpoints are refused in one line before any tensor is placed.
+checkpoints are refused in one line before any tensor is placed; on (1, 2) and (2, 4) CPU meshes
+(a subprocess, `tests/moe_mesh_check.py`) the experts split over `model` and the output equals
+one device.
 """
 
 from __future__ import annotations
@@ -265,3 +267,27 @@ def test_missing_expert_and_mixed_stack_refused(checkpoints, tmp_path):
         load_model(path)
     with pytest.raises(JaxspecError, match="layout 'unrolled'"):
         load_model(checkpoints["mixed"][1], layout="stacked")
+
+
+# ------------------------------------------------------------- meshes (1, 2), (2, 4) = one device
+
+
+def test_experts_sharded_on_meshes_equal_one_device():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    proc = subprocess.run([sys.executable, "tests/moe_mesh_check.py"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(out) == {"ngram/1x2", "ngram/2x4"}
+    for name, result in out.items():
+        assert result["equal"], name
+        assert result["weight_gathers"] == 0, name  # experts stay on their devices
+    assert out["ngram/1x2"]["experts_shard"] == [8, 16, 64]  # 16 experts, 8 per device
+    assert out["ngram/2x4"]["experts_shard"] == [4, 16, 64]
