@@ -36,6 +36,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_trained_drafters.py",
     "test_docs.py",
     "test_parity.py",
+    "test_moe.py",
     "test_device_exports.py",
     "test_attention_impls.py",
     "test_greedy_identity.py",

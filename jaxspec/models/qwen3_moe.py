@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
-from jaxspec.models import blocks, llama, moe, registry
+from jaxspec.models import base, blocks, llama, moe, registry
 from jaxspec.models.decoder import ModelConfig, linear, param_tree_axes, stack_layers
 
 Params = dict[str, Any]
@@ -146,8 +146,6 @@ class MoeTarget(llama.LlamaTarget):
 
     def forward(self, params, tokens, cache, *, positions=None, window_mask=None,
                 write_cache=True, taps=()):
-        from jaxspec.models import base
-
         out = llama.forward(params, tokens, cache, self.cfg, tuple(taps), write_cache, positions,
                             window_mask, mlp=mlp_block(self.cfg))
         return base.TargetOutput(out.hidden, out.layer_hidden, out.window_kv, out.cache)
@@ -183,8 +181,6 @@ _UNSUPPORTED_ROUTING = {  # config keys of routings jaxspec does not implement, 
 def qwen3_moe_config_from_hf(hf: dict, *, dtype: str, source: str) -> MoeConfig:
     """config.json of a qwen3_moe checkpoint, every field checked; a routing this module does not
     implement is refused in one line (before any tensor is read)."""
-    from jaxspec.loading.safetensors_dir import config_from_hf  # the Qwen3 attention fields
-
     f = validate.Fields(hf, source)
     for key, neutral in _UNSUPPORTED_ROUTING.items():
         if hf.get(key) not in (None, neutral):
@@ -198,8 +194,7 @@ def qwen3_moe_config_from_hf(hf: dict, *, dtype: str, source: str) -> MoeConfig:
                            f"supports {ROUTING}")
     if f.bool("use_sliding_window", False):
         raise JaxspecError(f"{source}: use_sliding_window=true is not supported on qwen3_moe")
-    base_cfg = config_from_hf({**hf, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
-                              dtype=dtype, source=source)
+    base_cfg = _attention_config(hf, f, dtype=dtype, source=source)
     e = f.int("num_experts", None, lo=1, hi=1 << 16) if f.given("num_experts") else \
         f.int("num_local_experts", lo=1, hi=1 << 16)
     top_k = f.int("num_experts_per_tok", lo=1, hi=e)
@@ -215,6 +210,31 @@ def qwen3_moe_config_from_hf(hf: dict, *, dtype: str, source: str) -> MoeConfig:
         norm_topk_prob=f.bool("norm_topk_prob", False),
         moe_layers=tuple(i not in only and (i + 1) % step == 0 for i in range(n)),
     )
+
+
+def _attention_config(hf: dict, f: validate.Fields, *, dtype: str, source: str) -> ModelConfig:
+    """Qwen3's attention stack (q/k norms, no biases, plain RoPE) from config.json."""
+    act = f.str("hidden_act", "silu")
+    if act != "silu":
+        raise JaxspecError(f"{source}: hidden_act={act!r} is not supported (silu)")
+    if f.bool("attention_bias", False):
+        raise JaxspecError(f"{source}: attention_bias=true is not supported on qwen3_moe")
+    given = f.given("rope_parameters")
+    rope = f.dict("rope_parameters", None) if given else f.dict("rope_scaling", {})
+    rf = validate.Fields(rope, source, "rope_parameters." if given else "rope_scaling.")
+    kind = rf.str("rope_type", None) if rf.given("rope_type") else rf.str("type", "default")
+    if kind != "default":
+        raise JaxspecError(f"{source}: rope scaling {validate.short(kind)} is not supported on "
+                           f"qwen3_moe (only 'default')")
+    theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 1e6)
+    if not theta > 0.0:
+        f.fail("rope_theta", theta, "use a finite number > 0")
+    return ModelConfig(
+        vocab_size=f.int("vocab_size", lo=1, hi=validate.MAX_DIM), **validate.decoder_dims(f),
+        rope_theta=theta, rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False), qk_norm=True,
+        max_position_embeddings=f.int("max_position_embeddings", 2048, lo=1, hi=(1 << 31) - 1),
+        dtype=dtype)
 
 
 HF_ATTENTION_NAMES = {
