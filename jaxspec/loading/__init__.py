@@ -18,7 +18,7 @@ from jaxspec import progress, xla_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec import validate
-from jaxspec.loading import families, moe_files
+from jaxspec.loading import families, new_families
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
 from jaxspec.loading.gguf_header import peek_architecture
 from jaxspec.loading.params import (
@@ -128,11 +128,11 @@ def load_model(
         cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
     else:
         cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype)
-    if moe_files.owns(cfg):  # family hook: routed experts (qwen3_moe)
-        moe_files.check_layout(cfg, layout, str(src.path))
+    if new_families.owns(cfg):  # family hook: routed experts (qwen3_moe)
+        new_families.check_layout(cfg, layout, str(src.path))
         if layout == "packed":  # the CPU kernels pack attention; experts stay XLA arrays
             layout_note += " (attention and dense MLPs packed; experts as XLA arrays)"
-        params = moe_files.assemble(cfg, flat, source=str(src.path))
+        params = new_families.assemble(cfg, flat, source=str(src.path))
     elif families.owns(cfg):  # family hook: the family's own param shapes
         params = families.assemble(cfg, flat, source=str(src.path))
     else:
@@ -152,7 +152,7 @@ def load_model(
         revision=src.revision,
         load_seconds=time.perf_counter() - start,
         layout_note=layout_note,
-        target=(moe_files.target_for(cfg, arch) if moe_files.owns(cfg)
+        target=(new_families.target_for(cfg, arch) if new_families.owns(cfg)
                 else families.target_for(cfg, arch)),
     )
 
@@ -179,8 +179,8 @@ def _read_hf_dir(path: Path, dtype: str):
         family = targets.family_for_model_type(hf["model_type"], source)
         if family.name in families.FAMILIES:  # family hook: gemma2, gemma3, phi3
             return families.read_hf_dir(path, hf, dtype)
-        if family.name in moe_files.FAMILIES:  # family hook: qwen3_moe
-            return moe_files.read_hf_dir(path, hf, dtype)
+        if family.name in new_families.FAMILIES:  # family hook: qwen3_moe
+            return new_families.read_hf_dir(path, hf, dtype)
     cfg = config_from_hf(hf, dtype=dtype, source=source)
     fields = validate.Fields(hf, source)
     mtp = fields.int("num_nextn_predict_layers", 0, lo=0, hi=validate.MAX_LAYERS)  # MTP modules

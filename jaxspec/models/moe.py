@@ -53,32 +53,33 @@ def layer_shapes(num_experts: int, expert_width: int, hidden: int) -> dict[str, 
 
 
 def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk: bool):
-    """router [E, D], x [N, D] -> (weights f32[N, k], experts int32[N, k]), highest first.
-    Softmax in float32 over all E, then the top k (renormed to sum 1 when `norm_topk`); the
-    weights are cast to x's dtype as transformers does."""
+    """router [E, D], x [N, D] -> (weights [N, k] in x's dtype, experts int32[N, k]), highest
+    first: `top_k_of` the softmax of the router logits (float32)."""
     logits = jax.lax.dot_general(x, router.astype(x.dtype), (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [N, E]
-    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = top_k_of(jax.nn.softmax(logits, axis=-1), top_k, norm_topk)
+    return weights.astype(x.dtype), experts
+
+
+def top_k_of(probs: jax.Array, top_k: int, norm_topk: bool):
+    """probs f32[N, E] -> (weights f32[N, k], experts int32[N, k]): the k largest, renormed to
+    sum 1 when `norm_topk` (Qwen3-MoE's norm_topk_prob; Gemma 4 always)."""
     weights, experts = jax.lax.top_k(probs, top_k)
     if norm_topk:
         weights = weights / weights.sum(-1, keepdims=True)
-    return weights.astype(x.dtype), experts.astype(jnp.int32)
+    return weights, experts.astype(jnp.int32)
 
 
-def _swiglu_pairs(h_gate, h_up):
-    return jax.nn.silu(h_gate) * h_up
-
-
-def experts_gather(p: Params, x: jax.Array, experts: jax.Array) -> jax.Array:
+def experts_gather(p: Params, x: jax.Array, experts: jax.Array, act=jax.nn.silu) -> jax.Array:
     """Each (token, slot) pair through its own expert: x [N, D], experts int32[N, k] ->
     [N, k, D]. Reads the N*k chosen experts' weights (a gather), none of the others."""
     wg, wu, wd = p["we_gate"][experts], p["we_up"][experts], p["we_down"][experts]  # [N, k, ...]
-    h = _swiglu_pairs(jnp.einsum("nd,nkfd->nkf", x, wg.astype(x.dtype)),
-                      jnp.einsum("nd,nkfd->nkf", x, wu.astype(x.dtype)))
+    h = act(jnp.einsum("nd,nkfd->nkf", x, wg.astype(x.dtype))) * jnp.einsum(
+        "nd,nkfd->nkf", x, wu.astype(x.dtype))
     return jnp.einsum("nkf,nkdf->nkd", h, wd.astype(x.dtype))
 
 
-def experts_grouped(p: Params, x: jax.Array, experts: jax.Array) -> jax.Array:
+def experts_grouped(p: Params, x: jax.Array, experts: jax.Array, act=jax.nn.silu) -> jax.Array:
     """The same as `experts_gather` by one grouped matmul per projection: the N*k pairs sorted
     by expert, `ragged_dot` over the [E, ...] weights with each expert's pair count, then put
     back in (token, slot) order. x [N, D], experts int32[N, k] -> [N, k, D]."""
@@ -89,8 +90,8 @@ def experts_grouped(p: Params, x: jax.Array, experts: jax.Array) -> jax.Array:
     rows = x[order // k]  # [N*k, D], sorted by expert
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
     w = lambda name: jnp.swapaxes(p[name], 1, 2).astype(x.dtype)  # noqa: E731  [E, in, out]
-    h = _swiglu_pairs(jax.lax.ragged_dot(rows, w("we_gate"), sizes),
-                      jax.lax.ragged_dot(rows, w("we_up"), sizes))  # [N*k, F]
+    h = act(jax.lax.ragged_dot(rows, w("we_gate"), sizes)) * jax.lax.ragged_dot(
+        rows, w("we_up"), sizes)  # [N*k, F]
     out = jax.lax.ragged_dot(h, w("we_down"), sizes)  # [N*k, D]
     unsorted = jnp.zeros_like(out).at[order].set(out)
     return unsorted.reshape(n, k, -1)
@@ -101,22 +102,29 @@ def path_for(tokens: int, top_k: int, num_experts: int) -> str:
     return "gather" if tokens * top_k < num_experts else "grouped"
 
 
+def run_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, *,
+                act=jax.nn.silu, path: str | None = None) -> jax.Array:
+    """x [N, D], routed (weights [N, k], experts int32[N, k]) -> [N, D]: each token the weighted
+    sum of its experts' gated outputs (act(gate) * up, then down), summed over the slots in
+    router order. `path`: "gather" | "grouped" (None: `path_for` the token count)."""
+    path = path or path_for(x.shape[0], experts.shape[1], p["we_gate"].shape[0])
+    run = experts_gather if path == "gather" else experts_grouped
+    pairs = run(p, x, experts, act)  # [N, k, D]
+    weights = weights.astype(x.dtype)
+    out = pairs[:, 0] * weights[:, :1]
+    for slot in range(1, experts.shape[1]):  # a fixed order, whatever the path
+        out = out + pairs[:, slot] * weights[:, slot : slot + 1]
+    return out
+
+
 def moe_block(p: Params, x: jax.Array, *, top_k: int, norm_topk: bool,
               path: str | None = None) -> jax.Array:
-    """The routed MLP: x [..., D] -> [..., D], each token the router-weighted sum of its top-k
-    experts' SwiGLU outputs (summed over the slots in router order). `path`: "gather" |
-    "grouped" (None: `path_for` the token count)."""
+    """The routed SwiGLU MLP (Qwen3-MoE): x [..., D] -> [..., D], each token routed on its own
+    by `route` and run through its top-k experts (`run_experts`)."""
     shape = x.shape
     xs = x.reshape(-1, shape[-1])  # [N, D]
     weights, experts = route(p["router"], xs, top_k, norm_topk)
-    e = p["router"].shape[0]
-    path = path or path_for(xs.shape[0], top_k, e)
-    run = experts_gather if path == "gather" else experts_grouped
-    pairs = run(p, xs, experts)  # [N, k, D]
-    out = pairs[:, 0] * weights[:, :1]
-    for slot in range(1, top_k):  # a fixed order, whatever the path
-        out = out + pairs[:, slot] * weights[:, slot : slot + 1]
-    return out.reshape(shape)
+    return run_experts(p, xs, weights, experts, path=path).reshape(shape)
 
 
 def experts_woken(tokens: int, top_k: int, num_experts: int) -> float:

@@ -15,7 +15,7 @@ hands it the MLP block (`llama.forward(..., mlp=...)`). Params, per layer:
 
 This module is Qwen3-MoE's one home: config reader (a dict in), tensor-name map, the per-expert
 tensors stacked on load (`stack_experts`), the target and its `register_family` call.
-`loading/moe_files.py` opens the files.
+`loading/new_families.py` opens the files.
 """
 
 from __future__ import annotations
