@@ -128,10 +128,8 @@ def load_model(
         cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
     else:
         cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype)
-    if new_families.owns(cfg):  # family hook: routed experts (qwen3_moe)
-        new_families.check_layout(cfg, layout, str(src.path))
-        if layout == "packed":  # the CPU kernels pack attention; experts stay XLA arrays
-            layout_note += " (attention and dense MLPs packed; experts as XLA arrays)"
+    if new_families.owns(cfg):  # family hook: qwen3_moe, gemma4
+        layout, layout_note = new_families.check_layout(cfg, layout, layout_note, str(src.path))
         params = new_families.assemble(cfg, flat, source=str(src.path))
     elif families.owns(cfg):  # family hook: the family's own param shapes
         params = families.assemble(cfg, flat, source=str(src.path))
@@ -179,7 +177,7 @@ def _read_hf_dir(path: Path, dtype: str):
         family = targets.family_for_model_type(hf["model_type"], source)
         if family.name in families.FAMILIES:  # family hook: gemma2, gemma3, phi3
             return families.read_hf_dir(path, hf, dtype)
-        if family.name in new_families.FAMILIES:  # family hook: qwen3_moe
+        if family.name in new_families.FAMILIES:  # family hook: qwen3_moe, gemma4
             return new_families.read_hf_dir(path, hf, dtype)
     cfg = config_from_hf(hf, dtype=dtype, source=source)
     fields = validate.Fields(hf, source)
