@@ -36,7 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models import base, blocks, moe, registry
+from jaxspec.errors import JaxspecError
+from jaxspec.models import base, blocks, moe, paged_layer, registry
 from jaxspec.models.cache import CACHE_AXES, KVCache
 from jaxspec.models.decoder import ForwardOutput, linear, query_positions, write_kv, write_window
 from jaxspec.models.gemma4_config import Gemma4Config, gemma4_config_from_hf
@@ -170,6 +171,9 @@ def forward(params, tokens, cache: KVCache, cfg: Gemma4Config, hidden_layers=(),
             positions=None, window_mask=None) -> ForwardOutput:
     """Same contract as `models.llama.forward`; the cache holds `cfg.cache_layers` layers (a
     sharing layer reads its source layer's entry) and `window_kv` only theirs."""
+    if any(isinstance(k, paged_layer.PagedLayer) for k in cache.k):
+        raise JaxspecError("Gemma 4 does not run on the paged serving cache yet (its layers differ "
+                           "in k/v shapes): use the engine's contiguous cache")
     positions = query_positions(cache, tokens.shape[1], positions, window_mask, write_cache)
     x = params["embed"][tokens].astype(cfg.compute_dtype)
     x = x * blocks.embed_scale(cfg.hidden_size, x.dtype)  # [B, T, D]
