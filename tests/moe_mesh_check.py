@@ -1,6 +1,6 @@
 """Run by tests/test_moe.py in a subprocess with 8 simulated CPU devices (the flag must be set
 before jax starts): a tiny all-experts Qwen3-MoE (16 experts, top 2) on a (1, 2) and a (2, 4) mesh,
-with n-gram drafts (prompts, one-token steps on the gather path, verify windows on the grouped
+with n-gram drafts (prompts, one-token steps on the gather path, verify windows on the dense
 one), against one device; the experts split over `model` by the rules table
 (`ShardingRules.experts`), and no expert weight all-gathered in a decode step or a verify window
 (`weight_gathers`: float all-gathers of at least one expert's size in the compiled forwards).
@@ -64,7 +64,7 @@ def main() -> None:
 
 def weight_gathers(target, params, expert_size: int) -> int:
     """Float all-gathers of >= one expert's elements in the compiled forward of a one-token step
-    (4 rows: the gather path) and of a 4-token window (the grouped path)."""
+    (4 rows: the gather path) and of a 4-token window (the dense path on CPU)."""
     count = 0
     for t in (1, 4):
         cache = target.init_cache(params, len(PROMPTS), 32)

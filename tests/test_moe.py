@@ -6,7 +6,7 @@ Two tiny random checkpoints written by transformers' `save_pretrained` inside th
 token-by-token decode equal transformers' within 1e-4 in every layout; 24 greedy tokens equal
 transformers' `generate`; greedy speculation (n-gram chain and tree, a draft model that is a
 perturbed copy of the target, batch of 4 prompts of mixed lengths) is token-identical to greedy
-plain; the two expert paths (gather, grouped) equal a dense all-experts reference; broken
+plain; the three expert paths (gather, grouped, dense) equal an independent reference; broken
 variants (the top-k weights not renormed, one routing shared by a whole window) fail parity; bad
 checkpoints are refused in one line before any tensor is placed; on (1, 2) and (2, 4) CPU meshes
 (a subprocess, `tests/moe_mesh_check.py`) the experts split over `model` and the output equals
@@ -171,10 +171,10 @@ def test_expert_paths_equal_a_dense_reference():
         every = jnp.einsum("efd,nd->nef", p["we_gate"], x)
         h = jax.nn.silu(every) * jnp.einsum("efd,nd->nef", p["we_up"], x)
         dense = jnp.einsum("ne,nef,edf->nd", combine, h, p["we_down"])
-        for path in ("gather", "grouped"):
+        for path in ("gather", "grouped", "dense"):
             got = moe.moe_block(p, x, top_k=k, norm_topk=True, path=path)
             np.testing.assert_allclose(got, dense, atol=1e-5, err_msg=f"{path}, {n} tokens")
-        assert moe.path_for(n, k, e) == ("gather" if n * k < e else "grouped")
+        assert moe.path_for(n, k, e) == ("gather" if n * k < e else "dense")  # on CPU
     assert moe.experts_woken(1, k, e) == pytest.approx(k)
     assert k < moe.experts_woken(5, k, e) < e
 

@@ -4,16 +4,17 @@ experts each token picked, nothing computed for the experts no token woke.
 Every token is routed on its own (softmax over the router logits, top-k, optionally renormed:
 Qwen3-MoE's `norm_topk_prob`), so a verify window or a draft tree of T entries routes each entry
 exactly as a one-token step would: speculation changes which experts a step wakes, never which
-expert a token uses. Two ways to run the chosen experts, picked from static shapes:
+expert a token uses. Three ways to run the chosen experts, picked from static shapes:
 
   "gather"   few (token, expert) pairs (N*k < E: decode and short verify windows): each pair's
              expert weights are gathered and applied, reading N*k experts, never all E;
-  "grouped"  many pairs (prompts, wide windows): pairs sorted by expert and run as one grouped
-             matmul (`jax.lax.ragged_dot`), each expert's weights read once, each pair computed
-             once (no E/k-fold dense compute).
+  "grouped"  many pairs on TPU/GPU (prompts, wide windows): pairs sorted by expert and run as one
+             grouped matmul (`jax.lax.ragged_dot`), each expert's weights read once, each pair
+             computed once (no E/k-fold dense compute);
+  "dense"    many pairs on CPU: every expert on every token, combined by a matrix zero off the
+             top k (XLA:CPU's ragged_dot is slower than that, BENCHMARKS.md).
 
-Both return the per-pair outputs in the router's slot order and sum them over the k slots in that
-same order, so the two paths agree to float rounding.
+The three agree to float rounding.
 
 Params of one block (torch `Linear` layout, contracted on the last dim; E experts, F the expert
 width, D the model dim):
@@ -97,20 +98,40 @@ def experts_grouped(p: Params, x: jax.Array, experts: jax.Array, act=jax.nn.silu
     return unsorted.reshape(n, k, -1)
 
 
+def experts_dense(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
+                  act=jax.nn.silu) -> jax.Array:
+    """Every expert on every token, combined by a [N, E] matrix zero off each token's top k:
+    x [N, D] -> [N, D]. E/k times the pairs' FLOPs, but each expert's weights read once in plain
+    dense matmuls (XLA:CPU runs these far faster than its `ragged_dot`); with the experts split
+    over a mesh axis, each device runs its own and the combine is one all-reduce of [N, D]."""
+    n, e = x.shape[0], p["we_gate"].shape[0]
+    combine = jnp.zeros((n, e), x.dtype).at[jnp.arange(n)[:, None], experts].add(weights)
+    h = act(jnp.einsum("nd,efd->nef", x, p["we_gate"].astype(x.dtype))) * jnp.einsum(
+        "nd,efd->nef", x, p["we_up"].astype(x.dtype))
+    return jnp.einsum("ne,nef,edf->nd", combine, h, p["we_down"].astype(x.dtype))
+
+
 def path_for(tokens: int, top_k: int, num_experts: int) -> str:
-    """The experts path a block of `tokens` routed tokens takes (static)."""
-    return "gather" if tokens * top_k < num_experts else "grouped"
+    """The experts path a block of `tokens` routed tokens takes (static): "gather" while the
+    pairs are fewer than the experts, else "grouped" on accelerators and "dense" on CPU (where
+    `ragged_dot` measured 5-6x slower than the dense path at 64-256 tokens, BENCHMARKS.md)."""
+    if tokens * top_k < num_experts:
+        return "gather"
+    return "dense" if jax.default_backend() == "cpu" else "grouped"
 
 
 def run_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, *,
                 act=jax.nn.silu, path: str | None = None) -> jax.Array:
     """x [N, D], routed (weights [N, k], experts int32[N, k]) -> [N, D]: each token the weighted
-    sum of its experts' gated outputs (act(gate) * up, then down), summed over the slots in
-    router order. `path`: "gather" | "grouped" (None: `path_for` the token count)."""
+    sum of its experts' gated outputs (act(gate) * up, then down). "gather" and "grouped" sum
+    the slots in router order; "dense" combines by a matrix. `path`: "gather" | "grouped" |
+    "dense" (None: `path_for` the token count)."""
     path = path or path_for(x.shape[0], experts.shape[1], p["we_gate"].shape[0])
+    weights = weights.astype(x.dtype)
+    if path == "dense":
+        return experts_dense(p, x, weights, experts, act)
     run = experts_gather if path == "gather" else experts_grouped
     pairs = run(p, x, experts, act)  # [N, k, D]
-    weights = weights.astype(x.dtype)
     out = pairs[:, 0] * weights[:, :1]
     for slot in range(1, experts.shape[1]):  # a fixed order, whatever the path
         out = out + pairs[:, slot] * weights[:, slot : slot + 1]
