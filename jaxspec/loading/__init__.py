@@ -135,10 +135,12 @@ def load_model(
         params = families.assemble(cfg, flat, source=str(src.path))
     else:
         params = assemble(cfg, flat, source=str(src.path))
-    if mesh is not None:
+    if mesh is not None and not new_families.owns(cfg):
         params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
     else:
         params = place(params, dtype, layout)
+        if mesh is not None:  # family hook: by the target's own axes (one device holds it first)
+            params = mesh.place_target(params, new_families.target_for(cfg, arch))
     loading()
     return LoadedModel(
         cfg=cfg,
