@@ -12,7 +12,9 @@ cutting that dim into `m` contiguous blocks gives every device whole heads iff `
 COUNT N (not N*H). Query heads must divide (`check_model` says which sizes fit); kv heads that do
 not divide stay replicated over `model`, as does any mlp / vocab dim the axis does not divide.
 With q/k/v split by heads and wo / w_down contracted over the split dim, a layer needs two
-all-reduces (Megatron). Drafters are replicated over `model` by default (their batch rows still
+all-reduces (Megatron). Routed experts (`models/moe.py`, `[E, ...]` leaves) split whole experts
+over `model` (`ShardingRules.experts`): each device runs its own, no expert weight is gathered.
+Drafters are replicated over `model` by default (their batch rows still
 follow `data`); `MeshPlan(shard_drafter=True)` shards a draft model by the target's rules.
 """
 
