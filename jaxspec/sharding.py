@@ -12,7 +12,9 @@ cutting that dim into `m` contiguous blocks gives every device whole heads iff `
 COUNT N (not N*H). Query heads must divide (`check_model` says which sizes fit); kv heads that do
 not divide stay replicated over `model`, as does any mlp / vocab dim the axis does not divide.
 With q/k/v split by heads and wo / w_down contracted over the split dim, a layer needs two
-all-reduces (Megatron). Drafters are replicated over `model` by default (their batch rows still
+all-reduces (Megatron). Routed experts (`models/moe.py`, `[E, ...]` leaves) split whole experts
+over `model` (`ShardingRules.experts`): each device runs its own, no expert weight is gathered.
+Drafters are replicated over `model` by default (their batch rows still
 follow `data`); `MeshPlan(shard_drafter=True)` shards a draft model by the target's rules.
 """
 
@@ -39,6 +41,7 @@ class ShardingRules:
     heads: str | None = "model"
     kv_heads: str | None = "model"
     mlp: str | None = "model"
+    experts: str | None = "model"  # routed experts (models/moe.py): whole experts per device
     vocab: str | None = "model"
     embed: str | None = None
     head_dim: str | None = None
@@ -54,7 +57,8 @@ class ShardingRules:
 
     def replicated_over_model(self) -> ShardingRules:
         """Only the batch keeps its axis (the default for drafters)."""
-        return ShardingRules(batch=self.batch, heads=None, kv_heads=None, mlp=None, vocab=None)
+        return ShardingRules(batch=self.batch, heads=None, kv_heads=None, mlp=None, experts=None,
+                             vocab=None)
 
 
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:

@@ -39,6 +39,8 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_qwen3_5.py",
     "test_docs.py",
     "test_parity.py",
+    "test_moe.py",
+    "test_gemma4.py",
     "test_device_exports.py",
     "test_attention_impls.py",
     "test_greedy_identity.py",

@@ -18,7 +18,7 @@ from jaxspec import progress, xla_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec import validate
-from jaxspec.loading import families, hybrid_files
+from jaxspec.loading import families, hybrid_files, new_families
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
 from jaxspec.loading.gguf_header import peek_architecture
 from jaxspec.loading.params import (
@@ -132,14 +132,19 @@ def load_model(
     if hybrid_files.owns(cfg):  # hybrid family hook: assembled by its reader, per-layer arrays
         layout, layout_note = "unrolled", "hybrid linear attention: per-layer arrays"
         params = flat
+    elif new_families.owns(cfg):  # family hook: qwen3_moe, gemma4
+        layout, layout_note = new_families.check_layout(cfg, layout, layout_note, str(src.path))
+        params = new_families.assemble(cfg, flat, source=str(src.path))
     elif families.owns(cfg):  # family hook: the family's own param shapes
         params = families.assemble(cfg, flat, source=str(src.path))
     else:
         params = assemble(cfg, flat, source=str(src.path))
-    if mesh is not None:
+    if mesh is not None and not new_families.owns(cfg):
         params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
     else:
         params = place(params, dtype, layout)
+        if mesh is not None:  # family hook: by the target's own axes (one device holds it first)
+            params = mesh.place_target(params, new_families.target_for(cfg, arch))
     loading()
     return LoadedModel(
         cfg=cfg,
@@ -152,6 +157,7 @@ def load_model(
         load_seconds=time.perf_counter() - start,
         layout_note=layout_note,
         target=(hybrid_files.target_for(cfg) if hybrid_files.owns(cfg)
+                else new_families.target_for(cfg, arch) if new_families.owns(cfg)
                 else families.target_for(cfg, arch)),
     )
 
@@ -181,6 +187,8 @@ def _read_hf_dir(path: Path, dtype: str, layout: str = "auto", mesh=None):
             return hybrid_files.read_hf_dir(path, hf, dtype)
         if family.name in families.FAMILIES:  # family hook: gemma2, gemma3, phi3
             return families.read_hf_dir(path, hf, dtype)
+        if family.name in new_families.FAMILIES:  # family hook: qwen3_moe, gemma4
+            return new_families.read_hf_dir(path, hf, dtype)
     cfg = config_from_hf(hf, dtype=dtype, source=source)
     fields = validate.Fields(hf, source)
     mtp = fields.int("num_nextn_predict_layers", 0, lo=0, hi=validate.MAX_LAYERS)  # MTP modules

@@ -191,10 +191,13 @@ def read_gguf(path: Path, dtype: str, lazy: bool = False):
     return cfg, flat, gguf_tokenizer(path, header), gguf_eos(header, cfg.vocab_size, str(path)), cfg.family
 
 
-def assemble(cfg, flat: dict, *, source: str) -> dict:
-    """Check names and shapes against the family's `param_shapes`, refuse NaN/inf, then nest
-    (`layers.3.wq` -> params["layers"][3]["wq"]), as `loading.params.assemble` does for Llama."""
-    shapes = gemma.param_shapes(cfg)
+def assemble(cfg, flat: dict, *, source: str, shapes: dict | None = None,
+             family: str | None = None) -> dict:
+    """Check names and shapes against the family's `param_shapes` (`shapes`; None: Gemma's),
+    refuse NaN/inf, then nest (`layers.3.wq` -> params["layers"][3]["wq"]), as
+    `loading.params.assemble` does for Llama."""
+    shapes = gemma.param_shapes(cfg) if shapes is None else shapes
+    family = family or cfg.family
     want = {k: v for k, v in shapes.items() if k != "layers"}
     for i, layer in enumerate(shapes["layers"]):
         want |= {f"layers.{i}.{k}": v for k, v in layer.items()}
@@ -203,7 +206,7 @@ def assemble(cfg, flat: dict, *, source: str) -> dict:
         raise JaxspecError(f"{source} lacks tensors {', '.join(missing[:4])}: the checkpoint is "
                            f"incomplete or does not match its config")
     if extra:
-        raise JaxspecError(f"{source} has tensors {', '.join(extra[:4])} that {cfg.family} does "
+        raise JaxspecError(f"{source} has tensors {', '.join(extra[:4])} that {family} does "
                            f"not use: the model variant is not supported")
     for key, shape in want.items():
         got = tuple(flat[key].shape)

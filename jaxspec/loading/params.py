@@ -244,10 +244,11 @@ def pack_params(params: Params) -> Params:
         rest = {k: w for k, w in layer.items() if k not in LINEAR_KEYS}
         fused = {
             "wqkv": np.concatenate([np.asarray(layer[k]) for k in ("wq", "wk", "wv")]),
-            "w_gate_up": np.concatenate([np.asarray(layer[k]) for k in ("w_gate", "w_up")]),
             "wo": layer["wo"],
-            "w_down": layer["w_down"],
         }
+        if "w_gate" in layer:  # absent on an MoE layer (its experts stay plain arrays)
+            fused["w_gate_up"] = np.concatenate([np.asarray(layer[k]) for k in ("w_gate", "w_up")])
+            fused["w_down"] = layer["w_down"]
         return rest | {k: kernels.pack(w) for k, w in fused.items()}
 
     layers = tuple(pack_layer(layer) for layer in params["layers"])

@@ -176,10 +176,14 @@ def _qkv(cfg, lp, x, positions, inv_freq):
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _out_and_mlp(cfg, lp, x, attn):
-    """Attention output projection + residual, then the MLP block + residual. attn: [B, T, N*H]."""
+def _out_and_mlp(cfg, lp, x, attn, mlp=None):
+    """Attention output projection + residual, then the MLP block + residual. attn: [B, T, N*H].
+    `mlp(lp, y)`: a family's own MLP block on the normed y [B, T, D] (None: the gated MLP; an
+    MoE family passes its routed experts, `models/qwen3_moe.py`)."""
     x = x + linear(attn, lp["wo"])
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    if mlp is not None:
+        return x + mlp(lp, y)
     if "w_gate_up" in lp:  # packed layout: gate and up fused
         gate, up = jnp.split(linear(y, lp["w_gate_up"]), 2, axis=-1)
     else:
@@ -189,12 +193,12 @@ def _out_and_mlp(cfg, lp, x, attn):
 
 
 def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, window_mask=None,
-           window=None):
+           window=None, mlp=None):
     """One decoder layer. Writes this step's k/v into its cache `[B, K, S, H]` at `positions` and
     returns (x, k_cache, v_cache); with write=False the cache is only read and the window's own
     k/v `[B, T, K, H]` come back instead of the caches, and window entry t attends window entries
     j with window_mask[b, t, j] (None: causal). Window entry 0 sits at the cache's length.
-    `window`: this layer's sliding window (None: none)."""
+    `window`: this layer's sliding window (None: none); `mlp`: see `_out_and_mlp`."""
     b, t, _ = x.shape
     h = cfg.head_dim
     q, k, v = _qkv(cfg, lp, x, positions, inv_freq)
@@ -218,11 +222,12 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, 
         attn = attention.attend(
             q, k_cache, v_cache, k, v, lengths, window_mask=window_mask, impl="auto"
         ).astype(q.dtype)
-    out = _out_and_mlp(cfg, lp, x, attn)
+    out = _out_and_mlp(cfg, lp, x, attn, mlp)
     return (out, k_cache, v_cache) if write else (out, k, v)
 
 
-def stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i, window_mask=None):
+def stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i, window_mask=None,
+                  mlp=None):
     """One step of the stacked layer loop: layer `i` of `[L, ...]` params on carry
     (x [B, T, D], k_all, v_all [L', B, K, S, H]). The cache rides in the carry: the layer writes only
     its T new rows in place, then reads its slice inside the attention op (fused, never copied out).
@@ -246,17 +251,17 @@ def stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i, wi
         attn = attention.attend(
             q, k_all, v_all, k, v, positions[:, 0], layer=i, window_mask=window_mask, impl="auto"
         )
-    x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
+    x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype), mlp)
     return (x, k_all, v_all), (x if collect else None, None if write else (k, v))
 
 
 def _stacked_layers(cfg, layers, x, k_all, v_all, positions, inv_freq, write, collect,
-                    window_mask=None):
+                    window_mask=None, mlp=None):
     """The first cfg.num_layers layers of `[L, ...]` params as one lax.scan over the layer index
     (see `stacked_layer`). Returns (x, k_all, v_all, per-layer x [n, B, T, D] if collect, window
     k/v [n, B, T, K, H] if not write)."""
     body = lambda carry, i: stacked_layer(  # noqa: E731
-        cfg, layers, positions, inv_freq, write, collect, carry, i, window_mask
+        cfg, layers, positions, inv_freq, write, collect, carry, i, window_mask, mlp
     )
     return scan_layers(body, x, k_all, v_all, cfg.num_layers)
 
@@ -270,6 +275,7 @@ def forward(
     write_cache: bool = True,
     positions: jax.Array | None = None,
     window_mask: jax.Array | None = None,
+    mlp=None,
 ) -> ForwardOutput:
     """Run `tokens: int[B, T]` at `positions` int32[B, T] (default `cache.lengths[:, None] +
     arange(T)`), attending cache slots below `cache.lengths` and the window entries
@@ -292,10 +298,10 @@ def forward(
         write_cache=write_cache,
         layer=lambda i, lp, x, k_l, v_l: _layer(
             cfg, lp, x, k_l, v_l, positions, mask, inv_freq, write_cache, window_mask,
-            cfg.layer_window(i)),
+            cfg.layer_window(i), mlp),
         stacked=lambda x, k_all, v_all, collect: _stacked_layers(
             cfg, params["layers"], x, k_all, v_all, positions, inv_freq, write_cache, collect,
-            window_mask),
+            window_mask, mlp),
         final_norm=lambda x: rms_norm(x, params["final_norm"], cfg.rms_norm_eps),
     )
 

@@ -1,0 +1,97 @@
+"""A verify window's cost against a plain step on a tiny MoE (Qwen3-MoE shape) next to a dense
+Qwen3 of the same active MLP width (k experts x expert width = the dense MLP), on this CPU.
+
+    PYTHONPATH=. python scripts/bench_moe_window.py [--batches 1,4] [--widths 1,2,3,5]
+    PYTHONPATH=. python scripts/bench_moe_window.py --paths 1,4,20,64,256
+
+Each row: seconds of the plain 1-entry step, then each window's time in plain steps (the
+calibration's own timing, `decode.calibration.measure_verify`: the loop's verify on a cache
+holding 128 tokens, distinct draft tokens), the expert path the window takes and the experts it
+wakes per layer (expected, `moe.experts_woken`). A dense model's window costs ~1 plain step on a
+memory-bound machine; an MoE window reads more experts than one token does. `--paths`: one MoE
+block alone per expert path (gather, grouped = ragged_dot, dense) at each token count, ms
+(median of 20 calls after a warm-up), where `moe.path_for` switches paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+
+from jaxspec.decode import calibration
+from jaxspec.models import base, llama, moe
+from jaxspec.models.qwen3_moe import MoeConfig, MoeTarget, init_params
+
+DIMS = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+            head_dim=64, qk_norm=True, max_position_embeddings=4096)
+E, K, F = 32, 4, 128
+
+
+def models() -> dict[str, base.Model]:
+    key = jax.random.key(0)
+    sparse = MoeConfig(**DIMS, intermediate_size=K * F, num_experts=E, top_k=K,
+                       moe_intermediate_size=F, norm_topk_prob=True, moe_layers=(True,) * 4)
+    dense = llama.ModelConfig(**DIMS, intermediate_size=K * F)
+    return {
+        f"moe E={E} k={K}": base.Model(target=MoeTarget(sparse), params=init_params(sparse, key)),
+        f"dense F={K * F}": base.Model(target=llama.LlamaTarget(dense, name="qwen3"),
+                                       params=llama.init_params(dense, key)),
+    }
+
+
+def path_table(token_counts: list[int]) -> None:
+    keys = jax.random.split(jax.random.key(0), 5)
+    d = DIMS["hidden_size"]
+    p = {"router": jax.random.normal(keys[0], (E, d)),
+         "we_gate": 0.05 * jax.random.normal(keys[1], (E, F, d)),
+         "we_up": 0.05 * jax.random.normal(keys[2], (E, F, d)),
+         "we_down": 0.05 * jax.random.normal(keys[3], (E, d, F))}
+    paths = ("gather", "grouped", "dense")
+    print(f"| tokens | {' | '.join(paths)} (ms) | path_for |")
+    print("|---:|" + "---:|" * len(paths) + "---|")
+    for n in token_counts:
+        x = jax.random.normal(keys[4], (n, d))
+        cells = []
+        for path in paths:
+            fn = jax.jit(lambda p, x, path=path: moe.moe_block(p, x, top_k=K, norm_topk=True,
+                                                               path=path))
+            fn(p, x).block_until_ready()
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                fn(p, x).block_until_ready()
+                times.append(time.perf_counter() - t0)
+            cells.append(f"{1e3 * sorted(times)[10]:.2f}")
+        print(f"| {n} | {' | '.join(cells)} | {moe.path_for(n, K, E)} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--widths", default="1,2,3,5")
+    p.add_argument("--paths", default=None, help="token counts: time one MoE block per path")
+    args = p.parse_args(argv)
+    if args.paths:
+        path_table([int(n) for n in args.paths.split(",")])
+        return 0
+    widths = [int(w) for w in args.widths.split(",")]
+    print(f"| model | batch | plain step (ms) | {' | '.join(f'window {w}' for w in widths[1:])} |")
+    print("|---|---:|---:|" + "---:|" * (len(widths) - 1))
+    for name, m in models().items():
+        for b in (int(x) for x in args.batches.split(",")):
+            secs = calibration.measure_verify(m, b, widths)
+            cells = []
+            for w, s in zip(widths[1:], secs[1:]):
+                cell = f"{s / secs[0]:.2f}"
+                if name.startswith("moe"):
+                    path = moe.path_for(b * w, K, E)
+                    cell += f" ({path}, {moe.experts_woken(b * w, K, E):.0f} experts)"
+                cells.append(cell)
+            print(f"| {name} | {b} | {1e3 * secs[0]:.2f} | {' | '.join(cells)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
