@@ -188,7 +188,8 @@ def test_auto_dtype_and_layout_follow_the_backend(monkeypatch, backend):
     if backend == "cpu":
         assert dtype == "float32" and layout == ("packed" if available() else "unrolled")
     else:
-        assert (dtype, layout) == ("bfloat16", "unrolled")  # per-layer weights, read once
+        want = "stacked" if backend == "tpu" else "unrolled"  # GPU: per-layer weights, read once
+        assert (dtype, layout) == ("bfloat16", want)
     assert lp.resolve_dtype("float32") == "float32"  # explicit choices stay
 
 

@@ -92,10 +92,10 @@ def test_cli_json_fields(capsys, monkeypatch, layout):
                 "collectives"} <= set(x)
 
 
-@pytest.mark.parametrize("backend, want", [("tpu", "unrolled"), ("cpu", "unrolled")])
+@pytest.mark.parametrize("backend, want", [("tpu", "stacked"), ("gpu", "unrolled"), ("cpu", "unrolled")])
 def test_cli_auto_layout_is_this_backends(capsys, monkeypatch, backend, want):
     """layout auto (the configs' default, as scripts/bench_device.sh runs it) measures the layout
-    the backend would run (unrolled on TPU: the accelerator layout): resolve_layout returns
+    the backend would run (stacked on TPU, unrolled on GPU: the accelerator layout): resolve_layout returns
     (layout, why), and the tuple once fell through
     to the unrolled programs on every backend."""
     from jaxspec.loading import params as lp

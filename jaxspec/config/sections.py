@@ -23,8 +23,8 @@ class ModelLoadConfig(Section):
     name: str = "smollm2-135m"
     # auto: bfloat16 on TPU/GPU, float32 on CPU
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # auto: "packed" (CPU panel kernel) for float32 on one CPU device, else "unrolled" (on
-    # TPU/GPU: per-layer weights, each read once a step); "stacked" = [L, ...] for lax.scan
+    # auto: "packed" (CPU panel kernel) for float32 on one CPU device, "stacked" on TPU, else
+    # "unrolled" (on GPU: per-layer weights, each read once a step); "stacked" = [L, ...], lax.scan
     layout: Literal["auto", "unrolled", "packed", "stacked"] = "auto"
 
     def _validate(self):

@@ -46,8 +46,8 @@ def resolve_dtype(dtype: str) -> str:
 
 def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
     """(layout, why it was chosen). "auto": "packed" where the CPU panel kernel runs (float32, one
-    CPU device), else "unrolled" (on TPU/GPU the accelerator layout: per-layer weights, each read
-    once a step) -- and the why says which condition failed, since the packed layout is the one
+    CPU device), "stacked" on TPU (which reads a stack's layer slices in place), else "unrolled"
+    (on GPU the accelerator layout: per-layer weights, each read once a step) -- and the why says which condition failed, since the packed layout is the one
     whose greedy output is bit-identical across batch and window sizes."""
     if layout != "auto":
         if layout == "packed" and not kernels.available():
@@ -56,6 +56,8 @@ def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
                 "backend and g++ are needed): use layout 'unrolled'"
             )
         return layout, "requested"
+    if jax.default_backend() == "tpu":  # TPU reads a stack's layer slices in place
+        return "stacked", "auto: lax.scan over layers on tpu (each layer's slice read in place)"
     if jax.default_backend() in ACCELERATORS:
         return "unrolled", (f"auto: per-layer weights on {jax.default_backend()} (each read once "
                             "a step; a stack's layer slices are copied out on GPU)")

@@ -6,7 +6,7 @@ each with its shapes, dtype and the attention it holds, read from the program it
     python -m jaxspec.tools.programs --config configs/smollm2-135m-eagle.yaml --platform tpu --json
 
 A device run loads the model as the device's defaults say (`model.dtype: auto` is bfloat16 on TPU
-and GPU, `model.layout: auto` the per-layer (unrolled) layout), so the programs listed are the ones that run
+and GPU, `model.layout: auto` stacked on TPU, per-layer (unrolled) on GPU), so the programs listed are the ones that run
 there; on `--platform cpu` the config loads as it would here. The shipped-config test
 (tests/test_device_exports.py) reads the same function. Bad input: one line `error: ...`, exit 2.
 """
@@ -35,7 +35,7 @@ def device_overrides(config, platform: str) -> list[str]:
     if config.model.dtype == "auto":
         out.append("model.dtype=bfloat16")
     if config.model.layout in ("auto", "packed"):  # packed: CPU kernels, which a device lacks
-        out.append("model.layout=unrolled")
+        out.append("model.layout=" + ("stacked" if platform == "tpu" else "unrolled"))
     return out
 
 

@@ -296,7 +296,7 @@ def main(argv=None) -> int:
                    help="default: model.dtype; auto = this backend's (bfloat16 on TPU/GPU, float32 "
                    "on CPU, where XLA upcasts bf16 ops and scatters: measure float32 here)")
     p.add_argument("--layout", choices=("stacked", "unrolled"),
-                   help="default: model.layout; auto = this backend's (unrolled on TPU/GPU)")
+                   help="default: model.layout; auto = this backend's (stacked on TPU, unrolled on GPU)")
     p.add_argument("--batch", default="1,8,32", metavar="B,..")
     p.add_argument("--window", default="1,5,16", metavar="T,..", help="1 = decode, >1 = verify")
     p.add_argument("--capacity", type=int, default=2048, help="cache slots per row")
@@ -345,7 +345,8 @@ def _accelerator(args, config) -> int:
     aot.target(args.target)  # an unknown name fails before anything compiles
     mesh = _mesh(args.mesh) if args.mesh else None
     layout = args.layout or config.model.layout
-    layout = "stacked" if layout == "stacked" else "unrolled"  # auto: the accelerator layout
+    if layout not in ("stacked", "unrolled"):  # auto: what a run there loads (loading.params)
+        layout = "stacked" if aot.target(args.target).platform == "tpu" else "unrolled"
     if not 0 <= args.fill < 1 or args.capacity < 16:
         raise JaxspecError("use --capacity >= 16 and 0 <= --fill < 1")
     args.dtype = args.dtype or "bfloat16"  # the accelerators' dtype
