@@ -58,7 +58,7 @@ def targets(tiny_qwen3_dir, tiny_llama_dir):
     return out
 
 
-def make_reference(hf, seed=0, **overrides):
+def make_reference(hf, seed=0, layers=LAYERS, **overrides):
     """A random-weight PEagleDraftModel for the target hf: one Llama draft layer of the target's
     dims (the target's own rope for a Llama target), its own embedding and LM head."""
     from transformers import LlamaConfig
@@ -78,7 +78,7 @@ def make_reference(hf, seed=0, **overrides):
                             max_position_embeddings=c.max_position_embeddings)
     layer._attn_implementation = "eager"
     kw = dict(transformer_layer_config=layer, draft_vocab_size=layer.vocab_size,
-              eagle_aux_hidden_state_layer_ids=LAYERS, mask_token_id=MASK,
+              eagle_aux_hidden_state_layer_ids=list(layers), mask_token_id=MASK,
               norm_before_residual=True,
               speculators_config=SpeculatorsConfig(
                   algorithm="peagle", default_proposal_method="greedy",
@@ -170,14 +170,22 @@ def test_draft_logits_match_reference(tname, targets, tmp_path):
         assert err < TOL and err0 > 100 * TOL
 
 
-def test_written_head_loads_in_the_reference_and_reads_back(targets, tmp_path):
-    """fmt.write's directory loads with PEagleDraftModel.from_pretrained (config validated by
-    speculators, every weight equal) and reads back to the same drafter and params."""
-    hf, m = targets["llama"]
-    model = make_reference(hf)
+def test_written_head_loads_in_the_reference_and_reads_back(tmp_path):
+    """fmt.write's directory (naming its verifier, which the reference's loader reads and whose
+    taps it wants distinct: a 3-layer target here) loads with PEagleDraftModel.from_pretrained
+    (config validated by speculators, every weight equal) and reads back to the same drafter
+    and params."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_tiny_checkpoint
+
+    verifier = make_tiny_checkpoint(tmp_path / "target", "llama", seed=6, num_hidden_layers=3)
+    hf = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
+    m = load_model(verifier, layout="unrolled")
+    model = make_reference(hf, layers=(0, 1, 2))
     model.save_pretrained(tmp_path / "a")
     drafter, dparams = fmt.read(tmp_path / "a", m.cfg)
-    fmt.write(tmp_path / "b", drafter, dparams, m.cfg)
+    fmt.write(tmp_path / "b", drafter, dparams, m.cfg, verifier=str(verifier))
     loaded = ref.PEagleDraftModel.from_pretrained(tmp_path / "b")
     assert loaded.config.mask_token_id == MASK
     theirs = {k: v for k, v in model.state_dict().items() if "verifier" not in k}
