@@ -90,5 +90,4 @@ def build(options: PEagleOptions, ctx: BuildContext):
 
 register_drafter(
     "peagle", build, formats=("peagle",), options=PEagleOptions, summary=(
-    "P-EAGLE (speculators 0.9.0): an EAGLE-3 head drafting every position in one parallel pass "
-    "(mask token and learned mask feature at depths > 0)"))
+    "P-EAGLE (speculators 0.9.0): EAGLE-3 drafting every position in one pass"))
