@@ -312,3 +312,20 @@ def test_sampled_peagle_has_the_target_law(broken):
     print(f"broken={broken}: p {p:.2e}, acceptance {accepted / drafted:.2f}")
     assert 0.02 * drafted < accepted < 0.95 * drafted
     assert (p < FAIL_P) if broken else (p > PASS_P)
+
+
+def test_a_qwen3_draft_layer_is_refused_in_one_line(targets, tmp_path):
+    """A draft layer with q/k norms (a Qwen3 transformer_layer_config) is not read as if it had
+    none: one line naming the tensors."""
+    from jaxspec.formats import load_drafter_checkpoint
+
+    hf, m = targets["qwen3"]
+    layer = copy.deepcopy(hf.config)
+    layer.num_hidden_layers = 1
+    layer.layer_types = ["full_attention"]
+    layer._attn_implementation = "eager"
+    make_reference(hf, transformer_layer_config=layer).save_pretrained(tmp_path)
+    with pytest.raises(JaxspecError) as err:
+        load_drafter_checkpoint("peagle", tmp_path, m)
+    print(err.value)
+    assert "q_norm" in str(err.value) and "\n" not in str(err.value)
