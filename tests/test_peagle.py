@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import shutil
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,6 @@ from test_dspark import _import_reference  # the stand-ins for speculators' trai
 torch = import_torch()
 _import_reference()
 ref = pytest.importorskip("speculators.models.peagle")
-import sys  # noqa: E402
-
 ref_core = sys.modules["speculators.models.peagle.core"]
 
 TOL = 1e-4

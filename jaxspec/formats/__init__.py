@@ -24,7 +24,8 @@ from pathlib import Path
 
 from jaxspec.errors import JaxspecError
 
-FORMATS = ("jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash", "dspark", "peagle")
+FORMATS = ("jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash", "dspark",
+           "peagle")
 
 
 def method_formats(method: str) -> tuple[str, ...]:

@@ -38,7 +38,8 @@ def read(path, target_cfg, layer_ids: str = "input") -> tuple[PEagleDrafter, dic
         raise JaxspecError(f"{where}: fc_norm (a norm per tapped feature before fc) is not "
                            f"supported for peagle: use a head trained without it")
     mask = config.get("mask_token_id")
-    if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < target_cfg.vocab_size:
+    vocab = target_cfg.vocab_size
+    if not isinstance(mask, int) or isinstance(mask, bool) or not 0 <= mask < vocab:
         raise JaxspecError(f"{where}: mask_token_id={short(mask)} must be a token id below the "
                            f"target's vocab_size {target_cfg.vocab_size}: use a head for this model")
     raw = T.read_tensors(path)
