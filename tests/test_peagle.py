@@ -272,14 +272,15 @@ def greedy_target():
     return tiny_model(seed=2, scale=0.3, eos=(-1,))
 
 
-def test_greedy_peagle_is_token_identical_at_batch_8(greedy_target):
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_peagle_is_token_identical_at_batch_8(greedy_target, gamma):
     from jaxspec.engine.runner import Engine
 
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(1, 63, size=n)] for n in (5, 17, 9, 30, 12, 3, 25, 8)]
     plain = Engine(greedy_target).generate(prompts, max_new_tokens=NEW, batch_size=8)
     drafter, dparams = tiny_head(greedy_target)
-    out = Engine(greedy_target, drafter, dparams, num_speculative_tokens=3).generate(
+    out = Engine(greedy_target, drafter, dparams, num_speculative_tokens=gamma).generate(
         prompts, max_new_tokens=NEW, batch_size=8)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     steps = sum(r.metrics["num_steps"] for r in out)
