@@ -54,6 +54,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_bench.py",
     "test_dflash.py",
     "test_dspark.py",
+    "test_peagle.py",
     "test_malformed.py",
     "test_acceptance.py",
     "test_suffix.py",

@@ -24,6 +24,7 @@ from jaxspec.drafters import (  # noqa: F401
     medusa,
     mtp,
     ngram,
+    peagle,
     suffix,
 )
 from jaxspec.drafters.base import CommitContext, DraftContext, Drafter, Proposal

@@ -14,7 +14,8 @@ from jaxspec.errors import JaxspecError
 
 # checkpoint_format (jaxspec.formats.FORMATS): auto = detected from meta.json / config.json
 CheckpointFormat = Literal[
-    "auto", "jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash", "dspark"
+    "auto", "jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash", "dspark",
+    "peagle"
 ]
 
 

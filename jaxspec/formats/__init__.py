@@ -2,7 +2,8 @@
 
     FORMATS: jaxspec (orbax, jaxspec.train) | eagle3 | speculators | medusa (vLLM) |
              medusa_fd (FasterDecoding) | mtp (DeepSeek-V3-style module stored with the target) |
-             dflash (z-lab DFlash / DFlash 2 heads) | dspark (speculators 0.9.0 DSpark heads)
+             dflash (z-lab DFlash / DFlash 2 heads) | dspark (speculators 0.9.0 DSpark heads) |
+             peagle (speculators 0.9.0 P-EAGLE heads)
 
     fmt = detect_format(path)                                  # from meta.json / config.json
     drafter, dparams = load_drafter_checkpoint("eagle", path, target)   # any eagle-family layout
@@ -11,7 +12,7 @@
 Which method reads which layouts: eagle <- jaxspec, eagle3, speculators; eagle3 <- jaxspec
 (trained with method eagle3), eagle3, speculators; medusa <- jaxspec, medusa, medusa_fd;
 mtp <- mtp; draft_model <- jaxspec; dflash <- jaxspec (trained with method dflash), dflash;
-dspark <- dspark.
+dspark <- dspark; peagle <- peagle.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from jaxspec.errors import JaxspecError
 
-FORMATS = ("jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash", "dspark")
+FORMATS = ("jaxspec", "eagle3", "speculators", "medusa", "medusa_fd", "mtp", "dflash", "dspark",
+           "peagle")
 
 
 def method_formats(method: str) -> tuple[str, ...]:
@@ -63,11 +65,11 @@ def detect_format(path) -> str:
             f"{path} has neither meta.json (a jaxspec checkpoint) nor config.json (a published "
             f"EAGLE-3, speculators, Medusa or MTP checkpoint)"
         )
-    from jaxspec.formats import dflash, dspark, eagle3, medusa, mtp
+    from jaxspec.formats import dflash, dspark, eagle3, medusa, mtp, peagle
     from jaxspec.formats.tensors import read_config
 
     config = read_config(p)
-    for detect in (dspark.detect, eagle3.detect, medusa.detect, mtp.detect, dflash.detect):
+    for detect in (peagle.detect, dspark.detect, eagle3.detect, medusa.detect, mtp.detect, dflash.detect):
         fmt = detect(config)
         if fmt:
             return fmt
@@ -123,6 +125,10 @@ def load_drafter_checkpoint(
         from jaxspec.formats import dspark
 
         return dspark.read(resolve(path), target.target)
+    if got == "peagle":
+        from jaxspec.formats import peagle
+
+        return peagle.read(resolve(path), target.cfg, eagle3_layer_ids)
     if got == "mtp":
         from jaxspec.formats import mtp
 

@@ -29,7 +29,7 @@ from jaxspec.formats import tensors as T
 from jaxspec.formats.dflash import _LAYER
 from jaxspec.formats.eagle3 import layer_config
 
-KNOWN_TYPES = ("eagle3", "dspark")  # speculators_model_type values jaxspec reads
+KNOWN_TYPES = ("eagle3", "dspark", "peagle")  # speculators_model_type values jaxspec reads
 _MARKOV = {"w1": "markov_head.markov_w1.weight", "w2": "markov_head.markov_w2.weight",
            "gate_w": "markov_head.gate_proj.weight", "gate_b": "markov_head.gate_proj.bias",
            "joint_w": "markov_head.joint_proj.weight", "joint_b": "markov_head.joint_proj.bias"}

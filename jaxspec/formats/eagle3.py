@@ -128,8 +128,9 @@ def layer_config(lc: dict, where) -> ModelConfig:
     )
 
 
-def read(path, layout: str) -> Eagle3Head:
-    """Parse and self-check a checkpoint directory in `layout` (eagle3 | speculators)."""
+def read(path, layout: str, raw: dict | None = None) -> Eagle3Head:
+    """Parse and self-check a checkpoint directory in `layout` (eagle3 | speculators). raw: its
+    tensors already read, less those a derived layout took (formats/peagle.py: mask_hidden)."""
     path = Path(path)
     where = str(path)
     config = T.read_config(path)
@@ -172,7 +173,7 @@ def read(path, layout: str) -> Eagle3Head:
             )
         ids = tuple(ids)
 
-    raw = T.read_tensors(path)
+    raw = T.read_tensors(path) if raw is None else raw
     raw = {
         k.removeprefix("model."): a
         for k, a in raw.items()

@@ -1,0 +1,93 @@
+"""`speculative.method: peagle`: P-EAGLE (parallel EAGLE; speculators 0.9.0
+`speculators.models.peagle`, vLLM's `peagle`): an EAGLE-3 head (drafters/eagle3.py, shared, not
+copied) that drafts all γ positions in ONE forward instead of γ chained steps.
+
+One pass over γ entries at positions L-1 .. L+γ-2 (the drafter's own cache, feature_chain.py):
+  entry 0      the last committed token x_{L-1} with the target feature f_{L-2} (EAGLE-3's step 1)
+  entry d > 0  the mask token (`mask_token_id`) with the learned feature `mask_hidden` [n·Dt]
+               (through the same fc as the target features)
+each attending the committed entries and the entries before it (the reference's COD mask: a
+depth-d element sees depth 0 up to its anchor and its own rollout's depths <= d). Entry i's output
+is draft i's law; none reads a drafted token, so each draft is an independent draw from the q it
+reports: lossless as any chain whose laws do not depend on the drafts.
+
+State, init, commit: EAGLE-3's (ChainState); propose's provisional entries past L-1 are
+overwritten by commit with the verified tokens' real features, as EAGLE-3's are.
+
+dparams: EAGLE-3's plus mask_hidden f32[n·Dt] (n tapped layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.drafters import trained
+from jaxspec.drafters.base import DraftContext, Proposal
+from jaxspec.drafters.eagle3 import Eagle3Drafter
+from jaxspec.drafters.feature_chain import ChainState
+from jaxspec.drafters.registry import BuildContext, register_drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class PEagleDrafter(Eagle3Drafter):
+    name: str = "peagle"
+    mask_token: int = 0  # the embedding the depth > 0 entries read
+    report_q_of_first: bool = False  # tests only: a broken variant reporting entry 0's law
+
+    def parallel_pass(self, dparams, tparams, state: ChainState, ctx: DraftContext, gamma: int):
+        """The one drafting forward: (h [B, γ, H] (entry i: draft i), k, v: the cache with the
+        γ entries written at L-1 .. L+γ-2)."""
+        b = ctx.lengths.shape[0]
+        last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)  # [B, 1]
+        tokens = jnp.concatenate(
+            [last, jnp.full((b, gamma - 1), self.mask_token, last.dtype)], axis=1)  # [B, γ]
+        n = len(self.hidden_layers)
+        mask_feature = self.fuse(dparams, dparams["mask_hidden"].reshape(n, -1))  # [H]
+        feats = jnp.concatenate(
+            [state.feature[:, None].astype(jnp.float32),
+             jnp.broadcast_to(mask_feature, (b, gamma - 1, mask_feature.shape[-1]))], axis=1)
+        pos = (ctx.lengths - 1)[:, None] + jnp.arange(gamma, dtype=jnp.int32)  # [B, γ]
+        return self.step(dparams, tparams, tokens, feats.astype(state.feature.dtype),
+                         state.k, state.v, pos)
+
+    def parallel_logits(self, dparams, tparams, state, ctx: DraftContext, gamma: int):
+        """f32[B, γ, N]: every draft's logits over the draft vocabulary, from one pass."""
+        h, _, _ = self.parallel_pass(dparams, tparams, state, ctx, gamma)
+        return self.draft_logits(dparams, tparams, h)
+
+    def propose(self, dparams, tparams, state: ChainState, ctx: DraftContext, num_tokens, sp,
+                keys):
+        b = ctx.lengths.shape[0]
+        step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, γ]
+        h, k, v = self.parallel_pass(dparams, tparams, state, ctx, num_tokens)
+        drawn = [self._sample(dparams, tparams, h[:, i], sp, step_keys[:, i])
+                 for i in range(num_tokens)]
+        drafts = jnp.stack([t for t, _ in drawn], axis=1)  # [B, γ]
+        q = jnp.stack([p for _, p in drawn], axis=1)  # [B, γ, V]
+        if self.report_q_of_first:
+            q = jnp.broadcast_to(q[:, :1], q.shape)
+        num = jnp.full((b,), num_tokens, jnp.int32)
+        return Proposal(drafts, q, num), state._replace(k=k, v=v)
+
+
+# ---- method "peagle" --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PEagleOptions(trained.Eagle3LayoutOptions):
+    """speculative.peagle: a P-EAGLE head in the speculators 0.9.0 layout (config.json with
+    speculators_model_type "peagle"); chains of any γ (the head was trained for
+    speculators_config's speculative_tokens depths)."""
+
+    SECTION: ClassVar[str] = "speculative.peagle"
+
+
+def build(options: PEagleOptions, ctx: BuildContext):
+    return trained.load("peagle", options, ctx)
+
+
+register_drafter(
+    "peagle", build, formats=("peagle",), options=PEagleOptions, summary=(
+    "P-EAGLE (speculators 0.9.0): EAGLE-3 drafting every position in one pass"))
