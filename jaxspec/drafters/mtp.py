@@ -79,5 +79,4 @@ def build(options: MtpOptions, ctx: BuildContext):
 register_drafter(
     "mtp", build, formats=("mtp",),
     options=MtpOptions,
-    summary="a multi-token-prediction module stored with the target (DeepSeek-V3-style or "
-            "Qwen3.5's mtp.* head), chained")
+    summary="the target's MTP module (DeepSeek-V3, Qwen3.5), chained")
