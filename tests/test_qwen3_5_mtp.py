@@ -7,23 +7,27 @@ forward through jaxspec equals that torch computation of the published definitio
 read from the target's directory by `speculative.method=mtp` with no checkpoint, drafts chained
 (γ = 3) at batch 4 with drafts both accepted and rejected, and greedy speculative == greedy
 plain. A head that does not match (missing or misshapen tensors, two MTP layers) is refused in
-one line; the head's params written back in the published names read back equal.
+one line; the head's params written back in the published names read back equal. Sampled
+speculation with a random head on the law model of tests/test_qwen3_5.py has the target's exact
+law, and a head that reports a flatter draft law than it samples from fails it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import import_torch
+from test_qwen3_5 import VOCAB, hf_model
+
+from jaxspec.drafters.qwen3_5_mtp import Qwen35MtpDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
-from jaxspec.models import base
-from test_qwen3_5 import VOCAB, hf_model
+from jaxspec.models import base, qwen3_5
 
 NEW = 24
 WEIGHT_SCALE = 0.3  # the target's matrices, times hf_model's
@@ -193,3 +197,46 @@ def test_the_head_writes_back_in_the_published_names(checkpoint, loaded, head, t
     (tmp_path / "config.json").write_text((checkpoint[2] / "config.json").read_text())
     _, again = load_drafter_checkpoint("mtp", tmp_path, loaded)
     jax.tree.map(np.testing.assert_array_equal, again, dparams)
+
+
+# ------------------------------------------------------------------ the exact sampled law
+
+
+@dataclasses.dataclass(frozen=True)
+class MisreportedDraftLaw(Qwen35MtpDrafter):
+    """Broken: samples from its draft law but reports a flatter one to the acceptance rule."""
+
+    def _sample(self, dparams, tparams, h, sp, keys):
+        token, probs = super()._sample(dparams, tparams, h, sp, keys)
+        return token, 0.5 * probs + 0.5 / probs.shape[-1]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampled_mtp_speculation_has_the_target_law(broken):
+    """The law model of tests/test_qwen3_5.py (vocabulary 8) with a random MTP head, γ = 3."""
+    from distribution import FAIL_P, PASS_P, pvalue
+    from test_qwen3_5 import LAW_PROMPT, LAW_V, law_model
+
+    from jaxspec.decode.sampling import SamplingParams
+    from jaxspec.formats import qwen3_5_mtp
+
+    cfg, params = law_model.__wrapped__()
+    want = qwen3_5_mtp.shapes(cfg)
+    keys = iter(jax.random.split(jax.random.key(4), len(want)))
+    raw = {k: (0.1 if len(s) == 1 else 0.3) * jax.random.normal(next(keys), s)
+           for k, s in want.items()}
+    dparams = {ours: raw[hf] for hf, ours in qwen3_5_mtp.TOP.items()}
+    dparams["layer"] = {ours: raw[qwen3_5_mtp.LAYER + hf]
+                        for hf, ours in qwen3_5_mtp.layer_names(cfg).items()}
+    cls = MisreportedDraftLaw if broken else Qwen35MtpDrafter
+    drafter = cls(cfg=cfg, target_vocab=LAW_V, hidden_layers=(cfg.num_layers,))
+    model = base.Model(target=qwen3_5.Qwen35Target(cfg), params=params, eos_token_ids=(-1,))
+    p, results = pvalue(model, drafter, dparams, SamplingParams.make(temperature=0.6),
+                        LAW_PROMPT, rows=2000, gamma=3)
+    if broken:
+        assert p < FAIL_P
+        return
+    accepted = sum(r.metrics["num_accepted_tokens"] for r in results)
+    drafted = sum(r.metrics["num_draft_tokens"] for r in results)
+    assert 0.05 * drafted < accepted < 0.9 * drafted  # about 12 %: the rule is exercised
+    assert p > PASS_P

@@ -34,7 +34,7 @@ TOP = {
 LAYER = "layers.0."
 
 
-def _layer_names(cfg: qwen3_5.Qwen35Config) -> dict[str, str]:
+def layer_names(cfg: qwen3_5.Qwen35Config) -> dict[str, str]:
     """A full-attention layer's published tensor names (after `mtp.layers.0.`) -> our leaves."""
     full = cfg.layer_types.index("full_attention")
     leaves = qwen3_5.layer_shapes(cfg, full)
@@ -47,7 +47,7 @@ def shapes(cfg: qwen3_5.Qwen35Config) -> dict[str, tuple[int, ...]]:
     full = qwen3_5.layer_shapes(cfg, cfg.layer_types.index("full_attention"))
     out = {"pre_fc_norm_embedding.weight": (d,), "pre_fc_norm_hidden.weight": (d,),
            "fc.weight": (d, 2 * d), "norm.weight": (d,)}
-    return out | {LAYER + hf: full[ours] for hf, ours in _layer_names(cfg).items()}
+    return out | {LAYER + hf: full[ours] for hf, ours in layer_names(cfg).items()}
 
 
 def read(path, target_cfg, where=None, num_layers: int = 1):
@@ -67,9 +67,9 @@ def read(path, target_cfg, where=None, num_layers: int = 1):
     T.check_names(f"{where} ({PREFIX}*)", raw, set(want))
     for name, a in raw.items():
         T.check_tensor(where, PREFIX + name, a, want[name])
-    f32 = lambda a: jnp.asarray(np.asarray(a, np.float32))  # noqa: E731
+    f32 = lambda a: jnp.asarray(np.asarray(a, np.float32))
     dparams = {ours: f32(raw[hf]) for hf, ours in TOP.items()}
-    dparams["layer"] = {ours: f32(raw[LAYER + hf]) for hf, ours in _layer_names(target_cfg).items()}
+    dparams["layer"] = {ours: f32(raw[LAYER + hf]) for hf, ours in layer_names(target_cfg).items()}
     drafter = Qwen35MtpDrafter(cfg=target_cfg, target_vocab=target_cfg.vocab_size,
                                hidden_layers=(target_cfg.num_layers,))
     return drafter, dparams
@@ -78,6 +78,6 @@ def read(path, target_cfg, where=None, num_layers: int = 1):
 def to_tensors(cfg: qwen3_5.Qwen35Config, dparams) -> dict[str, np.ndarray]:
     """The head's params back in the published names (`mtp.*`), float32."""
     out = {PREFIX + hf: np.asarray(dparams[ours], np.float32) for hf, ours in TOP.items()}
-    for hf, ours in _layer_names(cfg).items():
+    for hf, ours in layer_names(cfg).items():
         out[PREFIX + LAYER + hf] = np.asarray(dparams["layer"][ours], np.float32)
     return out
