@@ -125,6 +125,56 @@ def test_head_forward_equals_the_published_definition(checkpoint, loaded, head):
     np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
 
 
+def torch_chain(model, head, ids, drafts) -> np.ndarray:
+    """The published chain over ids [B, P + 1] (a prompt, then the target's next token): step s
+    reads draft s - 1 (token P at s = 0) with the head's own normed output of the step before
+    (the target's hidden of position P - 1 at s = 0) -> the draft
+    laws f32[B, S, V] of each step (temperature 1), the head's own drafts teacher-forced."""
+    torch = import_torch()
+    with torch.no_grad():
+        x = torch.tensor(ids, dtype=torch.long)  # the prompt and the target's next token
+        hid = model.model(x[:, :-1]).last_hidden_state
+        toks, laws = x[:, 1:], []
+        for s in range(drafts.shape[1]):
+            y = head["fc"](torch.cat([head["pre_fc_norm_embedding"](model.model.embed_tokens(toks)),
+                                      head["pre_fc_norm_hidden"](hid)], dim=-1))
+            b, t = y.shape[:2]
+            pos = torch.arange(t)[None].expand(b, t)
+            mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+            y = head["norm"](head["layers"][0](
+                y, position_embeddings=model.model.rotary_emb(y, pos), attention_mask=mask,
+                position_ids=pos))
+            laws.append(torch.softmax(model.lm_head(y[:, -1]), dim=-1).numpy())
+            toks = torch.cat([toks, torch.tensor(drafts[:, s : s + 1], dtype=torch.long)], 1)
+            hid = torch.cat([hid, y[:, -1:]], dim=1)
+        return np.stack(laws, axis=1)
+
+
+def test_chained_drafts_follow_the_published_chain(checkpoint, loaded, head):
+    """init + propose (γ = 3, the head's cache, its output fed back): each step's draft law
+    equals the torch chain's."""
+    from jaxspec.decode.drafter import DraftContext
+    from jaxspec.decode.sampling import SamplingParams
+
+    model, thead, _ = checkpoint
+    drafter, dparams = head
+    target, params = loaded.target, loaded.params
+    ids = np.random.default_rng(2).integers(3, VOCAB, size=(2, 13)).astype(np.int32)
+    b, p = ids.shape[0], ids.shape[1] - 1  # a prompt of p tokens, then the target's token p
+    out = target.forward(params, jnp.asarray(ids[:, :p]), target.init_cache(params, b, 32),
+                         taps=drafter.hidden_layers)
+    tparams = base.bind(target, params)
+    lengths = jnp.full((b,), p, jnp.int32)
+    state = drafter.init(dparams, tparams, jnp.asarray(ids[:, :p]), lengths, out.taps, 32)
+    tokens = jnp.zeros((b, 32), jnp.int32).at[:, : p + 1].set(jnp.asarray(ids))
+    ctx = DraftContext(tokens, lengths + 1, jnp.ones((b,), bool))
+    proposal, _ = drafter.propose(dparams, tparams, state, ctx, 3,
+                                  SamplingParams.make(temperature=1.0),
+                                  jax.random.split(jax.random.key(0), b))
+    ref = torch_chain(model, thead, ids, np.asarray(proposal.tokens))
+    np.testing.assert_allclose(np.asarray(proposal.probs), ref, atol=1e-4, rtol=0)
+
+
 def echoing(dparams, scale: float = 0.2):
     """The head leaning on the target's hidden state it reads (fc passes it through, its norms
     neutral, attention and MLP outputs scaled by `scale`): its draft for x_{j+1} is mostly the target's own
