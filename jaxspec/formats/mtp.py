@@ -71,7 +71,8 @@ def read(path, target_cfg, where=None):
     if not detect(config):
         raise JaxspecError(
             f"{where}: config.json has no num_nextn_predict_layers >= 1 (DeepSeek-V3) or "
-            f"mtp_num_hidden_layers >= 1 (Qwen3.5): not an MTP checkpoint"
+            f"mtp_num_hidden_layers >= 1 (Qwen3.5): not an MTP checkpoint; point "
+            f"speculative.mtp.checkpoint to one, or use another speculative.method"
         )
     cfg = layer_config(config, where)
     num_layers = validate.Fields(config, f"{where}/config.json").int(
