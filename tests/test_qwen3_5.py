@@ -308,17 +308,21 @@ def test_served_greedy_equals_the_engine(model, prompts, plain):
 # ------------------------------------------------------------------------------- bad input
 
 
-def test_native_mtp_layout_refused(tmp_path, loaded):
-    """method 'mtp' on a Qwen3.5 directory (mtp.* tensors): refused in one line, naming what
-    the method reads and what to use instead."""
+def test_native_mtp_head_without_its_tensors_refused(tmp_path, checkpoint, loaded):
+    """method 'mtp' on a Qwen3.5 directory that declares an MTP layer but holds no `mtp.*`
+    tensors: refused in one line naming them (tests/test_qwen3_5_mtp.py: the head itself)."""
     import json
+    import shutil
 
     from jaxspec.formats import load_drafter_checkpoint
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {
-        "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}}))
-    with pytest.raises(JaxspecError, match="MTP layout .* not supported: .*ngram or draft_model"):
+    _, path = checkpoint
+    shutil.copy(path / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text()) | {"mtp_num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(JaxspecError, match=r"\(mtp\.\*\): missing tensors") as err:
         load_drafter_checkpoint("mtp", tmp_path, loaded)
+    assert "\n" not in str(err.value)
 
 
 def _config(tmp_path, **changes):

@@ -60,16 +60,23 @@ class MtpDrafter(ChainDrafter):
 # ---- method "mtp" -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MtpOptions(trained.CheckpointOptions):
-    """speculative.mtp: the MTP module stored with the target (checkpoint: the target's dir)."""
+    """speculative.mtp: the MTP module stored with the target (checkpoint: the target's dir,
+    its default)."""
 
     SECTION: ClassVar[str] = "speculative.mtp"
 
 
 def build(options: MtpOptions, ctx: BuildContext):
+    """No checkpoint: the target's own directory (Qwen3.5's `mtp.*` head, or DeepSeek-V3-style
+    modules stored with the target)."""
+    source = getattr(ctx.target, "source_path", None)
+    if options.checkpoint is None and source:
+        fmt = "mtp" if options.checkpoint_format == "auto" else options.checkpoint_format
+        return ctx.load_checkpoint("mtp", source, ctx.target, fmt)
     return trained.load("mtp", options, ctx)
 
 
 register_drafter(
     "mtp", build, formats=("mtp",),
     options=MtpOptions,
-    summary="a DeepSeek-V3-style multi-token-prediction module, chained")
+    summary="the target's MTP module (DeepSeek-V3, Qwen3.5), chained")

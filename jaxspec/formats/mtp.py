@@ -5,7 +5,8 @@
 mlp.{gate,up,down}_proj), `model.layers.{L}.shared_head.norm.weight`, optional
 `model.layers.{L}.shared_head.head.weight` and `model.layers.{L}.embed_tokens.weight` (else the
 target's). The directory may be the target's own (its other tensors are skipped) or hold only
-the MTP tensors. Read only (jaxspec trains no MTP modules).
+the MTP tensors. Read only (jaxspec trains no MTP modules). Qwen3.5's native `mtp.*` layout
+(`mtp_num_hidden_layers`) is read by formats/qwen3_5_mtp.py.
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ TOP = {
 
 def detect(config: dict) -> str | None:
     n = config.get("num_nextn_predict_layers")
-    if native_mtp_layers(config):  # Qwen3.5 / Qwen3-Next: detected, refused by `read`
+    if native_mtp_layers(config):  # Qwen3.5 / Qwen3-Next: read by formats/qwen3_5_mtp.py
         return "mtp"
     return "mtp" if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
 
 
 def native_mtp_layers(config: dict) -> int:
     """The Qwen3.5 / Qwen3-Next MTP layers a config declares (`mtp_num_hidden_layers`, top level
-    or `text_config`): the `mtp.*` layout, which `read` refuses (0: none declared)."""
+    or `text_config`): the `mtp.*` layout, read by formats/qwen3_5_mtp.py (0: none declared)."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     n = text.get("mtp_num_hidden_layers", config.get("mtp_num_hidden_layers"))
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 0
@@ -63,15 +64,15 @@ def read(path, target_cfg, where=None):
     path = Path(path)
     where = where or str(path)
     config = T.read_config(path)
-    if native_mtp_layers(config):
-        raise JaxspecError(
-            f"{where}: the Qwen3.5 / Qwen3-Next MTP layout (mtp.* tensors) is not supported: "
-            f"method 'mtp' reads DeepSeek-V3-style modules (num_nextn_predict_layers >= 1); "
-            f"use speculative.method ngram or draft_model"
-        )
+    if native_mtp_layers(config):  # Qwen3.5 / Qwen3-Next: the mtp.* layout
+        from jaxspec.formats import qwen3_5_mtp
+
+        return qwen3_5_mtp.read(path, target_cfg, where, native_mtp_layers(config))
     if not detect(config):
         raise JaxspecError(
-            f"{where}: config.json has no num_nextn_predict_layers >= 1: not an MTP checkpoint"
+            f"{where}: config.json has no num_nextn_predict_layers >= 1 (DeepSeek-V3) or "
+            f"mtp_num_hidden_layers >= 1 (Qwen3.5): not an MTP checkpoint; point "
+            f"speculative.mtp.checkpoint to one, or use another speculative.method"
         )
     cfg = layer_config(config, where)
     num_layers = validate.Fields(config, f"{where}/config.json").int(
