@@ -65,6 +65,7 @@ def read(path, target_cfg, where=None):
     where = where or str(path)
     config = T.read_config(path)
     if native_mtp_layers(config):  # Qwen3.5 / Qwen3-Next: the mtp.* layout
+        # imported only for a Qwen3.5 checkpoint: its reader loads the hybrid model modules
         from jaxspec.formats import qwen3_5_mtp
 
         return qwen3_5_mtp.read(path, target_cfg, where, native_mtp_layers(config))
