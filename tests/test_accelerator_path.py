@@ -21,7 +21,7 @@ from jaxspec.decode.sampling import SamplingParams
 from jaxspec.drafters import dflash_net
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import decoder, llama
 from jaxspec.tools import roofline

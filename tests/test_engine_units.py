@@ -15,7 +15,7 @@ from tiny import motif_prompts, sequence_logits, tiny_model
 from jaxspec.decode import adaptive, calibration, speculate
 from jaxspec.engine.adaptive_host import REPROBE_BATCHES, AdaptiveHost
 from jaxspec.config import AdaptiveConfig
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.engine.prepare import Requests, bucket, prompt_bucket

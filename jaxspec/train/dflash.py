@@ -1,4 +1,4 @@
-"""Training a DFlash head (drafters/dflash_net.py) on the distillation records (train/data.py),
+"""Training a DFlash head (drafters/dflash_forward.py) on the distillation records (train/data.py),
 DFlash's recipe: random anchors, a block of mask entries per anchor, per-position loss weights.
 
 For a record of T tokens the context entries c_0..c_{T-1} (the target's recorded features at
@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxspec.drafters import dflash_net as net
+from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.train import methods
 

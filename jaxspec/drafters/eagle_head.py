@@ -195,7 +195,7 @@ class EagleDrafter(tree.DynamicTreeDrafter):
 
     def advance(self, dparams, tparams, state: EagleState, ctx: DraftContext) -> EagleState:
         """The state `propose` would leave for the committed text, drafting nothing (a step whose
-        drafts come from elsewhere, see drafters/lookup.py)."""
+        drafts come from elsewhere, see drafters/prompt_lookup_first.py)."""
         _, k, v = self._enter_last(dparams, tparams, state, ctx)
         return state._replace(k=k, v=v)
 
