@@ -1,4 +1,5 @@
-"""EAGLE-3 style feature-level drafter: one decoder layer over the target's own features.
+"""jaxspec's own EAGLE-style head (method `eagle`): one decoder layer over the target's own
+features, fused from three taps as EAGLE-3 does (the published EAGLE-3 layout: drafters/eagle3.py).
 
 Network (params `dparams`, torch `[out, in]` layout like `jaxspec.models.llama`):
   fuse     [D, 3D]   low/mid/high target features (each RMS-normalised) -> one feature f
@@ -422,4 +423,5 @@ def build(options: EagleOptions, ctx: BuildContext):
 register_drafter(
     "eagle", build, train="jaxspec.train.methods:Eagle", formats=("jaxspec", "eagle3", "speculators"),
     options=EagleOptions, tree_kinds=("dynamic",), summary=(
-    "EAGLE-3 style head over low/mid/high target features, 8192-token draft vocabulary"))
+    "jaxspec's own EAGLE-style head over low/mid/high target features, 8192-token draft "
+    "vocabulary"))
