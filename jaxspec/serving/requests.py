@@ -1,4 +1,5 @@
-"""What a request asks (`Sampling`) and what it gets back (`Completion`); validation in one line."""
+"""What a request gets back (`Completion`) and how it fails; what it asks is `Sampling`
+(jaxspec/decode/sampling_settings.py, the one sampling type), re-exported here."""
 
 from __future__ import annotations
 
