@@ -1,7 +1,7 @@
 """Drafters: one module per drafting method, the drafter protocol, and the registry of methods.
 
     from jaxspec import drafters
-    drafters.available_methods()             # ['block', 'dflash', 'draft_model', ...]
+    drafters.available_methods()             # the registered method names
     drafter = drafters.NgramDrafter(vocab_size, max_ngram=3)
     drafters.register_drafter("my_method", build, options=MyOptions)   # see registry.py
 
