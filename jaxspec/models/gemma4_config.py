@@ -1,5 +1,5 @@
 """Gemma 4 (text) configuration: what config.json says, per layer, and the checkpoint's tensor
-names. A dict in, no files (`loading/new_families.py` opens them); no jax.
+names. A dict in, no files (`loading/family_files.py` opens them); no jax.
 
 Per layer i (HF `layer_types`, `per_layer_config`, `num_kv_shared_layers`):
   sliding[i]     a local layer (sliding window) or a global one;

@@ -15,7 +15,7 @@ hands it the MLP block (`llama.forward(..., mlp=...)`). Params, per layer:
 
 This module is Qwen3-MoE's one home: config reader (a dict in), tensor-name map, the per-expert
 tensors stacked on load (`stack_experts`), the target and its `register_family` call.
-`loading/new_families.py` opens the files.
+`loading/family_files.py` opens the files (the HF layout registered below).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
@@ -262,28 +261,27 @@ def our_layer_name(rest: str) -> str | None:
 
 def stack_experts(flat: dict, cfg: MoeConfig, source: str) -> dict:
     """`layers.i.we_gate.j` per-expert tensors -> `layers.i.we_gate` [E, F, D] (and up, down);
-    a fused gate_up [E, 2F, D] split. Every expert must be present."""
-    out, per_expert = {}, {}
-    for name, w in flat.items():
-        m = re.fullmatch(r"(layers\.\d+\.we_(?:gate|up|down))\.(\d+)", name)
-        if m:
-            per_expert.setdefault(m.group(1), {})[int(m.group(2))] = w
-        elif name.endswith(".we_gate_up"):
-            f = cfg.moe_intermediate_size
-            w = np.asarray(w)
-            out[name[: -len("_gate_up")] + "_gate"], out[name[: -len("_gate_up")] + "_up"] = w[:, :f], w[:, f:]
-        else:
-            out[name] = w
-    for name, experts in per_expert.items():
-        if sorted(experts) != list(range(cfg.num_experts)):
-            raise JaxspecError(f"{source}: {name} has experts {sorted(experts)[:4]}..., config "
-                               f"implies 0..{cfg.num_experts - 1}: the checkpoint is incomplete")
-        out[name] = np.stack([np.asarray(experts[j]) for j in range(cfg.num_experts)])
-    return out
+    a fused gate_up [E, 2F, D] split (`moe.stack_expert_tensors`). Every expert must be present."""
+    return moe.stack_expert_tensors(flat, cfg.num_experts, cfg.moe_intermediate_size, source)
+
+
+def check_layout(cfg: MoeConfig, layout: str, note: str, source: str, mesh=None):
+    """(layout, why): stacked only when every layer has experts; packed keeps experts as arrays."""
+    if layout == "stacked":
+        check_stackable(cfg, source)
+    if layout == "packed":  # the CPU kernels pack attention and dense MLPs; experts stay arrays
+        note += " (experts as XLA arrays)"
+    return layout, note
 
 
 def _target_from_hf(hf: dict, *, dtype: str, source: str) -> MoeTarget:
     return MoeTarget(qwen3_moe_config_from_hf(hf, dtype=dtype, source=source))
 
 
-registry.register_family(registry.Family("qwen3_moe", ("qwen3_moe",), (), _target_from_hf))
+registry.register_family(registry.Family(
+    "qwen3_moe", ("qwen3_moe",), (), _target_from_hf,
+    hf=registry.HfLayout(
+        config=qwen3_moe_config_from_hf,
+        tensor_name=lambda n: registry.hf_tensor_name(n, our_layer_name),
+        param_shapes=param_shapes, target=lambda cfg, arch: MoeTarget(cfg, name=arch),
+        convert=stack_experts, layout=check_layout, architecture=lambda cfg: "qwen3_moe")))

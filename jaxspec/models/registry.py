@@ -19,10 +19,67 @@ Llama family (llama, mistral, qwen2, qwen3) registers in `models/llama.py` with 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
 from jaxspec.errors import JaxspecError
+
+
+@dataclasses.dataclass(frozen=True)
+class HfLayout:
+    """How a family's Hugging Face directory maps onto its params, read by the one family reader
+    (`loading/family_files.py`): a new family declares this and adds no string to `loading/`.
+
+    config        (hf config dict, *, dtype, source) -> the family's config (refusing what it
+                  does not implement in one line, before any tensor is read)
+    tensor_name   HF tensor name -> our flat name (`embed`, `final_norm`, `lm_head`,
+                  `layers.<i>.<leaf>`), None for a tensor the family does not know (refused)
+    param_shapes  config -> {"embed": shape, ..., "layers": (per-layer {leaf: shape}, ...)}
+    target        (config, architecture) -> the `models.base.Target` that runs it
+    skip          regex of HF names read past (vision towers, rotary buffers, `mtp.*`)
+    convert       (flat, config, source) -> flat: stack per-expert tensors, split fused ones
+    layout        (config, layout, note, source, mesh) -> (layout, note): the layouts the
+                  family runs ("auto" resolved), the rest refused in one line
+    architecture  config -> the architecture name the loaded model reports
+    llama_leaves  the params are Llama-shaped leaves (gemma, phi3): on a mesh the loader builds
+                  each leaf straight onto its shards; otherwise placed, then `place_target`
+    """
+
+    config: Callable[..., Any]
+    tensor_name: Callable[[str], str | None]
+    param_shapes: Callable[[Any], dict]
+    target: Callable[[Any, str], Any]
+    skip: str = r".*rotary_emb\.inv_freq"
+    convert: Callable[..., dict] | None = None
+    layout: Callable[..., tuple[str, str]] | None = None
+    architecture: Callable[[Any], str] | None = None
+    llama_leaves: bool = False
+
+
+def hf_tensor_name(hf_name: str, layer_names, *, prefixes=("model.",),
+                   globals_=None) -> str | None:
+    """A decoder's HF tensor name -> ours: `lm_head.weight`, then under one of `prefixes` the
+    embedding, the final norm and `layers.<i>.<rest>` with `layer_names(rest)` (a dict or a
+    function) giving the leaf; None for anything else."""
+    if hf_name == "lm_head.weight":
+        return "lm_head"
+    globals_ = globals_ or {"embed_tokens.weight": "embed", "norm.weight": "final_norm"}
+    leaf = layer_names.get if isinstance(layer_names, dict) else layer_names
+    for prefix in prefixes:
+        if not hf_name.startswith(prefix):
+            continue
+        rest = hf_name[len(prefix):]
+        if rest in globals_:
+            return globals_[rest]
+        m = _LAYER.fullmatch(rest)
+        ours = m and leaf(m.group(2))
+        if ours:
+            return f"layers.{m.group(1)}.{ours}"
+    return None
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +91,8 @@ class Family:
     target_from_hf: Callable[..., Any] | None = None
     # (gguf.GGUFReader, *, dtype, source) -> Target; None: the loaders' Llama reader
     target_from_gguf: Callable[..., Any] | None = None
+    # how its HF directory maps onto params (loading/family_files.py); None: the Llama reader
+    hf: HfLayout | None = None
 
 
 FAMILIES: dict[str, Family] = {}
