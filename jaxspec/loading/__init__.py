@@ -124,33 +124,34 @@ def load_model(
     else:
         layout, layout_note = resolve_layout(layout, dtype)
     src = resolve(name_or_path, dtype=dtype)  # a Hub id: priced in dtype, then downloaded
-    lazy = mesh is not None
-    family = _registered_hf_family(src.path) if src.kind == "hf_dir" else None
-    if family is not None:  # a registered family's HF layout (models/registry.HfLayout)
-        ck = family_files.read_hf_dir(src.path, read_hf_config(src.path), dtype, family,
-                                      layout=layout, note=layout_note, mesh=mesh)
+    family = _registered_family(src)
+    if family is not None:  # a registered family's file layout (models/registry.FileLayout)
+        spec = family.hf if src.kind == "hf_dir" else family.gguf
+        if src.kind == "hf_dir":
+            ck = family_files.read_hf_dir(src.path, read_hf_config(src.path), dtype, family,
+                                          layout=layout, note=layout_note, mesh=mesh)
+        else:  # lazy: each tensor dequantized as its shards are built
+            ck = families.read_gguf(src.path, dtype, family, layout=layout, note=layout_note,
+                                    mesh=mesh, lazy=mesh is not None and spec.llama_leaves)
         cfg, params, tokenizer, eos, target = ck.cfg, ck.params, ck.tokenizer, ck.eos, ck.target
         layout, layout_note = ck.layout, ck.layout_note
-        if mesh is not None and family.hf.llama_leaves:  # built straight onto the shards
+        if mesh is not None and spec.llama_leaves:  # built straight onto the shards
             params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
         else:
             params = place(params, dtype, layout)
             if mesh is not None:  # by the target's own axes (one device holds it first)
                 params = mesh.place_target(params, target)
-    else:
+    else:  # the Llama family: the loaders' own readers
         if src.kind == "gguf":
-            cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
+            cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, mesh is not None)
         else:
             cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype)
-        if families.owns(cfg):  # a Gemma GGUF: the family's own param shapes
-            params = families.assemble(cfg, flat, source=str(src.path))
-        else:
-            params = assemble(cfg, flat, source=str(src.path))
+        params = assemble(cfg, flat, source=str(src.path))
         if mesh is not None:
             params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
         else:
             params = place(params, dtype, layout)
-        target = families.target_for(cfg, arch)
+        target = LlamaTarget(cfg, name=arch)
     loading()
     return LoadedModel(
         cfg=cfg,
@@ -167,9 +168,7 @@ def load_model(
 
 
 def _read_gguf(path: Path, dtype: str, lazy: bool = False):
-    arch = peek_architecture(path)  # family hook: refused or dispatched before arrays are parsed
-    if arch is not None and targets.family_for_gguf(arch, str(path)).target_from_gguf is not None:
-        return families.read_gguf(path, dtype, lazy)  # a family with its own GGUF config (Gemma)
+    """A Llama-family GGUF file (llama, qwen2, qwen3): the loaders' own reader."""
     reader = open_gguf(path)
     targets.family_for_gguf(metadata(reader, "general.architecture", None), str(path))
     cfg = config_from_gguf(reader, dtype=dtype, source=str(path))
@@ -181,13 +180,17 @@ def _read_gguf(path: Path, dtype: str, lazy: bool = False):
     return cfg, flat, tokenizer, eos, metadata(reader, "general.architecture")
 
 
-def _registered_hf_family(path: Path):
-    """The family whose HF layout reads this directory, None for the Llama reader; a model_type
+def _registered_family(src):
+    """The family whose file layout reads `src`, None for the Llama readers. An architecture
     nobody registered is refused before any tensor is read, naming the supported ones."""
-    hf = read_hf_config(path)
+    if src.kind == "gguf":
+        arch = peek_architecture(src.path)
+        family = targets.family_for_gguf(arch, str(src.path)) if arch is not None else None
+        return family if family is not None and family.gguf is not None else None
+    hf = read_hf_config(src.path)
     if "model_type" not in hf:
         return None
-    family = targets.family_for_model_type(hf["model_type"], str(path / "config.json"))
+    family = targets.family_for_model_type(hf["model_type"], str(src.path / "config.json"))
     return family if family.hf is not None else None
 
 

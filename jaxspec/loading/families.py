@@ -1,11 +1,9 @@
-"""GGUF files of the Gemma families (`general.architecture` gemma3, gemma2), read by
-`loading.gguf_header`, and the Gemma params' assembly and target. HF directories of every
-non-Llama family are read by `loading/family_files.py` from the family registry.
-
-The config reader and tensor-name map live with the forward (`models/gemma_config.py`); this
-module opens the file: tensors under our names, the tokenizer, the eos ids. llama.cpp stores
-Gemma norm weights as (1 + w); transformers' GGUF reader subtracts the one again
-(`Gemma2TensorProcessor`), and so do we.
+"""The one reader of a registered family's GGUF file (`general.architecture` read by
+`loading.gguf_header`): the family's `models.registry.FileLayout` (its `gguf` layout) gives the
+config reader, llama.cpp's tensor names for its leaves and the norm offset llama.cpp stored
+(Gemma's norms as (1 + w): transformers' GGUF reader subtracts the one again,
+`Gemma2TensorProcessor`, and so do we). The Llama family's GGUF files are read by
+`loading/gguf_file.py`.
 """
 
 from __future__ import annotations
@@ -20,24 +18,17 @@ from jaxspec.loading import tokenizer as tk
 from jaxspec.loading.gguf_file import SUPPORTED_TYPES, LazyTensor
 from jaxspec.loading.gguf_header import GGUFHeader
 from jaxspec.loading import family_files
-from jaxspec.models import gemma
-from jaxspec.models.gemma import GemmaTarget
-from jaxspec.models.gemma_config import (
-    GGUF_LAYER_NAMES,
-    GemmaConfig,
-    gemma_config_from_gguf,
-)
-from jaxspec.models.llama import LlamaTarget
 
 # ---------------------------------------------------------------------------------------- GGUF
 
 
-def gguf_tensors(header, cfg: GemmaConfig, *, source: str, lazy: bool = False) -> dict:
-    """Every tensor dequantized under our names (norms back from llama.cpp's 1 + w to w)."""
+def gguf_tensors(header, spec, cfg, *, source: str, lazy: bool = False) -> dict:
+    """Every tensor dequantized under our names (`spec.tensor_name`), norms back from
+    llama.cpp's (offset + w) to w."""
     out_dtype = np.dtype(cfg.compute_dtype)
     flat = {}
     for t in header.tensors:
-        ours = _our_gguf_name(t.name)
+        ours = spec.tensor_name(t.name)
         if ours is None:
             raise JaxspecError(f"{source}: unexpected tensor {t.name}: this model variant is not supported")
         if t.tensor_type not in SUPPORTED_TYPES:
@@ -47,25 +38,12 @@ def gguf_tensors(header, cfg: GemmaConfig, *, source: str, lazy: bool = False) -
 
         def read(t=t, ours=ours):
             w = t.dequantize()
-            if ours.endswith("norm"):
-                w = w.astype(np.float32) - 1.0
+            if spec.norm_offset and ours.endswith("norm"):
+                w = w.astype(np.float32) - spec.norm_offset
             return w.astype(out_dtype, copy=False)
 
         flat[ours] = LazyTensor(t.shape, read) if lazy else read()
     return flat
-
-
-def _our_gguf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "embed"
-    if name == "output_norm.weight":
-        return "final_norm"
-    if name == "output.weight":
-        return "lm_head"
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_LAYER_NAMES:
-        return f"layers.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}"
-    return None
 
 
 def gguf_tokenizer(path: Path, header):
@@ -103,31 +81,21 @@ def gguf_eos(header, vocab_size: int, source: str) -> list[int]:
 # ------------------------------------------------------------------------------------ readers
 
 
-def read_gguf(path: Path, dtype: str, lazy: bool = False):
-    """(config, flat tensors, tokenizer, eos ids, architecture) of a gemma2 / gemma3 GGUF file."""
+def read_gguf(path: Path, dtype: str, family, *, layout: str, note: str, mesh=None,
+              lazy: bool = False) -> family_files.FamilyCheckpoint:
+    """A GGUF file of `family` (its `gguf` layout declared): config and layout checked before
+    any tensor is dequantized, then names, shapes and finiteness (`family_files.assemble`)."""
+    spec, source = family.gguf, str(path)
     header = GGUFHeader(path)
-    cfg = gemma_config_from_gguf(header, dtype=dtype, source=str(path))
-    flat = gguf_tensors(header, cfg, source=str(path), lazy=lazy)
-    return cfg, flat, gguf_tokenizer(path, header), gguf_eos(header, cfg.vocab_size, str(path)), cfg.family
-
-
-def assemble(cfg, flat: dict, *, source: str, shapes: dict | None = None,
-             family: str | None = None) -> dict:
-    """Check names and shapes against the family's `param_shapes` (`shapes`; None: Gemma's),
-    refuse NaN/inf, then nest (`family_files.assemble`)."""
-    return family_files.assemble(cfg, flat, gemma.param_shapes(cfg) if shapes is None else shapes,
-                                 source=source, family=family or cfg.family)
-
-
-def owns(cfg) -> bool:
-    """Whether `cfg` is a Gemma config (a GGUF this module read and assembles)."""
-    return isinstance(cfg, GemmaConfig)
-
-
-def target_for(cfg, arch: str):
-    """The `models.base.Target` that runs a config the GGUF / Llama readers loaded."""
-    if isinstance(cfg, GemmaConfig):
-        return GemmaTarget(cfg, name=arch)
-    return LlamaTarget(cfg, name=arch)
-
-
+    cfg = spec.config(header, dtype=dtype, source=source)
+    if spec.layout is not None:
+        layout, note = spec.layout(cfg, layout, note, source, mesh)
+    flat = gguf_tensors(header, spec, cfg, source=source, lazy=lazy)
+    if spec.convert is not None:
+        flat = spec.convert(flat, cfg, source)
+    arch = spec.architecture(cfg) if spec.architecture else family.name
+    params = family_files.assemble(cfg, flat, spec.param_shapes(cfg), source=source, family=arch)
+    return family_files.FamilyCheckpoint(
+        cfg=cfg, params=params, tokenizer=gguf_tokenizer(path, header),
+        eos=gguf_eos(header, cfg.vocab_size, source), architecture=arch, layout=layout,
+        layout_note=note, target=spec.target(cfg, arch))

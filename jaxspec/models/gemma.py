@@ -53,7 +53,7 @@ from jaxspec.models.decoder import (
     write_kv,
 )
 from jaxspec.models.gemma_config import (
-    HF_LAYER_NAMES, GemmaConfig, gemma_config_from_gguf, gemma_config_from_hf)
+    GGUF_LAYER_NAMES, HF_LAYER_NAMES, GemmaConfig, gemma_config_from_gguf, gemma_config_from_hf)
 
 Params = dict[str, Any]
 
@@ -358,11 +358,16 @@ _HF = registry.HfLayout(
     tensor_name=lambda n: registry.hf_tensor_name(n, HF_LAYER_NAMES, prefixes=HF_PREFIXES),
     param_shapes=param_shapes, target=lambda cfg, arch: GemmaTarget(cfg, name=cfg.family),
     skip=HF_SKIPPED, architecture=lambda cfg: cfg.family, llama_leaves=True)
+_GGUF = registry.FileLayout(
+    config=gemma_config_from_gguf,
+    tensor_name=lambda n: registry.gguf_tensor_name(n, GGUF_LAYER_NAMES),
+    param_shapes=param_shapes, target=lambda cfg, arch: GemmaTarget(cfg, name=cfg.family),
+    architecture=lambda cfg: cfg.family, llama_leaves=True, norm_offset=1.0)
 
 for _family in (
     registry.Family("gemma2", ("gemma2",), ("gemma2",), _gemma_target_from_hf,
-                    _gemma_target_from_gguf, hf=_HF),
+                    _gemma_target_from_gguf, hf=_HF, gguf=_GGUF),
     registry.Family("gemma3", ("gemma3", "gemma3_text"), ("gemma3",), _gemma_target_from_hf,
-                    _gemma_target_from_gguf, hf=_HF),
+                    _gemma_target_from_gguf, hf=_HF, gguf=_GGUF),
 ):
     registry.register_family(_family)

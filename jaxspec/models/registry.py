@@ -27,13 +27,14 @@ from jaxspec.errors import JaxspecError
 
 
 @dataclasses.dataclass(frozen=True)
-class HfLayout:
-    """How a family's Hugging Face directory maps onto its params, read by the one family reader
-    (`loading/family_files.py`): a new family declares this and adds no string to `loading/`.
+class FileLayout:
+    """How a family's checkpoint files map onto its params, read by the one family reader of
+    each format (`loading/family_files.py` for HF directories, `loading/families.py` for GGUF):
+    a new family declares this and adds no string to `loading/`.
 
-    config        (hf config dict, *, dtype, source) -> the family's config (refusing what it
-                  does not implement in one line, before any tensor is read)
-    tensor_name   HF tensor name -> our flat name (`embed`, `final_norm`, `lm_head`,
+    config        (hf config dict | GGUF header, *, dtype, source) -> the family's config
+                  (refusing what it does not implement in one line, before any tensor is read)
+    tensor_name   stored tensor name -> our flat name (`embed`, `final_norm`, `lm_head`,
                   `layers.<i>.<leaf>`), None for a tensor the family does not know (refused)
     param_shapes  config -> {"embed": shape, ..., "layers": (per-layer {leaf: shape}, ...)}
     target        (config, architecture) -> the `models.base.Target` that runs it
@@ -44,6 +45,7 @@ class HfLayout:
     architecture  config -> the architecture name the loaded model reports
     llama_leaves  the params are Llama-shaped leaves (gemma, phi3): on a mesh the loader builds
                   each leaf straight onto its shards; otherwise placed, then `place_target`
+    norm_offset   GGUF: llama.cpp stores these norms as (offset + w) (Gemma's 1): subtracted
     """
 
     config: Callable[..., Any]
@@ -55,6 +57,23 @@ class HfLayout:
     layout: Callable[..., tuple[str, str]] | None = None
     architecture: Callable[[Any], str] | None = None
     llama_leaves: bool = False
+    norm_offset: float = 0.0
+
+
+HfLayout = FileLayout  # an HF directory's layout
+
+
+def gguf_tensor_name(name: str, layer_names: dict) -> str | None:
+    """A llama.cpp tensor name -> ours: token_embd, output_norm, output, `blk.<i>.<rest>` with
+    `layer_names[rest]` the leaf; None for anything else."""
+    top = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
+           "output.weight": "lm_head"}
+    if name in top:
+        return top[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"layers.{parts[1]}.{layer_names[parts[2]]}"
+    return None
 
 
 def hf_tensor_name(hf_name: str, layer_names, *, prefixes=("model.",),
@@ -92,7 +111,9 @@ class Family:
     # (gguf.GGUFReader, *, dtype, source) -> Target; None: the loaders' Llama reader
     target_from_gguf: Callable[..., Any] | None = None
     # how its HF directory maps onto params (loading/family_files.py); None: the Llama reader
-    hf: HfLayout | None = None
+    hf: FileLayout | None = None
+    # how its GGUF file maps onto params (loading/families.py); None: the Llama reader
+    gguf: FileLayout | None = None
 
 
 FAMILIES: dict[str, Family] = {}
