@@ -242,3 +242,53 @@ def test_unsupported_variants_refused_before_loading(tmp_path, changes, words):
     with pytest.raises(JaxspecError, match=words) as err:  # no tensors written: none are read
         load_model(tmp_path)
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------- Qwen3-Next
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    """A tiny random `Qwen3NextForCausalLM` (its fused in_proj_qkvz / in_proj_ba) and its load."""
+    torch = import_torch()
+    import transformers as tr
+
+    torch.manual_seed(3)
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+            "layer_types", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "pad_token_id", "bos_token_id", "eos_token_id",
+            "rope_parameters")
+    base_cfg = hf_config().to_dict()
+    model = tr.Qwen3NextForCausalLM(tr.Qwen3NextConfig(
+        **{k: base_cfg[k] for k in keys}, intermediate_size=64))
+    _randomize(model, 0.3)
+    model.set_attn_implementation("eager")
+    path = tmp_path_factory.mktemp("qwen3_next")
+    model.eval().save_pretrained(path)
+    return model, load_model(path, layout="auto")
+
+
+def test_qwen3_next_matches_transformers_and_speculates_exactly(qwen3_next, prompts):
+    """Logits (prefill, token by token) equal transformers'; 24 greedy tokens equal its
+    `generate`; greedy n-gram speculation equals greedy plain."""
+    from test_qwen3_5 import hf_greedy, hf_logits, our_logits
+
+    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.engine.runner import Engine
+
+    hf, loaded = qwen3_next
+    assert loaded.target.name == "qwen3_next"
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 20)).astype(np.int32)
+    ref = hf_logits(hf, ids)
+    for incremental in (False, True):
+        ours = our_logits(loaded.target, loaded.params, ids, incremental=incremental)
+        np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+    model = base.Model(target=loaded.target, params=loaded.params, eos_token_ids=(-1,))
+    plain = [r.token_ids for r in Engine(model).generate(prompts[:2], max_new_tokens=NEW,
+                                                          batch_size=2)]
+    assert plain[0] == hf_greedy(hf, prompts[0], NEW)
+    out = Engine(model, NgramDrafter(VOCAB, 1, 3), None, num_speculative_tokens=4).generate(
+        prompts[:2], max_new_tokens=NEW, batch_size=2)
+    assert [r.token_ids for r in out] == plain

@@ -13,4 +13,5 @@ from jaxspec.models import (  # noqa: F401  (imported for their register_family 
     qwen3_5,
     qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )

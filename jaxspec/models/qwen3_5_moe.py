@@ -34,21 +34,23 @@ _UNSUPPORTED_ROUTING = {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 
                         "n_shared_experts": 1, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
-def qwen3_5_moe_config_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35Config:
-    """config.json of Qwen3_5MoeForCausalLM (or the multimodal qwen3_5_moe's `text_config`),
-    every field checked; a routing this family does not implement is refused in one line."""
+def qwen3_5_moe_config_from_hf(hf: dict, *, dtype: str, source: str,
+                               family: str = "Qwen3.5-MoE") -> Qwen35Config:
+    """config.json of Qwen3_5MoeForCausalLM (or the multimodal qwen3_5_moe's `text_config`;
+    Qwen3-Next's too, `family` naming it in refusals), every field checked; a routing this
+    family does not implement is refused in one line."""
     text = qwen3_5.text_config(hf)
     for key, neutral in _UNSUPPORTED_ROUTING.items():
         if text.get(key) not in (None, neutral):
             raise JaxspecError(f"{source}: {key}={validate.short(text[key])} is a routing jaxspec "
-                               f"does not implement: Qwen3.5-MoE supports {ROUTING}")
+                               f"does not implement: {family} supports {ROUTING}")
     f = validate.Fields(text, source)
     scoring = f.str("scoring_func", "softmax")
     if scoring != "softmax":
-        raise JaxspecError(f"{source}: scoring_func={scoring!r} is not supported: Qwen3.5-MoE "
+        raise JaxspecError(f"{source}: scoring_func={scoring!r} is not supported: {family} "
                            f"supports {ROUTING}")
     if f.given("norm_topk_prob") and not f.bool("norm_topk_prob", True):
-        raise JaxspecError(f"{source}: norm_topk_prob=false is not supported: Qwen3.5-MoE "
+        raise JaxspecError(f"{source}: norm_topk_prob=false is not supported: {family} "
                            f"supports {ROUTING}")
     experts = f.int("num_experts", lo=1, hi=1 << 16)
     width = f.int("moe_intermediate_size", lo=1, hi=validate.MAX_DIM)
