@@ -363,3 +363,22 @@ def test_experts_sharded_on_meshes_equal_one_device():
         assert result["weight_gathers"] == 0, name  # experts stay on their devices
     assert out["ngram/1x2"]["experts_shard"] == [8, 16, 64]  # 16 experts, 8 per device
     assert out["ngram/2x4"]["experts_shard"] == [4, 16, 64]
+
+
+def test_active_weight_bytes_at_real_shapes_match_the_published_counts():
+    """Qwen3-30B-A3B is published as 30.5B parameters, 3.3B activated per token: the roofline's
+    shape (abstract, no weights) holds 30.5B and a one-token step reads 3.3B (x 2 bytes); a
+    verify window of 5 wakes more experts (`moe.window_cost_ratio` agrees with the bytes)."""
+    from jaxspec.tools import moe_shapes
+
+    target = moe_shapes.qwen3_30b_a3b("bfloat16")
+    total, experts, layers = moe_shapes.weight_bytes(target)
+    assert layers == 48 and abs(total / 2 - 30.5e9) < 0.05e9
+    one = moe_shapes.active_weight_bytes(target, 1)
+    assert abs(one / 2 - 3.3e9) < 0.1e9
+    five = moe_shapes.active_weight_bytes(target, 5)
+    share = experts * 8 / 128 / one  # the routed experts' share of a one-token step
+    assert five / one == pytest.approx(moe.window_cost_ratio(5, 1, 8, 128, share), rel=1e-9)
+    assert 2.5 < five / one < 3.2
+    fields = moe_shapes.active_fields(target, 8, 5)
+    assert fields["experts_woken"] == pytest.approx(moe.experts_woken(40, 8, 128), abs=0.01)
