@@ -3,6 +3,7 @@ Qwen3 of the same active MLP width (k experts x expert width = the dense MLP), o
 
     PYTHONPATH=. python scripts/bench_moe_window.py [--batches 1,4] [--widths 1,2,3,5]
     PYTHONPATH=. python scripts/bench_moe_window.py --paths 1,4,20,64,256
+    PYTHONPATH=. python scripts/bench_moe_window.py --predict h200,v5e
 
 Each row: seconds of the plain 1-entry step, then each window's time in plain steps (the
 calibration's own timing, `decode.calibration.measure_verify`: the loop's verify on a cache
@@ -10,7 +11,10 @@ holding 128 tokens, distinct draft tokens), the expert path the window takes and
 wakes per layer (expected, `moe.experts_woken`). A dense model's window costs ~1 plain step on a
 memory-bound machine; an MoE window reads more experts than one token does. `--paths`: one MoE
 block alone per expert path (gather, grouped = ragged_dot, dense) at each token count, ms
-(median of 20 calls after a warm-up), where `moe.path_for` switches paths.
+(median of 20 calls after a warm-up), where `moe.path_for` switches paths. `--predict`: at
+the real shapes (Qwen3-30B-A3B, Qwen3.5-35B-A3B; bfloat16, `tools.moe_shapes`) the weight bytes
+a step reads (the experts its tokens wake) and that time at each chip's HBM bandwidth, and a
+window's predicted cost in plain steps (`moe.window_cost_ratio`; weights only, no KV).
 """
 
 from __future__ import annotations
@@ -38,7 +42,44 @@ def models() -> dict[str, base.Model]:
         f"moe E={E} k={K}": base.Model(target=MoeTarget(sparse), params=init_params(sparse, key)),
         f"dense F={K * F}": base.Model(target=llama.LlamaTarget(dense, name="qwen3"),
                                        params=llama.init_params(dense, key)),
+        f"qwen3.5-moe E={E} k={K}": _hybrid_moe(key),
     }
+
+
+def _hybrid_moe(key) -> base.Model:
+    """A Qwen3.5-MoE of the same dims: 3 linear layers, 1 full, experts + a shared expert."""
+    from jaxspec.models import qwen3_5, qwen3_5_moe
+
+    cfg = qwen3_5.Qwen35Config(
+        **{k: v for k, v in DIMS.items() if k != "qk_norm"}, intermediate_size=F,
+        layer_types=("linear_attention",) * 3 + ("full_attention",), linear_key_heads=2,
+        linear_value_heads=4, linear_key_dim=64, linear_value_dim=64, num_experts=E, top_k=K,
+        moe_intermediate_size=F, shared_expert_intermediate_size=F)
+    return base.Model(target=qwen3_5_moe.Qwen35MoeTarget(cfg),
+                      params=qwen3_5.init_params(cfg, key))
+
+
+def predict(chips: list[str], batches=(1, 8), windows=(1, 2, 4, 5, 8)) -> None:
+    from jaxspec.tools import aot, moe_shapes
+
+    print("| shape | chip | batch | window | experts woken | active GB | step ms (weights) "
+          "| window / plain |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for make in (moe_shapes.qwen3_30b_a3b, moe_shapes.qwen3_5_35b_a3b):
+        target = make("bfloat16")
+        total, experts, _ = moe_shapes.weight_bytes(target)
+        cfg = target.cfg
+        for chip in chips:
+            bw = aot.target(chip).bandwidth
+            for b in batches:
+                for w in windows:
+                    active = moe_shapes.active_weight_bytes(target, b * w)
+                    share = experts * moe.experts_woken(b, cfg.top_k, cfg.num_experts) / (
+                        cfg.num_experts * moe_shapes.active_weight_bytes(target, b))
+                    ratio = moe.window_cost_ratio(w, b, cfg.top_k, cfg.num_experts, share)
+                    woken = moe.experts_woken(b * w, cfg.top_k, cfg.num_experts)
+                    print(f"| {target.name} | {chip} | {b} | {w} | {woken:.1f} | "
+                          f"{active / 1e9:.2f} | {1e3 * active / bw:.2f} | {ratio:.2f} |")
 
 
 def path_table(token_counts: list[int]) -> None:
@@ -72,7 +113,11 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4")
     p.add_argument("--widths", default="1,2,3,5")
     p.add_argument("--paths", default=None, help="token counts: time one MoE block per path")
+    p.add_argument("--predict", default=None, help="chips (h200,v5e): bytes at real shapes")
     args = p.parse_args(argv)
+    if args.predict:
+        predict(args.predict.split(","))
+        return 0
     if args.paths:
         path_table([int(n) for n in args.paths.split(",")])
         return 0
@@ -85,7 +130,7 @@ def main(argv=None) -> int:
             cells = []
             for w, s in zip(widths[1:], secs[1:]):
                 cell = f"{s / secs[0]:.2f}"
-                if name.startswith("moe"):
+                if "moe" in name:
                     path = moe.path_for(b * w, K, E)
                     cell += f" ({path}, {moe.experts_woken(b * w, K, E):.0f} experts)"
                 cells.append(cell)

@@ -122,6 +122,78 @@ def test_greedy_24_tokens_equal_transformers(checkpoints, prompt_ids):
     assert len(set(ours)) > 4  # not one repeated token
 
 
+_GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+               "mlp.gate": "ffn_gate_inp", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(model, path, *, stack: bool = True):
+    """The checkpoint in llama.cpp's `qwen3moe` names and metadata (float32): the experts of a
+    layer stacked into `ffn_{gate,up,down}_exps` [E, ...]. stack=False: broken, expert 0 only
+    (every expert of the layer the same)."""
+    import re
+
+    import gguf
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    sd = {k: v.numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"],
+           "output_norm.weight": sd["model.norm.weight"], "output.weight": sd["lm_head.weight"]}
+    experts = {}
+    for k, v in sd.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", k)
+        if m and m.group(2) in _GGUF_NAMES:
+            out[f"blk.{m.group(1)}.{_GGUF_NAMES[m.group(2)]}.weight"] = v
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight", k)
+        if m:
+            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = v
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj", k)
+        if m:  # the fused layout transformers may keep
+            parts = np.split(v, 2, axis=1) if m.group(2) == "gate_up" else [v]
+            for kind, part in zip(m.group(2).split("_"), parts):
+                experts[(m.group(1), kind)] = dict(enumerate(part))
+    for (layer, kind), per in experts.items():
+        stacked = np.stack([per[j if stack else 0] for j in range(len(per))])
+        out[f"blk.{layer}.ffn_{kind}_exps.weight"] = stacked
+    for name, x in out.items():
+        w.add_tensor(name, np.ascontiguousarray(x))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_gguf_in_llama_cpp_names_matches_transformers(checkpoints, prompt_ids, tmp_path, broken):
+    """A `qwen3moe` GGUF (llama.cpp's names: ffn_gate_inp, ffn_*_exps stacked; a dense layer's
+    ffn_gate/up/down) loads through the family registry and its logits equal transformers';
+    every expert written as expert 0 (broken) does not."""
+    model, _ = checkpoints["mixed"]
+    loaded = load_model(write_gguf(model, tmp_path / "m.gguf", stack=not broken))
+    assert loaded.target.name == "qwen3_moe" and loaded.cfg.moe_layers == (True, False, True)
+    ours = our_logits(loaded.target, loaded.params, prompt_ids, incremental=False)
+    close = np.allclose(ours, hf_logits(model, prompt_ids), atol=1e-4, rtol=0)
+    assert close != broken
+
+
 # --------------------------------------------------------------------- broken variants must fail
 
 
@@ -291,3 +363,22 @@ def test_experts_sharded_on_meshes_equal_one_device():
         assert result["weight_gathers"] == 0, name  # experts stay on their devices
     assert out["ngram/1x2"]["experts_shard"] == [8, 16, 64]  # 16 experts, 8 per device
     assert out["ngram/2x4"]["experts_shard"] == [4, 16, 64]
+
+
+def test_active_weight_bytes_at_real_shapes_match_the_published_counts():
+    """Qwen3-30B-A3B is published as 30.5B parameters, 3.3B activated per token: the roofline's
+    shape (abstract, no weights) holds 30.5B and a one-token step reads 3.3B (x 2 bytes); a
+    verify window of 5 wakes more experts (`moe.window_cost_ratio` agrees with the bytes)."""
+    from jaxspec.tools import moe_shapes
+
+    target = moe_shapes.qwen3_30b_a3b("bfloat16")
+    total, experts, layers = moe_shapes.weight_bytes(target)
+    assert layers == 48 and abs(total / 2 - 30.5e9) < 0.05e9
+    one = moe_shapes.active_weight_bytes(target, 1)
+    assert abs(one / 2 - 3.3e9) < 0.1e9
+    five = moe_shapes.active_weight_bytes(target, 5)
+    share = experts * 8 / 128 / one  # the routed experts' share of a one-token step
+    assert five / one == pytest.approx(moe.window_cost_ratio(5, 1, 8, 128, share), rel=1e-9)
+    assert 2.5 < five / one < 3.2
+    fields = moe_shapes.active_fields(target, 8, 5)
+    assert fields["experts_woken"] == pytest.approx(moe.experts_woken(40, 8, 128), abs=0.01)

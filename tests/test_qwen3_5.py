@@ -340,7 +340,7 @@ def _config(tmp_path, **changes):
 @pytest.mark.parametrize("changes,words", [
     ({"layer_types": ["linear_attention", "sliding_attention", "full_attention",
                       "linear_attention"]}, "implements linear_attention, full_attention"),
-    ({"num_experts": 8, "moe_intermediate_size": 32}, "Qwen3.5-MoE is not supported"),
+    ({"num_experts": 8, "moe_intermediate_size": 32}, "says model_type qwen3_5_moe_text"),
 ])
 def test_unsupported_variants_refused_before_loading(tmp_path, changes, words):
     with pytest.raises(JaxspecError, match=words) as err:  # no tensors written: none are read

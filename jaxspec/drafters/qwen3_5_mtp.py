@@ -12,41 +12,24 @@ and h' (after `norm`) is the next chained step's hidden: one layer drafts every 
 chains it, as vLLM does with one MTP layer). The embedding and LM head are the target's.
 Params: {"pre_fc_norm_embedding", "pre_fc_norm_hidden": [D], "fc": [D, 2D], "norm": [D],
 "layer": a Qwen3.5 full-attention layer's leaves (models/qwen3_5.py: attn_norm, wq [2 N Hd, D],
-wk, wv, wo, q_norm, k_norm, mlp_norm, w_gate, w_up, w_down)}. cfg: the target's Qwen35Config.
+wk, wv, wo, q_norm, k_norm, mlp_norm, then w_gate, w_up, w_down, or on Qwen3.5-MoE the routed and
+shared experts of `models/moe.py`)}. cfg: the target's Qwen35Config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from jaxspec.drafters.feature_chain import ChainDrafter, attend, linear
 from jaxspec.models import decoder, qwen3_5
 
 
-def _project(cfg, lp, x, positions):
-    """x [B, T, D] at positions [B, T] -> q [B, T, N, Hd], k, v [B, T, K, Hd] (normed, roped),
-    gate [B, T, N Hd] (the output gate of the gated attention)."""
-    b, t, _ = x.shape
-    n, hd = cfg.num_heads, cfg.head_dim
-    y = qwen3_5._norm(x, lp["attn_norm"], cfg)
-    qg = linear(y, lp["wq"]).reshape(b, t, n, 2 * hd)
-    q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, n * hd)
-    k = linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, hd)
-    v = linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, hd)
-    q = qwen3_5._partial_rope(qwen3_5._norm(q, lp["q_norm"], cfg), positions, cfg)
-    k = qwen3_5._partial_rope(qwen3_5._norm(k, lp["k_norm"], cfg), positions, cfg)
-    return q, k, v, gate
-
-
 def _finish(cfg, dparams, x, attn, gate):
     """Residual x [B, T, D] + gated attention output [B, T, N Hd] -> MLP -> mtp.norm."""
-    lp = dparams["layer"]
-    out = (attn.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
-    x = qwen3_5._mlp(cfg, lp, x + linear(out, lp["wo"]))
-    return qwen3_5._norm(x, dparams["norm"], cfg)
+    x = qwen3_5.finish_attention(cfg, dparams["layer"], x, attn, gate)
+    return qwen3_5.norm(x, dparams["norm"], cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +41,8 @@ class Qwen35MtpDrafter(ChainDrafter):
 
     def layer_input(self, dparams, emb, feature):
         c = self.cfg
-        x = jnp.concatenate([qwen3_5._norm(emb, dparams["pre_fc_norm_embedding"], c),
-                             qwen3_5._norm(feature.astype(jnp.float32),
+        x = jnp.concatenate([qwen3_5.norm(emb, dparams["pre_fc_norm_embedding"], c),
+                             qwen3_5.norm(feature.astype(jnp.float32),
                                            dparams["pre_fc_norm_hidden"], c)], axis=-1)
         x = linear(x, dparams["fc"])
         return x, x  # the decoder layer norms its own input
@@ -75,7 +58,7 @@ class Qwen35MtpDrafter(ChainDrafter):
         [B, K, S, Hd] -> (h' [B, T, D], k_cache, v_cache); slot 0 (x_0, no feature) unread."""
         x, _ = self.layer_input(dparams, self.embed(dparams, tparams, tokens), feature)
         x = x.astype(self.cfg.compute_dtype)
-        q, k, v, gate = _project(self.cfg, dparams["layer"], x, positions)
+        q, k, v, gate = qwen3_5.project_attention(self.cfg, dparams["layer"], x, positions)
         k_cache = decoder.write_kv(k_cache, k.astype(k_cache.dtype), positions)
         v_cache = decoder.write_kv(v_cache, v.astype(v_cache.dtype), positions)
         slot = jnp.arange(k_cache.shape[2])[None, None, :]
@@ -91,7 +74,7 @@ class Qwen35MtpDrafter(ChainDrafter):
         x, _ = self.layer_input(dparams, self.embed(dparams, tparams, tokens), prev)
         x = x.astype(self.cfg.compute_dtype)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        q, k, v, gate = _project(self.cfg, dparams["layer"], x, pos)
+        q, k, v, gate = qwen3_5.project_attention(self.cfg, dparams["layer"], x, pos)
         j = jnp.arange(t)
         mask = jnp.broadcast_to((j[None, :] <= j[:, None]) & (j[None, :] >= 1), (b, t, t))
         attn = attend(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)

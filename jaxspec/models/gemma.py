@@ -52,7 +52,8 @@ from jaxspec.models.decoder import (
     stack_layers,
     write_kv,
 )
-from jaxspec.models.gemma_config import GemmaConfig, gemma_config_from_gguf, gemma_config_from_hf
+from jaxspec.models.gemma_config import (
+    GGUF_LAYER_NAMES, HF_LAYER_NAMES, GemmaConfig, gemma_config_from_gguf, gemma_config_from_hf)
 
 Params = dict[str, Any]
 
@@ -349,9 +350,24 @@ def _gemma_target_from_gguf(header, *, dtype: str, source: str) -> GemmaTarget:
     return GemmaTarget(cfg, name=cfg.family)
 
 
+# the text decoder's prefixes: plain CausalLM, Gemma 3 multimodal (transformers 4.x and 5.x)
+HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+HF_SKIPPED = r"(model\.)?(vision_tower|multi_modal_projector)\..*|.*rotary_emb\.inv_freq"
+_HF = registry.HfLayout(
+    config=gemma_config_from_hf,
+    tensor_name=lambda n: registry.hf_tensor_name(n, HF_LAYER_NAMES, prefixes=HF_PREFIXES),
+    param_shapes=param_shapes, target=lambda cfg, arch: GemmaTarget(cfg, name=cfg.family),
+    skip=HF_SKIPPED, architecture=lambda cfg: cfg.family, llama_leaves=True)
+_GGUF = registry.FileLayout(
+    config=gemma_config_from_gguf,
+    tensor_name=lambda n: registry.gguf_tensor_name(n, GGUF_LAYER_NAMES),
+    param_shapes=param_shapes, target=lambda cfg, arch: GemmaTarget(cfg, name=cfg.family),
+    architecture=lambda cfg: cfg.family, llama_leaves=True, norm_offset=1.0)
+
 for _family in (
-    registry.Family("gemma2", ("gemma2",), ("gemma2",), _gemma_target_from_hf, _gemma_target_from_gguf),
+    registry.Family("gemma2", ("gemma2",), ("gemma2",), _gemma_target_from_hf,
+                    _gemma_target_from_gguf, hf=_HF, gguf=_GGUF),
     registry.Family("gemma3", ("gemma3", "gemma3_text"), ("gemma3",), _gemma_target_from_hf,
-                    _gemma_target_from_gguf),
+                    _gemma_target_from_gguf, hf=_HF, gguf=_GGUF),
 ):
     registry.register_family(_family)

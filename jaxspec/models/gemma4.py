@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
-from jaxspec.models import base, blocks, moe, paged_layer, registry
+from jaxspec.models import base, blocks, gemma4_config, moe, paged_layer, registry
 from jaxspec.models.cache import CACHE_AXES, KVCache
 from jaxspec.models.decoder import ForwardOutput, linear, query_positions, write_kv, write_window
 from jaxspec.models.gemma4_config import Gemma4Config, gemma4_config_from_hf
@@ -273,4 +273,22 @@ def _target_from_hf(hf: dict, *, dtype: str, source: str) -> Gemma4Target:
     return Gemma4Target(gemma4_config_from_hf(hf, dtype=dtype, source=source))
 
 
-registry.register_family(registry.Family("gemma4", ("gemma4", "gemma4_text"), (), _target_from_hf))
+def check_layout(cfg, layout: str, note: str, source: str, mesh=None) -> tuple[str, str]:
+    """Gemma 4 runs unrolled ("auto" falls back to it, an explicit other layout is refused)."""
+    if layout == "unrolled":
+        return layout, note
+    if note.startswith("auto"):
+        return "unrolled", "auto: Gemma 4's layers differ in head dims (unrolled only)"
+    raise JaxspecError(f"{source}: layout {layout!r} is not supported for Gemma 4 (layers "
+                       f"differ in head dims): load with layout 'unrolled' or 'auto'")
+
+
+registry.register_family(registry.Family(
+    "gemma4", ("gemma4", "gemma4_text"), (), _target_from_hf,
+    hf=registry.HfLayout(
+        config=gemma4_config.gemma4_config_from_hf, tensor_name=gemma4_config.our_name,
+        param_shapes=param_shapes, target=lambda cfg, arch: Gemma4Target(cfg),
+        skip=r"(model\.)?(vision_tower|audio_tower|embed_vision|embed_audio)\..*"
+             r"|.*rotary_emb\..*",
+        convert=lambda flat, cfg, source: gemma4_config.split_fused(flat, cfg),
+        layout=check_layout, architecture=lambda cfg: "gemma4")))

@@ -1,5 +1,5 @@
 """Gemma 4 (text) configuration: what config.json says, per layer, and the checkpoint's tensor
-names. A dict in, no files (`loading/new_families.py` opens them); no jax.
+names. A dict in, no files (`loading/family_files.py` opens them).
 
 Per layer i (HF `layer_types`, `per_layer_config`, `num_kv_shared_layers`):
   sliding[i]     a local layer (sliding window) or a global one;
@@ -14,12 +14,12 @@ Per layer i (HF `layer_types`, `per_layer_config`, `num_kv_shared_layers`):
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax.numpy as jnp
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
+from jaxspec.models import moe, registry
 
 SUPPORTED = ("sliding/full layers, per-layer head dims, KV sharing, per-layer input embeddings, "
              "the optional MoE block, default/proportional RoPE")
@@ -171,27 +171,12 @@ _PREFIXES = ("model.language_model.", "model.")
 
 
 def our_name(hf_name: str) -> str | None:
-    if hf_name == "lm_head.weight":
-        return "lm_head"
-    for prefix in _PREFIXES:
-        if hf_name.startswith(prefix):
-            rest = hf_name[len(prefix):]
-            if rest in GLOBAL_NAMES:
-                return GLOBAL_NAMES[rest]
-            m = re.fullmatch(r"layers\.(\d+)\.(.+)", rest)
-            if m and m.group(2) in LAYER_NAMES:
-                return f"layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
-    return None
+    return registry.hf_tensor_name(hf_name, LAYER_NAMES, prefixes=_PREFIXES,
+                                   globals_=GLOBAL_NAMES)
 
 
 def split_fused(flat: dict, cfg: Gemma4Config) -> dict:
-    """`we_gate_up` [E, 2F, D] -> `we_gate`, `we_up` [E, F, D] (numpy views)."""
-    out = {}
-    f = cfg.moe_intermediate_size
-    for name, w in flat.items():
-        if name.endswith(".we_gate_up"):
-            stem = name[: -len("_gate_up")]
-            out[stem + "_gate"], out[stem + "_up"] = w[:, :f], w[:, f:]
-        else:
-            out[name] = w
-    return out
+    """`we_gate_up` [E, 2F, D] -> `we_gate`, `we_up` [E, F, D] (numpy views; the shared
+    `moe.stack_expert_tensors`)."""
+    return moe.stack_expert_tensors(flat, cfg.num_experts, cfg.moe_intermediate_size,
+                                    "the checkpoint")

@@ -20,9 +20,13 @@ Params of one block (torch `Linear` layout, contracted on the last dim; E expert
 width, D the model dim):
 
     {"router": [E, D], "we_gate": [E, F, D], "we_up": [E, F, D], "we_down": [E, D, F]}
+    and, with a shared expert (Qwen3.5-MoE, Qwen3-Next; every token runs it, scaled by
+    sigmoid(ws_router . x)): {"ws_gate", "ws_up": [Fs, D], "ws_down": [D, Fs], "ws_router": [1, D]}
 
 `experts_woken` is the expected number of distinct experts N routed tokens wake (what a verify
-window costs on a memory-bound step, `decode/calibration.py`).
+window costs on a memory-bound step, `decode/calibration.py`); `active_weight_bytes` the expert
+bytes a step of N tokens reads (roofline, step-cost model). `stack_expert_tensors` turns the
+per-expert tensors checkpoints store into the `[E, ...]` leaves.
 
 Dimension letters: N tokens (batch x window, flattened), E experts, k experts per token,
 F expert width, D model dim.
@@ -30,10 +34,14 @@ F expert width, D model dim.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.errors import JaxspecError
 
 Params = dict[str, Any]
 
@@ -51,6 +59,24 @@ LAYER_AXES = {
 def layer_shapes(num_experts: int, expert_width: int, hidden: int) -> dict[str, tuple[int, ...]]:
     e, f, d = num_experts, expert_width, hidden
     return {"router": (e, d), "we_gate": (e, f, d), "we_up": (e, f, d), "we_down": (e, d, f)}
+
+
+SHARED_AXES = {"ws_gate": ("mlp", "embed"), "ws_up": ("mlp", "embed"), "ws_down": ("embed", "mlp"),
+               "ws_router": (None, "embed")}
+
+
+def shared_shapes(width: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The shared expert of width `width` and its one-logit sigmoid gate."""
+    f, d = width, hidden
+    return {"ws_gate": (f, d), "ws_up": (f, d), "ws_down": (d, f), "ws_router": (1, d)}
+
+
+def shared_expert(p: Params, x: jax.Array, act=jax.nn.silu) -> jax.Array:
+    """x [N, D] -> sigmoid(ws_router . x) * down(act(gate x) * up x) [N, D]: every token's."""
+    lin = lambda y, w: jnp.einsum("nd,fd->nf", y, w.astype(y.dtype))  # noqa: E731
+    h = lin(act(lin(x, p["ws_gate"])) * lin(x, p["ws_up"]), p["ws_down"])
+    gate = jax.nn.sigmoid(lin(x, p["ws_router"]).astype(jnp.float32)).astype(x.dtype)  # [N, 1]
+    return h * gate
 
 
 def route(router: jax.Array, x: jax.Array, top_k: int, norm_topk: bool):
@@ -141,11 +167,15 @@ def run_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
 def moe_block(p: Params, x: jax.Array, *, top_k: int, norm_topk: bool,
               path: str | None = None) -> jax.Array:
     """The routed SwiGLU MLP (Qwen3-MoE): x [..., D] -> [..., D], each token routed on its own
-    by `route` and run through its top-k experts (`run_experts`)."""
+    by `route` and run through its top-k experts (`run_experts`), plus the shared expert where
+    the block has one (`ws_*` leaves)."""
     shape = x.shape
     xs = x.reshape(-1, shape[-1])  # [N, D]
     weights, experts = route(p["router"], xs, top_k, norm_topk)
-    return run_experts(p, xs, weights, experts, path=path).reshape(shape)
+    out = run_experts(p, xs, weights, experts, path=path)
+    if "ws_gate" in p:  # the shared expert (Qwen3.5-MoE), beside the routed ones
+        out = out + shared_expert(p, xs)
+    return out.reshape(shape)
 
 
 def experts_woken(tokens: int, top_k: int, num_experts: int) -> float:
@@ -154,3 +184,60 @@ def experts_woken(tokens: int, top_k: int, num_experts: int) -> float:
     if num_experts <= 0 or top_k <= 0:
         return 0.0
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** max(tokens, 0))
+
+
+def active_weight_bytes(tokens: int, top_k: int, num_experts: int, expert_bytes: float) -> float:
+    """Expected bytes of routed-expert weights one MoE layer reads for a step of `tokens` routed
+    tokens (batch x window): `experts_woken` x one expert's bytes (gate, up and down). A
+    memory-bound step's expert traffic: one decode token reads k experts, a wide verify window
+    up to all E (the step-cost model and the roofline's active bytes use this)."""
+    return experts_woken(tokens, top_k, num_experts) * expert_bytes
+
+
+def window_cost_ratio(window: int, batch: int, top_k: int, num_experts: int,
+                      expert_share: float) -> float:
+    """Predicted memory-bound cost of a verify window of `window` tokens per row over a plain
+    one-token step, batch `batch`: the expert bytes grow with the experts woken, the rest
+    (attention, embeddings, dense layers: share 1 - expert_share of a plain step's bytes) stays.
+    expert_share: the routed experts' share of a plain step's weight bytes (0..1)."""
+    plain = experts_woken(batch, top_k, num_experts)
+    if plain <= 0:
+        return 1.0
+    grown = experts_woken(batch * window, top_k, num_experts) / plain
+    return (1.0 - expert_share) + expert_share * grown
+
+
+_PER_EXPERT = re.compile(r"(.*\bwe_(?:gate|up|down))\.(\d+)")
+
+
+def stack_expert_tensors(flat: dict, num_experts: int, width: int, source: str) -> dict:
+    """`<prefix>we_gate.j` per-expert tensors -> `<prefix>we_gate` [E, ...] (and up, down); a
+    fused `<prefix>we_gate_up` [E, 2F, D] split into gate and up. Every expert must be present."""
+    out, per_expert = {}, {}
+    for name, w in flat.items():
+        m = _PER_EXPERT.fullmatch(name)
+        if m:
+            per_expert.setdefault(m.group(1), {})[int(m.group(2))] = w
+        elif name.endswith("we_gate_up"):
+            w = np.asarray(w)
+            stem = name[: -len("_gate_up")]
+            out[stem + "_gate"], out[stem + "_up"] = w[:, :width], w[:, width:]
+        else:
+            out[name] = w
+    for name, experts in per_expert.items():
+        if sorted(experts) != list(range(num_experts)):
+            raise JaxspecError(f"{source}: {name} has experts {sorted(experts)[:4]}..., config "
+                               f"implies 0..{num_experts - 1}: the checkpoint is incomplete")
+        out[name] = np.stack([np.asarray(experts[j]) for j in range(num_experts)])
+    return out
+
+
+def unstack_expert_tensors(params: dict) -> dict:
+    """The inverse of `stack_expert_tensors` for a flat dict: `we_gate` [E, ...] -> `we_gate.j`."""
+    out = {}
+    for name, w in params.items():
+        if re.fullmatch(r"(.*\b)?we_(gate|up|down)", name):
+            out |= {f"{name}.{j}": np.asarray(w[j]) for j in range(w.shape[0])}
+        else:
+            out[name] = w
+    return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
-from jaxspec.models import registry
+from jaxspec.models import llama, registry
 from jaxspec.models.llama import LlamaTarget, ModelConfig
 
 # config.json tensor names in a layer -> our leaves (the fused ones split by `split_fused`)
@@ -97,4 +97,11 @@ def _phi3_target_from_hf(hf: dict, *, dtype: str, source: str) -> LlamaTarget:
     return phi3_target(phi3_config_from_hf(hf, dtype=dtype, source=source))
 
 
-registry.register_family(registry.Family("phi3", ("phi3",), (), _phi3_target_from_hf))
+registry.register_family(registry.Family(
+    "phi3", ("phi3",), (), _phi3_target_from_hf,
+    hf=registry.HfLayout(
+        config=phi3_config_from_hf,
+        tensor_name=lambda n: registry.hf_tensor_name(n, HF_LAYER_NAMES),
+        param_shapes=llama.param_shapes, target=lambda cfg, arch: phi3_target(cfg),
+        convert=lambda flat, cfg, source: split_fused(flat, cfg),
+        architecture=lambda cfg: "phi3", llama_leaves=True)))

@@ -18,8 +18,9 @@ Params (torch `Linear` layout `[out, in]`), per layer a dict by its type:
                      "out": [D, Hv Dv], "mlp_norm", "w_gate", "w_up", "w_down"}
     {"embed": [V, D], "layers": tuple, "final_norm": [D], "lm_head": [V, D] (untied)}
 
-One layout, per-layer arrays ("unrolled"). This module is the family's one home: config reader,
-tensor-name map, forward, target and `register_family`; `loading/hybrid_files.py` reads files.
+One layout, per-layer arrays ("unrolled"). The config, its reader and the tensor-name map are in
+`models/qwen3_5_config.py`; this module holds the forward, the target and `register_family` with
+the HF layout `loading/family_files.py` reads.
 """
 
 from __future__ import annotations
@@ -30,146 +31,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec import validate
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention, base, blocks, hybrid_cache, registry
+from jaxspec.models import attention, base, blocks, hybrid_cache, moe, registry
 from jaxspec.models import linear_attention as la
-from jaxspec.models.decoder import DecoderDims, ModelConfig, linear, write_kv
+from jaxspec.models.decoder import ModelConfig, linear, write_kv
+from jaxspec.models.qwen3_5_config import (  # noqa: F401  (the family's names, re-exported)
+    DEFAULT_RING, HF_LAYER_NAMES, HF_PREFIXES, HF_SKIPPED, LAYER_TYPES, Qwen35Config,
+    check_layout, convert, hybrid_config_from_hf, qwen3_5_config_from_hf, text_config)
 
 Params = dict[str, Any]
-LAYER_TYPES = ("linear_attention", "full_attention")
-DEFAULT_RING = 16  # linear-state slots per row: windows and draft rollbacks up to 15 tokens
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen35Config(DecoderDims):
-    layer_types: tuple[str, ...]
-    linear_key_heads: int
-    linear_value_heads: int
-    linear_key_dim: int
-    linear_value_dim: int
-    conv_kernel: int = 4
-    rope_theta: float = 10000000.0
-    partial_rotary_factor: float = 0.25
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 32768
-    dtype: str = "float32"
-    state_ring: int = DEFAULT_RING
-
-    @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
-
-    @property
-    def linear_dims(self) -> la.Dims:
-        return la.Dims(self.linear_key_heads, self.linear_value_heads, self.linear_key_dim,
-                       self.linear_value_dim, self.conv_kernel)
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    def is_linear(self, i: int) -> bool:
-        return self.layer_types[i] == "linear_attention"
-
-    def slot(self, i: int) -> int:
-        """Layer i's index among the layers of its own type (its cache leaves)."""
-        return sum(self.is_linear(j) == self.is_linear(i) for j in range(i))
-
-
-# config.json tensor names in a layer -> our leaves
-HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "w_gate",
-    "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
-    "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "linear_attn.in_proj_qkv.weight": "in_qkv",
-    "linear_attn.in_proj_z.weight": "in_z",
-    "linear_attn.in_proj_b.weight": "in_b",
-    "linear_attn.in_proj_a.weight": "in_a",
-    "linear_attn.conv1d.weight": "conv",  # [C, 1, Kc] stored, [C, Kc] ours
-    "linear_attn.dt_bias": "dt_bias",
-    "linear_attn.A_log": "A_log",
-    "linear_attn.norm.weight": "norm",
-    "linear_attn.out_proj.weight": "out",
-}
-
-
-def qwen3_5_config_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35Config:
-    """config.json of Qwen3_5ForCausalLM (`qwen3_5_text`) or the text part of the multimodal
-    `qwen3_5` config, every field checked; layer types other than linear_attention /
-    full_attention refused in one line before any tensor is read."""
-    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
-    f = validate.Fields(text, source)
-    act = f.str("hidden_act", "silu")
-    if act != "silu":
-        raise JaxspecError(f"{source}: hidden_act={act!r} is not supported (Qwen3.5: silu)")
-    if f.bool("attention_bias", False):
-        raise JaxspecError(f"{source}: attention_bias=true is not supported by jaxspec's Qwen3.5")
-    if "num_experts" in text or "moe_intermediate_size" in text:
-        raise JaxspecError(f"{source}: Qwen3.5-MoE is not supported here: jaxspec runs the dense "
-                           f"Qwen3.5 (qwen3_5_text)")
-    dims = validate.decoder_dims(f)
-    types = text.get("layer_types")
-    if types is None:
-        every = f.int("full_attention_interval", 4, lo=1)
-        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                 for i in range(dims["num_layers"])]
-    if not isinstance(types, list) or len(types) != dims["num_layers"]:
-        f.fail("layer_types", types, f"give one entry per layer ({dims['num_layers']})")
-    bad = sorted({t for t in types if t not in LAYER_TYPES})
-    if bad:
-        raise JaxspecError(f"{source}: layer_types {bad} are not supported: jaxspec's Qwen3.5 "
-                           f"implements {', '.join(LAYER_TYPES)}")
-    if "full_attention" not in types:
-        f.fail("layer_types", types, "give at least one full_attention layer")
-    rope = f.dict("rope_parameters", None) if f.given("rope_parameters") else {}
-    rf = validate.Fields(rope, source, "rope_parameters.")
-    kind = rf.str("rope_type", "default")
-    if kind != "default":
-        raise JaxspecError(f"{source}: rope_type {kind!r} is not supported (Qwen3.5: default)")
-    theta = rf.float("rope_theta", None) if rf.given("rope_theta") else f.float("rope_theta", 1e7)
-    partial = rf.float("partial_rotary_factor", f.float("partial_rotary_factor", 0.25),
-                       lo=0.0, hi=1.0, lo_open=True)
-    lin = validate.Fields(text, source)
-    cfg = Qwen35Config(
-        vocab_size=f.int("vocab_size", lo=1, hi=validate.MAX_DIM), **dims,
-        layer_types=tuple(types),
-        linear_key_heads=lin.int("linear_num_key_heads", 16, lo=1),
-        linear_value_heads=lin.int("linear_num_value_heads", 32, lo=1),
-        linear_key_dim=lin.int("linear_key_head_dim", 128, lo=1),
-        linear_value_dim=lin.int("linear_value_head_dim", 128, lo=1),
-        conv_kernel=lin.int("linear_conv_kernel_dim", 4, lo=2, hi=64),
-        rope_theta=theta, partial_rotary_factor=partial,
-        rms_norm_eps=f.float("rms_norm_eps", 1e-6, lo=0.0, hi=1.0, lo_open=True),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings",
-                                        f.bool("tie_word_embeddings", False))),
-        max_position_embeddings=f.int("max_position_embeddings", 32768, lo=1, hi=(1 << 31) - 1),
-        dtype=dtype,
-    )
-    if cfg.linear_value_heads % cfg.linear_key_heads:
-        lin.fail("linear_num_value_heads", cfg.linear_value_heads,
-                 f"use a multiple of linear_num_key_heads={cfg.linear_key_heads}")
-    if cfg.rotary_dim % 2:
-        rf.fail("partial_rotary_factor", partial, "give an even number of rotary dims per head")
-    return cfg
-
-
 # ------------------------------------------------------------------------------------ params
 
 
 def layer_shapes(cfg: Qwen35Config, i: int) -> dict[str, tuple[int, ...]]:
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    common = {"attn_norm": (d,), "mlp_norm": (d,), "w_gate": (f, d), "w_up": (f, d),
-              "w_down": (d, f)}
+    d = cfg.hidden_size
+    common = {"attn_norm": (d,), "mlp_norm": (d,)} | mlp_shapes(cfg)
     if cfg.is_linear(i):
         ld = cfg.linear_dims
         vd = ld.value_heads * ld.value_dim
@@ -180,6 +56,15 @@ def layer_shapes(cfg: Qwen35Config, i: int) -> dict[str, tuple[int, ...]]:
     nh, kh = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return common | {"wq": (2 * nh, d), "wk": (kh, d), "wv": (kh, d), "wo": (d, nh),
                      "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
+
+
+def mlp_shapes(cfg: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    """The MLP half of a layer: the gated MLP, or (MoE) routed experts and the shared expert."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    if not cfg.is_moe:
+        return {"w_gate": (f, d), "w_up": (f, d), "w_down": (d, f)}
+    return (moe.layer_shapes(cfg.num_experts, cfg.moe_intermediate_size, d)
+            | moe.shared_shapes(cfg.shared_expert_intermediate_size, d))
 
 
 def param_shapes(cfg: Qwen35Config) -> Params:
@@ -209,38 +94,57 @@ def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Param
 # ----------------------------------------------------------------------------------- forward
 
 
-def _norm(x, w, cfg):
+def norm(x, w, cfg):
+    """Qwen3.5's RMS norm: scaled by (1 + w), Gemma's (`blocks.rms_norm` offset 1)."""
     return blocks.rms_norm(x, w, cfg.rms_norm_eps, offset=1.0)
 
 
-def _partial_rope(x, positions, cfg):  # [B, T, N, H]: rotate the first rotary_dim dims
+def partial_rope(x, positions, cfg):  # [B, T, N, H]: rotate the first rotary_dim dims
     rd = cfg.rotary_dim
     inv_freq = blocks.rope_inv_freq(rd, cfg.rope_theta)
     rotated = blocks.apply_rope(x[..., :rd], positions, inv_freq)
     return jnp.concatenate([rotated, x[..., rd:]], axis=-1)
 
 
-def _mlp(cfg, lp, x):
-    y = _norm(x, lp["mlp_norm"], cfg)
+def mlp(cfg, lp, x):
+    """The MLP half with its residual: x [B, T, D] -> x + MLP(norm(x)); routed experts plus the
+    gated shared expert on Qwen3.5-MoE (`moe.moe_block`), else the gated MLP."""
+    y = norm(x, lp["mlp_norm"], cfg)
+    if cfg.is_moe:
+        return x + moe.moe_block(lp, y, top_k=cfg.top_k, norm_topk=True)
     return x + linear(blocks.swiglu(linear(y, lp["w_gate"]), linear(y, lp["w_up"])), lp["w_down"])
+
+
+def project_attention(cfg, lp, x, positions):
+    """Gated attention's projections: x [B, T, D] at positions [B, T] -> q [B, T, N, H] and
+    k, v [B, T, K, H] (q/k normed and roped), the output gate [B, T, N H] (pre-sigmoid)."""
+    b, t, _ = x.shape
+    n, h = cfg.num_heads, cfg.head_dim
+    y = norm(x, lp["attn_norm"], cfg)
+    qg = linear(y, lp["wq"]).reshape(b, t, n, 2 * h)
+    q, gate = qg[..., :h], qg[..., h:].reshape(b, t, n * h)
+    k = linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, h)
+    v = linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, h)
+    q = partial_rope(norm(q, lp["q_norm"], cfg), positions, cfg)
+    k = partial_rope(norm(k, lp["k_norm"], cfg), positions, cfg)
+    return q, k, v, gate
+
+
+def finish_attention(cfg, lp, x, attn, gate):
+    """Residual x [B, T, D] + wo(attn [B, T, N H] * sigmoid(gate)), then the MLP half."""
+    out = (attn.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+    return mlp(cfg, lp, x + linear(out, lp["wo"]))
 
 
 def _attention_layer(cfg, lp, x, k_cache, v_cache, lengths, positions, write, window_mask):
     """Gated full attention + MLP -> (x, k_cache, v_cache) writing, else (x, window k, window v)."""
-    b, t, _ = x.shape
-    n, h = cfg.num_heads, cfg.head_dim
-    y = _norm(x, lp["attn_norm"], cfg)
-    qg = linear(y, lp["wq"]).reshape(b, t, n, 2 * h)
-    q, gate = qg[..., :h], qg[..., h:].reshape(b, t, n * h)
-    k = linear(y, lp["wk"]).reshape(b, t, cfg.num_kv_heads, h)
-    v = linear(y, lp["wv"]).reshape(b, t, cfg.num_kv_heads, h).astype(v_cache.dtype)
-    q = _partial_rope(_norm(q, lp["q_norm"], cfg), positions, cfg)
-    k = _partial_rope(_norm(k, lp["k_norm"], cfg), positions, cfg).astype(k_cache.dtype)
+    q, k, v, gate = project_attention(cfg, lp, x, positions)
+    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
     if write:
         k_cache, v_cache = write_kv(k_cache, k, positions), write_kv(v_cache, v, positions)
     attn = attention.attend(q, k_cache, v_cache, k, v, lengths, window_mask=window_mask)
-    attn = (attn.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
-    x = _mlp(cfg, lp, x + linear(attn, lp["wo"]))
+    b, t = x.shape[:2]
+    x = finish_attention(cfg, lp, x, attn.reshape(b, t, -1), gate)
     return (x, k_cache, v_cache) if write else (x, k, v)
 
 
@@ -249,7 +153,7 @@ def _linear_layer(cfg, lp, x, ssm_ring, conv_ring, lengths, positions, write, wi
     int32[B] into the rings), else (x, every entry's ssm state, every entry's conv state)."""
     b, t, _ = x.shape
     dims = cfg.linear_dims
-    mixed, z, g, beta = la.project(lp, _norm(x, lp["attn_norm"], cfg), dims, linear)
+    mixed, z, g, beta = la.project(lp, norm(x, lp["attn_norm"], cfg), dims, linear)
     inputs = la.conv_inputs(mixed, hybrid_cache.read_state(conv_ring, lengths), positions,
                             window_mask)  # [B, T, Kc, C]
     q, k, v = la.split_heads(la.causal_conv(inputs, lp["conv"]), dims)
@@ -268,7 +172,7 @@ def _linear_layer(cfg, lp, x, ssm_ring, conv_ring, lengths, positions, write, wi
                                         chain=window_mask is None)
         states = (ssm_states, conv_states)
     out = la.gated_rms_norm(out.astype(x.dtype), z, lp["norm"], cfg.rms_norm_eps)
-    x = _mlp(cfg, lp, x + linear(out.reshape(b, t, -1), lp["out"]))
+    x = mlp(cfg, lp, x + linear(out.reshape(b, t, -1), lp["out"]))
     return (x, *states)
 
 
@@ -311,7 +215,7 @@ def forward(params: Params, tokens: jax.Array, cache: hybrid_cache.HybridCache, 
                 cfg, lp, x, cache.k[j], cache.v[j], cache.lengths, positions, write_cache,
                 window_mask)
         collected[i + 1] = x
-    x = _norm(x, params["final_norm"], cfg)
+    x = norm(x, params["final_norm"], cfg)
     collected[cfg.num_layers] = x
     tapped = jnp.stack([collected[i] for i in taps]) if taps else None
     new = (tuple(k_new), tuple(v_new), tuple(ssm_new), tuple(conv_new))
@@ -429,9 +333,17 @@ class Qwen35Target:
         return "unrolled"
 
 
+def _tensor_name(hf_name: str) -> str | None:
+    return registry.hf_tensor_name(hf_name, HF_LAYER_NAMES, prefixes=HF_PREFIXES)
+
+
 def _target_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35Target:
     return Qwen35Target(qwen3_5_config_from_hf(hf, dtype=dtype, source=source))
 
 
-registry.register_family(
-    registry.Family("qwen3_5", ("qwen3_5", "qwen3_5_text"), (), _target_from_hf))
+registry.register_family(registry.Family(
+    "qwen3_5", ("qwen3_5", "qwen3_5_text"), (), _target_from_hf,
+    hf=registry.HfLayout(
+        config=qwen3_5_config_from_hf, tensor_name=_tensor_name, param_shapes=param_shapes,
+        target=lambda cfg, arch: Qwen35Target(cfg), skip=HF_SKIPPED, convert=convert,
+        layout=check_layout, architecture=lambda cfg: "qwen3_5")))

@@ -15,7 +15,7 @@ hands it the MLP block (`llama.forward(..., mlp=...)`). Params, per layer:
 
 This module is Qwen3-MoE's one home: config reader (a dict in), tensor-name map, the per-expert
 tensors stacked on load (`stack_experts`), the target and its `register_family` call.
-`loading/new_families.py` opens the files.
+`loading/family_files.py` opens the files (the HF layout registered below).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
@@ -262,28 +261,79 @@ def our_layer_name(rest: str) -> str | None:
 
 def stack_experts(flat: dict, cfg: MoeConfig, source: str) -> dict:
     """`layers.i.we_gate.j` per-expert tensors -> `layers.i.we_gate` [E, F, D] (and up, down);
-    a fused gate_up [E, 2F, D] split. Every expert must be present."""
-    out, per_expert = {}, {}
-    for name, w in flat.items():
-        m = re.fullmatch(r"(layers\.\d+\.we_(?:gate|up|down))\.(\d+)", name)
-        if m:
-            per_expert.setdefault(m.group(1), {})[int(m.group(2))] = w
-        elif name.endswith(".we_gate_up"):
-            f = cfg.moe_intermediate_size
-            w = np.asarray(w)
-            out[name[: -len("_gate_up")] + "_gate"], out[name[: -len("_gate_up")] + "_up"] = w[:, :f], w[:, f:]
-        else:
-            out[name] = w
-    for name, experts in per_expert.items():
-        if sorted(experts) != list(range(cfg.num_experts)):
-            raise JaxspecError(f"{source}: {name} has experts {sorted(experts)[:4]}..., config "
-                               f"implies 0..{cfg.num_experts - 1}: the checkpoint is incomplete")
-        out[name] = np.stack([np.asarray(experts[j]) for j in range(cfg.num_experts)])
-    return out
+    a fused gate_up [E, 2F, D] split (`moe.stack_expert_tensors`). Every expert must be present."""
+    return moe.stack_expert_tensors(flat, cfg.num_experts, cfg.moe_intermediate_size, source)
+
+
+# llama.cpp's names (`blk.<i>.` + this) -> our leaves; its experts are stored stacked [E, ...]
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
+    "attn_v.weight": "wv", "attn_output.weight": "wo", "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm", "ffn_norm.weight": "mlp_norm",
+    "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "we_gate",
+    "ffn_up_exps.weight": "we_up", "ffn_down_exps.weight": "we_down",
+    "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+}
+
+
+def qwen3_moe_config_from_gguf(header, *, dtype: str, source: str) -> MoeConfig:
+    """llama.cpp's `qwen3moe` metadata (the k expert weights renormed, as its graph does);
+    a layer is sparse where the file holds its router (`ffn_gate_inp`)."""
+    arch = str(header.fields["general.architecture"].value)
+    names = {t.name for t in header.tensors}
+
+    def raw(key):
+        field = header.fields.get(f"{arch}.{key}")
+        if field is None and key == "feed_forward_length":  # no dense layer: unused
+            field = header.fields.get(f"{arch}.expert_feed_forward_length")
+        return validate.MISSING if field is None else field.contents()
+
+    f = validate.Fields(raw, source, f"{arch}.")
+    dims = validate.decoder_dims(f, gguf=True)
+    embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise JaxspecError(f"{source} has no token_embd.weight: the file is incomplete")
+    experts = f.int("expert_count", lo=1, hi=1 << 16)
+    return MoeConfig(
+        vocab_size=int(embed.shape[0]), **dims,
+        rope_theta=f.float("rope.freq_base", 1e6, lo=0.0, lo_open=True),
+        rms_norm_eps=f.float("attention.layer_norm_rms_epsilon", 1e-6, lo=0.0, hi=1.0,
+                             lo_open=True),
+        tie_word_embeddings="output.weight" not in names, qk_norm=True,
+        max_position_embeddings=f.int("context_length", 2048, lo=1, hi=(1 << 31) - 1),
+        dtype=dtype, num_experts=experts, top_k=f.int("expert_used_count", lo=1, hi=experts),
+        moe_intermediate_size=f.int("expert_feed_forward_length", lo=1, hi=validate.MAX_DIM),
+        norm_topk_prob=True,
+        moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in names
+                         for i in range(dims["num_layers"])))
+
+
+def check_layout(cfg: MoeConfig, layout: str, note: str, source: str, mesh=None):
+    """(layout, why): stacked only when every layer has experts; packed keeps experts as arrays."""
+    if layout == "stacked":
+        check_stackable(cfg, source)
+    if layout == "packed":  # the CPU kernels pack attention and dense MLPs; experts stay arrays
+        note += " (experts as XLA arrays)"
+    return layout, note
 
 
 def _target_from_hf(hf: dict, *, dtype: str, source: str) -> MoeTarget:
     return MoeTarget(qwen3_moe_config_from_hf(hf, dtype=dtype, source=source))
 
 
-registry.register_family(registry.Family("qwen3_moe", ("qwen3_moe",), (), _target_from_hf))
+def _target_from_gguf(header, *, dtype: str, source: str) -> MoeTarget:
+    return MoeTarget(qwen3_moe_config_from_gguf(header, dtype=dtype, source=source))
+
+
+registry.register_family(registry.Family(
+    "qwen3_moe", ("qwen3_moe",), ("qwen3moe",), _target_from_hf, _target_from_gguf,
+    hf=registry.FileLayout(
+        config=qwen3_moe_config_from_hf,
+        tensor_name=lambda n: registry.hf_tensor_name(n, our_layer_name),
+        param_shapes=param_shapes, target=lambda cfg, arch: MoeTarget(cfg, name=arch),
+        convert=stack_experts, layout=check_layout, architecture=lambda cfg: "qwen3_moe"),
+    gguf=registry.FileLayout(
+        config=qwen3_moe_config_from_gguf,
+        tensor_name=lambda n: registry.gguf_tensor_name(n, GGUF_LAYER_NAMES),
+        param_shapes=param_shapes, target=lambda cfg, arch: MoeTarget(cfg, name=arch),
+        layout=check_layout, architecture=lambda cfg: "qwen3_moe")))

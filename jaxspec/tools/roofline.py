@@ -86,7 +86,11 @@ MODEL_SHAPES = {
                  "num_layers": 36, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
                  "qk_norm": True, "rope_theta": 1000000.0, "max_position_embeddings": 40960},
     "gemma3-12b": lambda dtype: _gemma3_12b(dtype),  # family hook: a Gemma target
+    # MoE shapes (jaxspec.tools.moe_shapes): --json rows add the active (woken) expert bytes
+    "qwen3-30b-a3b": lambda dtype: moe_shapes.qwen3_30b_a3b(dtype),
+    "qwen3.5-35b-a3b": lambda dtype: moe_shapes.qwen3_5_35b_a3b(dtype),
 }
+moe_shapes = _OnFirstUse("jaxspec.tools.moe_shapes")
 
 
 def _gemma3_12b(dtype: str) -> base.Target:
@@ -253,17 +257,15 @@ def config_json_target(path: str, dtype: str) -> base.Target:
     from pathlib import Path
 
     from jaxspec import validate
-    from jaxspec.loading import families
     from jaxspec.loading.safetensors_dir import config_from_hf
-    from jaxspec.models import registry
+    from jaxspec.models import families, registry  # noqa: F401  (every family registers)
 
     hf = validate.read_json(Path(path), "--model-config")
     if not isinstance(hf, dict):
         raise JaxspecError(f"--model-config {path}: not a config.json object")
     family = registry.family_for_model_type(hf.get("model_type"), path)
-    if family.name in families.FAMILIES:
-        raise JaxspecError(f"--model-config {path}: model_type {hf.get('model_type')!r} is read "
-                           "only with its weights here: use --config with the checkpoint")
+    if family.target_from_hf is not None:  # a family's own config reader (no weights read)
+        return family.target_from_hf(hf, dtype=dtype, source=path)
     return llama.LlamaTarget(config_from_hf(hf, dtype=dtype, source=path))
 
 
@@ -330,7 +332,8 @@ def main(argv=None) -> int:
         return 2
     if args.json:
         for r in rows:
-            print(json.dumps(r.to_json() | {"layout": layout, "dtype": target.dtype}))
+            print(json.dumps(r.to_json() | {"layout": layout, "dtype": target.dtype}
+                             | moe_shapes.active_fields(target, r.batch, r.window)))
     else:
         print(f"{args.model_shape or config.model.name}, {layout}, {target.dtype}, capacity "
               f"{args.capacity}, cache {args.fill:.0%} full")
@@ -358,7 +361,8 @@ def _accelerator(args, config) -> int:
                               args.capacity, args.fill)
     if args.json:
         for r in out:
-            print(json.dumps(r))
+            print(json.dumps(r | moe_shapes.active_fields(target, r.get("batch", 1),
+                                                          r.get("window", 1))))
     else:
         print(accel_roofline.format_rows(out))
     return 0
