@@ -7,8 +7,8 @@ each family's own forward.
     logits = models.llama.lm_head(params, out.hidden)
 
 Every name is imported on first use (PEP 562). A family is one module (`llama`, `gemma`,
-`gemma4`, `phi3`, `qwen3_5`, `qwen3_5_moe`, `qwen3_next`, `qwen3_moe`) with a `Target` and one `register_family` call
-(docs/targets.md); `llama` is also reachable as `models.llama`.
+`gemma4`, `phi3`, `qwen3_5`, `qwen3_5_moe`, `qwen3_next`, `qwen3_moe`) with a `Target` and one
+`register_family` call (docs/targets.md); `llama` is also reachable as `models.llama`.
 """
 
 from jaxspec.exports import lazy
