@@ -1,5 +1,7 @@
 """The repository holds no machine's paths (a checkout directory, a home directory): commands and
-records in committed files are relative to the repository root, so they run in any clone."""
+records in committed files are relative to the repository root, so they run in any clone. Every
+shipped head under checkpoints/ is one a shipped config runs: a retrained head replaces the old one
+in place (docs/testing.md, "Shipped heads"), so no superseded binary stays behind."""
 
 from __future__ import annotations
 
@@ -25,3 +27,26 @@ def test_no_machine_paths_in_the_repository():
              for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
              if MACHINE_PATH.search(line)]
     assert found == []
+
+
+def strings_in(node):
+    if isinstance(node, dict):
+        for value in node.values():
+            yield from strings_in(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from strings_in(value)
+    elif isinstance(node, str):
+        yield node
+
+
+def test_every_shipped_head_is_run_by_a_shipped_config():
+    import yaml
+
+    shipped = {p.name for p in (ROOT / "checkpoints").iterdir() if p.is_dir()}
+    named = {s.rstrip("/").split("/")[1] for path in (ROOT / "configs").glob("*.yaml")
+             for s in strings_in(yaml.safe_load(path.read_text()))
+             if s.startswith("checkpoints/")}
+    assert shipped, "no heads found under checkpoints/"
+    assert shipped <= named, f"heads no shipped config (configs/*.yaml) runs: {sorted(shipped - named)}"
+    assert named <= shipped, f"configs name heads that are not shipped: {sorted(named - shipped)}"
