@@ -55,6 +55,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def prompts():
+    return serving_prompts()
+
+
+def serving_prompts():
     rng = np.random.default_rng(0)
     out = []
     for n in (5, 17, 9, 30, 12):  # half random, half a repeated motif (n-gram matches)

@@ -15,9 +15,20 @@ import pytest
 
 from jaxspec.serving import Sampling
 from jaxspec.serving.scheduler import Scheduler
-from test_serving import CONTEXT, DRAFTERS, NEW, engine_for, prompts, run, target  # noqa: F401
+from test_serving import CONTEXT, DRAFTERS, NEW, engine_for, run, serving_prompts
+from tiny import tiny_model
 
 SAMPLED = Sampling(temperature=0.9, top_p=0.9, top_k=20, max_tokens=12, seed=5)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(packed=True)  # test_serving.py's target
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return serving_prompts()
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))

@@ -124,6 +124,11 @@ def test_cache_after_speculation_equals_plain_prefill(target, prompts):
     state = engine.prefill(prompts, 20, sp, 0, list(range(4)), 4)
     state = engine.decode(state, sp, 3)  # stop mid-generation: rejected drafts sit past lengths
     committed = np.asarray(state.lengths) - 1
+    # the rollback was exercised: drafts were rejected, and their k/v sit written past a row's
+    # length (masked, never read), where a fresh forward over the committed tokens has none
+    assert (np.asarray(state.num_accepted) < np.asarray(state.num_draft)).any()
+    assert any(np.abs(np.asarray(state.cache.k[0][row, :, committed[row]])).sum() > 0
+               for row in range(4))
     fresh = init_cache(2, 4, state.tokens.shape[1], 2, 16)
     out = llama.forward(target.params, state.tokens, fresh, target.cfg)
     for layer in range(2):
