@@ -314,8 +314,9 @@ def test_tree_greedy_is_token_identical(target, prompts, plain_greedy, method, b
     results = engine.generate(prompts, max_new_tokens=40, batch_size=batch_size)
     assert [r.token_ids for r in results] == plain_greedy
     assert all(r.metrics["tree_nodes"] == drafter.tree_nodes for r in results)
-    if method == "ngram":  # the motif prompts: branches get accepted
+    if method == "ngram":  # the motif prompts: branches get accepted, past depth 1 too
         assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
+        assert np.sum([r.metrics["accepted_per_position"] for r in results], axis=0)[1] > 0
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "stacked"])
