@@ -4,11 +4,10 @@ Greedy output of every request equals a solo Engine run of it, with requests arr
 others run, mixed prompt and output lengths, and sampled rows sharing the batch (that a sampled
 row's tokens equal its solo run is test_serving_sampled_widths.py's, under the production code
 generation: this module compares jaxspec with itself and runs under the fast one); the sampled law
-through the scheduler is
-the target's (tests/distribution.py), with greedy rows interleaved (a per-row-params bug that gave
-every row the first row's settings fails it: seen). Pages: none leak over 200 requests, and
-preemption under a tiny pool leaves every output identical. A device call runs over the live
-rows only (compacted into the narrowest program width), its page table as wide as the longest
+through the scheduler is the target's (tests/distribution.py), with greedy rows interleaved (a
+per-row-params bug that gives every row one row's settings fails it, beside its control).
+Pages: none leak over 200 requests, and preemption under a tiny pool leaves every output
+identical. A device call runs over the live rows only (compacted into the narrowest program width), its page table as wide as the longest
 live row; adaptive speculation prices each call at that width, so it switches off as load rises
 and back on as it falls, outputs equal to solo runs throughout. Chunked prefill: a long prompt goes
 in a chunk per round while a running row keeps streaming, and both outputs equal solo runs.
