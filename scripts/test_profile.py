@@ -13,7 +13,8 @@ docstring), its wall seconds (setup + call + teardown of its tests, in the proce
 the two xdist workers and the production process run side by side, so the sum exceeds the
 suite's wall time), its tests, its three slowest tests, the programs it lowered and compiled (XLA
 seconds), and the persistent XLA cache's hits and misses. tests/test_docs.py fails when a test
-module has no row.
+module has no row; a module not profiled yet has a row of dashes (run "not profiled") until a
+profiled run measures it.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def proves(module: str) -> str:
 def table(timings: dict) -> str:
     """docs/testing.md's table: every module of tests/timings.json, longest first, then the runs
     its rows come from."""
-    rows = sorted(timings["modules"].items(), key=lambda mf: -mf[1]["wall"])
+    rows = sorted(timings["modules"].items(), key=lambda mf: -(mf[1]["wall"] or 0))
     lines = ["| module | what it proves | wall s | tests | slowest tests (s) | lowered "
              "| compiled (s) | cache hits / misses | run |",
              "|---|---|---:|---:|---|---:|---:|---:|---|"]
@@ -79,7 +80,8 @@ def table(timings: dict) -> str:
         compiled = "—" if r["compiled"] is None else f"{r['compiled']} ({r['compile_s']:.0f})"
         cache = "—" if r["hits"] is None else f"{r['hits']} / {r['misses']}"
         lowered = "—" if r["lowered"] is None else r["lowered"]
-        lines.append(f"| {module} | {proves(module)} | {r['wall']:.0f} | {r['tests']} | {slow} "
+        wall = "—" if r["wall"] is None else f"{r['wall']:.0f}"
+        lines.append(f"| {module} | {proves(module)} | {wall} | {r['tests'] or '—'} | {slow} "
                      f"| {lowered} | {compiled} | {cache} | {r['run']} |")
     total = lambda key: sum(r[key] or 0 for _, r in rows)  # noqa: E731  (— counts 0)
     lines.append(f"| **all** | | {total('wall'):.0f} | {total('tests')} | | {total('lowered')} "
