@@ -1,7 +1,9 @@
 """The repository holds no machine's paths (a checkout directory, a home directory): commands and
 records in committed files are relative to the repository root, so they run in any clone. Every
 shipped head under checkpoints/ is one a shipped config runs: a retrained head replaces the old one
-in place (docs/testing.md, "Shipped heads"), so no superseded binary stays behind."""
+in place (docs/testing.md, "Shipped heads"), so no superseded binary stays behind. Every file in
+scripts/ is a command something names (the docs, BENCHMARKS.md, configs, the package, the tests or
+another script): a probe that answered its question leaves, its figures in docs/history/."""
 
 from __future__ import annotations
 
@@ -50,3 +52,13 @@ def test_every_shipped_head_is_run_by_a_shipped_config():
     assert shipped, "no heads found under checkpoints/"
     assert shipped <= named, f"heads no shipped config (configs/*.yaml) runs: {sorted(shipped - named)}"
     assert named <= shipped, f"configs name heads that are not shipped: {sorted(named - shipped)}"
+
+
+def test_every_script_is_a_command_something_names():
+    scripts = sorted(p.name for p in (ROOT / "scripts").iterdir() if p.is_file())
+    names = [p for p in committed_text_files()
+             if "history" not in p.relative_to(ROOT).parts]
+    text = {p: p.read_text(errors="replace") for p in names}
+    unnamed = [s for s in scripts
+               if not any(s in body for p, body in text.items() if p.name != s)]
+    assert unnamed == [], f"scripts no doc, config, test or module names: {unnamed}"
