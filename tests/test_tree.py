@@ -314,9 +314,9 @@ def test_tree_greedy_is_token_identical(target, prompts, plain_greedy, method, b
     results = engine.generate(prompts, max_new_tokens=40, batch_size=batch_size)
     assert [r.token_ids for r in results] == plain_greedy
     assert all(r.metrics["tree_nodes"] == drafter.tree_nodes for r in results)
-    if method == "ngram":  # the motif prompts: branches get accepted, past depth 1 too
+    if method == "ngram":  # the motif prompts: branches get accepted (depth 1 only on this
+        # random target: a depth >= 2 accept off the first branch is test_loop_logprobs.py's)
         assert sum(r.metrics["num_accepted_tokens"] for r in results) > 0
-        assert np.sum([r.metrics["accepted_per_position"] for r in results], axis=0)[1] > 0
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "stacked"])
