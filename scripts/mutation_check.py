@@ -65,6 +65,13 @@ MUTATIONS = (
              "new_q = new_q if report_masked else q", "new_q = q",
              ("tests/test_structured_loop.py", "-k", "exact_law and eagle"),
              "report the drafter's unmasked q for drafts put under the grammar"),
+    Mutation("hybrid_rollback", "jaxspec/models/qwen3_5.py",
+             "ssm = tuple(hybrid_cache.write_states(r, pick(w), positions + 1)",
+             "ssm = tuple(hybrid_cache.write_states(r, jnp.broadcast_to(pick(w)[:, -1:], "
+             "pick(w).shape), positions + 1)",
+             ("tests/test_qwen3_5.py", "-k", "token_identical and draft_model"),
+             "a hybrid target keeps the last path entry's recurrent state at every committed "
+             "length (no rollback of the linear layers' state after a rejection)"),
     Mutation("page_reservation", "jaxspec/serving/kv_manager.py",
              "return min(grow + self.num_nodes + 1, self.capacity)",
              "return min(grow, self.capacity)",

@@ -51,9 +51,10 @@ if os.environ.get("JAXSPEC_TEST_XLA_CACHE", "1") != "0":
 
 # Where the suite's time goes: JAXSPEC_TEST_COMPILE_STATS=DIR makes every test process (xdist
 # workers included; not the subprocesses tests start) write, per test module, its wall seconds
-# (setup + call + teardown of its tests) and the seconds and count of JAX's tracing, lowering and
-# XLA compilation, and the persistent cache's hits and misses, to DIR/<pid>.json when it finishes.
-# scripts/test_profile.py sums them into the table docs/testing.md shows.
+# (setup + call + teardown of its tests), each test's own seconds ("test:<name>"), and the seconds
+# and count of JAX's tracing, lowering and XLA compilation, and the persistent cache's hits and
+# misses, to DIR/<pid>.json when it finishes. scripts/test_profile.py sums them into
+# tests/timings.json, from which scripts/docs.py writes docs/testing.md's table.
 COMPILE_STATS: dict[str, dict[str, list[float]]] = {}
 _PROFILED_MODULE = ["(collection)"]
 if os.environ.get("JAXSPEC_TEST_COMPILE_STATS"):
@@ -79,10 +80,12 @@ if os.environ.get("JAXSPEC_TEST_COMPILE_STATS"):
 def pytest_runtest_logreport(report):
     # xdist's controller sees its workers' reports too (with `node` set): counted where they ran.
     if os.environ.get("JAXSPEC_TEST_COMPILE_STATS") and not hasattr(report, "node"):
-        module = report.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-        total = COMPILE_STATS.setdefault(module, {}).setdefault("wall", [0.0, 0])
-        total[0] += report.duration
-        total[1] += report.when == "call"
+        module, _, test = report.nodeid.partition("::")
+        stats = COMPILE_STATS.setdefault(module.rsplit("/", 1)[-1], {})
+        for key in ("wall", f"test:{test}"):  # the module's and the test's own seconds
+            total = stats.setdefault(key, [0.0, 0])
+            total[0] += report.duration
+            total[1] += report.when == "call"
 
 
 def pytest_runtest_setup(item):

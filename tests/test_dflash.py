@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +92,12 @@ PROMPTS = [[5, 17, 90, 3, 42, 7, 60, 31, 8], [11, 85, 64, 2, 19]]  # ids below e
 NEXT = [77, 12]  # the last committed token of each row (sampled, not yet run by the target)
 
 
+def raw_input_embeddings(hf, ids, scale):
+    """The block's noise embedding as the reference forms it: the target's embedding table read
+    by id (not the embedding module's forward, which some families scale), times `scale`."""
+    return torch.nn.functional.embedding(ids, hf.get_input_embeddings().weight) * scale
+
+
 def reference_logits(model, hf, prompt, nxt):
     """The reference's draft logits for the block after `prompt` + [nxt]: [BLOCK - 1, V]."""
     ids = torch.tensor([prompt])
@@ -101,7 +106,7 @@ def reference_logits(model, hf, prompt, nxt):
         ctx = dflash_ref.extract_context_feature(out.hidden_states, model.target_layer_ids)
         blk = torch.tensor([[nxt] + [MASK] * (BLOCK - 1)])
         scale = float(model.config.dflash_config.get("input_embedding_scale", 1.0))
-        noise = dflash_ref._raw_input_embeddings(hf, blk, scale)
+        noise = raw_input_embeddings(hf, blk, scale)
         pos = torch.arange(len(prompt) + BLOCK)[None]
         h = model(target_hidden=ctx, noise_embedding=noise, position_ids=pos)
         return model.compute_logits(h[:, 1:], hf.lm_head)[0].numpy()
@@ -189,26 +194,26 @@ def reference_select(model, hf, prompt, nxt, temperature, path=None):
         out = hf(ids, output_hidden_states=True)
         ctx = dflash_ref.extract_context_feature(out.hidden_states, model.target_layer_ids)
         blk = torch.tensor([[nxt] + [MASK] * (BLOCK - 1)])
-        noise = dflash_ref._raw_input_embeddings(hf, blk, 1.5)
+        noise = raw_input_embeddings(hf, blk, 1.5)
         h = model(target_hidden=ctx, noise_embedding=noise,
                   position_ids=torch.arange(len(prompt) + BLOCK)[None])[:, 1:]
         logits = model.compute_logits(h, hf.lm_head)
         unary, cands = torch.topk(logits, model.candidate_selector.top_k, dim=-1, sorted=False)
         picks = iter([] if path is None else path)
 
-        def pick(q):  # the candidate index of our token at this position
-            pos = len(q_seen)
+        def pick(q, num_samples, *args, **kwargs):  # torch.multinomial's place: the
+            pos = len(q_seen)  # candidate index of our token at this position, [rows, 1]
             q_seen.append(q)
             want = next(picks)
-            return (cands[:, pos] == want).int().argmax(-1)
+            return (cands[:, pos] == want).int().argmax(-1)[:, None]
 
         q_seen: list = []
-        orig = dflash_ref._sample_probs
-        dflash_ref._sample_probs = pick
+        draw = torch.multinomial  # the reference's sampler draws through it (public torch API)
+        torch.multinomial = pick
         try:
             toks, cands2, q = model.propose(h, torch.tensor([nxt]), hf.lm_head, temperature)
         finally:
-            dflash_ref._sample_probs = orig
+            torch.multinomial = draw
         assert torch.equal(cands, cands2)
         full = None
         if q is not None:
@@ -282,7 +287,7 @@ def test_exported_head_matches_reference_generate(version, tiny_qwen3_dir, tmp_p
     .from_pretrained; the reference's dflash_generate and jaxspec's loop then emit the same
     greedy tokens in the same number of steps with the same acceptance lengths."""
 
-    monkeypatch.setattr(dflash_ref, "_cuda_time", time.perf_counter)  # its stats time CUDA
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # its stats time CUDA
     hf = two_token_target(tiny_qwen3_dir, tmp_path / "target")
     m = load_model(tmp_path / "target", layout="unrolled")
     m = dataclasses.replace(m, eos_token_ids=(-1,)) if dataclasses.is_dataclass(m) else m
@@ -328,7 +333,7 @@ def test_trained_head_exports_and_runs_in_the_reference(tiny_qwen3_dir, tmp_path
     from jaxspec.train.data import DataConfig, generate_records
     from jaxspec.train.train import TrainConfig, train
 
-    monkeypatch.setattr(dflash_ref, "_cuda_time", time.perf_counter)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # its stats time CUDA
     hf = two_token_target(tiny_qwen3_dir, tmp_path / "target")
     m = load_model(tmp_path / "target", layout="unrolled")
     rng = np.random.default_rng(0)

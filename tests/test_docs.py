@@ -10,8 +10,9 @@
 - ```yaml blocks load as configs through `jaxspec.config.load_config`;
 - ```text blocks are shown, not run (say why next to each); any other tag fails.
 
-Also: the generated parts (docs/config.md, the README's layout) are current, the README stays
-under 15 KB, and relative links resolve.
+Also: the generated parts (docs/config.md, the README's layout, docs/testing.md's timing table)
+are current, every test module has recorded timings, the README stays under 15 KB, and relative
+links resolve.
 """
 
 from __future__ import annotations
@@ -85,6 +86,17 @@ def test_generated_parts_are_current():
 
 def test_the_readme_stays_short():
     assert len((ROOT / "README.md").read_bytes()) <= 15_000
+
+
+def test_every_test_module_has_recorded_timings():
+    """docs/testing.md's table (generated from tests/timings.json) lists every test module, and
+    no module that is gone."""
+    timings = json.loads((ROOT / "tests" / "timings.json").read_text())
+    modules = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    missing, gone = sorted(modules - set(timings["modules"])), sorted(set(timings["modules"]) - modules)
+    assert not missing, (f"no recorded timings for {missing}: profile them alone "
+                         "(docs/testing.md, 'Where the time goes')")
+    assert not gone, f"tests/timings.json lists modules that are gone: {gone}"
 
 
 def test_relative_links_resolve():

@@ -486,6 +486,7 @@ def test_loaded_heads_are_greedy_identical(tmp_path, target, kind):
     )
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids
+    assert sum(r.metrics["num_draft_tokens"] for r in spec) > 0  # the loaded head drafted
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa", "mtp"])

@@ -249,7 +249,6 @@ def test_a_model_by_id_generates_what_the_local_files_do(fake_hub, tiny_dir, mon
     results = Engine(by_id).generate(PROMPTS, max_new_tokens=6, batch_size=2)
     assert [r.token_ids for r in results] == greedy(local)
     assert results[0].metrics["model_revision"] == commit
-    assert hub.FETCHED["org/tiny"] == commit
 
 
 def test_offline_with_the_model_cached_makes_no_request(fake_hub, tiny_dir, monkeypatch):
@@ -361,7 +360,8 @@ def test_a_drafter_by_id_loads_as_from_its_directory(fake_hub, tmp_path):
     assert len(leaves_local) == len(leaves_hub) > 0
     assert all(np.array_equal(a, b) for a, b in zip(leaves_local, leaves_hub))
     assert "train.py" not in fake_hub.files_requested()
-    assert hub.FETCHED["org/eagle3-head"] == commit
+    # the head came from that commit's files: the snapshot the loader read is the commit's
+    assert hub.fetch(hub.parse("org/eagle3-head"), purpose="drafter").commit == commit
 
 
 def test_ids_local_paths_and_short_names(tmp_path, monkeypatch, tiny_dir):

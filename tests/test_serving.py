@@ -1,12 +1,13 @@
 """The serving scheduler (jaxspec/serving): continuous batching is lossless and batch-independent.
 
 Greedy output of every request equals a solo Engine run of it, with requests arriving while
-others run, mixed prompt and output lengths, and sampled rows sharing the batch; a sampled row's
-tokens equal its solo run (its randomness is its own); the sampled law through the scheduler is
-the target's (tests/distribution.py), with greedy rows interleaved (a per-row-params bug that gave
-every row the first row's settings fails it: seen). Pages: none leak over 200 requests, and
-preemption under a tiny pool leaves every output identical. A device call runs over the live
-rows only (compacted into the narrowest program width), its page table as wide as the longest
+others run, mixed prompt and output lengths, and sampled rows sharing the batch (that a sampled
+row's tokens equal its solo run is test_serving_sampled_widths.py's, under the production code
+generation: this module compares jaxspec with itself and runs under the fast one); the sampled law
+through the scheduler is the target's (tests/distribution.py), with greedy rows interleaved (a
+per-row-params bug that gives every row one row's settings fails it, beside its control).
+Pages: none leak over 200 requests, and preemption under a tiny pool leaves every output
+identical. A device call runs over the live rows only (compacted into the narrowest program width), its page table as wide as the longest
 live row; adaptive speculation prices each call at that width, so it switches off as load rises
 and back on as it falls, outputs equal to solo runs throughout. Chunked prefill: a long prompt goes
 in a chunk per round while a running row keeps streaming, and both outputs equal solo runs.
@@ -53,6 +54,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def prompts():
+    return serving_prompts()
+
+
+def serving_prompts():
     rng = np.random.default_rng(0)
     out = []
     for n in (5, 17, 9, 30, 12):  # half random, half a repeated motif (n-gram matches)
@@ -114,10 +119,9 @@ def test_greedy_rows_equal_solo_runs_whatever_shares_the_batch(target, prompts, 
     assert [figures(c.metrics) for c in greedy] == [figures(r.metrics) for r in solo_runs]
     if name != "plain":
         assert sum(c.metrics["num_draft_tokens"] for c in greedy) > 0
-    # the sampled row: its own randomness, so alone it draws the very same tokens
-    alone = run(Scheduler(engine, slots=3, max_context=CONTEXT, steps_per_call=3),
-                [(0, prompts[1], sampled)])[0]
-    assert done[2].token_ids == alone.token_ids
+    # the sampled row's own tokens, alone and batched, are test_serving_sampled_widths.py's: they
+    # depend on the last bit of each width's program (production code generation)
+    assert len(done[2].token_ids) == sampled.max_tokens or done[2].finish_reason == "stop"
     assert sched.pool.free_pages == sched.pool.num_pages
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import cases
 import pytest
 from compiles import counting_lowerings
-from distribution import chi_square_pvalue, counts_of, exact_law
+from distribution import PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import motif_prompts, tiny_model
 
 from jaxspec.decode import acceptance
@@ -124,6 +124,11 @@ def test_cache_after_speculation_equals_plain_prefill(target, prompts):
     state = engine.prefill(prompts, 20, sp, 0, list(range(4)), 4)
     state = engine.decode(state, sp, 3)  # stop mid-generation: rejected drafts sit past lengths
     committed = np.asarray(state.lengths) - 1
+    # the rollback was exercised: drafts were rejected, and their k/v sit written past a row's
+    # length (masked, never read), where a fresh forward over the committed tokens has none
+    assert (np.asarray(state.num_accepted) < np.asarray(state.num_draft)).any()
+    assert any(np.abs(np.asarray(state.cache.k[0][row, :, committed[row]])).sum() > 0
+               for row in range(4))
     fresh = init_cache(2, 4, state.tokens.shape[1], 2, 16)
     out = llama.forward(target.params, state.tokens, fresh, target.cfg)
     for layer in range(2):
@@ -208,7 +213,19 @@ SETTINGS = {
 
 
 # The sampled law of the engine (settings, γ, EOS, mixed lengths, batch sizes) is tested in
-# tests/test_distributions.py; here, the classic broken rule must fail the same chi-square test.
+# tests/test_distributions.py; here, the classic broken rule must fail the same chi-square test,
+# and its control (the real rule, the same drafter, settings, prompt and rows) pass it.
+def test_the_real_rule_passes_the_broken_rules_test(small_vocab):
+    target, draft_params = small_vocab
+    sp = SamplingParams.make(**SETTINGS["temperature"])
+    prompt = [1, 2, 3, 4, 5]
+    counts, results = sampled_counts(target, draft_params, sp, prompt, gamma=1)
+    drafted = sum(r.metrics["num_draft_tokens"] for r in results)
+    accepted = sum(r.metrics["num_accepted_tokens"] for r in results)
+    assert 0.05 * drafted < accepted < 0.95 * drafted  # the residual is drawn from: rejections
+    assert chi_square_pvalue(counts, exact_law(target, prompt, sp, 3)) > PASS_P
+
+
 @pytest.mark.patches_traced_code
 def test_distribution_test_catches_a_broken_rule(small_vocab, monkeypatch):
     target, draft_params = small_vocab

@@ -349,7 +349,7 @@ def test_the_schema_check_catches_what_vllm_would_reject(tmp_path):
 
 # ---- the recorded serving and thread-gap runs as tables (jaxspec.bench.vllm_tables) ------------
 SERVING = Path(__file__).with_name("data") / "vllm_serving"  # scripts/bench_vllm_serving.sh's dir
-GAP = Path(__file__).with_name("data") / "vllm_thread_gap.jsonl"  # scripts/vllm_thread_gap.py's
+GAP = Path(__file__).with_name("data") / "vllm_thread_gap.jsonl"  # the thread-gap probe's (issue 45)
 
 
 def test_recorded_serving_rows_compare_every_server_with_jaxspec_plain():

@@ -2,7 +2,7 @@
 files (no vLLM or jax needed):
 
     python -m jaxspec.bench.vllm_tables serving OUT_DIR   # scripts/bench_vllm_serving.sh's dir
-    python -m jaxspec.bench.vllm_tables gap FILE.jsonl    # scripts/vllm_thread_gap.py's records
+    python -m jaxspec.bench.vllm_tables gap FILE.jsonl    # the thread-gap probe's records
 
 serving: one row per server x method x rate from OUT_DIR/runs.jsonl (jaxspec.bench.serve_http's
 lines: label "jaxspec-ngram" / "vllm-ngram", ...), each with whether its completions equal
