@@ -1,4 +1,4 @@
-"""Adaptive speculation (jaxspec/decode/adaptive.py, jaxspec/decode/calibration.py) on tiny random models:
+"""Adaptive speculation (jaxspec/decode/adaptive/: controller.py, calibration.py) on tiny random models:
 greedy identity, the exact law with lengths that adapt (and a length that peeks at the current
 draw failing it), one program for every length, the calibration cache, the switch-off."""
 
@@ -14,7 +14,9 @@ from compiles import counting_lowerings
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import eagle_like, motif_prompts, tiny_model
 
-from jaxspec.decode import acceptance, adaptive, adaptive_loop, calibration, speculate, tree
+from jaxspec.decode import acceptance, adaptive, speculate, tree
+from jaxspec.decode.adaptive import calibration
+from jaxspec.decode.adaptive import loop as adaptive_loop
 from jaxspec import hlo
 from jaxspec.config import AdaptiveConfig, load_config
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal

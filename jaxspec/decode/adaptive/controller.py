@@ -57,7 +57,7 @@ that looked at the current draws would bias the output (tests/test_adaptive.py r
 variant and sees it fail the exact-law test). The cap couples rows: a row's *sample* may depend
 on its batch mates (through c), its *law* does not.
 
-The host side (engine_policy.AdaptivePolicy) runs a whole batch on the plain program instead
+The host side (host.AdaptiveHost) runs a whole batch on the plain program instead
 when this size's cost curve says speculation cannot pay (`best_gain`), or, above batch 1, when
 earlier batches' acceptance or the last batch's realized gain (`realized_gain`) says so.
 """
@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode import tree
-from jaxspec.decode.adaptive_settings import AdaptiveConfig
+from jaxspec.decode.adaptive.settings import AdaptiveConfig
 from jaxspec.decode.drafter import Proposal
 
 @jax.tree_util.register_dataclass
@@ -150,7 +150,7 @@ class Controller:
         return hash(self._key())
 
     def init(self, batch: int, costs) -> AdaptiveState:
-        """costs: one curve [G+1] (every context) or {fill: curve} (jaxspec.decode.calibration)."""
+        """costs: one curve [G+1] (every context) or {fill: curve} (calibration.py)."""
         g, s = self.gamma, self.settings
         fills, table = cost_table(costs)
         return AdaptiveState(
