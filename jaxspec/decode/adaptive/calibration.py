@@ -15,10 +15,12 @@ decoding's loop (`measure_loop`); the verify and draft curves are the pieces, us
 user gives a verify curve or a per-node draft cost instead. Calibration is an explicit step of
 the engine (`Engine.calibrate`, announced by a progress line), never a side effect.
 
-Each curve is measured at every context length in `FILLS` (committed tokens per row): attention
-reads each row's valid prefix, so a window's cost relative to a plain step grows with the context
+Each curve is measured at every context length in `fills` (committed tokens per row; default
+FILLS, `speculative.adaptive.context_lengths` sets others, e.g. 1k, 4k, 8k, 32k): attention reads
+each row's valid prefix, so a window's cost relative to a plain step grows with the context
 (controller.py interpolates between the fills in the loop). The lengths are data: one compile per
-width serves every fill (the cache holds max(FILLS) + 64 slots).
+width serves every fill up to max(FILLS) (the cache holds max(FILLS) + 64 slots); a longer fill
+gets a cache of its own length (`capacity_for`), one compile each.
 
 Verify: `speculate.verify` (the loop's own verify, same kernels) over a chain window on a cache
 holding `fill` tokens, next to plain's in-place step (the reference: cost 1 at that fill, and
@@ -71,7 +73,13 @@ DRIFT = 0.2  # a plain step this far (relative) from the cached one: the file is
 Measure = Callable[[Any, int, list[int]], list[float]]  # (model, batch, widths) -> seconds each
 
 
-def calibration_key(model) -> dict[str, Any]:
+def capacity_for(fill: int) -> int:
+    """Cache slots (before a measurement's margin) for rows holding `fill` tokens: max(FILLS)
+    for every default fill (one compile serves them all), the fill itself past it."""
+    return max(max(FILLS), int(fill))
+
+
+def calibration_key(model, fills=None) -> dict[str, Any]:
     """What a measured cost depends on. A field that changes gives a different cache file."""
     return {
         "model": str(getattr(model, "name", "")),
@@ -84,28 +92,28 @@ def calibration_key(model) -> dict[str, Any]:
             os.environ.get("JAXSPEC_CPU_KERNELS", ""),
             os.environ.get("JAXSPEC_CPU_ATTENTION", ""),
         ],
-        "fills": list(FILLS),
+        "fills": list(fills or FILLS),
         "estimate": "median-ratio",
     }
 
 
-def draft_key(model, drafter, dparams, gamma: int) -> dict[str, Any]:
+def draft_key(model, drafter, dparams, gamma: int, fills=None) -> dict[str, Any]:
     """The target's key plus what the drafter's step time depends on."""
     leaves = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)]
     shapes = hashlib.sha256(repr((jax.tree.structure(dparams), leaves)).encode()).hexdigest()
     # what k = 0 runs: a plain run's catch-up (per step of a full run), or propose + commit
     run = f"commit_plain/{loop.MAX_PLAIN_RUN}"
     k0 = run if _plain_commit_only(drafter) else "propose+commit"
-    return calibration_key(model) | {
+    return calibration_key(model, fills) | {
         "drafter": repr(drafter), "dparams": shapes, "gamma": gamma, "k0": k0
     }
 
 
-def loop_key(model, spec, dparams) -> dict[str, Any]:
+def loop_key(model, spec, dparams, fills=None) -> dict[str, Any]:
     """The drafter's key plus what the loop's step adds: the decode step timed whole, a plain
     run's length (what k = 0's catch-up is divided by) and the tree, if any."""
     run = loop.plain_run_length(spec) if traits(spec.drafter).commit_plain else 0
-    return draft_key(model, spec.drafter, dparams, spec.num_speculative_tokens) | {
+    return draft_key(model, spec.drafter, dparams, spec.num_speculative_tokens, fills) | {
         "step": f"decode x{loop_steps(spec)}, fixed plan", "nodes": spec.num_nodes,
         "k0": f"plain run of {run} + catch-up" if run else "decode_step, 0 nodes",
     }
@@ -140,19 +148,21 @@ def _cached(key: dict, batch: int, names: list[str], measure, recalibrate: bool)
     return times
 
 
-def drifted(model, batch: int, *, measure: Measure | None = None) -> bool:
+def drifted(model, batch: int, *, measure: Measure | None = None, fills=None) -> bool:
     """Whether this machine's plain step at this batch size (FILLS[0]) now takes more than
     DRIFT away from what the cached verify calibration measured: load on a shared machine
     changes the cost ratios along with the plain step's time, so such a file is measured
     again. No cached file for this batch size: False (it will be measured anyway)."""
-    now = lambda: (measure or measure_verify)(model, batch, [1], FILLS[0])[0]
-    return _drifted(calibration_key(model), batch, f"1@{FILLS[0]}", now)
+    first = (fills or FILLS)[0]
+    now = lambda: (measure or measure_verify)(model, batch, [1], first)[0]
+    return _drifted(calibration_key(model, fills), batch, f"1@{first}", now)
 
 
-def loop_drifted(model, spec, dparams, batch: int, *, measure=None) -> bool:
+def loop_drifted(model, spec, dparams, batch: int, *, measure=None, fills=None) -> bool:
     """`drifted` for the file of `loop_costs`: its plain decode step re-timed."""
-    now = lambda: (measure or measure_loop)(model, spec, dparams, batch, [], FILLS[0])[0]
-    return _drifted(loop_key(model, spec, dparams), batch, f"plain@{FILLS[0]}", now)
+    first = (fills or FILLS)[0]
+    now = lambda: (measure or measure_loop)(model, spec, dparams, batch, [], first)[0]
+    return _drifted(loop_key(model, spec, dparams, fills), batch, f"plain@{first}", now)
 
 
 def _drifted(key: dict, batch: int, ref: str, now: Callable[[], float]) -> bool:
@@ -162,7 +172,8 @@ def _drifted(key: dict, batch: int, ref: str, now: Callable[[], float]) -> bool:
 
 
 def step_costs(
-    model, batch: int, gamma: int, *, recalibrate: bool = False, measure: Measure | None = None
+    model, batch: int, gamma: int, *, recalibrate: bool = False, measure: Measure | None = None,
+    fills=None,
 ) -> dict[int, list[float]]:
     """Relative verify cost for k = 0..γ draft nodes at this batch size, per fill: time(window
     of 1 + k entries) / time(the plain program's 1-entry forward, which writes the cache in
@@ -173,16 +184,17 @@ def step_costs(
     measure = measure or measure_verify
     widths = lambda todo: [0 if n.startswith("w1@") else int(n.split("@")[0]) for n in todo]
     out = {}
-    for fill in FILLS:
+    for fill in fills or FILLS:
         names = [f"{n}@{fill}" for n in ["1", "w1", *map(str, range(2, gamma + 2))]]
         run = lambda todo, fill=fill: measure(model, batch, widths(todo), fill)
-        times = _cached(calibration_key(model), batch, names, run, recalibrate)
+        times = _cached(calibration_key(model, fills), batch, names, run, recalibrate)
         out[fill] = [times[n] / times[names[0]] for n in names[1:]]
     return out
 
 
 def draft_costs(
-    model, drafter, dparams, batch: int, gamma: int, *, recalibrate: bool = False, measure=None
+    model, drafter, dparams, batch: int, gamma: int, *, recalibrate: bool = False, measure=None,
+    fills=None,
 ) -> dict[int, list[float]]:
     """The drafter's work per step with k = 0..γ nodes (propose + commit), in plain steps (a
     1-entry verify at this batch size and fill, timed in the same rounds), per fill.
@@ -190,11 +202,12 @@ def draft_costs(
     k]); default `measure_draft`."""
     measure = measure or measure_draft
     run = lambda ks, fill: measure(model, drafter, dparams, batch, gamma, ks, fill)
-    return _curves(draft_key(model, drafter, dparams, gamma), batch, gamma, run, recalibrate)
+    key = draft_key(model, drafter, dparams, gamma, fills)
+    return _curves(key, batch, gamma, run, recalibrate, fills)
 
 
 def loop_costs(
-    model, spec, dparams, batch: int, *, recalibrate: bool = False, measure=None
+    model, spec, dparams, batch: int, *, recalibrate: bool = False, measure=None, fills=None
 ) -> dict[int, list[float]]:
     """The adaptive loop's whole step with k = 0..γ nodes, in plain decoding's steps, per fill:
     what controller.py divides expected tokens by when the drafter's work is measured ("auto").
@@ -204,15 +217,15 @@ def loop_costs(
     `measure_loop`."""
     measure = measure or measure_loop
     run = lambda ks, fill: measure(model, spec, dparams, batch, ks, fill)
-    key = loop_key(model, spec, dparams)
-    return _curves(key, batch, spec.adaptive.gamma, run, recalibrate)  # a tree: its depth
+    key = loop_key(model, spec, dparams, fills)
+    return _curves(key, batch, spec.adaptive.gamma, run, recalibrate, fills)  # a tree: depth
 
 
-def _curves(key: dict, batch: int, gamma: int, measure_fill, recalibrate: bool):
+def _curves(key: dict, batch: int, gamma: int, measure_fill, recalibrate: bool, fills=None):
     """{fill: [cost of k = 0..γ]} from the cache file of `key` (names "plain@fill", "k@fill"),
     measuring a fill's missing names by measure_fill(ks, fill) -> (plain seconds, [seconds])."""
     out = {}
-    for fill in FILLS:
+    for fill in fills or FILLS:
 
         def run(todo, fill=fill):
             plain, each = measure_fill([int(n.split("@")[0]) for n in todo[1:]], fill)
@@ -295,7 +308,7 @@ def measure_verify(model, batch: int, widths: list[int], fill: int = FILLS[0]) -
     target = model.target
     spec = speculate.LoopSpec(target=target, drafter=None, num_speculative_tokens=0, eos_ids=())
     # one capacity for every fill: the lengths are data, one compile
-    cache = target.init_cache(model.params, batch, max(FILLS) + 64)
+    cache = target.init_cache(model.params, batch, capacity_for(fill) + 64)
     cache = cache.with_lengths(jnp.full((batch,), fill, jnp.int32))
     sp = SamplingParams.make()
     runs = {}
@@ -357,7 +370,7 @@ def measure_draft(
         target=target, drafter=drafter, num_speculative_tokens=gamma, eos_ids=()
     )
     prompt = 16  # the drafter's init runs over a short prompt; the rows then claim `fill` tokens
-    cap = max(FILLS) + 2 * gamma + 8  # every fill in one capacity: one compile
+    cap = capacity_for(fill) + 2 * gamma + 8  # every default fill in one capacity: one compile
     b = batch
     dstate = speculate.prefill_jit(
         spec, model.params, dparams, jnp.ones((b, prompt), jnp.int32),
@@ -395,7 +408,7 @@ def measure_draft(
             _draft_step, dstate, dparams, bound, ctx, sp, keys, commit_ctx,
             drafter=drafter, gamma=gamma,
         )
-    verify_cache = target.init_cache(model.params, b, max(FILLS) + 64)
+    verify_cache = target.init_cache(model.params, b, capacity_for(fill) + 64)
     verify_cache = verify_cache.with_lengths(lengths + 0)  # its own buffer: the cache is donated
     window = tree.build_window(
         jnp.ones((b,), jnp.int32), lengths, jnp.ones((b, 0), jnp.int32), tree.chain_parents(b, 0),
@@ -466,7 +479,7 @@ def measure_loop(model, spec, dparams, batch: int, ks: list[int], fill: int = FI
         target=model.target, drafter=None, num_speculative_tokens=0, eos_ids=()
     )
     steps = loop_steps(spec)
-    cap = max(FILLS) + steps * (spec.depth + 1) + 64  # every fill in one capacity: one compile
+    cap = capacity_for(fill) + steps * (spec.depth + 1) + 64  # default fills: one compile
     sp, b = SamplingParams.make(), batch
     runs = {"plain": _carried(
         _decode_from, _loop_state(model, plain_spec, None, b, fill, cap), model.params, None, sp,

@@ -45,6 +45,12 @@ class AdaptiveHost:
         self.last_runs: dict[int | str, tuple[list[int], list[int], float]] = {}
 
     @property
+    def fills(self) -> tuple[int, ...] | None:
+        """The context lengths the curves are measured at (None: calibration.FILLS)."""
+        lengths = self.settings.context_lengths
+        return tuple(sorted(int(n) for n in lengths)) if lengths else None
+
+    @property
     def measures(self) -> bool:
         """Whether the curves are calibrated on this machine (else given by the settings)."""
         s = self.settings
@@ -65,8 +71,11 @@ class AdaptiveHost:
             s = self.settings
             if s.step_costs is None and s.draft_cost == "auto":
                 model, spec = self.model, self.spec
-                again = s.recalibrate or calibration.loop_drifted(model, spec, dparams, batch)
-                costs = calibration.loop_costs(model, spec, dparams, batch, recalibrate=again)
+                fills = self.fills
+                again = s.recalibrate or calibration.loop_drifted(
+                    model, spec, dparams, batch, fills=fills)
+                costs = calibration.loop_costs(
+                    model, spec, dparams, batch, recalibrate=again, fills=fills)
             else:
                 costs = self._summed_costs(batch, dparams)
             self.costs[batch] = {  # more nodes: never cheaper
@@ -95,9 +104,11 @@ class AdaptiveHost:
                 "speculative.adaptive.draft_cost=auto or give step_costs (one per depth 0..D)"
             )
         # a calibration this machine has drifted away from is measured again (both curves)
-        again = s.recalibrate or (src is None and calibration.drifted(self.model, batch))
+        fills = self.fills
+        again = s.recalibrate or (
+            src is None and calibration.drifted(self.model, batch, fills=fills))
         if src is None:
-            verify = calibration.step_costs(self.model, batch, g, recalibrate=again)
+            verify = calibration.step_costs(self.model, batch, g, recalibrate=again, fills=fills)
         else:
             verify = src(batch) if callable(src) else src
             verify = {int(f): list(c) for f, c in verify.items()} if isinstance(
@@ -112,7 +123,7 @@ class AdaptiveHost:
             verify = {f: [1.0, *c[1:]] for f, c in verify.items()}  # plain's own step
         if s.draft_cost == "auto":
             draft = calibration.draft_costs(
-                self.model, self.drafter, dparams, batch, g, recalibrate=again
+                self.model, self.drafter, dparams, batch, g, recalibrate=again, fills=fills
             )
             if set(draft) != set(verify):  # given verify costs: the drafter's at each fill
                 fills, rows = controller.cost_table(draft)

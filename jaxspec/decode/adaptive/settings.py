@@ -44,6 +44,10 @@ class AdaptiveConfig(Section):
     # of 1..γ+1 entries), or {fill: curve}; in Python also a function batch size -> either.
     # null: measured
     step_costs: object = None
+    # context lengths (committed tokens per row) the step costs are measured at, e.g.
+    # [1024, 4096, 8192, 32768]: a window's cost grows with the context its attention reads, and
+    # the loop reads the curve at each step's context. null: 128 and 1024
+    context_lengths: object = None
 
     def _validate(self):
         if not 0.0 <= self.decay < 1.0:
@@ -66,6 +70,13 @@ class AdaptiveConfig(Section):
             self._fail("handoff_after", "use an integer >= 0 (0: never hand off)")
         if not (math.isfinite(self.explore) and self.explore >= 0):
             self._fail("explore", "use a finite number >= 0 (standard errors; 0: probes only)")
+        lengths = self.context_lengths
+        if lengths is not None and not (
+            isinstance(lengths, (list, tuple)) and lengths
+            and all(matches(n, int) and n >= 1 for n in lengths)
+        ):
+            self._fail("context_lengths", "use a list of integers >= 1 (committed tokens), or "
+                       "null (128 and 1024)")
         costs = self.step_costs
         curve = lambda c: isinstance(c, (list, tuple)) and all(matches(x, float) for x in c)
         if not (costs is None or callable(costs) or curve(costs) or (
