@@ -539,6 +539,7 @@ def test_step_costs_at_the_context_lengths_asked(target, calibration_dir):
     host = AdaptiveHost(Options(context_lengths=[8192, 1024], step_costs={1024: [1.0, 1.5, 2.0],
                         8192: [1.0, 3.0, 5.0]}, draft_cost=0.0), target, None, NgramDrafter(8))
     assert host.fills == (1024, 8192)
+    assert Options(context_lengths="[1024, 8192]").context_lengths == [1024, 8192]  # the CLI's
     for bad in ([], [0], "4k"):
         with pytest.raises(JaxspecError, match="context_lengths"):
             Options(context_lengths=bad)

@@ -71,6 +71,13 @@ class AdaptiveConfig(Section):
         if not (math.isfinite(self.explore) and self.explore >= 0):
             self._fail("explore", "use a finite number >= 0 (standard errors; 0: probes only)")
         lengths = self.context_lengths
+        if isinstance(lengths, str):  # a command-line override: "[1024, 8192]" or "1024,8192"
+            text = lengths.strip().strip("[]")
+            try:
+                lengths = [int(n) for n in text.split(",")] if text else []
+            except ValueError:
+                pass
+            object.__setattr__(self, "context_lengths", lengths)
         if lengths is not None and not (
             isinstance(lengths, (list, tuple)) and lengths
             and all(matches(n, int) and n >= 1 for n in lengths)
