@@ -2,13 +2,15 @@
 with adaptive speculation priced by the context (issue 61), in one run on this machine.
 
 One target load; per prompt length (tokens of Spec-Bench questions run together, no chat
-template, so each method reads the same ids): plain greedy decoding, then each config with
-`speculative.adaptive` switched on and calibrated at the context lengths asked. Per row: decode
+template, so each method reads the same ids): plain greedy decoding, then each shipped config as
+it is (fixed γ), or with --adaptive switched on and calibrated at the context lengths asked
+(`speculative.adaptive.context_lengths`). Every engine holds one cache of --max-context slots,
+so one decode program serves every length (a prefill program per length). Per row: decode
 tok/s (prefill and compilation excluded), the speedup over plain's in the same run, mean draft
 length, plain-step fraction and the adaptive reasons (adaptive.REASONS); greedy outputs are
 checked against plain's. A JSON line per (length, method).
 
-    PYTHONPATH=$PWD python scripts/bench_context.py --lengths 1024 4096 8000 --new 32
+    PYTHONPATH=$PWD python scripts/bench_context.py --lengths 1024 4096 8000 --new 32 [--adaptive]
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--calibrate-at", type=int, nargs="+", default=None,
                     help="context lengths of the step-cost calibration (default: --lengths)")
     ap.add_argument("--new", type=int, default=32, help="new tokens per request")
+    ap.add_argument("--max-context", type=int, default=8192, help="KV slots per row, every engine")
+    ap.add_argument("--adaptive", action="store_true", help="adaptive speculation, calibrated")
     args = ap.parse_args()
 
     from jaxspec.build import build_engine
@@ -64,12 +68,14 @@ def main() -> None:
 
     model = load_model(args.model)
     fills = args.calibrate_at or args.lengths
-    plain = Engine(model, chat_template=False)
+    plain = Engine(model, chat_template=False, max_context=args.max_context)
     engines = {}
     for path in args.configs:
-        config = load_config(path, [
-            "speculative.adaptive.enabled=true", "generation.chat_template=false",
-            f"speculative.adaptive.context_lengths=[{','.join(map(str, fills))}]"])
+        overrides = ["generation.chat_template=false", f"generation.max_context={args.max_context}"]
+        if args.adaptive:
+            overrides += ["speculative.adaptive.enabled=true",
+                          f"speculative.adaptive.context_lengths=[{','.join(map(str, fills))}]"]
+        config = load_config(path, overrides)
         engines[config.speculative.method] = build_engine(config, target=model)
     for n in args.lengths:
         ids = prompt_ids(model.tokenizer, n)

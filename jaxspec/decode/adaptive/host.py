@@ -50,6 +50,10 @@ class AdaptiveHost:
         lengths = self.settings.context_lengths
         return tuple(sorted(int(n) for n in lengths)) if lengths else None
 
+    def _at(self) -> dict:
+        """The calibration's `fills` keyword where context lengths are set (else its default)."""
+        return {"fills": self.fills} if self.fills else {}
+
     @property
     def measures(self) -> bool:
         """Whether the curves are calibrated on this machine (else given by the settings)."""
@@ -71,11 +75,9 @@ class AdaptiveHost:
             s = self.settings
             if s.step_costs is None and s.draft_cost == "auto":
                 model, spec = self.model, self.spec
-                fills = self.fills
-                again = s.recalibrate or calibration.loop_drifted(
-                    model, spec, dparams, batch, fills=fills)
-                costs = calibration.loop_costs(
-                    model, spec, dparams, batch, recalibrate=again, fills=fills)
+                at = self._at()
+                again = s.recalibrate or calibration.loop_drifted(model, spec, dparams, batch, **at)
+                costs = calibration.loop_costs(model, spec, dparams, batch, recalibrate=again, **at)
             else:
                 costs = self._summed_costs(batch, dparams)
             self.costs[batch] = {  # more nodes: never cheaper
@@ -104,11 +106,10 @@ class AdaptiveHost:
                 "speculative.adaptive.draft_cost=auto or give step_costs (one per depth 0..D)"
             )
         # a calibration this machine has drifted away from is measured again (both curves)
-        fills = self.fills
-        again = s.recalibrate or (
-            src is None and calibration.drifted(self.model, batch, fills=fills))
+        at = self._at()
+        again = s.recalibrate or (src is None and calibration.drifted(self.model, batch, **at))
         if src is None:
-            verify = calibration.step_costs(self.model, batch, g, recalibrate=again, fills=fills)
+            verify = calibration.step_costs(self.model, batch, g, recalibrate=again, **at)
         else:
             verify = src(batch) if callable(src) else src
             verify = {int(f): list(c) for f, c in verify.items()} if isinstance(
@@ -123,7 +124,7 @@ class AdaptiveHost:
             verify = {f: [1.0, *c[1:]] for f, c in verify.items()}  # plain's own step
         if s.draft_cost == "auto":
             draft = calibration.draft_costs(
-                self.model, self.drafter, dparams, batch, g, recalibrate=again, fills=fills
+                self.model, self.drafter, dparams, batch, g, recalibrate=again, **at
             )
             if set(draft) != set(verify):  # given verify costs: the drafter's at each fill
                 fills, rows = controller.cost_table(draft)
