@@ -87,7 +87,7 @@ def predicted(model, layout: str, batch: int, width: int, fill: int) -> dict:
 def cost_curve(model, batches, widths, fill, layout="unrolled") -> list[dict]:
     """A verify step over each window width at each batch, in one-token steps (width 1 = 1.0),
     each with the step model's prediction beside it (widths 1 and 5 only: compiles cost)."""
-    from jaxspec.decode import calibration
+    from jaxspec.decode.adaptive import calibration
 
     rows = []
     for b in batches:

@@ -24,7 +24,7 @@ import time
 
 import jax
 
-from jaxspec.decode import calibration
+from jaxspec.decode.adaptive import calibration
 from jaxspec.models import base, llama, moe
 from jaxspec.models.qwen3_moe import MoeConfig, MoeTarget, init_params
 

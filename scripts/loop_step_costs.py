@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import statistics
 
-from jaxspec.decode import calibration
+from jaxspec.decode.adaptive import calibration
 from jaxspec.build import build_engine
 from jaxspec.engine.runner import Engine
 from jaxspec.config import load_config

@@ -94,6 +94,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_help.py",
     "test_cases.py",
     "test_engine_units.py",
+    "test_drafter_window.py",
     "test_logprobs.py",
     "test_config.py",
     "test_logit_bias.py",

@@ -1,4 +1,4 @@
-"""Adaptive speculation (jaxspec/decode/adaptive.py, jaxspec/decode/calibration.py) on tiny random models:
+"""Adaptive speculation (jaxspec/decode/adaptive/: controller.py, calibration.py) on tiny random models:
 greedy identity, the exact law with lengths that adapt (and a length that peeks at the current
 draw failing it), one program for every length, the calibration cache, the switch-off."""
 
@@ -14,7 +14,10 @@ from compiles import counting_lowerings
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from tiny import eagle_like, motif_prompts, tiny_model
 
-from jaxspec.decode import acceptance, adaptive, adaptive_loop, calibration, speculate, tree
+from jaxspec.decode import acceptance, adaptive, speculate, tree
+from jaxspec.decode.adaptive import calibration
+from jaxspec.decode.adaptive import loop as adaptive_loop
+from jaxspec.decode.adaptive.host import AdaptiveHost
 from jaxspec import hlo
 from jaxspec.config import AdaptiveConfig, load_config
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
@@ -522,6 +525,26 @@ def test_step_costs_are_cached_per_model_and_width(target, calibration_dir):
     assert "fills" in calibration.calibration_key(target)  # session 8's files (one fill): not read
 
 
+def test_step_costs_at_the_context_lengths_asked(target, calibration_dir):
+    """`speculative.adaptive.context_lengths`: the curves are measured at those fills (a file of
+    their own), the host passes them on, and a length past the default fills gets a cache that
+    holds it (`capacity_for`)."""
+    calls = []
+    got = calibration.step_costs(target, 1, 2, measure=fake_verify(calls), fills=(4096, 512))
+    assert list(got) == [4096, 512] and got[4096][1] > got[512][1]  # a longer prefix costs more
+    assert sorted({c[3] for c in calls}) == [512, 4096]
+    assert calibration.cache_file(None, calibration.calibration_key(target, (4096, 512))) != \
+        calibration.cache_file(target)
+    assert calibration.capacity_for(128) == 1024 and calibration.capacity_for(8192) == 8192
+    host = AdaptiveHost(Options(context_lengths=[8192, 1024], step_costs={1024: [1.0, 1.5, 2.0],
+                        8192: [1.0, 3.0, 5.0]}, draft_cost=0.0), target, None, NgramDrafter(8))
+    assert host.fills == (1024, 8192)
+    assert Options(context_lengths="[1024, 8192]").context_lengths == [1024, 8192]  # the CLI's
+    for bad in ([], [0], "4k"):
+        with pytest.raises(JaxspecError, match="context_lengths"):
+            Options(context_lengths=bad)
+
+
 def test_drift_is_the_plain_step_retimed_against_the_cached_one(target, calibration_dir):
     calls = []
     fake = fake_verify(calls)
@@ -640,6 +663,34 @@ def test_the_cost_curve_follows_the_context():
     assert float(after.spent) == pytest.approx(1.55)
 
 
+def test_each_row_says_why_it_verifies_what_it_does():
+    """The plan's reasons (adaptive.REASONS, per row): at a long context where the same estimates
+    would draft at the shortest calibrated one, "context"; where no window pays even there,
+    "acceptance"; a row whose room is shorter than the cap, "room"; a probe, "probe". Counted per
+    active row by `observe` and reported by `summarize`."""
+    ctl = controller(3, probe_every=4, explore=0.0)
+    st = ctl.init(3, {1024: [1.0, 1.9, 2.9, 3.9], 128: [1.0, 1.2, 1.4, 1.6]})
+    st = dataclasses.replace(st, alpha=jnp.full((3, 3), 0.8))
+    on = jnp.ones((3,), bool)
+    decide = lambda st, context, room=(50, 50, 50), step=5: ctl.decide(
+        st, jnp.full((3,), step), on, jnp.asarray(room), jnp.asarray(context))
+    why = lambda r: [adaptive.REASONS[int(i)] for i in r[1]]
+    assert why(decide(st, (100, 100, 100), room=(50, 2, 50))) == ["drafts", "room", "drafts"]
+    assert why(decide(st, (1000, 1100, 1200))) == ["context"] * 3  # pays at 128, not here
+    weak = dataclasses.replace(st, alpha=jnp.full((3, 3), 0.05))
+    assert why(decide(weak, (100, 100, 100))) == ["acceptance"] * 3
+    lengths, reasons = decide(st, (1000, 1100, 1200), step=8)  # a probe step
+    assert lengths.tolist() == [1, 1, 1] and why((lengths, reasons)) == ["probe"] * 3
+    plan = adaptive.Plan(lengths, jnp.zeros((), bool), reasons)
+    out = adaptive.Outcome(lengths, jnp.asarray([1, 0, 1]), jnp.asarray([True, True, False]),
+                           jnp.asarray([1000, 1100, 1200]), jnp.asarray(8))
+    after = ctl.observe(st, plan, out)
+    metrics = adaptive.summarize(after.length_hist[0], after.plain_steps[0], 1,
+                                 after.reason_hist[0])
+    assert metrics["adaptive_reasons"] == {"probe": 1}
+    assert after.reason_hist[2].tolist() == [0] * len(adaptive.REASONS)  # inactive: not counted
+
+
 def test_speculation_switches_off_at_a_long_context(target):
     """A drafter that pays at a short context but not at a long one (verify cost per fill, as
     calibration measures it: attention over the context grows with it): the same repetitive
@@ -657,6 +708,9 @@ def test_speculation_switches_off_at_a_long_context(target):
     at_short, at_long = (r.metrics for r in got)
     assert at_short["num_draft_tokens"] > 0 and sum(at_short["adaptive_gamma_hist"][1:]) > 0
     assert at_long["adaptive_plain_fraction"] == 1.0 and at_long["num_draft_tokens"] == 0
+    why_long, why_short = at_long["adaptive_reasons"], at_short["adaptive_reasons"]
+    assert why_long["context"] > 0 and set(why_long) <= {"context", "room"}  # room: no match
+    assert sum(why_long.values()) == at_long["num_steps"] and why_short.get("drafts", 0) > 0
 
 
 def cache_file_differs(a, b) -> bool:

@@ -1,4 +1,4 @@
-"""The engine's units, each alone (jaxspec/engine/prepare.py, programs.py, results.py, adaptive_host.py)
+"""The engine's units, each alone (jaxspec/engine/prepare.py, programs.py, results.py, decode/adaptive/host.py)
 and the loop's adaptive interface (adaptive.Controller.plan / observe): what each promises,
 through public names only."""
 
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from tiny import motif_prompts, sequence_logits, tiny_model
 
-from jaxspec.decode import adaptive, calibration, speculate
-from jaxspec.engine.adaptive_host import REPROBE_BATCHES, AdaptiveHost
+from jaxspec.decode import adaptive, speculate
+from jaxspec.decode.adaptive import calibration
+from jaxspec.decode.adaptive.host import REPROBE_BATCHES, AdaptiveHost
 from jaxspec.config import AdaptiveConfig
 from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine

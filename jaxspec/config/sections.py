@@ -10,7 +10,7 @@ import yaml
 from jaxspec.errors import JaxspecError
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS, sampling_problem
 from jaxspec.options import Section, as_dict
-from jaxspec.decode.adaptive_settings import AdaptiveConfig  # noqa: F401 (jax-free; re-exported)
+from jaxspec.decode.adaptive.settings import AdaptiveConfig  # noqa: F401 (jax-free; re-exported)
 
 MAX_NGRAM = 16  # same bound as jaxspec.drafters.prompt_lookup
 MAX_TREE_NODES = 63  # window of 1 + nodes <= the CPU attention kernel's 64 queries

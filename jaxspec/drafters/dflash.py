@@ -107,6 +107,12 @@ class DFlashDrafter:
                     f"{kc} selector candidates per position: use top_k <= {kc}"
                 )
 
+    def with_sliding_window(self, window: int):
+        """This head with every draft layer's attention sliding by `window` (the published
+        config's `sliding_window` for all layers; each layer's causal flag stays as read)."""
+        spec = dataclasses.replace(self.spec, windows=(window,) * self.spec.num_layers)
+        return dataclasses.replace(self, spec=spec)
+
     def _check_depth(self, depth: int, what: str) -> None:
         if depth > self.max_drafts:
             raise JaxspecError(
@@ -337,7 +343,7 @@ def top_indices(x, k: int) -> jax.Array:
 
 # ---- method "dflash" --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DFlashOptions(trained.CheckpointOptions):
+class DFlashOptions(trained.WindowOptions):
     """speculative.dflash: a DFlash / DFlash 2 head in the authors' layout (config.json with
     architectures [DFlashDraftModel | DFlash2DraftModel]). γ (num_speculative_tokens) is at most
     block_size - 1; a static tree (speculative.tree.kind=static) takes its paths of per-position
@@ -348,6 +354,7 @@ class DFlashOptions(trained.CheckpointOptions):
     tree_children: Literal["top_k", "sampled"] = "top_k"
 
     def _validate(self):
+        super()._validate()
         if self.tree_children not in TREE_CHILDREN:
             self._fail("tree_children", f"use one of {', '.join(TREE_CHILDREN)}")
 

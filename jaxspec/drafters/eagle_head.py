@@ -370,6 +370,7 @@ class EagleOptions(trained.Eagle3LayoutOptions):
     draft_confidence: float = 0.0
 
     def _validate(self):
+        super()._validate()
         if not 0.0 <= self.draft_confidence < 1.0:
             self._fail("draft_confidence", "use a number in [0, 1); 0 drafts γ tokens always")
 

@@ -70,14 +70,17 @@ def qkv(cfg, lp, attn_in, positions):
     return llama.apply_rope(q, positions, inv_freq), llama.apply_rope(k, positions, inv_freq), v
 
 
-def cached_block(cfg, lp, attn_in, residual, k_cache, v_cache, positions):
+def cached_block(cfg, lp, attn_in, residual, k_cache, v_cache, positions, window=None):
     """One decoder layer over the drafter cache [B, K, S, Hd]: writes k/v at positions [B, T],
-    attends slots 1..position. Returns (h [B, T, H], k_cache, v_cache)."""
+    attends slots 1..position (with a sliding `window`: only the last `window` of them, keys with
+    position - slot < window). Returns (h [B, T, H], k_cache, v_cache)."""
     q, k, v = qkv(cfg, lp, attn_in, positions)
     k_cache = decoder.write_kv(k_cache, k, positions)
     v_cache = decoder.write_kv(v_cache, v, positions)
     slot = jnp.arange(k_cache.shape[2])[None, None, :]
     mask = (slot <= positions[..., None]) & (slot >= 1)  # [B, T, S]; slot 0: x_0, no feature
+    if window is not None:
+        mask &= positions[..., None] - slot < window
     x = residual + linear(attend(q, k_cache, v_cache, mask), lp["wo"])
     return mlp(cfg, lp, x), k_cache, v_cache
 
@@ -110,6 +113,7 @@ class ChainDrafter(abc.ABC):
     hidden_layers: tuple[int, ...]  # target hidden states (HF indexing) the drafter reads
     name: str = "chain"
     variable_length: bool = False
+    window: int | None = None  # sliding window of the layer's attention (None: the whole context)
 
     # ---- hooks (subclasses) -------------------------------------------------------------------
     @abc.abstractmethod
@@ -150,7 +154,12 @@ class ChainDrafter(abc.ABC):
             k_cache,
             v_cache,
             positions,
+            self.window,
         )
+
+    def with_sliding_window(self, window: int):
+        """This head with its attention reading the last `window` positions of the context."""
+        return dataclasses.replace(self, window=window)
 
     def forward(self, dparams, tparams, tokens, features):
         """Reference form over a whole sequence: tokens int[B, T], target features

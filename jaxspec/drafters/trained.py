@@ -27,7 +27,19 @@ class CheckpointOptions(DrafterOptions):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Eagle3LayoutOptions(CheckpointOptions):
+class WindowOptions(CheckpointOptions):
+    # the drafter's attention reads only the last this many positions of the context (a sliding
+    # window, as heads trained at short context define it); null: as the checkpoint's config says
+    sliding_window: int | None = None
+
+    def _validate(self):
+        super()._validate()
+        if self.sliding_window is not None and self.sliding_window < 1:
+            self._fail("sliding_window", "use an integer >= 1, or null (the checkpoint's own)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eagle3LayoutOptions(WindowOptions):
     # EAGLE-3 checkpoints naming their tapped layers: id i is the input of layer i (input: vLLM)
     # or its output (output: SGLang / SpecForge). Without ids both tap layers 2, L//2, L-3.
     eagle3_layer_ids: Literal["input", "output"] = "input"
@@ -41,6 +53,13 @@ def load(method: str, options: CheckpointOptions, ctx: BuildContext) -> tuple[An
             f"drafter checkpoint directory (jaxspec, EAGLE-3, speculators, Medusa or MTP layout)"
         )
     layer_ids = options.eagle3_layer_ids if isinstance(options, Eagle3LayoutOptions) else "input"
-    return ctx.load_checkpoint(
+    drafter, dparams = ctx.load_checkpoint(
         method, options.checkpoint, ctx.target, options.checkpoint_format, layer_ids
     )
+    if isinstance(options, WindowOptions) and options.sliding_window is not None:
+        if not hasattr(drafter, "with_sliding_window"):
+            raise JaxspecError(
+                f"{options.SECTION}.sliding_window: the {drafter.name} head in "
+                f"{options.checkpoint} takes no attention window: drop it")
+        drafter = drafter.with_sliding_window(options.sliding_window)
+    return drafter, dparams

@@ -153,9 +153,10 @@ class Report:
     def adaptive_metrics(self, state, row: int, steps: int) -> dict[str, Any]:
         g = self.spec.adaptive.gamma  # a chain's length, a tree's depth
         if state.adaptive is None:  # switched off: every step plain
-            hist, plain = [steps] + [0] * g, steps
+            hist, plain, why = [steps] + [0] * g, steps, None
         else:
             hist, plain = state.adaptive.length_hist[row], state.adaptive.plain_steps[row]
+            why = state.adaptive.reason_hist[row]
         handoff = -1 if state.adaptive is None else int(state.adaptive.handoff_at)
         return {"adaptive_switched_off": state.adaptive is None,
-                "adaptive_handoff_step": handoff} | adaptive.summarize(hist, plain, steps)
+                "adaptive_handoff_step": handoff} | adaptive.summarize(hist, plain, steps, why)

@@ -3,7 +3,7 @@ times them, from small units each with one job:
 
     prepare.Requests         tokenise, validate, bucket, pack a batch's arrays
     programs.Programs        the compiled-program cache (and the attention each program holds)
-    adaptive_host.AdaptiveHost   adaptive speculation's cost curves and cross-batch learner
+    adaptive.host.AdaptiveHost   adaptive speculation's cost curves and cross-batch learner
     results.Report           fetched state -> GenerationResult, text and metrics
     serving_surface.ServingSurface   the programs the serving scheduler calls over its rows
 
@@ -27,7 +27,7 @@ import numpy as np
 from jaxspec import progress, sharding, xla_cache
 from jaxspec.decode import logprobs as logprobs_lib, penalties as penalties_lib, speculate
 from jaxspec.decode.adaptive import Controller, cost_table
-from jaxspec.engine.adaptive_host import AdaptiveHost
+from jaxspec.decode.adaptive.host import AdaptiveHost
 from jaxspec.config import AdaptiveConfig
 from jaxspec.constrain import host as constrain_host
 from jaxspec.decode.drafter import check_target, traits
@@ -153,7 +153,7 @@ class Engine(ServingSurface):
     def capacity(self, prompt_bucket: int, max_new_tokens: int, backend: str | None = None) -> int:
         return self.requests.capacity(prompt_bucket, max_new_tokens, backend)
 
-    # ---- adaptive speculation (adaptive_host.AdaptiveHost) --------------------------------
+    # ---- adaptive speculation (decode.adaptive.host.AdaptiveHost) --------------------------------
     def calibrate(self, batch: int) -> dict[int, list[float]] | None:
         """The explicit calibration step: this batch size's step-cost curves, measured on this
         machine (announced by a progress line; cached afterwards) or given. None: not adaptive."""

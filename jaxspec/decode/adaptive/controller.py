@@ -57,7 +57,7 @@ that looked at the current draws would bias the output (tests/test_adaptive.py r
 variant and sees it fail the exact-law test). The cap couples rows: a row's *sample* may depend
 on its batch mates (through c), its *law* does not.
 
-The host side (engine_policy.AdaptivePolicy) runs a whole batch on the plain program instead
+The host side (host.AdaptiveHost) runs a whole batch on the plain program instead
 when this size's cost curve says speculation cannot pay (`best_gain`), or, above batch 1, when
 earlier batches' acceptance or the last batch's realized gain (`realized_gain`) says so.
 """
@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode import tree
-from jaxspec.decode.adaptive_settings import AdaptiveConfig
+from jaxspec.decode.adaptive.settings import AdaptiveConfig
 from jaxspec.decode.drafter import Proposal
 
 @jax.tree_util.register_dataclass
@@ -89,7 +89,18 @@ class AdaptiveState:
     spent: jax.Array  # f32[] the steps' cost so far, in plain steps at their context (realized)
     weight: jax.Array  # f32[B, G] observations behind alpha (decayed; starts at prior_weight)
     handoff_at: jax.Array  # int32[] the step from which plain decoding's step ran, -1: none
+    reason_hist: jax.Array  # int32[B, R] steps of each row by why its length was chosen (REASONS)
 
+
+# Why a row verifies the nodes it does, per step (`Plan.reasons`, counted in `reason_hist`):
+# drafts      the step's cap (c* >= 1)
+# room        fewer than the cap (or none): the row's room, or prompt lookup's match, is shorter
+# acceptance  none: at its estimates no window pays, even at the shortest calibrated context
+# context     none: a window would pay at the shortest calibrated context, not at this one
+# probe       a probe or exploration step where c* = 0
+# handoff     the lockstep batch runs plain decoding's step
+REASONS = ("drafts", "room", "acceptance", "context", "probe", "handoff")
+DRAFTS, ROOM, ACCEPTANCE, CONTEXT, PROBE, HANDOFF = range(len(REASONS))
 
 PER_REQUEST_MAX_BATCH = 1  # batch sizes whose rows decide for themselves (no hand-off)
 
@@ -103,6 +114,7 @@ class Plan(NamedTuple):
 
     lengths: jax.Array  # int32[B] nodes each row may verify (a tree: levels); 0: none
     hand_off: jax.Array  # bool[] the rest of the batch runs plain decoding's step
+    reasons: jax.Array | None = None  # int32[B] why each row's length (REASONS); None: fixed
 
     def drafts(self) -> jax.Array:
         """bool[]: some row may verify a node (else the step is a one-token step)."""
@@ -150,7 +162,7 @@ class Controller:
         return hash(self._key())
 
     def init(self, batch: int, costs) -> AdaptiveState:
-        """costs: one curve [G+1] (every context) or {fill: curve} (jaxspec.decode.calibration)."""
+        """costs: one curve [G+1] (every context) or {fill: curve} (calibration.py)."""
         g, s = self.gamma, self.settings
         fills, table = cost_table(costs)
         return AdaptiveState(
@@ -166,6 +178,7 @@ class Controller:
             spent=jnp.zeros((), jnp.float32),
             weight=jnp.full((batch, g), s.prior_weight, jnp.float32),
             handoff_at=jnp.full((), -1, jnp.int32),
+            reason_hist=jnp.zeros((batch, len(REASONS)), jnp.int32),
         )
 
     def plan(
@@ -186,11 +199,12 @@ class Controller:
                 useful = jnp.clip(room - 1, 0, self.gamma).astype(jnp.int32)
             k = jnp.minimum(min(self.fixed, self.gamma), useful)
             return Plan(jnp.where(active, k, 0).astype(jnp.int32), jnp.zeros((), bool))
-        lengths = self.choose(st, row_steps, active, room, context, useful)
+        lengths, reasons = self.decide(st, row_steps, active, room, context, useful)
         if not may_hand_off:
-            return Plan(lengths, jnp.zeros((), bool))
+            return Plan(lengths, jnp.zeros((), bool), reasons)
         off = (st.handoff_at >= 0) | self.hands_off(st, row_steps, active, room, context)
-        return Plan(jnp.where(off, 0, lengths).astype(jnp.int32), off)
+        reasons = jnp.where(off, HANDOFF, reasons).astype(jnp.int32)
+        return Plan(jnp.where(off, 0, lengths).astype(jnp.int32), off, reasons)
 
     def observe(self, st: AdaptiveState, plan: Plan, out: Outcome) -> AdaptiveState:
         """The state after a step run on `plan` (`update`); a handed-off step is plain
@@ -199,8 +213,13 @@ class Controller:
         any_active = jnp.any(out.active)
         spent = jnp.where(plan.hand_off, st.spent + any_active.astype(jnp.float32), after.spent)
         first = plan.hand_off & (st.handoff_at < 0)
+        why = st.reason_hist
+        if plan.reasons is not None:
+            why = why + jax.nn.one_hot(plan.reasons, len(REASONS), dtype=jnp.int32) * out.active[
+                :, None]
         return dataclasses.replace(
-            after, spent=spent, handoff_at=jnp.where(first, out.step, st.handoff_at)
+            after, spent=spent, handoff_at=jnp.where(first, out.step, st.handoff_at),
+            reason_hist=why,
         )
 
     def choose(
@@ -217,11 +236,18 @@ class Controller:
         may still emit), context (int32[B] committed tokens) and useful (int32[B] nodes a row
         can commit this step; default room - 1; prompt lookup: also its match): committed
         history, never this step's draws."""
+        return self.decide(st, row_steps, active, room, context, useful)[0]
+
+    def decide(self, st, row_steps, active, room, context, useful=None):
+        """-> (int32[B] lengths, as `choose`; int32[B] why, an index into REASONS). A step
+        without nodes is put down to the context when the same estimates would draft at the
+        shortest calibrated context (`st.fills[0]`): the window's cost at this context is
+        what stopped it."""
         g, s = self.gamma, self.settings
         if useful is None:
             useful = jnp.clip(room - 1, 0, g).astype(jnp.int32)  # [B] nodes a row can commit
         times = self._times(st, active, useful, room, context)  # [G+1]
-        cap = jnp.argmin(times).astype(jnp.int32)  # ties: the shorter window
+        best = cap = jnp.argmin(times).astype(jnp.int32)  # ties: the shorter window
         if s.explore > 0:  # optimism: a row stuck on plain after early misses tries a node
             hopeful = dataclasses.replace(st, alpha=optimistic(st, s.explore))
             opt = self._times(hopeful, active, useful, room, context)
@@ -229,7 +255,13 @@ class Controller:
         step = jnp.max(jnp.where(active, row_steps, 0))  # rows of a batch step together
         probe = (s.probe_every > 0) & (step % max(s.probe_every, 1) == 0)
         cap = jnp.where(probe & (cap == 0), min(s.probe_length, g), cap)
-        return jnp.where(active, jnp.minimum(cap, useful), 0).astype(jnp.int32)
+        lengths = jnp.where(active, jnp.minimum(cap, useful), 0).astype(jnp.int32)
+        shortest = jnp.full_like(context, st.fills[0].astype(context.dtype))
+        short_best = jnp.argmin(self._times(st, active, useful, room, shortest))
+        off = jnp.where(short_best > 0, CONTEXT, ACCEPTANCE)
+        why = jnp.where(best == 0, jnp.where(cap > 0, PROBE, off), DRAFTS)
+        why = jnp.where(((why == DRAFTS) & (lengths < cap)) | (useful == 0), ROOM, why)
+        return lengths, jnp.broadcast_to(why, lengths.shape).astype(jnp.int32)
 
     def update(
         self, st: AdaptiveState, lengths, depths, num_accepted, active, context
@@ -401,13 +433,17 @@ def realized_gain(costs, window_hist, tokens_per_row) -> float:
     return max(tokens_per_row, default=0) / spent if spent > 0 else 1.0
 
 
-def summarize(length_hist, plain_steps, steps: int) -> dict:
-    """Host metrics for one row: histogram of nodes used, their mean, fraction of plain steps."""
+def summarize(length_hist, plain_steps, steps: int, reason_hist=None) -> dict:
+    """Host metrics for one row: histogram of nodes used, their mean, fraction of plain steps,
+    and (with reason_hist) the steps by why its length was chosen (REASONS, those that occur)."""
     hist = [int(c) for c in length_hist]
     total = sum(hist)
     mean = sum(k * c for k, c in enumerate(hist)) / total if total else 0.0
-    return {
+    out = {
         "adaptive_gamma_mean": mean,
         "adaptive_gamma_hist": hist,
         "adaptive_plain_fraction": int(plain_steps) / steps if steps else 0.0,
     }
+    if reason_hist is not None:
+        out["adaptive_reasons"] = {n: int(c) for n, c in zip(REASONS, reason_hist) if int(c)}
+    return out
