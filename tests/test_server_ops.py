@@ -93,16 +93,13 @@ PROMPT = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
 
 
 @pytest.mark.parametrize("path, extra, word", [
-    # (n, penalties and logit_bias are honoured: tests/test_server_logprobs.py; logprobs are
-    # refused here because this server records none, generation.logprobs unset)
-    ("/v1/chat/completions", {"logprobs": True}, "'logprobs'"),
+    # (n, penalties, logit_bias, logprobs and best_of are honoured by every server:
+    # tests/test_server_logprobs.py and test_extras_after_ready_compile_nothing below)
     ("/v1/chat/completions", {"top_logprobs": 3}, "'top_logprobs'"),
-    ("/v1/completions", {"logprobs": 0}, "'logprobs'"),
     ("/v1/chat/completions", {"echo": True}, "'echo'"),  # completions: test_server_logprobs
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
      "'tools'"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "'response_format'"),
-    ("/v1/completions", {"best_of": 3}, "'best_of'"),
     ("/v1/completions", {"guided_json": {}}, "'guided_json'"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "'tool'"),
     ("/v1/chat/completions", {"messages": [
@@ -119,6 +116,35 @@ def test_neutral_values_of_those_fields_are_accepted(open_url):
                "logit_bias": {}, "tools": [], "response_format": {"type": "text"}, "user": "u",
                "stream_options": {"include_usage": True}}
     assert post(open_url, "/v1/chat/completions", CHAT | neutral).status_code == 200
+
+
+def test_extras_after_ready_compile_nothing(engine, server, open_url):
+    """Issue 57 item 4 / 60 item 6: a server started with no extra setting (this engine records
+    no logprobs) answers logprobs with 20 alternatives, and the first request using penalties,
+    logit_bias and logprobs lowers no new program: they are traced per-row inputs of the
+    programs a plain request already ran (counted with jax's own compile events)."""
+    import jax.monitoring
+
+    lowered = []
+    listener = lambda event, secs, **kw: lowered.append(event) if event in (  # noqa: E731
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration") else None
+    plain = {"messages": [{"role": "user", "content": "abcabc"}], "max_tokens": 6,
+             "temperature": 0}
+    assert post(open_url, "/v1/chat/completions", plain).status_code == 200  # warm: as /ready
+    (b,) = engine.model.tokenizer.encode("b")
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        extras = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3,
+                  "logit_bias": {str(b): -100}, "logprobs": True, "top_logprobs": 20}
+        r = post(open_url, "/v1/chat/completions", plain | extras)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(len(t["top_logprobs"]) == 20 for t in content)
+    assert "b" not in r.json()["choices"][0]["message"]["content"]  # the bias held
+    assert lowered == [], f"{len(lowered)} compile events after the warm request"
 
 
 def test_content_parts_equal_the_joined_string(open_url):
