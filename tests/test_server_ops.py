@@ -22,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
+from compiles import counting_lowerings
 from loopback import NAME, byte_chat_model, listening
 
 from jaxspec.drafters.ngram import NgramDrafter
@@ -121,30 +122,21 @@ def test_neutral_values_of_those_fields_are_accepted(open_url):
 def test_extras_after_ready_compile_nothing(engine, server, open_url):
     """Issue 57 item 4 / 60 item 6: a server started with no extra setting (this engine records
     no logprobs) answers logprobs with 20 alternatives, and the first request using penalties,
-    logit_bias and logprobs lowers no new program: they are traced per-row inputs of the
-    programs a plain request already ran (counted with jax's own compile events)."""
-    import jax.monitoring
-
-    lowered = []
-    listener = lambda event, secs, **kw: lowered.append(event) if event in (  # noqa: E731
-        "/jax/core/compile/jaxpr_to_mlir_module_duration",
-        "/jax/core/compile/backend_compile_duration") else None
+    logit_bias and logprobs lowers no program: they are traced per-row inputs of the programs
+    a plain request already ran (counted with jax's own lowering events, tests/compiles.py)."""
     plain = {"messages": [{"role": "user", "content": "abcabc"}], "max_tokens": 6,
              "temperature": 0}
     assert post(open_url, "/v1/chat/completions", plain).status_code == 200  # warm: as /ready
     (b,) = engine.model.tokenizer.encode("b")
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        extras = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3,
-                  "logit_bias": {str(b): -100}, "logprobs": True, "top_logprobs": 20}
+    extras = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3,
+              "logit_bias": {str(b): -100}, "logprobs": True, "top_logprobs": 20}
+    with counting_lowerings() as lowered:
         r = post(open_url, "/v1/chat/completions", plain | extras)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert r.status_code == 200, r.text
+        assert r.status_code == 200, r.text
+        assert lowered() == 0, f"{lowered()} programs lowered for the extras"
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert content and all(len(t["top_logprobs"]) == 20 for t in content)
     assert "b" not in r.json()["choices"][0]["message"]["content"]  # the bias held
-    assert lowered == [], f"{len(lowered)} compile events after the warm request"
 
 
 def test_content_parts_equal_the_joined_string(open_url):

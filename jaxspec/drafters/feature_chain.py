@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode import sampling
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.models import decoder, llama
 
@@ -110,6 +110,10 @@ class ChainDrafter(abc.ABC):
     hidden_layers: tuple[int, ...]  # target hidden states (HF indexing) the drafter reads
     name: str = "chain"
     variable_length: bool = False
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(model_cfg=self.cfg, advance=self.advance, target_needs=self.target_needs)
 
     # ---- hooks (subclasses) -------------------------------------------------------------------
     @abc.abstractmethod
