@@ -126,10 +126,12 @@ def test_extras_after_ready_compile_nothing(engine, server, open_url):
     a plain request already ran (counted with jax's own lowering events, tests/compiles.py)."""
     plain = {"messages": [{"role": "user", "content": "abcabc"}], "max_tokens": 6,
              "temperature": 0}
-    assert post(open_url, "/v1/chat/completions", plain).status_code == 200  # warm: as /ready
+    # warm, as /ready: the whole-prompt programs (salts apart: no prefix-cache tail program)
+    assert post(open_url, "/v1/chat/completions", plain | {"cache_salt": "warm"}).status_code == 200
     (b,) = engine.model.tokenizer.encode("b")
     extras = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3,
-              "logit_bias": {str(b): -100}, "logprobs": True, "top_logprobs": 20}
+              "logit_bias": {str(b): -100}, "logprobs": True, "top_logprobs": 20,
+              "cache_salt": "extras"}
     with counting_lowerings() as lowered:
         r = post(open_url, "/v1/chat/completions", plain | extras)
         assert r.status_code == 200, r.text
