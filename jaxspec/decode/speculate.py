@@ -4,11 +4,18 @@ One step is data flowing one way (docs/architecture.md):
 
     plan = plan_step(...)                       # adaptive: nodes per row, from past steps only
     proposal, dstate = drafter.propose(...)     # nodes: tokens, parents, q, num_nodes
+      processors.propose                        #   extras' hook (the grammar masks the drafts)
     window = tree.build_window(...)             # tokens, positions, ancestor mask (T = 1 + N)
     p, hidden, window_kv = verify(...)          # one target forward; the cache is only read
+      processors.adjust / read                  #   each entry's logits, before sampling
     path, n, next_token = acceptance.accept_tree(...)
     commit: the path's tokens, its k/v compacted into slots L-1..L-1+n, its hidden states
+      processors.commit, drafter.commit         #   extras' carries, the drafter's state
     adaptive: controller.observe(plan, outcome) # what later plans learn from
+
+The extras a request may ask for (penalties and logit_bias, a grammar, the logprob record) are
+logits processors (decode/processors/): each a pure function of its own carry in the state,
+applied by the step at those three places only; with none on the step is the one without them.
 
 A chain is the tree with parents i - 1; plain decoding is the empty proposal (N = 0); fixed-γ
 speculation is the trivial plan (no controller: every row drafts γ). With a controller
