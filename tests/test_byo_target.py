@@ -239,3 +239,28 @@ def test_what_the_toy_lacks_is_refused_in_one_line(toy):
 @dataclasses.dataclass(frozen=True)
 class NoEmbed(ToyTarget):
     embed = None  # a target that does not share its embedding
+
+
+@dataclasses.dataclass(frozen=True)
+class OldStyleNgram(NgramDrafter):
+    """A drafter written before the `Traits` record: its optional behaviour only as attributes
+    of the protocol's names (tree_nodes, commit_plain, drafts_from_tokens, ...)."""
+
+    traits = None  # hides NgramDrafter's declared record
+
+
+def test_a_drafter_without_a_traits_record_still_works(toy, plain):
+    """Issue 58: the typed record is what shipped drafters declare; an older drafter is read by
+    its attribute names into the same record, and decodes as before (greedy == plain)."""
+    from jaxspec.decode.drafter import Traits, traits
+
+    new = NgramDrafter(vocab_size=V, min_ngram=1, max_ngram=3, branches=2, depth=2)
+    old = OldStyleNgram(vocab_size=V, min_ngram=1, max_ngram=3, branches=2, depth=2)
+    declared, read = traits(new), traits(old)
+    assert isinstance(read, Traits) and read.tree_nodes == declared.tree_nodes == 4
+    for f in dataclasses.fields(Traits):  # the same values; methods bound to each drafter
+        a, b = getattr(declared, f.name), getattr(read, f.name)
+        assert (getattr(a, "__func__", a) == getattr(b, "__func__", b)), f.name
+    results = Engine(toy, old, num_speculative_tokens=2).generate(PROMPTS, max_new_tokens=16,
+                                                                   batch_size=2)
+    assert [r.token_ids for r in results] == plain

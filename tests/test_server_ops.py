@@ -22,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
+from compiles import counting_lowerings
 from loopback import NAME, byte_chat_model, listening
 
 from jaxspec.drafters.prompt_lookup import NgramDrafter
@@ -93,16 +94,13 @@ PROMPT = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
 
 
 @pytest.mark.parametrize("path, extra, word", [
-    # (n, penalties and logit_bias are honoured: tests/test_server_logprobs.py; logprobs are
-    # refused here because this server records none, generation.logprobs unset)
-    ("/v1/chat/completions", {"logprobs": True}, "'logprobs'"),
+    # (n, penalties, logit_bias, logprobs and best_of are honoured by every server:
+    # tests/test_server_logprobs.py and test_extras_after_ready_compile_nothing below)
     ("/v1/chat/completions", {"top_logprobs": 3}, "'top_logprobs'"),
-    ("/v1/completions", {"logprobs": 0}, "'logprobs'"),
     ("/v1/chat/completions", {"echo": True}, "'echo'"),  # completions: test_server_logprobs
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
      "'tools'"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "'response_format'"),
-    ("/v1/completions", {"best_of": 3}, "'best_of'"),
     ("/v1/completions", {"guided_json": {}}, "'guided_json'"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "'tool'"),
     ("/v1/chat/completions", {"messages": [
@@ -119,6 +117,28 @@ def test_neutral_values_of_those_fields_are_accepted(open_url):
                "logit_bias": {}, "tools": [], "response_format": {"type": "text"}, "user": "u",
                "stream_options": {"include_usage": True}}
     assert post(open_url, "/v1/chat/completions", CHAT | neutral).status_code == 200
+
+
+def test_extras_after_ready_compile_nothing(engine, server, open_url):
+    """Issue 57 item 4 / 60 item 6: a server started with no extra setting (this engine records
+    no logprobs) answers logprobs with 20 alternatives, and the first request using penalties,
+    logit_bias and logprobs lowers no program: they are traced per-row inputs of the programs
+    a plain request already ran (counted with jax's own lowering events, tests/compiles.py)."""
+    plain = {"messages": [{"role": "user", "content": "abcabc"}], "max_tokens": 6,
+             "temperature": 0}
+    # warm, as /ready: the whole-prompt programs (salts apart: no prefix-cache tail program)
+    assert post(open_url, "/v1/chat/completions", plain | {"cache_salt": "warm"}).status_code == 200
+    (b,) = engine.model.tokenizer.encode("b")
+    extras = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3,
+              "logit_bias": {str(b): -100}, "logprobs": True, "top_logprobs": 20,
+              "cache_salt": "extras"}
+    with counting_lowerings() as lowered:
+        r = post(open_url, "/v1/chat/completions", plain | extras)
+        assert r.status_code == 200, r.text
+        assert lowered() == 0, f"{lowered()} programs lowered for the extras"
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(len(t["top_logprobs"]) == 20 for t in content)
+    assert "b" not in r.json()["choices"][0]["message"]["content"]  # the bias held
 
 
 def test_content_parts_equal_the_joined_string(open_url):

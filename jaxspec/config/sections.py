@@ -61,7 +61,8 @@ class GenerationConfig(Section):
     # prompt length (0: sized per request from the prompt and max_new_tokens buckets)
     max_context: int = 0
     # record the emitted tokens' logprobs with this many top alternatives (0..20; null: none,
-    # no logprob code compiled); a server answers logprobs requests up to it
+    # no logprob code compiled); a server answers logprobs requests up to it (null there: 20,
+    # recorded always and sent where a request asks, so no request compiles a program)
     logprobs: int | None = None
     # raw: log_softmax of the model's logits; processed: of the law sampled from (penalties,
     # logit_bias, temperature, filters)

@@ -11,7 +11,9 @@ its jitted loop, prefill, the acceptance rules, draft trees, sampling, and the d
 Every name is imported on first use (PEP 562). Modules: `speculate` (the loop), `prefill`,
 `state` (`LoopSpec`, `DecodeState`), `acceptance`, `tree` (windows, static and dynamic trees),
 `sampling` (logits -> probs), `sampling_settings` (`Sampling`, the user-facing type),
-`drafter` (the protocol), `adaptive*` (adaptive speculation).
+`drafter` (the protocol and its `Traits`), `processors/` (the step's extras as logits
+processors: penalties and logit_bias, the grammar mask, the logprob record), `adaptive/`
+(adaptive speculation and its calibration).
 """
 
 from jaxspec.exports import lazy
@@ -42,6 +44,7 @@ EXPORTS = {
     "Proposal": "jaxspec.decode.drafter",
     "DraftContext": "jaxspec.decode.drafter",
     "CommitContext": "jaxspec.decode.drafter",
+    "Traits": "jaxspec.decode.drafter",
     "traits": "jaxspec.decode.drafter",
 }
 

@@ -21,7 +21,9 @@ Token bookkeeping shared by every drafter (row b):
              token; lengths advance. `window` and `hidden` hold the path (root first), so a
              drafter that reads them needs no tree logic.
 
-Optional attributes (read through `traits`, never with getattr elsewhere):
+Optional behaviour: a drafter declares a `Traits` record as its `traits` attribute (typed, with
+defaults); a drafter without one is read by these attribute names (`traits` below), so older
+drafters keep working. The loop reads them through `traits(drafter)` only:
   tree_nodes, tree_depth  a tree drafter: N nodes per proposal, its deepest path; the loop verifies
                           1 + N window entries and commits at most tree_depth + 1 tokens per step
                           (None or absent: a chain of γ nodes)
@@ -55,6 +57,8 @@ Optional attributes (read through `traits`, never with getattr elsewhere):
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -91,22 +95,35 @@ class CommitContext(NamedTuple):
     path: jax.Array | None = None  # int32[B, D+1] window indices of the path (0 = root)
 
 
-class Traits(NamedTuple):
-    tree_nodes: int | None  # None: a chain
-    tree_depth: int | None
-    max_context: int | None  # None: no limit of its own
-    model_cfg: Any  # llama.ModelConfig or None
-    model: Any  # models.base.Target or None
-    advance: Any  # bound method or None
-    commit_plain: Any  # bound method or None
-    drafts_from_tokens: bool  # propose reads ctx.tokens/lengths/max_nodes only (no state, draws)
-    target_needs: Any  # bound method (dparams) -> tuple[str, ...], or None
-    observe: Any = None  # bound method or None
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """A drafter's optional behaviour, typed, with the defaults of a chain drafter that has
+    none of it (module docstring: what each means). A drafter declares it as its `traits`
+    attribute (a property or a field); the loop reads it through `traits(drafter)` only."""
+
+    tree_nodes: int | None = None  # None: a chain
+    tree_depth: int | None = None
+    max_context: int | None = None  # None: no limit of its own
+    model_cfg: Any = None  # llama.ModelConfig of an EAGLE-style layer, or None
+    model: Any = None  # models.base.Target a draft model runs through, or None
+    advance: Callable | None = None  # (dparams, tparams, state, ctx) -> state
+    commit_plain: Callable | None = None  # (dparams, tparams, state, CommitContext) -> state
+    drafts_from_tokens: bool = False  # propose reads ctx.tokens/lengths/max_nodes only
+    target_needs: Callable | None = None  # (dparams) -> tuple[str, ...] target traits
+    observe: Callable | None = None  # (dparams, sequences) -> dparams, host side
     verify_windows: tuple[int, ...] = ()  # extra verify widths to compile (variable-length)
 
 
 def traits(drafter: Drafter) -> Traits:
-    """The optional protocol attributes of `drafter`, with their defaults."""
+    """`drafter.traits` where the drafter declares one; else (a drafter written before the
+    record) its optional attributes read by name, with the same defaults."""
+    declared = getattr(drafter, "traits", None)
+    if isinstance(declared, Traits):
+        return declared
+    return _legacy_traits(drafter)
+
+
+def _legacy_traits(drafter) -> Traits:
     return Traits(
         tree_nodes=getattr(drafter, "tree_nodes", None) or None,
         tree_depth=getattr(drafter, "tree_depth", None) or None,

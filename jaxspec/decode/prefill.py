@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.constrain import loop as grammar_loop
-from jaxspec.decode import logprob_record, logprobs, penalties as penalties_lib, sampling
+from jaxspec.decode import logprob_record, processors, sampling
+from jaxspec.decode.processors import score_logits  # noqa: F401 (its old home)
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.decode.state import DecodeState, LoopSpec, place
 from jaxspec.models import base
@@ -48,25 +49,20 @@ def prefill(
                               prompt_lengths, hidden_layers)
     last = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = target.logits(tparams, last)  # [B, V]
-    if penalties is not None:
-        penalties = penalties_lib.with_prompt(penalties, prompt_tokens, prompt_lengths)
-    adjusted = penalties_lib.row_logits(penalties, logits)
-    if grammar is not None:
-        adjusted = grammar_loop.mask_logits(
-            adjusted, grammar_loop.allowed_mask(grammar, grammar.state))
-    probs = sampling.logits_to_probs(adjusted, sp)  # [B, V]
+    extras = _extras(spec, b, capacity, penalties, grammar)
+    extras = processors.start(extras, prompt_tokens, prompt_lengths)
+    none = jnp.zeros((b, 0), jnp.int32)
+    aux = processors.prepare(extras, none, none)  # one entry: the last prompt position
+    adjusted = processors.adjust(extras, aux, logits[:, None], jnp.zeros((b, 1), jnp.int32),
+                                 jnp.ones((b, 1, 1), bool))  # [B, 1, V]
+    probs = sampling.logits_to_probs(adjusted[:, 0], sp)  # [B, V]
     row_steps = jnp.zeros((b,), jnp.int32)
     first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
-    if grammar is not None:
-        grammar = grammar_loop.first_token(grammar, first)
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
-    record = None
-    if spec.logprobs is not None:
-        scores = score_logits(spec, logits, adjusted)[:, None]  # [B, 1, V]
-        scored = logprobs.scored(scores, first[:, None], spec.logprobs, sp, spec.logprobs_mode)
-        record = logprob_record.write(logprob_record.empty(b, capacity, spec.logprobs),
-                                      prompt_lengths, jnp.ones((b,), jnp.int32), scored)
     tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first)
+    reads = processors.read(spec, sp, extras, logits[:, None], adjusted)
+    extras = processors.commit(spec, sp, extras, aux, reads,
+                               processors.first_token_step(tokens, prompt_lengths, first))
     done = jnp.isin(first, jnp.asarray(spec.eos_ids, jnp.int32)) | (max_new_tokens <= 1)
     dstate = None
     if spec.drafter is not None:
@@ -87,15 +83,16 @@ def prefill(
         num_draft=zeros,
         num_accepted=zeros,
         accepted_per_position=jnp.zeros((b, g), jnp.int32),
-        penalties=penalties_lib.commit(penalties, tokens, prompt_lengths, prompt_lengths + 1, 1),
-        logprobs=record,
-        grammar=grammar,
+        **extras,
     )
     return place(spec, state)
 
 
-def score_logits(spec: LoopSpec, logits, adjusted):
-    """The logits the emitted tokens' logprobs are read from: the model's own ("raw") or the
-    request's penalties, logit_bias and constraint applied ("processed", which
-    `logprobs.log_probs` then puts through the sampling transform)."""
-    return logits if spec.logprobs_mode == "raw" else adjusted
+def _extras(spec: LoopSpec, batch: int, capacity: int, penalties, grammar) -> processors.Carries:
+    """The processors' first carries: the rows' penalties and grammar as given (None: off),
+    an empty logprob record when the spec records logprobs."""
+    extras = {"penalties": penalties, "grammar": grammar, "logprobs": None}
+    if spec.logprobs is not None:
+        extras["logprobs"] = logprob_record.empty(batch, capacity, spec.logprobs)
+    return {p.field: extras[p.field] for p in processors.LOOP if extras[p.field] is not None}
+

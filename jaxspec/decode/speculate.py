@@ -4,11 +4,18 @@ One step is data flowing one way (docs/architecture.md):
 
     plan = plan_step(...)                       # adaptive: nodes per row, from past steps only
     proposal, dstate = drafter.propose(...)     # nodes: tokens, parents, q, num_nodes
+      processors.propose                        #   extras' hook (the grammar masks the drafts)
     window = tree.build_window(...)             # tokens, positions, ancestor mask (T = 1 + N)
     p, hidden, window_kv = verify(...)          # one target forward; the cache is only read
+      processors.adjust / read                  #   each entry's logits, before sampling
     path, n, next_token = acceptance.accept_tree(...)
     commit: the path's tokens, its k/v compacted into slots L-1..L-1+n, its hidden states
+      processors.commit, drafter.commit         #   extras' carries, the drafter's state
     adaptive: controller.observe(plan, outcome) # what later plans learn from
+
+The extras a request may ask for (penalties and logit_bias, a grammar, the logprob record) are
+logits processors (decode/processors/): each a pure function of its own carry in the state,
+applied by the step at those three places only; with none on the step is the one without them.
 
 A chain is the tree with parents i - 1; plain decoding is the empty proposal (N = 0); fixed-γ
 speculation is the trivial plan (no controller: every row drafts γ). With a controller
@@ -32,30 +39,29 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec.constrain import draft as grammar_draft, loop as grammar_loop
-from jaxspec.decode import acceptance, adaptive, adaptive_loop, sampling, tree
-from jaxspec.decode import logprob_record, logprobs, penalties as penalties_lib
-from jaxspec.decode.adaptive_loop import controller, plan_step
+from jaxspec.decode import acceptance, adaptive, processors, sampling, tree
+from jaxspec.decode.adaptive import loop as adaptive_loop
+from jaxspec.decode.adaptive.loop import controller, plan_step
 from jaxspec.decode.drafter import CommitContext, DraftContext, Proposal, traits
-from jaxspec.decode.prefill import prefill, score_logits  # noqa: F401 (prefill re-exported)
+from jaxspec.decode.prefill import prefill, score_logits  # noqa: F401 (re-exported)
 from jaxspec.decode.state import DecodeState, LoopSpec, place  # noqa: F401 (re-exported)
 from jaxspec.models import attention_kernels, base
 from jaxspec.decode.sampling import SamplingParams
 
 
 def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
-           penalties: Any = None, with_scores: bool = False, allowed=None):
+           extras: processors.Carries | None = None, aux: dict | None = None):
     """Target over the first `width` window entries -> (probs [B, T, V], hidden
     [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
-    entries (past `width`: zeros, never accepted). penalties: the rows' `penalties.Penalties`,
-    applied per entry from that entry's path (`penalties.window_logits`); with_scores: a fifth
-    output, the logits [B, T, V] the emitted tokens' logprobs are read from (`prefill.score_logits`).
+    entries (past `width`: zeros, never accepted). extras: the processors on (their carries,
+    `processors.carries`) with `aux` their `prepare` data: each entry's logits go through
+    `processors.adjust` before the sampling transform, and a fifth output holds what their
+    `read` hooks take from the entries (padded to T), for their commits.
 
     With draft nodes the cache is only read and the window's k/v come back for `commit_kv`
     (nodes share positions; which are kept is known only after acceptance). A root-only window
     (plain decoding) always keeps its one entry, so it is written in place (window_kv None):
-    writing it after the forward made XLA copy the whole cache every step. allowed: bool[B, T, V]
-    the tokens the constraint allows at each entry (None: no constraint)."""
+    writing it after the forward made XLA copy the whole cache every step."""
     t = window.tokens.shape[1]
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
     in_place = t == 1
@@ -65,11 +71,8 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
         write_cache=in_place, taps=hidden_layers,
     )
     logits = spec.target.logits(tparams, out.hidden)  # [B, width, V]
-    adjusted = logits if penalties is None else penalties_lib.window_logits(
-        penalties, logits, window.tokens[:, :width], window.mask[:, :width, :width]
-    )
-    if allowed is not None:  # bool[B, T, V]: each entry's constraint state along its path
-        adjusted = grammar_loop.mask_logits(adjusted, allowed[:, :width])
+    adjusted = logits if not extras else processors.adjust(
+        extras, aux, logits, window.tokens[:, :width], window.mask[:, :width, :width])
     probs = sampling.logits_to_probs(adjusted, sp)  # [B, width, V]
     pad = [(0, 0), (0, t - width), (0, 0)]
     probs = jnp.pad(probs, pad)
@@ -77,41 +80,39 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
     if layer_hidden is not None:
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
     window_kv = None if in_place else base.pad_window(spec.target, out.window_kv, t)
-    if with_scores:
-        scores = jnp.pad(score_logits(spec, logits, adjusted).astype(jnp.float32), pad)
-        return probs, layer_hidden, out.cache, window_kv, scores
-    return probs, layer_hidden, out.cache, window_kv
+    if extras is None:
+        return probs, layer_hidden, out.cache, window_kv
+    reads = processors.read(spec, sp, extras, logits, adjusted)
+    reads = {f: jnp.pad(r, pad + [(0, 0)] * (r.ndim - 3)) for f, r in reads.items()}
+    return probs, layer_hidden, out.cache, window_kv, reads
 
 
 def _verify_any_width(spec: LoopSpec, tparams, cache, window: tree.Window, sp, num_nodes,
-                      penalties=None, allowed=None):
+                      extras: processors.Carries, aux: dict):
     """`verify` in the narrowest compiled width that holds every row's nodes -> (probs,
-    hidden, cache, window_kv, scores: None unless spec.logprobs is set). On a GPU the widest
-    window runs always: XLA:GPU reads a switch's branch index back to the host (a sync a step),
-    and a window there costs about a one-token step anyway (BENCHMARKS.md, "Device")."""
+    hidden, cache, window_kv, the processors' reads). On a GPU the widest window runs always:
+    XLA:GPU reads a switch's branch index back to the host (a sync a step), and a window there
+    costs about a one-token step anyway (BENCHMARKS.md, "Device")."""
     widths = spec.verify_windows()
-    with_scores = spec.logprobs is not None
-    run = lambda c, w: verify(spec, tparams, c, window, sp, w, penalties, with_scores,  # noqa: E731
-                              allowed)
+    run = lambda c, w: verify(spec, tparams, c, window, sp, w, extras, aux)  # noqa: E731
     if len(widths) == 1:
-        out = run(cache, widths[0])
-        return (*out, None) if not with_scores else out
+        return run(cache, widths[0])
     need = jnp.max(num_nodes) + 1
     branch = jnp.sum(jnp.asarray(widths)[:-1] < need)
 
     def branch_fn(c, w):  # with nodes, verify only reads the cache: it stays out of the switch
-        probs, hidden, _, window_kv, *scores = run(c, w)
-        return probs, hidden, window_kv, (scores[0] if scores else None)
+        probs, hidden, _, window_kv, reads = run(c, w)
+        return probs, hidden, window_kv, reads
 
     switch = lambda c: jax.lax.switch(  # noqa: E731
         branch, [functools.partial(branch_fn, w=w) for w in widths], c)
     widest = functools.partial(branch_fn, w=widths[-1])
-    probs, hidden, window_kv, scores = jax.lax.platform_dependent(
+    probs, hidden, window_kv, reads = jax.lax.platform_dependent(
         cache, cuda=widest, rocm=widest, default=switch)
     if spec.mesh is not None and base.target_traits(spec.target).cache_axes is not None:
         # k/v laid out as the cache (else GSPMD may gather it)
         window_kv = spec.mesh.constrain_window_kv(window_kv)
-    return probs, hidden, cache, window_kv, scores
+    return probs, hidden, cache, window_kv, reads
 
 
 def _emit(spec: LoopSpec, state: DecodeState, drafts, num_accepted, next_token):
@@ -166,9 +167,7 @@ class _StepOut(NamedTuple):
     num_accepted: jax.Array  # int32[B]
     root_hidden: Any = None  # [nl, B, D] the root's target features (one-token steps only)
     depth: Any = None  # int32[B] the deepest node verified (a chain: num_nodes)
-    penalties: Any = None  # penalties.Penalties with this step's tokens counted (None: off)
-    logprobs: Any = None  # logprob_record.Record with this step's tokens written (None: off)
-    grammar: Any = None  # constrain.loop.Grammar after the step (None: no constraint)
+    extras: Any = None  # processors.Carries after the step (the processors on: their carries)
 
 
 def decode_step(
@@ -235,9 +234,7 @@ def _advance(spec: LoopSpec, state: DecodeState, out: _StepOut, plan) -> DecodeS
         num_draft=state.num_draft + out.num_nodes * act,
         num_accepted=state.num_accepted + out.num_accepted * act,
         accepted_per_position=state.accepted_per_position + pos_accepted * act[:, None],
-        penalties=out.penalties,
-        logprobs=out.logprobs,
-        grammar=out.grammar if out.grammar is not None else state.grammar,
+        **(out.extras or {}),
     )
     return place(spec, state)
 
@@ -252,6 +249,7 @@ def drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) 
     b = state.lengths.shape[0]
     active = ~state.done
     dstate = state.drafter_state
+    extras = processors.carries(state)
     ctl = controller(spec)
     if spec.drafter is None:
         proposal = empty_proposal(b, spec.target.vocab_size)
@@ -262,80 +260,69 @@ def drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) 
         )
         if lengths is not None:
             proposal = adaptive.cut(proposal, lengths)
-        if state.grammar is not None:  # each node under its path's state (constrain/draft.py)
-            proposal, g = grammar_draft.mask_proposal(state.grammar, proposal, k_draft, active)
-            state = dataclasses.replace(state, grammar=g)
+        if extras:  # e.g. the grammar's: each node under its path's state (constrain/draft.py)
+            proposal, extras = processors.propose(extras, proposal, k_draft, active)
     num_nodes = jnp.where(active, proposal.num_proposed, 0)
     window_step = lambda: _window_step(
-        spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes
+        spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes, extras
     )
     if ctl is not None and (spec.drafter.variable_length or not traits(spec.drafter).commit_plain):
         # nothing to verify (no match, or c* = 0 for a drafter without commit_plain): plain step
-        plain = lambda: _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate)
+        plain = lambda: _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate,
+                                        extras=extras)
         return jax.lax.cond(jnp.max(num_nodes) == 0, plain, window_step)
     return window_step()
 
 
-def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes):
-    """Verify the proposal's window, accept, emit, compact the kept k/v, commit the drafter."""
+def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes,
+                 extras):
+    """Draft -> window -> verify -> accept -> commit: verify the proposal's window (each
+    entry's logits through the processors on, `extras`), accept a path, emit it, commit the
+    processors and the drafter; the kept k/v are compacted after the step (`_advance`)."""
     b = state.lengths.shape[0]
-    d = spec.depth
     parents = proposal.parents
     if parents is None:
         parents = tree.chain_parents(b, proposal.tokens.shape[1])
     window = tree.build_window(
         _last_token(state), state.cache.lengths, proposal.tokens, parents, num_nodes
     )
-    g, allowed = state.grammar, None
-    if g is not None:  # each entry masked with the state along its own path
-        states = grammar_loop.window_states(g, proposal.tokens, parents)  # [B, 1+N]
-        allowed = grammar_loop.allowed_mask(g, states)  # [B, 1+N, V]
-    p, hidden, cache, window_kv, scores = _verify_any_width(
-        spec, tparams, state.cache, window, sp, num_nodes, state.penalties, allowed
+    aux = processors.prepare(extras, proposal.tokens, parents)
+    p, hidden, cache, window_kv, reads = _verify_any_width(
+        spec, tparams, state.cache, window, sp, num_nodes, extras, aux
     )
     path, num_acc, next_token = acceptance.accept_tree(
-        proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, d + 1
+        proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, spec.depth + 1
     )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
     tokens, lengths, count, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
-    pen, record = _record(spec, state, sp, tokens, lengths, scores, path, path_tokens, num_acc,
-                          next_token)
-    if g is not None:
-        g = grammar_loop.after_step(g, states, path, num_acc, next_token, count)
+    step = processors.Committed(tokens, state.lengths, lengths, count, path, path_tokens,
+                                num_acc, next_token)
+    extras = processors.commit(spec, sp, extras, aux, reads, step)
     cache = cache if window_kv is None else None  # read-only: _advance commits window_kv
-    if spec.drafter is not None:
-        commit_ctx = CommitContext(
-            tokens=tokens,
-            lengths=lengths,
-            prev_lengths=state.lengths,
-            window=path_tokens,
-            num_accepted=num_acc,
-            hidden=None if hidden is None else tree.gather_path(hidden, path, axis=2),
-            path=path,
-        )
-        dstate = spec.drafter.commit(dparams, base.bind(spec.target, tparams), dstate, commit_ctx)
+    dstate = _commit_drafter(spec, tparams, dparams, dstate, step, hidden)
     verified = jnp.arange(window.depth.shape[1])[None] <= num_nodes[:, None]  # [B, T]
     depth = jnp.max(jnp.where(verified, window.depth, 0), axis=1)
     return _StepOut(
         tokens, lengths, done, cache, window_kv, path, dstate, num_nodes, num_acc, depth=depth,
-        penalties=pen, logprobs=record, grammar=g,
+        extras=extras,
     )
 
 
-def _record(spec, state, sp, tokens, lengths, scores, path, path_tokens, num_acc, next_token):
-    """(penalty counts, logprob record) after a step committed tokens[state.lengths:lengths]:
-    the path's tokens counted, their logprobs read at the nodes that emitted them."""
-    most = path.shape[1]
-    pen = penalties_lib.commit(state.penalties, tokens, state.lengths, lengths, most)
-    record = state.logprobs
-    if spec.logprobs is not None:
-        scored = logprobs.path_scored(scores, path, path_tokens, num_acc, next_token,
-                                      spec.logprobs, sp, spec.logprobs_mode)
-        record = logprob_record.write(record, state.lengths, lengths - state.lengths, scored)
-    return pen, record
+def _commit_drafter(spec, tparams, dparams, dstate, step: processors.Committed, hidden):
+    """The drafter's state after the step's accepted path (`Drafter.commit`)."""
+    if spec.drafter is None:
+        return dstate
+    ctx = CommitContext(
+        tokens=step.tokens, lengths=step.lengths, prev_lengths=step.prev_lengths,
+        window=step.path_tokens, num_accepted=step.num_accepted,
+        hidden=None if hidden is None else tree.gather_path(hidden, step.path, axis=2),
+        path=step.path,
+    )
+    return spec.drafter.commit(dparams, base.bind(spec.target, tparams), dstate, ctx)
 
 
-def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False) -> _StepOut:
+def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_place=False,
+                    extras=None) -> _StepOut:
     """A step without nodes: the target over the last token alone, no drafting. in_place:
     plain decoding's forward, the entry written into the cache (outside any lax.cond only:
     `plain_step`); else one entry of the window path (the cache is only read, `_advance`
@@ -345,42 +332,35 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
     features (`root_hidden`) for a plain run's catch-up."""
     b = state.lengths.shape[0]
     d, n = spec.depth, spec.num_nodes
-    last = _last_token(state)
+    extras = processors.carries(state) if extras is None else extras
     m = 0 if in_place else n  # node slots, none real: a 1 + m window, 1 entry run
     window = tree.build_window(
-        last, state.cache.lengths, jnp.zeros((b, m), jnp.int32), tree.chain_parents(b, m),
-        jnp.zeros((b,), jnp.int32),
+        _last_token(state), state.cache.lengths, jnp.zeros((b, m), jnp.int32),
+        tree.chain_parents(b, m), jnp.zeros((b,), jnp.int32),
     )
-    g, allowed = state.grammar, None
-    if g is not None:
-        allowed = grammar_loop.allowed_mask(g, g.state)[:, None]  # [B, 1, V] the root's
-    p, hidden, cache, window_kv, *scores = verify(
-        spec, tparams, state.cache, window, sp, 1, state.penalties, spec.logprobs is not None,
-        allowed,
-    )
+    none = jnp.zeros((b, 0), jnp.int32) if extras else None
+    aux = processors.prepare(extras, none, none)  # the root's entry alone
+    p, hidden, cache, window_kv, reads = verify(
+        spec, tparams, state.cache, window, sp, 1, extras, aux)
     root_hidden = None if hidden is None else hidden[:, :, 0]  # [nl, B, D]
     next_token = acceptance.root_token(p[:, 0], k_accept, n)
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, count, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)
-    root_path = None if spec.logprobs is None else jnp.broadcast_to(window.tokens[:, :1], path.shape)
-    pen, record = _record(spec, state, sp, tokens, lengths, scores[0] if scores else None, path,
-                          root_path, zeros, next_token)  # the path: the root alone
-    if g is not None:
-        g = grammar_loop.after_step(g, g.state[:, None], path[:, :1], zeros, next_token, count)
+    root_path = None  # the root's token along the path, traced only where something reads it
+    if extras or dstate is not None:
+        root_path = jnp.take_along_axis(window.tokens, path, axis=1)
+    step = processors.Committed(tokens, state.lengths, lengths, count, path, root_path, zeros,
+                                next_token)
+    extras = processors.commit(spec, sp, extras, aux, reads, step)
     if dstate is None:  # nothing drafted: the drafter catches up later (or never reads it)
         dstate = state.drafter_state
     else:
-        ctx = CommitContext(
-            tokens=tokens, lengths=lengths, prev_lengths=state.lengths,
-            window=jnp.take_along_axis(window.tokens, path, axis=1), num_accepted=zeros,
-            hidden=None if hidden is None else tree.gather_path(hidden, path, axis=2), path=path,
-        )
-        dstate = spec.drafter.commit(dparams, base.bind(spec.target, tparams), dstate, ctx)
+        dstate = _commit_drafter(spec, tparams, dparams, dstate, step, hidden)
     cache = cache if in_place else None
     return _StepOut(
         tokens, lengths, done, cache, window_kv, path, dstate, zeros, zeros, root_hidden, zeros,
-        penalties=pen, logprobs=record, grammar=g,
+        extras=extras,
     )
 
 

@@ -1,6 +1,6 @@
 """The decode loop's data: its state (a pytree carried through `lax.while_loop`) and its static
 spec (part of the jit key), shared by the fixed-plan loop (speculate.py) and adaptive
-speculation's loop (adaptive_loop.py)."""
+speculation's loop (adaptive/loop.py)."""
 
 from __future__ import annotations
 

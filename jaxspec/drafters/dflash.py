@@ -42,7 +42,7 @@ from jaxspec import kernels
 from jaxspec.decode import sampling, tree
 from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters import trained
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base, decoder
@@ -77,6 +77,11 @@ class DFlashDrafter:
     tree_levels: int = 0  # dynamic: levels (block positions drafted)
     tree_budget: int = 0  # dynamic: nodes kept (best path probabilities)
     causal_override: bool | None = None  # tests only: force every layer's block mask
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(tree_nodes=self.tree_nodes, tree_depth=self.tree_depth, advance=self.advance,
+                      commit_plain=self.commit_plain, target_needs=self.target_needs)
 
     def __post_init__(self):
         dynamic = self.tree_top_k > 0

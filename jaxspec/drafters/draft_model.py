@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
@@ -62,6 +62,12 @@ class ModelDrafter(tree.DynamicTreeDrafter):
     hidden_layers: tuple[int, ...] = ()
     variable_length: bool = False
     # tree_top_k, tree_levels, tree_budget, tree_children: tree.DynamicTreeDrafter
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(tree_nodes=self.tree_nodes, tree_depth=self.tree_depth,
+                      max_context=self.max_context, model=self.model,
+                      target_needs=self.target_needs)
 
     @property
     def max_context(self) -> int | None:

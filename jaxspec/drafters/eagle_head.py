@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jaxspec import kernels
 from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
@@ -133,6 +133,12 @@ class EagleDrafter(tree.DynamicTreeDrafter):
     # (see _gate) stays >= min_confidence; 0: always γ drafts.
     min_confidence: float = 0.0
     # tree_top_k, tree_levels, tree_budget, tree_children: tree.DynamicTreeDrafter
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(tree_nodes=self.tree_nodes, tree_depth=self.tree_depth, model_cfg=self.cfg,
+                      advance=self.advance, commit_plain=self.commit_plain,
+                      target_needs=self.target_needs)
 
     def target_needs(self, dparams) -> tuple[str, ...]:
         return ("embed",)  # its layer input is the target's token embedding

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode import sampling
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.models import decoder, llama
 
@@ -114,6 +114,10 @@ class ChainDrafter(abc.ABC):
     name: str = "chain"
     variable_length: bool = False
     window: int | None = None  # sliding window of the layer's attention (None: the whole context)
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(model_cfg=self.cfg, advance=self.advance, target_needs=self.target_needs)
 
     # ---- hooks (subclasses) -------------------------------------------------------------------
     @abc.abstractmethod

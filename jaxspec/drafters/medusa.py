@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
@@ -50,6 +50,10 @@ class MedusaDrafter:
     name: str = "medusa"
     variable_length: bool = False
     tree_choices: tuple[tuple[int, ...], ...] | None = None  # None: a chain of γ heads
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(tree_nodes=self.tree_nodes, tree_depth=self.tree_depth)
 
     def __post_init__(self):
         if self.tree_choices is not None:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.decode import sampling
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.feature_chain import linear
 from jaxspec.errors import JaxspecError
@@ -44,6 +44,10 @@ class MedusaBlocksDrafter:
     final_layer: int  # the target's num_layers: HF index of the final-normed hidden state
     name: str = "medusa"
     variable_length: bool = False
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits()
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 
 from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.eagle_head import fuse, head_logits, rms
 from jaxspec.drafters.registry import BuildContext, register_drafter
@@ -166,6 +166,11 @@ class BlockDrafter:
     variable_length: bool = False
     tree_choices: tuple[tuple[int, ...], ...] | None = None  # None: a chain of γ drafts
     tree_children: Literal["top_k", "sampled"] = "top_k"
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(tree_nodes=self.tree_nodes, tree_depth=self.tree_depth, model_cfg=self.cfg,
+                      commit_plain=self.commit_plain, target_needs=self.target_needs)
 
     def __post_init__(self):
         if self.tree_children not in TREE_CHILDREN:

@@ -19,7 +19,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits
 from jaxspec.drafters.registry import BuildContext, DrafterOptions, register_drafter
 from jaxspec.errors import JaxspecError
 
@@ -37,6 +37,11 @@ class NgramDrafter:
     drafts_from_tokens: bool = True  # the match reads committed tokens only
     branches: int = 0  # > 0: a tree of this many distinct continuations, `depth` nodes each
     depth: int = 0
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(tree_nodes=self.tree_nodes, tree_depth=self.tree_depth,
+                      commit_plain=self.commit_plain, drafts_from_tokens=self.drafts_from_tokens)
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram <= MAX_NGRAM:

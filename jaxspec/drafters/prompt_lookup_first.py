@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, traits
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits, traits
 from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.errors import JaxspecError
 
@@ -31,6 +31,10 @@ class LookupFirst:
     lookup: NgramDrafter
     name: str = "lookup"
     variable_length: bool = True  # a lookup continuation may be shorter than γ
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(target_needs=self.target_needs)
 
     def __post_init__(self):
         if traits(self.inner).tree_nodes or self.lookup.branches:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.drafters import suffix_store
-from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, traits
+from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, Traits, traits
 from jaxspec.drafters.prompt_lookup import MAX_NGRAM
 from jaxspec.drafters.registry import BuildContext, DrafterOptions, get, register_drafter
 from jaxspec.drafters.suffix_store import SEPARATOR, SuffixStore
@@ -59,6 +59,13 @@ class SuffixDrafter:
     variable_length: bool = True
     drafts_from_tokens: bool = True  # committed tokens and the store only: no state, no draw
     verify_windows: tuple[int, ...] = (3, 5, 9, 17)  # draft lengths vary with the match length
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(tree_nodes=self.tree_nodes, tree_depth=self.tree_depth,
+                      commit_plain=self.commit_plain, observe=self.observe,
+                      drafts_from_tokens=self.drafts_from_tokens,
+                      verify_windows=self.verify_windows)
 
     def __post_init__(self):
         if not 1 <= self.min_match <= self.max_match <= MAX_NGRAM:
@@ -211,6 +218,11 @@ class SuffixFirst:
     suffix: SuffixDrafter
     name: str = "suffix"
     variable_length: bool = True
+
+    @property
+    def traits(self) -> Traits:  # the protocol's optional behaviour (decode/drafter.py)
+        return Traits(verify_windows=self.verify_windows, target_needs=self.target_needs,
+                      observe=self.observe)
 
     def __post_init__(self):
         if traits(self.inner).tree_nodes or self.suffix.budget:

@@ -17,6 +17,9 @@ from jaxspec.decode import penalties as penalties_lib, speculate
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.models import base
 
+SERVED_LOGPROBS = 20  # top alternatives a server records when generation.logprobs is unset
+# (OpenAI's and vLLM's most)
+
 # a prefill written into a cache the caller passes in (a serving page pool), donated: updated in
 # place, never copied
 prefill_into_cache = jax.jit(speculate.prefill, static_argnames=("spec", "capacity"),
@@ -35,8 +38,13 @@ class ServingSurface:
         """The program continuous batching runs, with `target` in place of the model's (None:
         the model's; a paged one). Its rows hold different requests: no batch-wide hand-off to
         plain decoding, and a row that ends is replaced (the cap buys tokens, not a shorter
-        tail)."""
+        tail). Its programs carry every extra a request may ask for as traced per-row inputs
+        (penalties and logit_bias at their neutral values, the logprob record of the top
+        `SERVED_LOGPROBS` unless generation.logprobs says otherwise), so no request compiles a
+        program of its own."""
         spec = self.spec
+        if spec.logprobs is None:  # every request may ask: recorded always, sent where asked
+            spec = dataclasses.replace(spec, logprobs=SERVED_LOGPROBS)
         if spec.adaptive is not None:
             ctl = spec.adaptive
             spec = dataclasses.replace(spec, adaptive=dataclasses.replace(

@@ -24,7 +24,7 @@ width, D the model dim):
     sigmoid(ws_router . x)): {"ws_gate", "ws_up": [Fs, D], "ws_down": [D, Fs], "ws_router": [1, D]}
 
 `experts_woken` is the expected number of distinct experts N routed tokens wake (what a verify
-window costs on a memory-bound step, `decode/calibration.py`); `active_weight_bytes` the expert
+window costs on a memory-bound step, `decode/adaptive/calibration.py`); `active_weight_bytes` the expert
 bytes a step of N tokens reads (roofline, step-cost model). `stack_expert_tensors` turns the
 per-expert tensors checkpoints store into the `[E, ...]` leaves.
 
