@@ -117,8 +117,8 @@ def load_model(
     check_options(dtype, layout)
     requested_layout = layout
     dtype = resolve_dtype(dtype)
-    if mesh is not None and layout == "packed":
-        raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
+    if mesh is not None and layout in ("packed", "fused"):
+        raise JaxspecError(f"layout {layout!r} (one device) cannot be sharded: use 'unrolled' or 'stacked'")
     if mesh is not None and layout == "auto":
         layout, layout_note = "unrolled", "auto: loaded onto a mesh (the CPU kernels run on one device)"
     else:
@@ -129,6 +129,11 @@ def load_model(
         cfg, flat, tokenizer, eos, arch = _read_gguf(src.path, dtype, lazy)
     else:
         cfg, flat, tokenizer, eos, arch = _read_hf_dir(src.path, dtype, requested_layout, mesh)
+    if layout == "fused" and (hybrid_files.owns(cfg) or new_families.owns(cfg)
+                              or families.owns(cfg)):  # the fused layout is the Llama family's
+        if not layout_note.startswith("auto"):
+            raise JaxspecError(f"{src.path}: layout 'fused' is the Llama family's: use 'unrolled'")
+        layout, layout_note = "unrolled", layout_note.split(",")[0] + " (per-layer arrays)"
     if hybrid_files.owns(cfg):  # hybrid family hook: assembled by its reader, per-layer arrays
         layout, layout_note = "unrolled", "hybrid linear attention: per-layer arrays"
         params = flat

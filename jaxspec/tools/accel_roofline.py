@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxspec import hlo, sharding
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention, base
+from jaxspec.models import attention, attention_kernels, base
 from jaxspec.tools import aot, step_model, step_programs
 
 
@@ -29,21 +29,23 @@ class Placement:
     target: aot.AccelTarget
     devices: list
     mesh: jax.sharding.Mesh | None
+    over_memory_ok: bool = False  # compile (and report by how much) what does not fit
 
     @property
     def chips(self) -> int:
         return len(self.devices)
 
 
-def placement(target_name: str, mesh: tuple[int, int] | None, model: base.Target) -> Placement:
+def placement(target_name: str, mesh: tuple[int, int] | None, model: base.Target,
+              over_memory_ok: bool = False) -> Placement:
     t = aot.target(target_name)
     chips = 1 if mesh is None else mesh[0] * mesh[1]
     devs = aot.devices(t, chips)
     if mesh is None:
-        return Placement(t, devs, None)
+        return Placement(t, devs, None, over_memory_ok)
     m = sharding.make_mesh(mesh[0], mesh[1], devices=devs)
     sharding.check_target(model, m)
-    return Placement(t, devs, m)
+    return Placement(t, devs, m, over_memory_ok)
 
 
 def _placed(p: Placement, model: base.Target, params, cache, tokens):
@@ -58,14 +60,19 @@ def _placed(p: Placement, model: base.Target, params, cache, tokens):
             aot.on(tokens, batch if tokens.shape[0] % p.mesh.shape["data"] == 0 else rep))
 
 
-def _check_fits(need: float, p: Placement, program: str) -> None:
+def _check_fits(need: float, p: Placement, program: str) -> float:
     """need: bytes per chip (memory_analysis() of the compiled program, or before compiling its
-    arguments' share)."""
+    arguments' share). Returns the GiB over the chip's memory (0: fits) where the placement
+    allows that, else refuses in one line."""
+    if need > p.target.memory and p.over_memory_ok:
+        return round((need - p.target.memory) / 2**30, 2)
     if need > p.target.memory:
         raise JaxspecError(
             f"the {program} program needs {need / 2**30:.1f} GiB per chip but a {p.target.name} "
             f"has {p.target.memory / 2**30:.1f} GiB ({(need - p.target.memory) / 2**30:.1f} GiB "
-            f"over): use a larger --mesh, a smaller --batch or --capacity")
+            f"over): use a larger --mesh, a smaller --batch or --capacity (--over-memory: "
+            f"compile it anyway)")
+    return 0.0
 
 
 def measure(p: Placement, model: base.Target, layout: str, program: str, batch: int,
@@ -80,12 +87,14 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     _check_fits((nbytes(params) + nbytes(cache)) / p.chips, p, program)  # before a long compile
     params_in, cache_in, tokens_in = _placed(p, model, params, cache, tokens)
-    compiled = aot.compile_for(p.target, step_programs._step(model, False), params_in, tokens_in,
-                               cache_in)
+    with attention_kernels.kernel_mesh(p.mesh):  # kernels per shard, as the decode loop traces
+        compiled = aot.compile_for(p.target, step_programs._step(model, False), params_in,
+                                   tokens_in, cache_in)
     mem = compiled.memory_analysis()
+    over = 0.0
     if mem is not None:
-        _check_fits(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                    - mem.alias_size_in_bytes + mem.temp_size_in_bytes, p, program)
+        over = _check_fits(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                           - mem.alias_size_in_bytes + mem.temp_size_in_bytes, p, program)
     text = compiled.as_text()
     trips = attention.cache_loop_trips(valid, capacity)
     kernels, syncs = step_model.launches(text, unknown_trip=max(trips, 1))
@@ -109,6 +118,8 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
         "predicted_ms": round(step_model.predicted_ms(
             moved, p.target.bandwidth, kernels if p.target.platform == "cuda" else 1, syncs), 4),
     }
+    if over:
+        row["over_memory_gib"] = over
     if "optimal_seconds" in ca and ca["optimal_seconds"] > 0:
         row["optimal_ms"] = round(1e3 * float(ca["optimal_seconds"]), 4)
     return row

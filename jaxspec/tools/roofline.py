@@ -295,8 +295,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="default: model.dtype; auto = this backend's (bfloat16 on TPU/GPU, float32 "
                    "on CPU, where XLA upcasts bf16 ops and scatters: measure float32 here)")
-    p.add_argument("--layout", choices=("stacked", "unrolled"),
-                   help="default: model.layout; auto = this backend's (stacked on TPU, unrolled on GPU; --target: unrolled)")
+    p.add_argument("--layout", choices=("stacked", "unrolled", "fused"),
+                   help="default: model.layout; auto = this backend's (stacked on TPU, fused on "
+                   "GPU; --target: fused, unrolled under a model-sharded --mesh)")
     p.add_argument("--batch", default="1,8,32", metavar="B,..")
     p.add_argument("--window", default="1,5,16", metavar="T,..", help="1 = decode, >1 = verify")
     p.add_argument("--capacity", type=int, default=2048, help="cache slots per row")
@@ -307,6 +308,8 @@ def main(argv=None) -> int:
                    "h200, v5e, v5p, v6e (default: this host's XLA:CPU)")
     p.add_argument("--mesh", metavar="D,M", help="with --target: a DATA x MODEL mesh of chips")
     p.add_argument("--model-config", metavar="config.json", help="a Hugging Face config.json")
+    p.add_argument("--over-memory", action="store_true", help="with --target: compile a program "
+                   "that does not fit the chip's memory and report by how much (over_memory_gib)")
     try:
         args = p.parse_args(argv)
         config = load_config(args.config, args.overrides)
@@ -317,7 +320,7 @@ def main(argv=None) -> int:
             from jaxspec.loading.params import resolve_layout
 
             layout, _ = resolve_layout("auto", "float32" if args.dtype is None else args.dtype)
-            layout = "unrolled" if layout == "packed" else layout
+            layout = "unrolled" if layout in ("packed", "fused") else layout
         if layout == "packed":
             raise JaxspecError("layout 'packed' is the CPU kernel's: use --layout stacked or unrolled")
         if not 0 <= args.fill < 1 or args.capacity < 16:
@@ -348,12 +351,14 @@ def _accelerator(args, config) -> int:
     # auto: the per-layer layout on every target. A TPU run loads `stacked` (loading.params), but
     # the cost analysis counts a stacked layer loop's body once, not once per layer (0.35x the
     # weights at 1B on v5e): ask for --layout stacked to see that program, not its bytes.
-    layout = "stacked" if layout == "stacked" else "unrolled"
+    # The fused layout (q/k/v and gate/up fused) is one device's or a data mesh's.
+    if layout not in ("stacked", "unrolled", "fused"):
+        layout = "fused" if mesh is None or mesh[1] == 1 else "unrolled"
     if not 0 <= args.fill < 1 or args.capacity < 16:
         raise JaxspecError("use --capacity >= 16 and 0 <= --fill < 1")
     args.dtype = args.dtype or "bfloat16"  # the accelerators' dtype
     target = model_target(args, config)
-    place = accel_roofline.placement(args.target, mesh, target)
+    place = accel_roofline.placement(args.target, mesh, target, args.over_memory)
     out = accel_roofline.rows(place, target, layout, _ints(args.batch), _ints(args.window),
                               args.capacity, args.fill)
     if args.json:
