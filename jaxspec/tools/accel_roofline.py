@@ -12,6 +12,7 @@ attention kernels take (a multiple of 128 slots).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -75,12 +76,23 @@ def _check_fits(need: float, p: Placement, program: str) -> float:
     return 0.0
 
 
+def _chip_share(*placed) -> float:
+    """The fraction of these placed trees' bytes one chip holds (1 / chips when every leaf is
+    split over all chips; more where leaves are replicated, e.g. weights over a data axis)."""
+    leaves = [x for t in placed for x in jax.tree.leaves(t)]
+    total = sum(x.size * x.dtype.itemsize for x in leaves)
+    per_chip = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+    return per_chip / total
+
+
 def measure(p: Placement, model: base.Target, layout: str, program: str, batch: int,
             window: int, capacity: int, valid: int) -> dict:
     """One program compiled for the placement's target, read. weight_bytes: the params a step
     must read (the embedding table's gathered rows where it is not the LM head); kv_bytes: the
     valid KV prefix read and the window's rows written; min_bytes: both + the f32 logits out
-    (step_programs.min_bytes), all model totals; bytes_moved: per chip."""
+    (step_programs.min_bytes), all model totals; bytes_moved: per chip; shard_bytes: the minimum
+    scaled to one chip's share of params + cache (replicated leaves count whole), the floor's
+    bytes."""
     params = step_programs.abstract_params(model, layout)
     cache = step_programs.abstract_cache(model, params, batch, capacity)
     tokens = jax.ShapeDtypeStruct((batch, window), jnp.int32)
@@ -104,6 +116,7 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
     need = step_programs.min_bytes(model, params, cache, batch, window, valid, window)
     kv = nbytes([x for x in jax.tree.leaves(cache) if x.ndim >= 4]) * (valid + window) / capacity
     logits = batch * window * model.vocab_size * 4
+    shard = need * _chip_share(params_in, cache_in)  # the minimum one chip must move
     ca = compiled.cost_analysis()
     ca = (ca[0] if isinstance(ca, (list, tuple)) else ca) or {}
     row = {
@@ -112,9 +125,10 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
         "chips": p.chips, "weight_bytes": int(need - kv - logits), "kv_bytes": int(kv),
         "min_bytes": int(need), "bytes_moved": moved, "bytes_ratio": round(moved * p.chips / need, 3),
         "kernels": kernels if p.target.platform == "cuda" else None, "host_syncs": syncs,
+        "shard_bytes": int(shard), "shard_ratio": round(moved / shard, 3),
         "large_copies": len(step_model.large_copies(text)),
         "collectives": step_model.collectives(text), "attention": hlo.compiled_attention(text),
-        "floor_ms": round(step_model.floor_ms(need / p.chips, p.target.bandwidth), 4),
+        "floor_ms": round(step_model.floor_ms(shard, p.target.bandwidth), 4),
         "predicted_ms": round(step_model.predicted_ms(
             moved, p.target.bandwidth, kernels if p.target.platform == "cuda" else 1, syncs), 4),
     }

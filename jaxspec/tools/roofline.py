@@ -308,6 +308,9 @@ def main(argv=None) -> int:
                    "h200, v5e, v5p, v6e (default: this host's XLA:CPU)")
     p.add_argument("--mesh", metavar="D,M", help="with --target: a DATA x MODEL mesh of chips")
     p.add_argument("--model-config", metavar="config.json", help="a Hugging Face config.json")
+    p.add_argument("--layers", type=int, metavar="N", help="with --target: the model's first N "
+                   "layers only (a large model's per-layer program, read quickly or where the "
+                   "whole does not fit the chips)")
     p.add_argument("--over-memory", action="store_true", help="with --target: compile a program "
                    "that does not fit the chip's memory and report by how much (over_memory_gib)")
     try:
@@ -358,6 +361,10 @@ def _accelerator(args, config) -> int:
         raise JaxspecError("use --capacity >= 16 and 0 <= --fill < 1")
     args.dtype = args.dtype or "bfloat16"  # the accelerators' dtype
     target = model_target(args, config)
+    if args.layers:
+        if not 1 <= args.layers <= target.num_layers:
+            raise JaxspecError(f"--layers {args.layers}: use 1..{target.num_layers}")
+        target = target.prefix(args.layers)
     place = accel_roofline.placement(args.target, mesh, target, args.over_memory)
     out = accel_roofline.rows(place, target, layout, _ints(args.batch), _ints(args.window),
                               args.capacity, args.fill)
