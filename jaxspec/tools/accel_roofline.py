@@ -127,6 +127,8 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
         "kernels": kernels if p.target.platform == "cuda" else None, "host_syncs": syncs,
         "shard_bytes": int(shard), "shard_ratio": round(moved / shard, 3),
         "large_copies": len(step_model.large_copies(text)),
+        "low_precision_dots": len(step_model.low_precision_dots(text)),
+        "rope_kernels": step_model.kernels_computing(text, ("sine", "cosine")),
         "collectives": step_model.collectives(text), "attention": hlo.compiled_attention(text),
         "floor_ms": round(step_model.floor_ms(shard, p.target.bandwidth), 4),
         "predicted_ms": round(step_model.predicted_ms(

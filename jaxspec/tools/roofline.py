@@ -6,11 +6,13 @@ with the minimum a step must move.
     python -m jaxspec.tools.roofline --model-shape llama3-8b --batch 1,8,32 --window 1,5,16 --json
     python -m jaxspec.tools.roofline --target h200 --model-shape llama3-8b --batch 1 --json
     python -m jaxspec.tools.roofline --target v5e --mesh 1,8 --model-config path/to/config.json
+    python -m jaxspec.tools.roofline --target h200 --model-shape llama3-8b --method ngram,eagle3,dflash
 
 With --target (h100, h200, v5e, v5p, v6e) the programs compile for that accelerator here, on
 compile-only devices (jaxspec.tools.aot; the `aot` extra's wheels), and are read per chip by
 jaxspec.tools.accel_roofline: bytes moved, kernels, host syncs, collectives, attention, floor and
-predicted milliseconds (jaxspec.tools.step_model). Without it, as below, on this host's XLA:CPU.
+predicted milliseconds (jaxspec.tools.step_model); with --method, the decode loop's whole step
+per method beside plain's (jaxspec.tools.spec_steps). Without it, as below, on this host's XLA:CPU.
 
 Per program: XLA cost-analysis flops and bytes; the minimum bytes (weights once — the embedding
 table only where it is the LM head, else the gathered rows — plus the valid KV prefix read, the new
@@ -311,6 +313,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, metavar="N", help="with --target: the model's first N "
                    "layers only (a large model's per-layer program, read quickly or where the "
                    "whole does not fit the chips)")
+    p.add_argument("--method", metavar="M,..", help="with --target: the decode loop's step for "
+                   "these methods beside plain's (ngram, ngram_tree, eagle3, dflash), at each "
+                   "--batch, instead of the decode/verify programs")
+    p.add_argument("--gamma", type=int, metavar="N", help="with --method: drafts per step "
+                   "(default: n-gram 4, EAGLE-3 3, DFlash 4)")
     p.add_argument("--over-memory", action="store_true", help="with --target: compile a program "
                    "that does not fit the chip's memory and report by how much (over_memory_gib)")
     try:
@@ -366,13 +373,22 @@ def _accelerator(args, config) -> int:
             raise JaxspecError(f"--layers {args.layers}: use 1..{target.num_layers}")
         target = target.prefix(args.layers)
     place = accel_roofline.placement(args.target, mesh, target, args.over_memory)
-    out = accel_roofline.rows(place, target, layout, _ints(args.batch), _ints(args.window),
-                              args.capacity, args.fill)
-    if args.json:
-        for r in out:
-            print(json.dumps(r))
+    if args.method:
+        from jaxspec.tools import spec_steps
+
+        methods = [m.strip() for m in args.method.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in spec_steps.METHODS]
+        if unknown or (args.gamma is not None and args.gamma < 1):
+            raise JaxspecError(f"--method {','.join(unknown)} / --gamma {args.gamma}: use methods "
+                               f"from {', '.join(spec_steps.METHODS)} and --gamma >= 1")
+        out = spec_steps.rows(place, target, layout, methods, _ints(args.batch),
+                              attention.kernel_capacity(args.capacity, "gpu"), args.fill, args.gamma)
+        text = spec_steps.format_rows(out)
     else:
-        print(accel_roofline.format_rows(out))
+        out = accel_roofline.rows(place, target, layout, _ints(args.batch), _ints(args.window),
+                                  args.capacity, args.fill)
+        text = accel_roofline.format_rows(out)
+    print("\n".join(json.dumps(r) for r in out) if args.json else text)
     return 0
 
 

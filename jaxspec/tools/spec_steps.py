@@ -43,7 +43,8 @@ def _eagle3(model: base.Target, gamma: int):
     from jaxspec.train import methods
 
     cfg = model.layer_config
-    d, v, n, kh = cfg.hidden_size, EAGLE3_DRAFT_VOCAB, cfg.num_heads, cfg.num_kv_heads
+    d, n, kh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+    v = min(EAGLE3_DRAFT_VOCAB, cfg.vocab_size)
     h, f = cfg.head_dim, cfg.intermediate_size
     layer = {"input_norm": (d,), "hidden_norm": (d,), "wq": (n * h, 2 * d),
              "wk": (kh * h, 2 * d), "wv": (kh * h, 2 * d), "wo": (d, n * h), "mlp_norm": (d,),
@@ -163,3 +164,14 @@ def rows(p, model: base.Target, layout: str, methods, batches, capacity: int, fi
                              int(capacity * fill))
             out.append(r | {"vs_plain": round(r["predicted_ms"] / plain["predicted_ms"], 3)})
     return out
+
+
+def format_rows(out: list[dict]) -> str:
+    head = ("| target | method | batch | γ | window | bytes moved | ratio | kernels | host syncs | "
+            "attention | floor ms | predicted ms | vs plain |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    lines = [f"| {r['target']} | {r['method']} | {r['batch']} | {r['gamma']} | {r['window']} | "
+             f"{r['bytes_moved'] / 1e9:.2f} GB | {r['bytes_ratio']:.2f} | {r['kernels'] or '-'} | "
+             f"{r['host_syncs']} | {r['attention']} | {r['floor_ms']:.2f} | "
+             f"{r['predicted_ms']:.2f} | {r['vs_plain']:.2f} |" for r in out]
+    return "\n".join([head, *lines])

@@ -109,6 +109,20 @@ def low_precision_dots(text: str) -> list[str]:
     return out
 
 
+def kernels_computing(text: str, opcodes: tuple[str, ...]) -> int:
+    """Launched kernels of the entry computation (and while bodies, once) whose fused computation
+    holds one of `opcodes`: e.g. ("sine", "cosine") counts the RoPE tables' kernels, once a step
+    where every layer reuses them, a few per layer where each layer recomputes them."""
+    comps = hlo.parse(text)
+
+    def holds(name: str) -> bool:
+        return any(i.opcode in opcodes or (i.calls and holds(i.calls)) for i in comps.get(name, []))
+
+    bodies = {i.calls for c in comps.values() for i in c if i.opcode == "fusion" and i.calls}
+    return sum(1 for name, c in comps.items() if name not in bodies for i in c
+               if i.opcode == "fusion" and i.calls and holds(i.calls))
+
+
 def collectives(text: str) -> int:
     """Collective ops in the optimised module (each async pair once)."""
     return sum(1 for ins in (i for c in hlo.parse(text).values() for i in c)
