@@ -160,8 +160,13 @@ def rows(p, model: base.Target, layout: str, methods, batches, capacity: int, fi
         for m in methods:
             if m == "plain":
                 continue
-            r = measure_step(p, model, layout, m, gamma or DEFAULT_GAMMA[m], b, capacity,
-                             int(capacity * fill))
+            try:
+                r = measure_step(p, model, layout, m, gamma or DEFAULT_GAMMA[m], b, capacity,
+                                 int(capacity * fill))
+            except jax.errors.JaxRuntimeError as e:  # the target's compiler refused this program
+                out.append({"target": p.target.name, "program": "step", "method": m, "batch": b,
+                            "error": str(e).split("\n")[0][:200]})
+                continue
             out.append(r | {"vs_plain": round(r["predicted_ms"] / plain["predicted_ms"], 3)})
     return out
 
@@ -173,5 +178,7 @@ def format_rows(out: list[dict]) -> str:
     lines = [f"| {r['target']} | {r['method']} | {r['batch']} | {r['gamma']} | {r['window']} | "
              f"{r['bytes_moved'] / 1e9:.2f} GB | {r['bytes_ratio']:.2f} | {r['kernels'] or '-'} | "
              f"{r['host_syncs']} | {r['attention']} | {r['floor_ms']:.2f} | "
-             f"{r['predicted_ms']:.2f} | {r['vs_plain']:.2f} |" for r in out]
+             f"{r['predicted_ms']:.2f} | {r['vs_plain']:.2f} |" if "error" not in r else
+             f"| {r['target']} | {r['method']} | {r['batch']} | compile failed: {r['error']} |"
+             for r in out]
     return "\n".join([head, *lines])
