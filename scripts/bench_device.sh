@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device benchmark, from a fresh clone on a TPU VM or a GPU box: every shipped method against
 # plain decoding in one run, in the accelerator defaults (model.dtype auto = bfloat16, layout auto
-# = unrolled: per-layer weights), plus the roofline of the compiled programs and the attention kernels against XLA's.
+# = fused on GPU: per-layer weights, q/k/v and gate/up fused), plus the roofline of the compiled programs and the attention kernels against XLA's.
 # Writes BENCHMARKS-ready markdown (summary.md, roofline.md, attention.md), results.json and
 # device.json (backend, device kind, jax version) to OUT_DIR. Every figure's row names the
 # attention implementation read from its compiled program (jaxspec.hlo.compiled_attention).
@@ -104,11 +104,12 @@ else
   core=(--n-per-category 2 --max-new-tokens 128)
   sweeps=(--n-per-category 1 --max-new-tokens 64 --gammas 2,4,8 --sweep-prompts 3
           --batch-sizes 1,8,32 --batch-rounds 1 --batch-max-new-tokens 64)
-  budget=(30 45 150 60 150)  # + installs and model load: < 8 minutes on a GPU
-  # random weights of real shapes: the accelerator (unrolled) vs the stacked layout, plain vs
-  # n-gram, batch 1 / 8 / 32, each step beside jaxspec.tools.step_model's prediction
-  shapes=(--shapes llama-3.2-1b,llama-3.1-8b --batches 1,8,32 --widths 1,5 --new-tokens 64
-          --layouts unrolled,stacked --budget-s 120)
+  budget=(30 45 110 60 240)  # + installs and model load: < 8 minutes on a GPU
+  # random weights of real shapes: the accelerator (fused) vs the stacked layout, plain vs n-gram,
+  # EAGLE-3 and DFlash (random heads), batch 1 / 8 / 32, each step beside its prediction
+  shapes=(--shapes llama-3.2-1b,llama-3.1-8b --batches 1,8,32 --widths 1,5 --new-tokens 48
+          --layouts fused,stacked --methods plain,ngram,eagle3,dflash --loop-batches 1,8,32
+          --budget-s 200)
 fi
 mark() {  # a smoke run's outputs say so, at the top, so no CPU figure passes for a device one
   if [ "$smoke" = 1 ]; then sed -i '1i SMOKE (cpu): not a device figure' "$1"; fi

@@ -4,11 +4,12 @@ What speculative decoding gains on a device is set by two numbers: how many toke
 (the drafter's acceptance, a property of the model and the text) and what a verify step over a
 window of w positions costs against a one-token step (a property of the device, the shapes and
 the program). This measures the second for real shapes (SmolLM2-135M, Llama-3.2-1B,
-Llama-3.1-8B) with random bfloat16 weights in the accelerator layout (unrolled: per-layer
-weights) and the stacked one, attention on the device's kernels (the implementation read from
+Llama-3.1-8B) with random bfloat16 weights in the accelerator layout (fused: per-layer
+weights, q/k/v and gate/up fused) and the stacked one, attention on the device's kernels (the implementation read from
 the compiled program), each step beside jaxspec.tools.step_model's prediction, so it runs where no
 checkpoint can be brought (the weights do not change a step's cost), and then the whole loop:
-plain decoding's tokens/s and n-gram speculation's steps on a repetitive prompt, side by side.
+plain decoding's tokens/s and each method's steps (n-gram, random EAGLE-3 and DFlash heads) on a
+repetitive prompt, side by side, each step measured beside its prediction (tools/spec_steps.py).
 
     python scripts/bench_device_shapes.py OUT_DIR [--shapes smollm2-135m,llama-3.1-8b]
         [--batches 1,8,32] [--widths 1,2,4,8,16] [--budget-s 420]
@@ -64,6 +65,10 @@ def random_model(name: str, dtype: str, layout: str = "unrolled"):
     cfg = llama.ModelConfig(**SHAPES[name], dtype=dtype, max_position_embeddings=8192)
     params = llama.init_params(cfg, jax.random.key(0), scale=0.02)
     params = decoder.stack_layers(params) if layout == "stacked" else params
+    if layout == "fused":  # the accelerator layout: q/k/v and gate/up fused (models/fused_layout)
+        from jaxspec.models import fused_layout
+
+        params = fused_layout.fuse(params)
     jax.block_until_ready(params)
     return RandomModel(cfg=cfg, params=params, name=name)
 
@@ -100,39 +105,89 @@ def cost_curve(model, batches, widths, fill, layout="unrolled") -> list[dict]:
     return rows
 
 
-def loop_speed(model, batch: int, new_tokens: int) -> list[dict]:
-    """Plain decoding and n-gram speculation (γ 4, n 1..3) over one repetitive prompt per row."""
+def random_drafter(model, method: str):
+    """(drafter, params, γ) for `method` with random weights of a deployed head's shapes in the
+    target's dtype (jaxspec.tools.spec_steps): acceptance means nothing, a step's cost does."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.tools import spec_steps
+
+    gamma = spec_steps.DEFAULT_GAMMA.get(method, 0)
+    drafter, abstract = spec_steps.drafter_for(model.target, method, gamma)
+    if abstract is None:
+        return drafter, None, gamma
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(abstract))))
+    fill = lambda s: ((0.02 * jax.random.normal(next(keys), s.shape)).astype(s.dtype)  # noqa: E731
+                      if jnp.issubdtype(s.dtype, jnp.floating)
+                      else jnp.arange(s.size, dtype=s.dtype).reshape(s.shape))
+    return drafter, jax.tree.map(fill, abstract), gamma
+
+
+def predicted_step(model, layout: str, method: str, gamma: int, batch: int, fill: int) -> dict:
+    """The loop step's prediction (jaxspec.tools.spec_steps) from this device's compile; {} off a
+    known device."""
+    import jax
+
+    from jaxspec.models import attention
+    from jaxspec.tools import accel_roofline, aot, spec_steps
+
+    name = aot.target_of_device(jax.devices()[0].device_kind)
+    if name is None:
+        return {}
+    place = accel_roofline.Placement(aot.target(name), jax.devices()[:1], None)
+    capacity = attention.kernel_capacity(2 * fill, "gpu")
+    r = spec_steps.measure_step(place, model.target, layout, method, gamma, batch, capacity, fill)
+    return {"predicted_step_ms": r["predicted_ms"], "floor_step_ms": r["floor_ms"],
+            "kernels": r["kernels"], "host_syncs": r["host_syncs"]}
+
+
+def _step_ms(r) -> float:
+    """A result's decode time (first token excluded) over its loop steps, in ms."""
+    n, steps = r.num_generated_tokens, r.metrics["num_steps"]
+    if n < 2 or r.decode_tokens_per_s <= 0 or steps < 1:
+        return float("nan")
+    return 1e3 * (n - 1) / r.decode_tokens_per_s / steps
+
+
+def loop_speed(model, batch: int, new_tokens: int, methods=("plain", "ngram"),
+               layout: str = "fused") -> list[dict]:
+    """Plain decoding and each method (n-gram γ 4, n 1..3; random EAGLE-3 γ 3 and DFlash γ 4
+    heads) over one repetitive prompt per row: tokens/s, and the measured step (wall / steps)
+    beside its prediction."""
     import numpy as np
 
-    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
 
     rng = np.random.default_rng(0)
     motif = [int(t) for t in rng.integers(1, model.cfg.vocab_size, size=12)]
     prompts = [motif * 8 for _ in range(batch)]
     out = []
-    for label, engine in (
-        ("plain", Engine(model)),
-        ("ngram γ4", Engine(model, NgramDrafter(model.cfg.vocab_size, 1, 3),
-                            num_speculative_tokens=4)),
-    ):
+    for method in methods:
+        drafter, dparams, gamma = random_drafter(model, method)
+        engine = Engine(model, drafter, dparams, num_speculative_tokens=gamma)
+        label = method if method == "plain" else f"{method} γ{gamma}"
         engine.generate(prompts, max_new_tokens=new_tokens, batch_size=batch)  # compile, warm
         t0 = time.perf_counter()
         results = engine.generate(prompts, max_new_tokens=new_tokens, batch_size=batch)
         wall = time.perf_counter() - t0
         tokens = sum(r.num_generated_tokens for r in results)
+        steps = int(max(r.metrics["num_steps"] for r in results))
         out.append({
+            "step_ms": _step_ms(results[0]),
+            **predicted_step(model, layout, method, gamma, batch, len(prompts[0]) + new_tokens),
             "method": label, "batch": batch, "new_tokens": new_tokens,
             "decode_tok_s": sum(r.decode_tokens_per_s for r in results) / len(results) * batch,
             "wall_tok_s": tokens / wall,
             "mean_accepted": float(np.mean([r.metrics["mean_accepted_length"] for r in results])),
-            "steps": int(sum(r.metrics["num_steps"] for r in results)),
+            "steps": steps,
             "attention": results[0].metrics.get("attention", ""),
             "layout": results[0].metrics.get("layout", ""),
             "same_tokens_as_plain": None,
             "token_ids": [r.token_ids for r in results],
         })
-    out[1]["same_tokens_as_plain"] = out[1].pop("token_ids") == out[0]["token_ids"]
+    for row in out[1:]:
+        row["same_tokens_as_plain"] = row.pop("token_ids") == out[0]["token_ids"]
     out[0].pop("token_ids")
     out[0]["same_tokens_as_plain"] = True
     return out
@@ -153,11 +208,14 @@ def markdown(report: dict) -> str:
                   f"{c.get('predicted_ms', '-')} | {c.get('floor_ms', '-')} |"
                   for c in r.get("cost_curve", [])]
         if r.get("loop"):
-            lines += ["", "| method | batch | decode tok/s | wall tok/s | mean accepted "
-                      "| attention (compiled) | layout | = plain |", "|---|---:|---:|---:|---:|---|---|---|"]
+            lines += ["", "| method | batch | decode tok/s | wall tok/s | mean accepted | step ms "
+                      "| predicted step ms | floor ms | attention (compiled) | layout | = plain |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
             lines += [f"| {x['method']} | {x['batch']} | {x['decode_tok_s']:.0f} | "
-                      f"{x['wall_tok_s']:.0f} | {x['mean_accepted']:.2f} | {x['attention']} | "
-                      f"{x['layout']} | {x['same_tokens_as_plain']} |" for x in r["loop"]]
+                      f"{x['wall_tok_s']:.0f} | {x['mean_accepted']:.2f} | {x['step_ms']:.3f} | "
+                      f"{x.get('predicted_step_ms', '-')} | {x.get('floor_step_ms', '-')} | "
+                      f"{x['attention']} | {x['layout']} | {x['same_tokens_as_plain']} |"
+                      for x in r["loop"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -168,8 +226,11 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b,llama-3.1-8b")
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--widths", default="1,2,4,8,16")
-    p.add_argument("--layouts", default="unrolled,stacked",
-                   help="params layouts: unrolled (the accelerator layout), stacked (lax.scan)")
+    p.add_argument("--layouts", default="fused,stacked",
+                   help="params layouts: fused (the accelerator layout), unrolled, stacked")
+    p.add_argument("--methods", default="plain,ngram,eagle3,dflash",
+                   help="the loop's methods (random EAGLE-3 / DFlash heads of deployed shapes)")
+    p.add_argument("--loop-batches", default="1,8,32")
     p.add_argument("--fill", type=int, default=1024, help="tokens each row holds (cost curve)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
@@ -209,7 +270,9 @@ def main(argv=None) -> int:
                 r["cost_curve"] = cost_curve(model, ints(args.batches), ints(args.widths),
                                              args.fill, layout)
             print(markdown({**report, "shapes": {shape: r}}), flush=True)
-            r["loop"] = [row for b in (1, 8) for row in loop_speed(model, b, args.new_tokens)]
+            methods = args.methods.split(",") if layout == "fused" else ["plain"]
+            r["loop"] = [row for b in ints(args.loop_batches)
+                         for row in loop_speed(model, b, args.new_tokens, methods, layout)]
             del model
         except Exception as e:  # one shape's failure is reported, the others still run
             report["shapes"].setdefault(shape, {})["error"] = f"{type(e).__name__}: {e}"[:500]

@@ -1,8 +1,11 @@
 """Programs compiled for real accelerators on this CPU (deviceless XLA:GPU for an H200, libtpu for
 a TPU v5e; the `aot` wheels scripts/setup.sh installs): the accelerator layout's decode step moves
 at most 1.1x its weights + KV, copies nothing above 1 MB, syncs with the host 0 times and runs the
-kernel attention; the stacked layout on GPU (the broken control) fails the bytes check; the CLI's
-bad input is one line naming the fix. Launch and sync counting is checked on hand-written HLO."""
+kernel attention; the fused layout runs fewer kernels, RoPE once a step; bf16 projections sum
+in f32 in one-token and window programs (a bf16 dot, flagged); the speculative loop's step has no
+host sync; a 2x4 TPU mesh reads each chip's shard once with two collectives a layer; the stacked
+layout on GPU (the broken control) fails the bytes check; the CLI's bad input is one line naming
+the fix. Launch and sync counting is checked on hand-written HLO."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def _row(target: str, layout: str, batch: int = 1, window: int = 1) -> dict:
 
 @pytest.mark.parametrize("target", ["h200", "v5e"])
 def test_accelerator_layout_decode_reads_weights_and_kv_once(target):
-    r = _row(target, "unrolled")
+    r = _row(target, "fused")
     # 1.11x on v5e: the TPU program's fixed costs over a 4-layer model's 85 MB
     bound = 1.1 if target == "h200" else 1.15
     assert r["bytes_moved"] <= bound * r["min_bytes"], r
@@ -39,8 +42,35 @@ def test_accelerator_layout_decode_reads_weights_and_kv_once(target):
     assert r["floor_ms"] < r["predicted_ms"], r
 
 
+def test_fused_layout_runs_fewer_kernels_and_rope_once_a_step():
+    """q/k/v and gate/up fused: fewer launches than the separate weights, the same bytes; the RoPE
+    tables are computed by 2 kernels a step (sine, cosine), not per layer."""
+    fused, plain = _row("h200", "fused"), _row("h200", "unrolled")
+    assert fused["kernels"] < plain["kernels"], (fused, plain)
+    assert fused["bytes_moved"] <= 1.01 * plain["bytes_moved"], (fused, plain)
+    assert fused["rope_kernels"] <= 2, fused
+
+
+def test_bf16_projections_accumulate_in_f32_in_decode_and_verify():
+    """Greedy identity in bf16 on GPU: the one-token step's projections (which XLA:GPU rewrites
+    into multiply + reduce) and the window's GEMMs both take f32 products and sums. A bf16 dot,
+    the broken variant, is flagged in both forms."""
+    import jax
+    import jax.numpy as jnp
+
+    for window in (1, 5):
+        assert _row("h200", "fused", window=window)["low_precision_dots"] == 0
+    t = aot.target("h200")
+    on_gpu = jax.sharding.SingleDeviceSharding(aot.devices(t)[0])
+    bf16_dot = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ()))))
+    w = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=on_gpu)
+    for rows in (1, 5):
+        x = jax.ShapeDtypeStruct((rows, 128), jnp.bfloat16, sharding=on_gpu)
+        assert step_model.low_precision_dots(aot.compile_for(t, bf16_dot, x, w).as_text())
+
+
 def test_verify_window_on_gpu_has_no_host_sync_and_few_kernels_more():
-    decode, verify = _row("h200", "unrolled"), _row("h200", "unrolled", window=5)
+    decode, verify = _row("h200", "fused"), _row("h200", "fused", window=5)
     assert verify["host_syncs"] == 0 and verify["attention"] == "pallas_gpu"
     # the 5 rows' logits (49152 x f32 each) weigh on this small model: 1.13x at 30 layers
     assert verify["bytes_moved"] <= 1.2 * verify["min_bytes"], verify
@@ -132,36 +162,33 @@ def test_missing_wheels_name_the_install_command(tmp_path):
     assert "libtpu==" in out.stderr, out.stderr
 
 
-def test_ngram_step_on_gpu_has_no_host_sync():
-    """The n-gram loop (variable-length proposals: several verify widths) compiled for an H200:
-    its step runs the widest window rather than a switch over widths (a host sync a step on
-    XLA:GPU), and the accept walk stays on the device."""
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_speculative_step_on_gpu_has_no_host_sync(method):
+    """The decode loop's step compiled for an H200 (jaxspec.tools.spec_steps: the program
+    speculate.decode_jit runs): n-gram's variable-length proposals run the widest window rather
+    than a switch over widths (a host sync a step on XLA:GPU), EAGLE-3 drafts γ tokens in a
+    scan, and both accept on the device: 0 host round trips, the kernel attention."""
     import dataclasses
 
-    import jax
-    import jax.numpy as jnp
-    from tiny import tiny_model
+    from tiny import tiny_config
 
-    from jaxspec.decode import speculate
-    from jaxspec.decode.sampling import SamplingParams
-    from jaxspec.drafters.prompt_lookup import NgramDrafter
-    from jaxspec.engine.runner import Engine
     from jaxspec.models import llama
+    from jaxspec.tools import spec_steps
 
-    t = aot.target("h200")
-    on_gpu = jax.sharding.SingleDeviceSharding(aot.devices(t)[0])
-    m = tiny_model(seed=0, layers=2)
-    cfg = dataclasses.replace(m.cfg, dtype="bfloat16")
-    m = dataclasses.replace(m, cfg=cfg, params=llama.init_params(cfg, jax.random.key(0)))
-    e = Engine(m, NgramDrafter(cfg.vocab_size, 1, 3), None, num_speculative_tokens=4)
-    assert len(e.spec.verify_windows()) > 1  # the CPU's program switches over these
-    sp = SamplingParams.make()
-    args = (m.params, None, jnp.zeros((1, 32), jnp.int32), jnp.full((1,), 5, jnp.int32),
-            jnp.full((1,), 16, jnp.int32), sp, jax.random.key(0), jnp.zeros((1,), jnp.int32))
-    state = jax.eval_shape(lambda *a: speculate.prefill(
-        e.spec, *a, capacity=e.capacity(32, 16, backend="gpu")), *args)
-    put = lambda tree: aot.on(tree, on_gpu)  # noqa: E731
-    compiled = aot.compile_for(t, speculate.decode_jit, e.spec, put(m.params), None, put(state),
-                               put(sp), put(jnp.int32(1)))
-    kernels, syncs = step_model.loop_step(compiled.as_text())
-    assert syncs == 0 and kernels > 0
+    model = llama.LlamaTarget(dataclasses.replace(tiny_config(layers=4), dtype="bfloat16"))
+    place = accel_roofline.placement("h200", None, model)
+    r = spec_steps.measure_step(place, model, "fused", method, spec_steps.DEFAULT_GAMMA[method],
+                                1, 256, 128)
+    assert r["host_syncs"] == 0 and r["kernels"] > 0 and r["attention"] == "pallas_gpu", r
+    assert r["window"] == spec_steps.DEFAULT_GAMMA[method] + 1, r
+
+
+def test_a_model_sharded_mesh_reads_its_shard_once_with_two_all_reduces_a_layer():
+    """Llama-3.2-1B's shapes (2 layers) on a v5e 2x4, data 2 x model 4: each chip moves <= 1.1x
+    its share of weights + KV (weights replicated over "data"), two collectives a layer (+1: the
+    logits), the paged TPU kernel per shard (a Mosaic call GSPMD cannot split)."""
+    model = roofline.shape_target("llama3-1b", "bfloat16").prefix(2)
+    place = accel_roofline.placement("v5e", (2, 4), model)
+    r = accel_roofline.measure(place, model, "unrolled", "decode", 8, 1, 1024, 512)
+    assert r["shard_ratio"] <= 1.1 and r["collectives"] == 2 * 2 + 1, r
+    assert r["attention"] == "pallas_tpu" and r["large_copies"] == 0, r

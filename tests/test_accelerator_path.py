@@ -23,7 +23,7 @@ from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
 from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
-from jaxspec.models import decoder, llama
+from jaxspec.models import decoder, fused_layout, llama
 from jaxspec.tools import roofline
 
 # XLA:CPU's YNNPACK library fusion (CPU only, absent on TPU/GPU) takes reductions out of XLA's own
@@ -39,6 +39,8 @@ def _model(layout):
     m = tiny_model(seed=0, layers=4, packed=layout == "packed")
     if layout == "stacked":
         m = dataclasses.replace(m, params=decoder.stack_layers(m.params))
+    if layout == "fused":  # the accelerator layout: q/k/v and gate/up fused
+        m = dataclasses.replace(m, params=fused_layout.fuse(m.params))
     return m
 
 
@@ -165,12 +167,12 @@ def test_stacked_layout_gives_unrolled_tokens(method):
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(1, 64, n)] for n in (7, 19, 12)]
     out = {}
-    for layout in ("unrolled", "stacked"):
+    for layout in ("unrolled", "stacked", "fused"):
         m = _model(layout)
         drafter, dparams = _drafter(layout, method)
         e = Engine(m, drafter, dparams, num_speculative_tokens=3 if drafter else 0)
         out[layout] = [r.token_ids for r in e.generate(prompts, max_new_tokens=24, batch_size=3)]
-    assert out["stacked"] == out["unrolled"]
+    assert out["stacked"] == out["unrolled"] == out["fused"]
 
 
 # ---------------------------------------------------------------------------- accelerator defaults
@@ -188,7 +190,7 @@ def test_auto_dtype_and_layout_follow_the_backend(monkeypatch, backend):
     if backend == "cpu":
         assert dtype == "float32" and layout == ("packed" if available() else "unrolled")
     else:
-        want = "stacked" if backend == "tpu" else "unrolled"  # GPU: per-layer weights, read once
+        want = "stacked" if backend == "tpu" else "fused"  # GPU: per-layer weights, q/k/v fused
         assert (dtype, layout) == ("bfloat16", want)
     assert lp.resolve_dtype("float32") == "float32"  # explicit choices stay
 
@@ -200,6 +202,23 @@ def test_load_model_auto_dtype_on_this_cpu(tiny_llama_dir):
     assert m.cfg.dtype == "float32" and m.stacked
     # the attention impl shows in the metrics (CPU: the XLA reference)
     assert Engine(m).generate([[5, 9]], max_new_tokens=2)[0].metrics["attention"] == "xla"
+
+
+def test_fused_layout_loads_splits_back_and_refuses_a_mesh(tiny_llama_dir):
+    """layout "fused" (the GPU default): the checkpoint's q/k/v and gate/up concatenated at load,
+    split back exactly for readers of a layer's plain weights, same greedy tokens; one device."""
+    from jaxspec.errors import JaxspecError
+    from jaxspec.loading import load_model
+
+    fused, plain = (load_model(tiny_llama_dir, layout=x) for x in ("fused", "unrolled"))
+    assert fused.target.layout(fused.params) == "fused" and "wqkv" in fused.params["layers"][0]
+    for key, w in plain.target.layer_weights(plain.params, 1).items():
+        assert np.array_equal(fused.target.layer_weights(fused.params, 1)[key], w), key
+    prompts = [[5, 9, 3, 7], [2, 4]]
+    tokens = lambda m: [r.token_ids for r in Engine(m).generate(prompts, max_new_tokens=8)]  # noqa: E731
+    assert tokens(fused) == tokens(plain)
+    with pytest.raises(JaxspecError, match="cannot be sharded"):
+        load_model(tiny_llama_dir, layout="fused", mesh=object())
 
 
 def test_fixed_capacity_engine_gives_the_same_tokens_and_one_capacity():

@@ -195,7 +195,7 @@ def echoing(dparams, scale: float = 0.2):
 
 @pytest.mark.parametrize("name", ["ngram", "mtp"])
 def test_greedy_speculation_is_token_identical(model, prompts, plain, head, name):
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
 
     if name == "ngram":
@@ -275,7 +275,7 @@ def test_qwen3_next_matches_transformers_and_speculates_exactly(qwen3_next, prom
     `generate`; greedy n-gram speculation equals greedy plain."""
     from test_qwen3_5 import hf_greedy, hf_logits, our_logits
 
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
 
     hf, loaded = qwen3_next

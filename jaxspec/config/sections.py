@@ -24,8 +24,9 @@ class ModelLoadConfig(Section):
     # auto: bfloat16 on TPU/GPU, float32 on CPU
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # auto: "packed" (CPU panel kernel) for float32 on one CPU device, "stacked" on TPU, else
-    # "unrolled" (on GPU: per-layer weights, each read once a step); "stacked" = [L, ...], lax.scan
-    layout: Literal["auto", "unrolled", "packed", "stacked"] = "auto"
+    # "fused" on GPU (per-layer weights, q/k/v and gate/up fused: models/fused_layout.py);
+    # "unrolled" = per-layer arrays; "stacked" = [L, ...], lax.scan
+    layout: Literal["auto", "unrolled", "packed", "stacked", "fused"] = "auto"
 
     def _validate(self):
         if not self.name.strip():

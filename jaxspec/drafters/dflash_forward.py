@@ -128,8 +128,13 @@ def attend(q, blk_k, blk_v, ctx_k, ctx_v, q_pos, ctx_len, causal: bool, window: 
     w_ctx, w_blk = w[..., :s].astype(ctx_v.dtype), w[..., s:].astype(blk_v.dtype)
     o_ctx = jax.lax.dot_general(w_ctx.reshape(b, kv, r * g, s), ctx_v, (((3,), (2,)), batch))
     o_ctx = o_ctx.reshape(b, kv, r, g, hd).transpose(0, 3, 1, 2, 4)  # [B, G, K, R, Hd]
-    out = o_ctx + jnp.einsum("bkrgj,bjkh->bgkrh", w_blk, blk_v)
-    return out.reshape(b, g, n * hd)
+    # the block part (G keys) as multiply + reduce in f32: XLA:GPU's Triton GEMM fusion of it as
+    # a dot (contracting G = block size) found no tile sizes and the step did not compile for an
+    # H100/H200
+    vb = blk_v.astype(f32).transpose(0, 2, 1, 3)[:, :, None, None]  # [B, K, 1, 1, J, Hd]
+    o_blk = jnp.sum(w_blk.astype(f32)[..., None] * vb, axis=-2)  # [B, K, R, G, Hd]
+    o_blk = o_blk.astype(o_ctx.dtype).transpose(0, 3, 1, 2, 4)  # [B, G, K, R, Hd]
+    return (o_ctx + o_blk).reshape(b, g, n * hd)
 
 
 def grouped_conv(x, dynamic, base, group_size: int):

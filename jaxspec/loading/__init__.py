@@ -117,14 +117,18 @@ def load_model(
     loading = progress.start(f"loading {name_or_path}")
     check_options(dtype, layout)
     dtype = resolve_dtype(dtype)
-    if mesh is not None and layout == "packed":
-        raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
+    if mesh is not None and layout in ("packed", "fused"):
+        raise JaxspecError(f"layout {layout!r} (one device) cannot be sharded: use 'unrolled' or 'stacked'")
     if mesh is not None and layout == "auto":
         layout, layout_note = "unrolled", "auto: loaded onto a mesh (the CPU kernels run on one device)"
     else:
         layout, layout_note = resolve_layout(layout, dtype)
     src = resolve(name_or_path, dtype=dtype)  # a Hub id: priced in dtype, then downloaded
     family = _registered_family(src)
+    if family is not None and layout == "fused":  # the fused layout is the Llama family's
+        if not layout_note.startswith("auto"):
+            raise JaxspecError(f"{src.path}: layout 'fused' is the Llama family's: use 'unrolled'")
+        layout, layout_note = "unrolled", layout_note.split(",")[0] + " (per-layer arrays)"
     if family is not None:  # a registered family's file layout (models/registry.FileLayout)
         spec = family.hf if src.kind == "hf_dir" else family.gguf
         if src.kind == "hf_dir":

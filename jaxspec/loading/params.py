@@ -15,13 +15,14 @@ import numpy as np
 
 from jaxspec import kernels
 from jaxspec.errors import JaxspecError
+from jaxspec.models import fused_layout
 from jaxspec.models.decoder import ModelConfig
 from jaxspec.models.llama import Params, param_shapes, qkv_splits
 from jaxspec.sharding import check_model, param_shardings
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ACCELERATORS = ("tpu", "gpu")
-LAYOUTS = ("auto", "unrolled", "stacked", "packed")
+LAYOUTS = ("auto", "unrolled", "stacked", "packed", "fused")
 LINEAR_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # packed by layout="packed"
 
 
@@ -31,7 +32,8 @@ def check_options(dtype: str, layout: str) -> None:
     if layout not in LAYOUTS:
         raise JaxspecError(
             f"unsupported layout {layout!r}: use 'auto', 'unrolled' (per-layer arrays), "
-            f"'packed' (per-layer, CPU panel kernel) or 'stacked' ([L, ...] arrays for lax.scan)"
+            f"'packed' (per-layer, CPU panel kernel), 'fused' (per-layer, q/k/v and gate/up fused: "
+            f"GPU) or 'stacked' ([L, ...] arrays for lax.scan)"
         )
     if layout == "packed" and dtype not in ("float32", "auto"):
         raise JaxspecError(f"layout 'packed' needs dtype float32, got {dtype}: use layout 'unrolled'")
@@ -47,7 +49,8 @@ def resolve_dtype(dtype: str) -> str:
 def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
     """(layout, why it was chosen). "auto": "packed" where the CPU panel kernel runs (float32, one
     CPU device), "stacked" on TPU (which reads a stack's layer slices in place), else "unrolled"
-    (on GPU the accelerator layout: per-layer weights, each read once a step) -- and the why says which condition failed, since the packed layout is the one
+    (on GPU the accelerator layout "fused": per-layer weights, each read once a step, q/k/v and
+    gate/up fused, models/fused_layout.py) -- and the why says which condition failed, since the packed layout is the one
     whose greedy output is bit-identical across batch and window sizes."""
     if layout != "auto":
         if layout == "packed" and not kernels.available():
@@ -59,8 +62,9 @@ def resolve_layout(layout: str, dtype: str) -> tuple[str, str]:
     if jax.default_backend() == "tpu":  # TPU reads a stack's layer slices in place
         return "stacked", "auto: lax.scan over layers on tpu (each layer's slice read in place)"
     if jax.default_backend() in ACCELERATORS:
-        return "unrolled", (f"auto: per-layer weights on {jax.default_backend()} (each read once "
-                            "a step; a stack's layer slices are copied out on GPU)")
+        return "fused", (f"auto: per-layer weights on {jax.default_backend()}, q/k/v and gate/up "
+                         "fused (each read once a step in two projections; a stack's layer slices "
+                         "are copied out on GPU)")
     if jax.default_backend() != "cpu":
         return "unrolled", f"auto: the {jax.default_backend()} backend has no CPU kernels"
     if jax.device_count() != 1:
@@ -149,6 +153,8 @@ def place(params: Params, dtype: str, layout: str) -> Params:
 
     if layout != "stacked":
         params = jax.tree.map(put, params)
+        if layout == "fused":  # one layer's concatenation in flight at a time
+            return fused_layout.fuse(params)
         return pack_params(params) if layout == "packed" else params
     out = {k: jax.tree.map(put, v) for k, v in params.items() if k != "layers"}
     layers = params["layers"]
@@ -188,8 +194,8 @@ def place_on_mesh(
     device its shards plus one tensor's shard. The stacked layout is assembled on the mesh, one
     layer at a time, into a preallocated sharded `[L, ...]` buffer.
     """
-    if layout == "packed":
-        raise JaxspecError("layout 'packed' (one CPU device) cannot be sharded: use 'unrolled' or 'stacked'")
+    if layout in ("packed", "fused"):
+        raise JaxspecError(f"layout {layout!r} (one device) cannot be sharded: use 'unrolled' or 'stacked'")
     check_model(cfg, plan.mesh)
     np_dtype = np.dtype(jax.numpy.dtype(dtype))
     stacked = layout == "stacked"

@@ -105,10 +105,18 @@ def param_tree_axes(layer_axes: dict, cfg: DecoderDims, *, stacked: bool, tied: 
     return axes
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """x: [..., in] @ w: [out, in] -> [..., out]. `w` may be a CPU-kernel `PackedWeight`."""
+    """x: [..., in] @ w: [out, in] -> [..., out] in x's dtype, accumulated in float32. `w` may be
+    a CPU-kernel `PackedWeight`."""
     if isinstance(w, kernels.PackedWeight):
         return kernels.panel_matmul(x, w).astype(x.dtype)
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    if x.dtype == jnp.float32:
+        return jax.lax.dot_general(x, w, dims)
+    # bf16/f16: products and sums in float32, rounded once. XLA:GPU turns a one-token (M = 1)
+    # projection into multiply + reduce and, asked for a bf16 result, rounds each product to bf16
+    # first, while a window's GEMM accumulates exact products in f32: the two programs would round
+    # differently, and greedy speculation would drift from greedy plain decoding.
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=None) -> jax.Array:
@@ -252,7 +260,10 @@ class ConfigTarget:
     def layout(self, params: Params) -> str:
         if isinstance(params["layers"], dict):
             return "stacked"
-        return "packed" if uses_cpu_kernels(params) else "unrolled"
+        if uses_cpu_kernels(params):
+            return "packed"
+        layers = params["layers"]
+        return "fused" if layers and "wqkv" in layers[0] else "unrolled"  # models/fused_layout.py
 
     def uses_cpu_kernels(self, params: Params) -> bool:
         return uses_cpu_kernels(params)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.models import attention, base, blocks, paged_layer, registry
+from jaxspec.models import attention, base, blocks, fused_layout, paged_layer, registry
 from jaxspec.models.cache import KVCache
 from jaxspec.models.decoder import (  # the shared pieces; llama.ModelConfig stays this family's name
     ConfigTarget,
@@ -47,8 +47,9 @@ from jaxspec.models.decoder import (  # the shared pieces; llama.ModelConfig sta
 Params = dict[str, Any]
 
 
-def param_axes(cfg: ModelConfig, *, stacked: bool = False) -> Params:
-    """Logical axis names for every param leaf, in the same pytree structure as the params."""
+def param_axes(cfg: ModelConfig, *, stacked: bool = False, fused: bool = False) -> Params:
+    """Logical axis names for every param leaf, in the same pytree structure as the params
+    (`fused`: the accelerator layout's fused projections, models/fused_layout.py)."""
     layer = {
         "attn_norm": ("embed",),
         "wq": ("heads", "embed"),
@@ -64,6 +65,8 @@ def param_axes(cfg: ModelConfig, *, stacked: bool = False) -> Params:
         layer |= {"bq": ("heads",), "bk": ("kv_heads",), "bv": ("kv_heads",)}
     if cfg.qk_norm:
         layer |= {"q_norm": ("head_dim",), "k_norm": ("head_dim",)}
+    if fused:
+        layer = fused_layout.layer_axes(layer)
     return param_tree_axes(layer, cfg, stacked=stacked, tied=cfg.tie_word_embeddings)
 
 
@@ -358,7 +361,7 @@ class LlamaTarget(ConfigTarget):
             return jax.tree.map(lambda w: w[index], layers)
         lp = layers[index]
         if not isinstance(lp.get("wqkv"), kernels.PackedWeight):
-            return dict(lp)
+            return fused_layout.split_layer(lp, qkv_splits(self.cfg))
         rest = {k: w for k, w in lp.items() if not isinstance(w, kernels.PackedWeight)}
         wq, wk, wv = jnp.split(kernels.unpack(lp["wqkv"]), qkv_splits(self.cfg))
         gate, up = jnp.split(kernels.unpack(lp["w_gate_up"]), 2)
@@ -378,10 +381,13 @@ class LlamaTarget(ConfigTarget):
 
     def init_params(self, key: jax.Array, layout: str = "unrolled") -> Params:
         params = init_params(self.cfg, key)
+        if layout == "fused":
+            return fused_layout.fuse(params)
         return stack_layers(params) if layout == "stacked" else params
 
     def param_axes(self, params: Params) -> Params:
-        return param_axes(self.cfg, stacked=isinstance(params["layers"], dict))
+        return param_axes(self.cfg, stacked=isinstance(params["layers"], dict),
+                          fused=fused_layout.is_fused(params))
 
     def pad_window(self, window_kv, entries: int):
         """Window k/v ([B, T, K, H] per layer, or [L, B, T, K, H]) padded to `entries`."""

@@ -168,6 +168,16 @@ def compile_for(t: AccelTarget, jitted, *args, **kwargs):
     """`jitted` (a jax.jit function) compiled for `t` from abstract args placed on its devices."""
     from jax._src import config
 
+    import jax
+
     lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(t.platform,))
     with config.enable_compilation_cache(False):  # a compile-only client cannot load entries
-        return lowered.compile()
+        try:
+            return lowered.compile()
+        except jax.errors.JaxRuntimeError as e:  # libtpu refuses a program over the chip's HBM
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            first = str(e).split("\n")[0].removeprefix("RESOURCE_EXHAUSTED: ")
+            raise JaxspecError(f"the program does not fit a {t.name} chip ({first}): use a larger "
+                               "--mesh (more model shards), a smaller --batch or --capacity, or "
+                               "--layers N to read the first N layers") from None

@@ -6,11 +6,13 @@ with the minimum a step must move.
     python -m jaxspec.tools.roofline --model-shape llama3-8b --batch 1,8,32 --window 1,5,16 --json
     python -m jaxspec.tools.roofline --target h200 --model-shape llama3-8b --batch 1 --json
     python -m jaxspec.tools.roofline --target v5e --mesh 1,8 --model-config path/to/config.json
+    python -m jaxspec.tools.roofline --target h200 --model-shape llama3-8b --method ngram,eagle3,dflash
 
 With --target (h100, h200, v5e, v5p, v6e) the programs compile for that accelerator here, on
 compile-only devices (jaxspec.tools.aot; the `aot` extra's wheels), and are read per chip by
 jaxspec.tools.accel_roofline: bytes moved, kernels, host syncs, collectives, attention, floor and
-predicted milliseconds (jaxspec.tools.step_model). Without it, as below, on this host's XLA:CPU.
+predicted milliseconds (jaxspec.tools.step_model); with --method, the decode loop's whole step
+per method beside plain's (jaxspec.tools.spec_steps). Without it, as below, on this host's XLA:CPU.
 
 Per program: XLA cost-analysis flops and bytes; the minimum bytes (weights once — the embedding
 table only where it is the LM head, else the gathered rows — plus the valid KV prefix read, the new
@@ -297,8 +299,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="default: model.dtype; auto = this backend's (bfloat16 on TPU/GPU, float32 "
                    "on CPU, where XLA upcasts bf16 ops and scatters: measure float32 here)")
-    p.add_argument("--layout", choices=("stacked", "unrolled"),
-                   help="default: model.layout; auto = this backend's (stacked on TPU, unrolled on GPU; --target: unrolled)")
+    p.add_argument("--layout", choices=("stacked", "unrolled", "fused"),
+                   help="default: model.layout; auto = this backend's (stacked on TPU, fused on "
+                   "GPU; --target: fused, unrolled under a model-sharded --mesh)")
     p.add_argument("--batch", default="1,8,32", metavar="B,..")
     p.add_argument("--window", default="1,5,16", metavar="T,..", help="1 = decode, >1 = verify")
     p.add_argument("--capacity", type=int, default=2048, help="cache slots per row")
@@ -309,6 +312,16 @@ def main(argv=None) -> int:
                    "h200, v5e, v5p, v6e (default: this host's XLA:CPU)")
     p.add_argument("--mesh", metavar="D,M", help="with --target: a DATA x MODEL mesh of chips")
     p.add_argument("--model-config", metavar="config.json", help="a Hugging Face config.json")
+    p.add_argument("--layers", type=int, metavar="N", help="with --target: the model's first N "
+                   "layers only (a large model's per-layer program, read quickly or where the "
+                   "whole does not fit the chips)")
+    p.add_argument("--method", metavar="M,..", help="with --target: the decode loop's step for "
+                   "these methods beside plain's (ngram, ngram_tree, eagle3, dflash), at each "
+                   "--batch, instead of the decode/verify programs")
+    p.add_argument("--gamma", type=int, metavar="N", help="with --method: drafts per step "
+                   "(default: n-gram 4, EAGLE-3 3, DFlash 4)")
+    p.add_argument("--over-memory", action="store_true", help="with --target: compile a program "
+                   "that does not fit the chip's memory and report by how much (over_memory_gib)")
     try:
         args = p.parse_args(argv)
         config = load_config(args.config, args.overrides)
@@ -319,7 +332,7 @@ def main(argv=None) -> int:
             from jaxspec.loading.params import resolve_layout
 
             layout, _ = resolve_layout("auto", "float32" if args.dtype is None else args.dtype)
-            layout = "unrolled" if layout == "packed" else layout
+            layout = "unrolled" if layout in ("packed", "fused") else layout
         if layout == "packed":
             raise JaxspecError("layout 'packed' is the CPU kernel's: use --layout stacked or unrolled")
         if not 0 <= args.fill < 1 or args.capacity < 16:
@@ -351,20 +364,37 @@ def _accelerator(args, config) -> int:
     # auto: the per-layer layout on every target. A TPU run loads `stacked` (loading.params), but
     # the cost analysis counts a stacked layer loop's body once, not once per layer (0.35x the
     # weights at 1B on v5e): ask for --layout stacked to see that program, not its bytes.
-    layout = "stacked" if layout == "stacked" else "unrolled"
+    # The fused layout (q/k/v and gate/up fused) is one device's or a data mesh's.
+    if layout not in ("stacked", "unrolled", "fused"):
+        layout = "fused" if mesh is None or mesh[1] == 1 else "unrolled"
     if not 0 <= args.fill < 1 or args.capacity < 16:
         raise JaxspecError("use --capacity >= 16 and 0 <= --fill < 1")
     args.dtype = args.dtype or "bfloat16"  # the accelerators' dtype
     target = model_target(args, config)
-    place = accel_roofline.placement(args.target, mesh, target)
-    out = accel_roofline.rows(place, target, layout, _ints(args.batch), _ints(args.window),
-                              args.capacity, args.fill)
-    if args.json:
-        for r in out:
-            print(json.dumps(r | moe_shapes.active_fields(target, r.get("batch", 1),
-                                                          r.get("window", 1))))
+    if args.layers:
+        if not 1 <= args.layers <= target.num_layers:
+            raise JaxspecError(f"--layers {args.layers}: use 1..{target.num_layers}")
+        target = target.prefix(args.layers)
+    place = accel_roofline.placement(args.target, mesh, target, args.over_memory)
+    if args.method:
+        from jaxspec.tools import spec_steps
+
+        methods = [m.strip() for m in args.method.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in spec_steps.METHODS]
+        if unknown or (args.gamma is not None and args.gamma < 1):
+            raise JaxspecError(f"--method {','.join(unknown)} / --gamma {args.gamma}: use methods "
+                               f"from {', '.join(spec_steps.METHODS)} and --gamma >= 1")
+        out = spec_steps.rows(place, target, layout, methods, _ints(args.batch),
+                              attention.kernel_capacity(args.capacity, "gpu"), args.fill, args.gamma)
+        text = spec_steps.format_rows(out)
     else:
-        print(accel_roofline.format_rows(out))
+        out = accel_roofline.rows(place, target, layout, _ints(args.batch), _ints(args.window),
+                                  args.capacity, args.fill)
+        text = accel_roofline.format_rows(out)
+    if args.json:
+        text = "\n".join(json.dumps(r | moe_shapes.active_fields(target, r.get("batch", 1),
+                                                                 r.get("window", 1))) for r in out)
+    print(text)
     return 0
 
 

@@ -92,6 +92,37 @@ def large_copies(text: str, limit: int = 1 << 20) -> list[str]:
             and hlo._shape_bytes(hlo.shape_of(i.line)) > limit]
 
 
+_LOW_PRECISION = re.compile(r"= (bf16|f16)\[")
+
+
+def low_precision_dots(text: str) -> list[str]:
+    """Dot products the compiled program computes below float32: a `dot` with a bf16/f16 result,
+    or the multiply / reduce XLA rewrote a small dot into (metadata op_name ".../dot_general")
+    in bf16/f16, which rounds each product (or partial sum) before accumulating. A one-token
+    projection and a window's must both be empty here to round alike (greedy identity)."""
+    out = []
+    for comp in hlo.parse(text).values():
+        for ins in comp:
+            rewritten = ins.opcode in ("multiply", "reduce") and '/dot_general"' in ins.line
+            if (ins.opcode == "dot" or rewritten) and _LOW_PRECISION.search(ins.line):
+                out.append(ins.name)
+    return out
+
+
+def kernels_computing(text: str, opcodes: tuple[str, ...]) -> int:
+    """Launched kernels of the entry computation (and while bodies, once) whose fused computation
+    holds one of `opcodes`: e.g. ("sine", "cosine") counts the RoPE tables' kernels, once a step
+    where every layer reuses them, a few per layer where each layer recomputes them."""
+    comps = hlo.parse(text)
+
+    def holds(name: str) -> bool:
+        return any(i.opcode in opcodes or (i.calls and holds(i.calls)) for i in comps.get(name, []))
+
+    bodies = {i.calls for c in comps.values() for i in c if i.opcode == "fusion" and i.calls}
+    return sum(1 for name, c in comps.items() if name not in bodies for i in c
+               if i.opcode == "fusion" and i.calls and holds(i.calls))
+
+
 def collectives(text: str) -> int:
     """Collective ops in the optimised module (each async pair once)."""
     return sum(1 for ins in (i for c in hlo.parse(text).values() for i in c)

@@ -1,0 +1,71 @@
+"""The "fused" layout: the accelerator layout of the Llama family. Per-layer arrays (as
+"unrolled") with the q/k/v projections concatenated into one "wqkv" `[(N + 2K) * H, D]` weight
+and gate/up into one "w_gate_up" `[2F, D]`, so a layer runs two projections where it ran five:
+one weight stream and one kernel each on a GPU, where a one-token step is launch bound.
+
+Built from the checkpoint's separate weights at load time only (`fuse`), and split back for
+anything that reads a layer's plain weights (`split_layer`): checkpoints, the CPU path and the
+other families' param trees never see it. The split after the projection is exact (each output
+row is the same dot product as before). One device or a data-parallel mesh: the fused rows mix
+q/k/v heads, so a model-sharded mesh keeps the separate weights ("unrolled").
+
+Dimension letters: N query heads, K kv heads, H head dim, D model dim, F mlp dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxspec import kernels
+
+Params = dict[str, Any]
+FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def fuse_layer(layer: Params) -> Params:
+    """One layer's plain weights -> the fused ones (a group only where all its parts are there:
+    an MoE layer has no gate/up)."""
+    out = dict(layer)
+    for fused, parts in FUSED.items():
+        if all(p in layer for p in parts):
+            out[fused] = jnp.concatenate([layer[p] for p in parts], axis=0)
+            for p in parts:
+                del out[p]
+    return out
+
+
+def fuse(params: Params) -> Params:
+    """Per-layer ("unrolled") params -> the fused layout."""
+    layers = params["layers"]
+    if not isinstance(layers, tuple):
+        raise ValueError("the fused layout is built from per-layer (unrolled) params")
+    return params | {"layers": tuple(fuse_layer(lp) for lp in layers)}
+
+
+def split_layer(layer: Params, qkv_splits: tuple[int, int]) -> Params:
+    """A fused layer's plain `[out, in]` weights (wq/wk/wv, w_gate/w_up); other layers as they are."""
+    out = {k: w for k, w in layer.items() if k not in FUSED}
+    if "wqkv" in layer:
+        out["wq"], out["wk"], out["wv"] = jnp.split(layer["wqkv"], qkv_splits)
+    if "w_gate_up" in layer:
+        out["w_gate"], out["w_up"] = jnp.split(layer["w_gate_up"], 2)
+    return out
+
+
+def is_fused(params: Params) -> bool:
+    """True for plain-array fused layers (the packed CPU layout also holds "wqkv", as panels)."""
+    layers = params["layers"]
+    return (isinstance(layers, tuple) and "wqkv" in layers[0]
+            and not isinstance(layers[0]["wqkv"], kernels.PackedWeight))
+
+
+def layer_axes(layer_axes: Params) -> Params:
+    """Logical axes of a fused layer from the plain layer's: the fused output rows mix heads
+    (q/k/v) or halves (gate/up), so they are replicated over "model"."""
+    out = {k: v for k, v in layer_axes.items() if not any(k in p for p in FUSED.values())}
+    for fused, parts in FUSED.items():
+        if all(p in layer_axes for p in parts):
+            out[fused] = (None, "embed")
+    return out
