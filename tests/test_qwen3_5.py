@@ -37,14 +37,14 @@ NEW = 24
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
 
-def hf_model(seed: int = 0):
+def hf_model(seed: int = 0, vocab: int = VOCAB):
     """A tiny random transformers Qwen3.5 with its norms drawn around their neutral values."""
     torch = import_torch()
     import transformers as tr
 
     torch.manual_seed(seed)
     cfg = tr.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
         linear_conv_kernel_dim=4, layer_types=LAYER_TYPES, pad_token_id=0, bos_token_id=2,

@@ -36,15 +36,17 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models import base
 from jaxspec.models import paged_attention as pa
 from jaxspec.models import paged_layer
+from jaxspec.serving import paged_hybrid
 from jaxspec.serving.pages import pages_for
 
 _DELEGATED = tuple(n for n in base.TRAIT_NAMES if n not in ("prefix", "cache_axes"))
 
 
 def pageable(shape: Any) -> bool:
-    """Whether a target's cache of this shape (`Engine.cache_shape`) is a per-layer KVCache
-    (what PagedTarget pages)."""
-    return isinstance(shape, KVCache) and isinstance(shape.k, tuple)
+    """Whether a target's cache of this shape (`Engine.cache_shape`) is a per-layer KVCache or
+    a hybrid target's per-layer cache (what PagedTarget pages)."""
+    return (isinstance(shape, KVCache) and isinstance(shape.k, tuple)) or \
+        paged_hybrid.is_hybrid(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +57,34 @@ class PagedTarget:
     read: str = "pages"  # "pages": attention reads the pool through the table; "view": gathered
 
     def __getattr__(self, name):  # the inner target's optional traits and plain attributes
+        if name == "forward_prompt" and self.hybrid:  # the padding keeps no linear state
+            return self._forward_prompt
         if name in _DELEGATED or name in ("name", "vocab_size", "hidden_size", "num_layers",
                                           "max_position_embeddings", "dtype", "logits"):
             return getattr(self.inner, name)
         raise AttributeError(name)
 
+    @functools.cached_property
+    def hybrid(self) -> bool:
+        """Whether the inner target is hybrid (linear layers' rings beside the pages:
+        `serving.paged_hybrid`). A cache whose shape needs the params (a layout chosen by
+        them: Llama's stacked or not) is a KV cache."""
+        try:
+            return paged_hybrid.is_hybrid(self._one_row())
+        except (TypeError, KeyError, AttributeError):
+            return False
+
+    def _one_row(self, params: Any = None):
+        """The shapes of the inner target's one-row cache of one page (nothing allocated)."""
+        return jax.eval_shape(lambda: self.inner.init_cache(params, 1, self.page_size))
+
     def init_cache(self, params: Any, batch: int, capacity: int) -> pa.PagedKVCache:
         one = self.inner.init_cache(params, 1, self.page_size)  # shapes and dtype (DCE'd)
+        per_row = pages_for(capacity, self.page_size)
+        if paged_hybrid.is_hybrid(one) and self.read == "pages":
+            pages = batch * per_row if self.num_pages is None else self.num_pages
+            return paged_hybrid.init_cache(one, batch, pages, self.page_size, per_row,
+                                           identity=self.num_pages is None)
         if not isinstance(one, KVCache) or not isinstance(one.k, tuple):
             raise JaxspecError(
                 f"a paged KV cache needs a target with a per-layer cache; "
@@ -86,6 +109,10 @@ class PagedTarget:
 
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
+        if self.hybrid:
+            return self._forward_hybrid(params, tokens, cache, positions=positions,
+                                        window_mask=window_mask, write_cache=write_cache,
+                                        taps=taps)
         if positions is None:
             positions = cache.positions(tokens.shape[1])
         if write_cache and self.read == "pages":  # each layer writes its pool, then reads it
@@ -102,8 +129,24 @@ class PagedTarget:
         cache = pa.write_window(cache, out.window_kv, positions)
         return base.TargetOutput(out.hidden, out.taps, None, cache)
 
+    def _forward_hybrid(self, params, tokens, cache, *, positions=None, window_mask=None,
+                        write_cache=True, taps=(), count=None) -> base.TargetOutput:
+        out, cache = paged_hybrid.forward(self.inner, params, tokens, cache,
+                                          self._one_row(params), positions=positions,
+                                          window_mask=window_mask, write_cache=write_cache,
+                                          taps=taps, count=count)
+        return base.TargetOutput(out.hidden, out.taps, out.window_kv, cache)
+
+    def _forward_prompt(self, params, tokens, cache, prompt_lengths, *, taps=()):
+        """A right-padded prompt (prompt_lengths int32[B] real tokens from each row's length)."""
+        return self._forward_hybrid(params, tokens, cache, taps=taps, count=prompt_lengths)
+
     def commit_window(self, cache: pa.PagedKVCache, window_kv, path, positions):
-        """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]."""
+        """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]
+        (a hybrid target: and its states into the rows' rings)."""
+        if self.hybrid:
+            return paged_hybrid.commit_window(self.inner, cache, window_kv, path, positions)
+
         def gather(w):  # [B, T, K, H] -> [B, P, K, H]
             return jnp.take_along_axis(w, path[:, :, None, None], axis=1)
 
@@ -128,17 +171,30 @@ class TailTarget:
     def __getattr__(self, name):
         if name in ("paged", "chunk") or name.startswith("__"):
             raise AttributeError(name)
+        if name == "forward_prompt" and self.paged.hybrid:  # the tail's padding keeps no state
+            return self._forward_prompt
         return getattr(self.paged, name)
 
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
         if taps or positions is not None or window_mask is not None:
             raise ValueError("TailTarget.forward runs a prompt's tail only (no taps, positions)")
+        return self._tail(params, tokens, cache, write_cache)
+
+    def _forward_prompt(self, params, tokens, cache, prompt_lengths, *, taps=()):
+        if taps:
+            raise ValueError("TailTarget.forward runs a prompt's tail only (no taps)")
+        return self._tail(params, tokens, cache, True, prompt_lengths)
+
+    def _tail(self, params, tokens, cache, write_cache, prompt_lengths=None):
         b, w = tokens.shape
         start = cache.lengths  # [B]
         padded = jnp.pad(tokens, [(0, 0), (0, self.chunk)])  # [B, W + chunk]: no slice clamps
         tail = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, self.chunk))(padded, start)
-        out = self.paged.forward(params, tail, cache, write_cache=write_cache)
+        if prompt_lengths is None:
+            out = self.paged.forward(params, tail, cache, write_cache=write_cache)
+        else:  # a hybrid target: the states at each row's prompt end, not its padding's
+            out = self.paged._forward_hybrid(params, tail, cache, count=prompt_lengths - start)
         hidden = jnp.zeros((b, w + self.chunk) + out.hidden.shape[-1:], out.hidden.dtype)
         hidden = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(
             hidden, out.hidden, start, 0)

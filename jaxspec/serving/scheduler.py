@@ -37,7 +37,7 @@ from jaxspec.decode.penalties import OFF
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.serving_surface import prefill_into_cache as prefill_into_pool
 from jaxspec.errors import JaxspecError
-from jaxspec.serving import grammars, paged_cache, prefix, rows
+from jaxspec.serving import grammars, paged_cache, paged_hybrid, prefix, rows
 from jaxspec.serving import policy as policy_lib
 from jaxspec.serving.admission import Admission
 from jaxspec.serving.batch import MIN_TABLE_PAGES, program_widths
@@ -145,6 +145,8 @@ class Scheduler(Admission, DeviceCall, Streaming):
         taps = spec.drafter is not None and spec.drafter.hidden_layers
         chunk = prefill_chunk or self.budget  # under a budget, prompts over it go in chunks
         self.chunk = chunk if self.paged and not static and not taps else None
+        if self.paged and spec.target.hybrid:  # linear state resumes at page ends only
+            paged_hybrid.check_chunk(self.chunk, page_size)
         self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
         self.kv = KVManager(self.pool, max_context, steps_per_call, spec.depth, spec.num_nodes,
                             self.prefix_cache)
