@@ -203,3 +203,79 @@ def test_a_chunk_that_ends_mid_page_is_refused(model):
     engine = Engine(model, max_context=CONTEXT)
     with pytest.raises(JaxspecError, match="multiple of serving.page_size=8"):
         Scheduler(engine, slots=2, max_context=CONTEXT, page_size=PAGE, prefill_chunk=12)
+
+
+# ------------------------------------------------- drafters reading target features, prefix hits
+
+
+def feature_drafter(name: str, model):
+    """A random head of each family that reads the target's hidden states (taps of linear and
+    full-attention layers alike) and its params."""
+    import jax
+
+    from jaxspec.train import methods
+    from tiny import dflash_like
+
+    ids = np.arange(0, 256, 2, dtype=np.int32)
+    if name == "dflash":
+        return dflash_like(model)
+    if name == "mtp":  # Qwen3.5's own head layout, random weights
+        from jaxspec.drafters.qwen3_5_mtp import Qwen35MtpDrafter
+        from jaxspec.models import qwen3_5
+
+        cfg = model.target.cfg
+        rnd = qwen3_5.init_params(cfg, jax.random.key(3), scale=0.3)
+        d = cfg.hidden_size
+        dparams = {"pre_fc_norm_embedding": rnd["final_norm"], "pre_fc_norm_hidden": rnd["final_norm"],
+                   "fc": 0.2 * jax.random.normal(jax.random.key(4), (d, 2 * d)),
+                   "norm": rnd["final_norm"], "layer": rnd["layers"][cfg.layer_types.index(
+                       "full_attention")]}
+        return Qwen35MtpDrafter(cfg=cfg, target_vocab=cfg.vocab_size,
+                                hidden_layers=(cfg.num_layers,)), dparams
+    m = methods.Eagle3(hidden_layers=(1, 2, 3)) if name == "eagle3" else \
+        methods.Eagle(hidden_layers=(1, 2, 2), input_scale=1.0)
+    params, frozen = m.init(model, ids, jax.random.key(7))
+    return m.drafter(model.target), m.runtime(params, frozen)
+
+
+def sampled_rows(model, drafter, dparams, prefix_cache: bool):
+    from test_serving import run
+
+    engine = Engine(model, drafter, dparams, num_speculative_tokens=3, max_context=CONTEXT)
+    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=4, page_size=PAGE,
+                      prefix_cache=prefix_cache)
+    sampling = Sampling(max_tokens=NEW, temperature=1.0)
+    done = run(sched, [(i, p, sampling) for i, p in enumerate(shared_head_prompts())])
+    return sched, [c.token_ids for c in done]
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "dflash", "mtp"])
+def test_feature_drafters_share_prefixes_and_draft_as_on_a_miss(model, name):
+    """Prefix caching on for drafters that read the target's hidden states: the hits' features
+    come from the pages. Sampled rows with fixed seeds depend on every draft (its tokens and q
+    enter the acceptance test), so hits equal misses token for token only if each hit's drafter
+    starts from the features a miss computes."""
+    drafter, dparams = feature_drafter(name, model)
+    sched, hit = sampled_rows(model, drafter, dparams, True)
+    assert sched.prefix_cache == "on" and sched.stats.prefix_cached_tokens == 3 * 3 * PAGE
+    miss_sched, miss = sampled_rows(model, drafter, dparams, False)
+    assert miss_sched.stats.prefix_cached_tokens == 0
+    assert hit == miss
+
+
+@pytest.mark.patches_traced_code
+def test_features_missing_from_a_hit_are_seen(model, monkeypatch):
+    """Broken: a hit's drafter reads zeros for the shared positions' features."""
+    from jaxspec.serving import paged_features
+
+    read = paged_features.read
+
+    def tail_only(pool, table, width):  # the shared pages' features dropped
+        feats = read(pool, table, width)
+        return feats.at[:, :, : 3 * PAGE].set(0.0)
+
+    drafter, dparams = feature_drafter("eagle3", model)
+    _, miss = sampled_rows(model, drafter, dparams, False)
+    monkeypatch.setattr(paged_features, "read", tail_only)
+    _, hit = sampled_rows(model, drafter, dparams, True)
+    assert hit[0] == miss[0] and hit[1:] != miss[1:]

@@ -36,7 +36,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models import base
 from jaxspec.models import paged_attention as pa
 from jaxspec.models import paged_layer
-from jaxspec.serving import paged_hybrid
+from jaxspec.serving import paged_features, paged_hybrid
 from jaxspec.serving.pages import pages_for
 
 _DELEGATED = tuple(n for n in base.TRAIT_NAMES if n not in ("prefix", "cache_axes"))
@@ -55,6 +55,7 @@ class PagedTarget:
     page_size: int = 16
     num_pages: int | None = None  # None: each row its own pages (a standalone cache)
     read: str = "pages"  # "pages": attention reads the pool through the table; "view": gathered
+    features: tuple[int, ...] = ()  # target taps kept per slot (`serving.paged_features`)
 
     def __getattr__(self, name):  # the inner target's optional traits and plain attributes
         if name == "forward_prompt" and self.hybrid:  # the padding keeps no linear state
@@ -79,6 +80,14 @@ class PagedTarget:
         return jax.eval_shape(lambda: self.inner.init_cache(params, 1, self.page_size))
 
     def init_cache(self, params: Any, batch: int, capacity: int) -> pa.PagedKVCache:
+        cache = self._init_pools(params, batch, capacity)
+        if not self.features:
+            return cache
+        return paged_features.attach(cache, paged_features.init_pool(
+            cache.num_pages, self.page_size, len(self.features), self.inner.hidden_size,
+            base.compute_dtype(self.inner)))
+
+    def _init_pools(self, params: Any, batch: int, capacity: int) -> pa.PagedKVCache:
         one = self.inner.init_cache(params, 1, self.page_size)  # shapes and dtype (DCE'd)
         per_row = pages_for(capacity, self.page_size)
         if paged_hybrid.is_hybrid(one) and self.read == "pages":
@@ -109,10 +118,32 @@ class PagedTarget:
 
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
+        return self._run(params, tokens, cache, positions=positions, window_mask=window_mask,
+                         write_cache=write_cache, taps=tuple(taps))
+
+    def _run(self, params, tokens, cache, *, positions=None, window_mask=None, write_cache=True,
+             taps=(), count=None) -> base.TargetOutput:
+        """The forward over the pools; with `features`, a forward that writes the cache also
+        keeps the tapped features of every position it writes (`serving.paged_features`)."""
+        if not self.features:
+            return self._forward_pools(params, tokens, cache, positions, window_mask,
+                                       write_cache, taps, count)
+        cache, pool = paged_features.detach(cache)
+        keep = write_cache and taps in ((), self.features)
+        out = self._forward_pools(params, tokens, cache, positions, window_mask, write_cache,
+                                  self.features if keep else taps, count)
+        if keep:
+            at = cache.positions(tokens.shape[1]) if positions is None else positions
+            pool = paged_features.write(pool, out.taps, cache.page_table, at)
+        return base.TargetOutput(out.hidden, out.taps if taps else None, out.window_kv,
+                                 paged_features.attach(out.cache, pool))
+
+    def _forward_pools(self, params, tokens, cache, positions, window_mask, write_cache, taps,
+                       count) -> base.TargetOutput:
         if self.hybrid:
             return self._forward_hybrid(params, tokens, cache, positions=positions,
                                         window_mask=window_mask, write_cache=write_cache,
-                                        taps=taps)
+                                        taps=taps, count=count)
         if positions is None:
             positions = cache.positions(tokens.shape[1])
         if write_cache and self.read == "pages":  # each layer writes its pool, then reads it
@@ -139,11 +170,16 @@ class PagedTarget:
 
     def _forward_prompt(self, params, tokens, cache, prompt_lengths, *, taps=()):
         """A right-padded prompt (prompt_lengths int32[B] real tokens from each row's length)."""
-        return self._forward_hybrid(params, tokens, cache, taps=taps, count=prompt_lengths)
+        return self._run(params, tokens, cache, taps=tuple(taps), count=prompt_lengths)
 
     def commit_window(self, cache: pa.PagedKVCache, window_kv, path, positions):
         """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]
         (a hybrid target: and its states into the rows' rings)."""
+        if self.features:
+            cache, pool = paged_features.detach(cache)
+            bare = dataclasses.replace(self, features=())
+            cache = bare.commit_window(cache, window_kv, path, positions)
+            return paged_features.attach(cache, pool)
         if self.hybrid:
             return paged_hybrid.commit_window(self.inner, cache, window_kv, path, positions)
 
@@ -163,7 +199,9 @@ class TailTarget:
     for a whole prompt. The tail starts exactly at the length, never before it: no position
     below it is recomputed or written (a shared page is never written). Tail slots past the
     prompt are padding, written into the row's own pages past its length or dropped past its
-    table (never read). No taps: the positions before the tail have no hidden states."""
+    table (never read). Taps only where the PagedTarget pages them (`features`): the whole
+    prompt's, read back from the feature pool (the positions before the tail ran earlier).
+    A hybrid target's rows start from the state snapshot at their length (`paged_hybrid`)."""
 
     paged: PagedTarget
     chunk: int
@@ -177,28 +215,32 @@ class TailTarget:
 
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
-        if taps or positions is not None or window_mask is not None:
-            raise ValueError("TailTarget.forward runs a prompt's tail only (no taps, positions)")
-        return self._tail(params, tokens, cache, write_cache)
+        if positions is not None or window_mask is not None:
+            raise ValueError("TailTarget.forward runs a prompt's tail only (no positions)")
+        return self._tail(params, tokens, cache, write_cache, tuple(taps))
 
     def _forward_prompt(self, params, tokens, cache, prompt_lengths, *, taps=()):
-        if taps:
-            raise ValueError("TailTarget.forward runs a prompt's tail only (no taps)")
-        return self._tail(params, tokens, cache, True, prompt_lengths)
+        return self._tail(params, tokens, cache, True, tuple(taps), prompt_lengths)
 
-    def _tail(self, params, tokens, cache, write_cache, prompt_lengths=None):
+    def _tail(self, params, tokens, cache, write_cache, taps, prompt_lengths=None):
+        """taps: the paged features' (read back for the whole prompt: the shared pages' and the
+        tail's own), else none."""
+        if taps and (taps != self.paged.features or not write_cache):
+            raise ValueError(f"TailTarget: taps {taps} are not the paged features "
+                             f"{self.paged.features}")
         b, w = tokens.shape
         start = cache.lengths  # [B]
         padded = jnp.pad(tokens, [(0, 0), (0, self.chunk)])  # [B, W + chunk]: no slice clamps
         tail = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, self.chunk))(padded, start)
-        if prompt_lengths is None:
-            out = self.paged.forward(params, tail, cache, write_cache=write_cache)
-        else:  # a hybrid target: the states at each row's prompt end, not its padding's
-            out = self.paged._forward_hybrid(params, tail, cache, count=prompt_lengths - start)
+        count = None if prompt_lengths is None else prompt_lengths - start  # hybrid: the states
+        out = self.paged._run(params, tail, cache, write_cache=write_cache, count=count)
         hidden = jnp.zeros((b, w + self.chunk) + out.hidden.shape[-1:], out.hidden.dtype)
         hidden = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(
             hidden, out.hidden, start, 0)
-        return base.TargetOutput(hidden[:, :w], None, out.window_kv, out.cache)
+        feats = None
+        if taps:  # [nT, B, W, D]
+            feats = paged_features.read(out.cache.k[-1], out.cache.page_table, w)
+        return base.TargetOutput(hidden[:, :w], feats, out.window_kv, out.cache)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)

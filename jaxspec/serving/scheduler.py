@@ -136,13 +136,15 @@ class Scheduler(Admission, DeviceCall, Streaming):
         self.widths = program_widths(slots)
         self.table_widths = program_widths(per_row, MIN_TABLE_PAGES)
         spec = engine.serving_spec()
+        taps = tuple(spec.drafter.hidden_layers) if spec.drafter is not None else ()
         self.paged = paged and paged_cache.pageable(
             engine.cache_shape(engine.target, 1, 8))
-        if self.paged:
-            paged = paged_cache.PagedTarget(engine.target, page_size, self.pool.num_pages)
+        if self.paged:  # a drafter's target features are paged too (`paged_features`)
+            paged = paged_cache.PagedTarget(engine.target, page_size, self.pool.num_pages,
+                                            features=taps)
             spec = engine.serving_spec(paged)
         self.spec = spec
-        taps = spec.drafter is not None and spec.drafter.hidden_layers
+        taps = bool(taps) and not self.paged  # prompt features only where no pages keep them
         chunk = prefill_chunk or self.budget  # under a budget, prompts over it go in chunks
         self.chunk = chunk if self.paged and not static and not taps else None
         if self.paged and spec.target.hybrid:  # linear state resumes at page ends only
