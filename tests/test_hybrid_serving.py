@@ -238,44 +238,42 @@ def feature_drafter(name: str, model):
     return m.drafter(model.target), m.runtime(params, frozen)
 
 
-def sampled_rows(model, drafter, dparams, prefix_cache: bool):
+def sampled_rows(model, drafter, dparams):
+    """One scheduler: prompt A (a miss), then A again and B sharing A's 3 head pages (hits),
+    sampled at temperature 1 with fixed seeds (A's two runs share theirs)."""
     from test_serving import run
 
     engine = Engine(model, drafter, dparams, num_speculative_tokens=3, max_context=CONTEXT)
-    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=4, page_size=PAGE,
-                      prefix_cache=prefix_cache)
-    sampling = Sampling(max_tokens=NEW, temperature=1.0)
-    done = run(sched, [(i, p, sampling) for i, p in enumerate(shared_head_prompts())])
-    return sched, [c.token_ids for c in done]
+    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=4, page_size=PAGE)
+    a, b = shared_head_prompts()[:2]
+    ask = lambda seed: Sampling(max_tokens=NEW, temperature=1.0, seed=seed)  # noqa: E731
+    done = run(sched, [(0, a, ask(7)), (1, a, ask(7)), (1, b, ask(8))])
+    assert sched.prefix_cache == "on"
+    assert [c.metrics["prefix_cached_tokens"] for c in done] == [0, 3 * PAGE, 3 * PAGE]
+    return [c.token_ids for c in done]
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "dflash", "mtp"])
 def test_feature_drafters_share_prefixes_and_draft_as_on_a_miss(model, name):
-    """Prefix caching on for drafters that read the target's hidden states: the hits' features
-    come from the pages. Sampled rows with fixed seeds depend on every draft (its tokens and q
-    enter the acceptance test), so hits equal misses token for token only if each hit's drafter
-    starts from the features a miss computes."""
-    drafter, dparams = feature_drafter(name, model)
-    sched, hit = sampled_rows(model, drafter, dparams, True)
-    assert sched.prefix_cache == "on" and sched.stats.prefix_cached_tokens == 3 * 3 * PAGE
-    miss_sched, miss = sampled_rows(model, drafter, dparams, False)
-    assert miss_sched.stats.prefix_cached_tokens == 0
-    assert hit == miss
+    """Prefix caching on for drafters that read the target's hidden states: a hit's features
+    come from the pages. A sampled row with a fixed seed depends on every draft (its tokens and
+    q enter the acceptance test), so the hit equals the miss token for token only if the hit's
+    drafter starts from the features the miss computed."""
+    miss, hit, other = sampled_rows(model, *feature_drafter(name, model))
+    assert hit == miss and other != miss
 
 
 @pytest.mark.patches_traced_code
 def test_features_missing_from_a_hit_are_seen(model, monkeypatch):
-    """Broken: a hit's drafter reads zeros for the shared positions' features."""
+    """Broken: a hit's drafter (DFlash, which attends over the context's features) reads zeros
+    for the shared positions' features."""
     from jaxspec.serving import paged_features
 
     read = paged_features.read
 
     def tail_only(pool, table, width):  # the shared pages' features dropped
-        feats = read(pool, table, width)
-        return feats.at[:, :, : 3 * PAGE].set(0.0)
+        return read(pool, table, width).at[:, :, : 3 * PAGE].set(0.0)
 
-    drafter, dparams = feature_drafter("eagle3", model)
-    _, miss = sampled_rows(model, drafter, dparams, False)
     monkeypatch.setattr(paged_features, "read", tail_only)
-    _, hit = sampled_rows(model, drafter, dparams, True)
-    assert hit[0] == miss[0] and hit[1:] != miss[1:]
+    miss, hit, _ = sampled_rows(model, *feature_drafter("dflash", model))
+    assert hit != miss
