@@ -13,8 +13,8 @@ target (chain, dynamic tree and adaptive speculation, batch 4 with rows acceptin
 lengths) and layer skip (the target's own first layers, its own state ring); a broken commit
 that keeps the state of the last drafted position whatever was accepted fails the exact sampled
 law that the real commit passes (a perturbed-copy draft model, about half its drafts accepted).
-A Qwen3.5 checkpoint served by the scheduler (its contiguous per-row cache: the ring of states is
-not paged) gives the engine's greedy tokens.
+A Qwen3.5 checkpoint served by the scheduler (the paged cache: the rings in the rows' slots
+beside the pages, tests/test_hybrid_serving.py) gives the engine's greedy tokens.
 """
 
 from __future__ import annotations
