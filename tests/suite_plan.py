@@ -39,6 +39,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_formats.py",
     "test_trained_drafters.py",
     "test_qwen3_5.py",
+    "test_hybrid_serving.py",
     "test_docs.py",
     "test_parity.py",
     "test_moe.py",

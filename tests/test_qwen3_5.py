@@ -13,8 +13,8 @@ target (chain, dynamic tree and adaptive speculation, batch 4 with rows acceptin
 lengths) and layer skip (the target's own first layers, its own state ring); a broken commit
 that keeps the state of the last drafted position whatever was accepted fails the exact sampled
 law that the real commit passes (a perturbed-copy draft model, about half its drafts accepted).
-A Qwen3.5 checkpoint served by the scheduler (its contiguous per-row cache: the ring of states is
-not paged) gives the engine's greedy tokens.
+A Qwen3.5 checkpoint served by the scheduler (the paged cache: the rings in the rows' slots
+beside the pages, tests/test_hybrid_serving.py) gives the engine's greedy tokens.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ NEW = 24
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
 
-def hf_model(seed: int = 0):
+def hf_model(seed: int = 0, vocab: int = VOCAB):
     """A tiny random transformers Qwen3.5 with its norms drawn around their neutral values."""
     torch = import_torch()
     import transformers as tr
 
     torch.manual_seed(seed)
     cfg = tr.Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
         linear_conv_kernel_dim=4, layer_types=LAYER_TYPES, pad_token_id=0, bos_token_id=2,

@@ -12,6 +12,10 @@ model's catch-up rewrites its two newest slots), so R must exceed the longest wi
 
 Leaves per attention layer k, v [B, K, S, H]; per linear layer ssm [B, R, Hv, Dk, Dv] (float32)
 and conv [B, R, Kc-1, C]; lengths int32[B]. Slot 0 starts as the zero state (length 0).
+
+`snapshots` (None but in a paged serving prompt forward, `serving/paged_hybrid.py`): state
+pools shared by the rows, where a forward that writes the cache also keeps chosen entries'
+states (the state at each page's end, so a prompt sharing those pages starts from it).
 """
 
 from __future__ import annotations
@@ -29,12 +33,24 @@ CONV_AXES = ("batch", None, None, None)
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class StateSnapshots:
+    """Entry (b, t)'s states after it kept at slot index[b, t] of every linear layer's pools
+    (index >= NS: not kept). Slots written by one forward are distinct."""
+
+    ssm: tuple[jax.Array, ...]  # per linear layer [NS, Hv, Dk, Dv] f32
+    conv: tuple[jax.Array, ...]  # per linear layer [NS, Kc-1, C]
+    index: jax.Array  # int32[B, T]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class HybridCache:
     k: tuple[jax.Array, ...]  # per attention layer [B, K, S, H]
     v: tuple[jax.Array, ...]
     ssm: tuple[jax.Array, ...]  # per linear layer [B, R, Hv, Dk, Dv] f32
     conv: tuple[jax.Array, ...]  # per linear layer [B, R, Kc-1, C]
     lengths: jax.Array  # int32[B] committed tokens per row
+    snapshots: StateSnapshots | None = None  # pools a prompt forward keeps states in
 
     @property
     def capacity(self) -> int:

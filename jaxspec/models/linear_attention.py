@@ -111,32 +111,39 @@ def _update(state, q, k, v, g, beta):
 
 
 def delta_rule(q, k, v, g, beta, state0, parents, *, keep_states: bool, chain: bool,
-               ring=None, ring_slots=None, ring_valid=None):
+               ring=None, ring_slots=None, ring_valid=None, snap=None, snap_index=None):
     """The gated delta rule over a window: q, k [B, T, Hv, Dk] (normed, q scaled); v [B, T, Hv, Dv];
     g, beta [B, T, Hv]; state0 [B, Hv, Dk, Dv] f32; parents int32[B, T] (-1: state0).
 
     Returns (outputs [B, T, Hv, Dv] f32, states): keep_states -> every entry's state after it
     [B, T, Hv, Dk, Dv]; with `ring` ([B, R, Hv, Dk, Dv]) the states are written into it in entry
     order at ring_slots int32[B, T] where ring_valid bool[B, T] (a long prompt keeps only what
-    the ring holds) and the ring is returned instead. chain: parents are t - 1 (the running
-    state is carried, not every entry's)."""
+    the ring holds) and the ring is returned instead; with `snap` ([NS, Hv, Dk, Dv], a chain and
+    a ring only) entry t's state is also kept at snap_index[:, t] (>= NS: not kept) and
+    (ring, snap) is returned. chain: parents are t - 1 (the running state is carried, not every
+    entry's)."""
     b, t = parents.shape
     rows = jnp.arange(b)
     xs = (jnp.swapaxes(q, 0, 1), jnp.swapaxes(k, 0, 1), jnp.swapaxes(v, 0, 1),
           jnp.swapaxes(g, 0, 1), jnp.swapaxes(beta, 0, 1))
     if chain:
         def body(carry, inp):
-            state, ring_c = carry
+            state, ring_c, snap_c = carry
             (qt, kt, vt, gt, bt), i = inp
             state, out = _update(state, qt, kt, vt, gt, bt)
             if ring_c is not None:
                 slot = ring_slots[:, i]
                 keep = ring_valid[:, i][:, None, None, None]
                 ring_c = ring_c.at[rows, slot].set(jnp.where(keep, state, ring_c[rows, slot]))
-            return (state, ring_c), (out, state if keep_states else None)
+            if snap_c is not None:  # distinct in-range slots per step; the rest dropped
+                snap_c = snap_c.at[snap_index[:, i]].set(state.astype(snap_c.dtype), mode="drop")
+            return (state, ring_c, snap_c), (out, state if keep_states else None)
 
-        (_, ring), (outs, states) = jax.lax.scan(body, (state0, ring), (xs, jnp.arange(t)))
+        (_, ring, snap), (outs, states) = jax.lax.scan(body, (state0, ring, snap),
+                                                       (xs, jnp.arange(t)))
         states = None if states is None else jnp.swapaxes(states, 0, 1)
+        if snap is not None:
+            return jnp.swapaxes(outs, 0, 1), (ring, snap)
         return jnp.swapaxes(outs, 0, 1), (ring if ring is not None else states)
 
     # a tree: every entry's state is carried, each entry starts from its parent's

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention, base, blocks, hybrid_cache, moe, registry
+from jaxspec.models import attention, base, blocks, hybrid_cache, moe, paged_layer, registry
 from jaxspec.models import linear_attention as la
 from jaxspec.models.decoder import ModelConfig, linear, write_kv
 from jaxspec.models.qwen3_5_config import (  # noqa: F401  (the family's names, re-exported)
@@ -142,15 +142,22 @@ def _attention_layer(cfg, lp, x, k_cache, v_cache, lengths, positions, write, wi
     k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
     if write:
         k_cache, v_cache = write_kv(k_cache, k, positions), write_kv(v_cache, v, positions)
-    attn = attention.attend(q, k_cache, v_cache, k, v, lengths, window_mask=window_mask)
+    if isinstance(k_cache, paged_layer.PagedLayer):  # a paged pool, read through its table
+        attn = paged_layer.attend(q, k_cache, v_cache, k, v, positions,
+                                  scale=cfg.head_dim**-0.5, window_mask=window_mask).astype(q.dtype)
+    else:
+        attn = attention.attend(q, k_cache, v_cache, k, v, lengths, window_mask=window_mask)
     b, t = x.shape[:2]
     x = finish_attention(cfg, lp, x, attn.reshape(b, t, -1), gate)
     return (x, k_cache, v_cache) if write else (x, k, v)
 
 
-def _linear_layer(cfg, lp, x, ssm_ring, conv_ring, lengths, positions, write, window_mask, limit):
+def _linear_layer(cfg, lp, x, ssm_ring, conv_ring, lengths, positions, write, window_mask, limit,
+                  snap=None):
     """Gated DeltaNet + MLP -> (x, ssm ring, conv ring) writing (states of entries below `limit`
-    int32[B] into the rings), else (x, every entry's ssm state, every entry's conv state)."""
+    int32[B] into the rings), else (x, every entry's ssm state, every entry's conv state).
+    snap: (ssm pool, conv pool, index) where a writing forward also keeps states
+    (`hybrid_cache.StateSnapshots`); then (x, (ssm ring, ssm pool), (conv ring, conv pool))."""
     b, t, _ = x.shape
     dims = cfg.linear_dims
     mixed, z, g, beta = la.project(lp, norm(x, lp["attn_norm"], cfg), dims, linear)
@@ -163,10 +170,17 @@ def _linear_layer(cfg, lp, x, ssm_ring, conv_ring, lengths, positions, write, wi
     if write:
         slots = (positions + 1) % cfg.state_ring
         valid = positions < limit[:, None]
+        snap_ssm, snap_conv, index = snap if snap is not None else (None, None, None)
+        if snap is not None:  # [B, T]: padding kept nowhere
+            index = jnp.where(valid, index, snap_conv.shape[0])
         out, ssm_ring = la.delta_rule(q, k, v, g, beta, state0, parents, keep_states=False,
-                                      chain=True, ring=ssm_ring, ring_slots=slots, ring_valid=valid)
+                                      chain=True, ring=ssm_ring, ring_slots=slots, ring_valid=valid,
+                                      snap=snap_ssm, snap_index=index)
         conv_ring = _write_in_order(conv_ring, conv_states, slots, valid)
         states = (ssm_ring, conv_ring)
+        if snap is not None:  # ssm_ring is (ring, pool) here
+            snap_conv = snap_conv.at[index].set(conv_states.astype(snap_conv.dtype), mode="drop")
+            states = (ssm_ring, (conv_ring, snap_conv))
     else:
         out, ssm_states = la.delta_rule(q, k, v, g, beta, state0, parents, keep_states=True,
                                         chain=window_mask is None)
@@ -204,9 +218,15 @@ def forward(params: Params, tokens: jax.Array, cache: hybrid_cache.HybridCache, 
     collected = {0: x}
     k_new, v_new = list(cache.k), list(cache.v)
     ssm_new, conv_new = list(cache.ssm), list(cache.conv)
+    snaps = cache.snapshots if write_cache else None
+    snap_ssm, snap_conv = (list(snaps.ssm), list(snaps.conv)) if snaps is not None else ((), ())
     for i, lp in enumerate(params["layers"][: cfg.num_layers]):
         j = cfg.slot(i)
-        if cfg.is_linear(i):
+        if cfg.is_linear(i) and snaps is not None:  # prompt pages: states kept at page ends
+            x, (ssm_new[j], snap_ssm[j]), (conv_new[j], snap_conv[j]) = _linear_layer(
+                cfg, lp, x, cache.ssm[j], cache.conv[j], cache.lengths, positions, write_cache,
+                window_mask, limit, snap=(snaps.ssm[j], snaps.conv[j], snaps.index))
+        elif cfg.is_linear(i):
             x, ssm_new[j], conv_new[j] = _linear_layer(
                 cfg, lp, x, cache.ssm[j], cache.conv[j], cache.lengths, positions, write_cache,
                 window_mask, limit)
@@ -222,7 +242,9 @@ def forward(params: Params, tokens: jax.Array, cache: hybrid_cache.HybridCache, 
     if not write_cache:
         return base.TargetOutput(x, tapped, new, cache)
     k, v, ssm, conv = new
-    cache = dataclasses.replace(cache, k=k, v=v, ssm=ssm, conv=conv)
+    if snaps is not None:
+        snaps = dataclasses.replace(snaps, ssm=tuple(snap_ssm), conv=tuple(snap_conv))
+    cache = dataclasses.replace(cache, k=k, v=v, ssm=ssm, conv=conv, snapshots=snaps)
     return base.TargetOutput(x, tapped, None, cache)
 
 

@@ -36,15 +36,17 @@ from jaxspec.errors import JaxspecError
 from jaxspec.models import base
 from jaxspec.models import paged_attention as pa
 from jaxspec.models import paged_layer
+from jaxspec.serving import paged_features, paged_hybrid
 from jaxspec.serving.pages import pages_for
 
 _DELEGATED = tuple(n for n in base.TRAIT_NAMES if n not in ("prefix", "cache_axes"))
 
 
 def pageable(shape: Any) -> bool:
-    """Whether a target's cache of this shape (`Engine.cache_shape`) is a per-layer KVCache
-    (what PagedTarget pages)."""
-    return isinstance(shape, KVCache) and isinstance(shape.k, tuple)
+    """Whether a target's cache of this shape (`Engine.cache_shape`) is a per-layer KVCache or
+    a hybrid target's per-layer cache (what PagedTarget pages)."""
+    return (isinstance(shape, KVCache) and isinstance(shape.k, tuple)) or \
+        paged_hybrid.is_hybrid(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +55,45 @@ class PagedTarget:
     page_size: int = 16
     num_pages: int | None = None  # None: each row its own pages (a standalone cache)
     read: str = "pages"  # "pages": attention reads the pool through the table; "view": gathered
+    features: tuple[int, ...] = ()  # target taps kept per slot (`serving.paged_features`)
 
     def __getattr__(self, name):  # the inner target's optional traits and plain attributes
+        if name == "forward_prompt" and self.hybrid:  # the padding keeps no linear state
+            return self._forward_prompt
         if name in _DELEGATED or name in ("name", "vocab_size", "hidden_size", "num_layers",
                                           "max_position_embeddings", "dtype", "logits"):
             return getattr(self.inner, name)
         raise AttributeError(name)
 
+    @functools.cached_property
+    def hybrid(self) -> bool:
+        """Whether the inner target is hybrid (linear layers' rings beside the pages:
+        `serving.paged_hybrid`). A cache whose shape needs the params (a layout chosen by
+        them: Llama's stacked or not) is a KV cache."""
+        try:
+            return paged_hybrid.is_hybrid(self._one_row())
+        except (TypeError, KeyError, AttributeError):
+            return False
+
+    def _one_row(self, params: Any = None):
+        """The shapes of the inner target's one-row cache of one page (nothing allocated)."""
+        return jax.eval_shape(lambda: self.inner.init_cache(params, 1, self.page_size))
+
     def init_cache(self, params: Any, batch: int, capacity: int) -> pa.PagedKVCache:
+        cache = self._init_pools(params, batch, capacity)
+        if not self.features:
+            return cache
+        return paged_features.attach(cache, paged_features.init_pool(
+            cache.num_pages, self.page_size, len(self.features), self.inner.hidden_size,
+            base.compute_dtype(self.inner)))
+
+    def _init_pools(self, params: Any, batch: int, capacity: int) -> pa.PagedKVCache:
         one = self.inner.init_cache(params, 1, self.page_size)  # shapes and dtype (DCE'd)
+        per_row = pages_for(capacity, self.page_size)
+        if paged_hybrid.is_hybrid(one) and self.read == "pages":
+            pages = batch * per_row if self.num_pages is None else self.num_pages
+            return paged_hybrid.init_cache(one, batch, pages, self.page_size, per_row,
+                                           identity=self.num_pages is None)
         if not isinstance(one, KVCache) or not isinstance(one.k, tuple):
             raise JaxspecError(
                 f"a paged KV cache needs a target with a per-layer cache; "
@@ -86,6 +118,32 @@ class PagedTarget:
 
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
+        return self._run(params, tokens, cache, positions=positions, window_mask=window_mask,
+                         write_cache=write_cache, taps=tuple(taps))
+
+    def _run(self, params, tokens, cache, *, positions=None, window_mask=None, write_cache=True,
+             taps=(), count=None) -> base.TargetOutput:
+        """The forward over the pools; with `features`, a forward that writes the cache also
+        keeps the tapped features of every position it writes (`serving.paged_features`)."""
+        if not self.features:
+            return self._forward_pools(params, tokens, cache, positions, window_mask,
+                                       write_cache, taps, count)
+        cache, pool = paged_features.detach(cache)
+        keep = write_cache and taps in ((), self.features)
+        out = self._forward_pools(params, tokens, cache, positions, window_mask, write_cache,
+                                  self.features if keep else taps, count)
+        if keep:
+            at = cache.positions(tokens.shape[1]) if positions is None else positions
+            pool = paged_features.write(pool, out.taps, cache.page_table, at)
+        return base.TargetOutput(out.hidden, out.taps if taps else None, out.window_kv,
+                                 paged_features.attach(out.cache, pool))
+
+    def _forward_pools(self, params, tokens, cache, positions, window_mask, write_cache, taps,
+                       count) -> base.TargetOutput:
+        if self.hybrid:
+            return self._forward_hybrid(params, tokens, cache, positions=positions,
+                                        window_mask=window_mask, write_cache=write_cache,
+                                        taps=taps, count=count)
         if positions is None:
             positions = cache.positions(tokens.shape[1])
         if write_cache and self.read == "pages":  # each layer writes its pool, then reads it
@@ -102,8 +160,29 @@ class PagedTarget:
         cache = pa.write_window(cache, out.window_kv, positions)
         return base.TargetOutput(out.hidden, out.taps, None, cache)
 
+    def _forward_hybrid(self, params, tokens, cache, *, positions=None, window_mask=None,
+                        write_cache=True, taps=(), count=None) -> base.TargetOutput:
+        out, cache = paged_hybrid.forward(self.inner, params, tokens, cache,
+                                          self._one_row(params), positions=positions,
+                                          window_mask=window_mask, write_cache=write_cache,
+                                          taps=taps, count=count)
+        return base.TargetOutput(out.hidden, out.taps, out.window_kv, cache)
+
+    def _forward_prompt(self, params, tokens, cache, prompt_lengths, *, taps=()):
+        """A right-padded prompt (prompt_lengths int32[B] real tokens from each row's length)."""
+        return self._run(params, tokens, cache, taps=tuple(taps), count=prompt_lengths)
+
     def commit_window(self, cache: pa.PagedKVCache, window_kv, path, positions):
-        """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]."""
+        """The path's window k/v (path int32[B, P] along the window axis) at positions [B, P]
+        (a hybrid target: and its states into the rows' rings)."""
+        if self.features:
+            cache, pool = paged_features.detach(cache)
+            bare = dataclasses.replace(self, features=())
+            cache = bare.commit_window(cache, window_kv, path, positions)
+            return paged_features.attach(cache, pool)
+        if self.hybrid:
+            return paged_hybrid.commit_window(self.inner, cache, window_kv, path, positions)
+
         def gather(w):  # [B, T, K, H] -> [B, P, K, H]
             return jnp.take_along_axis(w, path[:, :, None, None], axis=1)
 
@@ -120,7 +199,9 @@ class TailTarget:
     for a whole prompt. The tail starts exactly at the length, never before it: no position
     below it is recomputed or written (a shared page is never written). Tail slots past the
     prompt are padding, written into the row's own pages past its length or dropped past its
-    table (never read). No taps: the positions before the tail have no hidden states."""
+    table (never read). Taps only where the PagedTarget pages them (`features`): the whole
+    prompt's, read back from the feature pool (the positions before the tail ran earlier).
+    A hybrid target's rows start from the state snapshot at their length (`paged_hybrid`)."""
 
     paged: PagedTarget
     chunk: int
@@ -128,21 +209,38 @@ class TailTarget:
     def __getattr__(self, name):
         if name in ("paged", "chunk") or name.startswith("__"):
             raise AttributeError(name)
+        if name == "forward_prompt" and self.paged.hybrid:  # the tail's padding keeps no state
+            return self._forward_prompt
         return getattr(self.paged, name)
 
     def forward(self, params, tokens, cache: pa.PagedKVCache, *, positions=None,
                 window_mask=None, write_cache=True, taps=()) -> base.TargetOutput:
-        if taps or positions is not None or window_mask is not None:
-            raise ValueError("TailTarget.forward runs a prompt's tail only (no taps, positions)")
+        if positions is not None or window_mask is not None:
+            raise ValueError("TailTarget.forward runs a prompt's tail only (no positions)")
+        return self._tail(params, tokens, cache, write_cache, tuple(taps))
+
+    def _forward_prompt(self, params, tokens, cache, prompt_lengths, *, taps=()):
+        return self._tail(params, tokens, cache, True, tuple(taps), prompt_lengths)
+
+    def _tail(self, params, tokens, cache, write_cache, taps, prompt_lengths=None):
+        """taps: the paged features' (read back for the whole prompt: the shared pages' and the
+        tail's own), else none."""
+        if taps and (taps != self.paged.features or not write_cache):
+            raise ValueError(f"TailTarget: taps {taps} are not the paged features "
+                             f"{self.paged.features}")
         b, w = tokens.shape
         start = cache.lengths  # [B]
         padded = jnp.pad(tokens, [(0, 0), (0, self.chunk)])  # [B, W + chunk]: no slice clamps
         tail = jax.vmap(lambda t, s: jax.lax.dynamic_slice_in_dim(t, s, self.chunk))(padded, start)
-        out = self.paged.forward(params, tail, cache, write_cache=write_cache)
+        count = None if prompt_lengths is None else prompt_lengths - start  # hybrid: the states
+        out = self.paged._run(params, tail, cache, write_cache=write_cache, count=count)
         hidden = jnp.zeros((b, w + self.chunk) + out.hidden.shape[-1:], out.hidden.dtype)
         hidden = jax.vmap(jax.lax.dynamic_update_slice_in_dim, in_axes=(0, 0, 0, None))(
             hidden, out.hidden, start, 0)
-        return base.TargetOutput(hidden[:, :w], None, out.window_kv, out.cache)
+        feats = None
+        if taps:  # [nT, B, W, D]
+            feats = paged_features.read(out.cache.k[-1], out.cache.page_table, w)
+        return base.TargetOutput(hidden[:, :w], feats, out.window_kv, out.cache)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)

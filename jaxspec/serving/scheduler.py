@@ -37,7 +37,7 @@ from jaxspec.decode.penalties import OFF
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.serving_surface import prefill_into_cache as prefill_into_pool
 from jaxspec.errors import JaxspecError
-from jaxspec.serving import grammars, paged_cache, prefix, rows
+from jaxspec.serving import grammars, paged_cache, paged_hybrid, prefix, rows
 from jaxspec.serving import policy as policy_lib
 from jaxspec.serving.admission import Admission
 from jaxspec.serving.batch import MIN_TABLE_PAGES, program_widths
@@ -136,15 +136,19 @@ class Scheduler(Admission, DeviceCall, Streaming):
         self.widths = program_widths(slots)
         self.table_widths = program_widths(per_row, MIN_TABLE_PAGES)
         spec = engine.serving_spec()
+        taps = tuple(spec.drafter.hidden_layers) if spec.drafter is not None else ()
         self.paged = paged and paged_cache.pageable(
             engine.cache_shape(engine.target, 1, 8))
-        if self.paged:
-            paged = paged_cache.PagedTarget(engine.target, page_size, self.pool.num_pages)
+        if self.paged:  # a drafter's target features are paged too (`paged_features`)
+            paged = paged_cache.PagedTarget(engine.target, page_size, self.pool.num_pages,
+                                            features=taps)
             spec = engine.serving_spec(paged)
         self.spec = spec
-        taps = spec.drafter is not None and spec.drafter.hidden_layers
+        taps = bool(taps) and not self.paged  # prompt features only where no pages keep them
         chunk = prefill_chunk or self.budget  # under a budget, prompts over it go in chunks
         self.chunk = chunk if self.paged and not static and not taps else None
+        if self.paged and spec.target.hybrid:  # linear state resumes at page ends only
+            paged_hybrid.check_chunk(self.chunk, page_size)
         self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
         self.kv = KVManager(self.pool, max_context, steps_per_call, spec.depth, spec.num_nodes,
                             self.prefix_cache)
