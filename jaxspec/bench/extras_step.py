@@ -17,10 +17,6 @@ import dataclasses
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "The story should have a beginning, a middle and an end.")
 
@@ -49,6 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
     rounds, steps = (1, 4) if a.smoke else (a.rounds, a.steps)
+
+    import jax  # after argument parsing: --help loads no jax (tests/test_help.py)
+    import jax.numpy as jnp
+    import numpy as np
 
     from jaxspec.build import build_engine
     from jaxspec.config import load_config
