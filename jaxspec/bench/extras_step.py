@@ -12,6 +12,9 @@ values change no logit). Markdown table for BENCHMARKS.md.
 
 from __future__ import annotations
 
+# Imported inside functions: jax and the engine load only when a run starts, so --help answers
+# in a second (tests/test_help.py).
+
 import argparse
 import dataclasses
 import statistics

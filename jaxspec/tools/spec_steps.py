@@ -12,6 +12,9 @@ head (one bidirectional layer, block γ + 1).
 
 from __future__ import annotations
 
+# Imported inside functions: each method's drafter modules load only when that method's step is
+# compiled (the roofline's --help and its plain programs import none of them).
+
 import dataclasses
 import re
 
