@@ -189,7 +189,8 @@ def build(options: DSparkOptions, ctx: BuildContext):
 
 
 register_drafter(
-    "dspark", build, formats=("dspark",), options=DSparkOptions,
+    "dspark", build, train="jaxspec.train.dspark:DSpark", formats=("jaxspec", "dspark"),
+    options=DSparkOptions,
     tree_kinds=("static", "dynamic"), summary=(
     "DSpark (speculators 0.9.0): DFlash's parallel block plus a sequential Markov / gated / RNN "
     "logit bias along the drafted block and a per-position confidence head"))
