@@ -20,7 +20,7 @@ from jaxspec.drafters import registry
 from jaxspec.decode.drafter import traits
 from jaxspec.engine.runner import Engine
 from jaxspec.decode.sampling import SamplingParams
-from jaxspec.drafters.lookup import LookupFirst
+from jaxspec.drafters.prompt_lookup_first import LookupFirst
 from jaxspec.formats import load_drafter_checkpoint
 from jaxspec.sharding import check_batch
 from jaxspec.validate import check_tree_ranks

@@ -104,7 +104,7 @@ def loop_speed(model, batch: int, new_tokens: int) -> list[dict]:
     """Plain decoding and n-gram speculation (γ 4, n 1..3) over one repetitive prompt per row."""
     import numpy as np
 
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
 
     rng = np.random.default_rng(0)

@@ -17,7 +17,7 @@ import jax
 
 from jaxspec.build import build_engine
 from jaxspec.config import load_config
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models.base import Model, layout
 from jaxspec.serving.paged_cache import PagedTarget

@@ -52,7 +52,7 @@ def listening(app, start_within_s: float = 60) -> Iterator[str]:
 def speculative_byte_engine(directory: Path, context: int):
     """The byte chat model under n-gram speculation (γ 3), recording 5 top logprobs: the engine
     the server-field tests share."""
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
 
     return Engine(byte_chat_model(directory), NgramDrafter(256, 1, 3), num_speculative_tokens=3,

@@ -144,7 +144,7 @@ def test_ngram_step_on_gpu_has_no_host_sync():
 
     from jaxspec.decode import speculate
     from jaxspec.decode.sampling import SamplingParams
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
     from jaxspec.models import llama
 

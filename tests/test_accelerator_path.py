@@ -18,10 +18,10 @@ from tiny import eagle_like, tiny_model
 from jaxspec import hlo
 from jaxspec.decode import speculate
 from jaxspec.decode.sampling import SamplingParams
-from jaxspec.drafters import dflash_net
+from jaxspec.drafters import dflash_forward
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import decoder, llama
 from jaxspec.tools import roofline
@@ -44,10 +44,10 @@ def _model(layout):
 
 def _dflash(m):
     """A random one-layer DFlash head over the target's first and last layers' features."""
-    spec = dflash_net.make_spec(m.cfg, m.cfg.num_layers, num_layers=1, block_size=5,
+    spec = dflash_forward.make_spec(m.cfg, m.cfg.num_layers, num_layers=1, block_size=5,
                                 mask_token_id=m.cfg.vocab_size - 1,
                                 target_layer_ids=(0, m.cfg.num_layers - 1), intermediate_size=32)
-    return DFlashDrafter(spec, m.cfg.vocab_size), dflash_net.init_params(spec, jax.random.key(1))
+    return DFlashDrafter(spec, m.cfg.vocab_size), dflash_forward.init_params(spec, jax.random.key(1))
 
 
 @functools.cache  # one drafter per (layout, method) for the module

@@ -19,7 +19,7 @@ from jaxspec import hlo
 from jaxspec.config import AdaptiveConfig, load_config
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_model import ModelDrafter
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base, llama

@@ -1,4 +1,4 @@
-"""The parallel block drafter (drafters/block.py, method `block`): greedy output identical to plain
+"""The parallel block drafter (drafters/parallel_block.py, method `block`): greedy output identical to plain
 decoding (chain and tree, batch 1 and 8, mixed prompt lengths); sampled output with the target's
 exact law (chain and sampled tree) and a broken variant -- each draft reported with the q of
 another block position -- that the same test rejects; training, export and load round trip."""

@@ -19,7 +19,7 @@ from jaxspec.config import (
 )
 from jaxspec.drafters import registry
 from jaxspec.drafters.layer_skip import LayerSkipOptions
-from jaxspec.drafters.ngram import NgramOptions
+from jaxspec.drafters.prompt_lookup import NgramOptions
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 from jaxspec.errors import JaxspecError
 

@@ -23,7 +23,7 @@ import pytest
 from tiny import tiny_model
 
 from jaxspec.drafters.draft_model import ModelDrafter
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import decoder, llama
 from jaxspec import hlo
@@ -95,7 +95,7 @@ def _device_engine(config_name):
                                     load_model=lambda *a, **k: target)
         drafter, dparams = registry.get(spec.method).factory(spec.options, ctx)
         if spec.lookup.min_ngram:
-            from jaxspec.drafters.lookup import LookupFirst
+            from jaxspec.drafters.prompt_lookup_first import LookupFirst
 
             drafter = LookupFirst(drafter, NgramDrafter(64, spec.lookup.min_ngram,
                                                         spec.lookup.max_ngram), name="lookup")

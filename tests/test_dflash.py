@@ -264,7 +264,7 @@ def two_token_target(hf_dir, out_dir):
 
 
 def jaxspec_head(target, version=1, seed=0, **kw):
-    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters import dflash_forward as net
     from jaxspec.drafters.dflash import DFlashDrafter
 
     two = dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=6)
@@ -361,7 +361,7 @@ TREE = ((0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0))  # per-position ran
 def tiny_head(target, version=1, *, block=BLOCK, mask=None, seed=0, layers=(0, 1), top_k=4,
               **kw):
     """A random DFlash head for a tiny jaxspec target (models.base.Target)."""
-    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters import dflash_forward as net
     from jaxspec.drafters.dflash import DFlashDrafter
 
     two = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=top_k)

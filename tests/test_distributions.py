@@ -18,10 +18,10 @@ import pytest
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law, pvalue, sample_rows
 from jaxspec.decode import acceptance, sampling
 from jaxspec.decode.acceptance import accept_tree
-from jaxspec.drafters import eagle as eagle_lib
+from jaxspec.drafters import eagle_head as eagle_lib
 from jaxspec.drafters.draft_model import layer_skip_drafter
-from jaxspec.drafters.lookup import LookupFirst
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup_first import LookupFirst
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.models import llama
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.train import methods

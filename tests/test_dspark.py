@@ -268,7 +268,7 @@ NEW = 20
 def tiny_head(target, kind="vanilla", *, anchor=True, block=BLOCK, seed=0, layers=(0, 1),
               scale=0.5, **kw):
     """A random DSpark head for a tiny jaxspec target (models.base.Target)."""
-    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters import dflash_forward as net
     from jaxspec.drafters import dspark_heads as hd
     from jaxspec.drafters.dspark import DSparkDrafter
 
@@ -346,7 +346,7 @@ def test_scheduled_length_maximises_tokens_per_cost():
 
 def tiny_head_spec_only():
     """A DSpark drafter without a confidence head (no params needed)."""
-    from jaxspec.drafters import dflash_net as net
+    from jaxspec.drafters import dflash_forward as net
     from jaxspec.drafters import dspark_heads as hd
     from jaxspec.drafters.dspark import DSparkDrafter
     from tiny import tiny_model

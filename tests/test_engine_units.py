@@ -15,7 +15,7 @@ from tiny import motif_prompts, sequence_logits, tiny_model
 from jaxspec.decode import adaptive, calibration, speculate
 from jaxspec.engine.adaptive_host import REPROBE_BATCHES, AdaptiveHost
 from jaxspec.config import AdaptiveConfig
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.engine.prepare import Requests, bucket, prompt_bucket
@@ -72,6 +72,34 @@ def test_prompt_buckets_pad_little_and_keep_greedy_output(target):
     assert plain == reference[: len(plain)] and plain
     spec = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3)
     assert spec.generate([prompt], max_new_tokens=12)[0].token_ids == plain
+
+
+# ---- the one sampling type --------------------------------------------------------------------
+def test_engine_takes_the_one_sampling_type(target):
+    """`jaxspec.Sampling` (the server's type too) drives an engine call: its values, max_tokens,
+    seed and penalties give the very tokens the same settings give as explicit arguments (the
+    device params and penalties tuple), the call's own arguments win, and what only a server
+    honours is refused in one line before anything compiles."""
+    import jaxspec
+    from jaxspec.serving import Sampling as ServingSampling
+
+    assert jaxspec.Sampling is ServingSampling
+    engine = Engine(target, NgramDrafter(64), None, num_speculative_tokens=3)
+    prompt = motif_prompts([20], seed=5)[0]
+    settings = jaxspec.Sampling(temperature=0.9, top_k=20, max_tokens=10, seed=7,
+                                repetition_penalty=1.3)
+    [via_type] = engine.generate([prompt], sampling=settings)
+    [explicit] = engine.generate([prompt], max_new_tokens=10, seed=7,
+                                 sampling=SamplingParams.make(0.9, 20, 1.0, 0.0),
+                                 penalties=(0.0, 0.0, 1.3, {}))
+    assert via_type.token_ids == explicit.token_ids and via_type.num_generated_tokens == 10
+    [other_seed] = engine.generate([prompt], sampling=settings, seed=8)  # the argument wins
+    [shorter] = engine.generate([prompt], sampling=settings, max_new_tokens=4)
+    assert shorter.num_generated_tokens == 4 and other_seed.token_ids != via_type.token_ids
+    for bad, words in ((jaxspec.Sampling(stop=("x",)), "server"),
+                       (jaxspec.Sampling(logprobs=2), "Engine(..., logprobs=k)")):
+        with pytest.raises(JaxspecError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            engine.generate([prompt], sampling=bad)
 
 
 # ---- the compiled-program cache ---------------------------------------------------------------

@@ -313,7 +313,7 @@ def gemma_plain(gemma_engine_model, engine_prompts):
 
 
 def _drafter(name: str, model):
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.train import methods
 
     d2t = np.arange(0, VOCAB, 2, dtype=np.int32)  # a reduced draft vocabulary
@@ -453,7 +453,7 @@ class MisreportedQ:
 def test_gemma3_sampled_speculation_has_the_target_law(gemma_law_model, broken_q):
     from distribution import FAIL_P, PASS_P, pvalue
 
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.decode.sampling import SamplingParams
 
     drafter = NgramDrafter(LAW_V, 1, 2)

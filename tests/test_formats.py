@@ -476,7 +476,7 @@ def test_loaded_heads_are_greedy_identical(tmp_path, target, kind):
     drafter, dparams = loaded(tmp_path, target, kind.split("+")[0])
     if kind.endswith("+lookup"):  # lookup first: MTP's advance() runs when every row copies
         from jaxspec.drafters import NgramDrafter
-        from jaxspec.drafters.lookup import LookupFirst
+        from jaxspec.drafters.prompt_lookup_first import LookupFirst
 
         drafter = LookupFirst(drafter, NgramDrafter(VOCAB, 1, 2))
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [30, 31, 32, 33, 34, 35, 36], [4, 5, 4, 5, 4, 5, 4]]

@@ -133,7 +133,7 @@ def plain(loaded, engine_prompts):
 @pytest.mark.parametrize("name", ["ngram", "ngram_tree", "draft_model"])
 def test_greedy_speculation_is_token_identical(loaded, engine_prompts, plain, name):
     from jaxspec.drafters.draft_model import ModelDrafter
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
 
     dparams, gamma = None, 4

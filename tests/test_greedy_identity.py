@@ -14,8 +14,8 @@ import pytest
 
 from jaxspec import kernels
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
-from jaxspec.drafters.lookup import LookupFirst
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup_first import LookupFirst
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.limits import MAX_SPECULATIVE_TOKENS
 from jaxspec.models import llama

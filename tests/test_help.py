@@ -71,6 +71,8 @@ def test_import_jaxspec_is_light_and_every_export_resolves():
         "import json, sys, jaxspec\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "missing = [n for n in jaxspec.__all__ if getattr(jaxspec, n, None) is None]\n"
+        "for ns in (jaxspec.decode, jaxspec.models, jaxspec.drafters, jaxspec.serving):\n"
+        "    missing += [f'{ns.__name__}.{n}' for n in ns.__all__ if getattr(ns, n, None) is None]\n"
         "print(json.dumps([heavy, missing, len(jaxspec.__all__)]))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -78,7 +80,50 @@ def test_import_jaxspec_is_light_and_every_export_resolves():
     assert done.returncode == 0, done.stderr[-2000:]
     heavy, missing, count = json.loads(done.stdout.splitlines()[-1])
     assert heavy == []  # `import jaxspec` itself loads nothing heavy (the exports are lazy)
-    assert missing == [] and count > 30  # every public name resolves where _EXPORTS says
+    # every public name, top level and namespaces, resolves where its export list says
+    assert missing == [] and count >= 20
+
+
+OLD_NAMES = """
+import importlib, json, warnings
+import jaxspec
+from jaxspec import exports
+
+def resolve(path):
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+found = []
+warnings.simplefilter("always")
+for old, new in [*((f"jaxspec.{n}", p) for n, p in jaxspec._MOVED.items()),
+                 *exports.RENAMED_MODULES.items()]:
+    module = old in exports.RENAMED_MODULES
+    get = (lambda: importlib.import_module(old)) if module else (lambda: getattr(jaxspec, old[8:]))
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        value = get()
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        get()
+    same = value is (importlib.import_module(new) if module else resolve(new))
+    said = [str(w.message) for w in first if w.category is DeprecationWarning]
+    found.append([old, same, said, len(again)])
+print(json.dumps(found))
+"""
+
+
+def test_old_names_resolve_to_the_new_objects_with_one_warning():
+    """Names that left the top level and renamed modules keep working for one release: the very
+    object of the new path, one DeprecationWarning naming that path, and only once."""
+    done = subprocess.run([sys.executable, "-c", OLD_NAMES], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert len(found) >= 25
+    for old, same, said, again in found:
+        assert same, f"{old} does not resolve to its new object"
+        assert len(said) == 1 and old in said[0] and "moved to jaxspec." in said[0], (old, said)
+        assert again == 0, f"{old} warned twice"
 
 
 def test_generate_help_lists_the_methods_and_the_shipped_configs():

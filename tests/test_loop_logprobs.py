@@ -20,7 +20,7 @@ from jaxspec.config import AdaptiveConfig
 from jaxspec.decode import sampling
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.drafters.draft_model import layer_skip_drafter
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from tiny import sequence_logits, tiny_model

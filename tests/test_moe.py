@@ -207,7 +207,7 @@ def plain(engine_model, engine_prompts):
 
 def _drafter(name: str, model):
     from jaxspec.drafters.draft_model import ModelDrafter
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
 
     if name == "ngram":
         return NgramDrafter(VOCAB, 1, 3), None, 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.tools.ngram_ceiling import ceilings, latest_match, replay_oracle, replay_policy
 from tiny import tiny_model

@@ -154,7 +154,7 @@ def test_the_view_test_catches_a_cache_ignoring_its_table(monkeypatch, broken):
 
 @pytest.mark.parametrize("drafter", ["plain", "ngram tree"])
 def test_a_paged_target_alone_decodes_as_its_inner_target(drafter):
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.models.base import Model
     from jaxspec.serving.paged_cache import PagedTarget
 

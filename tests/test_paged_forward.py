@@ -177,7 +177,7 @@ def test_a_paged_target_reading_pages_equals_one_reading_the_view(family):
 
 @pytest.mark.parametrize("drafter", ["plain", "ngram tree"])
 def test_greedy_through_pages_is_the_inner_targets(drafter):
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
     from jaxspec.models.base import Model
 
@@ -244,7 +244,7 @@ def test_the_exported_cuda_serving_program_calls_the_triton_paged_kernel(t):
 def pool_copies(read: str, drafter) -> tuple[str, ...]:
     """Pool-sized (and row-view-sized) copies and gathers in the optimised decode loop of a
     standalone paged cache (tests/test_accelerator_path's program: the whole jitted loop)."""
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.models.base import Model
     from test_accelerator_path import decode_hlo
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.serving import Sampling
 from jaxspec.serving.paged_cache import PagedTarget, TailTarget

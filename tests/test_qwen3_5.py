@@ -210,7 +210,7 @@ def _perturbed(params, scale: float = 0.003):
 
 def _drafter(name: str, model):
     from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
 
     if name == "ngram":
         return NgramDrafter(VOCAB, 1, 3), None, 4

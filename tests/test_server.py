@@ -20,7 +20,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
-from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
+from jaxspec.drafters.prompt_lookup import NgramDrafter  # noqa: E402
 from jaxspec.engine.runner import Engine  # noqa: E402
 from jaxspec.serving import QueueFull, Sampling, Server  # noqa: E402
 from jaxspec.serving.requests import RequestFailed  # noqa: E402

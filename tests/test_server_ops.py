@@ -24,7 +24,7 @@ prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
 from loopback import NAME, byte_chat_model, listening
 
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.serving import Sampling, Server
 from jaxspec.serving.gate import Gate, Limits

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 import schemas  # noqa: E402
 from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
 from jaxspec.constrain import Constraint  # noqa: E402
-from jaxspec.drafters.ngram import NgramDrafter  # noqa: E402
+from jaxspec.drafters.prompt_lookup import NgramDrafter  # noqa: E402
 from jaxspec.engine.runner import Engine  # noqa: E402
 from jaxspec.errors import JaxspecError  # noqa: E402
 from jaxspec.serving import Server  # noqa: E402

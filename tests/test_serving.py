@@ -19,7 +19,7 @@ import pytest
 
 from distribution import FAIL_P, PASS_P, chi_square_pvalue, counts_of, exact_law
 from jaxspec.config import AdaptiveConfig
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.decode.sampling import SamplingParams, logits_to_probs

@@ -18,7 +18,7 @@ from tiny import motif_prompts, tiny_model
 from jaxspec.decode import acceptance
 from jaxspec.models.cache import init_cache
 from jaxspec.drafters.draft_model import ModelDrafter, layer_skip_drafter
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import llama

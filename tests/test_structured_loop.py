@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from jaxspec.constrain import Constraint
 from jaxspec.constrain import loop as grammar_loop
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.drafters.suffix import SuffixDrafter
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.runner import Engine

@@ -14,8 +14,8 @@ import pytest
 
 from jaxspec.decode import sampling
 from jaxspec.drafters import NgramDrafter
-from jaxspec.drafters import eagle as eagle_lib
-from jaxspec.drafters.lookup import LookupFirst
+from jaxspec.drafters import eagle_head as eagle_lib
+from jaxspec.drafters.prompt_lookup_first import LookupFirst
 from jaxspec.engine.runner import Engine
 from jaxspec.models import base
 from jaxspec.decode.sampling import SamplingParams

@@ -18,7 +18,7 @@ from tiny import motif_prompts, tiny_model
 
 from jaxspec.decode import acceptance, tree
 from jaxspec.drafters.base import Proposal
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, llama

@@ -15,7 +15,7 @@ from tiny import motif_prompts
 
 from jaxspec.decode import tree
 from jaxspec.decode.sampling import SamplingParams
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.engine.runner import Engine
 
 

@@ -47,7 +47,7 @@ def test_the_wheel_has_the_distribution_name_and_the_package(wheel):
     assert wheel.name.startswith(name.replace("-", "_") + "-")
     files = set(zipfile.ZipFile(wheel).namelist())
     for path in ("jaxspec/__init__.py", "jaxspec/generate.py", "jaxspec/kernels/panel_matmul.cc",
-                 "jaxspec/drafters/ngram.py", "jaxspec/train/__main__.py"):
+                 "jaxspec/drafters/prompt_lookup.py", "jaxspec/train/__main__.py"):
         assert path in files
 
 

@@ -91,14 +91,14 @@ def motif_prompts(lengths, vocab: int = 64, seed: int = 0) -> list[list[int]]:
 def dflash_like(target, block_size=5, seed=0):
     """A random DFlash head (2 bidirectional layers over taps after the first and last layers, mask token
     = the last id) and its params, for a tiny target."""
-    from jaxspec.drafters import dflash_net
+    from jaxspec.drafters import dflash_forward
     from jaxspec.drafters.dflash import DFlashDrafter
 
     t = target.target
-    spec = dflash_net.make_spec(t.layer_config, t.num_layers, num_layers=2, block_size=block_size,
+    spec = dflash_forward.make_spec(t.layer_config, t.num_layers, num_layers=2, block_size=block_size,
                                 mask_token_id=t.vocab_size - 1,
                                 target_layer_ids=(0, t.num_layers - 1))
-    return DFlashDrafter(spec, t.vocab_size), dflash_net.init_params(spec, jax.random.key(seed))
+    return DFlashDrafter(spec, t.vocab_size), dflash_forward.init_params(spec, jax.random.key(seed))
 
 
 @functools.partial(jax.jit, static_argnames="target")

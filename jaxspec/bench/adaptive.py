@@ -131,14 +131,7 @@ def run(a) -> int:
     engines = {"plain": build_engine(load_config(None, []), target=target)}
     engines |= {label: build_engine(cfg, target=target) for label, cfg in configs.items()}
     questions = select(read_questions(a.data), max(20, a.per_category))
-    picked, seen = [], set()
-    for q in questions:  # one per category, all in one prompt bucket
-        ids = engines["plain"].encode(q["prompt"])
-        if q["category"] not in seen and bucket(len(ids)) == a.bucket:
-            seen.add(q["category"])
-            picked.append((q["category"], ids))
-    if not picked:
-        raise JaxspecError(f"no prompt fits bucket {a.bucket}: pass another --bucket")
+    picked = _one_per_category(questions, engines["plain"], a.bucket, bucket)
     out = {"settings": vars(a) | {"categories": [c for c, _ in picked]}, "points": [],
            "engines": list(engines)}
     outdir = Path(a.out)
@@ -153,50 +146,7 @@ def run(a) -> int:
             picked[i % len(picked)][1]
             for i in range(max(b * rounds, len(picked) if b == 1 else 0))
         ]
-        point = {"batch_size": b, "num_requests": len(reqs), "batches": -(-len(reqs) // b)}
-        prep = {}
-        for name, engine in engines.items():  # compile (+ calibrate) untimed
-            t0 = time.perf_counter()
-            engine.warmup(reqs[0], max_new_tokens=m, batch_size=b)
-            prep[name] = time.perf_counter() - t0
-        point["prepare_s"] = prep
-        stats = {
-            n: {"tokens": 0, "wall": 0.0, "outputs": [], "metrics": [], "per_req": []}
-            for n in engines
-        }
-        for s in range(0, len(reqs), b):
-            chunk = reqs[s : s + b]
-            for name, engine in engines.items():
-                t0 = time.perf_counter()
-                res = engine.generate(chunk, max_new_tokens=m, batch_size=b)
-                # an adaptive engine may switch programs between batches: a first use compiles
-                dt = time.perf_counter() - t0 - res[0].metrics.get("compile_s", 0.0)
-                st = stats[name]
-                st["tokens"] += sum(r.num_generated_tokens for r in res)
-                st["wall"] += dt
-                st["outputs"] += [r.token_ids for r in res]
-                st["metrics"] += [r.metrics for r in res]
-                st["per_req"] += [sum(r.num_generated_tokens for r in res) / dt]
-        base = stats["plain"]["tokens"] / stats["plain"]["wall"]
-        for name, st in stats.items():
-            tps = st["tokens"] / st["wall"]
-            entry = {
-                "tokens_per_s": tps,
-                "speedup": tps / base,
-                "outputs_match": st["outputs"] == stats["plain"]["outputs"],
-            }
-            ms = st["metrics"]
-            if ms and "adaptive_gamma_mean" in ms[0]:
-                entry["gamma_mean"] = sum(x["adaptive_gamma_mean"] for x in ms) / len(ms)
-                entry["plain_fraction"] = sum(x["adaptive_plain_fraction"] for x in ms) / len(ms)
-                entry["switched_off"] = any(x["adaptive_switched_off"] for x in ms)
-                entry["step_costs"] = engines[name].step_costs(b)
-            if b == 1:
-                entry["per_category_speedup"] = {
-                    c: st["per_req"][i] / stats["plain"]["per_req"][i]
-                    for i, (c, _) in enumerate(picked[: len(st["per_req"])])
-                }
-            point[name] = entry
+        point = _batch_point(engines, picked, reqs, b, m)
         out["points"].append(point)
         (outdir / "results.json").write_text(json.dumps(out, indent=1))
         print(
@@ -210,6 +160,75 @@ def run(a) -> int:
     (outdir / "summary.md").write_text(summary(out, list(engines)))
     print(summary(out, list(engines)))
     return 0
+
+
+def _one_per_category(questions, plain, prompt_bucket: int, bucket) -> list[tuple[str, list[int]]]:
+    """(category, prompt ids): the first question of each category whose prompt falls in the
+    bucket, so every engine compiles one prompt width."""
+    picked, seen = [], set()
+    for q in questions:
+        ids = plain.encode(q["prompt"])
+        if q["category"] not in seen and bucket(len(ids)) == prompt_bucket:
+            seen.add(q["category"])
+            picked.append((q["category"], ids))
+    if not picked:
+        raise JaxspecError(f"no prompt fits bucket {prompt_bucket}: pass another --bucket")
+    return picked
+
+
+def _batch_point(engines, picked, reqs, b: int, m: int) -> dict:
+    """One batch size: every engine warmed up (untimed), then the batches interleaved across
+    engines, timed; each engine's rate, speedup over plain and adaptive figures."""
+    point = {"batch_size": b, "num_requests": len(reqs), "batches": -(-len(reqs) // b)}
+    prep = {}
+    for name, engine in engines.items():  # compile (+ calibrate) untimed
+        t0 = time.perf_counter()
+        engine.warmup(reqs[0], max_new_tokens=m, batch_size=b)
+        prep[name] = time.perf_counter() - t0
+    point["prepare_s"] = prep
+    stats = {
+        n: {"tokens": 0, "wall": 0.0, "outputs": [], "metrics": [], "per_req": []}
+        for n in engines
+    }
+    for s in range(0, len(reqs), b):
+        chunk = reqs[s : s + b]
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            res = engine.generate(chunk, max_new_tokens=m, batch_size=b)
+            # an adaptive engine may switch programs between batches: a first use compiles
+            dt = time.perf_counter() - t0 - res[0].metrics.get("compile_s", 0.0)
+            st = stats[name]
+            st["tokens"] += sum(r.num_generated_tokens for r in res)
+            st["wall"] += dt
+            st["outputs"] += [r.token_ids for r in res]
+            st["metrics"] += [r.metrics for r in res]
+            st["per_req"] += [sum(r.num_generated_tokens for r in res) / dt]
+    return _point_entries(point, engines, stats, picked, b)
+
+
+def _point_entries(point: dict, engines, stats: dict, picked, b: int) -> dict:
+    """Each engine's figures at this batch size, beside plain decoding's."""
+    base = stats["plain"]["tokens"] / stats["plain"]["wall"]
+    for name, st in stats.items():
+        tps = st["tokens"] / st["wall"]
+        entry = {
+            "tokens_per_s": tps,
+            "speedup": tps / base,
+            "outputs_match": st["outputs"] == stats["plain"]["outputs"],
+        }
+        ms = st["metrics"]
+        if ms and "adaptive_gamma_mean" in ms[0]:
+            entry["gamma_mean"] = sum(x["adaptive_gamma_mean"] for x in ms) / len(ms)
+            entry["plain_fraction"] = sum(x["adaptive_plain_fraction"] for x in ms) / len(ms)
+            entry["switched_off"] = any(x["adaptive_switched_off"] for x in ms)
+            entry["step_costs"] = engines[name].step_costs(b)
+        if b == 1:
+            entry["per_category_speedup"] = {
+                c: st["per_req"][i] / stats["plain"]["per_req"][i]
+                for i, (c, _) in enumerate(picked[: len(st["per_req"])])
+            }
+        point[name] = entry
+    return point
 
 
 def per_category(a, engines, questions) -> dict:

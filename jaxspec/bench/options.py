@@ -57,6 +57,15 @@ def make_parser() -> argparse.ArgumentParser:
         description="Spec-Bench-style benchmark of jaxspec configs against plain decoding "
         "(and transformers with --peers hf).",
     )
+    _add_inputs(p)
+    _add_peers(p)
+    _add_sweeps(p, MAX_SPECULATIVE_TOKENS)
+    _add_run_choices(p)
+    return p
+
+
+def _add_inputs(p: argparse.ArgumentParser) -> None:
+    """The configs, the questions, the lengths and the output folder."""
     p.add_argument(
         "--config",
         nargs="+",
@@ -76,6 +85,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-per-category", type=_positive("--n-per-category"), default=5, metavar="N")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens"), default=128, metavar="M")
     p.add_argument("--out", required=True, metavar="DIR", help="results.json, summary.md, PNGs")
+
+
+def _add_peers(p: argparse.ArgumentParser) -> None:
+    """The peers run beside jaxspec (transformers, vLLM) and their settings."""
     p.add_argument(
         "--peers",
         choices=["none", "hf", "vllm", "hf+vllm"],
@@ -109,9 +122,13 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="G",
         help="HF prompt_lookup_num_tokens (default: γ of the first ngram config, else 4)",
     )
+
+
+def _add_sweeps(p: argparse.ArgumentParser, max_gamma: int) -> None:
+    """The γ sweep and the batch sweep."""
     p.add_argument(
         "--gammas",
-        type=int_list("--gammas", 1, MAX_SPECULATIVE_TOKENS),
+        type=int_list("--gammas", 1, max_gamma),
         metavar="1,2,3,5,8",
         help="γ sweep of --sweep-config (omit: no γ sweep)",
     )
@@ -143,6 +160,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-max-new-tokens", type=_positive("--batch-max-new-tokens"), default=64, metavar="M"
     )
+
+
+def _add_run_choices(p: argparse.ArgumentParser) -> None:
+    """What runs: unavailable configs, plots, the workload, the sweeps alone."""
     p.add_argument(
         "--skip-unavailable",
         action="store_true",
@@ -169,7 +190,6 @@ def make_parser() -> argparse.ArgumentParser:
         help="skip the Spec-Bench phase: run only the γ / batch sweeps (prompts still come from "
         "--data and --n-per-category)",
     )
-    return p
 
 
 def check_extras(args) -> None:

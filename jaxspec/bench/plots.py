@@ -213,10 +213,11 @@ def _done(results: dict[str, Any]) -> str:
     return str(planned) if done == planned else f"{done} (of {planned} planned; run interrupted)"
 
 
-def write_summary(results: dict[str, Any], path: str | Path) -> str:
+def _header_lines(results: dict[str, Any]) -> list[str]:
+    """Title, status, machine and protocol."""
     s = results.get("settings", {})
     m = results.get("machine", {})
-    lines = [
+    return [
         "# jaxspec benchmark summary",
         "",
         f"Status: {results.get('status')}. Command: `{results.get('command')}`",
@@ -237,164 +238,192 @@ def write_summary(results: dict[str, Any], path: str | Path) -> str:
         ),
         "",
     ]
+
+
+def _config_lines(configs: dict[str, Any]) -> list[str]:
+    """The overall and per-category tables of jaxspec's configs."""
+    lines = []
+    lines += [
+        "## Overall",
+        "",
+        (
+            "| config | method | γ | tok/s | plain tok/s | speedup | e2e tok/s | e2e speedup "
+            "| mean accepted | acceptance | nodes/step | step cost | output = plain |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, e in configs.items():
+        o = e["overall"]
+        lines.append(
+            f"| {label} | {e['method']} | {e['num_speculative_tokens']} | "
+            f"{_f(o['tokens_per_s'], 1)} | {_f(o['baseline_tokens_per_s'], 1)} | "
+            f"{_f(o['speedup'], 2, 'x')} | {_f(o['e2e_tokens_per_s'], 1)} | "
+            f"{_f(o['e2e_speedup'], 2, 'x')} | {_f(o['mean_accepted_length'])} | "
+            f"{_f(o['acceptance_rate'])} | {_f(o.get('nodes_per_step'), 1)} | "
+            f"{_f(o['step_cost_ratio'])} | "
+            f"{_f(o['outputs_match_baseline'])} ({_f(o['match_rate'])}) |"
+        )
+    lines += ["", "## Per category (decode tok/s, speedup, mean accepted length)", ""]
+    cats = list(next(iter(configs.values()))["categories"])
+    lines.append("| config | " + " | ".join(cats) + " |")
+    lines.append("|---|" + "---|" * len(cats))
+    for label, e in configs.items():
+        cells = []
+        for c in cats:
+            o = e["categories"].get(c)
+            cells.append(
+                "–"
+                if not o
+                else f"{_f(o['tokens_per_s'], 1)} ({_f(o['speedup'], 2, 'x')}, "
+                f"{_f(o['mean_accepted_length'])})"
+            )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
+def _hf_peer_lines(hf: dict[str, Any], configs: dict[str, Any]) -> list[str]:
+    """The Hugging Face transformers peers: overall, the targets, per category."""
+    lines = []
+    info = hf["info"]
+    lines += [
+        "## Hugging Face transformers peers",
+        "",
+        (
+            f"transformers {info['transformers_version']}, torch {info['torch_version']} "
+            f"({info['torch_threads']} threads), float32, greedy, same GGUF weights, same "
+            "chat-templated prompts and max_new_tokens. HF tok/s = new tokens / generate() wall "
+            "time (includes prefill): compare with our e2e column."
+        ),
+        "",
+        "| peer | tok/s | same tokens as our plain | "
+        + " | ".join(f"{l} e2e / peer" for l in configs)
+        + " |",
+        "|---|---|---|" + "---|" * len(configs),
+    ]
+    for name, pm in hf["methods"].items():
+        o = pm["overall"]
+        ratios = " | ".join(
+            _f((o["ours_over_this"].get(l) or {}).get("e2e_ratio"), 2, "x") for l in configs
+        )
+        lines.append(
+            f"| {name} | {_f(o['tokens_per_s'], 1)} | "
+            f"{_f(o['match_rate_vs_our_baseline'])} | {ratios} |"
+        )
+    for label, why in info.get("not_applicable", {}).items():
+        lines.append(f"| assisted ({label}) | n/a: {why} | – | " + "– | " * len(configs))
+    t = hf.get("targets", {})
+    lines += [
+        "",
+        (
+            f"Targets (e2e, like for like): our plain / HF plain = "
+            f"{_f(t.get('our_plain_e2e_over_hf_plain'), 2, 'x')} (target ≥ 3x); our best / HF "
+            f"plain = {_f(t.get('our_best_e2e_over_hf_plain'), 2, 'x')} (≥ 5x); our best / HF "
+            f"best speculative ({t.get('hf_best_speculative')}) = "
+            f"{_f(t.get('our_best_e2e_over_hf_best_speculative'), 2, 'x')} (≥ 4x). Decode-only "
+            f"versions: {_f(t.get('our_plain_decode_over_hf_plain'), 2, 'x')}, "
+            f"{_f(t.get('our_best_decode_over_hf_plain'), 2, 'x')}, "
+            f"{_f(t.get('our_best_decode_over_hf_best_speculative'), 2, 'x')}."
+        ),
+        "",
+    ]
+    cats = list(next(iter(hf["methods"].values()))["categories"])
+    lines += [
+        "Per category, tok/s:",
+        "",
+        "| peer | " + " | ".join(cats) + " |",
+        "|---|" + "---|" * len(cats),
+    ]
+    for name, pm in hf["methods"].items():
+        lines.append(
+            f"| {name} | "
+            + " | ".join(
+                _f((pm["categories"].get(c) or {}).get("tokens_per_s"), 1) for c in cats
+            )
+            + " |"
+        )
+    lines.append("")
+    return lines
+
+
+def _gamma_sweep_lines(g: dict[str, Any]) -> list[str]:
+    """The γ sweep against the formula."""
+    lines = []
+    f = g.get("formula", {})
+    lines += [
+        f"## γ sweep ({g['config']}, {g['num_prompts']} prompts)",
+        "",
+        (
+            f"Formula: speedup ≈ E(α, γ) / r(γ), E = (1 − α^(γ+1)) / (1 − α), α = "
+            f"{_f(f.get('alpha'), 3)} (fitted from mean accepted length), measured step cost "
+            f"r(γ) ≈ {_f(f.get('step_cost_fit', {}).get('r0'))} + "
+            f"{_f(f.get('step_cost_fit', {}).get('r1'), 3)}·γ; optimal γ ≈ "
+            f"{f.get('optimal_gamma')}."
+        ),
+        "",
+        (
+            "| γ | tok/s | plain tok/s | speedup | predicted | mean accepted | acceptance | α fit "
+            "| step cost | output = plain |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in g["points"]:
+        lines.append(
+            f"| {p['gamma']} | {_f(p['tokens_per_s'], 1)} | {_f(p['baseline_tokens_per_s'], 1)}"
+            f" | {_f(p['speedup'], 2, 'x')} | {_f(p['predicted_speedup'], 2, 'x')} | "
+            f"{_f(p['mean_accepted_length'])} | {_f(p['acceptance_rate'])} | "
+            f"{_f(p['alpha_from_accepted_length'])} | {_f(p['step_cost_ratio'])} | "
+            f"{_f(p['outputs_match_baseline'])} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _batch_sweep_lines(b: dict[str, Any]) -> list[str]:
+    """The batch sweep: plain vs speculative per batch size."""
+    lines = []
+    lines += [
+        (
+            f"## Batch sweep (plain vs {b['config']}, {b['max_new_tokens']} new tokens, "
+            f"{b.get('rounds')} batches per size)"
+        ),
+        "",
+        (
+            "| batch | plain tok/s | spec tok/s | speedup | plain latency s | spec latency s | "
+            "outputs equal |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in b["points"]:
+        lines.append(
+            f"| {p['batch_size']} | {_f(p['plain_tokens_per_s'], 1)} | "
+            f"{_f(p['speculative_tokens_per_s'], 1)} | {_f(p['speedup'], 2, 'x')} | "
+            f"{_f(p['plain_latency_s'])} | {_f(p['speculative_latency_s'])} | "
+            f"{_f(p['outputs_match'])} |"
+        )
+    faster = b.get("speculative_faster_at") or []
+    lines += [
+        "",
+        (
+            f"Speculation faster at batch sizes: {faster or 'none'}; crossover (first "
+            f"larger batch size where plain wins): {b.get('crossover_batch_size') or '–'}."
+        ),
+        "",
+    ]
+    return lines
+
+
+def write_summary(results: dict[str, Any], path: str | Path) -> str:
+    """The benchmark's markdown summary, written to `path` and returned."""
     configs = results.get("configs", {})
-    if configs:
-        lines += [
-            "## Overall",
-            "",
-            (
-                "| config | method | γ | tok/s | plain tok/s | speedup | e2e tok/s | e2e speedup "
-                "| mean accepted | acceptance | nodes/step | step cost | output = plain |"
-            ),
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for label, e in configs.items():
-            o = e["overall"]
-            lines.append(
-                f"| {label} | {e['method']} | {e['num_speculative_tokens']} | "
-                f"{_f(o['tokens_per_s'], 1)} | {_f(o['baseline_tokens_per_s'], 1)} | "
-                f"{_f(o['speedup'], 2, 'x')} | {_f(o['e2e_tokens_per_s'], 1)} | "
-                f"{_f(o['e2e_speedup'], 2, 'x')} | {_f(o['mean_accepted_length'])} | "
-                f"{_f(o['acceptance_rate'])} | {_f(o.get('nodes_per_step'), 1)} | "
-                f"{_f(o['step_cost_ratio'])} | "
-                f"{_f(o['outputs_match_baseline'])} ({_f(o['match_rate'])}) |"
-            )
-        lines += ["", "## Per category (decode tok/s, speedup, mean accepted length)", ""]
-        cats = list(next(iter(configs.values()))["categories"])
-        lines.append("| config | " + " | ".join(cats) + " |")
-        lines.append("|---|" + "---|" * len(cats))
-        for label, e in configs.items():
-            cells = []
-            for c in cats:
-                o = e["categories"].get(c)
-                cells.append(
-                    "–"
-                    if not o
-                    else f"{_f(o['tokens_per_s'], 1)} ({_f(o['speedup'], 2, 'x')}, "
-                    f"{_f(o['mean_accepted_length'])})"
-                )
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        lines.append("")
     hf = (results.get("peers") or {}).get("hf")
-    if hf and hf.get("methods"):
-        info = hf["info"]
-        lines += [
-            "## Hugging Face transformers peers",
-            "",
-            (
-                f"transformers {info['transformers_version']}, torch {info['torch_version']} "
-                f"({info['torch_threads']} threads), float32, greedy, same GGUF weights, same "
-                "chat-templated prompts and max_new_tokens. HF tok/s = new tokens / generate() wall "
-                "time (includes prefill): compare with our e2e column."
-            ),
-            "",
-            "| peer | tok/s | same tokens as our plain | "
-            + " | ".join(f"{l} e2e / peer" for l in configs)
-            + " |",
-            "|---|---|---|" + "---|" * len(configs),
-        ]
-        for name, pm in hf["methods"].items():
-            o = pm["overall"]
-            ratios = " | ".join(
-                _f((o["ours_over_this"].get(l) or {}).get("e2e_ratio"), 2, "x") for l in configs
-            )
-            lines.append(
-                f"| {name} | {_f(o['tokens_per_s'], 1)} | "
-                f"{_f(o['match_rate_vs_our_baseline'])} | {ratios} |"
-            )
-        for label, why in info.get("not_applicable", {}).items():
-            lines.append(f"| assisted ({label}) | n/a: {why} | – | " + "– | " * len(configs))
-        t = hf.get("targets", {})
-        lines += [
-            "",
-            (
-                f"Targets (e2e, like for like): our plain / HF plain = "
-                f"{_f(t.get('our_plain_e2e_over_hf_plain'), 2, 'x')} (target ≥ 3x); our best / HF "
-                f"plain = {_f(t.get('our_best_e2e_over_hf_plain'), 2, 'x')} (≥ 5x); our best / HF "
-                f"best speculative ({t.get('hf_best_speculative')}) = "
-                f"{_f(t.get('our_best_e2e_over_hf_best_speculative'), 2, 'x')} (≥ 4x). Decode-only "
-                f"versions: {_f(t.get('our_plain_decode_over_hf_plain'), 2, 'x')}, "
-                f"{_f(t.get('our_best_decode_over_hf_plain'), 2, 'x')}, "
-                f"{_f(t.get('our_best_decode_over_hf_best_speculative'), 2, 'x')}."
-            ),
-            "",
-        ]
-        cats = list(next(iter(hf["methods"].values()))["categories"])
-        lines += [
-            "Per category, tok/s:",
-            "",
-            "| peer | " + " | ".join(cats) + " |",
-            "|---|" + "---|" * len(cats),
-        ]
-        for name, pm in hf["methods"].items():
-            lines.append(
-                f"| {name} | "
-                + " | ".join(
-                    _f((pm["categories"].get(c) or {}).get("tokens_per_s"), 1) for c in cats
-                )
-                + " |"
-            )
-        lines.append("")
+    g, b = results.get("gamma_sweep"), results.get("batch_sweep")
+    lines = _header_lines(results)
+    lines += _config_lines(configs) if configs else []
+    lines += _hf_peer_lines(hf, configs) if hf and hf.get("methods") else []
     lines += vllm_report.summary_lines(results)
-    g = results.get("gamma_sweep")
-    if g and g.get("points"):
-        f = g.get("formula", {})
-        lines += [
-            f"## γ sweep ({g['config']}, {g['num_prompts']} prompts)",
-            "",
-            (
-                f"Formula: speedup ≈ E(α, γ) / r(γ), E = (1 − α^(γ+1)) / (1 − α), α = "
-                f"{_f(f.get('alpha'), 3)} (fitted from mean accepted length), measured step cost "
-                f"r(γ) ≈ {_f(f.get('step_cost_fit', {}).get('r0'))} + "
-                f"{_f(f.get('step_cost_fit', {}).get('r1'), 3)}·γ; optimal γ ≈ "
-                f"{f.get('optimal_gamma')}."
-            ),
-            "",
-            (
-                "| γ | tok/s | plain tok/s | speedup | predicted | mean accepted | acceptance | α fit "
-                "| step cost | output = plain |"
-            ),
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for p in g["points"]:
-            lines.append(
-                f"| {p['gamma']} | {_f(p['tokens_per_s'], 1)} | {_f(p['baseline_tokens_per_s'], 1)}"
-                f" | {_f(p['speedup'], 2, 'x')} | {_f(p['predicted_speedup'], 2, 'x')} | "
-                f"{_f(p['mean_accepted_length'])} | {_f(p['acceptance_rate'])} | "
-                f"{_f(p['alpha_from_accepted_length'])} | {_f(p['step_cost_ratio'])} | "
-                f"{_f(p['outputs_match_baseline'])} |"
-            )
-        lines.append("")
-    b = results.get("batch_sweep")
-    if b and b.get("points"):
-        lines += [
-            (
-                f"## Batch sweep (plain vs {b['config']}, {b['max_new_tokens']} new tokens, "
-                f"{b.get('rounds')} batches per size)"
-            ),
-            "",
-            (
-                "| batch | plain tok/s | spec tok/s | speedup | plain latency s | spec latency s | "
-                "outputs equal |"
-            ),
-            "|---|---|---|---|---|---|---|",
-        ]
-        for p in b["points"]:
-            lines.append(
-                f"| {p['batch_size']} | {_f(p['plain_tokens_per_s'], 1)} | "
-                f"{_f(p['speculative_tokens_per_s'], 1)} | {_f(p['speedup'], 2, 'x')} | "
-                f"{_f(p['plain_latency_s'])} | {_f(p['speculative_latency_s'])} | "
-                f"{_f(p['outputs_match'])} |"
-            )
-        faster = b.get("speculative_faster_at") or []
-        lines += [
-            "",
-            (
-                f"Speculation faster at batch sizes: {faster or 'none'}; crossover (first "
-                f"larger batch size where plain wins): {b.get('crossover_batch_size') or '–'}."
-            ),
-            "",
-        ]
+    lines += _gamma_sweep_lines(g) if g and g.get("points") else []
+    lines += _batch_sweep_lines(b) if b and b.get("points") else []
     skipped = results.get("skipped_configs")
     if skipped:
         lines += ["## Skipped configs", ""] + [f"- {l}: {why}" for l, why in skipped.items()] + [""]

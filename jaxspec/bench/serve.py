@@ -189,16 +189,67 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def compile_all(engine, requests, caches, admissions, budget, serving) -> None:
+    """Compile what the runs will, untimed: every prompt (and tail) bucket at every admission
+    width (Scheduler.compile_prefills), every call width with every page-table width
+    (Scheduler.compile_programs), for each cache layout and admission."""
+    from jaxspec.serving import Sampling, Server
+
+    for (layout, cached), admission in [(c, a) for c in caches for a in admissions]:
+        with Server(engine, paged=layout == "paged", prefix_cache=cached == "on",
+                    batch_prefill=admission == "batched",
+                    max_batched_tokens=budget if admission == "batched" else None,
+                    **serving) as server:
+            server.scheduler.compile_programs()
+            server.scheduler.compile_prefills([len(ids) for ids, _ in requests])
+            for ids, _ in requests:
+                server.generate(ids, Sampling(max_tokens=2))
+
+
+def runs_at(rate, engine, path, config, requests, caches, args, budget, serving,
+            greedy_outputs) -> list[dict]:
+    """The timed runs at one arrival rate (Poisson arrivals, seed 0), one per cache layout,
+    batching and admission; greedy runs of a model checked against its first greedy run."""
+    import numpy as np
+
+    from jaxspec.serving import Server
+
+    runs = []
+    rng = np.random.default_rng(0)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
+    for (layout, cached), batching, admission in [
+            (c, b, a) for c in caches for b in args.batching for a in args.admission]:
+        static = batching == "static"
+        with Server(engine, static=static, paged=layout == "paged",
+                    prefix_cache=cached == "on", batch_prefill=admission == "batched",
+                    max_batched_tokens=budget if admission == "batched" else None,
+                    **serving) as server:
+            fig = run_once(server, requests, arrivals)
+        fig |= {"config": path, "method": engine.method, "rate": rate,
+                "batching": batching, "admission": admission, "prefix": cached,
+                "max_batched_tokens": budget if admission == "batched" else None}
+        outputs = fig.pop("token_ids")
+        if config.sampling.temperature == 0:
+            first = greedy_outputs.setdefault(config.model.name, outputs)
+            fig["outputs_identical_to_first_greedy_run"] = outputs == first
+            if outputs != first:
+                print(f"warning: {path} at {rate} req/s ({fig['batching']}, {layout}): "
+                      "greedy outputs differ from the first greedy run's", file=sys.stderr)
+        runs.append(fig)
+        print(json.dumps({k: v for k, v in fig.items() if k != "pages_per_request"}),
+              flush=True)
+    return runs
+
+
 def run(argv=None) -> int:
     args = make_parser().parse_args(argv)
     import dataclasses
 
-    import numpy as np
 
     from jaxspec.build import build_engine
     from jaxspec.cli_support import enable_compilation_cache
     from jaxspec.config import load_config
-    from jaxspec.serving import Sampling, Server
+    from jaxspec.serving import Sampling
 
     enable_compilation_cache()
     if args.workload == "agent":
@@ -232,42 +283,10 @@ def run(argv=None) -> int:
         # a contiguous cache has no pages to share: run once there
         caches = [(k, c) for k in args.kv_layout
                   for c in (args.prefix_cache if k == "paged" else args.prefix_cache[:1])]
-        for (layout, cached), admission in [(c, a) for c in caches for a in args.admission]:
-            # compile what the runs will: every prompt (and tail) bucket at every admission
-            # width (Scheduler.compile_prefills), every call width with every page-table width
-            # (Scheduler.compile_programs)
-            with Server(engine, paged=layout == "paged", prefix_cache=cached == "on",
-                        batch_prefill=admission == "batched",
-                        max_batched_tokens=budget if admission == "batched" else None,
-                        **serving) as server:
-                server.scheduler.compile_programs()
-                server.scheduler.compile_prefills([len(ids) for ids, _ in requests])
-                for ids, _ in requests:
-                    server.generate(ids, Sampling(max_tokens=2))
+        compile_all(engine, requests, caches, args.admission, budget, serving)
         for rate in args.rates:
-            rng = np.random.default_rng(0)
-            arrivals = np.cumsum(rng.exponential(1.0 / rate, size=len(requests))).tolist()
-            for (layout, cached), batching, admission in [
-                    (c, b, a) for c in caches for b in args.batching for a in args.admission]:
-                static = batching == "static"
-                with Server(engine, static=static, paged=layout == "paged",
-                            prefix_cache=cached == "on", batch_prefill=admission == "batched",
-                            max_batched_tokens=budget if admission == "batched" else None,
-                            **serving) as server:
-                    fig = run_once(server, requests, arrivals)
-                fig |= {"config": path, "method": engine.method, "rate": rate,
-                        "batching": batching, "admission": admission, "prefix": cached,
-                        "max_batched_tokens": budget if admission == "batched" else None}
-                outputs = fig.pop("token_ids")
-                if config.sampling.temperature == 0:
-                    first = greedy_outputs.setdefault(config.model.name, outputs)
-                    fig["outputs_identical_to_first_greedy_run"] = outputs == first
-                    if outputs != first:
-                        print(f"warning: {path} at {rate} req/s ({fig['batching']}, {layout}): "
-                              "greedy outputs differ from the first greedy run's", file=sys.stderr)
-                runs.append(fig)
-                print(json.dumps({k: v for k, v in fig.items() if k != "pages_per_request"}),
-                      flush=True)
+            runs += runs_at(rate, engine, path, config, requests, caches, args, budget, serving,
+                            greedy_outputs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(runs, f, indent=1)

@@ -12,7 +12,7 @@ from jaxspec.limits import MAX_SPECULATIVE_TOKENS, sampling_problem
 from jaxspec.options import Section, as_dict
 from jaxspec.decode.adaptive_settings import AdaptiveConfig  # noqa: F401 (jax-free; re-exported)
 
-MAX_NGRAM = 16  # same bound as jaxspec.drafters.ngram
+MAX_NGRAM = 16  # same bound as jaxspec.drafters.prompt_lookup
 MAX_TREE_NODES = 63  # window of 1 + nodes <= the CPU attention kernel's 64 queries
 
 
@@ -80,7 +80,7 @@ class GenerationConfig(Section):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LookupConfig(Section):
-    """Prompt lookup first (jaxspec/drafters/lookup.py), for any drafting method but ngram: where
+    """Prompt lookup first (jaxspec/drafters/prompt_lookup_first.py), for any drafting method but ngram: where
     the last n committed tokens (min_ngram <= n <= max_ngram) occur earlier in the context, verify
     what followed them instead of the method's draft."""
 

@@ -1,4 +1,4 @@
-"""`speculative.method: dflash`: the published DFlash / DFlash 2 drafters (drafters/dflash_net.py
+"""`speculative.method: dflash`: the published DFlash / DFlash 2 drafters (drafters/dflash_forward.py
 is the network) over the drafter protocol: a whole block of γ drafts from ONE drafter forward.
 
 State: per draft layer, the context keys/values [B, K, S, Hd] of every committed position whose
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.decode import sampling, tree
-from jaxspec.drafters import dflash_net as net
+from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.registry import BuildContext, register_drafter

@@ -1,5 +1,5 @@
 """`speculative.method: dspark`: DSpark (speculators 0.9.0 `speculators.models.dspark`): DFlash's
-parallel block backbone (drafters/dflash_net.py, shared, not copied) plus a light sequential head
+parallel block backbone (drafters/dflash_forward.py, shared, not copied) plus a light sequential head
 that biases each block slot's logits by the token drafted before it, and a confidence head that
 predicts each slot's acceptance (drafters/dspark_heads.py).
 

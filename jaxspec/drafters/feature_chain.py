@@ -2,7 +2,7 @@
 published EAGLE-3 head (drafters/eagle3.py) and DeepSeek-V3-style MTP modules (drafters/mtp.py).
 This module holds what they share: the layer cache, the drafting scan, commit.
 
-Sequence pairing (the same as jaxspec's own EAGLE, drafters/eagle.py): drafter position j holds
+Sequence pairing (the same as jaxspec's own EAGLE, drafters/eagle_head.py): drafter position j holds
 token x_j with the (drafter-space) feature f_{j-1} of the position before it, and its output h_j
 predicts x_{j+1}. Position 0 has no feature: the published drafters never see x_0, so slot 0 is
 never attended (the mask starts at slot 1). RoPE is relative, so the published drafters' position
@@ -190,7 +190,7 @@ class ChainDrafter(abc.ABC):
         return ChainState(k, v, last)
 
     def advance(self, dparams, tparams, state: ChainState, ctx: DraftContext) -> ChainState:
-        """The state `propose` leaves for the committed text, drafting nothing (drafters/lookup.py)."""
+        """The state `propose` leaves for the committed text, drafting nothing (drafters/prompt_lookup_first.py)."""
         last = jnp.take_along_axis(ctx.tokens, (ctx.lengths - 1)[:, None], axis=1)
         pos = (ctx.lengths - 1)[:, None]
         _, k, v = self.step(dparams, tparams, last, state.feature[:, None], state.k, state.v, pos)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxspec.drafters import suffix_store
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, traits
-from jaxspec.drafters.ngram import MAX_NGRAM
+from jaxspec.drafters.prompt_lookup import MAX_NGRAM
 from jaxspec.drafters.registry import BuildContext, DrafterOptions, get, register_drafter
 from jaxspec.drafters.suffix_store import SEPARATOR, SuffixStore
 from jaxspec.errors import JaxspecError

@@ -40,6 +40,7 @@ from jaxspec.engine.programs import Programs
 from jaxspec.engine.results import GenerationResult, Report, fetch
 from jaxspec.engine.serving_surface import ServingSurface
 from jaxspec.decode.sampling import SamplingParams, check_tokens
+from jaxspec.decode.sampling_settings import Sampling
 
 __all__ = ["Engine", "GenerationResult", "bucket", "MIN_PROMPT_BUCKET"]
 
@@ -62,33 +63,12 @@ class Engine(ServingSurface):
         xla_cache.enable()  # on by default, as in the CLI (JAXSPEC_XLA_CACHE=0: off)
         if drafter is None:
             num_speculative_tokens = 0
-        elif not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise JaxspecError(
-                f"num_speculative_tokens={num_speculative_tokens} is out of range: "
-                f"use 1..{MAX_SPECULATIVE_TOKENS}"
-            )
-        if drafter is not None:  # taps and traits this target lacks: refused before compiling
-            check_target(drafter, model.target, drafter_params)
+        check_engine_args(model, drafter, drafter_params, num_speculative_tokens, max_context,
+                          logprobs, logprobs_mode)
         self.plan = None
         if mesh is not None:
             self.plan = mesh if isinstance(mesh, sharding.MeshPlan) else sharding.MeshPlan(mesh)
-            model = dataclasses.replace(
-                model, params=self.plan.place_target(model.params, model.target)
-            )
-            t = traits(drafter) if drafter is not None else None
-            own_layer, own_model = (None, None) if t is None else (t.model_cfg, t.model)
-            drafter_params = self.plan.place_drafter(drafter_params, own_layer, own_model)
-        check_logprobs(logprobs, logprobs_mode)
-        if max_context is not None and max_context < 2 + num_speculative_tokens:
-            raise JaxspecError(
-                f"max_context={max_context} is too small: use at least {2 + num_speculative_tokens}"
-            )
-        limit = model.target.max_position_embeddings
-        if max_context is not None and max_context > limit:
-            raise JaxspecError(
-                f"generation.max_context={max_context} exceeds the model's context of {limit} "
-                f"tokens: use at most {limit}"
-            )
+            model, drafter_params = self._placed(model, drafter, drafter_params)
         self.max_context = max_context  # fixed cache slots per row (None: per request)
         self.model = model
         self.drafter = drafter
@@ -97,26 +77,7 @@ class Engine(ServingSurface):
         self.system_prompt = system_prompt
         on = drafter is not None and adaptive is not None and adaptive.enabled
         self.adaptive = adaptive if on else None
-        # adaptive: a chain's length, or the depth a tree is cut to (its levels)
-        depth = (traits(drafter).tree_depth if drafter is not None else None) or num_speculative_tokens
-        self.spec = speculate.LoopSpec(
-            target=model.target,
-            drafter=drafter,
-            num_speculative_tokens=num_speculative_tokens,
-            eos_ids=tuple(model.eos_token_ids),
-            # prompt lookup with no or a 1-token match: a cheaper, shorter window (and the widths
-            # a drafter of widely varying lengths asks for, suffix decoding's)
-            windows=(1, 2, *(traits(drafter).verify_windows if drafter is not None else ())),
-            mesh=self.plan,
-            adaptive=None if self.adaptive is None else Controller(depth, self.adaptive),
-            logprobs=logprobs, logprobs_mode=logprobs_mode,
-        )
-        # adaptive switch-off: a batch size where verification cannot pay runs this program
-        self.plain_spec = speculate.LoopSpec(
-            target=model.target, drafter=None, num_speculative_tokens=0,
-            eos_ids=tuple(model.eos_token_ids), mesh=self.plan,
-            logprobs=logprobs, logprobs_mode=logprobs_mode,
-        )
+        self.spec, self.plain_spec = self._loop_specs(num_speculative_tokens, logprobs, logprobs_mode)
         self.requests = Requests(
             model, depth=self.spec.depth, num_nodes=self.spec.num_nodes,
             draft_limit=None if drafter is None else traits(drafter).max_context,
@@ -129,6 +90,40 @@ class Engine(ServingSurface):
             self.adaptive, model, self.spec, drafter
         )
         self.report = Report(model, self.spec, self.method, adaptive=self.policy is not None)
+
+    def _placed(self, model, drafter, drafter_params):
+        """The target's and the drafter's params placed on the mesh."""
+        model = dataclasses.replace(
+            model, params=self.plan.place_target(model.params, model.target)
+        )
+        t = traits(drafter) if drafter is not None else None
+        own_layer, own_model = (None, None) if t is None else (t.model_cfg, t.model)
+        return model, self.plan.place_drafter(drafter_params, own_layer, own_model)
+
+    def _loop_specs(self, num_speculative_tokens, logprobs, logprobs_mode):
+        """The loop's static spec, and plain decoding's (adaptive switch-off: a batch size where
+        verification cannot pay runs that program)."""
+        model, drafter = self.model, self.drafter
+        # adaptive: a chain's length, or the depth a tree is cut to (its levels)
+        depth = (traits(drafter).tree_depth if drafter is not None else None) or num_speculative_tokens
+        spec = speculate.LoopSpec(
+            target=model.target,
+            drafter=drafter,
+            num_speculative_tokens=num_speculative_tokens,
+            eos_ids=tuple(model.eos_token_ids),
+            # prompt lookup with no or a 1-token match: a cheaper, shorter window (and the widths
+            # a drafter of widely varying lengths asks for, suffix decoding's)
+            windows=(1, 2, *(traits(drafter).verify_windows if drafter is not None else ())),
+            mesh=self.plan,
+            adaptive=None if self.adaptive is None else Controller(depth, self.adaptive),
+            logprobs=logprobs, logprobs_mode=logprobs_mode,
+        )
+        plain = speculate.LoopSpec(
+            target=model.target, drafter=None, num_speculative_tokens=0,
+            eos_ids=tuple(model.eos_token_ids), mesh=self.plan,
+            logprobs=logprobs, logprobs_mode=logprobs_mode,
+        )
+        return spec, plain
 
     @property
     def method(self) -> str:
@@ -257,23 +252,26 @@ class Engine(ServingSurface):
         self,
         prompts: Sequence[str | Sequence[int]],
         *,
-        max_new_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
+        max_new_tokens: int | None = None,
+        sampling: Sampling | SamplingParams | None = None,
+        seed: int | None = None,
         batch_size: int = 1,
         penalties: tuple | None = None,
         constraint=None,
     ) -> list[GenerationResult]:
         """Generate for every prompt, `batch_size` rows at a time (the last batch is padded).
+        sampling: a `jaxspec.Sampling` (greedy when None); its max_tokens, seed and penalties
+        apply where the arguments of the same meaning are not given (`resolve_sampling`).
         penalties: (presence, frequency, repetition, logit_bias {id: bias}) for every row
         (decode/logit_bias.py; None: off), applied inside the loop, speculation lossless.
         constraint: a constrain.Constraint for every prompt, or one per prompt (None: free);
         the output then follows it (docs/structured.md), lossless for every drafter."""
+        sp, max_new_tokens, seed, penalties = resolve_sampling(sampling, max_new_tokens, seed,
+                                                               penalties)
         if max_new_tokens < 1:
             raise JaxspecError(f"max_new_tokens={max_new_tokens} must be at least 1")
         if batch_size < 1:
             raise JaxspecError(f"batch_size={batch_size} must be at least 1")
-        sp = sampling if sampling is not None else SamplingParams.make()
         encoded = [self.encode(p) for p in prompts]
         for ids in encoded:
             self.check_fits(ids, max_new_tokens)
@@ -318,9 +316,9 @@ class Engine(ServingSurface):
         preparing(answers.summary())
         return seconds
 
-    def warmup(self, prompt, *, max_new_tokens=128, sampling=None, batch_size=1) -> float:
+    def warmup(self, prompt, *, max_new_tokens=None, sampling=None, batch_size=1) -> float:
         """Compile the programs a request of this shape needs; returns the seconds it took."""
-        sp = sampling if sampling is not None else SamplingParams.make()
+        sp, max_new_tokens, _, _ = resolve_sampling(sampling, max_new_tokens, None, None)
         return self._ensure_compiled([self.encode(prompt)], max_new_tokens, sp, batch_size)
 
     def _run_batch(self, prompts, batch_ids, row_ids, max_new_tokens, sp, seed, batch_size,
@@ -360,16 +358,20 @@ class Engine(ServingSurface):
         self,
         prompt: str | Sequence[int],
         *,
-        max_new_tokens: int = 128,
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
+        max_new_tokens: int | None = None,
+        sampling: Sampling | SamplingParams | None = None,
+        seed: int | None = None,
         steps_per_chunk: int = 4,
     ) -> Generator[str, None, GenerationResult]:
         """Yield text pieces as they are generated (the jitted loop runs a few steps per chunk).
 
         The generator's return value (`StopIteration.value`) is the prompt's GenerationResult,
-        with its metrics; its decode rate includes the host round trip after every chunk."""
-        sp = sampling if sampling is not None else SamplingParams.make()
+        with its metrics; its decode rate includes the host round trip after every chunk.
+        Penalties are a `generate` feature: a Sampling with penalties is refused here."""
+        sp, max_new_tokens, seed, penalties = resolve_sampling(sampling, max_new_tokens, seed, None)
+        if penalties is not None:
+            raise JaxspecError("Engine.stream applies no penalties or logit_bias: use "
+                               "Engine.generate, or the server (jaxspec.serving) to stream them")
         ids = self.encode(prompt)
         self.check_fits(ids, max_new_tokens)
         compile_s = self._ensure_compiled([ids], max_new_tokens, sp, 1)  # not in the timings
@@ -410,6 +412,51 @@ class Engine(ServingSurface):
     def decode_text(self, token_ids: list[int]) -> str:
         """Generated ids -> text (EOS dropped, special tokens skipped)."""
         return self.report.decode_text(token_ids)
+
+
+def resolve_sampling(sampling, max_new_tokens, seed, penalties):
+    """(device params, max_new_tokens, seed, penalties) of one engine call. A `Sampling` fills
+    what the call's own arguments leave None (its max_tokens, seed, penalties and logit_bias);
+    its stop strings and logprobs belong to the server and the engine's construction, refused
+    here in one line. `SamplingParams` (the device arrays) is still taken as it is."""
+    if isinstance(sampling, Sampling):
+        if sampling.stop or sampling.stop_token_ids:
+            raise JaxspecError("Sampling.stop / stop_token_ids are applied by the server "
+                               "(jaxspec.serving): Engine.generate ends a row at EOS or max_tokens")
+        if sampling.logprobs is not None:
+            raise JaxspecError("Sampling.logprobs is a request field of the server: give the "
+                               "engine Engine(..., logprobs=k) instead")
+        if penalties is None and not penalties_lib.is_off(sampling.penalties):
+            penalties = sampling.penalties
+        max_new_tokens = sampling.max_tokens if max_new_tokens is None else max_new_tokens
+        seed = (sampling.seed or 0) if seed is None else seed
+        sampling = sampling.device_params()
+    sp = sampling if sampling is not None else SamplingParams.make()
+    return sp, 128 if max_new_tokens is None else max_new_tokens, seed or 0, penalties
+
+
+def check_engine_args(model, drafter, drafter_params, num_speculative_tokens, max_context,
+                      logprobs, logprobs_mode) -> None:
+    """Refuse, in one line each and before anything compiles: γ out of range, taps or traits the
+    target lacks, a bad logprobs setting, a context too small or beyond the model's."""
+    if drafter is not None and not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise JaxspecError(
+            f"num_speculative_tokens={num_speculative_tokens} is out of range: "
+            f"use 1..{MAX_SPECULATIVE_TOKENS}"
+        )
+    if drafter is not None:  # taps and traits this target lacks: refused before compiling
+        check_target(drafter, model.target, drafter_params)
+    check_logprobs(logprobs, logprobs_mode)
+    if max_context is not None and max_context < 2 + num_speculative_tokens:
+        raise JaxspecError(
+            f"max_context={max_context} is too small: use at least {2 + num_speculative_tokens}"
+        )
+    limit = model.target.max_position_embeddings
+    if max_context is not None and max_context > limit:
+        raise JaxspecError(
+            f"generation.max_context={max_context} exceeds the model's context of {limit} "
+            f"tokens: use at most {limit}"
+        )
 
 
 def check_logprobs(k, mode: str) -> None:

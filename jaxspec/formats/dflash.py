@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import validate
-from jaxspec.drafters import dflash_net as net
+from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import tensors as T

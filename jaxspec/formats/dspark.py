@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import validate
-from jaxspec.drafters import dflash_net as net
+from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters import dspark_heads as hd
 from jaxspec.drafters.dspark import DSparkDrafter
 from jaxspec.errors import JaxspecError

@@ -128,68 +128,44 @@ def layer_config(lc: dict, where) -> ModelConfig:
     )
 
 
-def read(path, layout: str, raw: dict | None = None) -> Eagle3Head:
-    """Parse and self-check a checkpoint directory in `layout` (eagle3 | speculators). raw: its
-    tensors already read, less those a derived layout took (formats/peagle.py: mask_hidden)."""
-    path = Path(path)
-    where = str(path)
-    config = T.read_config(path)
+def _layout_config(config: dict, layout: str, where: str):
+    """(layer config, aux layer ids, norm_before_residual, extra) as `layout` stores them."""
+    fields = validate.Fields(config, f"{where}/config.json")
     if layout == "speculators":
         lc = config.get("transformer_layer_config")
         if not isinstance(lc, dict):
             raise JaxspecError(f"{where}: speculators config.json lacks transformer_layer_config")
         ids = config.get("eagle_aux_hidden_state_layer_ids")
-        nbr = validate.Fields(config, f"{where}/config.json").bool("norm_before_residual", True)
-        # (vLLM's default when absent)
-        extra = {"speculators_config": config.get("speculators_config")}
-    else:
-        lc = config
-        eagle_cfg = validate.Fields(config, f"{where}/config.json").dict("eagle_config", {})
-        ids = eagle_cfg.get(
-            "eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")
-        )
-        nbr = validate.Fields(config, f"{where}/config.json").bool("norm_before_residual", False)
-        extra = {}
-    top = validate.Fields(config, f"{where}/config.json")
-    if validate.Fields(lc, f"{where}/config.json").int("num_hidden_layers", 1) != 1:
-        raise JaxspecError(
-            f"{where}: num_hidden_layers={lc['num_hidden_layers']}: jaxspec reads one-layer "
-            f"EAGLE-3 heads only"
-        )
-    cfg = layer_config(lc, where)
-    h, v = cfg.hidden_size, cfg.vocab_size
-    nd = top.int("draft_vocab_size", v, lo=1, hi=v)
-    th = top.int("target_hidden_size", h, lo=1, hi=validate.MAX_DIM)
-    nbf = top.bool("norm_before_fc", False)
-    if ids is not None:
-        ok = isinstance(ids, list) and len(ids) == 3 and all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < validate.MAX_LAYERS
-            for i in ids
-        )
-        if not ok:
-            raise JaxspecError(
-                f"{where}: eagle_aux_hidden_state_layer_ids must be 3 layer indices (integers "
-                f">= 0, not true/false or strings), got {short(ids)}"
-            )
-        ids = tuple(ids)
-
-    raw = T.read_tensors(path) if raw is None else raw
-    raw = {
-        k.removeprefix("model."): a
-        for k, a in raw.items()
-        if k not in IGNORED and not k.endswith("rotary_emb.inv_freq")  # buffers old .bin files hold
-    }
-    pre = PREFIX[layout]
-    layer_req = {pre + k for k in LAYER_NAMES}
-    top_req = {"fc.weight", "norm.weight", "lm_head.weight"} | (
-        {"input_norm.weight"} if nbf else set()
+        nbr = fields.bool("norm_before_residual", True)  # (vLLM's default when absent)
+        return lc, ids, nbr, {"speculators_config": config.get("speculators_config")}
+    eagle_cfg = fields.dict("eagle_config", {})
+    ids = eagle_cfg.get(
+        "eagle_aux_hidden_state_layer_ids", config.get("eagle_aux_hidden_state_layer_ids")
     )
-    vocab_req = {"d2t", "t2d"} if nd != v else set()
-    optional = {"fc.bias", "embed_tokens.weight"} | ({"d2t", "t2d"} if nd == v else set())
-    T.check_names(where, raw, layer_req | top_req | vocab_req, optional)
+    return config, ids, fields.bool("norm_before_residual", False), {}
 
+
+def _layer_ids(ids, where: str) -> tuple[int, ...] | None:
+    """The three tapped target layers, checked (None: the default taps)."""
+    if ids is None:
+        return None
+    ok = isinstance(ids, list) and len(ids) == 3 and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < validate.MAX_LAYERS
+        for i in ids
+    )
+    if not ok:
+        raise JaxspecError(
+            f"{where}: eagle_aux_hidden_state_layer_ids must be 3 layer indices (integers "
+            f">= 0, not true/false or strings), got {short(ids)}"
+        )
+    return tuple(ids)
+
+
+def _tensor_shapes(cfg: ModelConfig, pre: str, nd: int, th: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor's expected shape (hidden h, draft vocabulary nd, target hidden th)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
     n, k, hd, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    shapes = {
+    return {
         "fc.weight": (h, 3 * th),
         "fc.bias": (h,),
         "input_norm.weight": (3 * th,),
@@ -209,10 +185,11 @@ def read(path, layout: str, raw: dict | None = None) -> Eagle3Head:
         "d2t": (nd,),
         "t2d": (v,),
     }
-    kinds = {"d2t": "int", "t2d": "bool"}
-    for name, a in raw.items():
-        T.check_tensor(where, name, a, shapes[name], kinds.get(name, "float"))
 
+
+def _params(raw: dict, pre: str, nd: int, v: int, where: str) -> dict:
+    """The checked tensors as jaxspec's params; d2t as absolute target ids (the files store
+    offsets), checked against t2d."""
     params: dict = {"layer": {}}
     for name, a in raw.items():
         if name.startswith(pre):
@@ -231,7 +208,48 @@ def read(path, layout: str, raw: dict | None = None) -> Eagle3Head:
         params["d2t"] = d2t.astype(np.int32)
     else:
         params["d2t"] = np.arange(nd, dtype=np.int32)
-    return Eagle3Head(cfg, nd, th, ids, nbr, nbf, params, extra)
+    return params
+
+
+def read(path, layout: str, raw: dict | None = None) -> Eagle3Head:
+    """Parse and self-check a checkpoint directory in `layout` (eagle3 | speculators). raw: its
+    tensors already read, less those a derived layout took (formats/peagle.py: mask_hidden)."""
+    path = Path(path)
+    where = str(path)
+    config = T.read_config(path)
+    lc, ids, nbr, extra = _layout_config(config, layout, where)
+    top = validate.Fields(config, f"{where}/config.json")
+    if validate.Fields(lc, f"{where}/config.json").int("num_hidden_layers", 1) != 1:
+        raise JaxspecError(
+            f"{where}: num_hidden_layers={lc['num_hidden_layers']}: jaxspec reads one-layer "
+            f"EAGLE-3 heads only"
+        )
+    cfg = layer_config(lc, where)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    nd = top.int("draft_vocab_size", v, lo=1, hi=v)
+    th = top.int("target_hidden_size", h, lo=1, hi=validate.MAX_DIM)
+    nbf = top.bool("norm_before_fc", False)
+    ids = _layer_ids(ids, where)
+
+    raw = T.read_tensors(path) if raw is None else raw
+    raw = {
+        k.removeprefix("model."): a
+        for k, a in raw.items()
+        if k not in IGNORED and not k.endswith("rotary_emb.inv_freq")  # buffers old .bin files hold
+    }
+    pre = PREFIX[layout]
+    layer_req = {pre + k for k in LAYER_NAMES}
+    top_req = {"fc.weight", "norm.weight", "lm_head.weight"} | (
+        {"input_norm.weight"} if nbf else set()
+    )
+    vocab_req = {"d2t", "t2d"} if nd != v else set()
+    optional = {"fc.bias", "embed_tokens.weight"} | ({"d2t", "t2d"} if nd == v else set())
+    T.check_names(where, raw, layer_req | top_req | vocab_req, optional)
+    shapes = _tensor_shapes(cfg, pre, nd, th)
+    kinds = {"d2t": "int", "t2d": "bool"}
+    for name, a in raw.items():
+        T.check_tensor(where, name, a, shapes[name], kinds.get(name, "float"))
+    return Eagle3Head(cfg, nd, th, ids, nbr, nbf, _params(raw, pre, nd, v, where), extra)
 
 
 LAYER_ID_CONVENTIONS = ("input", "output")

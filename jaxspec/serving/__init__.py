@@ -6,14 +6,25 @@ Python API and an OpenAI-compatible HTTP server (`python -m jaxspec.serve`).
     for piece in server.submit("Tell me a story", Sampling(max_tokens=64)):
         print(piece, end="")
 
-Layers, one way: `requests` (what a request asks and what it gets back) -> `text` (incremental
-detokenisation, stop strings) -> `pages` (the page pool) -> `rows` (one row's state spliced into
-the batch) -> `scheduler` (admission, device calls, release, preemption) -> `api` (a thread
-running the scheduler; streams) -> `fields` (a request body read), `gate` (key, limits,
+`Sampling` is the one sampling type (`jaxspec.Sampling`, the same class). Every name is imported
+on first use (PEP 562). Layers, one way: `requests` (what a request gets back) -> `text`
+(incremental detokenisation, stop strings) -> `pages` (the page pool) -> `rows` (one row's state
+spliced into the batch) -> `scheduler` (admission, device calls, release, preemption) -> `api` (a
+thread running the scheduler; streams) -> `fields` (a request body read), `gate` (key, limits,
 readiness, drain), `metrics` (Prometheus) -> `http` (FastAPI app).
 """
 
-from jaxspec.serving.api import Server, Stream
-from jaxspec.serving.requests import Completion, QueueFull, Sampling
+from jaxspec.exports import lazy
 
-__all__ = ["Completion", "QueueFull", "Sampling", "Server", "Stream"]
+EXPORTS = {
+    "Server": "jaxspec.serving.api",
+    "Stream": "jaxspec.serving.api",
+    "Sampling": "jaxspec.decode.sampling_settings",
+    "Completion": "jaxspec.serving.requests",
+    "QueueFull": "jaxspec.serving.requests",
+    "ServingConfig": "jaxspec.config.sections",
+    "register_policy": "jaxspec.serving.policy",
+}
+
+__all__ = sorted(EXPORTS)
+__getattr__, __dir__ = lazy(__name__, EXPORTS)

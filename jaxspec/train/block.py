@@ -1,4 +1,4 @@
-"""Training the block drafter (drafters/block.py) on the distillation records (train/data.py).
+"""Training the block drafter (drafters/parallel_block.py) on the distillation records (train/data.py).
 
 For a record of T tokens, every drafter layer reads the context entries c_0..c_{T-1} once (their
 k/v projections); A anchors a per row are drafted at once, each a block of G slots at positions
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.drafters import block as block_lib
-from jaxspec.drafters import eagle as eagle_lib
+from jaxspec.drafters import parallel_block as block_lib
+from jaxspec.drafters import eagle_head as eagle_lib
 from jaxspec.train import checkpoint as ckpt
 from jaxspec.train import methods
 

@@ -1,11 +1,11 @@
-"""Training a DFlash head (drafters/dflash_net.py) on the distillation records (train/data.py),
+"""Training a DFlash head (drafters/dflash_forward.py) on the distillation records (train/data.py),
 DFlash's recipe: random anchors, a block of mask entries per anchor, per-position loss weights.
 
 For a record of T tokens the context entries c_0..c_{T-1} (the target's recorded features at
 target_layer_ids, fused) are projected once per draft layer. A anchors a per row are drafted at
 once, each a block of `block_size` entries at positions a..a+G-1: the true token x_a, then mask
 entries, attending the context entries < a and the whole block -- exactly what a proposal at
-committed length L = a + 1 computes (dflash_net.block_hidden is shared). Entry i >= 1 learns the
+committed length L = a + 1 computes (dflash_forward.block_hidden is shared). Entry i >= 1 learns the
 target's distribution of x_{a+i} (recorded at position a+i-1): the soft cross-entropy of
 `methods.soft_ce`, weighted by exp(-(i-1) / decay) (early entries decide most of the accepted
 length; DFlash's weighting).
@@ -25,7 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxspec.drafters import dflash_net as net
+from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters.dflash import DFlashDrafter
 from jaxspec.train import methods
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxspec.models.cache import init_cache
 from jaxspec.train.registry import METHODS, from_arch  # noqa: F401 -- the trained heads, by name
-from jaxspec.drafters import eagle as eagle_lib
+from jaxspec.drafters import eagle_head as eagle_lib
 from jaxspec.drafters import eagle3 as eagle3_lib
 from jaxspec.drafters import feature_chain
 from jaxspec.drafters import medusa as medusa_lib

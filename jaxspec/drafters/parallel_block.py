@@ -18,15 +18,15 @@ block of *mask entries* appended when it drafts:
 
 So one forward of the block layers over γ positions gives γ next-token distributions q_1..q_γ,
 instead of γ sequential drafter steps. Layer 0 over slot 0 is exactly EAGLE's first step
-(drafters/eagle.py), so an EAGLE head can seed it (train/block.py).
+(drafters/eagle_head.py), so an EAGLE head can seed it (train/block.py).
 
 Params `dparams` (torch `[out, in]` layout):
-  fuse [D, 3D], in_proj [D, 2D]     as drafters/eagle.py
+  fuse [D, 3D], in_proj [D, 2D]     as drafters/eagle_head.py
   block {"l0": layer, "l1": ...}    Llama decoder layers (attn_norm, wq, wk, wv, wo, mlp_norm,
                                     w_gate, w_up, w_down; each layer's MLP width is its own)
   mask_in [γmax-1, D]               the mask entries of block slots 1..γmax-1
   norm [D], head [N, D], d2t [N]    final norm, the target's frozen LM-head rows of the N-token
-                                    draft vocabulary and their target ids (as drafters/eagle.py)
+                                    draft vocabulary and their target ids (as drafters/eagle_head.py)
 
 Why sampling stays lossless (jaxspec.decode.acceptance needs each proposed token distributed exactly as
 the q reported for it, given everything the verification walk has seen before it):
@@ -61,7 +61,7 @@ from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal
 from jaxspec.drafters.draft_vocab import scatter_to_target
-from jaxspec.drafters.eagle import fuse, head_logits, rms
+from jaxspec.drafters.eagle_head import fuse, head_logits, rms
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.models import decoder, llama

@@ -1,4 +1,5 @@
-"""EAGLE-3 style feature-level drafter: one decoder layer over the target's own features.
+"""jaxspec's own EAGLE-style head (method `eagle`): one decoder layer over the target's own
+features, fused from three taps as EAGLE-3 does (the published EAGLE-3 layout: drafters/eagle3.py).
 
 Network (params `dparams`, torch `[out, in]` layout like `jaxspec.models.llama`):
   fuse     [D, 3D]   low/mid/high target features (each RMS-normalised) -> one feature f
@@ -195,7 +196,7 @@ class EagleDrafter(tree.DynamicTreeDrafter):
 
     def advance(self, dparams, tparams, state: EagleState, ctx: DraftContext) -> EagleState:
         """The state `propose` would leave for the committed text, drafting nothing (a step whose
-        drafts come from elsewhere, see drafters/lookup.py)."""
+        drafts come from elsewhere, see drafters/prompt_lookup_first.py)."""
         _, k, v = self._enter_last(dparams, tparams, state, ctx)
         return state._replace(k=k, v=v)
 
@@ -422,4 +423,5 @@ def build(options: EagleOptions, ctx: BuildContext):
 register_drafter(
     "eagle", build, train="jaxspec.train.methods:Eagle", formats=("jaxspec", "eagle3", "speculators"),
     options=EagleOptions, tree_kinds=("dynamic",), summary=(
-    "EAGLE-3 style head over low/mid/high target features, 8192-token draft vocabulary"))
+    "jaxspec's own EAGLE-style head over low/mid/high target features, 8192-token draft "
+    "vocabulary"))

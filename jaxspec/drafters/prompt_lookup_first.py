@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.drafters.base import CommitContext, DraftContext, Proposal, traits
-from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.errors import JaxspecError
 
 
