@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxspec import kernels
 from jaxspec.decode import sampling, tree
-from jaxspec.drafters import dflash_net as net
+from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters import dspark_heads as hd
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import DraftContext, Proposal
