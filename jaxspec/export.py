@@ -1,4 +1,4 @@
-"""python -m jaxspec.export --checkpoint DIR --format eagle3|speculators|medusa|medusa_fd|dflash --out DIR
+"""python -m jaxspec.export --checkpoint DIR --format eagle3|speculators|medusa|medusa_fd|dflash|dspark --out DIR
 
 Write a drafter checkpoint in a published layout (safetensors + config.json) that vLLM, SGLang
 or `speculators` read, from:
@@ -30,9 +30,9 @@ from jaxspec.cli_support import ArgumentParser
 from jaxspec.errors import JaxspecError
 from jaxspec.output_dir import check_output_dir, replace_dir
 
-OUT_FORMATS = ("eagle3", "speculators", "medusa", "medusa_fd", "dflash")
+OUT_FORMATS = ("eagle3", "speculators", "medusa", "medusa_fd", "dflash", "dspark")
 FAMILY = {"eagle3": "eagle3", "speculators": "eagle3", "medusa": "medusa", "medusa_fd": "medusa",
-          "dflash": "dflash"}
+          "dflash": "dflash", "dspark": "dspark"}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -92,8 +92,8 @@ def export(
         raise JaxspecError(
             f"{checkpoint} is an MTP module stored with its target: it is served from there, not exported"
         )
-    if fmt == "dflash":
-        return _dflash(checkpoint, src, out, model, target, force)
+    if fmt in ("dflash", "dspark"):
+        return _block_head(checkpoint, fmt, src, out, model, target, force)
     if src == "jaxspec":
         head, method = _from_jaxspec(checkpoint, fmt, model, include_embed, target)
     else:
@@ -128,32 +128,36 @@ def _checkpoint_method(checkpoint) -> str:
         ) from None
 
 
-def _dflash(checkpoint, src, out, model, target, force) -> dict:
-    """A jaxspec checkpoint of method dflash -> the authors' layout (its config names the
-    target's layer count, so the target is loaded)."""
-    from jaxspec.formats import dflash as dflash_format
+def _block_head(checkpoint, fmt, src, out, model, target, force) -> dict:
+    """A jaxspec checkpoint of method dflash or dspark -> the authors' layout (DFlash's) or the
+    speculators layout (DSpark's); DFlash's config names the target's layer count, so the target
+    is loaded for both."""
+    from jaxspec.formats import dflash as dflash_format, dspark as dspark_format
     from jaxspec.train.load import load_trained_drafter
 
     if src != "jaxspec":
         raise JaxspecError(
             f"{checkpoint} is a {src} checkpoint: only a jaxspec checkpoint trained with method "
-            f"dflash can be written as dflash"
-            + (" (it is already in that layout)" if src == "dflash" else "")
+            f"{fmt} can be written as {fmt}"
+            + (" (it is already in that layout)" if src == fmt else "")
         )
     method = _checkpoint_method(checkpoint)
-    if method != "dflash":
+    if method != fmt:
         raise JaxspecError(
-            f"{checkpoint} holds a jaxspec '{method}' drafter, which cannot be written as dflash: "
-            f"train method dflash"
+            f"{checkpoint} holds a jaxspec '{method}' drafter, which cannot be written as {fmt}: "
+            f"train method {fmt}"
         )
     if target is None:
         from jaxspec.loading import load_model
 
         target = load_model(model or "smollm2-135m", layout="unrolled")
-    drafter, dparams = load_trained_drafter("dflash", checkpoint, target)
+    drafter, dparams = load_trained_drafter(fmt, checkpoint, target)
     with replace_dir(out, force=force, what="--out", marker=True) as tmp:  # atomic
-        dflash_format.write(tmp, drafter, dparams, target.target.num_layers)
-    return {"checkpoint": str(checkpoint), "from": src, "method": method, "format": "dflash",
+        if fmt == "dflash":
+            dflash_format.write(tmp, drafter, dparams, target.target.num_layers)
+        else:
+            dspark_format.write(tmp, drafter, dparams)
+    return {"checkpoint": str(checkpoint), "from": src, "method": method, "format": fmt,
             "out": str(out)}
 
 

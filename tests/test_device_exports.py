@@ -60,6 +60,7 @@ def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input")
     for SmolLM2): the config's method, tree, lookup and adaptive settings stay as shipped."""
     from jaxspec.train import block as block_train
     from jaxspec.train import dflash as dflash_train
+    from jaxspec.train import dspark as dspark_train
     from jaxspec.train import methods
 
     if method == "draft_model":  # the target itself as the draft model
@@ -69,6 +70,8 @@ def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input")
          "block": block_train.Block(hidden_layers=(1, 2, 2), input_scale=1.0, block_size=6,
                                     extra_mlp=16),
          "dflash": dflash_train.DFlash(hidden_layers=(1, 2), block_size=8, intermediate_size=32),
+         "dspark": dspark_train.DSpark(hidden_layers=(1, 2), block_size=8, intermediate_size=32,
+                                       markov_rank=4),
          "eagle3": methods.Eagle3(hidden_layers=(1, 2, 2)),
          }[method]
     params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))

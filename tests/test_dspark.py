@@ -430,3 +430,85 @@ def test_config_builds_the_head_with_its_schedule_and_trees(targets, tmp_path):
         with pytest.raises(JaxspecError, match=message) as err:
             build_drafter(spec_of(*overrides), m)
         assert "\n" not in str(err.value)
+
+
+# ---- the training recipe (jaxspec.train.dspark) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_dspark(greedy_target, tmp_path_factory):
+    """A DSpark head trained a few steps on the tiny target's own generations, exported."""
+    from jaxspec.train.data import DataConfig, generate_records
+    from jaxspec.train.train import TrainConfig, train
+
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(1, 63, size=int(n)))) for n in rng.integers(4, 10, 12)]
+    records = generate_records(greedy_target, prompts,
+                               DataConfig(layers=(1, 2), top_k=4, gen_steps=16), np.asarray([-1]))
+    out_dir = tmp_path_factory.mktemp("dspark") / "trained"
+    args = {"hidden_layers": (1, 2), "block_size": 4, "num_layers": 1, "intermediate_size": 64,
+            "anchors": 6, "markov_rank": 8, "markov_type": "gated"}
+    tc = TrainConfig(method="dspark", ckpt_dir=str(out_dir.parent / "ckpt"),
+                     export_dir=str(out_dir), steps=24, batch_size=4, seq_len=24, lr=1e-2,
+                     warmup=2, save_every=0, draft_vocab=greedy_target.cfg.vocab_size,
+                     method_args=args)
+    result = train(tc, target=greedy_target, data=records, eval_prompts=[],
+                   log=lambda *a: None, progress=False)
+    return result, records, out_dir
+
+
+def test_training_walk_is_the_runtime_walk(greedy_target, trained_dspark):
+    """The recipe's loss falls, and what it trains is what drafting runs: for each training
+    anchor a, the biased logits and confidences of block entries 1..G-1 (the sequential head fed
+    the true previous tokens) equal the exported drafter's teacher-forced walk at committed
+    length a + 1 over the same drafts (a shifted previous token or slot would differ)."""
+    from jaxspec.formats import load_drafter_checkpoint
+
+    result, records, out_dir = trained_dspark
+    losses = [h["loss"] for h in result.history]
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+    drafter, dparams = load_drafter_checkpoint("dspark", out_dir, greedy_target)
+    assert drafter.heads.markov_type == "gated" and drafter.max_drafts == 3
+    m, t = result.method, greedy_target.target
+    row = records["tokens"][0, : int(records["lengths"][0])]
+    tok = jnp.asarray(row[None], jnp.int32)
+    taps = t.forward(greedy_target.params, tok, t.init_cache(greedy_target.params, 1, 64),
+                     taps=drafter.hidden_layers).taps
+    vocab = t.vocab_size
+    batch = {"tokens": tok, "lengths": jnp.asarray([tok.shape[1]]),
+             "hidden": jnp.stack([jnp.asarray(x, jnp.float32) for x in taps]),
+             "topk_ids": jnp.zeros((*tok.shape, 4), jnp.int32),
+             "topk_probs": jnp.full((*tok.shape, 4), 0.25)}
+    frozen = {"embed": t.embedding_table(greedy_target.params).astype(jnp.float32),
+              "head": t.head_table(greedy_target.params).astype(jnp.float32),
+              "t2d": jnp.arange(vocab), "d2t": jnp.arange(vocab)}
+    blocks = m.block_forward(dparams, frozen, batch, t)
+    z_train, conf_train = m.sequential(dparams, blocks)
+    g = m.block_size
+    for j, a in enumerate(np.asarray(m.anchor_positions(tok))):
+        if a + g > tok.shape[1]:
+            continue
+        padded, plens = tok[:, :a], jnp.asarray([a], jnp.int32)
+        drafts = tok[:, a + 1: a + g]
+        z, conf = _teacher_forced(drafter, dparams, t, greedy_target.params, padded, plens,
+                                  tok[:, : a + 1], drafts)
+        np.testing.assert_allclose(np.asarray(z[0, 1:]), np.asarray(z_train[0, j]),
+                                   rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_train[0, j]),
+                                   rtol=2e-4, atol=2e-4)
+
+
+def test_trained_head_exports_in_the_speculators_layout(greedy_target, trained_dspark, tmp_path):
+    """`python -m jaxspec.export --format dspark` writes the trained head in the speculators
+    layout; read back, it is the same drafter with the same params."""
+    from jaxspec.export import export
+    from jaxspec.formats import load_drafter_checkpoint
+
+    _, _, out_dir = trained_dspark
+    export(out_dir, "dspark", tmp_path / "head", target=greedy_target)
+    mine, ours = load_drafter_checkpoint("dspark", out_dir, greedy_target)
+    theirs, back = load_drafter_checkpoint("dspark", tmp_path / "head", greedy_target)
+    assert theirs.heads == mine.heads and theirs.spec.target_layer_ids == mine.spec.target_layer_ids
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(back)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   rtol=1e-6)

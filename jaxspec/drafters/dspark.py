@@ -34,13 +34,16 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxspec import kernels
 from jaxspec.decode import sampling, tree
+from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters import dspark_heads as hd
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import DraftContext, Proposal
 from jaxspec.drafters.dflash import BlockDraft, DFlashDrafter, DFlashOptions, DFlashState
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
+from jaxspec.models import base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +176,8 @@ class DSparkOptions(DFlashOptions):
 
 def build(options: DSparkOptions, ctx: BuildContext):
     drafter, dparams = trained.load("dspark", options, ctx)
+    if kernels.available() and base.uses_cpu_kernels(ctx.target.target, ctx.target.params):
+        dparams = net.pack_for_cpu(dparams)  # the backbone as DFlash packs it; the heads as read
     if options.cost_per_draft > 0:
         if ctx.spec.tree.kind != "chain":
             raise JaxspecError("speculative.dspark.cost_per_draft schedules chains: set "
@@ -189,7 +194,8 @@ def build(options: DSparkOptions, ctx: BuildContext):
 
 
 register_drafter(
-    "dspark", build, formats=("dspark",), options=DSparkOptions,
+    "dspark", build, train="jaxspec.train.dspark:DSpark", formats=("jaxspec", "dspark"),
+    options=DSparkOptions,
     tree_kinds=("static", "dynamic"), summary=(
     "DSpark (speculators 0.9.0): DFlash's parallel block plus a sequential Markov / gated / RNN "
     "logit bias along the drafted block and a per-position confidence head"))

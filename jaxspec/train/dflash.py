@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,9 @@ class DFlash:
         decay = self.decay or (self.block_size - 1)
         return jnp.asarray([math.exp(-i / decay) for i in range(self.block_size - 1)])
 
-    def loss(self, params, frozen, batch, target_cfg):
+    def block_forward(self, params, frozen, batch, target_cfg) -> "Blocks":
+        """The drafted blocks of a batch: A anchors per row, each block [x_a, mask x (G-1)]
+        through the backbone exactly as a proposal at committed length a + 1 computes it."""
         spec = self.spec(target_cfg)
         tok = batch["tokens"]
         b, t = tok.shape
@@ -120,16 +123,35 @@ class DFlash:
         logits = net.logits(spec, frozen["head"], h[:, 1:]).reshape(b, a, g - 1, -1)
         label_at = blk_pos[:, 1:] - 1  # entry i predicts x_{a+i}: recorded at a + i - 1
         clipped = jnp.minimum(label_at, t - 1)
-        ids = batch["topk_ids"][:, clipped]  # [B, A, G-1, K]
-        probs = batch["topk_probs"][:, clipped]
         valid = (label_at[None] < batch["lengths"][:, None, None]) & (label_at[None] < t)
+        return Blocks(h.reshape(b, a, g, -1), logits, batch["topk_ids"][:, clipped],
+                      batch["topk_probs"][:, clipped], valid, tok[:, clipped])
+
+    def loss(self, params, frozen, batch, target_cfg):
+        blocks = self.block_forward(params, frozen, batch, target_cfg)
+        return self.block_loss(blocks.logits, blocks, frozen)
+
+    def block_loss(self, logits, blocks: "Blocks", frozen):
+        """The weighted soft cross-entropy of entries 1..G-1 (logits f32[B, A, G-1, V])."""
         losses, tops = [], []
-        for i in range(g - 1):
+        for i in range(self.block_size - 1):
             loss, top1 = methods.soft_ce(
-                logits[:, :, i], ids[:, :, i], probs[:, :, i], frozen["t2d"], valid[:, :, i]
+                logits[:, :, i], blocks.ids[:, :, i], blocks.probs[:, :, i], frozen["t2d"],
+                blocks.valid[:, :, i]
             )
             losses.append(loss)
             tops.append(top1)
         w = self.weights()
         metrics = {"top1": tops[0]} | {f"top1_s{i}": v for i, v in enumerate(tops)}
         return jnp.sum(jnp.stack(losses) * w) / jnp.sum(w), metrics
+
+
+class Blocks(NamedTuple):
+    """A batch's drafted blocks (A anchors a per row, G entries each)."""
+
+    h: jax.Array  # [B, A, G, D] the backbone's final-normed hidden of every entry
+    logits: jax.Array  # f32[B, A, G-1, V] entry i >= 1's logits (the target's LM-head rows)
+    ids: jax.Array  # int32[B, A, G-1, K] the target's top-K ids for x_{a+i}
+    probs: jax.Array  # [B, A, G-1, K] and their probabilities
+    valid: jax.Array  # bool[B, A, G-1] entry i has a recorded label
+    label_tokens: jax.Array  # int32[B, A, G-1] x_{a+i-1}: the true token before x_{a+i}

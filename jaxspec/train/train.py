@@ -362,12 +362,20 @@ def _export(tc: TrainConfig, setup: _Setup, state, history, evals, train_s: floa
     }
     arch = setup.method.arch(setup.target.cfg) | {"draft_vocab": int(len(setup.d2t))}
     cast = lambda x: x.astype(tc.export_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
-    export = {**jax.tree.map(cast, state["params"]), "d2t": jnp.asarray(setup.d2t)}
+    learned = exported_params(setup.method, state["params"], setup.frozen)
+    export = {**jax.tree.map(cast, learned), "d2t": jnp.asarray(setup.d2t)}
     target = setup.target
     ckpt.save_drafter(
         tc.export_dir, tc.method, export, arch, ckpt.fingerprint(target.cfg, target.params),
         training, force=tc.force,
     )
+
+
+def exported_params(method, params, frozen):
+    """The params an export holds: the trained ones, plus what a head kept frozen but ships with
+    it (a DSpark head's frozen backbone: its `exported`)."""
+    export = getattr(method, "exported", None)
+    return params if export is None else export(params, frozen)
 
 
 def warm_start(params, tc: TrainConfig, target):
