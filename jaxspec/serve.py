@@ -50,7 +50,8 @@ def make_parser() -> ArgumentParser:
 
 
 def serving_engine(config):
-    """(engine, Scheduler options) for a Config: the engine built with serving.max_context."""
+    """(engine, Scheduler/Server options: the `serving` section whole and the seed) for a Config:
+    the engine built with serving.max_context."""
     import dataclasses
 
     from jaxspec.build import build_engine
@@ -59,12 +60,7 @@ def serving_engine(config):
     # the batch a mesh's data axis must divide is the server's slots
     config = dataclasses.replace(config, generation=dataclasses.replace(
         config.generation, max_context=s.max_context, batch_size=s.slots))
-    options = dict(slots=s.slots, max_context=s.max_context, steps_per_call=s.steps_per_call,
-                   max_queue=s.max_queue, kv_pages=s.kv_pages or None, page_size=s.page_size,
-                   seed=config.sampling.seed, prefill_chunk=s.prefill_chunk or None,
-                   prefix_cache=s.prefix_cache, batch_prefill=s.batch_prefill,
-                   max_batched_tokens=s.max_batched_tokens or None, structured=s.structured,
-                   policy=s.policy)
+    options = {"config": s, "seed": config.sampling.seed}  # the section passed down whole
     return build_engine(config), options
 
 
