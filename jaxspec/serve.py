@@ -192,27 +192,65 @@ def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None,
         raise failure[0]
 
 
-def prepare_programs(scheduler) -> None:
-    """The warm-up after `listening`: every decode program the scheduler can call, loaded from
-    the persistent cache or compiled, saying which (the cache's own answers) and how far along."""
+def admitted_lengths(scheduler, limits) -> range:
+    """Every prompt length the server admits: a prompt leaves room for one token and a last
+    verify window in serving.max_context, and is within serving.max_prompt_tokens."""
+    most = scheduler.capacity - scheduler.spec.depth - 2
+    if limits.max_prompt_tokens:
+        most = min(most, limits.max_prompt_tokens)
+    return range(1, max(most, 0) + 1)
+
+
+def server_programs(scheduler, limits) -> list[dict]:
+    """Every program the server calls: each decode call shape and the prefill of every
+    prompt bucket it admits (whole prompts, tails over shared pages, chunks)."""
+    return [*scheduler.decode_programs(),
+            *scheduler.prefill_programs(admitted_lengths(scheduler, limits))]
+
+
+def prepare_programs(scheduler, config, limits) -> None:
+    """The warm-up after `listening`: every program the server calls (`server_programs`),
+    loaded whole from the serving-program store (no tracing: `serving.executables`) or
+    compiled and stored, saying which, how many are left and how long that should take; the
+    engine then calls them through the store. Ends with the resident memory report."""
     import time
 
     from jaxspec import progress
-    from jaxspec.engine import cache_watch
+    from jaxspec.paths import cache_root
+    from jaxspec.serving import executables, memory
+    from jaxspec.xla_cache import directory as xla_directory
 
-    t0 = time.perf_counter()
-    with progress.step("tracing the server's decode call shapes"):
-        programs = scheduler.decode_programs()
+    t0, before = time.perf_counter(), memory.resident_bytes()
+    with progress.step("listing the server's programs (decode call shapes, prompt buckets)"):
+        programs = server_programs(scheduler, limits)
+    store = None if xla_directory() is None else cache_root() / "serving-programs"
+    table = executables.Table(store, executables.fingerprint(config))
     n = len(programs)
-    say(f"/health answers; requests get 503 until 'ready': {n} decode programs to load from the "
-        "cache or compile first (serving.precompile=false skips)")
-    started = progress.start(f"server decode programs ({n})")
-    with cache_watch.watch(cache_watch.announcer(started, expected=n)) as answers:
-        for program in programs:
-            fn, args, kwargs = program["program"]
-            fn.lower(*args, **kwargs).compile()
-    started(answers.summary())
-    say(f"{answers.summary()} in {time.perf_counter() - t0:.1f} s")
+    say(f"/health answers; requests get 503 until 'ready': {n} programs to load or compile "
+        "first (serving.precompile=false skips)")
+    started = progress.start(f"server programs ({n})")
+    counts = {"loaded": 0, "compiled": 0}
+    compile_s = 0.0
+    for i, program in enumerate(programs):
+        t = time.perf_counter()
+        how = table.prepare(program["program"])
+        counts[how] += 1
+        compile_s += time.perf_counter() - t if how == "compiled" else 0.0
+        started.update(_left(program, i + 1, n, how, compile_s / max(counts["compiled"], 1)))
+    scheduler.engine.serving_programs = table
+    started(f"{counts['loaded']} loaded, {counts['compiled']} compiled")
+    say(f"{counts['loaded']} programs loaded and {counts['compiled']} compiled in "
+        f"{time.perf_counter() - t0:.1f} s")
+    memory.release_free_heap()
+    say(memory.report(scheduler, before))
+
+
+def _left(program: dict, k: int, n: int, how: str, per_compile_s: float) -> str:
+    """The warm-up's progress line: which program, and an upper estimate of the time left."""
+    shape = ", ".join(f"{key} {program[key]}" for key in ("rows", "table_pages", "prompt_bucket")
+                      if program.get(key) is not None)
+    left = f"; at most ~{per_compile_s * (n - k):.0f} s left" if how == "compiled" else ""
+    return f"program {k} of {n} ({program['name']}, {shape}) {how}{left}"
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -254,7 +292,7 @@ def run(argv: list[str] | None = None) -> int:
         server, app = build_server(config, args.model_name, gate)
     warm_up = None
     if config.serving.precompile:  # else a call of a new width compiles while requests wait
-        warm_up = lambda: prepare_programs(server.scheduler)
+        warm_up = lambda: prepare_programs(server.scheduler, config, Limits.of(config.serving))
     else:
         say("serving.precompile=false: each decode width compiles (or loads from the cache) on "
             "its first request")
