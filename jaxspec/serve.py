@@ -8,8 +8,8 @@ With `distributed.*` naming several processes (`jaxspec.distributed`), run the s
 each: the mesh spans every process's devices, process 0 listens and schedules, the others follow
 its rounds (`serving.lockstep`) and exit when it stops.
 
-It listens at once (`/health` answers; `/ready` and requests get 503 while the decode programs
-compile), prints `jaxspec.serve: listening on http://H:P` and then `... ready`. SIGTERM or
+It listens at once (`/health` answers; `/ready` and requests get 503 while its programs load or
+compile: `prepare_programs`), prints `jaxspec.serve: listening on http://H:P` and then `... ready`. SIGTERM or
 SIGINT: new requests get 503, running ones get serving.drain_s to finish and are then ended with
 finish_reason "abort", every page is freed, and the process exits 0 (a second SIGINT forces).
 If the serving loop itself dies (a request's failure is confined to it; this is the rest),
@@ -285,7 +285,7 @@ def run(argv: list[str] | None = None) -> int:
         say(f"warning: listening on {args.host} without an API key: anyone who reaches the port "
             "can generate (set --api-key or JAXSPEC_API_KEY)")
     enable_compilation_cache()
-    then = "the decode programs, then 'ready'" if config.serving.precompile else "'ready'"
+    then = "its programs, then 'ready'" if config.serving.precompile else "'ready'"
     say(f"loading {config.model.name} and building the engine; then listening, then {then}")
     gate = Gate(api_key=key, limits=Limits.of(config.serving), ready=False)
     with progress.step(f"building the engine and the scheduler ({config.serving.slots} slots)"):
