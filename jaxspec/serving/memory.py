@@ -24,6 +24,9 @@ def resident_bytes() -> int | None:
 def release_free_heap() -> bool:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim): compiling and
     loading programs leaves hundreds of MB freed but still resident. False where not glibc."""
+    import gc
+
+    gc.collect()
     try:
         import ctypes
 
