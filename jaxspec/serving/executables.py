@@ -24,6 +24,8 @@ from pathlib import Path
 
 import jax
 
+from jaxspec.options import as_dict
+
 STATIC_KWARGS = ("capacity",)  # the serving programs' static keyword arguments
 VERSION = 1  # of the file format
 
@@ -57,8 +59,6 @@ def source_hash() -> str:
 
 def fingerprint(config) -> str:
     """What shapes a server's programs besides their arguments' shapes."""
-    from jaxspec.options import as_dict
-
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith(("XLA_", "JAXSPEC_TEST_FAST", "JAX_ENABLE", "JAX_DEFAULT"))}
     parts = {"version": VERSION, "config": as_dict(config), "source": source_hash(),
