@@ -145,8 +145,8 @@ def soak(url, seconds: float) -> int:
 
 def test_soak_keeps_memory_and_pages_flat_then_sigterm_mid_stream_exits_0(checkpoint, cache):
     """Cold start (every program compiled into the store), a warm-up round, then two soak
-    halves: resident memory grows < 64 MB between them and every KV page is free after each;
-    then SIGTERM mid-stream: the stream ends with a finish reason and [DONE], exit 0."""
+    halves: resident memory grows < 64 MB between them, every KV page is free after each, and
+    every device call ran a program prepared before /ready (none compiled later); then SIGTERM mid-stream: the stream ends with a finish reason and [DONE], exit 0."""
     served = Served(checkpoint, cache)
     try:
         assert any(" compiled in " in ln for ln in served.lines), served.log()
@@ -158,6 +158,8 @@ def test_soak_keeps_memory_and_pages_flat_then_sigterm_mid_stream_exits_0(checkp
         assert served.health()["free_pages"] == pages
         assert first > 0 and second > 0
         assert rss_b - rss_a < 64 << 20, (rss_a, rss_b)
+        h = served.health()  # every call ran a program prepared before /ready
+        assert h["program_calls_prepared"] > 0 and h["program_calls_unprepared"] == 0, h
         events = stream_then(served.url, lambda: served.proc.send_signal(signal.SIGTERM))
         assert events[-1] == "[DONE]", events[-3:]
         assert events[-2]["choices"][0]["finish_reason"] in ("abort", "length", "stop")

@@ -228,7 +228,15 @@ class Server:
                 "slots": s.slots, "free_pages": s.pool.free_pages, "kv_pages": s.pool.num_pages,
                 "cached_pages": s.pool.cached_pages, "prefix_cache": s.prefix_cache,
                 "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions,
-                "in_flight": len(self._unfinished), "failed": s.stats.failed}
+                "in_flight": len(self._unfinished), "failed": s.stats.failed} | self._programs()
+
+    def _programs(self) -> dict:
+        """Calls run through the server's prepared executables, and through the jit (a shape
+        not prepared before /ready: 0 on a server that compiled ahead)."""
+        table = getattr(self.engine, "serving_programs", None)
+        if table is None:
+            return {}
+        return {"program_calls_prepared": table.hits, "program_calls_unprepared": table.misses}
 
     def _loop(self) -> None:
         s = self.scheduler
