@@ -203,9 +203,26 @@ def admitted_lengths(scheduler, limits) -> range:
 
 def server_programs(scheduler, limits) -> list[dict]:
     """Every program the server calls: each decode call shape and the prefill of every
-    prompt bucket it admits (whole prompts, tails over shared pages, chunks)."""
-    return [*scheduler.decode_programs(),
-            *scheduler.prefill_programs(admitted_lengths(scheduler, limits))]
+    prompt bucket it admits (whole prompts, tails over shared pages, chunks), each for an
+    all-greedy batch and for a batch with a sampled row (`SamplingParams.mode` is static:
+    "greedy" carries no sampling code, "any" decides per row)."""
+    programs = [*scheduler.decode_programs(),
+                *scheduler.prefill_programs(admitted_lengths(scheduler, limits))]
+    return [*programs, *filter(None, map(_sampled_twin, programs))]
+
+
+def _sampled_twin(program: dict) -> dict | None:
+    """`program` with its sampling values' mode "any" (None: it takes none)."""
+    import dataclasses
+
+    from jaxspec.decode.sampling import SamplingParams  # imported here: jax (the --help rule)
+
+    fn, args, kwargs = program["program"]
+    at = next((i for i, a in enumerate(args) if isinstance(a, SamplingParams)), None)
+    if at is None:
+        return None
+    args = (*args[:at], dataclasses.replace(args[at], mode="any"), *args[at + 1 :])
+    return program | {"program": (fn, args, kwargs), "sampling": "any"}
 
 
 def prepare_programs(scheduler, config, limits) -> None:
@@ -247,8 +264,8 @@ def prepare_programs(scheduler, config, limits) -> None:
 
 def _left(program: dict, k: int, n: int, how: str, per_compile_s: float) -> str:
     """The warm-up's progress line: which program, and an upper estimate of the time left."""
-    shape = ", ".join(f"{key} {program[key]}" for key in ("rows", "table_pages", "prompt_bucket")
-                      if program.get(key) is not None)
+    shape = ", ".join(f"{key} {program[key]}" for key in ("rows", "table_pages", "prompt_bucket",
+                                                           "sampling") if program.get(key))
     left = f"; at most ~{per_compile_s * (n - k):.0f} s left" if how == "compiled" else ""
     return f"program {k} of {n} ({program['name']}, {shape}) {how}{left}"
 
