@@ -21,7 +21,9 @@ import pytest
 pytest.importorskip("uvicorn")
 
 SOAK_S = float(os.environ.get("JAXSPEC_SOAK_S", "20"))  # BENCHMARKS.md ran it for longer
-ARGS = ("serving.slots=2", "serving.max_context=128", "serving.drain_s=0", "--port", "0")
+# few programs to compile cold (2 x (2 decode + 4 prompt buckets)): no prefix-cache tails
+ARGS = ("serving.slots=2", "serving.max_context=64", "serving.prefix_cache=false",
+        "serving.drain_s=0", "--port", "0")
 PROMPT = "The quick brown fox"
 
 
@@ -91,7 +93,7 @@ def complete(url, **body) -> dict:
     return r.json()
 
 
-def stream_then(url, action, max_tokens: int = 100) -> list[dict]:
+def stream_then(url, action, max_tokens: int = 36) -> list[dict]:
     """A streamed request; `action()` runs once its first text chunk arrives. -> its events
     (the JSON ones; "[DONE]" as the string)."""
     events, acted = [], False
