@@ -8,8 +8,8 @@ With `distributed.*` naming several processes (`jaxspec.distributed`), run the s
 each: the mesh spans every process's devices, process 0 listens and schedules, the others follow
 its rounds (`serving.lockstep`) and exit when it stops.
 
-It listens at once (`/health` answers; `/ready` and requests get 503 while the decode programs
-compile), prints `jaxspec.serve: listening on http://H:P` and then `... ready`. SIGTERM or
+It listens at once (`/health` answers; `/ready` and requests get 503 while its programs load or
+compile: `prepare_programs`), prints `jaxspec.serve: listening on http://H:P` and then `... ready`. SIGTERM or
 SIGINT: new requests get 503, running ones get serving.drain_s to finish and are then ended with
 finish_reason "abort", every page is freed, and the process exits 0 (a second SIGINT forces).
 If the serving loop itself dies (a request's failure is confined to it; this is the rest),
@@ -50,7 +50,8 @@ def make_parser() -> ArgumentParser:
 
 
 def serving_engine(config):
-    """(engine, Scheduler options) for a Config: the engine built with serving.max_context."""
+    """(engine, Scheduler/Server options: the `serving` section whole and the seed) for a Config:
+    the engine built with serving.max_context."""
     import dataclasses
 
     from jaxspec.build import build_engine
@@ -59,12 +60,7 @@ def serving_engine(config):
     # the batch a mesh's data axis must divide is the server's slots
     config = dataclasses.replace(config, generation=dataclasses.replace(
         config.generation, max_context=s.max_context, batch_size=s.slots))
-    options = dict(slots=s.slots, max_context=s.max_context, steps_per_call=s.steps_per_call,
-                   max_queue=s.max_queue, kv_pages=s.kv_pages or None, page_size=s.page_size,
-                   seed=config.sampling.seed, prefill_chunk=s.prefill_chunk or None,
-                   prefix_cache=s.prefix_cache, batch_prefill=s.batch_prefill,
-                   max_batched_tokens=s.max_batched_tokens or None, structured=s.structured,
-                   policy=s.policy)
+    options = {"config": s, "seed": config.sampling.seed}  # the section passed down whole
     return build_engine(config), options
 
 
@@ -196,27 +192,82 @@ def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None,
         raise failure[0]
 
 
-def prepare_programs(scheduler) -> None:
-    """The warm-up after `listening`: every decode program the scheduler can call, loaded from
-    the persistent cache or compiled, saying which (the cache's own answers) and how far along."""
+def admitted_lengths(scheduler, limits) -> range:
+    """Every prompt length the server admits: a prompt leaves room for one token and a last
+    verify window in serving.max_context, and is within serving.max_prompt_tokens."""
+    most = scheduler.capacity - scheduler.spec.depth - 2
+    if limits.max_prompt_tokens:
+        most = min(most, limits.max_prompt_tokens)
+    return range(1, max(most, 0) + 1)
+
+
+def server_programs(scheduler, limits) -> list[dict]:
+    """Every program the server calls: each decode call shape and the prefill of every
+    prompt bucket it admits (whole prompts, tails over shared pages, chunks), each for an
+    all-greedy batch and for a batch with a sampled row (`SamplingParams.mode` is static:
+    "greedy" carries no sampling code, "any" decides per row)."""
+    programs = [*scheduler.decode_programs(),
+                *scheduler.prefill_programs(admitted_lengths(scheduler, limits))]
+    return [*programs, *filter(None, map(_sampled_twin, programs))]
+
+
+def _sampled_twin(program: dict) -> dict | None:
+    """`program` with its sampling values' mode "any" (None: it takes none)."""
+    import dataclasses
+
+    from jaxspec.decode.sampling import SamplingParams  # imported here: jax (the --help rule)
+
+    fn, args, kwargs = program["program"]
+    at = next((i for i, a in enumerate(args) if isinstance(a, SamplingParams)), None)
+    if at is None:
+        return None
+    args = (*args[:at], dataclasses.replace(args[at], mode="any"), *args[at + 1 :])
+    return program | {"program": (fn, args, kwargs), "sampling": "any"}
+
+
+def prepare_programs(scheduler, config, limits) -> None:
+    """The warm-up after `listening`: every program the server calls (`server_programs`),
+    loaded whole from the serving-program store (no tracing: `serving.executables`) or
+    compiled and stored, saying which, how many are left and how long that should take; the
+    engine then calls them through the store. Ends with the resident memory report."""
     import time
 
     from jaxspec import progress
-    from jaxspec.engine import cache_watch
+    from jaxspec.paths import cache_root
+    from jaxspec.serving import executables, memory
+    from jaxspec.xla_cache import directory as xla_directory
 
-    t0 = time.perf_counter()
-    with progress.step("tracing the server's decode call shapes"):
-        programs = scheduler.decode_programs()
+    t0, before = time.perf_counter(), memory.resident_bytes()
+    with progress.step("listing the server's programs (decode call shapes, prompt buckets)"):
+        programs = server_programs(scheduler, limits)
+    store = None if xla_directory() is None else cache_root() / "serving-programs"
+    table = executables.Table(store, executables.fingerprint(config))
     n = len(programs)
-    say(f"/health answers; requests get 503 until 'ready': {n} decode programs to load from the "
-        "cache or compile first (serving.precompile=false skips)")
-    started = progress.start(f"server decode programs ({n})")
-    with cache_watch.watch(cache_watch.announcer(started, expected=n)) as answers:
-        for program in programs:
-            fn, args, kwargs = program["program"]
-            fn.lower(*args, **kwargs).compile()
-    started(answers.summary())
-    say(f"{answers.summary()} in {time.perf_counter() - t0:.1f} s")
+    say(f"/health answers; requests get 503 until 'ready': {n} programs to load or compile "
+        "first (serving.precompile=false skips)")
+    started = progress.start(f"server programs ({n})")
+    counts = {"loaded": 0, "compiled": 0}
+    compile_s = 0.0
+    for i, program in enumerate(programs):
+        t = time.perf_counter()
+        how = table.prepare(program["program"])
+        counts[how] += 1
+        compile_s += time.perf_counter() - t if how == "compiled" else 0.0
+        started.update(_left(program, i + 1, n, how, compile_s / max(counts["compiled"], 1)))
+    scheduler.engine.serving_programs = table
+    started(f"{counts['loaded']} loaded, {counts['compiled']} compiled")
+    say(f"{counts['loaded']} programs loaded and {counts['compiled']} compiled in "
+        f"{time.perf_counter() - t0:.1f} s")
+    memory.release_free_heap()
+    say(memory.report(scheduler, before))
+
+
+def _left(program: dict, k: int, n: int, how: str, per_compile_s: float) -> str:
+    """The warm-up's progress line: which program, and an upper estimate of the time left."""
+    shape = ", ".join(f"{key} {program[key]}" for key in ("rows", "table_pages", "prompt_bucket",
+                                                           "sampling") if program.get(key))
+    left = f"; at most ~{per_compile_s * (n - k):.0f} s left" if how == "compiled" else ""
+    return f"program {k} of {n} ({program['name']}, {shape}) {how}{left}"
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -251,14 +302,17 @@ def run(argv: list[str] | None = None) -> int:
         say(f"warning: listening on {args.host} without an API key: anyone who reaches the port "
             "can generate (set --api-key or JAXSPEC_API_KEY)")
     enable_compilation_cache()
-    then = "the decode programs, then 'ready'" if config.serving.precompile else "'ready'"
+    then = "its programs, then 'ready'" if config.serving.precompile else "'ready'"
     say(f"loading {config.model.name} and building the engine; then listening, then {then}")
     gate = Gate(api_key=key, limits=Limits.of(config.serving), ready=False)
     with progress.step(f"building the engine and the scheduler ({config.serving.slots} slots)"):
         server, app = build_server(config, args.model_name, gate)
+    from jaxspec.serving import memory
+
+    memory.release_free_heap()  # the load's host copies, freed but resident (~0.7 GB for SmolLM2)
     warm_up = None
     if config.serving.precompile:  # else a call of a new width compiles while requests wait
-        warm_up = lambda: prepare_programs(server.scheduler)
+        warm_up = lambda: prepare_programs(server.scheduler, config, Limits.of(config.serving))
     else:
         say("serving.precompile=false: each decode width compiles (or loads from the cache) on "
             "its first request")

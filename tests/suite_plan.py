@@ -52,6 +52,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_batch_admission.py",
     "test_notebooks.py",
     "test_server_ops.py",
+    "test_server_faults.py",
     "test_tree_chain.py",
     "test_cli.py",
     "test_prefix_cache.py",

@@ -33,14 +33,8 @@ def test_no_machine_paths_in_the_repository():
     assert found == []
 
 
-# A function a reader takes in at once (issue 58). Functions still over, in the parts other
-# branches are rewriting: emptied once those land.
+# A function a reader takes in at once (issue 58).
 MAX_FUNCTION_LINES = 80
-LONG_FUNCTIONS_ALLOWED = {
-    "jaxspec/serving/http.py:make_app",
-    "jaxspec/serving/http.py:make_app.respond",
-    "jaxspec/serving/scheduler.py:Scheduler.__init__",
-}
 
 
 def long_functions(package: Path, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
@@ -66,9 +60,7 @@ def long_functions(package: Path, limit: int = MAX_FUNCTION_LINES) -> dict[str, 
 
 def test_no_function_over_80_lines():
     over = long_functions(ROOT / "jaxspec")
-    assert set(over) - LONG_FUNCTIONS_ALLOWED == set(), f"split these by purpose: {over}"
-    # an allowed one that got short (or moved) leaves the list
-    assert LONG_FUNCTIONS_ALLOWED <= set(over), LONG_FUNCTIONS_ALLOWED - set(over)
+    assert over == {}, f"split these by purpose: {over}"
 
 
 def test_a_long_function_is_found(tmp_path):

@@ -293,7 +293,7 @@ class ServingConfig(Section):
     # scheduling policy (jaxspec/serving/policy.py): fcfs, priority (Request.priority), prefix
     # (longest cached prompt prefix first)
     policy: str = "fcfs"
-    precompile: bool = True  # python -m jaxspec.serve, once listening, loads from the cache or compiles every decode call shape before /ready
+    precompile: bool = True  # python -m jaxspec.serve, once listening, loads or compiles every program it calls (decode shapes, every prompt bucket) before /ready
     # structured output (response_format, tools, guided_*): the decode program carries a grammar
     # table and the mask (docs/structured.md); off: such requests get a one-line 400
     structured: bool = False

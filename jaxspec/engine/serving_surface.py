@@ -34,6 +34,15 @@ def _write_prompt(target, params, tokens, cache):
 
 
 class ServingSurface:
+    # compiled programs the calls below run through when set (`serving.executables.Table`: a
+    # server's warm-up loads them without tracing); None: through the jit
+    serving_programs = None
+
+    def _call(self, fn, *args, **kwargs):
+        if self.serving_programs is None:
+            return fn(*args, **kwargs)
+        return self.serving_programs.call(fn, args, kwargs)
+
     def serving_spec(self, target: Any = None) -> speculate.LoopSpec:
         """The program continuous batching runs, with `target` in place of the model's (None:
         the model's; a paged one). Its rows hold different requests: no batch-wide hand-off to
@@ -73,10 +82,10 @@ class ServingSurface:
         args = (spec, self.model.params, self.drafter_params, prompt, lengths, max_new, sp, key,
                 row_ids)
         if cache is None:
-            return speculate.prefill_jit(*args, capacity=capacity, penalties=penalties,
-                                         grammar=grammar)
-        return prefill_into_cache(*args, capacity=capacity, cache=cache, penalties=penalties,
-                                  grammar=grammar)
+            return self._call(speculate.prefill_jit, *args, capacity=capacity,
+                              penalties=penalties, grammar=grammar)
+        return self._call(prefill_into_cache, *args, capacity=capacity, cache=cache,
+                          penalties=penalties, grammar=grammar)
 
     def row_penalties(self, settings):
         """The serving state's `penalties.Penalties`: one (presence, frequency, repetition,
@@ -109,7 +118,7 @@ class ServingSurface:
     def write_prompt(self, target: Any, tokens, cache):
         """A prompt chunk [B, C] run at cache.lengths.. and its k/v written into `cache` (donated:
         updated in place); lengths not advanced. Chunked prefill's chunks before the last."""
-        return _write_prompt(target, self.model.params, tokens, cache)
+        return self._call(_write_prompt, target, self.model.params, tokens, cache)
 
     def compile_write_prompt(self, target: Any, batch: int, chunk: int, cache):
         """`write_prompt` compiled ahead for `batch` chunks of `chunk` tokens into a cache of
@@ -124,8 +133,8 @@ class ServingSurface:
 
     def decode_rows(self, spec, state, sp, steps: int):
         """Up to `steps` steps of `spec`'s loop over `state` (donated), jitted."""
-        return speculate.decode_jit(spec, self.model.params, self.drafter_params, state, sp,
-                                    jnp.int32(steps))
+        return self._call(speculate.decode_jit, spec, self.model.params, self.drafter_params,
+                          state, sp, jnp.int32(steps))
 
     def compile_decode(self, spec, state, sp, steps: int):
         """`decode_rows` compiled ahead for `state`'s shapes (a ShapeDtypeStruct tree)."""

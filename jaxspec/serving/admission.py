@@ -3,10 +3,12 @@ chunks (`serving.prefill_chunk`: a chunk per round, the running rows' decode cal
 chunks), straight into the shared page pool through each row's table (or into a per-slot
 contiguous cache), then spliced into the batch state (`rows.insert_row`).
 
-A mixin of `scheduler.Scheduler`: it reads and writes the scheduler's queue, rows, pool and
-device state; the loop (`Scheduler.run_once`) calls `_admit` and `_prefill_chunks` each round.
-The model is reached only through the engine's serving surface (`Engine.prefill_rows`,
-`write_prompt`, `empty_cache`, `with_adaptive`).
+It owns the rows still prefilling in chunks (`prefilling`) and the round's prompt-token budget;
+requests move through the ledger (`ledger.Ledger`: queue, activate, fail), pages through the
+KV manager, device rows through the runner (`device_call.DeviceRunner`: the pool lent to a
+prefill, rows spliced in). The loop (`Scheduler.run_once`) calls `admit` and `prefill_chunks`
+each round. The model is reached only through the engine's serving surface
+(`Engine.prefill_rows`, `write_prompt`, `empty_cache`, `with_adaptive`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import numpy as np
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.prepare import bucket, prompt_bucket
 from jaxspec.models import paged_attention
-from jaxspec.serving import paged_cache, rows
-from jaxspec.serving.batch import hole, split_widths
+from jaxspec.serving import paged_cache
+from jaxspec.serving.batch import split_widths
 from jaxspec.serving.requests import Request
 
 
@@ -35,68 +37,98 @@ def prompt_width(n: int, done: int) -> int:
 
 
 class Admission:
-    def _free_slots(self) -> list[int]:
-        return [s for s in range(self.slots) if s not in self.active and s not in self.prefilling]
+    def __init__(self, engine, spec, shape, *, pool, kv, policy, stats, device, ledger,
+                 chunk: int | None, budget: int | None, batch_prefill: bool, prefix_cache: str):
+        self.engine, self.spec, self.shape = engine, spec, shape
+        self.pool, self.kv, self.policy, self.stats = pool, kv, policy, stats
+        self.device, self.ledger = device, ledger
+        self.chunk = chunk  # prompts longer than this go a chunk per round (None: whole)
+        self.budget = budget  # prompt tokens prefilled per round at most (None: no budget)
+        self.batch_prefill = batch_prefill
+        self.prefix_cache = prefix_cache
+        self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
+        self.round_left: int | None = None  # the round's budget left
+        self.round_tokens = 0  # prompt tokens prefilled this round
 
-    def _admit(self) -> None:
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.shape.slots)
+                if s not in self.ledger.active and s not in self.prefilling]
+
+    def drop_cancelled(self) -> None:
+        """Cancelled requests still prefilling in chunks out (their pages freed)."""
+        for slot, (req, _) in list(self.prefilling.items()):
+            if req.cancelled:
+                del self.prefilling[slot]
+                self.pool.release(slot)
+                self.ledger.cancel(req)
+
+    def admit(self) -> None:
         """Queued requests, in the policy's order, into free slots while the pool holds their
         prompt and one step: prefilled now, or (long prompts, chunked) a chunk per round."""
         left = self._reserve_budget()  # None: no budget
         used = self.pool.used_pages  # the running rows grown for their next call
         self.stats.peak_used_pages = max(self.stats.peak_used_pages, used)
-        if self.static and self.active:
+        if self.shape.static and self.ledger.active:
             return
-        free, ready = self._free_slots(), []
-        for req in self.policy.order(self.queue):
+        free, ready = self.free_slots(), []
+        for req in self.policy.order(self.ledger.queue):
             if not free:
                 break
             if not self.policy.admit(req, self.pool):
                 continue
-            if left is not None:  # the budget: it waits for a round it fits (or goes alone)
-                rest = len(req.prompt_ids) - self._cached_estimate(req)
-                chunks = self.chunk is not None and self.state is not None and rest > self.chunk
-                if not chunks and rest > left and left < self.budget:
-                    break
-            cached = self.kv.take(req, free[0], written=self.state is not None)
+            if left is not None and self._waits_for_budget(req, left):
+                break
+            cached = self.kv.take(req, free[0], written=self.device.state is not None)
             if cached is None:
                 break  # the pool is short: wait for a row to end
-            self.queue.remove(req)
-            slot = free.pop(0)
-            req.peak_pages = max(req.peak_pages, self.pool.held(slot))
-            req.cached_tokens = cached
-            self.stats.prompt_tokens += len(req.prompt_ids)
-            self.stats.prefix_cached_tokens += cached
-            chunked = self.chunk is not None and len(req.prompt_ids) - cached > self.chunk
-            if chunked and self.state is not None:
-                self.prefilling[slot] = [req, cached]  # a chunk per round (`_prefill_chunks`)
-            elif self.batch_prefill:
-                ready.append((req, slot, cached))
-                if left is not None:
-                    left -= len(req.prompt_ids) - cached
-            else:
-                self._prefill_into(req, slot, cached)
+            left = self._admit_one(req, free.pop(0), cached, ready, left)
         if left is not None:  # the chunk phase: the reserved chunks, then what is left
-            self._round_left += left
+            self.round_left += left
         self._prefill_batched(ready)
         self.stats.peak_used_pages = max(self.stats.peak_used_pages, self.pool.used_pages)
 
-    def _prefill_chunks(self) -> bool:
+    def _waits_for_budget(self, req, left: int) -> bool:
+        """Under a budget: `req` waits for a round it fits (or goes alone, first of a round)."""
+        rest = len(req.prompt_ids) - self._cached_estimate(req)
+        chunks = self.chunk is not None and self.device.state is not None and rest > self.chunk
+        return not chunks and rest > left and left < self.budget
+
+    def _admit_one(self, req, slot: int, cached: int, ready: list, left):
+        """`req` (its pages taken, `cached` prompt tokens shared) into `slot`: prefilled now,
+        queued in `ready` (batched), or chunked; -> the round's budget left."""
+        self.ledger.queue.remove(req)
+        req.peak_pages = max(req.peak_pages, self.pool.held(slot))
+        req.cached_tokens = cached
+        self.stats.prompt_tokens += len(req.prompt_ids)
+        self.stats.prefix_cached_tokens += cached
+        chunked = self.chunk is not None and len(req.prompt_ids) - cached > self.chunk
+        if chunked and self.device.state is not None:
+            self.prefilling[slot] = [req, cached]  # a chunk per round (`prefill_chunks`)
+        elif self.batch_prefill:
+            ready.append((req, slot, cached))
+            if left is not None:
+                left -= len(req.prompt_ids) - cached
+        else:
+            self._prefill_into(req, slot, cached)
+        return left
+
+    def prefill_chunks(self) -> bool:
         """One chunk of every prefilling request's prompt written into its pages; the last
         (at most `chunk` tokens) through `speculate.prefill` with the pool already holding the
         rest (`paged_cache.TailTarget`), which splices the row in. False: none prefilling."""
         if self.batch_prefill:
             more = self._prefill_chunks_batched()
             self.stats.max_round_prefill_tokens = max(self.stats.max_round_prefill_tokens,
-                                                      self._round_tokens)
+                                                      self.round_tokens)
             return more
         for slot, entry in list(self.prefilling.items()):
             req, done = entry
             if len(req.prompt_ids) - done > self.chunk:
                 t0 = time.perf_counter()
-                cache = self._take_pool(slot, done)
+                cache = self.device.take_pool_rows([slot], [done])
                 tokens = jnp.asarray([req.prompt_ids[done : done + self.chunk]], jnp.int32)
                 cache = self.engine.write_prompt(self.spec.target, tokens, cache)
-                self._set_cache(k=cache.k, v=cache.v)
+                self.device.set_cache(k=cache.k, v=cache.v)
                 entry[1] = done + self.chunk
                 self.kv.written(slot, req.prompt_ids[: entry[1]], req.cache_salt)  # shareable
                 self.stats.prefill_s += time.perf_counter() - t0
@@ -104,14 +136,14 @@ class Admission:
             else:
                 del self.prefilling[slot]
                 self._prefill_into(req, slot, done)
-        return bool(self.prefilling) or bool(self.active)
+        return bool(self.prefilling) or bool(self.ledger.active)
 
     def _prefill_into(self, req: Request, slot: int, done: int = 0) -> None:
         """`req` prefilled into `slot` (`_prefill_row`); a failure fails `req` alone."""
         with self._confined([req], [slot]) as failed:
             self._prefill_row(req, slot, done)
         if failed:
-            self._fail(req, failed[0])
+            self.ledger.fail(req, failed[0])
 
     @contextlib.contextmanager
     def _confined(self, reqs, slots, release: bool = True):
@@ -119,7 +151,8 @@ class Admission:
         list gets it, with the pool put back (and, `release`, their slots' pages freed), so
         only they fail. Re-raised when the pool went with the failed call (donated and
         deleted): then the engine cannot go on."""
-        pool = self.state.cache if self.paged and self.state is not None else None
+        state = self.device.state
+        pool = state.cache if self.shape.paged and state is not None else None
         failed: list[BaseException] = []
         try:
             yield failed
@@ -127,10 +160,10 @@ class Admission:
             if pool is not None and any(x.is_deleted() for x in jax.tree.leaves((pool.k, pool.v))):
                 raise
             if pool is not None:
-                self._set_cache(k=pool.k, v=pool.v)
+                self.device.set_cache(k=pool.k, v=pool.v)
             for r, slot in zip(reqs, slots):
-                if self.active.get(slot) is r:  # spliced in before the failure: out again
-                    self._release(r)
+                if self.ledger.active.get(slot) is r:  # spliced in before the failure: out again
+                    self.ledger.release(r)
                 elif release:
                     self.pool.release(slot)
                 r.slot = -1
@@ -140,24 +173,13 @@ class Admission:
         t0 = time.perf_counter()
         row = self._row_state(self.spec, req, slot, done)
         self.kv.written(slot, req.prompt_ids, req.cache_salt)
-        if self.state is None:
-            self.state = rows.tile_rows(row, self.slots, self._axes)
-            if self.paged:  # the tiled state shares the row's pool: not donated with it
-                self._set_cache(k=hole(row.cache.k), v=hole(row.cache.k))
-        self.state = rows.insert_row(self.state, row, jnp.int32(slot), self._axes)
-        if self.paged:  # the pool the prefill wrote (insert_row kept the batch's placeholder)
-            self._set_cache(k=row.cache.k, v=row.cache.v)
-        self._activate(req, slot)
+        self.device.splice_row(row, slot)
+        self.ledger.activate(req, slot)
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_calls += 1
 
-    def _activate(self, req: Request, slot: int) -> None:
-        """A prefilled request's row is live: streamed and decoded from the next call on."""
-        req.slot, req.admitted = slot, time.perf_counter()
-        req.replay = len(req.generated)
-        self.active[slot] = req
-        self._sp_rows[slot] = req.sampling.values
-        self.stats.admitted += 1
+    def _live(self) -> set[int]:
+        return set(self.ledger.active) | set(self.prefilling)
 
     def _row_state(self, spec, req: Request, slot: int, done: int = 0):
         """done: prompt tokens already in the row's pages (earlier chunks of chunked prefill,
@@ -172,23 +194,12 @@ class Admission:
         sp = SamplingParams.rows([req.sampling.values])
         state = self.engine.prefill_rows(
             spec, jnp.asarray(prompt), jnp.asarray([len(ids)], jnp.int32),
-            jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.key,
-            jnp.asarray([req.seed], jnp.int32), self.capacity,
-            cache=self._take_pool(slot, done) if self.paged else None,
+            jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.device.key,
+            jnp.asarray([req.seed], jnp.int32), self.shape.capacity,
+            cache=self.device.take_pool_rows([slot], [done]) if self.shape.paged else None,
             penalties=self.engine.row_penalties([req.sampling.penalties]),
-            grammar=self._grammar_rows([req], [slot]))
+            grammar=self.device.grammar_rows([req.constraint], [slot], self._live()))
         return self.engine.with_adaptive(state, self.spec, costs_batch=1)
-
-    def compile_prefills(self, prompt_lengths) -> int:
-        """Compile ahead every prefill program admission may call for prompts of these lengths
-        (`prefill_programs`), so no admission waits for one. -> programs compiled (already
-        compiled ones come from the compilation cache; compiling ahead fills jit's own cache,
-        so the calls made while serving find them and lower nothing)."""
-        rows_ = self.prefill_programs(prompt_lengths)
-        for row in rows_:
-            fn, args, kwargs = row["program"]
-            fn.lower(*args, **kwargs).compile()
-        return len(rows_)
 
     def prefill_programs(self, prompt_lengths) -> list[dict]:
         """Every prefill program admission may call for prompts of these lengths, at every row
@@ -199,8 +210,8 @@ class Admission:
         "prefill_tail", "prefill_chunk"), "rows", "prompt_bucket", "tokens" (the tokens it
         runs through the model), "program" ((jitted function, args, kwargs), abstract)}."""
         out = []
-        widths = self.widths if self.batch_prefill else (1,)
-        tails = self.paged and (self.prefix_cache == "on" or self.chunk is not None)
+        widths = self.shape.widths if self.batch_prefill else (1,)
+        tails = self.shape.paged and (self.prefix_cache == "on" or self.chunk is not None)
         for prompt in sorted({prompt_bucket(n) for n in prompt_lengths}):  # whole prompts
             out += self._programs_at(prompt, [("prefill", prompt, self.spec.target)], widths)
         for prompt in sorted({bucket(n) for n in prompt_lengths} if tails else ()):
@@ -224,27 +235,27 @@ class Admission:
             for rows_ in widths:
                 out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
                             "tokens": tokens, "program": self.engine.prefill_program(
-                                spec, rows_, prompt, self.capacity, self._pool_shape(rows_),
+                                spec, rows_, prompt, self.shape.capacity, self._pool_shape(rows_),
                                 penalties=True)})
         return out
 
     def _pool_shape(self, rows_: int):
         """The shapes of the cache a `rows_`-row prefill writes into (the pool and these rows'
         tables, as `_take_pool_rows` gives); None for a contiguous cache (made by the call)."""
-        if not self.paged:
+        if not self.shape.paged:
             return None
-        shape = self.engine.cache_shape(self.spec.target, 1, self.capacity)
+        shape = self.engine.cache_shape(self.spec.target, 1, self.shape.capacity)
         return paged_attention.PagedKVCache(
-            shape.k, shape.v, jax.ShapeDtypeStruct((rows_, self.max_pages), jnp.int32),
+            shape.k, shape.v, jax.ShapeDtypeStruct((rows_, self.shape.max_pages), jnp.int32),
             jax.ShapeDtypeStruct((rows_,), jnp.int32))
 
     # ---- the token budget per round (serving.max_batched_tokens) ----------------------------
     def _reserve_budget(self) -> int | None:
         """A new round: the budget's tokens left for new prompts once the prefilling rows'
         next pieces (admission order, while they fit) are reserved; None: no budget."""
-        self._round_tokens = 0
+        self.round_tokens = 0
         if self.budget is None:
-            self._round_left = None
+            self.round_left = None
             return None
         reserved = 0
         for req, done in self.prefilling.values():
@@ -252,26 +263,26 @@ class Admission:
             if reserved + piece > self.budget:
                 break
             reserved += piece
-        self._round_left = reserved
+        self.round_left = reserved
         return self.budget - reserved
 
     def _cached_estimate(self, req: Request) -> int:
         """Prompt tokens of `req` the prefix cache would give it now (`KVManager.take`'s)."""
-        if not self.kv.sharing or self.state is None:
+        if not self.kv.sharing or self.device.state is None:
             return 0
         return len(self.pool.cached_prefix(req.prompt_ids, req.cache_salt)) * self.pool.page_size
 
     def _budgeted(self, entries: list) -> list:
         """The prefilling (slot, [request, done]) entries whose next piece (a chunk, or the
         rest) fits what the round has left, in admission order; all of them without a budget."""
-        if self._round_left is None:
+        if self.round_left is None:
             return entries
         chosen = []
         for slot, entry in entries:
             piece = min(self.chunk, len(entry[0].prompt_ids) - entry[1])
-            if piece > self._round_left:
+            if piece > self.round_left:
                 break
-            self._round_left -= piece
+            self.round_left -= piece
             chosen.append((slot, entry))
         return chosen
 
@@ -289,7 +300,7 @@ class Admission:
         for key in sorted({shape(x) for x in ready}):  # no row padded to a longer one's bucket
             group = sorted((x for x in ready if shape(x) == key),
                            key=lambda x: len(x[0].prompt_ids))
-            for n in split_widths(self.widths, len(group)):
+            for n in split_widths(self.shape.widths, len(group)):
                 self._prefill_rows_confined(group[:n])
                 group = group[n:]
 
@@ -303,7 +314,7 @@ class Admission:
         if not failed:
             return
         if alone:
-            self._fail(items[0][0], failed[0])
+            self.ledger.fail(items[0][0], failed[0])
             return
         for item in items:
             self._prefill_rows_confined([item])
@@ -324,28 +335,18 @@ class Admission:
         sp = SamplingParams.rows([r.sampling.values for r in reqs])
         group = self.engine.prefill_rows(
             spec, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids) for r in reqs], jnp.int32),
-            jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.key,
-            jnp.asarray([r.seed for r in reqs], jnp.int32), self.capacity,
-            cache=self._take_pool_rows(slots, dones) if self.paged else None,
+            jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.device.key,
+            jnp.asarray([r.seed for r in reqs], jnp.int32), self.shape.capacity,
+            cache=self.device.take_pool_rows(slots, dones) if self.shape.paged else None,
             penalties=self.engine.row_penalties([r.sampling.penalties for r in reqs]),
-            grammar=self._grammar_rows(reqs, slots))
+            grammar=self.device.grammar_rows([r.constraint for r in reqs], slots, self._live()))
         group = self.engine.with_adaptive(group, self.spec, costs_batch=1)
         for r, slot in zip(reqs, slots):
             self.kv.written(slot, r.prompt_ids, r.cache_salt)
-        self._round_tokens += sum(len(r.prompt_ids) - d for r, d in zip(reqs, dones))
-        if self.paged:  # the written pool apart: the splice must not copy it
-            k, v = group.cache.k, group.cache.v
-            group = dataclasses.replace(group, cache=dataclasses.replace(
-                group.cache, k=hole(k), v=hole(k)))
-        if self.state is None:
-            first = rows.take_rows(group, jnp.zeros((1,), jnp.int32), self._axes)
-            self.state = rows.tile_rows(first, self.slots, self._axes)
-        self.state = rows.insert_rows(self.state, group, jnp.asarray(slots, jnp.int32),
-                                      self._axes)
-        if self.paged:
-            self._set_cache(k=k, v=v)
+        self.round_tokens += sum(len(r.prompt_ids) - d for r, d in zip(reqs, dones))
+        self.device.splice_rows(group, slots)
         for r, slot in zip(reqs, slots):
-            self._activate(r, slot)
+            self.ledger.activate(r, slot)
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefill_calls += 1
 
@@ -357,14 +358,14 @@ class Admission:
         last = [(e[0], s, e[1]) for s, e in entries if len(e[0].prompt_ids) - e[1] <= self.chunk]
         while more:
             t0 = time.perf_counter()
-            n = split_widths(self.widths, len(more))[0]
+            n = split_widths(self.shape.widths, len(more))[0]
             part, more = more[:n], more[n:]
-            cache = self._take_pool_rows([s for s, _ in part], [e[1] for _, e in part])
+            cache = self.device.take_pool_rows([s for s, _ in part], [e[1] for _, e in part])
             tokens = jnp.asarray([e[0].prompt_ids[e[1] : e[1] + self.chunk] for _, e in part],
                                  jnp.int32)
             cache = self.engine.write_prompt(self.spec.target, tokens, cache)
-            self._set_cache(k=cache.k, v=cache.v)
-            self._round_tokens += self.chunk * len(part)
+            self.device.set_cache(k=cache.k, v=cache.v)
+            self.round_tokens += self.chunk * len(part)
             for slot, entry in part:
                 entry[1] += self.chunk
                 self.kv.written(slot, entry[0].prompt_ids[: entry[1]],  # shareable already
@@ -374,26 +375,4 @@ class Admission:
         for _, slot, _ in last:
             del self.prefilling[slot]
         self._prefill_batched(last)
-        return bool(self.prefilling) or bool(self.active)
-
-    def _take_pool(self, slot: int, start: int = 0) -> paged_attention.PagedKVCache:
-        return self._take_pool_rows([slot], [start])
-
-    def _take_pool_rows(self, slots, starts) -> paged_attention.PagedKVCache:
-        """The shared pool (taken out of the batch state, which holds zero-size placeholders
-        until the prefill's caller puts the written pool back) with rows `slots`' page tables,
-        for a prefill writing each from its `starts` on (its length); never below a row's named
-        pages, whose content other rows read."""
-        for slot, start in zip(slots, starts):
-            if start < self.pool.frozen(slot):
-                raise RuntimeError(f"a prefill of row {slot} from {start} would write into its "
-                                   f"shared pages (below {self.pool.frozen(slot)})")
-        if self.state is None:
-            empty = self.engine.empty_cache(self.spec.target, 1, self.capacity)
-            k, v = empty.k, empty.v
-        else:
-            k, v = self.state.cache.k, self.state.cache.v
-            self._set_cache(k=hole(k), v=hole(k))
-        table = self.pool.table(self.slots, self.max_pages)[list(slots)]
-        return paged_attention.PagedKVCache(k, v, jnp.asarray(table),
-                                            jnp.asarray(starts, jnp.int32))
+        return bool(self.prefilling) or bool(self.ledger.active)

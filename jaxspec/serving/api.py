@@ -1,7 +1,7 @@
 """The Python API: a Server runs the scheduler on its own thread; `submit` returns a Stream of
 text pieces (an iterator and an async iterator) whose `result()` is the Completion.
 
-    server = Server(engine, slots=4, max_context=512)
+    server = Server(engine, slots=4, max_context=512)  # or Server(engine, config.serving)
     stream = server.submit("Hi!", Sampling(max_tokens=32))
     for piece in stream: print(piece, end="")          # or: async for piece in stream
     print(stream.result().usage())
@@ -136,19 +136,12 @@ class Stream:
 class Server:
     """Continuous batching over an Engine (its model, drafter, adaptive options, tokenizer)."""
 
-    def __init__(self, engine, *, slots: int = 4, max_context: int = 512, steps_per_call: int = 8,
-                 max_queue: int = 64, kv_pages: int | None = None, page_size: int = 16,
-                 seed: int = 0, model_name: str | None = None, static: bool = False,
-                 paged: bool = True, prefill_chunk: int | None = None,
-                 prefix_cache: bool = True, policy: str = "fcfs", batch_prefill: bool = False,
-                 max_batched_tokens: int | None = None, structured: bool = False):
-        self.scheduler = Scheduler(
-            engine, slots=slots, max_context=max_context, steps_per_call=steps_per_call,
-            max_queue=max_queue, kv_pages=kv_pages, page_size=page_size, seed=seed,
-            static=static, paged=paged, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache,
-            policy=policy, batch_prefill=batch_prefill, max_batched_tokens=max_batched_tokens,
-            structured=structured,
-        )
+    def __init__(self, engine, config=None, *, model_name: str | None = None, seed: int = 0,
+                 static: bool = False, paged: bool = True, **settings):
+        """config: a `config.ServingConfig` (default: every default); keyword `settings`
+        replace its fields (slots=, max_context=, ...). seed, static, paged: `Scheduler`'s."""
+        self.scheduler = Scheduler(engine, config, seed=seed, static=static, paged=paged,
+                                   **settings)
         self.engine = engine
         self.model_name = model_name or getattr(engine.model, "name", "model")
         self._lock = threading.Condition()  # guards the inbox, the closed flag, cancellations
@@ -235,7 +228,15 @@ class Server:
                 "slots": s.slots, "free_pages": s.pool.free_pages, "kv_pages": s.pool.num_pages,
                 "cached_pages": s.pool.cached_pages, "prefix_cache": s.prefix_cache,
                 "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions,
-                "in_flight": len(self._unfinished), "failed": s.stats.failed}
+                "in_flight": len(self._unfinished), "failed": s.stats.failed} | self._programs()
+
+    def _programs(self) -> dict:
+        """Calls run through the server's prepared executables, and through the jit (a shape
+        not prepared before /ready: 0 on a server that compiled ahead)."""
+        table = getattr(self.engine, "serving_programs", None)
+        if table is None:
+            return {}
+        return {"program_calls_prepared": table.hits, "program_calls_unprepared": table.misses}
 
     def _loop(self) -> None:
         s = self.scheduler

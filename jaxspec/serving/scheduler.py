@@ -3,9 +3,12 @@ the speculative loop (the engine's program, `Engine.decode_rows`) for at most `s
 steps over the live rows; between calls the host streams what each row committed, releases rows
 that finished (EOS, max_tokens, a stop id or string, a cancelled client) and admits queued
 requests into the free slots. This module is the loop (`run_once`: release, admit, one call,
-stream); its parts live beside it: `admission` (prefill of queued requests, whole or chunked),
-`device_call` (the call over the live rows), `streaming` (tokens -> text, completions),
-`kv_manager` (pages, preemption), `policy` (order, admission, victims).
+stream), composed of parts that each own their state behind a small interface: `ledger` (the
+queue and the running requests), `admission` (prefill of queued requests, whole or chunked),
+`device_call.DeviceRunner` (the device state and every call over it), `streaming` (tokens ->
+text, completions), `kv_manager` (pages, preemption), `policy` (order, admission, victims).
+Its settings are one `config.ServingConfig` (one set of defaults; keyword arguments override
+its fields).
 
 The target KV cache is paged on device (`serving.paged_cache.PagedTarget`): one page pool per
 layer shared by the rows, each row's page table uploaded from `pages.PagePool` before every
@@ -23,149 +26,144 @@ ones already streamed are not sent again. Not thread-safe: one thread drives it 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
+from jaxspec.config import ServingConfig
 from jaxspec.decode.logit_bias import bias_vector
-from jaxspec.decode.penalties import OFF
-from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.serving_surface import prefill_into_cache as prefill_into_pool
 from jaxspec.errors import JaxspecError
-from jaxspec.serving import grammars, paged_cache, paged_hybrid, prefix, rows
+from jaxspec.serving import grammars, paged_cache, paged_hybrid, prefix
 from jaxspec.serving import policy as policy_lib
 from jaxspec.serving.admission import Admission
 from jaxspec.serving.batch import MIN_TABLE_PAGES, program_widths
-from jaxspec.serving.device_call import GREEDY, DeviceCall
+from jaxspec.serving.device_call import DeviceRunner, Shape
 from jaxspec.serving.kv_manager import KVManager
+from jaxspec.serving.ledger import Ledger
 from jaxspec.serving.pages import PagePool, pages_for
 from jaxspec.serving.requests import QueueFull, Request, Sampling
 from jaxspec.serving.stats import Stats
 from jaxspec.serving.streaming import Streaming
 from jaxspec.serving.text import TextState
-from jaxspec.sharding import fetch
 
 # names that lived here before the split, importable from here still
 __all__ = ["MIN_TABLE_PAGES", "QueueFull", "Request", "Scheduler", "Stats", "prefill_into_pool",
-           "program_widths"]
+           "program_widths", "serving_config"]
+
+NONE_IS_ZERO = ("kv_pages", "prefill_chunk", "max_batched_tokens")  # None here, 0 in a config
 
 
-class Scheduler(Admission, DeviceCall, Streaming):
-    def __init__(
-        self,
-        engine,
-        *,
-        slots: int = 4,
-        max_context: int = 512,
-        steps_per_call: int = 8,
-        max_queue: int = 64,
-        kv_pages: int | None = None,
-        page_size: int = 16,
-        seed: int = 0,
-        static: bool = False,
-        paged: bool = True,
-        prefill_chunk: int | None = None,
-        prefix_cache: bool = True,
-        policy: str = "fcfs",
-        batch_prefill: bool = False,
-        max_batched_tokens: int | None = None,
-        structured: bool = False,
-    ):
-        """static: the static-batching baseline (bench_serve): requests are admitted only into
-        an empty batch, which then runs until its last row ends, every call over all `slots`
-        rows (a lockstep batch, as `Engine.generate` runs: rows that ended keep computing).
-        paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B).
-        prefill_chunk: prompts longer than this many tokens are prefilled a chunk per round,
-        each round's decode call running between chunks, so the streams of running rows do not
-        wait for a whole long prompt (paged cache, continuous batching, drafters without target
-        taps; else whole). The last chunk runs through `speculate.prefill` itself.
-        prefix_cache: a prompt starting with full pages another prompt already wrote shares
-        them and prefills only the rest (`serving.prefix`; paged cache, drafters without
-        target taps: `self.prefix_cache` says whether it is on, and why not).
-        policy: the scheduling policy's name (`serving.policy`: admission order and the row
-        preempted when the pool is short).
-        batch_prefill: the requests admitted in a round are prefilled several rows a call (and
-        chunked prompts' chunks likewise) instead of one call each (`admission`).
-        max_batched_tokens: batched admission (implied) under a budget of prompt tokens per
-        round: the prefilling rows' next chunks first, then queued prompts while they fit; a
-        prompt longer than a chunk (prefill_chunk, else the budget) goes in chunks across
-        rounds where chunking is possible (else alone, the first of its round).
-        structured: rows may carry a constraint (`serving.grammars`: one fixed-size table in
-        the state, so the program carries the mask whether or not a row is constrained)."""
-        if slots < 1 or steps_per_call < 1 or max_queue < 1:
-            raise JaxspecError(
-                f"serving: slots={slots}, steps_per_call={steps_per_call}, max_queue={max_queue} "
-                "must each be at least 1"
-            )
-        if engine.max_context not in (None, max_context):
-            raise JaxspecError(
-                f"serving.max_context={max_context} differs from the engine's max_context="
-                f"{engine.max_context}: build the engine with max_context={max_context}"
-            )
-        self.engine = engine
-        self.grammars = grammars.GrammarSlots(engine, slots) if structured else None
-        self.slots, self.capacity, self.steps = slots, max_context, steps_per_call
-        self.max_queue = max_queue
-        self.static = static
-        if max_batched_tokens is not None and max_batched_tokens < 1:
-            raise JaxspecError(f"serving.max_batched_tokens={max_batched_tokens}: use an integer "
-                               ">= 1 (0 in a config: no budget)")
-        if max_batched_tokens and prefill_chunk and prefill_chunk > max_batched_tokens:
-            raise JaxspecError(f"serving.prefill_chunk={prefill_chunk} exceeds serving."
-                               f"max_batched_tokens={max_batched_tokens}: a chunk must fit a "
-                               "round's budget; lower prefill_chunk")
-        self.budget = max_batched_tokens or None  # prompt tokens prefilled per round at most
-        self.batch_prefill = batch_prefill or self.budget is not None
-        per_row = pages_for(max_context, page_size)
-        self.pool = PagePool(kv_pages or slots * per_row, page_size)
-        if self.pool.num_pages < per_row:
-            raise JaxspecError(
-                f"serving.kv_pages={self.pool.num_pages} cannot hold one request of max_context="
-                f"{max_context} ({per_row} pages of {page_size}): raise kv_pages"
-            )
+def serving_config(config: ServingConfig | None = None, **settings) -> ServingConfig:
+    """`config` (default: every default) with `settings` (its field names) replacing fields;
+    None for kv_pages, prefill_chunk, max_batched_tokens means the config's 0 (unset)."""
+    names = {f.name for f in dataclasses.fields(ServingConfig)}
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        raise JaxspecError(f"unknown serving setting(s) {unknown}: use fields of "
+                           "config.ServingConfig")
+    settings = {k: (0 if v is None and k in NONE_IS_ZERO else v) for k, v in settings.items()}
+    return dataclasses.replace(config or ServingConfig(), **settings)
+
+
+def check_settings(engine, c: ServingConfig) -> None:
+    """The settings the config alone cannot check: against the engine and each other."""
+    if engine.max_context not in (None, c.max_context):
+        raise JaxspecError(
+            f"serving.max_context={c.max_context} differs from the engine's max_context="
+            f"{engine.max_context}: build the engine with max_context={c.max_context}"
+        )
+    if c.max_batched_tokens and c.prefill_chunk and c.prefill_chunk > c.max_batched_tokens:
+        raise JaxspecError(f"serving.prefill_chunk={c.prefill_chunk} exceeds serving."
+                           f"max_batched_tokens={c.max_batched_tokens}: a chunk must fit a "
+                           "round's budget; lower prefill_chunk")
+    per_row = pages_for(c.max_context, c.page_size)
+    if c.kv_pages and c.kv_pages < per_row:
+        raise JaxspecError(
+            f"serving.kv_pages={c.kv_pages} cannot hold one request of max_context="
+            f"{c.max_context} ({per_row} pages of {c.page_size}): raise kv_pages"
+        )
+
+
+class Scheduler:
+    def __init__(self, engine, config: ServingConfig | None = None, *, seed: int = 0,
+                 static: bool = False, paged: bool = True, **settings):
+        """config: the `serving` section (slots, max_context, steps_per_call, max_queue,
+        kv_pages, page_size, prefill_chunk, prefix_cache, policy, batch_prefill,
+        max_batched_tokens, structured: each described there); keyword `settings` replace its
+        fields. seed: the key every row's randomness folds its request's seed into.
+        static: the static-batching baseline (bench_serve): requests are admitted only into
+        an empty batch, which then runs until its last row ends, every call over all slots
+        (a lockstep batch, as `Engine.generate` runs: rows that ended keep computing).
+        paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B)."""
+        self.config = c = serving_config(config, **settings)
+        check_settings(engine, c)
+        self.engine, self.static = engine, static
+        self.slots, self.capacity, self.steps = c.slots, c.max_context, c.steps_per_call
+        self.max_queue = c.max_queue
+        per_row = pages_for(c.max_context, c.page_size)
+        self.pool = PagePool(c.kv_pages or c.slots * per_row, c.page_size)
         self.max_pages = per_row  # page-table entries per row
-        self.policy = policy_lib.named(policy, self.pool)
+        self.policy = policy_lib.named(c.policy, self.pool)
         # the device call runs over the live rows only, compacted into the narrowest of these
         # widths (each its own compiled program), and its page table is as wide as the longest
         # live row needs (`table_widths`): a step's cost follows the load
-        self.widths = program_widths(slots)
+        self.widths = program_widths(c.slots)
         self.table_widths = program_widths(per_row, MIN_TABLE_PAGES)
+        self.paged = paged and paged_cache.pageable(engine.cache_shape(engine.target, 1, 8))
         spec = engine.serving_spec()
         taps = tuple(spec.drafter.hidden_layers) if spec.drafter is not None else ()
-        self.paged = paged and paged_cache.pageable(
-            engine.cache_shape(engine.target, 1, 8))
         if self.paged:  # a drafter's target features are paged too (`paged_features`)
-            paged = paged_cache.PagedTarget(engine.target, page_size, self.pool.num_pages,
-                                            features=taps)
-            spec = engine.serving_spec(paged)
+            spec = engine.serving_spec(paged_cache.PagedTarget(
+                engine.target, c.page_size, self.pool.num_pages, features=taps))
         self.spec = spec
-        taps = bool(taps) and not self.paged  # prompt features only where no pages keep them
-        chunk = prefill_chunk or self.budget  # under a budget, prompts over it go in chunks
-        self.chunk = chunk if self.paged and not static and not taps else None
-        if self.paged and spec.target.hybrid:  # linear state resumes at page ends only
-            paged_hybrid.check_chunk(self.chunk, page_size)
-        self.prefix_cache = prefix.mode(prefix_cache, self.paged, bool(taps))
-        self.kv = KVManager(self.pool, max_context, steps_per_call, spec.depth, spec.num_nodes,
-                            self.prefix_cache)
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise JaxspecError(f"serving.prefill_chunk={prefill_chunk}: use an integer >= 1")
-        self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
-        self._round_left: int | None = None  # the round's budget left (`admission`)
-        self._round_tokens = 0  # prompt tokens prefilled this round
-        self.key = jax.random.key(seed)
-        self.queue: collections.deque[Request] = collections.deque()
-        self.active: dict[int, Request] = {}  # slot -> request
+        self._compose(c, seed)
+
+    def _compose(self, c: ServingConfig, seed: int) -> None:
+        """The parts, each owning its state: KV manager, device runner, streaming, ledger,
+        admission."""
+        drafter = self.spec.drafter
+        # prompt features only where no pages keep them (`paged_features`)
+        taps = drafter is not None and bool(drafter.hidden_layers) and not self.paged
+        budget = c.max_batched_tokens or None  # prompt tokens prefilled per round at most
+        chunk = c.prefill_chunk or budget  # under a budget, prompts over it go in chunks
+        chunk = chunk if self.paged and not self.static and not taps else None
+        if self.paged and self.spec.target.hybrid:  # linear state resumes at page ends only
+            paged_hybrid.check_chunk(chunk, c.page_size)
+        self.prefix_cache = prefix.mode(c.prefix_cache, self.paged, taps)
+        self.kv = KVManager(self.pool, c.max_context, c.steps_per_call, self.spec.depth,
+                            self.spec.num_nodes, self.prefix_cache)
         self.stats = Stats()
+        self.grammars = grammars.GrammarSlots(self.engine, c.slots) if c.structured else None
+        shape = Shape(c.slots, c.max_context, c.steps_per_call, self.widths, self.table_widths,
+                      self.max_pages, self.paged, self.static)
+        self.device = DeviceRunner(self.engine, self.spec, shape, self.pool, self.stats,
+                                   self.grammars, seed)
+        self.streaming = Streaming(self.engine, self.spec, c.page_size, self.prefix_cache,
+                                   lambda: self.device.kv_layout)
+        self.ledger = Ledger(c.max_queue, self.pool, self.device, self.streaming, self.stats,
+                             adaptive=self.spec.adaptive is not None)
+        self.admission = Admission(
+            self.engine, self.spec, shape, pool=self.pool, kv=self.kv, policy=self.policy,
+            stats=self.stats, device=self.device, ledger=self.ledger,
+            chunk=chunk, budget=budget, batch_prefill=c.batch_prefill or budget is not None,
+            prefix_cache=self.prefix_cache)
         self._ids = itertools.count()
-        self._axes = rows.batch_axes(self._row_state_shape)
-        self.state = None  # built at the first admission
-        self._sp_rows: list[tuple] = [GREEDY] * slots
-        self.observed_acceptance: float | None = None  # adaptive: over finished requests
+
+    # ---- what the parts hold, read by the server, metrics, lockstep and the tests ---------
+    queue = property(lambda self: self.ledger.queue)
+    active = property(lambda self: self.ledger.active)
+    prefilling = property(lambda self: self.admission.prefilling)
+    state = property(lambda self: self.device.state)
+    key = property(lambda self: self.device.key)
+    chunk = property(lambda self: self.admission.chunk)
+    budget = property(lambda self: self.admission.budget)
+    batch_prefill = property(lambda self: self.admission.batch_prefill)
+    observed_acceptance = property(lambda self: self.ledger.observed_acceptance)
+    kv_layout = property(lambda self: self.device.kv_layout)
+
+    def kv_bytes(self) -> dict[str, int]:
+        return self.device.kv_bytes()
 
     # ---- submission (any thread; the api holds a lock around these) -----------------------
     def new_request(self, prompt, sampling: Sampling, sink, request_id: str | None = None,
@@ -177,6 +175,15 @@ class Scheduler(Admission, DeviceCall, Streaming):
                                    "serving.structured=true")
             regex = self.grammars.compile(constraint)
         ids = self.engine.encode(prompt)
+        self._check_request(ids, sampling)
+        n = next(self._ids)
+        seed = n if sampling.seed is None else int(sampling.seed)
+        return Request(request_id or f"req-{n}", ids, sampling, seed, sink, time.perf_counter(),
+                       text=TextState(tuple(sampling.stop)), priority=int(priority),
+                       constraint=regex, cache_salt=bytes(cache_salt))
+
+    def _check_request(self, ids, sampling: Sampling) -> None:
+        """A one-line JaxspecError for a request this server cannot run."""
         self.engine.check_fits(ids, int(sampling.max_tokens))
         need = len(ids) + int(sampling.max_tokens) + self.spec.depth + 1
         if need > self.capacity:
@@ -197,16 +204,9 @@ class Scheduler(Admission, DeviceCall, Streaming):
                 f"{sampling.logprobs} top logprobs asked, but the server records "
                 f"{'none' if k is None else k}: start it with generation.logprobs=20"
             )
-        n = next(self._ids)
-        seed = n if sampling.seed is None else int(sampling.seed)
-        return Request(request_id or f"req-{n}", ids, sampling, seed, sink, time.perf_counter(),
-                       text=TextState(tuple(sampling.stop)), priority=int(priority),
-                       constraint=regex, cache_salt=bytes(cache_salt))
 
     def enqueue(self, req: Request) -> None:
-        if len(self.queue) >= self.max_queue:
-            raise QueueFull(f"the queue holds {self.max_queue} requests: retry later")
-        self.queue.append(req)
+        self.ledger.enqueue(req)
 
     @property
     def busy(self) -> bool:
@@ -215,87 +215,67 @@ class Scheduler(Admission, DeviceCall, Streaming):
     # ---- one round: release, admit, one device call, stream -------------------------------
     def run_once(self) -> bool:
         """Admit, run one device call, stream and release. False when there was nothing to do."""
-        for slot, req in list(self.active.items()):
-            if req.cancelled:
-                self._finish(req, "cancelled")
-        for req in [r for r in self.queue if r.cancelled]:
-            self.queue.remove(req)
-            req.sink.finish(self._completion(req, "cancelled"))
-        for slot, (req, _) in list(self.prefilling.items()):
-            if req.cancelled:
-                del self.prefilling[slot]
-                self.pool.release(slot)
-                req.sink.finish(self._completion(req, "cancelled"))
+        self.ledger.drop_cancelled()
+        self.admission.drop_cancelled()
         if self.active:  # the running rows' next call first, then new rows with what is left
             self._reserve_pages()
-        self._admit()
-        chunked = self._prefill_chunks()
+        self.admission.admit()
+        chunked = self.admission.prefill_chunks()
         if not self.active:
             return chunked
         # rows admitted this round hold their prompt and one step: grow them for the whole call
         # (a write past a row's pages is dropped, so its later steps would read a hole)
         self._reserve_pages()
-        self._decode_call()
+        logprobs = any(r.sampling.logprobs is not None for r in self.active.values())
+        host = self.device.decode(self.active, logprobs)
+        self._stream(host, time.perf_counter())
         return True
 
-    def _row_state_shape(self, batch: int):
-        """The state a `batch`-row prefill leaves (traced only, for `rows.batch_axes`)."""
-        sp = SamplingParams.rows([GREEDY] * batch)
-        z = jnp.zeros((batch,), jnp.int32)
-        g = None if self.grammars is None else self.grammars.rows([None] * batch)
-        state = self.engine.prefill_rows(self.spec, jnp.zeros((batch, 16), jnp.int32), z + 1,
-                                         z + 1, sp, self.key, z, self.capacity,
-                                         penalties=self.engine.row_penalties([OFF] * batch),
-                                         grammar=g)
-        if self.spec.adaptive is None:
-            return state
-        g = self.spec.adaptive.gamma
-        return dataclasses.replace(state, adaptive=self.spec.adaptive.init(batch, [1.0] * (g + 1)))
+    def _stream(self, host, now: float) -> None:
+        """Every live row streamed; a row whose tokens or text cannot be read fails alone (its
+        request gets the error, its row and pages are freed), the others go on."""
+        for req in list(self.active.values()):
+            try:
+                reason = self.streaming.read(req, host, now)
+            except Exception as e:  # noqa: BLE001 -- confined to the request that caused it
+                self.ledger.fail(req, e)
+                continue
+            if reason is not None:
+                self.ledger.finish(req, reason, host)
 
-    def _grammar_rows(self, reqs, slots):
-        """The Grammar these rows' prefill takes (None: structured output off); a constraint
-        new to the table is added, and the batch state given the table (`serving.grammars`)."""
-        if self.grammars is None:
-            return None
-        live = (set(self.active) | set(self.prefilling)) - set(slots)
-        regexes = [r.constraint for r in reqs]
-        delta = self.grammars.admit(regexes, list(slots), live)
-        if self.state is not None:
-            self.state = self.grammars.into_state(self.state, delta)
-        return self.grammars.rows(regexes)
-
-    # ---- pages and preemption ---------------------------------------------------------------
     def _reserve_pages(self) -> None:
         """Every active row holds pages for the next call's growth; where the pool is short the
         policy's victims are preempted (their pages freed, the request requeued first,
         recomputed from its prompt when readmitted): `KVManager.reserve`."""
-        self.kv.reserve(self.active, self._host_lengths(), self.policy.victim, self._preempt)
+        self.kv.reserve(self.active, self.device.host_lengths(), self.policy.victim,
+                        self.ledger.preempt)
 
-    def _host_lengths(self) -> np.ndarray:
-        return np.asarray(fetch(self.state.lengths))  # several processes: every one's rows
+    # ---- the programs it calls, compiled ahead (the server's warm-up) ----------------------
+    def decode_programs(self) -> list[dict]:
+        """Every decode call this scheduler can make (`DeviceRunner.decode_programs`)."""
+        return self.device.decode_programs()
 
-    def _preempt(self, req: Request) -> None:
-        self._release(req)
-        req.preemptions += 1
-        self.stats.preemptions += 1
-        self.queue.appendleft(req)
+    def prefill_programs(self, prompt_lengths) -> list[dict]:
+        """Every prefill program admission may call for prompts of these lengths
+        (`Admission.prefill_programs`)."""
+        return self.admission.prefill_programs(prompt_lengths)
 
-    def _release(self, req: Request) -> None:
-        self.pool.release(req.slot)
-        self.active.pop(req.slot, None)
-        self._sp_rows[req.slot] = GREEDY
-        free = np.zeros((self.slots,), bool)
-        free[req.slot] = True
-        self.state = rows.release_rows(self.state, jnp.asarray(free))
-        req.slot = -1
+    def compile_programs(self) -> int:
+        """Compile ahead every decode call this scheduler can make, as a server's warm-up
+        (like a GPU server capturing its graphs): a call of a shape not seen yet otherwise
+        compiles while requests wait. Nothing runs; the state is untouched. -> programs
+        compiled (already compiled ones come from the compilation cache)."""
+        return _compile(self.decode_programs())
 
-    def _finish(self, req: Request, reason: str, host=None) -> None:
-        done = self._completion(req, reason, host)
-        drafted = done.metrics.get("num_draft_tokens")
-        if host is not None and self.spec.adaptive is not None and drafted:
-            acc = done.metrics["acceptance_rate"]  # averaged with earlier requests
-            prev = self.observed_acceptance
-            self.observed_acceptance = acc if prev is None else 0.5 * (prev + acc)
-        self._release(req)
-        self.stats.finished += 1
-        req.sink.finish(done)
+    def compile_prefills(self, prompt_lengths) -> int:
+        """Compile ahead every prefill program admission may call for prompts of these
+        lengths, so no admission waits for one. -> programs compiled (compiling ahead fills
+        jit's own cache, so the calls made while serving find them and lower nothing)."""
+        return _compile(self.prefill_programs(prompt_lengths))
+
+
+def _compile(programs: list[dict]) -> int:
+    for row in programs:
+        fn, args, kwargs = row["program"]
+        fn.lower(*args, **kwargs).compile()
+    return len(programs)

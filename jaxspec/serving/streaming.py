@@ -2,7 +2,8 @@
 (stop ids and strings applied host side), whether and why the request ended, and its
 `Completion` (text, tokens, timings, the loop's metrics for the row).
 
-A mixin of `scheduler.Scheduler`: `_stream_row` calls the scheduler's `_finish`."""
+Host side, no state of its own beyond its settings: `read` advances one request from the host
+copy of a device call and says why it ended (None: it goes on); the ledger ends it."""
 
 from __future__ import annotations
 
@@ -14,23 +15,15 @@ from jaxspec.serving.requests import Completion, Request, RequestFailed
 
 
 class Streaming:
-    def _stream_rows(self, host, now: float) -> None:
-        """Every live row streamed; a row whose tokens or text cannot be read fails alone (its
-        request gets the error, its row and pages are freed), the others go on."""
-        for slot, req in list(self.active.items()):
-            try:
-                self._stream_row(req, host, now)
-            except Exception as e:  # noqa: BLE001 -- confined to the request that caused it
-                self._fail(req, e)
+    def __init__(self, engine, spec, page_size: int, prefix_cache: str, kv_layout):
+        self.engine, self.spec = engine, spec
+        self.page_size, self.prefix_cache = page_size, prefix_cache
+        self.kv_layout = kv_layout  # () -> the device state's cache layout
 
-    def _fail(self, req: Request, error: BaseException) -> None:
-        """End `req` with RequestFailed: its row (if it holds one) and pages are freed."""
-        if req.slot >= 0 and self.active.get(req.slot) is req:
-            self._release(req)
-        self.stats.failed += 1
-        req.sink.finish(None, RequestFailed.of(error))
-
-    def _stream_row(self, req: Request, host, now: float) -> None:
+    def read(self, req: Request, host, now: float) -> str | None:
+        """`req`'s new tokens from `host` (a device call's fields): its new text pushed to its
+        sink; -> why it ended ("stop", "length") or None. Raises RequestFailed for a row whose
+        tokens cannot be text (the caller fails that request alone)."""
         slot, p = req.slot, len(req.prompt_ids)
         out = host.tokens[slot, p : host.lengths[slot]].tolist()
         vocab = self.engine.target.vocab_size
@@ -40,7 +33,7 @@ class Streaming:
                                 f"vocabulary [0, {vocab}): its sampling values give no "
                                 "distribution; the server goes on")
         if len(out) < req.replay:  # a restarted row still recomputing what was streamed
-            return
+            return None
         req.replay = 0
         stop_ids = set(req.sampling.stop_token_ids)
         reason = None
@@ -59,18 +52,15 @@ class Streaming:
         piece, stopped = req.text.advance(text, final=reason is not None)
         if piece:
             req.sink.push(piece)
-        if stopped:
-            reason = "stop"
-        if reason is not None:
-            self._finish(req, reason, host)
+        return "stop" if stopped else reason
 
-    def _completion(self, req: Request, reason: str, host=None) -> Completion:
+    def completion(self, req: Request, reason: str, host=None) -> Completion:
         n = len(req.generated)
         metrics: dict[str, Any] = {"method": self.engine.method}
         if host is not None:
             metrics = self.engine.row_metrics(host, req.slot, n)
-        metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.pool.page_size,
-                    "kv_layout": self.kv_layout, "prefix_cache": self.prefix_cache,
+        metrics |= {"kv_pages": req.peak_pages, "kv_page_size": self.page_size,
+                    "kv_layout": self.kv_layout(), "prefix_cache": self.prefix_cache,
                     "prefix_cached_tokens": req.cached_tokens}
         now = time.perf_counter()
         first = req.first_token or now

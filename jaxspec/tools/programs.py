@@ -121,13 +121,7 @@ def serving_scheduler(engine, config):
     engine built with serving.max_context): its programs are the server's."""
     from jaxspec.serving.scheduler import Scheduler
 
-    s = config.serving
-    return Scheduler(engine, slots=s.slots, max_context=s.max_context,
-                     steps_per_call=s.steps_per_call, max_queue=s.max_queue,
-                     kv_pages=s.kv_pages or None, page_size=s.page_size,
-                     prefill_chunk=s.prefill_chunk or None, prefix_cache=s.prefix_cache,
-                     batch_prefill=s.batch_prefill,
-                     max_batched_tokens=s.max_batched_tokens or None, policy=s.policy)
+    return Scheduler(engine, config.serving)
 
 
 def serving_programs(engine, config, platform: str, prompt_lengths) -> list[dict[str, Any]]:
