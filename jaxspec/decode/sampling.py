@@ -125,8 +125,11 @@ def _greedy_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
 
 def _sampled_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     v = logits.shape[-1]
-    x = logits / sp.temperature
-    x = x - jnp.max(x, axis=-1, keepdims=True)  # max is 0: exp(x) in (0, 1], top token weighs 1
+    # max-subtracted first, then scaled: the top token's x is exactly 0 in every fusion that
+    # recomputes it. Scaling first (logits / T, then - max) let XLA round the division
+    # differently per fusion, and the cut, read from one copy, excluded the top token of
+    # another: every weight 0, no token drawable (seen at T <= 0.1 with top_k 1).
+    x = (logits - jnp.max(logits, axis=-1, keepdims=True)) * (1.0 / sp.temperature)
     filter_on = ((sp.top_k > 0) & (sp.top_k < v)) | (sp.top_p < 1.0)
     cut = lax.cond(filter_on, _filter_cut, _no_cut, x, sp)  # [..., 1]
     w = jnp.where(x >= cut, jnp.exp(x), 0.0)
