@@ -88,6 +88,14 @@ def test_the_readme_stays_short():
     assert len((ROOT / "README.md").read_bytes()) <= 15_000
 
 
+def test_benchmarks_holds_current_figures_only():
+    """BENCHMARKS.md is the current figures (<= 30 KB, issue 58): a session's measurements go to
+    docs/history/ once their headline is there, so the front page stays a page, not a notebook."""
+    size = (ROOT / "BENCHMARKS.md").stat().st_size
+    assert size <= 30_000, (f"BENCHMARKS.md is {size} bytes: move dated sections to "
+                            "docs/history/ and keep their headline figures (<= 30,000 bytes)")
+
+
 def test_every_test_module_has_recorded_timings():
     """docs/testing.md's table (generated from tests/timings.json) lists every test module, and
     no module that is gone."""
