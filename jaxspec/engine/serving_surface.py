@@ -53,7 +53,8 @@ class ServingSurface:
         program of its own."""
         spec = self.spec
         if spec.logprobs is None:  # every request may ask: recorded always, sent where asked
-            spec = dataclasses.replace(spec, logprobs=SERVED_LOGPROBS)
+            k = min(SERVED_LOGPROBS, spec.target.vocab_size)  # a tiny vocabulary has fewer
+            spec = dataclasses.replace(spec, logprobs=k)
         if spec.adaptive is not None:
             ctl = spec.adaptive
             spec = dataclasses.replace(spec, adaptive=dataclasses.replace(
