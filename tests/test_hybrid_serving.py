@@ -67,7 +67,7 @@ def model(checkpoint):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    from jaxspec.drafters.ngram import NgramDrafter
+    from jaxspec.drafters.prompt_lookup import NgramDrafter
 
     return Engine(model, NgramDrafter(256, 1, 3), num_speculative_tokens=3, max_context=CONTEXT,
                   logprobs=3)
@@ -86,7 +86,7 @@ def cli_greedy(checkpoint, prompts, capsys) -> list[dict]:
     from jaxspec.generate import main
 
     args = ["--model", str(checkpoint), "--no-chat-template", "--max-new-tokens", str(NEW),
-            "--temperature", "0", "--json", "--quiet", "--batch-size", "1"]
+            "--temperature", "0", "--json", "--batch-size", "1"]  # not --quiet: process-wide
     for p in prompts:
         args += ["--prompt", p]
     capsys.readouterr()

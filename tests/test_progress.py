@@ -23,6 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 STAMPED = re.compile(r"^\d\d:\d\d:\d\d jaxspec: ")
 
 
+@pytest.fixture(autouse=True)
+def progress_on():
+    """Each test starts from progress's defaults (an in-process CLI run with --quiet earlier in
+    the same worker turns it off for the process, as it should for a CLI)."""
+    progress.set_quiet(False)
+    level = progress.LOG.level
+    progress.LOG.setLevel(logging.INFO)
+    yield
+    progress.LOG.setLevel(level)
+
+
 def test_a_step_is_announced_on_stderr_with_its_time(capsys, monkeypatch):
     monkeypatch.delenv("JAXSPEC_PROGRESS")  # on by default, even for a pipe
     with progress.step("compiling"):
