@@ -1,10 +1,11 @@
-"""python -m jaxspec.export --checkpoint DIR --format eagle3|speculators|medusa|medusa_fd|dflash|dspark --out DIR
+"""python -m jaxspec.export --checkpoint DIR --format eagle3|speculators|medusa|medusa_fd|dflash|dspark|peagle --out DIR
 
 Write a drafter checkpoint in a published layout (safetensors + config.json) that vLLM, SGLang
 or `speculators` read, from:
   - a jaxspec checkpoint (python -m jaxspec.train): method eagle3 -> eagle3 / speculators;
     method medusa -> medusa (vLLM, token_map = the draft vocabulary); method dflash -> dflash
-    (the authors' DFlashDraftModel layout, which the `dflash` package, vLLM and SGLang load). The
+    (the authors' DFlashDraftModel layout, which the `dflash` package, vLLM and SGLang load);
+    method dspark -> dspark and method peagle -> peagle (speculators 0.9.0's layouts). The
     frozen pieces (the
     target's LM-head rows) come from the target (--model), as when jaxspec loads the checkpoint.
   - a published checkpoint: eagle3 <-> speculators, medusa_fd <-> medusa (conversion).
@@ -30,9 +31,9 @@ from jaxspec.cli_support import ArgumentParser
 from jaxspec.errors import JaxspecError
 from jaxspec.output_dir import check_output_dir, replace_dir
 
-OUT_FORMATS = ("eagle3", "speculators", "medusa", "medusa_fd", "dflash", "dspark")
+OUT_FORMATS = ("eagle3", "speculators", "medusa", "medusa_fd", "dflash", "dspark", "peagle")
 FAMILY = {"eagle3": "eagle3", "speculators": "eagle3", "medusa": "medusa", "medusa_fd": "medusa",
-          "dflash": "dflash", "dspark": "dspark"}
+          "dflash": "dflash", "dspark": "dspark", "peagle": "peagle"}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -92,7 +93,7 @@ def export(
         raise JaxspecError(
             f"{checkpoint} is an MTP module stored with its target: it is served from there, not exported"
         )
-    if fmt in ("dflash", "dspark"):
+    if fmt in ("dflash", "dspark", "peagle"):
         return _block_head(checkpoint, fmt, src, out, model, target, force)
     if src == "jaxspec":
         head, method = _from_jaxspec(checkpoint, fmt, model, include_embed, target)
@@ -129,10 +130,11 @@ def _checkpoint_method(checkpoint) -> str:
 
 
 def _block_head(checkpoint, fmt, src, out, model, target, force) -> dict:
-    """A jaxspec checkpoint of method dflash or dspark -> the authors' layout (DFlash's) or the
-    speculators layout (DSpark's); DFlash's config names the target's layer count, so the target
-    is loaded for both."""
+    """A jaxspec checkpoint of method dflash, dspark or peagle -> the authors' layout (DFlash's) or
+    the speculators layout (DSpark's, P-EAGLE's); DFlash's config names the target's layer count
+    and P-EAGLE's its dims, so the target is loaded for all."""
     from jaxspec.formats import dflash as dflash_format, dspark as dspark_format
+    from jaxspec.formats import peagle as peagle_format
     from jaxspec.train.load import load_trained_drafter
 
     if src != "jaxspec":
@@ -155,6 +157,8 @@ def _block_head(checkpoint, fmt, src, out, model, target, force) -> dict:
     with replace_dir(out, force=force, what="--out", marker=True) as tmp:  # atomic
         if fmt == "dflash":
             dflash_format.write(tmp, drafter, dparams, target.target.num_layers)
+        elif fmt == "peagle":
+            peagle_format.write(tmp, drafter, dparams, target.cfg, verifier=model)
         else:
             dspark_format.write(tmp, drafter, dparams)
     return {"checkpoint": str(checkpoint), "from": src, "method": method, "format": fmt,

@@ -12,7 +12,13 @@ is draft i's law; none reads a drafted token, so each draft is an independent dr
 reports: lossless as any chain whose laws do not depend on the drafts.
 
 State, init, commit: EAGLE-3's (ChainState); propose's provisional entries past L-1 are
-overwritten by commit with the verified tokens' real features, as EAGLE-3's are.
+overwritten by commit with the verified tokens' real features, as EAGLE-3's are (for a tree,
+commit writes the accepted path, as for any feature chain).
+
+Dynamic tree (`speculative.tree.kind: dynamic`, EAGLE-2's rule through jaxspec.decode.tree.grow,
+as DFlash's block trees): the one pass gives each depth's law, which reads no drafted token, so a
+node at depth d proposes its children from depth d+1's law whatever its parent; grow's lossless
+argument (a node's law reads only its ancestors' tokens) holds trivially.
 
 dparams: EAGLE-3's plus mask_hidden f32[n·Dt] (n tapped layers).
 """
@@ -25,8 +31,10 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from jaxspec.decode import tree
 from jaxspec.drafters import trained
-from jaxspec.drafters.base import DraftContext, Proposal
+from jaxspec.drafters.base import DraftContext, Proposal, Traits
+from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.drafters.feature_chain import ChainState
 from jaxspec.drafters.registry import BuildContext, register_drafter
@@ -37,6 +45,23 @@ class PEagleDrafter(Eagle3Drafter):
     name: str = "peagle"
     mask_token: int = 0  # the embedding the depth > 0 entries read
     report_q_of_first: bool = False  # tests only: a broken variant reporting entry 0's law
+    tree_top_k: int = 0  # dynamic tree (> 0): nodes expanded per level, children per node
+    tree_levels: int = 0  # dynamic: levels (drafts per pass)
+    tree_budget: int = 0  # dynamic: nodes kept (best path probabilities)
+    tree_children: str = "top_k"  # jaxspec.decode.tree.CHILDREN
+
+    @property
+    def traits(self) -> Traits:
+        return dataclasses.replace(super().traits, tree_nodes=self.tree_nodes,
+                                   tree_depth=self.tree_depth)
+
+    @property
+    def tree_nodes(self) -> int | None:
+        return self.tree_budget if self.tree_top_k else None
+
+    @property
+    def tree_depth(self) -> int | None:
+        return self.tree_levels if self.tree_top_k else None
 
     def parallel_pass(self, dparams, tparams, state: ChainState, ctx: DraftContext, gamma: int):
         """The one drafting forward: (h [B, γ, H] (entry i: draft i), k, v: the cache with the
@@ -61,6 +86,8 @@ class PEagleDrafter(Eagle3Drafter):
 
     def propose(self, dparams, tparams, state: ChainState, ctx: DraftContext, num_tokens, sp,
                 keys):
+        if self.tree_top_k:
+            return self._propose_tree(dparams, tparams, state, ctx, sp, keys)
         b = ctx.lengths.shape[0]
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, γ]
         h, k, v = self.parallel_pass(dparams, tparams, state, ctx, num_tokens)
@@ -72,6 +99,25 @@ class PEagleDrafter(Eagle3Drafter):
             q = jnp.broadcast_to(q[:, :1], q.shape)
         num = jnp.full((b,), num_tokens, jnp.int32)
         return Proposal(drafts, q, num), state._replace(k=k, v=v)
+
+    def _propose_tree(self, dparams, tparams, state: ChainState, ctx: DraftContext, sp, keys):
+        """The dynamic tree over the pass's per-depth laws (tree_levels drafts per pass)."""
+        b, k = ctx.lengths.shape[0], self.tree_top_k
+        h, kc, vc = self.parallel_pass(dparams, tparams, state, ctx, self.tree_levels)
+        logits = self.draft_logits(dparams, tparams, h)  # [B, levels, N]
+
+        def expand(carry, level, front: tree.Frontier):  # frontier at depth level + 1: law level + 1
+            return carry, jnp.broadcast_to(logits[:, level + 1, None], (b, k, logits.shape[-1]))
+
+        grown, _ = tree.grow(expand, None, logits[:, 0], sp, keys, top_k=k,
+                             levels=self.tree_levels, budget=self.tree_budget,
+                             children=self.tree_children)
+        ids = self.draft_ids(dparams)
+        tokens, q = grown.ids, grown.q
+        if ids is not None:
+            tokens, q = ids[grown.ids], scatter_to_target(grown.q, ids, self.target_vocab)
+        num = jnp.full((b,), self.tree_budget, jnp.int32)
+        return Proposal(tokens, q, num, grown.parents), state._replace(k=kc, v=vc)
 
 
 # ---- method "peagle" --------------------------------------------------------------------------
@@ -85,9 +131,13 @@ class PEagleOptions(trained.Eagle3LayoutOptions):
 
 
 def build(options: PEagleOptions, ctx: BuildContext):
-    return trained.load("peagle", options, ctx)
+    drafter, dparams = trained.load("peagle", options, ctx)
+    if ctx.spec.tree.kind == "dynamic":
+        drafter = dataclasses.replace(drafter, **tree.dynamic_fields(ctx.spec.tree))
+    return drafter, dparams
 
 
 register_drafter(
-    "peagle", build, formats=("peagle",), options=PEagleOptions, summary=(
+    "peagle", build, train="jaxspec.train.peagle:PEagle", formats=("jaxspec", "peagle"),
+    options=PEagleOptions, tree_kinds=("dynamic",), summary=(
     "P-EAGLE (speculators 0.9.0): EAGLE-3 drafting every position in one pass"))
