@@ -62,6 +62,7 @@ def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input")
     from jaxspec.train import dflash as dflash_train
     from jaxspec.train import dspark as dspark_train
     from jaxspec.train import methods
+    from jaxspec.train import peagle as peagle_train
 
     if method == "draft_model":  # the target itself as the draft model
         return ModelDrafter(model=target.target, target_vocab=64), target.params
@@ -73,6 +74,7 @@ def _tiny_checkpoint(method, path, target, fmt="auto", eagle3_layer_ids="input")
          "dspark": dspark_train.DSpark(hidden_layers=(1, 2), block_size=8, intermediate_size=32,
                                        markov_rank=4),
          "eagle3": methods.Eagle3(hidden_layers=(1, 2, 2)),
+         "peagle": peagle_train.PEagle(hidden_layers=(1, 2, 2)),
          }[method]
     params, frozen = m.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
     return m.drafter(target.target), m.runtime(params, frozen)

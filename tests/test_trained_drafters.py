@@ -33,6 +33,7 @@ PROMPTS = [
 SHIPPED = [
     ("eagle", "checkpoints/smollm2-135m-eagle", 4),
     ("eagle3", "checkpoints/smollm2-135m-eagle3", 3),
+    ("peagle", "checkpoints/smollm2-135m-peagle", 4),
     ("medusa", "checkpoints/smollm2-135m-medusa", 3),
     ("draft_model", "checkpoints/smollm2-135m-draft", 3),
 ]

@@ -106,7 +106,8 @@ class PEagleDrafter(Eagle3Drafter):
         h, kc, vc = self.parallel_pass(dparams, tparams, state, ctx, self.tree_levels)
         logits = self.draft_logits(dparams, tparams, h)  # [B, levels, N]
 
-        def expand(carry, level, front: tree.Frontier):  # frontier at depth level + 1: law level + 1
+        def expand(carry, level, front: tree.Frontier):  # frontier depth level + 1
+            # its children (depth level + 2) draw from law level + 1, whatever their parent
             return carry, jnp.broadcast_to(logits[:, level + 1, None], (b, k, logits.shape[-1]))
 
         grown, _ = tree.grow(expand, None, logits[:, 0], sp, keys, top_k=k,
