@@ -75,6 +75,29 @@ def param_shapes(cfg: Qwen35Config) -> Params:
     return shapes
 
 
+ATTENTION_AXES = {"wq": ("heads", "embed"), "wk": ("kv_heads", "embed"),
+                  "wv": ("kv_heads", "embed"), "wo": ("embed", "heads"),
+                  "q_norm": (None,), "k_norm": (None,)}
+LINEAR_AXES = {"in_qkv": ("linear_channels", "embed"), "conv": ("linear_channels", None),
+               "in_z": ("linear_heads", "embed"), "in_b": ("linear_heads", "embed"),
+               "in_a": ("linear_heads", "embed"), "dt_bias": ("linear_heads",),
+               "A_log": ("linear_heads",), "norm": (None,), "out": ("embed", "linear_heads")}
+MLP_AXES = {"w_gate": ("mlp", "embed"), "w_up": ("mlp", "embed"), "w_down": ("embed", "mlp")}
+
+
+def param_axes(cfg: Qwen35Config) -> Params:
+    """Logical axis names of every param leaf (`sharding.py`): attention by heads, linear layers
+    by value heads and q/k/v channels, the MLP by width or (MoE) whole experts over one axis."""
+    mlp = MLP_AXES if not cfg.is_moe else moe.LAYER_AXES | moe.SHARED_AXES
+    common = {"attn_norm": (None,), "mlp_norm": (None,)} | mlp
+    layers = tuple(common | (LINEAR_AXES if cfg.is_linear(i) else ATTENTION_AXES)
+                   for i in range(cfg.num_layers))
+    axes: Params = {"embed": ("vocab", "embed"), "final_norm": (None,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        axes["lm_head"] = ("vocab", "embed")
+    return axes
+
+
 def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Params:
     """Random params: matrices N(0, scale), norms near their neutral value, A_log in log(1..16)."""
     shapes = param_shapes(cfg)
@@ -349,7 +372,11 @@ class Qwen35Target:
             self.cfg, num_layers=num_layers, layer_types=self.cfg.layer_types[:num_layers]))
 
     def head_counts(self) -> dict[str, int]:
-        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
+        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads,
+                "linear_heads": self.cfg.linear_value_heads}
+
+    def param_axes(self, params: Params) -> Params:
+        return param_axes(self.cfg)
 
     def layout(self, params: Params) -> str:
         return "unrolled"
