@@ -11,6 +11,11 @@ the native MTP head chained at γ 3 (drafts accepted and rejected); the head's f
 torch computation of the published definition, and written back in the published names it
 reads back equal. Routings and layer types jaxspec does not implement are refused in one line
 before any tensor is read.
+
+GGUF, both Qwen3.5 families: tests/data/gguf/ holds tiny checkpoints converted by llama.cpp's own
+convert_hf_to_gguf.py (scripts/qwen3_5_gguf_fixtures.py regenerates them) with transformers'
+logits and greedy tokens; loaded, they match, and a reader that leaves one of the converter's
+changes in place (value heads tiled, A for A_log) fails.
 """
 
 from __future__ import annotations
@@ -292,3 +297,53 @@ def test_qwen3_next_matches_transformers_and_speculates_exactly(qwen3_next, prom
     out = Engine(model, NgramDrafter(VOCAB, 1, 3), None, num_speculative_tokens=4).generate(
         prompts[:2], max_new_tokens=NEW, batch_size=2)
     assert [r.token_ids for r in out] == plain
+
+
+# ------------------------------------- GGUF: both Qwen3.5 families, llama.cpp's own converter
+
+GGUF_DIR = __import__("pathlib").Path(__file__).parent / "data" / "gguf"
+
+
+@pytest.fixture(scope="module")
+def gguf_reference():
+    """transformers' prompt logits and 24 greedy tokens for the checkpoints the fixtures were
+    converted from (scripts/qwen3_5_gguf_fixtures.py)."""
+    return dict(np.load(GGUF_DIR / "qwen3_5_reference.npz"))
+
+
+def gguf_logits(loaded, prompt) -> np.ndarray:  # [T, V]
+    cache = loaded.target.init_cache(loaded.params, 1, 64)
+    out = loaded.target.forward(loaded.params, jnp.asarray(prompt)[None], cache)
+    return np.asarray(loaded.target.logits(loaded.params, out.hidden))[0]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_gguf_from_llama_cpps_converter_matches_transformers(name, gguf_reference):
+    """A tiny Qwen3.5 / Qwen3.5-MoE converted by llama.cpp's convert_hf_to_gguf.py (value heads
+    regrouped, A stored as -exp(A_log), norms as w + 1, experts stacked) loads to transformers'
+    logits, and the engine's greedy tokens equal transformers' generate."""
+    from jaxspec.engine.runner import Engine
+
+    loaded = load_model(GGUF_DIR / f"{name}.gguf")
+    assert loaded.target.name == name and loaded.target.cfg.linear_value_heads == 4
+    prompt = [int(t) for t in gguf_reference["prompt"]]
+    ref = gguf_reference[f"{name}/logits"]
+    assert np.abs(gguf_logits(loaded, prompt) - ref).max() < 2e-4 * np.abs(ref).max()
+    model = base.Model(target=loaded.target, params=loaded.params, eos_token_ids=(-1,))
+    (out,) = Engine(model).generate([prompt], max_new_tokens=NEW)
+    assert out.token_ids == [int(t) for t in gguf_reference[f"{name}/greedy"]]
+
+
+@pytest.mark.parametrize("broken", ["value heads left tiled", "A read as A_log"])
+def test_gguf_read_without_undoing_a_converter_change_fails(monkeypatch, gguf_reference, broken):
+    from jaxspec.models import qwen3_5_gguf
+
+    if broken == "value heads left tiled":
+        monkeypatch.setattr(qwen3_5_gguf, "untile", lambda x, axis, *dims: x)
+    else:
+        undo = qwen3_5_gguf.undo
+        monkeypatch.setattr(qwen3_5_gguf, "undo",
+                            lambda leaf, w, cfg: w if leaf == "A_log" else undo(leaf, w, cfg))
+    loaded = load_model(GGUF_DIR / "qwen3_5.gguf")
+    ref = gguf_reference["qwen3_5/logits"]
+    assert np.abs(gguf_logits(loaded, [int(t) for t in gguf_reference["prompt"]]) - ref).max() > 1e-2

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
 from jaxspec.models import attention, base, blocks, hybrid_cache, moe, paged_layer, registry
+from jaxspec.models import qwen3_5_gguf
 from jaxspec.models import linear_attention as la
 from jaxspec.models.decoder import ModelConfig, linear, write_kv
 from jaxspec.models.qwen3_5_config import (  # noqa: F401  (the family's names, re-exported)
@@ -390,9 +391,18 @@ def _target_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35Target:
     return Qwen35Target(qwen3_5_config_from_hf(hf, dtype=dtype, source=source))
 
 
+def _target_from_gguf(header, *, dtype: str, source: str) -> Qwen35Target:
+    return Qwen35Target(qwen3_5_gguf.config_from_gguf(header, dtype=dtype, source=source))
+
+
 registry.register_family(registry.Family(
-    "qwen3_5", ("qwen3_5", "qwen3_5_text"), (), _target_from_hf,
+    "qwen3_5", ("qwen3_5", "qwen3_5_text"), ("qwen35",), _target_from_hf, _target_from_gguf,
     hf=registry.HfLayout(
         config=qwen3_5_config_from_hf, tensor_name=_tensor_name, param_shapes=param_shapes,
         target=lambda cfg, arch: Qwen35Target(cfg), skip=HF_SKIPPED, convert=convert,
-        layout=check_layout, architecture=lambda cfg: "qwen3_5")))
+        layout=check_layout, architecture=lambda cfg: "qwen3_5"),
+    gguf=registry.FileLayout(
+        config=qwen3_5_gguf.config_from_gguf,
+        tensor_name=lambda n: registry.gguf_tensor_name(n, qwen3_5_gguf.GGUF_LAYER_NAMES),
+        param_shapes=param_shapes, target=lambda cfg, arch: Qwen35Target(cfg),
+        convert=qwen3_5_gguf.convert, layout=check_layout, architecture=lambda cfg: "qwen3_5")))
