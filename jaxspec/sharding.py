@@ -14,6 +14,10 @@ not divide stay replicated over `model`, as does any mlp / vocab dim the axis do
 With q/k/v split by heads and wo / w_down contracted over the split dim, a layer needs two
 all-reduces (Megatron). Routed experts (`models/moe.py`, `[E, ...]` leaves) split whole experts
 over `model` (`ShardingRules.experts`): each device runs its own, no expert weight is gathered.
+Gated DeltaNet layers (Qwen3.5, Qwen3-Next) split their value heads (`linear_heads`: in_z, in_a,
+in_b, out and the recurrent state) and their mixed q/k/v channels (`linear_channels`: in_qkv, the
+per-channel conv and its state) over `model`; the channel blocks are not head-aligned (q | k | v
+concatenated), so the conv output is regathered as activations ([B, T, C]), never as weights.
 Drafters are replicated over `model` by default (their batch rows still
 follow `data`); `MeshPlan(shard_drafter=True)` shards a draft model by the target's rules.
 """
@@ -28,6 +32,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxspec.models.cache import CACHE_AXES, KVCache
+from jaxspec.models.hybrid_cache import HybridCache, cache_axes as hybrid_cache_axes
 from jaxspec.models.paged_attention import PagedKVCache
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base, llama
@@ -42,6 +47,10 @@ class ShardingRules:
     kv_heads: str | None = "model"
     mlp: str | None = "model"
     experts: str | None = "model"  # routed experts (models/moe.py): whole experts per device
+    # Gated DeltaNet layers (models/linear_attention.py): value heads (in_z, in_a/in_b, out, the
+    # recurrent state) and the mixed q/k/v channels (in_qkv, the depthwise conv and its state)
+    linear_heads: str | None = "model"
+    linear_channels: str | None = "model"
     vocab: str | None = "model"
     embed: str | None = None
     head_dim: str | None = None
@@ -58,7 +67,7 @@ class ShardingRules:
     def replicated_over_model(self) -> ShardingRules:
         """Only the batch keeps its axis (the default for drafters)."""
         return ShardingRules(batch=self.batch, heads=None, kv_heads=None, mlp=None, experts=None,
-                             vocab=None)
+                             linear_heads=None, linear_channels=None, vocab=None)
 
 
 def make_mesh(data: int = 1, model: int | None = None, devices=None) -> Mesh:
@@ -234,12 +243,15 @@ def state_shardings(tree, batch: int, mesh: Mesh, rules: ShardingRules = Shardin
             return paged_cache_shardings(x, mesh, rules)
         if isinstance(x, KVCache):
             return cache_shardings(x, mesh, rules)
+        if isinstance(x, HybridCache) and x.snapshots is None:
+            return shardings_for(x, hybrid_cache_axes(len(x.k), len(x.ssm)), mesh, rules)
         if x.ndim >= 1 and x.shape[0] == batch:
             spec = _fitted_spec(rules, ("batch",) + (None,) * (x.ndim - 1), x.shape, mesh, {})
             return NamedSharding(mesh, spec)
         return NamedSharding(mesh, P())
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, (KVCache, PagedKVCache)))
+    return jax.tree.map(
+        one, tree, is_leaf=lambda x: isinstance(x, (KVCache, PagedKVCache, HybridCache)))
 
 
 @dataclasses.dataclass(frozen=True)

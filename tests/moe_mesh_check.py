@@ -1,10 +1,13 @@
 """Run by tests/test_moe.py in a subprocess with 8 simulated CPU devices (the flag must be set
-before jax starts): a tiny all-experts Qwen3-MoE (16 experts, top 2) on a (1, 2) and a (2, 4) mesh,
-with n-gram drafts (prompts, one-token steps on the gather path, verify windows on the dense
-one), against one device; the experts split over `model` by the rules table
-(`ShardingRules.experts`), and no expert weight all-gathered in a decode step or a verify window
-(`weight_gathers`: float all-gathers of at least one expert's size in the compiled forwards).
-Prints one JSON object on the last line.
+before jax starts): tiny Qwen3-MoE (16 experts, top 2), Qwen3.5 (Gated DeltaNet + gated
+attention) and Qwen3.5-MoE on a (1, 2) and a (2, 4) mesh against one device: a prompt forward's
+logits, greedy tokens plain (Qwen3.5) and with n-gram drafts (prompts, one-token steps on the
+experts' gather path, verify windows on the dense one, the linear layers' states kept per window
+entry and committed along the accepted path). Reported per run: the shard shapes of an expert
+leaf, a linear layer's value-head leaf (in_z) and its q/k/v channels (in_qkv) as the rules
+table cut them, and `weight_gathers`: all-gathers in the compiled forwards (a one-token step, a
+4-token window) whose result is as large as a sharded weight (an expert, in_qkv, in_z): zero
+means each device computes on its own slice. Prints one JSON object on the last line.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_mesh_check.py
 """
@@ -20,22 +23,38 @@ sys.path[:0] = [str(Path(__file__).parents[1])]  # this jaxspec
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.drafters import NgramDrafter
 from jaxspec.engine.runner import Engine
-from jaxspec.models import base
+from jaxspec.models import base, qwen3_5
+from jaxspec.models.qwen3_5_moe import Qwen35MoeTarget
 from jaxspec.models.qwen3_moe import MoeConfig, MoeTarget, init_params
 from jaxspec.sharding import MeshPlan, make_mesh
 
 V = 64
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4], list(range(3, 20)), [7, 8, 9, 7, 8, 9, 7], list(range(10, 30))]
+MOE = dict(num_experts=16, top_k=2, moe_intermediate_size=16)
 
 
-def model() -> base.Model:
+def qwen3_moe() -> base.Model:
     cfg = MoeConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=256,
-                    num_experts=16, top_k=2, moe_intermediate_size=16, moe_layers=(True, True))
+                    moe_layers=(True, True), **MOE)
     return base.Model(target=MoeTarget(cfg), params=init_params(cfg, jax.random.key(0), 0.3),
+                      eos_token_ids=(0,))
+
+
+def qwen3_5_model(moe: bool) -> base.Model:
+    """Three linear layers and one gated attention layer; 4 value heads, 64 q/k/v channels."""
+    extra = dict(MOE, shared_expert_intermediate_size=32) if moe else {}
+    cfg = qwen3_5.Qwen35Config(
+        vocab_size=V, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, layer_types=("linear_attention",) * 3 + ("full_attention",),
+        linear_key_heads=2, linear_value_heads=4, linear_key_dim=8, linear_value_dim=8,
+        rope_theta=10000.0, partial_rotary_factor=0.5, max_position_embeddings=256, **extra)
+    target = Qwen35MoeTarget(cfg) if moe else qwen3_5.Qwen35Target(cfg)
+    return base.Model(target=target, params=qwen3_5.init_params(cfg, jax.random.key(1), 0.3),
                       eos_token_ids=(0,))
 
 
@@ -44,35 +63,59 @@ def generate(m, drafter, plan=None):
     return [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=12, batch_size=len(PROMPTS))]
 
 
+def prompt_logits(m, params) -> np.ndarray:  # [B, T, V] of the first 9 tokens of each prompt
+    tokens = jnp.asarray([p[:7] for p in PROMPTS], jnp.int32)
+    cache = m.target.init_cache(params, len(PROMPTS), 32)
+    out = jax.jit(m.target.forward)(params, tokens, cache)
+    return np.asarray(m.target.logits(params, out.hidden))
+
+
+def sharded_leaves(layers) -> dict:
+    """The leaves whose shards are reported: an expert leaf, a linear layer's in_z and in_qkv."""
+    out = {}
+    for lp in layers:
+        for name in ("we_gate", "in_z", "in_qkv"):
+            if name in lp and name not in out:
+                out[name] = lp[name]
+    return out
+
+
 def main() -> None:
     assert jax.device_count() >= 8, "run with --xla_force_host_platform_device_count=8"
-    m = model()
     out = {}
-    drafter = NgramDrafter(V, 1, 3)
-    one = generate(m, drafter)
-    for data, mdl in ((1, 2), (2, 4)):
-        plan = MeshPlan(make_mesh(data=data, model=mdl))
-        params = plan.place_target(m.params, m.target)
-        we = params["layers"][0]["we_gate"]
-        out[f"ngram/{data}x{mdl}"] = {
-            "equal": one == generate(m, drafter, plan),
-            "experts_shard": list(we.sharding.shard_shape(we.shape)),
-            "weight_gathers": weight_gathers(m.target, params, we.shape[1] * we.shape[2]),
-        }
+    runs = {"qwen3_moe": (qwen3_moe(), ("ngram",)), "qwen3_5": (qwen3_5_model(False), ("plain", "ngram")),
+            "qwen3_5_moe": (qwen3_5_model(True), ("ngram",))}
+    for name, (m, methods) in runs.items():
+        drafters = {"plain": None, "ngram": NgramDrafter(V, 1, 3)}
+        one = {method: generate(m, drafters[method]) for method in methods}
+        logits = prompt_logits(m, m.params)
+        for data, mdl in ((1, 2), (2, 4)):
+            plan = MeshPlan(make_mesh(data=data, model=mdl))
+            params = plan.place_target(m.params, m.target)
+            leaves = sharded_leaves(params["layers"])
+            row = {"shards": {k: list(v.sharding.shard_shape(v.shape)) for k, v in leaves.items()},
+                   "logits_max_diff": float(np.abs(prompt_logits(m, params) - logits).max()),
+                   "weight_gathers": weight_gathers(m.target, params, leaves)}
+            for method in methods:
+                row[f"equal/{method}"] = one[method] == generate(m, drafters[method], plan)
+            out[f"{name}/{data}x{mdl}"] = row
     print(json.dumps(out))
 
 
-def weight_gathers(target, params, expert_size: int) -> int:
-    """Float all-gathers of >= one expert's elements in the compiled forward of a one-token step
-    (4 rows: the gather path) and of a 4-token window (the dense path on CPU)."""
-    count = 0
+def weight_gathers(target, params, leaves: dict) -> list[str]:
+    """Float all-gathers whose result holds at least as many elements as the smallest full
+    weight among `leaves`, in the compiled forward of a one-token step (4 rows: the experts'
+    gather path) and of a 4-token window (their dense path on CPU)."""
+    least = min(int(np.prod(v.shape[1:] if k == "we_gate" else v.shape)) for k, v in leaves.items())
+    found = []
     for t in (1, 4):
         cache = target.init_cache(params, len(PROMPTS), 32)
         fwd = jax.jit(lambda p, x, c: target.forward(p, x, c).hidden)
         hlo = fwd.lower(params, jnp.zeros((len(PROMPTS), t), jnp.int32), cache).compile().as_text()
         for dims in re.findall(r"= (?:f32|bf16)\[([0-9,]*)\]\{[^}]*\} all-gather\(", hlo):
-            count += int(jnp.prod(jnp.asarray([int(d) for d in dims.split(",") if d]))) >= expert_size
-    return count
+            if int(np.prod([int(d) for d in dims.split(",") if d])) >= least:
+                found.append(f"t{t}:[{dims}]")
+    return found
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ perturbed copy of the target, batch of 4 prompts of mixed lengths) is token-iden
 plain; the three expert paths (gather, grouped, dense) equal an independent reference; broken
 variants (the top-k weights not renormed, one routing shared by a whole window) fail parity; bad
 checkpoints are refused in one line before any tensor is placed; on (1, 2) and (2, 4) CPU meshes
-(a subprocess, `tests/moe_mesh_check.py`) the experts split over `model` and the output equals
-one device.
+(a subprocess, `tests/moe_mesh_check.py`) Qwen3-MoE, Qwen3.5 and Qwen3.5-MoE split experts and
+linear-attention heads over `model`, gather no weight, and equal one device.
 """
 
 from __future__ import annotations
@@ -345,6 +345,10 @@ def test_missing_expert_and_mixed_stack_refused(checkpoints, tmp_path):
 
 
 def test_experts_sharded_on_meshes_equal_one_device():
+    """Qwen3-MoE, Qwen3.5 (hybrid) and Qwen3.5-MoE on (1, 2) and (2, 4) meshes equal one device
+    (prompt logits; greedy tokens plain and with n-gram drafts), with experts, linear-attention
+    value heads and q/k/v channels split by the rules table and no weight all-gathered in a
+    compiled step or window (tests/moe_mesh_check.py)."""
     import os
     import subprocess
     import sys
@@ -354,15 +358,23 @@ def test_experts_sharded_on_meshes_equal_one_device():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     proc = subprocess.run([sys.executable, "tests/moe_mesh_check.py"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(out) == {"ngram/1x2", "ngram/2x4"}
+    assert set(out) == {f"{m}/{d}" for m in ("qwen3_moe", "qwen3_5", "qwen3_5_moe")
+                        for d in ("1x2", "2x4")}
     for name, result in out.items():
-        assert result["equal"], name
-        assert result["weight_gathers"] == 0, name  # experts stay on their devices
-    assert out["ngram/1x2"]["experts_shard"] == [8, 16, 64]  # 16 experts, 8 per device
-    assert out["ngram/2x4"]["experts_shard"] == [4, 16, 64]
+        assert all(v for k, v in result.items() if k.startswith("equal/")), name
+        assert result["logits_max_diff"] < 2e-4, name
+        assert result["weight_gathers"] == [], name  # weights stay on their devices
+    assert out["qwen3_5/1x2"]["equal/plain"] and out["qwen3_5/2x4"]["equal/ngram"]
+    for fam in ("qwen3_moe", "qwen3_5_moe"):  # 16 experts, 8 / 4 per device
+        assert out[f"{fam}/1x2"]["shards"]["we_gate"] == [8, 16, 64]
+        assert out[f"{fam}/2x4"]["shards"]["we_gate"] == [4, 16, 64]
+    for fam in ("qwen3_5", "qwen3_5_moe"):  # 4 value heads of 8 (in_z 32 rows), 64 channels
+        assert out[f"{fam}/1x2"]["shards"]["in_z"] == [16, 64]
+        assert out[f"{fam}/2x4"]["shards"]["in_z"] == [8, 64]
+        assert out[f"{fam}/2x4"]["shards"]["in_qkv"] == [16, 64]
 
 
 def test_active_weight_bytes_at_real_shapes_match_the_published_counts():

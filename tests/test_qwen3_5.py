@@ -361,3 +361,41 @@ def test_ring_rollback_reads_the_state_at_the_length():
                                      jnp.asarray([[5, 6, 7]]))
     read = [float(hybrid_cache.read_state(ring, jnp.asarray([n]))[0, 0]) for n in (4, 5, 7)]
     assert read == [0, 1, 3]
+
+
+# ------------------------------------------- jaxspec.train's recipes on the hybrid target
+
+TRAIN_ARGS = {  # taps 1, 2, 3: the outputs of layers 0 and 1 (linear) and 2 (full attention)
+    "eagle3": {"hidden_layers": (1, 2, 3), "ttt_steps": 2},
+    "dflash": {"hidden_layers": (1, 2, 3), "block_size": 4, "num_layers": 1,
+               "intermediate_size": 64, "anchors": 6},
+}
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_trained_head_on_the_hybrid_target_is_lossless(tmp_path, model, prompts, plain, method):
+    """EAGLE-3 and DFlash trained by `jaxspec.train` on the transformers-written Qwen3.5 (its own
+    greedy continuations of these prompts and others, features tapped after linear and attention
+    layers alike): the loss falls, and the trained head drafts for the target (some drafts
+    accepted) with greedy output equal to plain."""
+    from jaxspec.engine.runner import Engine
+    from jaxspec.train.data import DataConfig, generate_records
+    from jaxspec.train.train import TrainConfig, train
+
+    rng = np.random.default_rng(3)
+    train_prompts = list(prompts) * 2 + [list(map(int, rng.integers(3, VOCAB, size=int(n))))
+                                         for n in rng.integers(4, 10, 8)]
+    records = generate_records(model, train_prompts,
+                               DataConfig(layers=(1, 2, 3), top_k=4, gen_steps=16), np.asarray([-1]))
+    tc = TrainConfig(method=method, ckpt_dir=str(tmp_path / "ckpt"), steps=30, batch_size=4,
+                     seq_len=24, lr=1e-2, warmup=2, save_every=0, draft_vocab=VOCAB,
+                     method_args=TRAIN_ARGS[method])
+    out = train(tc, target=model, data=records, eval_prompts=[], log=lambda *a: None,
+                progress=False)
+    losses = [h["loss"] for h in out.history]
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+    dparams = out.method.runtime(out.params, out.frozen)
+    engine = Engine(model, out.drafter, dparams, num_speculative_tokens=3)
+    res = engine.generate(prompts, max_new_tokens=NEW, batch_size=4)
+    assert [r.token_ids for r in res] == plain
+    assert sum(r.metrics["num_accepted_tokens"] for r in res) > 0  # the head's drafts were used

@@ -11,6 +11,15 @@ the native MTP head chained at γ 3 (drafts accepted and rejected); the head's f
 torch computation of the published definition, and written back in the published names it
 reads back equal. Routings and layer types jaxspec does not implement are refused in one line
 before any tensor is read.
+
+Qwen3-Next (its fused projections split on load) equals transformers; its MTP head, stored as
+published (`mtp.*`, no `mtp_num_hidden_layers` in config.json), is read by `method: mtp` with no
+checkpoint, equals the published definition and drafts losslessly.
+
+GGUF, both Qwen3.5 families: tests/data/gguf/ holds tiny checkpoints converted by llama.cpp's own
+convert_hf_to_gguf.py (scripts/qwen3_5_gguf_fixtures.py regenerates them) with transformers'
+logits and greedy tokens; loaded, they match, and a reader that leaves one of the converter's
+changes in place (value heads tiled, A for A_log) fails.
 """
 
 from __future__ import annotations
@@ -249,9 +258,14 @@ def test_unsupported_variants_refused_before_loading(tmp_path, changes, words):
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
-    """A tiny random `Qwen3NextForCausalLM` (its fused in_proj_qkvz / in_proj_ba) and its load."""
+    """A tiny random `Qwen3NextForCausalLM` (its fused in_proj_qkvz / in_proj_ba) with an MTP head
+    (transformers' own Qwen3-Next decoder layer) saved beside it in the `mtp.*` names, and, as
+    in the published Qwen3-Next checkpoints, no `mtp_num_hidden_layers` in config.json:
+    (model, head, load)."""
     torch = import_torch()
     import transformers as tr
+    from safetensors.numpy import load_file, save_file
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
 
     torch.manual_seed(3)
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -261,13 +275,28 @@ def qwen3_next(tmp_path_factory):
             "shared_expert_intermediate_size", "pad_token_id", "bos_token_id", "eos_token_id",
             "rope_parameters")
     base_cfg = hf_config().to_dict()
-    model = tr.Qwen3NextForCausalLM(tr.Qwen3NextConfig(
-        **{k: base_cfg[k] for k in keys}, intermediate_size=64))
+    cfg = tr.Qwen3NextConfig(**{k: base_cfg[k] for k in keys}, intermediate_size=64)
+    model = tr.Qwen3NextForCausalLM(cfg)
     _randomize(model, 0.3)
+    with torch.no_grad():  # a pull towards repeating the last token: the echoing MTP head
+        model.lm_head.weight.add_(0.15 * model.model.embed_tokens.weight)  # drafts get accepted
     model.set_attn_implementation("eager")
+    d = cfg.hidden_size
+    head = torch.nn.ModuleDict({
+        "pre_fc_norm_embedding": m.Qwen3NextRMSNorm(d, eps=cfg.rms_norm_eps),
+        "pre_fc_norm_hidden": m.Qwen3NextRMSNorm(d, eps=cfg.rms_norm_eps),
+        "fc": torch.nn.Linear(2 * d, d, bias=False),
+        "layers": torch.nn.ModuleList([m.Qwen3NextDecoderLayer(cfg, LAYER_TYPES.index(
+            "full_attention"))]),
+        "norm": m.Qwen3NextRMSNorm(d, eps=cfg.rms_norm_eps),
+    })
+    _randomize(head, 0.3)
     path = tmp_path_factory.mktemp("qwen3_next")
     model.eval().save_pretrained(path)
-    return model, load_model(path, layout="auto")
+    tensors = load_file(path / "model.safetensors") | _per_expert("mtp.", head.state_dict())
+    save_file(tensors, path / "model.safetensors")
+    assert "mtp_num_hidden_layers" not in json.loads((path / "config.json").read_text())
+    return model, head.eval(), load_model(path, layout="auto")
 
 
 def test_qwen3_next_matches_transformers_and_speculates_exactly(qwen3_next, prompts):
@@ -278,7 +307,7 @@ def test_qwen3_next_matches_transformers_and_speculates_exactly(qwen3_next, prom
     from jaxspec.drafters.prompt_lookup import NgramDrafter
     from jaxspec.engine.runner import Engine
 
-    hf, loaded = qwen3_next
+    hf, _, loaded = qwen3_next
     assert loaded.target.name == "qwen3_next"
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 20)).astype(np.int32)
     ref = hf_logits(hf, ids)
@@ -292,3 +321,83 @@ def test_qwen3_next_matches_transformers_and_speculates_exactly(qwen3_next, prom
     out = Engine(model, NgramDrafter(VOCAB, 1, 3), None, num_speculative_tokens=4).generate(
         prompts[:2], max_new_tokens=NEW, batch_size=2)
     assert [r.token_ids for r in out] == plain
+
+
+def test_qwen3_next_mtp_head_read_from_the_checkpoint(qwen3_next, prompts):
+    """Qwen3-Next's published checkpoints carry the same `mtp.*` head as Qwen3.5 (without
+    `mtp_num_hidden_layers`): `speculative.method: mtp` with no checkpoint reads it; its forward
+    equals the published definition on transformers' own layer, and greedy speculation with it
+    equals greedy plain (drafts accepted and rejected)."""
+    from test_qwen3_5_mtp import spec, torch_logits
+
+    from jaxspec.build import build_drafter
+    from jaxspec.engine.runner import Engine
+
+    hf, thead, loaded = qwen3_next
+    drafter, dparams = build_drafter(spec(), loaded)
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 16)).astype(np.int32)
+    target, params = loaded.target, loaded.params
+    out = target.forward(params, jnp.asarray(ids), target.init_cache(params, 2, 32),
+                         taps=drafter.hidden_layers)
+    ours = np.asarray(drafter.forward(dparams, base.bind(target, params), jnp.asarray(ids),
+                                      out.taps))[:, 1:]
+    ref = torch_logits(hf, thead, ids)
+    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+    model = base.Model(target=target, params=params, eos_token_ids=(-1,))
+    plain = [r.token_ids for r in Engine(model).generate(prompts, max_new_tokens=NEW,
+                                                          batch_size=4)]
+    res = Engine(model, drafter, echoing(dparams), num_speculative_tokens=3).generate(
+        prompts, max_new_tokens=NEW, batch_size=4)
+    assert [r.token_ids for r in res] == plain
+    accepted = sum(r.metrics["num_accepted_tokens"] for r in res)
+    assert 0 < accepted < sum(r.metrics["num_draft_tokens"] for r in res)
+
+
+# ------------------------------------- GGUF: both Qwen3.5 families, llama.cpp's own converter
+
+GGUF_DIR = __import__("pathlib").Path(__file__).parent / "data" / "gguf"
+
+
+@pytest.fixture(scope="module")
+def gguf_reference():
+    """transformers' prompt logits and 24 greedy tokens for the checkpoints the fixtures were
+    converted from (scripts/qwen3_5_gguf_fixtures.py)."""
+    return dict(np.load(GGUF_DIR / "qwen3_5_reference.npz"))
+
+
+def gguf_logits(loaded, prompt) -> np.ndarray:  # [T, V]
+    cache = loaded.target.init_cache(loaded.params, 1, 64)
+    out = loaded.target.forward(loaded.params, jnp.asarray(prompt)[None], cache)
+    return np.asarray(loaded.target.logits(loaded.params, out.hidden))[0]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_gguf_from_llama_cpps_converter_matches_transformers(name, gguf_reference):
+    """A tiny Qwen3.5 / Qwen3.5-MoE converted by llama.cpp's convert_hf_to_gguf.py (value heads
+    regrouped, A stored as -exp(A_log), norms as w + 1, experts stacked) loads to transformers'
+    logits, and the engine's greedy tokens equal transformers' generate."""
+    from jaxspec.engine.runner import Engine
+
+    loaded = load_model(GGUF_DIR / f"{name}.gguf")
+    assert loaded.target.name == name and loaded.target.cfg.linear_value_heads == 4
+    prompt = [int(t) for t in gguf_reference["prompt"]]
+    ref = gguf_reference[f"{name}/logits"]
+    assert np.abs(gguf_logits(loaded, prompt) - ref).max() < 2e-4 * np.abs(ref).max()
+    model = base.Model(target=loaded.target, params=loaded.params, eos_token_ids=(-1,))
+    (out,) = Engine(model).generate([prompt], max_new_tokens=NEW)
+    assert out.token_ids == [int(t) for t in gguf_reference[f"{name}/greedy"]]
+
+
+@pytest.mark.parametrize("broken", ["value heads left tiled", "A read as A_log"])
+def test_gguf_read_without_undoing_a_converter_change_fails(monkeypatch, gguf_reference, broken):
+    from jaxspec.models import qwen3_5_gguf
+
+    if broken == "value heads left tiled":
+        monkeypatch.setattr(qwen3_5_gguf, "untile", lambda x, axis, *dims: x)
+    else:
+        undo = qwen3_5_gguf.undo
+        monkeypatch.setattr(qwen3_5_gguf, "undo",
+                            lambda leaf, w, cfg: w if leaf == "A_log" else undo(leaf, w, cfg))
+    loaded = load_model(GGUF_DIR / "qwen3_5.gguf")
+    ref = gguf_reference["qwen3_5/logits"]
+    assert np.abs(gguf_logits(loaded, [int(t) for t in gguf_reference["prompt"]]) - ref).max() > 1e-2

@@ -59,16 +59,28 @@ def native_mtp_layers(config: dict) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 0
 
 
+def undeclared_mtp_layers(config: dict, path: Path) -> int:
+    """Qwen3-Next's published checkpoints hold the `mtp.*` head without declaring
+    `mtp_num_hidden_layers` (llama.cpp's converter counts it from the tensors, vLLM takes one):
+    1 for a qwen3_next checkpoint whose tensors include `mtp.fc.weight`, else 0."""
+    from jaxspec.loading.safetensors_dir import tensor_index  # names only (file headers)
+
+    if config.get("model_type") != "qwen3_next":
+        return 0
+    return int("mtp.fc.weight" in tensor_index(Path(path)))
+
+
 def read(path, target_cfg, where=None):
     """-> (MtpDrafter, dparams) for `target_cfg`, validated."""
     path = Path(path)
     where = where or str(path)
     config = T.read_config(path)
-    if native_mtp_layers(config):  # Qwen3.5 / Qwen3-Next: the mtp.* layout
+    native = native_mtp_layers(config) or undeclared_mtp_layers(config, path)
+    if native:  # Qwen3.5 / Qwen3-Next: the mtp.* layout
         # imported only for a Qwen3.5 checkpoint: its reader loads the hybrid model modules
         from jaxspec.formats import qwen3_5_mtp
 
-        return qwen3_5_mtp.read(path, target_cfg, where, native_mtp_layers(config))
+        return qwen3_5_mtp.read(path, target_cfg, where, native)
     if not detect(config):
         raise JaxspecError(
             f"{where}: config.json has no num_nextn_predict_layers >= 1 (DeepSeek-V3) or "

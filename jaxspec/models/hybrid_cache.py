@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from jaxspec.models.cache import CACHE_AXES
 
-SSM_AXES = ("batch", None, "heads", None, None)  # value heads split like attention heads
-CONV_AXES = ("batch", None, None, None)
+SSM_AXES = ("batch", None, "linear_heads", None, None)  # value heads, as the layer's weights
+CONV_AXES = ("batch", None, None, "linear_channels")
 
 
 @jax.tree_util.register_dataclass

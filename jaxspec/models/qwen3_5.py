@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
 from jaxspec.models import attention, base, blocks, hybrid_cache, moe, paged_layer, registry
+from jaxspec.models import qwen3_5_gguf
 from jaxspec.models import linear_attention as la
 from jaxspec.models.decoder import ModelConfig, linear, write_kv
 from jaxspec.models.qwen3_5_config import (  # noqa: F401  (the family's names, re-exported)
@@ -73,6 +74,29 @@ def param_shapes(cfg: Qwen35Config) -> Params:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
     return shapes
+
+
+ATTENTION_AXES = {"wq": ("heads", "embed"), "wk": ("kv_heads", "embed"),
+                  "wv": ("kv_heads", "embed"), "wo": ("embed", "heads"),
+                  "q_norm": (None,), "k_norm": (None,)}
+LINEAR_AXES = {"in_qkv": ("linear_channels", "embed"), "conv": ("linear_channels", None),
+               "in_z": ("linear_heads", "embed"), "in_b": ("linear_heads", "embed"),
+               "in_a": ("linear_heads", "embed"), "dt_bias": ("linear_heads",),
+               "A_log": ("linear_heads",), "norm": (None,), "out": ("embed", "linear_heads")}
+MLP_AXES = {"w_gate": ("mlp", "embed"), "w_up": ("mlp", "embed"), "w_down": ("embed", "mlp")}
+
+
+def param_axes(cfg: Qwen35Config) -> Params:
+    """Logical axis names of every param leaf (`sharding.py`): attention by heads, linear layers
+    by value heads and q/k/v channels, the MLP by width or (MoE) whole experts over one axis."""
+    mlp = MLP_AXES if not cfg.is_moe else moe.LAYER_AXES | moe.SHARED_AXES
+    common = {"attn_norm": (None,), "mlp_norm": (None,)} | mlp
+    layers = tuple(common | (LINEAR_AXES if cfg.is_linear(i) else ATTENTION_AXES)
+                   for i in range(cfg.num_layers))
+    axes: Params = {"embed": ("vocab", "embed"), "final_norm": (None,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        axes["lm_head"] = ("vocab", "embed")
+    return axes
 
 
 def init_params(cfg: Qwen35Config, key: jax.Array, scale: float = 0.02) -> Params:
@@ -349,7 +373,11 @@ class Qwen35Target:
             self.cfg, num_layers=num_layers, layer_types=self.cfg.layer_types[:num_layers]))
 
     def head_counts(self) -> dict[str, int]:
-        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads}
+        return {"heads": self.cfg.num_heads, "kv_heads": self.cfg.num_kv_heads,
+                "linear_heads": self.cfg.linear_value_heads}
+
+    def param_axes(self, params: Params) -> Params:
+        return param_axes(self.cfg)
 
     def layout(self, params: Params) -> str:
         return "unrolled"
@@ -363,9 +391,18 @@ def _target_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35Target:
     return Qwen35Target(qwen3_5_config_from_hf(hf, dtype=dtype, source=source))
 
 
+def _target_from_gguf(header, *, dtype: str, source: str) -> Qwen35Target:
+    return Qwen35Target(qwen3_5_gguf.config_from_gguf(header, dtype=dtype, source=source))
+
+
 registry.register_family(registry.Family(
-    "qwen3_5", ("qwen3_5", "qwen3_5_text"), (), _target_from_hf,
+    "qwen3_5", ("qwen3_5", "qwen3_5_text"), ("qwen35",), _target_from_hf, _target_from_gguf,
     hf=registry.HfLayout(
         config=qwen3_5_config_from_hf, tensor_name=_tensor_name, param_shapes=param_shapes,
         target=lambda cfg, arch: Qwen35Target(cfg), skip=HF_SKIPPED, convert=convert,
-        layout=check_layout, architecture=lambda cfg: "qwen3_5")))
+        layout=check_layout, architecture=lambda cfg: "qwen3_5"),
+    gguf=registry.FileLayout(
+        config=qwen3_5_gguf.config_from_gguf,
+        tensor_name=lambda n: registry.gguf_tensor_name(n, qwen3_5_gguf.GGUF_LAYER_NAMES),
+        param_shapes=param_shapes, target=lambda cfg, arch: Qwen35Target(cfg),
+        convert=qwen3_5_gguf.convert, layout=check_layout, architecture=lambda cfg: "qwen3_5")))

@@ -24,7 +24,7 @@ import re
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
-from jaxspec.models import moe, qwen3_5, registry
+from jaxspec.models import moe, qwen3_5, qwen3_5_gguf, registry
 from jaxspec.models.qwen3_5 import Qwen35Config, Qwen35Target
 
 ROUTING = ("softmax top-k routing per token with the k weights renormed, one shared expert "
@@ -120,10 +120,21 @@ def _target_from_hf(hf: dict, *, dtype: str, source: str) -> Qwen35MoeTarget:
     return Qwen35MoeTarget(qwen3_5_moe_config_from_hf(hf, dtype=dtype, source=source))
 
 
+def _target_from_gguf(header, *, dtype: str, source: str) -> Qwen35MoeTarget:
+    return Qwen35MoeTarget(qwen3_5_gguf.config_from_gguf(header, dtype=dtype, source=source))
+
+
 registry.register_family(registry.Family(
-    "qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), (), _target_from_hf,
+    "qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), ("qwen35moe",), _target_from_hf,
+    _target_from_gguf,
     hf=registry.HfLayout(
         config=qwen3_5_moe_config_from_hf, tensor_name=_tensor_name,
         param_shapes=qwen3_5.param_shapes, target=lambda cfg, arch: Qwen35MoeTarget(cfg),
         skip=qwen3_5.HF_SKIPPED, convert=convert, layout=qwen3_5.check_layout,
+        architecture=lambda cfg: "qwen3_5_moe"),
+    gguf=registry.FileLayout(
+        config=qwen3_5_gguf.config_from_gguf,
+        tensor_name=lambda n: registry.gguf_tensor_name(n, qwen3_5_gguf.GGUF_LAYER_NAMES),
+        param_shapes=qwen3_5.param_shapes, target=lambda cfg, arch: Qwen35MoeTarget(cfg),
+        convert=qwen3_5_gguf.convert, layout=qwen3_5.check_layout,
         architecture=lambda cfg: "qwen3_5_moe")))

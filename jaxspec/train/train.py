@@ -25,6 +25,7 @@ from jaxspec.errors import JaxspecError, short
 from jaxspec.options import coerce
 from jaxspec.engine.runner import Engine
 from jaxspec.loading import load_model
+from jaxspec.models.llama import LlamaTarget
 from jaxspec.output_dir import check_output_dir
 from jaxspec.train import checkpoint as ckpt
 from jaxspec.train import methods as methods_lib
@@ -188,6 +189,13 @@ def _shard_batch(batch):
     }
 
 
+def target_of(model):
+    """What a method's init / loss / drafter take for the target: the Llama family's config (as
+    before), any other family's Target (Qwen3.5's hybrid layers, Qwen3-MoE, Gemma 4)."""
+    target = model.target
+    return target.cfg if type(target) is LlamaTarget else target
+
+
 def make_method(tc: TrainConfig):
     return methods_lib.METHODS[tc.method](**tc.method_args)
 
@@ -245,7 +253,7 @@ def _prepare(tc: TrainConfig, target, data, log) -> _Setup:
         data = load_shards(tc.data_dir, window=tc.seq_len)
     method = make_method(tc)
     d2t = methods_lib.build_vocab(
-        data["tokens"], data["lengths"], data["topk_ids"], tc.draft_vocab, target.cfg.vocab_size
+        data["tokens"], data["lengths"], data["topk_ids"], tc.draft_vocab, target.target.vocab_size
     )
     params, frozen = method.init(target, d2t, jax.random.key(tc.seed))
     if tc.init_from:
@@ -263,7 +271,7 @@ def _prepare(tc: TrainConfig, target, data, log) -> _Setup:
 def _make_step(tc: TrainConfig, setup: _Setup):
     """The jitted optimiser step: (state, batch) -> (state, metrics)."""
     opt = make_optimizer(tc)
-    method, frozen, tcfg = setup.method, setup.frozen, setup.target.cfg
+    method, frozen, tcfg = setup.method, setup.frozen, target_of(setup.target)
 
     def loss_fn(p, batch):
         return method.loss(p, frozen, batch, tcfg)
@@ -293,7 +301,7 @@ def train(
     target, method, frozen, state = setup.target, setup.method, setup.frozen, setup.state
     train_step = _make_step(tc, setup)
     batches = Batches(setup.data, tc.batch_size, tc.seq_len, tc.seed, method.feature_slots)
-    drafter = method.drafter(target.cfg)
+    drafter = method.drafter(target_of(target))
     prompts = eval_prompts if eval_prompts is not None else held_out_prompts(tc)
 
     def evaluate_now(state):
@@ -360,7 +368,7 @@ def _export(tc: TrainConfig, setup: _Setup, state, history, evals, train_s: floa
         "eval": evals,
         "last_metrics": history[-1] if history else None,
     }
-    arch = setup.method.arch(setup.target.cfg) | {"draft_vocab": int(len(setup.d2t))}
+    arch = setup.method.arch(target_of(setup.target)) | {"draft_vocab": int(len(setup.d2t))}
     cast = lambda x: x.astype(tc.export_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
     learned = exported_params(setup.method, state["params"], setup.frozen)
     export = {**jax.tree.map(cast, learned), "d2t": jnp.asarray(setup.d2t)}
