@@ -162,12 +162,11 @@ def test_missing_wheels_name_the_install_command(tmp_path):
     assert "libtpu==" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
-def test_speculative_step_on_gpu_has_no_host_sync(method):
+@functools.cache
+def _loop_step(method: str, temperature: float = 0.0) -> dict:
     """The decode loop's step compiled for an H200 (jaxspec.tools.spec_steps: the program
-    speculate.decode_jit runs): n-gram's variable-length proposals run the widest window rather
-    than a switch over widths (a host sync a step on XLA:GPU), EAGLE-3 drafts γ tokens in a
-    scan, and both accept on the device: 0 host round trips, the kernel attention."""
+    speculate.decode_jit runs) on a tiny 4-layer bf16 model whose 5000-token vocabulary is no
+    other dim of the program."""
     import dataclasses
 
     from tiny import tiny_config
@@ -175,12 +174,33 @@ def test_speculative_step_on_gpu_has_no_host_sync(method):
     from jaxspec.models import llama
     from jaxspec.tools import spec_steps
 
-    model = llama.LlamaTarget(dataclasses.replace(tiny_config(layers=4), dtype="bfloat16"))
+    cfg = dataclasses.replace(tiny_config(layers=4, vocab=5000), dtype="bfloat16")
+    model = llama.LlamaTarget(cfg)
     place = accel_roofline.placement("h200", None, model)
-    r = spec_steps.measure_step(place, model, "fused", method, spec_steps.DEFAULT_GAMMA[method],
-                                1, 256, 128)
+    gamma = spec_steps.DEFAULT_GAMMA.get(method, 0)
+    return spec_steps.measure_step(place, model, "fused", method, gamma, 1, 256, 128, temperature)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_speculative_step_on_gpu_has_no_host_sync(method):
+    """n-gram's variable-length proposals run the widest window rather than a switch over widths
+    (a host sync a step on XLA:GPU), EAGLE-3 drafts γ tokens in a scan, and both accept on the
+    device: 0 host round trips, the kernel attention. Greedy: the drafts, the acceptance and the
+    next token are argmaxes, no prefix sum or one-hot over a vocabulary (`vocab_scans`)."""
+    from jaxspec.tools import spec_steps
+
+    r = _loop_step(method)
     assert r["host_syncs"] == 0 and r["kernels"] > 0 and r["attention"] == "pallas_gpu", r
     assert r["window"] == spec_steps.DEFAULT_GAMMA[method] + 1, r
+    assert r["vocab_scans"] == 0, r
+
+
+def test_greedy_decoding_picks_the_argmax_and_sampling_still_draws():
+    """Plain decoding's compiled step: greedy takes the argmax (no vocabulary scan, fewer kernels);
+    the sampled step (the control: the detector sees its inverse-CDF draw) scans."""
+    greedy, sampled = _loop_step("plain"), _loop_step("plain", temperature=0.7)
+    assert greedy["vocab_scans"] == 0 and sampled["vocab_scans"] > 0, (greedy, sampled)
+    assert greedy["kernels"] < sampled["kernels"], (greedy, sampled)
 
 
 def test_a_model_sharded_mesh_reads_its_shard_once_with_two_all_reduces_a_layer():

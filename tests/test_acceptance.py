@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec.decode.acceptance import accept, accept_row
+from jaxspec.decode.acceptance import accept, accept_row, accept_tree_greedy
 from jaxspec.decode.sampling import SamplingParams, draw, logits_to_probs, row_keys
 
 N = 200_000  # independent decodes per check
@@ -308,6 +308,13 @@ def test_greedy_is_the_limit(seed):
             exp_n += 1
         assert (n[r], nxt[r]) == (exp_n, target[r, exp_n])
     assert 0 < (n == num).mean() < 1 and n.dtype == nxt.dtype == np.int32
+    # a greedy program walks the same limit on the argmax tokens alone (no p, q or draw)
+    parents = np.broadcast_to(np.arange(G_E) - 1, (B_E, G_E))
+    path, gn, gnxt = accept_tree_greedy(drafts, parents, target, num, G_E + 1)
+    np.testing.assert_array_equal(gn, n)
+    np.testing.assert_array_equal(gnxt, nxt)
+    kept = np.arange(G_E + 1)[None] <= n[:, None]
+    np.testing.assert_array_equal(np.where(kept, path, 0), np.where(kept, np.arange(G_E + 1), 0))
 
 
 _random_l2p = jax.jit(logits_to_probs)

@@ -269,10 +269,23 @@ def test_draw_is_an_inverse_cdf_that_skips_zeros():
 
 
 def test_sample_greedy_one_hot_is_argmax():
-    logits = jnp.asarray(_logits(8, (16, V)))
+    """And `greedy_tokens` (a greedy program's pick, no one-hot or draw) is that same token,
+    first max on ties, INVALID_TOKEN for a row holding NaN as the one-hot draw gives."""
+    from jaxspec.decode.sampling import INVALID_TOKEN, choose_rows, greedy_tokens
+
+    logits = np.array(_logits(8, (16, V)))
+    logits[3, [7, 2]] = logits[3].max() + 1.0  # a tie: the first (2) wins
+    logits[5, 11] = np.nan
+    logits = jnp.asarray(logits)
     probs = logits_to_probs(logits, SamplingParams.make(0.0))
     keys = row_keys(jax.random.key(1), jnp.arange(16), 0)
-    np.testing.assert_array_equal(sample_rows(keys, probs), np.argmax(logits, -1))
+    drawn = np.asarray(sample_rows(keys, probs))
+    expected = np.array(np.argmax(logits, -1))
+    expected[5] = INVALID_TOKEN
+    np.testing.assert_array_equal(drawn, expected)
+    assert drawn[3] == 2
+    np.testing.assert_array_equal(greedy_tokens(logits), drawn)
+    np.testing.assert_array_equal(choose_rows(keys, logits, SamplingParams.make(0.0)), drawn)
 
 
 def test_row_keys_independent_of_batch():

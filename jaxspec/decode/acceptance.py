@@ -8,6 +8,7 @@ The emitted tokens then have exactly the target law. q and p must both come from
 
 Greedy is the limit: with one-hot p and q a draft is accepted iff it equals the target argmax,
 and the next token is the target argmax (tests/test_acceptance.py checks the rule reduces to that).
+A greedy program walks that limit directly on the target's argmax tokens (`accept_tree_greedy`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,37 @@ def accept_tree(tokens, parents, q, p, num_nodes, keys, path_len: int, update_re
     """[B, N], [B, N], [B, N, V], [B, 1+N, V], [B], keys[B] -> path [B, P], n [B], next [B]."""
     row = lambda *a: accept_tree_row(*a, path_len, update_residual)  # noqa: E731
     return jax.vmap(row)(tokens, parents, q, p, num_nodes, keys)
+
+
+def accept_tree_greedy_row(
+    tokens: jax.Array,  # int32[N] node tokens
+    parents: jax.Array,  # int32[N] parent node, -1 = root
+    target: jax.Array,  # int32[1+N] the target's argmax at window entries (sampling.greedy_tokens)
+    num_nodes: jax.Array,  # int32[]
+    path_len: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`accept_tree_row` for one-hot p (a greedy program), from the target's argmax tokens alone:
+    a child is accepted iff it is its parent entry's argmax, and the next token is the argmax at
+    the last accepted entry -- the greedy limit of the rule (module docstring), with no
+    vocabulary-sized residual or draw. Same outputs as `accept_tree_row` on the one-hot p."""
+    n_nodes = tokens.shape[0]
+
+    def body(i, carry):
+        cur, n, path = carry
+        is_child = (parents[i] + 1 == cur) & (i < num_nodes)
+        ok = is_child & (tokens[i] == target[cur]) & (target[cur] >= 0)  # -1: a NaN row
+        path = jnp.where(ok, path.at[jnp.minimum(n + 1, path_len - 1)].set(i + 1), path)
+        return jnp.where(ok, i + 1, cur), n + ok.astype(jnp.int32), path
+
+    carry = (jnp.int32(0), jnp.int32(0), jnp.zeros((path_len,), jnp.int32))
+    cur, n, path = jax.lax.fori_loop(0, n_nodes, body, carry) if n_nodes else carry
+    return path, n, target[cur]
+
+
+def accept_tree_greedy(tokens, parents, target, num_nodes, path_len: int):
+    """[B, N], [B, N], int32[B, 1+N] argmax tokens, [B] -> path [B, P], n [B], next [B]."""
+    row = lambda *a: accept_tree_greedy_row(*a, path_len)  # noqa: E731
+    return jax.vmap(row)(tokens, parents, target, num_nodes)
 
 
 def root_token(p_root: jax.Array, keys: jax.Array, num_nodes: int) -> jax.Array:

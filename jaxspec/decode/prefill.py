@@ -55,9 +55,8 @@ def prefill(
     aux = processors.prepare(extras, none, none)  # one entry: the last prompt position
     adjusted = processors.adjust(extras, aux, logits[:, None], jnp.zeros((b, 1), jnp.int32),
                                  jnp.ones((b, 1, 1), bool))  # [B, 1, V]
-    probs = sampling.logits_to_probs(adjusted[:, 0], sp)  # [B, V]
     row_steps = jnp.zeros((b,), jnp.int32)
-    first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
+    first = sampling.choose_rows(sampling.row_keys(key, row_ids, row_steps), adjusted[:, 0], sp)
     tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
     tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first)
     reads = processors.read(spec, sp, extras, logits[:, None], adjusted)

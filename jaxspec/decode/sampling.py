@@ -5,7 +5,8 @@ lossless only if target and draft probabilities both come from `logits_to_probs`
 `SamplingParams`. The params are arrays, so changing their values never recompiles.
 
 Cost: temperature 0 is an argmax (a `lax.cond` branch); the vocabulary sort behind top-k/top-p
-runs only when one of them is on; min-p is elementwise.
+runs only when one of them is on; min-p is elementwise. A greedy program (mode "greedy") picks
+its tokens with `greedy_tokens` (an argmax: no one-hot law, no prefix sum over the vocabulary).
 """
 
 from __future__ import annotations
@@ -115,12 +116,34 @@ def _per_row_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
 
 def _greedy_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:
     del sp
-    # == one_hot(argmax): first max on ties. Two plain reductions; XLA:CPU's argmax is ~2x slower.
+    v = logits.shape[-1]  # == one_hot(argmax); a row holding NaN: all zero (no token drawable)
+    return (jnp.arange(v, dtype=jnp.int32) == _first_max(logits)[..., None]).astype(jnp.float32)
+
+
+def _first_max(logits: jax.Array) -> jax.Array:
+    """f32[..., V] -> int32[...]: the first index of the max; V where a row holds NaN. Two plain
+    reductions (XLA:CPU's argmax is ~2x slower), no vocabulary-sized output."""
     v = logits.shape[-1]
-    iota = jnp.arange(v, dtype=jnp.int32)
+    iota = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     top = logits == jnp.max(logits, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(top, iota, v), axis=-1, keepdims=True)
-    return (iota == first).astype(jnp.float32)
+    return jnp.min(jnp.where(top, iota, v), axis=-1)
+
+
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """f32[..., V] logits -> int32[...]: the token a greedy row emits -- the argmax, first max on
+    ties -- picked without building the one-hot law or drawing from it (no vocabulary-sized
+    prefix sum). Equal to `sample(key, logits_to_probs(logits, greedy))` for every key,
+    INVALID_TOKEN included (a row holding NaN)."""
+    first = _first_max(logits.astype(jnp.float32))
+    return jnp.where(first < logits.shape[-1], first, INVALID_TOKEN).astype(jnp.int32)
+
+
+def choose_rows(keys: jax.Array, logits: jax.Array, sp: SamplingParams) -> jax.Array:
+    """keys [B], logits [B, V] -> int32[B]: each row's token under `sp`. A greedy program
+    (mode "greedy") takes the argmax (`greedy_tokens`); otherwise a draw from `logits_to_probs`."""
+    if sp.mode == "greedy":
+        return greedy_tokens(logits)
+    return sample_rows(keys, logits_to_probs(logits, sp))
 
 
 def _sampled_probs(logits: jax.Array, sp: SamplingParams) -> jax.Array:

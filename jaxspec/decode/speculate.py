@@ -51,7 +51,8 @@ from jaxspec.decode.sampling import SamplingParams
 
 def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
            extras: processors.Carries | None = None, aux: dict | None = None):
-    """Target over the first `width` window entries -> (probs [B, T, V], hidden
+    """Target over the first `width` window entries -> (probs [B, T, V] -- in a greedy program
+    (sp.mode "greedy") the argmax tokens int32[B, T] instead (`sampling.greedy_tokens`) --, hidden
     [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
     entries (past `width`: zeros, never accepted). extras: the processors on (their carries,
     `processors.carries`) with `aux` their `prepare` data: each entry's logits go through
@@ -73,9 +74,12 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
     logits = spec.target.logits(tparams, out.hidden)  # [B, width, V]
     adjusted = logits if not extras else processors.adjust(
         extras, aux, logits, window.tokens[:, :width], window.mask[:, :width, :width])
-    probs = sampling.logits_to_probs(adjusted, sp)  # [B, width, V]
+    if sp.mode == "greedy":  # the argmax alone: no one-hot law over the vocabulary
+        probs = jnp.pad(sampling.greedy_tokens(adjusted), [(0, 0), (0, t - width)])  # [B, T]
+    else:
+        probs = sampling.logits_to_probs(adjusted, sp)  # [B, width, V]
+        probs = jnp.pad(probs, [(0, 0), (0, t - width), (0, 0)])
     pad = [(0, 0), (0, t - width), (0, 0)]
-    probs = jnp.pad(probs, pad)
     layer_hidden = out.taps
     if layer_hidden is not None:
         layer_hidden = jnp.pad(layer_hidden, [(0, 0), *pad])
@@ -290,9 +294,13 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
     p, hidden, cache, window_kv, reads = _verify_any_width(
         spec, tparams, state.cache, window, sp, num_nodes, extras, aux
     )
-    path, num_acc, next_token = acceptance.accept_tree(
-        proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, spec.depth + 1
-    )
+    if sp.mode == "greedy":  # p: the target's argmax tokens
+        path, num_acc, next_token = acceptance.accept_tree_greedy(
+            proposal.tokens, parents, p, num_nodes, spec.depth + 1)
+    else:
+        path, num_acc, next_token = acceptance.accept_tree(
+            proposal.tokens, parents, proposal.probs, p, num_nodes, k_accept, spec.depth + 1
+        )
     path_tokens = jnp.take_along_axis(window.tokens, path, axis=1)  # [B, D+1]
     tokens, lengths, count, done = _emit(spec, state, path_tokens[:, 1:], num_acc, next_token)
     step = processors.Committed(tokens, state.lengths, lengths, count, path, path_tokens,
@@ -343,7 +351,10 @@ def _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate, in_plac
     p, hidden, cache, window_kv, reads = verify(
         spec, tparams, state.cache, window, sp, 1, extras, aux)
     root_hidden = None if hidden is None else hidden[:, :, 0]  # [nl, B, D]
-    next_token = acceptance.root_token(p[:, 0], k_accept, n)
+    if sp.mode == "greedy":  # p: the target's argmax tokens
+        next_token = p[:, 0]
+    else:
+        next_token = acceptance.root_token(p[:, 0], k_accept, n)
     zeros = jnp.zeros((b,), jnp.int32)
     tokens, lengths, count, done = _emit(spec, state, jnp.zeros((b, d), jnp.int32), zeros, next_token)
     path = jnp.zeros((b, d + 1), jnp.int32)  # the root only (entries past it: masked garbage)

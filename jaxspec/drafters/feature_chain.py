@@ -181,8 +181,8 @@ class ChainDrafter(abc.ABC):
     def _sample(self, dparams, tparams, h, sp, keys):
         """h [B, H] -> (target token [B], full-vocab draft probs f32[B, V])."""
         logits = self.draft_logits(dparams, tparams, h)  # [B, N]
-        probs_n = sampling.logits_to_probs(logits, sp)
-        idx = sampling.sample_rows(keys, probs_n)
+        probs_n = sampling.logits_to_probs(logits, sp)  # greedy: read by nothing, compiled out
+        idx = sampling.choose_rows(keys, logits, sp)  # greedy: the argmax, no draw
         ids = self.draft_ids(dparams)
         if ids is None:  # full vocabulary
             return idx, probs_n

@@ -111,13 +111,21 @@ def body_bytes(text: str, unknown_trip: int = 1) -> int:
     return hlo.device_bytes("\n".join(lines), unknown_trip=unknown_trip)
 
 
+def _vocab_sizes(model: base.Target, dparams) -> set[int]:
+    """The target's vocabulary size and a draft head's own (EAGLE-3's 32k draft vocabulary)."""
+    head = dparams.get("lm_head") if isinstance(dparams, dict) else None
+    return {model.vocab_size} | ({head.shape[0]} if head is not None else set())
+
+
 def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, batch: int,
-                 capacity: int, valid: int) -> dict:
-    """The loop's step for `method` compiled for placement `p` (accel_roofline.Placement), read."""
+                 capacity: int, valid: int, temperature: float = 0.0) -> dict:
+    """The loop's step for `method` compiled for placement `p` (accel_roofline.Placement), read:
+    greedy (a greedy program) unless `temperature` > 0 (a sampled one). vocab_scans: kernels
+    that scan a vocabulary to draw (step_model.vocabulary_scans; greedy: none)."""
     drafter, dparams = drafter_for(model, method, gamma)
     spec = loop_spec(model, drafter, gamma)
     params = step_programs.abstract_params(model, layout)
-    sp = SamplingParams.make()
+    sp = SamplingParams.make(temperature)
     prompt = min(valid, capacity // 2)
     args = (params, dparams, jnp.zeros((batch, prompt), jnp.int32),
             jnp.full((batch,), prompt, jnp.int32), jnp.full((batch,), 64, jnp.int32), sp,
@@ -143,6 +151,7 @@ def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, ba
         "gamma": gamma if drafter is not None else 0, "window": window, "layout": layout,
         "capacity": capacity, "valid": valid, "min_bytes": int(need), "bytes_moved": moved,
         "bytes_ratio": round(moved / need, 3), "kernels": kernels, "host_syncs": syncs,
+        "vocab_scans": len(step_model.vocabulary_scans(text, _vocab_sizes(model, dparams))),
         "attention": hlo.compiled_attention(text),
         "floor_ms": round(step_model.floor_ms(need, p.target.bandwidth), 4),
         "predicted_ms": round(step_model.predicted_ms(

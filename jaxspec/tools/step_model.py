@@ -123,6 +123,35 @@ def kernels_computing(text: str, opcodes: tuple[str, ...]) -> int:
                if i.opcode == "fusion" and i.calls and holds(i.calls))
 
 
+def vocabulary_scans(text: str, vocab_sizes) -> list[str]:
+    """Launched kernels that draw a token by scanning the vocabulary: a prefix sum (`cumsum`
+    lowers to reduce-window) over a vocabulary-sized operand, or a vocabulary-sized boolean
+    written out (a one-hot or a mask materialised). A greedy step needs neither: its argmax is
+    two reductions (decode/sampling.py `greedy_tokens`). vocab_sizes: the target's and any draft
+    vocabulary's sizes."""
+    comps = hlo.parse(text)
+    vocab = set(vocab_sizes)
+    bodies = {i.calls for c in comps.values() for i in c if i.calls}
+
+    def scans(name: str) -> bool:
+        ins = comps.get(name, [])
+        return (any(i.opcode == "reduce-window" for i in ins)
+                and any(vocab & set(i.dims or ()) for i in ins)) or any(
+                    i.calls and scans(i.calls) for i in ins if i.opcode == "fusion")
+
+    out = []
+    for name, comp in comps.items():
+        if name in bodies:
+            continue  # a fusion's body (read through its fusion instruction)
+        for i in comp:
+            wide_mask = i.line.split("=", 1)[1].lstrip().startswith("pred[") and vocab & set(
+                i.dims or ())
+            if (i.opcode == "fusion" and i.calls and (scans(i.calls) or wide_mask)) or (
+                    i.opcode == "reduce-window" and vocab & set(i.dims or ())):
+                out.append(i.name)
+    return out
+
+
 def collectives(text: str) -> int:
     """Collective ops in the optimised module (each async pair once)."""
     return sum(1 for ins in (i for c in hlo.parse(text).values() for i in c)
