@@ -141,6 +141,7 @@ def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None,
     bound = sock.getsockname()[1]
     gate = app.state.gate
     failure: list[BaseException] = []
+    warming = threading.Event()  # the warm-up is running
 
     class Draining(uvicorn.Server):
         def handle_exit(self, sig, frame):  # not re-raised after the run: the exit is ours
@@ -167,12 +168,15 @@ def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None,
         shown = f"[{host}]" if family == socket.AF_INET6 else host
         say(f"listening on http://{shown}:{bound}")
         if warm_up is not None:
+            warming.set()
             try:
                 warm_up()
             except BaseException as e:  # noqa: BLE001 -- reported by run(), the server stops
                 failure.append(e)
                 server.should_exit = True
                 return
+            finally:
+                warming.clear()
         gate.ready = True
         say("ready")
 
@@ -184,12 +188,29 @@ def serve_until_stopped(uvicorn, app, host: str, port: int, warm_up=None,
         time.sleep(0.5)  # the handlers send what the loop ended with
         server.should_exit = True
 
-    threading.Thread(target=announce, daemon=True).start()
+    threading.Thread(target=announce, name="jaxspec-warm-up", daemon=True).start()
     if died is not None:
         threading.Thread(target=watch, name="jaxspec-watch", daemon=True).start()
     server.run(sockets=[sock])
     if failure:
         raise failure[0]
+    if warming.is_set():
+        exit_during_warm_up(EXIT_ENGINE_DIED if died is not None and died.is_set() else 0)
+
+
+def exit_during_warm_up(code: int) -> None:
+    """Stopped (SIGTERM, or the serving loop died) while the warm-up compiles: exit now. Nothing was served (requests
+    got 503), and a compile cannot be interrupted: waiting could take a minute, and a compile
+    returning into an interpreter being torn down aborts the process ("terminate called ...",
+    SIGABRT) where a supervisor expects a clean stop. The stores are whole (each entry is
+    written to a temporary file, then renamed)."""
+    say("stopped during the warm-up, before 'ready'; its unfinished compile is dropped")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def admitted_lengths(scheduler, limits) -> range:

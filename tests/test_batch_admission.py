@@ -159,3 +159,21 @@ def test_warm_up_covers_every_prefill_batched_admission_calls(tiny_target, promp
         done = run(sched, arrive)
     assert sum(c.metrics["prefix_cached_tokens"] for c in done) > 0  # tails ran
     assert (lowered(*PROGRAMS) == 0) == warm, lowered(*PROGRAMS)
+
+
+@pytest.mark.parametrize("name,one_width", [("ngram", True), ("eagle", False)])
+def test_tail_programs_grow_with_the_tail_buckets_not_times_the_prompt_buckets(
+        tiny_target, name, one_width):
+    """A drafter whose prompt setup runs no model (n-gram) takes every tail's prefill at one
+    prompt width: one tail program per tail bucket, so the list grows with the sum of the
+    bucket counts. EAGLE (its head runs over the prompt array) keeps a tail program per
+    (prompt bucket, tail bucket): the control, the product. Listing only: nothing compiles."""
+    engine = engine_for(tiny_target, name)
+    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=2)
+    rows = sched.prefill_programs(range(1, 100))
+    tails = [(r["prompt_bucket"], r["tokens"]) for r in rows if r["name"] == "prefill_tail"]
+    tail_buckets = [16, 32, 64, 128]  # bucket(1..99)
+    if one_width:
+        assert tails == [(CONTEXT, t) for t in tail_buckets]
+    else:
+        assert tails == [(p, t) for p in tail_buckets for t in tail_buckets if t <= p]

@@ -43,7 +43,7 @@ def cache(tmp_path_factory):
 class Served:
     """A `python -m jaxspec.serve` subprocess: its stderr lines, URL and resident memory."""
 
-    def __init__(self, checkpoint, cache, code: str | None = None):
+    def __init__(self, checkpoint, cache, code: str | None = None, wait: str = "ready"):
         env = dict(os.environ, JAXSPEC_CACHE_DIR=str(cache), JAXSPEC_PROGRESS="0")
         env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the module's own, kept across restarts
         argv = [f"model.name={checkpoint}", *ARGS]
@@ -55,12 +55,14 @@ class Served:
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr),
                                        daemon=True)
         self.reader.start()
-        self.url = self._wait_ready()
+        self.url = self._wait_ready(wait)
 
-    def _wait_ready(self, within_s: float = 600) -> str:
+    def _wait_ready(self, line: str, within_s: float = 600) -> str:
+        """Its URL once stderr has the line `jaxspec.serve: {line}` ("ready", or "listening
+        ...": the warm-up then runs)."""
         deadline = time.time() + within_s
         while time.time() < deadline and self.proc.poll() is None:
-            if any(ln.strip().endswith("jaxspec.serve: ready") for ln in list(self.lines)):
+            if any(ln.strip().startswith(f"jaxspec.serve: {line}") for ln in list(self.lines)):
                 break
             time.sleep(0.2)
         url = next((ln.split("listening on ", 1)[1].strip() for ln in list(self.lines)
@@ -143,6 +145,20 @@ def soak(url, seconds: float) -> int:
         t.join(timeout=seconds + 300)
     assert not bad, bad[:3]
     return done[0]
+
+
+def test_sigterm_during_the_warm_up_exits_0_without_waiting_for_it(checkpoint, tmp_path):
+    """SIGTERM while the warm-up compiles (a cold cache of its own, signalled at 'listening'):
+    the process says so and exits 0 at once, not aborted by its compiling thread torn down
+    (seen without the fix: "terminate called ...", exit -6)."""
+    served = Served(checkpoint, tmp_path, wait="listening")
+    try:
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(timeout=60) == 0, served.log()
+    finally:
+        served.close()
+    err = "".join(served.lines)
+    assert "stopped during the warm-up" in err and "terminate called" not in err, err[-2000:]
 
 
 def test_soak_keeps_memory_and_pages_flat_then_sigterm_mid_stream_exits_0(checkpoint, cache):

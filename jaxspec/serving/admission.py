@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decode import drafter as drafter_lib
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.prepare import bucket, prompt_bucket
 from jaxspec.models import paged_attention
@@ -29,11 +30,28 @@ from jaxspec.serving.batch import split_widths
 from jaxspec.serving.requests import Request
 
 
-def prompt_width(n: int, done: int) -> int:
+def prompt_width(n: int, done: int, tail_width: int | None = None) -> int:
     """The prompt array's width for a prompt of n tokens: its `prompt_bucket` when the whole
-    prompt runs (the prefill computes every padded position), the power-of-two `bucket` when
-    only a tail from `done` runs (the tail has its own bucket; the array only carries tokens)."""
-    return bucket(n) if done else prompt_bucket(n)
+    prompt runs (the prefill computes every padded position); when only a tail from `done` runs
+    (the tail has its own bucket; the array only carries tokens), `tail_width` where one width
+    serves every prompt (`tail_prompt_width`), else the power-of-two `bucket`."""
+    if not done:
+        return prompt_bucket(n)
+    return tail_width if tail_width is not None else bucket(n)
+
+
+def tail_prompt_width(spec, capacity: int) -> int | None:
+    """The one prompt width every tail's prefill takes (`capacity`), where nothing in it runs a
+    model over the whole prompt array: no drafter, or one that drafts from tokens with neither
+    a model nor the target's features. Then the tail programs are one per tail bucket (the
+    array's extra width costs only its copy) instead of one per (prompt bucket, tail bucket).
+    None: a drafter that sets itself up over the prompt through a model (a draft model, an
+    EAGLE-style head) pays for the array's width, so its tails keep the prompt's `bucket`."""
+    if spec.drafter is None:
+        return capacity
+    t = drafter_lib.traits(spec.drafter)
+    plain = t.drafts_from_tokens and t.model is None and t.model_cfg is None
+    return capacity if plain and not tuple(spec.drafter.hidden_layers) else None
 
 
 class Admission:
@@ -49,6 +67,7 @@ class Admission:
         self.prefilling: dict[int, list] = {}  # slot -> [request, prompt tokens in the pool]
         self.round_left: int | None = None  # the round's budget left
         self.round_tokens = 0  # prompt tokens prefilled this round
+        self.tail_width = tail_prompt_width(spec, shape.capacity)  # None: the prompt's bucket
 
     def free_slots(self) -> list[int]:
         return [s for s in range(self.shape.slots)
@@ -189,7 +208,7 @@ class Admission:
         if done:
             tail = paged_cache.TailTarget(spec.target, bucket(len(ids) - done))
             spec = dataclasses.replace(spec, target=tail)
-        prompt = np.zeros((1, prompt_width(len(ids), done)), np.int32)
+        prompt = np.zeros((1, prompt_width(len(ids), done, self.tail_width)), np.int32)
         prompt[0, : len(ids)] = ids
         sp = SamplingParams.rows([req.sampling.values])
         state = self.engine.prefill_rows(
@@ -214,8 +233,7 @@ class Admission:
         tails = self.shape.paged and (self.prefix_cache == "on" or self.chunk is not None)
         for prompt in sorted({prompt_bucket(n) for n in prompt_lengths}):  # whole prompts
             out += self._programs_at(prompt, [("prefill", prompt, self.spec.target)], widths)
-        for prompt in sorted({bucket(n) for n in prompt_lengths} if tails else ()):
-            most = min(prompt, bucket(self.chunk)) if self.chunk is not None else prompt
+        for prompt, most in self._tail_widths(prompt_lengths) if tails else ():
             targets = [("prefill_tail", t, paged_cache.TailTarget(self.spec.target, t))
                        for t in sorted({bucket(n) for n in range(1, most + 1)})]
             out += self._programs_at(prompt, targets, widths)  # every tail bucket up to `most`
@@ -225,6 +243,20 @@ class Admission:
                             "tokens": self.chunk, "program": self.engine.write_prompt_program(
                                 self.spec.target, rows_, self.chunk, self._pool_shape(rows_))})
         return out
+
+    def _tail_widths(self, prompt_lengths) -> list[tuple[int, int]]:
+        """(prompt array width, longest tail) of the tail programs: one width for every prompt
+        where `tail_width` is set, else each prompt's `bucket`; a tail is at most the prompt,
+        and at most the chunk when chunked (a longer rest goes in chunks)."""
+        lengths = list(prompt_lengths)
+        if not lengths:
+            return []
+        if self.tail_width is not None:
+            widths = {self.tail_width: bucket(max(lengths))}
+        else:
+            widths = {bucket(n): bucket(n) for n in lengths}
+        cap = bucket(self.chunk) if self.chunk is not None else None
+        return [(w, most if cap is None else min(most, cap)) for w, most in sorted(widths.items())]
 
     def _programs_at(self, prompt: int, targets, widths) -> list[dict]:
         """`prefill_programs`' rows of prompts `prompt` wide: each (name, tokens, target) at
@@ -295,7 +327,7 @@ class Admission:
         def shape(x):  # the call's program: prompt bucket, tail bucket (0: whole prompts)
             req, _, done = x
             n = len(req.prompt_ids)
-            return prompt_width(n, done), bucket(n - done) if done else 0
+            return prompt_width(n, done, self.tail_width), bucket(n - done) if done else 0
 
         for key in sorted({shape(x) for x in ready}):  # no row padded to a longer one's bucket
             group = sorted((x for x in ready if shape(x) == key),
@@ -329,7 +361,7 @@ class Admission:
             tail = bucket(max(len(r.prompt_ids) - d for r, d in zip(reqs, dones)))
             spec = dataclasses.replace(spec, target=paged_cache.TailTarget(spec.target, tail))
         prompt = np.zeros((len(reqs), prompt_width(max(len(r.prompt_ids) for r in reqs),
-                                                   any(dones))), np.int32)
+                                                   any(dones), self.tail_width)), np.int32)
         for i, r in enumerate(reqs):
             prompt[i, : len(r.prompt_ids)] = r.prompt_ids
         sp = SamplingParams.rows([r.sampling.values for r in reqs])
