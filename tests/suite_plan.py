@@ -58,6 +58,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_prefix_cache.py",
     "test_bench.py",
     "test_dflash.py",
+    "test_prefill_chunks.py",
     "test_dspark.py",
     "test_peagle.py",
     "test_malformed.py",

@@ -41,12 +41,17 @@ RUNNER = Path(__file__).with_name("vllm_runner.py")
 SETUP_HINT = "run scripts/setup_vllm_peer.sh"
 
 
+def venv_dir() -> Path:
+    """The vLLM venv: $JAXSPEC_VLLM_VENV (as scripts/setup_vllm_peer.sh takes it), else .venv-vllm."""
+    return Path(os.environ.get("JAXSPEC_VLLM_VENV") or REPO_ROOT / ".venv-vllm")
+
+
 def venv_python() -> Path:
-    return Path(os.environ.get("JAXSPEC_VLLM_PYTHON") or REPO_ROOT / ".venv-vllm/bin/python")
+    return Path(os.environ.get("JAXSPEC_VLLM_PYTHON") or venv_dir() / "bin/python")
 
 
 def model_dir() -> Path:
-    default = REPO_ROOT / ".venv-vllm/models/smollm2-135m-instruct"
+    default = venv_dir() / "models/smollm2-135m-instruct"
     return Path(os.environ.get("JAXSPEC_VLLM_MODEL_DIR") or default)
 
 

@@ -406,6 +406,6 @@ def _on_kernel_mesh(fn):
     return traced
 
 
-prefill_jit = jax.jit(_on_kernel_mesh(prefill), static_argnames=("spec", "capacity"))
+prefill_jit = jax.jit(_on_kernel_mesh(prefill), static_argnames=("spec", "capacity", "chunk"))
 decode_jit = jax.jit(_on_kernel_mesh(decode), static_argnames=("spec",),
                      donate_argnames=("state",))
