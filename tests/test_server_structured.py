@@ -241,11 +241,17 @@ def test_a_constrained_request_after_a_plain_one_lowers_no_program(served, clien
     as traced inputs of the programs a plain request already ran (jax's lowering events)."""
     plain = dict(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                  temperature=0.7, seed=1)
-    client.chat.completions.create(**plain)  # warm, as /ready: the sampled rows' programs
+    salt = iter(range(4))  # whole-prompt programs each time: no prefix-cache tail program
+    ask = lambda **kw: client.chat.completions.create(  # noqa: E731
+        **plain, **kw, extra_body={"cache_salt": f"lowering-{next(salt)}"})
+    # warm, as /ready: the sampled rows' programs at both prompts' buckets, free rows only
+    ask()
+    ask(tools=[WEATHER], tool_choice="none")
     with counting_lowerings() as lowered:
-        r = client.chat.completions.create(**plain, response_format={"type": "json_object"})
+        r = ask(response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": SCHEMA}})
         assert r.choices[0].message.content.startswith("{")
-        r = client.chat.completions.create(**plain, tools=[WEATHER], tool_choice="required")
+        r = ask(tools=[WEATHER], tool_choice="required")
         assert r.choices[0].finish_reason in ("tool_calls", "length")
         assert lowered() == 0, f"{lowered()} programs lowered for a constrained request"
 

@@ -148,10 +148,11 @@ class GrammarSlots:
         return tables
 
     def _upload(self, built):
-        if built is None:  # nothing yet: every token allowed nowhere, no row constrained
-            return (jnp.full((self.max_states, 16), -1, jnp.int32),
-                    jnp.zeros((self.vocab,), jnp.int32), jnp.zeros((self.max_states,), bool))
-        by_class, class_of, acc = built
+        if built is None:  # nothing yet: no row constrained; the shapes every table has, so
+            # the first constraint changes no program (int32[4096, 1024]: 16 MB by default)
+            built = (np.full((self.max_states, self.max_classes), -1, np.int32),
+                     np.zeros((self.vocab,), np.int32), np.zeros((self.max_states,), bool))
+        by_class, class_of, acc = built  # host arrays, put on device as every later table is
         return jnp.asarray(by_class), jnp.asarray(class_of), jnp.asarray(acc)
 
     def _build(self, order):
