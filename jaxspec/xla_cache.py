@@ -30,7 +30,8 @@ def enable() -> str | None:
     if path is None:
         return None
     import jax
-    from jax.experimental.compilation_cache import compilation_cache
+
+    from jaxspec import jax_compat
 
     drop_unreadable_entries()  # a damaged entry is replaced, not re-read on every run
     current = jax.config.jax_compilation_cache_dir
@@ -40,7 +41,7 @@ def enable() -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # default 1 s
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no size floor
-    compilation_cache.reset_cache()  # a program compiled before this call fixed "no cache"
+    jax_compat.reset_compilation_cache()  # a program compiled before this call fixed "no cache"
     restore_access_times(path)
     return path
 
@@ -50,9 +51,10 @@ def drop_unreadable_entries() -> bool:
     disk) be deleted when jax fails to read it, so the recompiled program is stored again; jax
     alone warns, recompiles and never replaces an entry that exists, on every run. Wraps jax's
     cache read; False where this jax has no such function (then jax's behaviour stays)."""
-    try:
-        from jax._src import compilation_cache as cc
-    except ImportError:
+    from jaxspec import jax_compat
+
+    cc = jax_compat.compilation_cache_internals()
+    if cc is None:
         return False
     read = getattr(cc, "get_executable_and_time", None)
     if read is None or getattr(read, "_jaxspec_heals", False):

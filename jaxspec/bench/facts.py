@@ -23,6 +23,8 @@ def json_default(o):
 def machine_facts() -> dict[str, Any]:
     import jax
 
+    from jaxspec import jax_compat
+
     cpu = platform.processor() or ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -37,7 +39,7 @@ def machine_facts() -> dict[str, Any]:
         affinity = os.cpu_count()
     return {
         "jax_version": jax.__version__,
-        "jaxlib_version": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
+        "jaxlib_version": jax_compat.jaxlib_version(),
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "device_kind": jax.devices()[0].device_kind,
@@ -49,12 +51,3 @@ def machine_facts() -> dict[str, Any]:
         "platform": platform.platform(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def _version(pkg: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return None

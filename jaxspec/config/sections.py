@@ -294,9 +294,10 @@ class ServingConfig(Section):
     # (longest cached prompt prefix first)
     policy: str = "fcfs"
     precompile: bool = True  # python -m jaxspec.serve, once listening, loads or compiles every program it calls (decode shapes, every prompt bucket) before /ready
-    # structured output (response_format, tools, guided_*): the decode program carries a grammar
-    # table and the mask (docs/structured.md); off: such requests get a one-line 400
-    structured: bool = False
+    # structured output (response_format, tools, guided_*): every serving program carries a
+    # grammar table (16 MB) and the mask, run only in steps with a constrained row
+    # (docs/structured.md); off: such requests get a one-line 400
+    structured: bool = True
     max_body_bytes: int = 1048576  # a larger request body gets HTTP 413
     max_prompt_tokens: int = 0  # a longer prompt gets HTTP 400 (0: what max_context allows)
     max_tokens_limit: int = 0  # a request's max_tokens above this gets HTTP 400 (0: no ceiling)

@@ -20,7 +20,8 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
-COMPILER_LOGGER = "jax._src.compiler"
+from jaxspec.jax_compat import COMPILER_LOGGER  # the one module naming jax's internals
+
 HIT = "persistent compilation cache hit for"
 MISS = "persistent compilation cache miss for"
 

@@ -53,7 +53,9 @@ class GrammarSlots:
     def __init__(self, engine, slots: int, max_states: int = 4096, max_classes: int = 1024,
                  compile_s: float = COMPILE_S, cache_bytes: int = CACHE_BYTES):
         m = engine.model
-        self.compiler = GrammarCompiler(m.tokenizer, m.target.vocab_size, tuple(m.eos_token_ids))
+        self._model = m
+        self._compiler: GrammarCompiler | None = None  # the vocabulary scan: at the first compile
+        self._compiler_lock = threading.Lock()
         self.slots, self.max_states, self.max_classes = slots, max_states, max_classes
         self.compile_s, self.cache_bytes = compile_s, cache_bytes
         self._worker = concurrent.futures.ThreadPoolExecutor(1, "jaxspec-grammar")
@@ -65,6 +67,17 @@ class GrammarSlots:
         self.offsets: dict[str, int] = {}
         self.slot_regex: list[str | None] = [None] * slots
         self.tables = self._upload(None)
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """The tokenizer's compiler, built at the first constraint (its vocabulary scan, ~2 s on
+        a 49k vocabulary, is paid by the first structured request, not by every server start)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                m = self._model
+                self._compiler = GrammarCompiler(m.tokenizer, m.target.vocab_size,
+                                                 tuple(m.eos_token_ids))
+            return self._compiler
 
     def compile(self, constraint) -> str:
         """Host tables for a request's constraint (at submit: errors are the client's) -> its
@@ -80,7 +93,7 @@ class GrammarSlots:
                 self._sizes.move_to_end(regex)
                 return regex
         self._check_size(regex)
-        job = self._worker.submit(self.compiler.tables, constraint)
+        job = self._worker.submit(self.compiler.tables, constraint)  # (the scan, if first, here)
         try:
             nxt, accepting, _ = job.result(timeout=self.compile_s)
         except concurrent.futures.TimeoutError:
@@ -135,10 +148,11 @@ class GrammarSlots:
         return tables
 
     def _upload(self, built):
-        if built is None:  # nothing yet: every token allowed nowhere, no row constrained
-            return (jnp.full((self.max_states, 16), -1, jnp.int32),
-                    jnp.zeros((self.vocab,), jnp.int32), jnp.zeros((self.max_states,), bool))
-        by_class, class_of, acc = built
+        if built is None:  # nothing yet: no row constrained; the shapes every table has, so
+            # the first constraint changes no program (int32[4096, 1024]: 16 MB by default)
+            built = (np.full((self.max_states, self.max_classes), -1, np.int32),
+                     np.zeros((self.vocab,), np.int32), np.zeros((self.max_states,), bool))
+        by_class, class_of, acc = built  # host arrays, put on device as every later table is
         return jnp.asarray(by_class), jnp.asarray(class_of), jnp.asarray(acc)
 
     def _build(self, order):

@@ -114,11 +114,12 @@ def _import_from_aot(module: str):
 
 def _cuda_devices(t: AccelTarget, chips: int):
     import jax  # noqa: F401  (its own backends start first, without the plugin)
-    from jax._src import xla_bridge as xb
     from jax.experimental import topologies
 
+    from jaxspec import jax_compat
+
     jax.devices()  # this host's backends start before the plugin is registered
-    if "cuda" not in xb._topology_factories:  # not installed where jax discovers plugins
+    if "cuda" not in jax_compat.topology_factories():  # not installed where jax discovers plugins
         try:
             plugin = _import_from_aot("jax_plugins.xla_cuda12")
         except ImportError:
@@ -166,12 +167,12 @@ def on(tree, sharding):
 
 def compile_for(t: AccelTarget, jitted, *args, **kwargs):
     """`jitted` (a jax.jit function) compiled for `t` from abstract args placed on its devices."""
-    from jax._src import config
-
     import jax
 
+    from jaxspec import jax_compat
+
     lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(t.platform,))
-    with config.enable_compilation_cache(False):  # a compile-only client cannot load entries
+    with jax_compat.compilation_cache_disabled():  # a compile-only client cannot load entries
         try:
             return lowered.compile()
         except jax.errors.JaxRuntimeError as e:  # libtpu refuses a program over the chip's HBM
