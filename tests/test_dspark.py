@@ -325,6 +325,18 @@ def test_greedy_dspark_is_token_identical_at_batch_8(greedy_target, mixed_prompt
     print(f"{kind} cost {cost}: {drafted / steps:.2f} drafts verified per step")
     if cost > 0:
         assert 0 < drafted < 3 * steps
+    if shape:  # trees keep no record: chains only
+        return
+    for r in out:  # the lengths chosen, and acceptance per position, as the loop counted them
+        m = r.metrics
+        hist = m["verify_length_hist"]
+        assert sum(hist) == m["num_steps"]
+        assert sum(k * c for k, c in enumerate(hist)) == m["num_draft_tokens"]
+        per_pos = np.asarray(m["accepted_per_position"]) * m["num_steps"]  # [γ] counts
+        seen = [o * n if n else 0.0 for o, n in zip(m["confidence_observed_per_position"],
+                                                    m["confidence_steps_per_position"])]
+        np.testing.assert_allclose(seen[: len(per_pos)], per_pos, atol=0.01)  # 4 decimals
+        assert all(p is None or 0 <= p <= 1 for p in m["confidence_predicted_per_position"])
 
 
 def test_scheduled_length_maximises_tokens_per_cost():
@@ -339,6 +351,15 @@ def test_scheduled_length_maximises_tokens_per_cost():
     # row 3 at cost 0.05: survivals .9, .45, .09, .018 -> E/cost 1.81, 2.14, 2.12, 2.05
     assert int(hd.scheduled_length(conf, 0.05)[2]) == 2
     assert int(hd.scheduled_length(conf, 0.0)[2]) == 4  # free drafts: verify all
+    # a calibrated curve instead of the line: flat up to 3 drafts, then steep
+    np.testing.assert_array_equal(hd.scheduled_length(conf, [1.0, 1.0, 1.0, 1.0, 9.0]),
+                                  [3, 3, 3])
+    # one length for the batch (its window is shared): argmax of the active rows' summed E(k)
+    # over the cost; rows 0 + 2 at c 0.2: 2, 3.25, 3.82, 4.02, 4.14 -> 4 (row 2 alone: 2);
+    # rows 1 + 2: 2, 2.43, 2.40, ... -> 1; an inactive row verifies nothing
+    shared = lambda act: hd.scheduled_length(conf, 0.2, jnp.asarray(act), shared=True)  # noqa: E731
+    np.testing.assert_array_equal(shared([True, False, True]), [4, 0, 4])
+    np.testing.assert_array_equal(shared([False, True, True]), [0, 1, 1])
     drafter, _ = tiny_head_spec_only()
     with pytest.raises(JaxspecError, match="lacks: set it to 0"):
         dataclasses.replace(drafter, cost_per_draft=0.3)

@@ -20,16 +20,22 @@ with its own key, and reports that q_i -- the law it was drawn from given its pr
 Trees (vanilla and gated heads; DFlash's builders, drafters/dflash.py): a node at depth d is
 draft d - 1, its children's law is the slot's base logits plus the bias its own token gives, so
 a node's law reads only its ancestors' tokens (static trees of ranks, or jaxspec.decode.tree.grow).
-Confidence scheduling (cost_per_draft > 0) cuts a row's chain after k drafts, k a function of
-the confidences, each of which reads only earlier drafts: a stopping rule, lossless as EAGLE's.
+Confidence scheduling (cost_per_draft > 0 or a step_costs curve) cuts the chain after k drafts,
+k a function of the confidences, each of which reads only earlier drafts: a stopping rule,
+lossless as EAGLE's. The loop verifies the narrowest compiled window that holds the batch's
+longest cut (every width 2..γ+1 is compiled: `traits.verify_windows`), and by default the batch
+shares one k (dspark_heads.scheduled_length, shared): its window is paid whole anyway.
 
-State, init, commit: DFlash's (the per-layer context caches); propose writes nothing.
+State: DFlash's (the per-layer context caches) plus, for a chain with a confidence head, the
+head's calibration record (dspark_heads.Calibration: predicted survival vs verified acceptance
+per position, and the verify lengths chosen), which propose fills and commit settles; the
+engine's metrics read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +46,16 @@ from jaxspec.drafters import dflash_forward as net
 from jaxspec.drafters import dspark_heads as hd
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import DraftContext, Proposal
+from jaxspec.decode.drafter import Traits
 from jaxspec.drafters.dflash import BlockDraft, DFlashDrafter, DFlashOptions, DFlashState
 from jaxspec.drafters.registry import BuildContext, register_drafter
 from jaxspec.errors import JaxspecError
 from jaxspec.models import base
+
+
+class DSparkState(NamedTuple):
+    dflash: DFlashState  # the backbone's context caches
+    calibration: hd.Calibration | None  # None: a tree, or no confidence head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +66,33 @@ class DSparkDrafter(DFlashDrafter):
     # confidence-scheduled verification (> 0: variable_length): each verified draft's cost as a
     # fraction of a plain step; every row verifies dspark_heads.scheduled_length drafts
     cost_per_draft: float = 0.0
+    # or the calibrated curve: a step's cost verifying k = 0..γ drafts, in plain steps (drafting
+    # included); used instead of cost_per_draft when given
+    step_costs: tuple[float, ...] = ()
+    share_length: bool = True  # scheduled: one length for the batch (its window is shared)
+
+    @property
+    def scheduled(self) -> bool:
+        return self.cost_per_draft > 0 or bool(self.step_costs)
+
+    @property
+    def traits(self) -> Traits:
+        t = super().traits
+        if not self.scheduled:
+            return t
+        return dataclasses.replace(t, verify_windows=tuple(range(2, self.max_drafts + 2)))
 
     def __post_init__(self):
         super().__post_init__()
         if self.heads.stateful and (self.tree_choices is not None or self.tree_top_k):
             raise JaxspecError("an RNN DSpark head drafts chains only (its state follows one "
                                "path): set speculative.tree.kind=chain")
-        if self.cost_per_draft > 0 and not self.heads.confidence:
+        if self.scheduled and not self.heads.confidence:
             raise JaxspecError("speculative.dspark.cost_per_draft schedules verification by the "
                                "confidence head, which this DSpark head lacks: set it to 0")
+        if self.step_costs and len(self.step_costs) < self.max_drafts + 1:
+            raise JaxspecError(f"speculative.dspark.step_costs holds {len(self.step_costs)} "
+                               f"costs: give one per verify length 0..{self.max_drafts}")
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # speculators ids are jaxspec taps (layer inputs)
@@ -118,14 +148,50 @@ class DSparkDrafter(DFlashDrafter):
     def teacher_forced(self, dparams, tparams, state, ctx: DraftContext, tokens):
         """Given drafts tokens int32[B, γ] (the reference's training view: the true block):
         (logits f32[B, E, V], confidence logits f32[B, E] or None) of every block slot."""
+        state = state.dflash if isinstance(state, DSparkState) else state
         h, base = self._entries(dparams, tparams, state, ctx, tokens.shape[1])
         z, conf, _ = self.walk(dparams, h, base, self._anchor(ctx), lambda i, _: tokens[:, i])
         return z, conf
 
-    def propose(self, dparams, tparams, state: DFlashState, ctx: DraftContext, num_tokens, sp,
+    # ---- protocol: DFlash's on the wrapped state --------------------------------------------
+    @property
+    def _calibrates(self) -> bool:
+        return self.heads.confidence and self.tree_choices is None and not self.tree_top_k
+
+    def init(self, dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden, capacity):
+        inner = super().init(dparams, tparams, prompt_tokens, prompt_lengths, prompt_hidden,
+                             capacity)
+        b = prompt_tokens.shape[0]
+        calib = hd.init_calibration(b, self.max_drafts) if self._calibrates else None
+        return DSparkState(inner, calib)
+
+    def advance(self, dparams, tparams, state: DSparkState, ctx) -> DSparkState:
+        return state
+
+    def commit(self, dparams, tparams, state: DSparkState, ctx) -> DSparkState:
+        inner = super().commit(dparams, tparams, state.dflash, ctx)
+        calib = state.calibration
+        if calib is not None:
+            calib = hd.commit_calibration(calib, ctx.num_accepted)
+        return DSparkState(inner, calib)
+
+    def commit_plain(self, dparams, tparams, state: DSparkState, ctx) -> DSparkState:
+        return state._replace(dflash=super().commit_plain(dparams, tparams, state.dflash, ctx))
+
+    def propose(self, dparams, tparams, state: DSparkState, ctx: DraftContext, num_tokens, sp,
                 keys):
+        proposal, conf = self._propose(dparams, tparams, state.dflash, ctx, num_tokens, sp, keys)
+        calib = state.calibration
+        if calib is not None and conf is not None:
+            num = jnp.where(ctx.active, proposal.num_proposed, -1)
+            calib = hd.propose_calibration(calib, conf, num)
+        return proposal, state._replace(calibration=calib)
+
+    def _propose(self, dparams, tparams, state: DFlashState, ctx: DraftContext, num_tokens, sp,
+                 keys):
+        """(the proposal, the drafts' confidence logits f32[B, γ] or None)."""
         if self.tree_choices is not None or self.tree_top_k:
-            return self._propose_tree(dparams, tparams, state, ctx, sp, keys), state
+            return self._propose_tree(dparams, tparams, state, ctx, sp, keys), None
         if num_tokens > self.max_drafts:
             raise JaxspecError(
                 f"num_speculative_tokens={num_tokens} exceeds this DSpark head's block "
@@ -148,9 +214,11 @@ class DSparkDrafter(DFlashDrafter):
 
         _, conf, tokens = self.walk(dparams, h, base, self._anchor(ctx), pick)
         num = jnp.full((b,), num_tokens, jnp.int32)
-        if self.cost_per_draft > 0:  # the lengths read only the drafts before each: lossless
-            num = hd.scheduled_length(conf[:, first:], self.cost_per_draft)
-        return Proposal(tokens, jnp.stack(qs, axis=1), num), state
+        conf = None if conf is None else conf[:, first:]
+        if self.scheduled:  # the lengths read only the drafts before each: lossless
+            costs = self.step_costs or self.cost_per_draft
+            num = hd.scheduled_length(conf, costs, ctx.active, self.share_length)
+        return Proposal(tokens, jnp.stack(qs, axis=1), num), conf
 
 
 # ---- method "dspark" --------------------------------------------------------------------------
@@ -167,22 +235,44 @@ class DSparkOptions(DFlashOptions):
     # survival estimate; cost_per_draft is one verified draft's cost in plain steps (the slope
     # of the calibrated step-cost curve at the serving batch); 0: always γ drafts
     cost_per_draft: float = 0.0
+    # or the step-cost curve itself: a step's cost verifying k = 0..γ drafts, in plain steps
+    # (drafting included), e.g. measured by calibration.loop_costs at the serving batch; used
+    # instead of cost_per_draft when given. null: the line 1 + cost_per_draft * k
+    step_costs: object = None
+    # scheduled: one verify length for the whole batch (sum over rows of expected tokens / the
+    # shared window's cost); false: each row its own (the window is still the batch's widest)
+    share_length: bool = True
 
     def _validate(self):
         super()._validate()
         if not 0.0 <= self.cost_per_draft < 100.0:
             self._fail("cost_per_draft", "use a number in [0, 100); 0 verifies γ drafts always")
+        costs = self.step_costs
+        if isinstance(costs, str):  # a command-line override: "[1, 1.2, 1.3]" or "1,1.2,1.3"
+            try:
+                costs = [float(x) for x in costs.strip().strip("[]").split(",")]
+            except ValueError:
+                pass
+            object.__setattr__(self, "step_costs", costs)
+        if costs is not None and not (
+            isinstance(costs, (list, tuple)) and len(costs) >= 2
+            and all(isinstance(x, (int, float)) and 0 < x < 1e3 for x in costs)
+        ):
+            self._fail("step_costs", "use a list of positive numbers, a step's cost in plain "
+                       "steps verifying 0, 1, ... γ drafts, or null (1 + cost_per_draft * k)")
 
 
 def build(options: DSparkOptions, ctx: BuildContext):
     drafter, dparams = trained.load("dspark", options, ctx)
     if kernels.available() and base.uses_cpu_kernels(ctx.target.target, ctx.target.params):
         dparams = net.pack_for_cpu(dparams)  # the backbone as DFlash packs it; the heads as read
-    if options.cost_per_draft > 0:
+    costs = tuple(float(x) for x in options.step_costs or ())
+    if options.cost_per_draft > 0 or costs:
         if ctx.spec.tree.kind != "chain":
-            raise JaxspecError("speculative.dspark.cost_per_draft schedules chains: set "
-                               "speculative.tree.kind=chain or cost_per_draft=0")
+            raise JaxspecError("speculative.dspark.cost_per_draft / step_costs schedule chains: "
+                               "set speculative.tree.kind=chain or leave them unset")
         drafter = dataclasses.replace(drafter, cost_per_draft=options.cost_per_draft,
+                                      step_costs=costs, share_length=options.share_length,
                                       variable_length=True)
     if ctx.spec.tree.kind == "static":
         choices = tuple(tuple(p) for p in ctx.spec.tree.choices)

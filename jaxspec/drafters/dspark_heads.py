@@ -22,6 +22,7 @@ Params (torch [out, in] layout; R = markov_rank, V the vocabulary):
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,17 +85,92 @@ def confidence_logit(spec: HeadSpec, hp, h, e) -> jax.Array | None:
     return _lin(x, hp["confidence"]["w"], hp["confidence"]["b"])[..., 0]
 
 
-def scheduled_length(conf_logits, cost_per_draft: float) -> jax.Array:
+def survival(conf_logits) -> jax.Array:
+    """f32[B, γ]: S_i = prod_{j<=i} sigmoid(conf_j), the chance that draft i is accepted."""
+    return jnp.cumprod(jax.nn.sigmoid(conf_logits.astype(jnp.float32)), axis=-1)
+
+
+def step_cost_curve(costs, gamma: int) -> jax.Array:
+    """f32[γ+1]: a step's cost verifying k = 0..γ drafts, in plain steps: `costs` a number
+    (the slope c of 1 + c k) or the calibrated curve itself (at least γ + 1 entries)."""
+    if isinstance(costs, (int, float)):
+        return 1.0 + float(costs) * jnp.arange(gamma + 1, dtype=jnp.float32)
+    return jnp.asarray(tuple(costs)[: gamma + 1], jnp.float32)
+
+
+def scheduled_length(conf_logits, costs, active=None, shared: bool = False) -> jax.Array:
     """int32[B]: the verify length per row from the confidence head: conf_logits f32[B, γ] are
-    the per-draft acceptance logits, so survival S_i = prod_{j<=i} sigmoid(conf_j) estimates the
-    chance that draft i is accepted, E(k) = 1 + sum_{i<k} S_i the expected tokens of a step
-    verifying k drafts, and cost(k) = 1 + cost_per_draft * k its cost in plain steps (the
-    step-cost curve's slope); k = argmax_k E(k) / cost(k) over 0..γ (ties: the shorter)."""
-    survival = jnp.cumprod(jax.nn.sigmoid(conf_logits.astype(jnp.float32)), axis=-1)
-    expected = 1.0 + jnp.concatenate([jnp.zeros_like(survival[:, :1]),
-                                      jnp.cumsum(survival, axis=-1)], axis=-1)  # [B, γ+1]
-    cost = 1.0 + cost_per_draft * jnp.arange(expected.shape[-1], dtype=jnp.float32)
-    return jnp.argmax(expected / cost, axis=-1).astype(jnp.int32)
+    the per-draft acceptance logits, `survival` S_i the chance that draft i is accepted,
+    E(k) = 1 + sum_{i<k} S_i the expected tokens of a step verifying k drafts, and cost(k) its
+    cost in plain steps (`step_cost_curve`); k = argmax_k E(k) / cost(k) over 0..γ (ties: the
+    shorter). shared: one k for the batch, argmax_k sum_rows E(k) / cost(k) over the active
+    rows (bool[B]) -- a lockstep batch verifies its widest row's window, so a row cut below it
+    saves nothing and loses what it would have accepted."""
+    s = survival(conf_logits)
+    expected = 1.0 + jnp.concatenate([jnp.zeros_like(s[:, :1]), jnp.cumsum(s, axis=-1)],
+                                     axis=-1)  # [B, γ+1]
+    cost = step_cost_curve(costs, s.shape[-1])  # [γ+1]
+    if not shared:
+        return jnp.argmax(expected / cost, axis=-1).astype(jnp.int32)
+    live = jnp.ones(s.shape[:1], bool) if active is None else active
+    total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)  # [γ+1]
+    k = jnp.argmax(total / cost).astype(jnp.int32)
+    return jnp.where(live, k, 0)
+
+
+class Calibration(NamedTuple):
+    """Per row, the confidence head against what verification found (chains): the survival it
+    predicted for each draft of the pending step, and over the steps so far, for each draft
+    position i that was verified: the predicted S_i summed, the acceptances of position i
+    summed, the count; and how many steps verified each length 0..γ."""
+
+    pending: jax.Array  # f32[B, γ] this step's predicted survival
+    pending_num: jax.Array  # int32[B] drafts this step verifies (-1: the row is not drafting)
+    predicted: jax.Array  # f32[B, γ]
+    observed: jax.Array  # f32[B, γ]
+    verified: jax.Array  # int32[B, γ]
+    lengths: jax.Array  # int32[B, γ+1]
+
+    def row_metrics(self, row: int) -> dict:  # a fetched record (numpy leaves)
+        return calibration_metrics(self, row)
+
+
+def init_calibration(batch: int, gamma: int) -> Calibration:
+    zf, zi = jnp.zeros((batch, gamma), jnp.float32), jnp.zeros((batch, gamma), jnp.int32)
+    return Calibration(zf, jnp.full((batch,), -1, jnp.int32), zf, zf, zi,
+                       jnp.zeros((batch, gamma + 1), jnp.int32))
+
+
+def propose_calibration(c: Calibration, conf_logits, num) -> Calibration:
+    """The pending step: conf_logits f32[B, g] (g <= γ drafts), num int32[B] verified (-1: a
+    row not drafting, which commit leaves out)."""
+    s = survival(conf_logits)
+    pending = jnp.zeros_like(c.pending).at[:, : s.shape[1]].set(s)
+    return c._replace(pending=pending, pending_num=num.astype(jnp.int32))
+
+
+def commit_calibration(c: Calibration, num_accepted) -> Calibration:
+    """The pending step's outcome: num_accepted int32[B] of its pending_num verified drafts."""
+    pos = jnp.arange(c.pending.shape[1])[None]  # [1, γ]
+    seen = pos < c.pending_num[:, None]  # [B, γ] positions verified
+    hit = (pos < num_accepted[:, None]) & seen
+    lengths = c.lengths + jax.nn.one_hot(c.pending_num, c.lengths.shape[1], dtype=jnp.int32)
+    return c._replace(
+        predicted=c.predicted + jnp.where(seen, c.pending, 0.0),
+        observed=c.observed + hit.astype(jnp.float32),
+        verified=c.verified + seen.astype(jnp.int32),
+        lengths=lengths, pending_num=jnp.full_like(c.pending_num, -1))
+
+
+def calibration_metrics(c: Calibration, row: int) -> dict:
+    """One row's calibration as plain numbers: per draft position, the mean predicted survival
+    and the observed acceptance over the steps that verified it; the verify-length histogram."""
+    n = [int(x) for x in c.verified[row]]
+    mean = lambda xs: [round(float(x) / k, 4) if k else None for x, k in zip(xs, n)]  # noqa: E731
+    return {"confidence_predicted_per_position": mean(c.predicted[row]),
+            "confidence_observed_per_position": mean(c.observed[row]),
+            "confidence_steps_per_position": n,
+            "verify_length_hist": [int(x) for x in c.lengths[row]]}
 
 
 def init_params(spec: HeadSpec, key, hidden: int, vocab: int, scale: float = 0.5) -> dict:

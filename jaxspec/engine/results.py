@@ -55,8 +55,12 @@ def fetch(state, plan=None) -> types.SimpleNamespace:
     if g is not None:  # constrained rows: where each ended, the drafts the mask removed
         fields["grammar"] = {"state": g.state, "accepting": g.accepting, "num_masked": g.num_masked,
                               "num_proposed": g.num_proposed}
+    calib = getattr(getattr(state, "drafter_state", None), "calibration", None)
+    if calib is not None:  # a DSpark chain's confidence head against verification
+        fields["drafter_calibration"] = calib
     fetched = jax.device_get(fields) if plan is None else sharding.fetch(fields)
-    return types.SimpleNamespace(**({"adaptive": None, "logprobs": None, "grammar": None}
+    return types.SimpleNamespace(**({"adaptive": None, "logprobs": None, "grammar": None,
+                                     "drafter_calibration": None}
                                     | fetched))
 
 
@@ -109,6 +113,9 @@ class Report:
         per_pos += [0] * (depth - len(per_pos))  # a switched-off batch ran the plain program
         out = self.adaptive_metrics(state, row, steps) if self.adaptive else {}
         out |= self.constraint_metrics(state, row, drafted, num_generated)
+        calib = getattr(state, "drafter_calibration", None)
+        if calib is not None:  # predicted vs observed acceptance per position, lengths chosen
+            out |= calib.row_metrics(row)
         return out | {
             "method": self.method,
             # the Hub commit the target was downloaded at ("" for local files)

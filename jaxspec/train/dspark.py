@@ -8,6 +8,13 @@ matters: entry i is verified only when drafts 1..i-1 were all accepted, i.e. equ
 target's own tokens, which are what the distillation records hold (the target's generations).
 The RNN variant runs over the anchor entry first, as the runtime walk does.
 
+Training-time test (`own_drafts` > 0, as EAGLE-3 trains): in that fraction of each row's blocks
+the sequential head reads the drafter's own previous draft (the argmax of the previous entry's
+biased logits, no gradient) instead of the true token, so later entries see the conditioning the
+runtime walk gives them, mistakes included. In those blocks the confidence head learns only on
+entries whose earlier drafts were all accepted: survival is a product of acceptances given the
+predecessors were accepted, and that is the event it must predict.
+
 The confidence head learns, per entry, whether the draft is accepted given its predecessors
 were: with `confidence_target: greedy` the label is 1 when the biased draft's argmax is the
 target's top-1 (greedy verification), with `sampled` it is sum_x min(p(x), q(x)) (the acceptance
@@ -46,6 +53,7 @@ class DSpark(DFlash):
     confidence_target: str = "greedy"  # CONFIDENCE_TARGETS
     backbone_from: str | None = None  # an exported DFlash head (same arch) to start from
     train_backbone: bool = True  # false: the backbone frozen, only the heads learn
+    own_drafts: float = 0.0  # training-time test: the fraction of blocks fed their own drafts
     name: str = "dspark"
 
     def __post_init__(self):
@@ -56,6 +64,9 @@ class DSpark(DFlash):
         if self.confidence_target not in CONFIDENCE_TARGETS:
             raise JaxspecError(f"method_args.confidence_target={self.confidence_target!r}: use "
                                f"one of {', '.join(CONFIDENCE_TARGETS)}")
+        if not 0.0 <= self.own_drafts <= 1.0:
+            raise JaxspecError(f"method_args.own_drafts={self.own_drafts}: use a fraction in "
+                               f"[0, 1] (of blocks fed the drafter's own earlier drafts)")
         if not self.train_backbone and not self.backbone_from:
             raise JaxspecError("method_args.train_backbone=false needs method_args.backbone_from "
                                "(an exported DFlash head): a random frozen backbone drafts noise")
@@ -111,27 +122,40 @@ class DSpark(DFlash):
     def loss(self, params, frozen, batch, target_cfg):
         full = self.runtime(params, frozen)
         blocks = self.block_forward(full, frozen, batch, target_cfg)
-        logits, conf = self.sequential(full, blocks)
+        logits, conf = self.sequential(full, blocks, frozen["d2t"])
         loss, metrics = self.block_loss(logits, blocks, frozen)
         if conf is None:
             return loss, metrics
         bce, calib = self.confidence_loss(conf, logits, blocks, frozen)
         return loss + self.confidence_weight * bce, metrics | {"conf_bce": bce, **calib}
 
-    def sequential(self, params, blocks: Blocks):
-        """The runtime walk over every block, teacher-forced: (logits f32[B, A, G-1, V] with the
-        sequential bias, confidence logits f32[B, A, G-1] or None)."""
+    def own_blocks(self, anchors: int) -> jax.Array:
+        """bool[A]: the blocks fed their own drafts (the first round(own_drafts * A) anchors,
+        which are drawn at random positions)."""
+        return jnp.arange(anchors) < round(self.own_drafts * anchors)
+
+    def sequential(self, params, blocks: Blocks, d2t=None):
+        """The runtime walk over every block: (logits f32[B, A, G-1, V] with the sequential bias,
+        confidence logits f32[B, A, G-1] or None). Entry i's previous token is the true
+        x_{a+i-1}, or in the `own_blocks` the drafter's own draft i-1 (d2t: draft -> target ids)."""
         heads = self.heads()
         h = blocks.h  # [B, A, G, D]
         prevs = blocks.label_tokens  # [B, A, G-1]: x_{a+i-1} for entry i
+        own = self.own_blocks(prevs.shape[1])[None]  # [1, A]
         state = hd.init_state(heads, prevs.shape[:2])
         _, _, state = hd.step(heads, params, prevs[:, :, 0], h[:, :, 0], state)  # anchor entry
-        zs, confs = [], []
+        zs, confs, prev = [], [], prevs[:, :, 0]
         for i in range(1, self.block_size):
-            bias, e, state = hd.step(heads, params, prevs[:, :, i - 1], h[:, :, i], state)
+            bias, e, state = hd.step(heads, params, prev, h[:, :, i], state)
             base = blocks.logits[:, :, i - 1]
             zs.append(base if bias is None else base + bias)
             confs.append(hd.confidence_logit(heads, params, h[:, :, i], e))
+            if i + 1 < self.block_size:
+                prev = prevs[:, :, i]
+                if self.own_drafts > 0:  # the draft the runtime walk would feed (greedy)
+                    drafted = jax.lax.stop_gradient(jnp.argmax(zs[-1], -1))
+                    drafted = drafted if d2t is None else d2t[drafted]
+                    prev = jnp.where(own, drafted, prev)
         conf = None if confs[0] is None else jnp.stack(confs, axis=2)
         return jnp.stack(zs, axis=2), conf
 
@@ -139,8 +163,9 @@ class DSpark(DFlash):
         """Mean BCE of the confidence logits against each entry's acceptance (no gradient into
         the labels), and the calibration per entry: mean predicted vs mean observed."""
         t2d = frozen["t2d"]
+        hit = (t2d[blocks.ids[..., 0]] == jnp.argmax(logits, -1)).astype(jnp.float32)
         if self.confidence_target == "greedy":
-            label = (t2d[blocks.ids[..., 0]] == jnp.argmax(logits, -1)).astype(jnp.float32)
+            label = hit  # [B, A, G-1]
         else:
             idx = t2d[blocks.ids]
             p = jnp.where(idx >= 0, blocks.probs.astype(jnp.float32), 0.0)
@@ -149,6 +174,11 @@ class DSpark(DFlash):
             label = jnp.sum(jnp.minimum(p, q), -1)
         label = jax.lax.stop_gradient(label)
         m = blocks.valid.astype(jnp.float32)
+        if self.own_drafts > 0:  # own-draft blocks: only entries whose earlier drafts all hit
+            before = jnp.cumprod(jnp.concatenate([jnp.ones_like(hit[..., :1]), hit[..., :-1]],
+                                                 -1), -1)
+            own = self.own_blocks(hit.shape[1])[None, :, None]
+            m = m * jnp.where(own, jax.lax.stop_gradient(before), 1.0)
         bce = jnp.maximum(conf, 0) - conf * label + jnp.log1p(jnp.exp(-jnp.abs(conf)))
         per = lambda x: jnp.sum(x * m, (0, 1)) / jnp.maximum(m.sum((0, 1)), 1.0)  # noqa: E731
         pred, seen = per(jax.nn.sigmoid(conf)), per(label)
