@@ -2,7 +2,7 @@
 before jax starts): sharded generation against one device, shardings inside and after the loop,
 collectives in the compiled decode step. Prints one JSON object on the last line.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_check.py parity,inside,collectives,loading,smollm2,copies
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_check.py parity,inside,collectives,loading,smollm2,copies,kernels,cli
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # tiny, this jaxspec
@@ -409,7 +410,40 @@ def parity() -> dict:
     return out
 
 
+# Bad meshes on the command line: (the arguments after `--prompt hi`, a fragment of the one
+# error line). Run in this 8-device process through `generate.main` (what `python -m
+# jaxspec.generate` calls) rather than one fresh process each (five jax starts, two of them loading
+# SmolLM2 to read its head counts); test_cli.py runs a bad input in a real process.
+CLI_ERRORS = (
+    (("mesh.model=16",), "mesh data=1 x model=16 needs 16 devices but 8 are available"),
+    (("mesh.data=0",), "mesh.data=0 is invalid: use an integer >= 1"),
+    (("distributed.num_processes=2", "distributed.process_id=2"),
+     "distributed.process_id=2 is invalid: use 0..1"),
+    (("mesh.data=2", "--batch-size", "3"),
+     "batch of 3 rows does not divide over mesh data=2: use a batch_size that is a multiple of 2"),
+    (("mesh.model=4",), "mesh model=4 cannot split num_heads=9 into whole heads"),
+)
+
+
+def cli_errors() -> dict:
+    """{the arguments: [exit status, what the CLI wrote to stderr]} for each of CLI_ERRORS."""
+    import contextlib
+    import io
+
+    from jaxspec import generate
+
+    out = {}
+    for argv, _ in CLI_ERRORS:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = generate.main(["--prompt", "hi", *argv])
+        out[" ".join(argv)] = [rc, err.getvalue()]
+    return out
+
+
 def run_mode(mode: str) -> dict:
+    if mode == "cli":
+        return cli_errors()
     if mode == "parity":
         return parity()
     if mode == "inside":
@@ -444,13 +478,17 @@ def main(modes: str) -> dict:
     import traceback
 
     assert jax.device_count() == 8, jax.devices()
-    out = {}
+    out, seconds = {}, {}
     for mode in modes.split(","):
+        start = time.perf_counter(), time.process_time()
         try:
             out[mode] = run_mode(mode)
         except Exception:  # noqa: BLE001 (reported to the test that reads this mode)
             out[mode] = {"error": traceback.format_exc()[-3000:]}
         jax.clear_caches()
+        seconds[mode] = [round(time.perf_counter() - start[0], 1),
+                         round(time.process_time() - start[1], 1)]
+    print("mesh_check seconds per mode (wall, cpu):", json.dumps(seconds), file=sys.stderr)
     return out
 
 

@@ -218,17 +218,22 @@ def test_json_output(json_run):
         assert 0.0 <= m["acceptance_rate"] <= 1.0
 
 
-def test_stream_matches_json(json_run):
-    """Streaming the same prompt (greedy) prints the text the JSON run reported for it."""
-    run = cli("--config", NGRAM, "--prompt", PROMPT, "--max-new-tokens", "8")
-    assert run.returncode == 0, run.stderr
-    assert "Traceback" not in run.stderr
-    assert run.stdout.strip()
+def test_stream_matches_json(json_run, run_main, smollm2, monkeypatch):
+    """Streaming the same prompt (greedy) prints the text the JSON run reported for it. In-process
+    on the session's SmolLM2 (the CLI's load: layout auto, float32), through `main`: the real
+    process is the JSON run's (one SmolLM2 process start and load less)."""
+    import jaxspec.loading
+
+    monkeypatch.setattr(jaxspec.loading, "load_model", lambda *a, **k: smollm2)
+    rc, out, err = run_main("--config", NGRAM, "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert rc == 0, err
+    assert "Traceback" not in err
+    assert out.strip()
     first = json.loads(json_run.stdout.splitlines()[0])
-    assert run.stdout == first["text"] + "\n"
+    assert out == first["text"] + "\n"
     # and one summary line on stderr: tokens, speed, acceptance, accepted length, layout
-    summary = [line for line in run.stderr.splitlines() if line.startswith("[")]
-    assert len(summary) == 1, run.stderr
+    summary = [line for line in err.splitlines() if line.startswith("[")]
+    assert len(summary) == 1, err
     assert f"[{first['num_generated_tokens']} tokens, " in summary[0]
     assert "tok/s, ngram: acceptance" in summary[0] and "tokens/step, layout" in summary[0]
 

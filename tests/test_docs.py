@@ -175,12 +175,52 @@ def with_prelude(code: str, tiny: Path) -> str:
 PYTHON_DOCS = [p for p in DOCS if any(lg == "python" for lg, _, _ in blocks(p))]
 
 
-@pytest.mark.parametrize("path", PYTHON_DOCS, ids=lambda p: p.name)
-def test_python_blocks_run(path, tiny, tmp_path):
-    code = "\n\n".join(c for lg, c, _ in blocks(path) if lg == "python")
-    done = subprocess.run([sys.executable, "-c", with_prelude(code, tiny)], cwd=workdir(tmp_path),
-                          env=env(), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"{path.name}:\n{done.stderr[-4000:]}"
+def python_code(path: Path) -> str:
+    return "\n\n".join(c for lg, c, _ in blocks(path) if lg == "python")
+
+
+def sets_the_environment(path: Path) -> bool:
+    """Whether the page's code sets os.environ before jax starts (a device count, say): such a
+    page runs in a process of its own."""
+    return "os.environ[" in python_code(path)
+
+
+# The pages that set nothing share one process (one jax start, not one per page; the programs
+# one page compiles serve the next), each page's code in fresh globals, so a page that uses a name
+# it never defines or imports still fails as it would for a reader; a page that sets the
+# environment gets a process of its own.
+PYTHON_GROUPS = {"pages": [p for p in PYTHON_DOCS if not sets_the_environment(p)]} | {
+    p.name: [p] for p in PYTHON_DOCS if sets_the_environment(p)}
+
+PYTHON_RUNNER = """
+import json, sys, traceback
+failures = []
+for name, code in json.loads(sys.argv[1]):
+    try:
+        exec(compile(code, name, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        failures.append([name, traceback.format_exc()[-3000:]])
+print("RESULT " + json.dumps(failures))
+"""
+
+
+@pytest.mark.parametrize("group", list(PYTHON_GROUPS))
+def test_python_blocks_run(group, tiny, tmp_path):
+    pages = PYTHON_GROUPS[group]
+    if len(pages) == 1 and sets_the_environment(pages[0]):
+        code = with_prelude(python_code(pages[0]), tiny)
+        done = subprocess.run([sys.executable, "-c", code], cwd=workdir(tmp_path), env=env(),
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{pages[0].name}:\n{done.stderr[-4000:]}"
+        return
+    assert len(pages) > 1, pages  # the shared process holds several pages
+    sources = json.dumps([(p.name, python_code(p)) for p in pages])
+    done = subprocess.run([sys.executable, "-c", PRELUDE.format(tiny=str(tiny)) + PYTHON_RUNNER,
+                           sources], cwd=workdir(tmp_path), env=env(), capture_output=True,
+                          text=True, timeout=1800)
+    assert "RESULT " in done.stdout, done.stderr[-4000:]
+    failures = json.loads(done.stdout.rsplit("RESULT ", 1)[1])
+    assert failures == [], "\n".join(f"{name}:\n{trace}" for name, trace in failures)
 
 
 def commands(code: str) -> list[str]:

@@ -22,7 +22,7 @@ from jaxspec.sharding import ShardingRules, check_batch, check_model, make_mesh,
 ROOT = Path(__file__).resolve().parents[1]
 
 
-MODES = "parity,inside,collectives,loading,smollm2,copies,kernels"
+MODES = "parity,inside,collectives,loading,smollm2,copies,kernels,cli"
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,14 @@ def mesh_checks() -> dict:
     read the optimised HLO users' compiles give whatever JAXSPEC_TEST_FAST_CODEGEN sets; kernels'
     exported programs do not depend on XLA:CPU's code generation, and its interpret-mode values
     are compared within a tolerance."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXSPEC_PROGRESS="0")  # the CLI's one error line
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     proc = subprocess.run(
         [sys.executable, "tests/mesh_check.py", MODES],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    print(*(line for line in proc.stderr.splitlines() if line.startswith("mesh_check seconds")))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -223,32 +224,20 @@ def test_smollm2_loads_onto_a_mesh_by_whole_kv_heads_and_keeps_its_tokens(mesh_c
     assert out == {"same": True, "layout": "unrolled", "wk_shard": [64, 576]}, out
 
 
-def _cli_error(argv, devices=1) -> str:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TRANSFORMERS_VERBOSITY="error")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxspec.generate", "--prompt", "hi", *argv],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0]
+def test_cli_refuses_bad_meshes_in_one_line(mesh_checks):
+    """`python -m jaxspec.generate` with a mesh the devices cannot hold, a bad axis or process id,
+    a batch the data axis does not divide, a model axis that cuts SmolLM2's heads: exit 2 and one
+    line naming the numbers (mesh_check.CLI_ERRORS, run on 8 devices through `generate.main`)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mesh_check
 
-
-@pytest.mark.parametrize(
-    "argv, devices, fragment",
-    [
-        (["mesh.model=4"], 1, "mesh data=1 x model=4 needs 4 devices but 1 are available"),
-        (["mesh.data=0"], 1, "mesh.data=0 is invalid: use an integer >= 1"),
-        (["distributed.num_processes=2", "distributed.process_id=2"], 1,
-         "distributed.process_id=2 is invalid: use 0..1"),
-        (["mesh.data=2", "--batch-size", "3"], 8,
-         "batch of 3 rows does not divide over mesh data=2: use a batch_size that is a multiple of 2"),
-        (["mesh.model=4"], 8, "mesh model=4 cannot split num_heads=9 into whole heads"),
-    ],
-)
-def test_cli_refuses_bad_meshes_in_one_line(argv, devices, fragment):
-    assert fragment in _cli_error(argv, devices)
+    out = check(mesh_checks, "cli")
+    assert len(out) == len(mesh_check.CLI_ERRORS), out
+    for argv, fragment in mesh_check.CLI_ERRORS:
+        rc, err = out[" ".join(argv)]
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (argv, err)
+        assert fragment in lines[0], (argv, lines[0])
 
 
 def test_decode_loops_copy_no_cache_on_meshes(mesh_checks):
