@@ -28,7 +28,7 @@ def _row(target: str, layout: str, batch: int = 1, window: int = 1) -> dict:
     model = llama.LlamaTarget(llama.ModelConfig(**dims, dtype="bfloat16"))
     place = accel_roofline.placement(target, None, model)
     return accel_roofline.measure(place, model, layout, "decode" if window == 1 else "verify",
-                                  batch, window, capacity=1024, valid=512)
+                                  batch, window, capacity=1024, valid=512, kernel_list=True)
 
 
 @pytest.mark.parametrize("target", ["h200", "v5e"])
@@ -49,6 +49,9 @@ def test_fused_layout_runs_fewer_kernels_and_rope_once_a_step():
     assert fused["kernels"] < plain["kernels"], (fused, plain)
     assert fused["bytes_moved"] <= 1.01 * plain["bytes_moved"], (fused, plain)
     assert fused["rope_kernels"] <= 2, fused
+    # --kernels names each launch: one attention kernel a layer, the whole count listed
+    listed = fused["kernel_list"]
+    assert len(listed) == fused["kernels"] and sum("pallas_call" in k for k in listed) == 4, listed
 
 
 def test_bf16_projections_accumulate_in_f32_in_decode_and_verify():

@@ -115,6 +115,23 @@ def test_attend_pallas_gpu_kernel_matches_reference_in_interpret_mode():
     assert not _runs_a_kernel(q, kc[:, :, :96], vc[:, :, :96], kw, vw, lengths, impl="pallas_gpu")
 
 
+def test_pallas_gpu_kernel_merges_its_slot_splits_exactly(monkeypatch):
+    """512 slots: 4 slot splits of 128 merged by log-sum-exp, or, where the batch alone fills the
+    GPU (`GPU_PROGRAMS` reached), halved down to 1: both match the reference."""
+    pytest.importorskip("jax.experimental.pallas.ops.gpu.decode_attention")
+    from jaxspec.models import attention_kernels
+
+    args = _attention_inputs(t=2, s=512)
+    want = xla(*args)
+    jaxprs = []
+    for programs in (512, 1):
+        monkeypatch.setattr(attention_kernels, "GPU_PROGRAMS", programs)
+        run = lambda *a: attention.attend(*a, impl="pallas_gpu", interpret=True)  # noqa: E731
+        np.testing.assert_allclose(jax.jit(run)(*args), want, rtol=1e-4, atol=1e-4)
+        jaxprs.append(str(jax.make_jaxpr(run)(*args)))
+    assert jaxprs[0] != jaxprs[1]  # the split count changed the kernel's grid
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attend_pallas_gpu_stacked_kernel_matches_reference_in_interpret_mode(dtype):
     """Our Pallas GPU kernel on a stack at a traced layer (the stacked layout's GPU path): chain

@@ -223,7 +223,8 @@ class DFlashDrafter:
             tokens, q = self._select(dparams, blk, self._anchor(ctx), sp, step_keys)
         else:
             q = sampling.logits_to_probs(blk.logits, sp)  # [B, G, V]: q_i from the context alone
-            tokens = jax.vmap(sampling.sample_rows, in_axes=(1, 1), out_axes=1)(step_keys, q)
+            tokens = sampling.greedy_tokens(blk.logits) if sp.mode == "greedy" else jax.vmap(
+                sampling.sample_rows, in_axes=(1, 1), out_axes=1)(step_keys, q)  # greedy: argmax
         return Proposal(tokens, q, jnp.full((b,), num_tokens, jnp.int32)), state
 
     @staticmethod
@@ -262,7 +263,8 @@ class DFlashDrafter:
         for i in range(blk.logits.shape[1]):
             logits = self.position_logits(dparams, blk, i, prev[:, None])[:, 0]  # [B, V]
             q = sampling.logits_to_probs(logits, sp)
-            prev = sampling.sample_rows(step_keys[:, i], q)  # [B]
+            prev = (sampling.greedy_tokens(logits) if sp.mode == "greedy"  # [B]
+                    else sampling.sample_rows(step_keys[:, i], q))
             toks.append(prev)
             qs.append(q)
         return jnp.stack(toks, axis=1), jnp.stack(qs, axis=1)

@@ -182,7 +182,8 @@ class ChainDrafter(abc.ABC):
         """h [B, H] -> (target token [B], full-vocab draft probs f32[B, V])."""
         logits = self.draft_logits(dparams, tparams, h)  # [B, N]
         probs_n = sampling.logits_to_probs(logits, sp)  # greedy: read by nothing, compiled out
-        idx = sampling.choose_rows(keys, logits, sp)  # greedy: the argmax, no draw
+        greedy = sp.mode == "greedy"  # the argmax, no draw
+        idx = sampling.greedy_tokens(logits) if greedy else sampling.sample_rows(keys, probs_n)
         ids = self.draft_ids(dparams)
         if ids is None:  # full vocabulary
             return idx, probs_n

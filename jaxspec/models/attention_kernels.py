@@ -362,6 +362,10 @@ def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False)
     slots = k_cache.shape[2]
     block_k = min(128, slots)
     splits = max(1, slots // block_k) if slots % block_k == 0 else 1
+    # Split the slots only as far as the GPU needs programs: each split writes its partial output
+    # in f32 and the merge reads it back (16 splits of a batch-32, 5-token window: 84 MB a layer).
+    while splits % 2 == 0 and b * kv * splits > GPU_PROGRAMS:
+        splits //= 2
     if slots % (block_k * splits):
         block_k, splits = slots, 1
     split_len = slots // splits
@@ -404,6 +408,7 @@ def _merge_splits(o, m, l, axis):
     return o, jnp.maximum(m_all, _EMPTY), (a * l).sum(axis=axis)
 
 
+GPU_PROGRAMS = 512  # decode-kernel programs (row x kv head x slot split) that fill an H100/H200
 GPU_BLOCK_SLOTS = 64  # cache slots per step of the stacked GPU kernel's loop
 GPU_SPLITS = 8  # programs per (row, kv head) in the stacked GPU kernel, each over a slot range
 

@@ -86,7 +86,7 @@ def _chip_share(*placed) -> float:
 
 
 def measure(p: Placement, model: base.Target, layout: str, program: str, batch: int,
-            window: int, capacity: int, valid: int) -> dict:
+            window: int, capacity: int, valid: int, kernel_list: bool = False) -> dict:
     """One program compiled for the placement's target, read. weight_bytes: the params a step
     must read (the embedding table's gathered rows where it is not the LM head); kv_bytes: the
     valid KV prefix read and the window's rows written; min_bytes: both + the f32 logits out
@@ -136,17 +136,19 @@ def measure(p: Placement, model: base.Target, layout: str, program: str, batch: 
     }
     if over:
         row["over_memory_gib"] = over
+    if kernel_list:  # the launched kernels, named (step_model.kernel_list)
+        row["kernel_list"] = step_model.kernel_list(text)
     if "optimal_seconds" in ca and ca["optimal_seconds"] > 0:
         row["optimal_ms"] = round(1e3 * float(ca["optimal_seconds"]), 4)
     return row
 
 
 def rows(p: Placement, model: base.Target, layout: str, batches, windows, capacity: int,
-         fill: float) -> list[dict]:
+         fill: float, kernel_list: bool = False) -> list[dict]:
     capacity = attention.kernel_capacity(capacity, "gpu")  # what the kernels take
     valid = int(capacity * fill)
-    return [measure(p, model, layout, "decode" if w == 1 else "verify", b, w, capacity, valid)
-            for b in batches for w in windows]
+    return [measure(p, model, layout, "decode" if w == 1 else "verify", b, w, capacity, valid,
+                    kernel_list) for b in batches for w in windows]
 
 
 def format_rows(out: list[dict]) -> str:

@@ -320,6 +320,8 @@ def main(argv=None) -> int:
                    "--batch, instead of the decode/verify programs")
     p.add_argument("--gamma", type=int, metavar="N", help="with --method: drafts per step "
                    "(default: n-gram 4, EAGLE-3 3, DFlash 4)")
+    p.add_argument("--kernels", action="store_true", help="with --target: list each program's "
+                   "launched kernels in order (name, what it computes, shape, jax op)")
     p.add_argument("--over-memory", action="store_true", help="with --target: compile a program "
                    "that does not fit the chip's memory and report by how much (over_memory_gib)")
     try:
@@ -389,8 +391,12 @@ def _accelerator(args, config) -> int:
         text = spec_steps.format_rows(out)
     else:
         out = accel_roofline.rows(place, target, layout, _ints(args.batch), _ints(args.window),
-                                  args.capacity, args.fill)
+                                  args.capacity, args.fill, args.kernels)
         text = accel_roofline.format_rows(out)
+        if args.kernels:  # the table, then each program's kernels
+            text += "".join(f"\n\n{r['program']} batch {r['batch']} window {r['window']}: "
+                            f"{len(r['kernel_list'])} kernels\n" + "\n".join(r["kernel_list"])
+                            for r in out)
     if args.json:
         text = "\n".join(json.dumps(r | moe_shapes.active_fields(target, r.get("batch", 1),
                                                                  r.get("window", 1))) for r in out)

@@ -80,6 +80,22 @@ def loop_step(text: str) -> tuple[int, int]:
     return launches(text, computation=hlo._BODY.search(loop.line).group(1))
 
 
+def kernel_list(text: str) -> list[str]:
+    """The entry computation's launched kernels in launch order, one line each: name, what it
+    computes (a fusion's root opcode), its output shape and the jax op it came from (metadata
+    op_name, last two parts): the per-layer breakdown `--kernels` prints."""
+    comps = hlo.parse(text)
+    out = []
+    for ins in comps.get(_entry(text), []):
+        if ins.opcode in _NOT_LAUNCHED or ins.opcode in ("while", "conditional", "call"):
+            continue
+        root = hlo._root_opcode(comps, ins.calls) if ins.calls else ins.opcode
+        op = re.search(r'op_name="([^"]*)"', ins.line)
+        op = "/".join(op.group(1).split("/")[-2:]) if op else ""
+        out.append(f"{ins.name} {root} {hlo.shape_of(ins.line)[:48]} {op}")
+    return out
+
+
 def large_copies(text: str, limit: int = 1 << 20) -> list[str]:
     """Copies (`copy`, a dynamic slice, or a fusion rooted in either) whose output exceeds `limit`
     bytes: a buffer the step writes whole, e.g. a weight sliced out of a layer stack or a
