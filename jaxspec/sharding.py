@@ -204,7 +204,10 @@ def shard_params(params, target: base.Target, mesh: Mesh, rules: ShardingRules =
 
 
 def cache_shardings(cache: KVCache, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> KVCache:
-    """KV cache: batch over `data`, kv heads over `model` when they divide it."""
+    """KV cache: batch over `data`, kv heads over `model` when they divide it (a hybrid cache:
+    its linear layers' states by value heads and q/k/v channels too)."""
+    if isinstance(cache, HybridCache) and cache.snapshots is None:
+        return shardings_for(cache, hybrid_cache_axes(len(cache.k), len(cache.ssm)), mesh, rules)
     stacked = not isinstance(cache.k, tuple)
     axes = CACHE_AXES if stacked else CACHE_AXES[1:]
     one = lambda x: NamedSharding(mesh, _fitted_spec(rules, axes, x.shape, mesh, {}))
@@ -241,10 +244,8 @@ def state_shardings(tree, batch: int, mesh: Mesh, rules: ShardingRules = Shardin
     def one(x):
         if isinstance(x, PagedKVCache):
             return paged_cache_shardings(x, mesh, rules)
-        if isinstance(x, KVCache):
+        if isinstance(x, KVCache) or (isinstance(x, HybridCache) and x.snapshots is None):
             return cache_shardings(x, mesh, rules)
-        if isinstance(x, HybridCache) and x.snapshots is None:
-            return shardings_for(x, hybrid_cache_axes(len(x.k), len(x.ssm)), mesh, rules)
         if x.ndim >= 1 and x.shape[0] == batch:
             spec = _fitted_spec(rules, ("batch",) + (None,) * (x.ndim - 1), x.shape, mesh, {})
             return NamedSharding(mesh, spec)

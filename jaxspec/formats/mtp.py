@@ -67,7 +67,10 @@ def undeclared_mtp_layers(config: dict, path: Path) -> int:
 
     if config.get("model_type") != "qwen3_next":
         return 0
-    return int("mtp.fc.weight" in tensor_index(Path(path)))
+    try:
+        return int("mtp.fc.weight" in tensor_index(Path(path)))
+    except JaxspecError:  # no safetensors files: not an MTP checkpoint (refused below)
+        return 0
 
 
 def read(path, target_cfg, where=None):
