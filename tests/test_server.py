@@ -296,6 +296,26 @@ def test_a_chunked_upload_is_refused_once_past_the_limit(served):
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
 
 
+def test_a_body_that_never_arrives_whole_gets_408_in_time(served):
+    """Content-Length 100, 9 bytes sent, the rest never: a 408 once the body's time limit (1 s
+    here) passes, not a connection held open for ever (seen without the limit: no answer in
+    45 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from jaxspec.serving.gate import Gate, Limits
+
+    with listening(make_app(served[0], Gate(limits=Limits(body_timeout_s=1.0)))) as url:
+        u = urlparse(url)
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            t0 = time.time()
+            head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert time.time() - t0 < 20 and b"within 1 s" in head
+
+
 def test_429_and_503_carry_retry_after(served):
     server, url = served
     idle(server)
