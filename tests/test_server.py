@@ -535,14 +535,19 @@ def _fuzzed_bodies():
 def test_fuzzed_requests_never_break_the_server(served, client, solo):
     """Hypothesis over the request schema against the live server: every answer a 2xx or a
     one-line 4xx (a stream: no error event, ends with [DONE]); then the server is ready and a
-    greedy request still returns the engine's tokens. Bounded: 60 cases."""
+    greedy request still returns the engine's tokens. Bounded: 60 cases ($JAXSPEC_FUZZ_EXAMPLES
+    for a longer run: docs/history/BENCHMARKS-session-28.md)."""
+    import os
+
     from hypothesis import HealthCheck, given, settings
 
     server, url = served
     seen, failed = {"2xx": 0, "4xx": 0}, server.health()["failed"]
     http = httpx.Client(timeout=120)
 
-    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+    examples = int(os.environ.get("JAXSPEC_FUZZ_EXAMPLES", "60"))
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(_fuzzed_bodies())
     def case(path_body):
