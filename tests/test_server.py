@@ -296,6 +296,26 @@ def test_a_chunked_upload_is_refused_once_past_the_limit(served):
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
 
 
+def test_a_body_that_never_arrives_whole_gets_408_in_time(served):
+    """Content-Length 100, 9 bytes sent, the rest never: a 408 once the body's time limit (1 s
+    here) passes, not a connection held open for ever (seen without the limit: no answer in
+    45 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from jaxspec.serving.gate import Gate, Limits
+
+    with listening(make_app(served[0], Gate(limits=Limits(body_timeout_s=1.0)))) as url:
+        u = urlparse(url)
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            t0 = time.time()
+            head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert time.time() - t0 < 20 and b"within 1 s" in head
+
+
 def test_429_and_503_carry_retry_after(served):
     server, url = served
     idle(server)
@@ -515,14 +535,19 @@ def _fuzzed_bodies():
 def test_fuzzed_requests_never_break_the_server(served, client, solo):
     """Hypothesis over the request schema against the live server: every answer a 2xx or a
     one-line 4xx (a stream: no error event, ends with [DONE]); then the server is ready and a
-    greedy request still returns the engine's tokens. Bounded: 60 cases."""
+    greedy request still returns the engine's tokens. Bounded: 60 cases ($JAXSPEC_FUZZ_EXAMPLES
+    for a longer run: docs/history/BENCHMARKS-session-28.md)."""
+    import os
+
     from hypothesis import HealthCheck, given, settings
 
     server, url = served
     seen, failed = {"2xx": 0, "4xx": 0}, server.health()["failed"]
     http = httpx.Client(timeout=120)
 
-    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+    examples = int(os.environ.get("JAXSPEC_FUZZ_EXAMPLES", "60"))
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(_fuzzed_bodies())
     def case(path_body):

@@ -1,11 +1,14 @@
 """The one reader of a request body: size counted while it arrives (a chunked upload is refused
-with a 413 as soon as it passes `serving.max_body_bytes`, never read whole), nesting depth
+with a 413 as soon as it passes `serving.max_body_bytes`, never read whole), time bounded (a body
+not whole within `Limits.body_timeout_s` gets a 408: a client trickling bytes, or announcing
+more than it sends, holds no connection open for ever), nesting depth
 bounded before the JSON parser recurses, numbers finite (no NaN / Infinity / 1e999), strings
 valid Unicode (no lone surrogates), and a JSON object at the top. Every refusal is an
 `HTTPError` with a one-line message: a 4xx, never a 500."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -19,8 +22,23 @@ MAX_DEPTH = 64  # a JSON schema inside a tool nests two levels per schema level
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
-async def read_body(request, limit: int) -> dict[str, Any]:
-    """The request's JSON object, read chunk by chunk (`limit` bytes at most; 0: no limit)."""
+async def read_body(request, limit: int, within_s: float = 0.0) -> dict[str, Any]:
+    """The request's JSON object, read chunk by chunk (`limit` bytes at most; 0: no limit) within
+    `within_s` seconds (0: no limit). A client gone before its body is whole gets a 400 (sent
+    nowhere) instead of the ASGI app's traceback on stderr."""
+    from starlette.requests import ClientDisconnect
+
+    try:
+        raw = await asyncio.wait_for(_read(request, limit), within_s or None)
+    except asyncio.TimeoutError:
+        raise HTTPError(408, f"the request body did not arrive whole within {within_s:g} s: "
+                             "send it at once", "request_timeout") from None
+    except ClientDisconnect:
+        raise HTTPError(400, "the client went away before its request body arrived") from None
+    return parse(raw)
+
+
+async def _read(request, limit: int) -> bytes:
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -29,7 +47,7 @@ async def read_body(request, limit: int) -> dict[str, Any]:
                                  f"(serving.max_body_bytes): send a smaller one",
                             "request_too_large")
         parts.append(chunk)
-    return parse(b"".join(parts))
+    return b"".join(parts)
 
 
 def parse(raw: bytes) -> dict[str, Any]:

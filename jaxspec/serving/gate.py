@@ -1,8 +1,8 @@
 """What the HTTP server lets in and how it stops: the API key, request limits, readiness and the
 graceful drain. Pure host-side bookkeeping over `api.Stream`s; no device work.
 
-- `Limits`: the `serving` config's request ceilings (body bytes, prompt tokens, `max_tokens`,
-  seconds per request) and the drain budget.
+- `Limits`: the `serving` config's request ceilings (body bytes and seconds to send them, prompt
+  tokens, `max_tokens`, seconds per request) and the drain budget.
 - `Gate`: the key check (`hmac.compare_digest`), `ready` (programs compiled), `draining`
   (SIGTERM seen: new requests get 503), the streams in flight, and `drain`: wait for them up to
   `drain_s`, then end the rest (they finish with `finish_reason: "abort"`).
@@ -25,6 +25,7 @@ class Limits:
     max_tokens: int = 0
     request_timeout_s: float = 600.0
     drain_s: float = 30.0
+    body_timeout_s: float = 30.0  # a request body not whole by then gets 408 (serving.body)
 
     @classmethod
     def of(cls, serving) -> Limits:

@@ -3,7 +3,8 @@
 `/v1/models`, `/v1/models/{id}`, `/health` (alive), `/ready` (compiled and admitting),
 `/metrics` (Prometheus). Bad requests get a 400 with a one-line message (fields it does not
 honour included: `serving.fields`; the body itself: `serving.body`), a full queue a 429, an
-unknown model a 404, a missing key a 401, a body over serving.max_body_bytes a 413, any request
+unknown model a 404, a missing key a 401, a body over serving.max_body_bytes a 413 (one not whole
+within 30 s a 408: `Limits.body_timeout_s`), any request
 while compiling or stopping a 503 (429 and 503 with Retry-After); a client that disconnects
 cancels its request, streamed or not (row and pages freed). `usage` counts
 the tokens returned and carries the speculative loop's figures under `speculative`.
@@ -108,15 +109,19 @@ class Endpoints:
         self.parser.check_model({"model": name})
         return self.model_card()
 
+    async def _body(self, request: Request) -> dict:
+        limits = self.gate.limits
+        return await read_body(request, limits.max_body_bytes, limits.body_timeout_s)
+
     async def completions(self, request: Request):
-        body = await read_body(request, self.gate.limits.max_body_bytes)
+        body = await self._body(request)
         self.parser.check_model(body)
         ids, text = self.parser.completion_prompt(body)
         ask = await self.parser.ask(body, ids, False, text, request)
         return await self.replies.reply(ask, request)
 
     async def chat_completions(self, request: Request):
-        body = await read_body(request, self.gate.limits.max_body_bytes)
+        body = await self._body(request)
         self.parser.check_model(body)
         ask = await self.parser.ask(body, self.parser.chat_ids(body), True, "", request)
         return await self.replies.reply(ask, request)
