@@ -468,7 +468,7 @@ def trained_dspark(greedy_target, tmp_path_factory):
                                DataConfig(layers=(1, 2), top_k=4, gen_steps=16), np.asarray([-1]))
     out_dir = tmp_path_factory.mktemp("dspark") / "trained"
     args = {"hidden_layers": (1, 2), "block_size": 4, "num_layers": 1, "intermediate_size": 64,
-            "anchors": 6, "markov_rank": 8, "markov_type": "gated"}
+            "anchors": 6, "markov_rank": 8, "markov_type": "gated", "own_drafts": 0.5}
     tc = TrainConfig(method="dspark", ckpt_dir=str(out_dir.parent / "ckpt"),
                      export_dir=str(out_dir), steps=24, batch_size=4, seq_len=24, lr=1e-2,
                      warmup=2, save_every=0, draft_vocab=greedy_target.cfg.vocab_size,
@@ -482,7 +482,9 @@ def test_training_walk_is_the_runtime_walk(greedy_target, trained_dspark):
     """The recipe's loss falls, and what it trains is what drafting runs: for each training
     anchor a, the biased logits and confidences of block entries 1..G-1 (the sequential head fed
     the true previous tokens) equal the exported drafter's teacher-forced walk at committed
-    length a + 1 over the same drafts (a shifted previous token or slot would differ)."""
+    length a + 1 over the same drafts (a shifted previous token or slot would differ). With the
+    training-time test on every block (own_drafts 1), entry i reads the walk's own greedy draft
+    i - 1: equal to the runtime walk over those drafts."""
     from jaxspec.formats import load_drafter_checkpoint
 
     result, records, out_dir = trained_dspark
@@ -504,8 +506,11 @@ def test_training_walk_is_the_runtime_walk(greedy_target, trained_dspark):
               "head": t.head_table(greedy_target.params).astype(jnp.float32),
               "t2d": jnp.arange(vocab), "d2t": jnp.arange(vocab)}
     blocks = m.block_forward(dparams, frozen, batch, t)
-    z_train, conf_train = m.sequential(dparams, blocks)
+    z_train, conf_train = dataclasses.replace(m, own_drafts=0.0).sequential(dparams, blocks)
+    z_own, conf_own = dataclasses.replace(m, own_drafts=1.0).sequential(dparams, blocks,
+                                                                        frozen["d2t"])
     g = m.block_size
+    checked = 0
     for j, a in enumerate(np.asarray(m.anchor_positions(tok))):
         if a + g > tok.shape[1]:
             continue
@@ -517,6 +522,15 @@ def test_training_walk_is_the_runtime_walk(greedy_target, trained_dspark):
                                    rtol=2e-4, atol=2e-4)
         np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_train[0, j]),
                                    rtol=2e-4, atol=2e-4)
+        own = jnp.argmax(z_own[:, j], -1).astype(jnp.int32)  # [1, G-1] its greedy drafts
+        z, conf = _teacher_forced(drafter, dparams, t, greedy_target.params, padded, plens,
+                                  tok[:, : a + 1], own)
+        np.testing.assert_allclose(np.asarray(z[0, 1:]), np.asarray(z_own[0, j]),
+                                   rtol=2e-4, atol=2e-4)
+        np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_own[0, j]),
+                                   rtol=2e-4, atol=2e-4)
+        checked += int(jnp.any(own[0, :-1] != drafts[0, :-1]))
+    assert checked, "no anchor where the own drafts differ from the true tokens"
 
 
 def test_trained_head_exports_in_the_speculators_layout(greedy_target, trained_dspark, tmp_path):

@@ -124,8 +124,14 @@ def summarise_tree(rows: list[dict], methods: list[str]) -> dict[str, Any]:
             "mean_accepted_length": _median(p["mean_accepted_length"] for p in per_round),
             "step_cost": _median(p["step_cost"] for p in per_round),
             "tokens_equal_plain": all(p["tokens_equal_plain"] for p in per_round),
-        }
+        } | _calibration([r for r in rows if r["method"] == m])
     return out
+
+
+def _calibration(rows: list[dict]) -> dict[str, Any]:
+    from jaxspec.bench.rows import calibration
+
+    return calibration(rows)
 
 
 def compare_trees(a: dict[str, Any], b: dict[str, Any], rows_a: list[dict],
@@ -243,10 +249,14 @@ def batch_figures(results) -> dict[str, Any]:
     decode_s = max(((r.num_generated_tokens - 1) / r.decode_tokens_per_s
                     for r in results if r.num_generated_tokens > 1 and r.decode_tokens_per_s),
                    default=0.0)
+    from jaxspec.bench.rows import calibration
+
     tokens = [list(r.token_ids) for r in results]
     return {"num_generated_tokens": 1 + sum(max(r.num_generated_tokens - 1, 0) for r in results),
             "num_steps": sum(int(r.metrics["num_steps"]) for r in results),
-            "decode_s": decode_s, "tokens": tokens[0] if len(tokens) == 1 else tokens}
+            "decode_s": decode_s, "tokens": tokens[0] if len(tokens) == 1 else tokens,
+            # a DSpark chain: its confidence head against verification, the lengths it chose
+            **calibration([r.metrics for r in results])}
 
 
 def _wait(ready, job: dict[str, Any]) -> None:

@@ -45,7 +45,34 @@ def record(result, wall_s: float) -> dict[str, Any]:
         "accepted_per_position": m["accepted_per_position"],
         "token_ids": result.token_ids,
         "compile_s": m.get("compile_s", 0.0),  # must be 0: compilation happens in the warm-up
-    }
+    } | {k: m[k] for k in CALIBRATION if k in m}
+
+
+# a DSpark chain's confidence head against verification (dspark_heads.calibration_metrics)
+CALIBRATION = ("confidence_predicted_per_position", "confidence_observed_per_position",
+               "confidence_steps_per_position", "verify_length_hist")
+
+
+def calibration(rows: list[dict]) -> dict[str, Any]:
+    """Rows with a confidence record -> per draft position the mean predicted survival and the
+    observed acceptance over every verified step of every row, and the verify lengths chosen
+    (summed); {} when no row has one."""
+    rows = [r for r in rows if "confidence_steps_per_position" in r]
+    if not rows:
+        return {}
+    n = [sum(c) for c in zip(*(r["confidence_steps_per_position"] for r in rows))]
+
+    def pooled(key):
+        tot = [0.0] * len(n)
+        for r in rows:
+            for i, (x, k) in enumerate(zip(r[key], r["confidence_steps_per_position"])):
+                tot[i] += (x or 0.0) * k
+        return [round(t / k, 4) if k else None for t, k in zip(tot, n)]
+
+    return {"confidence_predicted_per_position": pooled("confidence_predicted_per_position"),
+            "confidence_observed_per_position": pooled("confidence_observed_per_position"),
+            "confidence_steps_per_position": n,
+            "verify_length_hist": [sum(c) for c in zip(*(r["verify_length_hist"] for r in rows))]}
 
 
 def aggregate(rows: list[dict], base_rows: list[dict], gamma: int) -> dict[str, Any]:
@@ -93,7 +120,7 @@ def aggregate(rows: list[dict], base_rows: list[dict], gamma: int) -> dict[str, 
         "outputs_match_baseline": all(matches) if matches else None,
         "match_rate": sum(matches) / len(matches) if matches else None,
         "compile_s_in_timed_runs": sum(r.get("compile_s", 0.0) for r in rows),
-    }
+    } | calibration(rows)
 
 
 def aggregate_peer(rows: list[dict], base_rows: list[dict], ours: dict[str, list[dict]]):

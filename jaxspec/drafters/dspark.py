@@ -230,7 +230,7 @@ class DSparkOptions(DFlashOptions):
     sequential bias along each path)."""
 
     SECTION: ClassVar[str] = "speculative.dspark"
-    # > 0: confidence-scheduled verification: each row verifies the number of drafts that
+    # > 0: confidence-scheduled verification: the batch verifies the number of drafts that
     # maximises expected tokens / (1 + cost_per_draft * drafts), from the confidence head's
     # survival estimate; cost_per_draft is one verified draft's cost in plain steps (the slope
     # of the calibrated step-cost curve at the serving batch); 0: always γ drafts
