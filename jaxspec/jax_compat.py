@@ -1,5 +1,6 @@
-"""Every use of jax's private or version-dependent internals, in one place: the rest of jaxspec
-imports only public jax (`jax`, `jax.numpy`, `jax.lax`, `jax.tree`, `jax.sharding`, `jax.ffi`,
+"""jax's private internals, in one module.
+
+The rest of jaxspec imports only public jax (`jax`, `jax.numpy`, `jax.lax`, `jax.tree`, `jax.sharding`, `jax.ffi`,
 `jax.monitoring`, `jax.experimental.*`), so a new jax release can move an internal and break
 only this module, each function here degrading to "not available" rather than failing the
 import (tests/test_jax_compat.py checks both: no private import elsewhere, and the fallbacks).

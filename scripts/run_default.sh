@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh main
-echo "run: n-gram speculation on SmolLM2-135M-Instruct (a fresh cache compiles for about" \
-  "20 s; later runs load the compiled programs from the cache)" >&2
+echo "run: n-gram speculation on SmolLM2-135M-Instruct (a fresh cache compiles two programs," \
+  "30-90 s on a 2-core CPU; later runs load them from the cache)" >&2
 exec .venv/bin/python -m jaxspec.generate --config configs/smollm2-135m-ngram.yaml \
   --prompt "Explain speculative decoding in three short sentences." "$@"

@@ -41,7 +41,7 @@ fi
 
 if [ ! -x .venv/bin/python ]; then
   step "creating .venv (python3 -m venv)"
-  python3 -m venv .venv
+  long "creating .venv" python3 -m venv .venv
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate

@@ -33,9 +33,14 @@ class GrammarProcessor(Processor):
     def propose(self, carry, proposal, keys, active):
         def masked():
             new, g = grammar_draft.mask_proposal(carry, proposal, keys, active)
-            return _like(proposal, new), g
+            return _like(proposal, new), g.num_masked, g.num_proposed
 
-        return jax.lax.cond(_any_constrained(carry), masked, lambda: (proposal, carry))
+        # only the proposal and the counters leave the cond: the table (16 MB on a server)
+        # passed through a branch would be copied every step
+        new, num_masked, num_proposed = jax.lax.cond(
+            _any_constrained(carry), masked,
+            lambda: (proposal, carry.num_masked, carry.num_proposed))
+        return new, carry._replace(num_masked=num_masked, num_proposed=num_proposed)
 
     def prepare(self, carry, tokens, parents):
         b, n = tokens.shape
