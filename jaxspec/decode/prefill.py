@@ -113,7 +113,9 @@ def prefill(
     probs = sampling.logits_to_probs(adjusted[:, 0], sp)  # [B, V]
     row_steps = jnp.zeros((b,), jnp.int32)
     first = sampling.sample_rows(sampling.row_keys(key, row_ids, row_steps), probs)  # [B]
-    tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
+    # a served tail's prompt array may be wider than the row's slots (its power-of-two bucket
+    # against max_context): the positions past `capacity` hold padding only (check_fits)
+    tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens[:, :capacity])
     tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first)
     reads = processors.read(spec, sp, extras, logits[:, None], adjusted)
     extras = processors.commit(spec, sp, extras, aux, reads,
