@@ -14,7 +14,7 @@ setup_vllm_peer.sh). Each row also gives jaxspec's prefill CPU seconds (all thre
 shared machine wall time measures the neighbours too.
 
     PYTHONPATH=$PWD python scripts/bench_prefill.py --lengths 40 600 2000 --threads 2
-    JAXSPEC_VLLM_VENV=/work/wt/venv-vllm PYTHONPATH=$PWD python scripts/bench_prefill.py \
+    JAXSPEC_VLLM_VENV=DIR PYTHONPATH=$PWD python scripts/bench_prefill.py \
         --lengths 40 600 2000 8000 --layouts packed --repeats 1 --vllm
 """
 from __future__ import annotations
