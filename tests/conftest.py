@@ -147,8 +147,15 @@ def pytest_collection_modifyitems(items):
             quick_seen.add(key)
             item.add_marker(pytest.mark.quick)
     # xdist's workers take whole files in collection order: the longest first (suite_plan.py).
+    # Within a file, the tests that patch traced code come last: they drop JAX's caches before
+    # and after them, so a test after one in its file traced its programs again (the persistent
+    # cache spares the compile, not the tracing and lowering).
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept
+    first = {}  # each file's place in collection order (files not in LONGEST_FIRST stay whole)
+    for item in items:
+        first.setdefault(item.path, len(first))
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), first[item.path],
+                                 item.get_closest_marker("patches_traced_code") is not None))
 
 
 def _memory_maps_near_limit(fraction: float = 0.5) -> bool:
