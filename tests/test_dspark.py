@@ -406,7 +406,7 @@ def test_sampled_dspark_has_the_target_law(law_target, kind):
     head_type = kind.removeprefix("broken-").split("-")[0]
     drafter, dparams = tiny_head(law_target.target, head_type, block=3, seed=4, scale=3.0,
                                  report_unbiased_q=broken, cost_per_draft=0.3 * scheduled,
-                                 variable_length=scheduled)
+                                 variable_length=scheduled, share_length=False)
     if kind.endswith("-tree"):  # sampled children: each node a draw from its biased law
         drafter = dataclasses.replace(drafter, tree_choices=((0,), (1,), (0, 0), (1, 0)),
                                       tree_children="sampled")
