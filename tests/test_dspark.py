@@ -406,7 +406,7 @@ def test_sampled_dspark_has_the_target_law(law_target, kind):
     head_type = kind.removeprefix("broken-").split("-")[0]
     drafter, dparams = tiny_head(law_target.target, head_type, block=3, seed=4, scale=3.0,
                                  report_unbiased_q=broken, cost_per_draft=0.3 * scheduled,
-                                 variable_length=scheduled)
+                                 variable_length=scheduled, share_length=False)
     if kind.endswith("-tree"):  # sampled children: each node a draw from its biased law
         drafter = dataclasses.replace(drafter, tree_choices=((0,), (1,), (0, 0), (1, 0)),
                                       tree_children="sampled")
@@ -547,3 +547,21 @@ def test_trained_head_exports_in_the_speculators_layout(greedy_target, trained_d
     for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(back)):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                    rtol=1e-6)
+
+
+def test_bench_pools_the_calibration_by_verified_steps():
+    """The benchmark's calibration report weights each row by the steps that verified each
+    position (a row that verified position 2 once must not count as much as one that did 9
+    times); rows without a record give no report."""
+    from jaxspec.bench.rows import calibration
+
+    a = {"confidence_predicted_per_position": [0.5, 0.2], "confidence_observed_per_position":
+         [1.0, 0.0], "confidence_steps_per_position": [1, 1], "verify_length_hist": [0, 0, 1]}
+    b = {"confidence_predicted_per_position": [0.3, None], "confidence_observed_per_position":
+         [0.0, None], "confidence_steps_per_position": [9, 0], "verify_length_hist": [0, 9, 0]}
+    out = calibration([a, b, {"num_steps": 3}])
+    assert out["confidence_predicted_per_position"] == [0.32, 0.2]
+    assert out["confidence_observed_per_position"] == [0.1, 0.0]
+    assert out["confidence_steps_per_position"] == [10, 1]
+    assert out["verify_length_hist"] == [0, 9, 1]
+    assert calibration([{"num_steps": 3}]) == {}
