@@ -94,14 +94,13 @@ PROMPT = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
 
 
 @pytest.mark.parametrize("path, extra, word", [
-    # (n, penalties, logit_bias, logprobs and best_of are honoured by every server:
-    # tests/test_server_logprobs.py and test_extras_after_ready_compile_nothing below)
+    # (n, penalties, logit_bias, logprobs, best_of, response_format and guided_* are honoured
+    # by every server: tests/test_server_logprobs.py, test_server_structured.py and
+    # test_extras_after_ready_compile_nothing below)
     ("/v1/chat/completions", {"top_logprobs": 3}, "'top_logprobs'"),
     ("/v1/chat/completions", {"echo": True}, "'echo'"),  # completions: test_server_logprobs
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
      "'tools'"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "'response_format'"),
-    ("/v1/completions", {"guided_json": {}}, "'guided_json'"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "'tool'"),
     ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
