@@ -1,7 +1,8 @@
 """Faults on a real `python -m jaxspec.serve` subprocess (issue 57): a bounded soak of mixed
 requests with resident memory and KV pages checked flat, SIGTERM mid-stream (the stream ends
 with a finish reason, exit 0), SIGKILL mid-stream then a restart that loads every program from
-the kept store (nothing compiled, the same greedy text), and the serving loop's death (exit 3).
+the kept store (nothing compiled, the same greedy text), the serving loop's death (exit 3), and
+SIGTERM during the warm-up (exit 0 at once).
 One tiny checkpoint and one cache directory serve the whole module: the first start compiles,
 the later ones load."""
 
