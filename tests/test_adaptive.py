@@ -617,7 +617,16 @@ def test_the_real_measurements_time_one_step_per_width_asked(target, calibration
     espec = Engine(target, eagle, eparams, num_speculative_tokens=3, adaptive=Options()).spec
     nspec = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
                    num_speculative_tokens=3, adaptive=Options()).spec
-    for s, p in ((espec, eparams), (nspec, None)):
+    # EAGLE-3 has no plain-run catch-up: its k = 0 plan is the one-token branch of the step's
+    # cond, which must leave what the window branch leaves (it once also left the root's features)
+    from jaxspec.train import methods  # training code: only the tests that need it import it
+
+    m3 = methods.Eagle3(hidden_layers=(1, 2, 2))
+    e3params, frozen = m3.init(target, np.arange(0, 64, 2, dtype=np.int32), jax.random.key(7))
+    e3params = m3.runtime(e3params, frozen)
+    e3spec = Engine(target, m3.drafter(target.target), e3params, num_speculative_tokens=3,
+                    adaptive=Options()).spec
+    for s, p in ((espec, eparams), (nspec, None), (e3spec, e3params)):
         plain_s, each = calibration.measure_loop(target, s, p, 2, [0, 1, 3], 1024)
         assert np.isfinite(plain_s) and len(each) == 3 and all(np.isfinite(each))
 

@@ -272,8 +272,9 @@ def drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) 
     )
     if ctl is not None and (spec.drafter.variable_length or not traits(spec.drafter).commit_plain):
         # nothing to verify (no match, or c* = 0 for a drafter without commit_plain): plain step
+        # the root's features are read by a plain run's catch-up only, never after this branch
         plain = lambda: _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate,
-                                        extras=extras)
+                                        extras=extras)._replace(root_hidden=None)
         return jax.lax.cond(jnp.max(num_nodes) == 0, plain, window_step)
     return window_step()
 
