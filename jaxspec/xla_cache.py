@@ -31,7 +31,7 @@ def enable() -> str | None:
         return None
     import jax
 
-    from jaxspec import jax_compat
+    from jaxspec import jax_compat  # imports jax: not at this module's head
 
     drop_unreadable_entries()  # a damaged entry is replaced, not re-read on every run
     current = jax.config.jax_compilation_cache_dir
@@ -51,7 +51,7 @@ def drop_unreadable_entries() -> bool:
     disk) be deleted when jax fails to read it, so the recompiled program is stored again; jax
     alone warns, recompiles and never replaces an entry that exists, on every run. Wraps jax's
     cache read; False where this jax has no such function (then jax's behaviour stays)."""
-    from jaxspec import jax_compat
+    from jaxspec import jax_compat  # imports jax: not at this module's head
 
     cc = jax_compat.compilation_cache_internals()
     if cc is None:

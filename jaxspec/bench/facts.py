@@ -23,7 +23,7 @@ def json_default(o):
 def machine_facts() -> dict[str, Any]:
     import jax
 
-    from jaxspec import jax_compat
+    from jaxspec import jax_compat  # imports jax: not at this module's head
 
     cpu = platform.processor() or ""
     try:

@@ -128,14 +128,14 @@ def undo(leaf: str, w: np.ndarray, cfg: Qwen35Config) -> np.ndarray:
 
 
 def convert(flat: dict, cfg: Qwen35Config, source: str) -> dict:
-    """Undo the converter's changes on every leaf (lazy tensors stay lazy)."""
-    from jaxspec.loading.gguf_file import LazyTensor
-
+    """Undo the converter's changes on every leaf (lazy tensors stay lazy: a leaf marked `lazy`,
+    the loader's LazyTensor, is rebuilt as one of its own type, so models/ need not import
+    loading/)."""
     out = {}
     for key, w in flat.items():
         leaf = key.rsplit(".", 1)[-1]
-        if isinstance(w, LazyTensor):
-            out[key] = LazyTensor(w.shape, lambda w=w, leaf=leaf: undo(leaf, w[...], cfg))
+        if getattr(w, "lazy", False):
+            out[key] = type(w)(w.shape, lambda w=w, leaf=leaf: undo(leaf, w[...], cfg))
         else:
             out[key] = undo(leaf, w, cfg)
     return out

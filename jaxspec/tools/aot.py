@@ -116,7 +116,7 @@ def _cuda_devices(t: AccelTarget, chips: int):
     import jax  # noqa: F401  (its own backends start first, without the plugin)
     from jax.experimental import topologies
 
-    from jaxspec import jax_compat
+    from jaxspec import jax_compat  # imports jax: not at this module's head
 
     jax.devices()  # this host's backends start before the plugin is registered
     if "cuda" not in jax_compat.topology_factories():  # not installed where jax discovers plugins
@@ -169,7 +169,7 @@ def compile_for(t: AccelTarget, jitted, *args, **kwargs):
     """`jitted` (a jax.jit function) compiled for `t` from abstract args placed on its devices."""
     import jax
 
-    from jaxspec import jax_compat
+    from jaxspec import jax_compat  # imports jax: not at this module's head
 
     lowered = jitted.trace(*args, **kwargs).lower(lowering_platforms=(t.platform,))
     with jax_compat.compilation_cache_disabled():  # a compile-only client cannot load entries
