@@ -102,10 +102,11 @@ class ServingSurface:
         return fn.lower(*args, **kwargs).compile()
 
     def prefill_program(self, spec, batch: int, width: int, capacity: int, cache=None,
-                        penalties: bool = False):
+                        penalties: bool = False, grammar=None):
         """(jitted function, args, kwargs) of `prefill_rows` for these shapes (abstract: to
         compile ahead, or export for another platform); penalties: with the rows'
-        `row_penalties`, as the serving state carries them."""
+        `row_penalties`, as the serving state carries them; grammar: the rows' Grammar (or its
+        shapes) where the server carries one (serving.structured), else None."""
         z = jax.ShapeDtypeStruct((batch,), jnp.int32)
         sp = SamplingParams.rows([(0.0, 0, 1.0, 0.0)] * batch)
         args = (spec, self.model.params, self.drafter_params,
@@ -113,8 +114,10 @@ class ServingSurface:
                 jax.random.key(0), z)
         pen = self.row_penalties([penalties_lib.OFF] * batch) if penalties else None
         if cache is None:
-            return speculate.prefill_jit, args, {"capacity": capacity, "penalties": pen}
-        return prefill_into_cache, args, {"capacity": capacity, "cache": cache, "penalties": pen}
+            return speculate.prefill_jit, args, {"capacity": capacity, "penalties": pen,
+                                                 "grammar": grammar}
+        return prefill_into_cache, args, {"capacity": capacity, "cache": cache, "penalties": pen,
+                                          "grammar": grammar}
 
     def write_prompt(self, target: Any, tokens, cache):
         """A prompt chunk [B, C] run at cache.lengths.. and its k/v written into `cache` (donated:

@@ -262,13 +262,15 @@ class Admission:
         """`prefill_programs`' rows of prompts `prompt` wide: each (name, tokens, target) at
         every row width."""
         out = []
+        grammars = self.device.grammars  # None: the server carries no constraints
         for name, tokens, target in targets:
             spec = dataclasses.replace(self.spec, target=target)
             for rows_ in widths:
+                grammar = None if grammars is None else grammars.rows([None] * rows_)
                 out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
                             "tokens": tokens, "program": self.engine.prefill_program(
                                 spec, rows_, prompt, self.shape.capacity, self._pool_shape(rows_),
-                                penalties=True)})
+                                penalties=True, grammar=grammar)})
         return out
 
     def _pool_shape(self, rows_: int):
