@@ -41,27 +41,15 @@ from jaxspec.drafters.registry import BuildContext, register_drafter
 
 
 @dataclasses.dataclass(frozen=True)
-class PEagleDrafter(Eagle3Drafter):
+class PEagleDrafter(tree.DynamicTreeDrafter, Eagle3Drafter):
     name: str = "peagle"
     mask_token: int = 0  # the embedding the depth > 0 entries read
     report_q_of_first: bool = False  # tests only: a broken variant reporting entry 0's law
-    tree_top_k: int = 0  # dynamic tree (> 0): nodes expanded per level, children per node
-    tree_levels: int = 0  # dynamic: levels (drafts per pass)
-    tree_budget: int = 0  # dynamic: nodes kept (best path probabilities)
-    tree_children: str = "top_k"  # jaxspec.decode.tree.CHILDREN
 
     @property
     def traits(self) -> Traits:
         return dataclasses.replace(super().traits, tree_nodes=self.tree_nodes,
                                    tree_depth=self.tree_depth)
-
-    @property
-    def tree_nodes(self) -> int | None:
-        return self.tree_budget if self.tree_top_k else None
-
-    @property
-    def tree_depth(self) -> int | None:
-        return self.tree_levels if self.tree_top_k else None
 
     def parallel_pass(self, dparams, tparams, state: ChainState, ctx: DraftContext, gamma: int):
         """The one drafting forward: (h [B, γ, H] (entry i: draft i), k, v: the cache with the
