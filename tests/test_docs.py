@@ -230,8 +230,10 @@ def commands(code: str) -> list[str]:
 
 
 def shortened(argv: list[str], out: Path) -> list[str]:
-    """Short settings: at most 8 new tokens, one question per category, the first 3 prompts of a
-    prompts file, outputs under `out`."""
+    """Short settings: at most 8 new tokens, one question per category of two categories (the
+    Spec-Bench tools: every category is test_bench.py's and test_ngram_ceiling.py's, and 13 of
+    them here were 13 prompt shapes to compile for the same command line), the first 3 prompts of
+    a prompts file, outputs under `out`."""
     argv = list(argv)
     if "--prompts-file" in argv:
         i = argv.index("--prompts-file") + 1
@@ -239,6 +241,15 @@ def shortened(argv: list[str], out: Path) -> list[str]:
         out.mkdir(parents=True, exist_ok=True)
         (out / "prompts.jsonl").write_text("\n".join(rows) + "\n")
         argv[i] = str(out / "prompts.jsonl")
+    if "--n-per-category" in argv and "--data" not in argv:
+        rows = (ROOT / "data" / "spec_bench_dev.jsonl").read_text().splitlines()
+        firsts = {}
+        for row in rows:
+            if row.strip():
+                firsts.setdefault(json.loads(row)["category"], row)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "two_categories.jsonl").write_text("\n".join(list(firsts.values())[:2]) + "\n")
+        argv += ["--data", str(out / "two_categories.jsonl")]
     for flag, cap in (("--max-new-tokens", 8), ("--n-per-category", 1)):
         if flag in argv:
             i = argv.index(flag) + 1
