@@ -942,12 +942,24 @@ def test_published_conversion_cli(tmp_path, target, capsys):
     assert "already holds a jaxspec checkpoint: pass --force" in capsys.readouterr().err
 
 
-def test_shipped_medusa_exports_exactly(tmp_path, smollm2):
-    """The shipped SmolLM2 Medusa heads written in vLLM's layout and read back: same params."""
-    from jaxspec.export import export
+# docs/drafters.md's command, run here through the CLI's `main` on the session's SmolLM2 (the
+# docs test leaves it to this test: tests/test_docs.py RUN_ELSEWHERE)
+MEDUSA_EXPORT_COMMAND = ("python -m jaxspec.export --checkpoint checkpoints/smollm2-135m-medusa "
+                         "--format medusa --out")
+
+
+def test_shipped_medusa_exports_exactly(tmp_path, smollm2, monkeypatch, capsys):
+    """The shipped SmolLM2 Medusa heads written in vLLM's layout by the docs' command line and
+    read back: same params."""
+    import shlex
+
+    import jaxspec.loading
+    from jaxspec.export import main
     from jaxspec.train.load import load_trained_drafter
 
-    export("checkpoints/smollm2-135m-medusa", "medusa", tmp_path / "m", target=smollm2)
+    monkeypatch.setattr(jaxspec.loading, "load_model", lambda *a, **k: smollm2)
+    assert main(shlex.split(MEDUSA_EXPORT_COMMAND)[3:] + [str(tmp_path / "m")]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "medusa"
     _, ours = load_trained_drafter("medusa", "checkpoints/smollm2-135m-medusa", smollm2)
     pub, theirs = formats.load_drafter_checkpoint("medusa", tmp_path / "m", smollm2)
     assert pub.num_heads == ours["w"].shape[0]
