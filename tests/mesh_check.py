@@ -185,18 +185,30 @@ def decode_copies(layout: str, name: str, shape, capacity: int) -> dict:
             "cache_gathers": len(gathers), "examples": list(traffic.copies[:4])}
 
 
+COPY_LAYOUTS = ("unrolled", "stacked")  # what a mesh takes (packed is refused: sharding._refuse_packed)
+
+
+def copy_cases() -> tuple:
+    """(layout, method, mesh, capacity) for decode_copies: every pair, not every product (each
+    compile reads a whole decode loop). At the odd CPU capacity each method twice, on both meshes
+    and both layouts, the layouts by turns so every (layout, mesh) pair is there too; the device
+    capacity for plain decoding on both meshes, both layouts. A copy that one pair of settings
+    makes (a layout's cache write with a method's cache, a mesh's split with a method's) is seen;
+    test_sharding checks the cover."""
+    odd, device = COPY_CAPACITIES
+    cases = []
+    for i, name in enumerate(COPY_METHODS):
+        turn = COPY_LAYOUTS[i % 2:] + COPY_LAYOUTS[:i % 2]
+        cases += [(layout, name, shape, odd) for layout, shape in zip(turn, COPY_MESHES)]
+    return tuple(cases) + tuple((layout, "plain", shape, device)
+                                for layout, shape in zip(COPY_LAYOUTS, COPY_MESHES))
+
+
 def copies() -> dict:
-    """decode_copies for every layout a mesh takes (packed is refused there: see
-    sharding._refuse_packed) x every method x COPY_MESHES at the odd CPU capacity; the device
-    capacity for plain decoding."""
-    out = {}
-    for layout in ("unrolled", "stacked"):
-        for shape in COPY_MESHES:
-            for capacity in COPY_CAPACITIES:
-                for name in COPY_METHODS if capacity == COPY_CAPACITIES[0] else ("plain",):
-                    key = f"{layout} {name} {shape[0]}x{shape[1]} S={capacity}"
-                    out[key] = decode_copies(layout, name, shape, capacity)
-    return out
+    """decode_copies for every case of copy_cases()."""
+    return {f"{layout} {name} {shape[0]}x{shape[1]} S={capacity}":
+            decode_copies(layout, name, shape, capacity)
+            for layout, name, shape, capacity in copy_cases()}
 
 
 def bf16_model(layout: str, layers: int = 2) -> TinyModel:

@@ -244,7 +244,8 @@ def test_decode_loops_copy_no_cache_on_meshes(mesh_checks):
     """The whole decode loop's optimised HLO (draft, verify, commit) on (1, 4) and (2, 4) meshes,
     one row per device, unrolled and stacked (packed is refused on a mesh), every method (a draft
     model and EAGLE also sharded by the target's rules), at a CPU engine's odd capacity and a
-    device's: no buffer as large as a layer's cache shard is copied, zero-filled or gathered.
+    device's, every pair of these settings (mesh_check.copy_cases): no buffer as large as a
+    layer's cache shard is copied, zero-filled or gathered.
     Before: SmolLM2 on mesh.model=3 copied each layer's k and v 4x a step (the one-pass read of
     a capacity no block divides); the stacked write's [L*B*K, S, H] view gathered the whole stack
     every layer; layer_skip's and a sharded EAGLE's caches were gathered to replicate them."""
@@ -252,10 +253,29 @@ def test_decode_loops_copy_no_cache_on_meshes(mesh_checks):
     import mesh_check
 
     out = check(mesh_checks, "copies")
-    n = len(mesh_check.COPY_MESHES) * 2 * (len(mesh_check.COPY_METHODS) + 1)
-    assert len(out) == n, sorted(out)
+    assert len(out) == len(mesh_check.copy_cases()), sorted(out)
     bad = {k: v for k, v in out.items() if (v["copies"], v["zero_fills"]) != (0, 0)}
     assert bad == {}, bad
+
+
+def test_copy_cases_hold_every_pair_of_settings():
+    """mesh_check.copy_cases() (the decode loops whose HLO is read for copies) holds every
+    (layout, method), (layout, mesh) and (method, mesh) pair at the CPU capacity, and plain
+    decoding at the device capacity with every layout and every mesh."""
+    import itertools
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import mesh_check
+
+    odd, device = mesh_check.COPY_CAPACITIES
+    factors = (mesh_check.COPY_LAYOUTS, mesh_check.COPY_METHODS, mesh_check.COPY_MESHES)
+    cases = mesh_check.copy_cases()
+    at_odd = [c[:3] for c in cases if c[3] == odd]
+    for i, j in itertools.combinations(range(3), 2):
+        assert {(c[i], c[j]) for c in at_odd} == set(itertools.product(factors[i], factors[j]))
+    at_device = [c for c in cases if c[3] == device]
+    assert {c[1] for c in at_device} == {"plain"}
+    assert {c[0] for c in at_device} == set(factors[0]) and {c[2] for c in at_device} == set(factors[2])
 
 
 def test_attention_kernels_run_on_each_devices_head_shard(mesh_checks):
