@@ -28,6 +28,7 @@ import numpy as np
 from jaxspec.drafters import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import base, qwen3_5
+from jaxspec.models.attention_kernels import kernel_mesh
 from jaxspec.models.qwen3_5_moe import Qwen35MoeTarget
 from jaxspec.models.qwen3_moe import MoeConfig, MoeTarget, init_params
 from jaxspec.sharding import MeshPlan, make_mesh
@@ -63,10 +64,11 @@ def generate(m, drafter, plan=None):
     return [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=12, batch_size=len(PROMPTS))]
 
 
-def prompt_logits(m, params) -> np.ndarray:  # [B, T, V] of the first 9 tokens of each prompt
+def prompt_logits(m, params, mesh=None) -> np.ndarray:  # [B, T, V] of each prompt's first 7
     tokens = jnp.asarray([p[:7] for p in PROMPTS], jnp.int32)
     cache = m.target.init_cache(params, len(PROMPTS), 32)
-    out = jax.jit(m.target.forward)(params, tokens, cache)
+    with kernel_mesh(mesh):  # traced as the decode loop traces: experts per shard
+        out = jax.jit(m.target.forward)(params, tokens, cache)
     return np.asarray(m.target.logits(params, out.hidden))
 
 
@@ -94,15 +96,16 @@ def main() -> None:
             params = plan.place_target(m.params, m.target)
             leaves = sharded_leaves(params["layers"])
             row = {"shards": {k: list(v.sharding.shard_shape(v.shape)) for k, v in leaves.items()},
-                   "logits_max_diff": float(np.abs(prompt_logits(m, params) - logits).max()),
-                   "weight_gathers": weight_gathers(m.target, params, leaves)}
+                   "logits_max_diff": float(np.abs(prompt_logits(m, params, plan.mesh)
+                                                   - logits).max()),
+                   "weight_gathers": weight_gathers(m.target, params, leaves, plan.mesh)}
             for method in methods:
                 row[f"equal/{method}"] = one[method] == generate(m, drafters[method], plan)
             out[f"{name}/{data}x{mdl}"] = row
     print(json.dumps(out))
 
 
-def weight_gathers(target, params, leaves: dict) -> list[str]:
+def weight_gathers(target, params, leaves: dict, mesh) -> list[str]:
     """Float all-gathers whose result holds at least as many elements as the smallest full
     weight among `leaves`, in the compiled forward of a one-token step (4 rows: the experts'
     gather path) and of a 4-token window (their dense path on CPU)."""
@@ -111,7 +114,9 @@ def weight_gathers(target, params, leaves: dict) -> list[str]:
     for t in (1, 4):
         cache = target.init_cache(params, len(PROMPTS), 32)
         fwd = jax.jit(lambda p, x, c: target.forward(p, x, c).hidden)
-        hlo = fwd.lower(params, jnp.zeros((len(PROMPTS), t), jnp.int32), cache).compile().as_text()
+        with kernel_mesh(mesh):
+            lowered = fwd.lower(params, jnp.zeros((len(PROMPTS), t), jnp.int32), cache)
+        hlo = lowered.compile().as_text()
         for dims in re.findall(r"= (?:f32|bf16)\[([0-9,]*)\]\{[^}]*\} all-gather\(", hlo):
             if int(np.prod([int(d) for d in dims.split(",") if d])) >= least:
                 found.append(f"t{t}:[{dims}]")
