@@ -14,13 +14,20 @@ top-8, width 512, shared expert 512).
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models import moe, qwen3_5, qwen3_5_moe, qwen3_moe
+from jaxspec import hlo, sharding
+from jaxspec.cli_support import run as run_cli
+from jaxspec.errors import JaxspecError
+from jaxspec.models import attention_kernels, moe, qwen3_5, qwen3_5_moe, qwen3_moe
+from jaxspec.tools import accel_roofline, aot, step_model
 from jaxspec.models.decoder import ModelConfig
 
 EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
@@ -102,10 +109,6 @@ def block_program(place, target, batch: int, window: int, path: str | None):
     `target`'s first MoE layer on x [batch*window, D], compiled for `place` (accel_roofline's
     placement; its mesh set as the trace mesh, as the decode loop traces). path None: the
     per-shard path on a mesh splitting the experts; "gather" etc.: that path under GSPMD."""
-    from jaxspec import sharding
-    from jaxspec.models import attention_kernels
-    from jaxspec.tools import aot
-
     params = jax.eval_shape(lambda: target.init_params(jax.random.key(0)))
     layer = next(i for i, lp in enumerate(params["layers"]) if "router" in lp)
     if place.mesh is None:
@@ -133,9 +136,6 @@ def block_row(place, target, batch: int, window: int, path: str | None = None) -
     over a chip's woken experts has a data-dependent trip count; it is counted at that same
     expectation (`hlo.device_bytes`' unknown_trip), so the ratio checks that nothing else
     expert-sized is read or moved; another path's data-dependent loops count once (a floor). weight_gathers: all-gathers as large as one expert."""
-    from jaxspec import hlo
-    from jaxspec.tools import step_model
-
     text, lp = block_program(place, target, batch, window, path)
     num_experts, top_k = _moe_dims(target)
     mesh = place.mesh
@@ -166,12 +166,6 @@ def block_row(place, target, batch: int, window: int, path: str | None = None) -
 def main(argv=None) -> int:
     """python -m jaxspec.tools.moe_shapes --target v5e --mesh 1,4 --shape qwen3-30b-a3b
     [--batch 1,8] [--window 1,5] [--path gather]: one MoE block's bytes per chip (JSON rows)."""
-    import argparse
-    import json
-
-    from jaxspec.errors import JaxspecError
-    from jaxspec.tools import accel_roofline, aot
-
     p = argparse.ArgumentParser(prog="python -m jaxspec.tools.moe_shapes", description=main.__doc__)
     p.add_argument("--target", default="v5e")
     p.add_argument("--mesh", default="1,4", metavar="D,M")
@@ -197,8 +191,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
-    from jaxspec.cli_support import run as run_cli
-
     sys.exit(run_cli(main))
