@@ -100,8 +100,8 @@ def _root_opcode(comps, name: str) -> str:
     body = {i.name: i for i in comps.get(name, [])}
     root = next((i for i in comps.get(name, []) if i.root), None)
     while root is not None and root.opcode in ("bitcast", "reshape"):
-        operand = re.search(r"\(%?([\w.\-]+)", root.line[root.line.index(root.opcode):])
-        root = body.get(operand.group(1)) if operand else None
+        operands = _operands(root.line, root.opcode)  # (a name may contain the opcode)
+        root = body.get(operands[0]) if operands else None
     if root is None:
         return "?"
     if root.opcode == "fusion" and root.calls:
@@ -183,7 +183,7 @@ def shape_of(line: str) -> str:
 
 def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) -> int:
     """Bytes a fusion moves: each parameter whole, or only the slices read of it when every use is
-    a (dynamic) slice, or nothing when it is the buffer an in-place root updates; the output
+    a (dynamic) slice (or a nested fusion whose root is one: a slice fused into a dot's operand), or nothing when it is the buffer an in-place root updates; the output
     whole, or only the updated rows for an in-place root."""
     instrs = comps.get(name, [])
     by_name = {i.name: i for i in instrs}
@@ -222,7 +222,9 @@ def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) ->
         if chain == in_place_buffer or p.name == in_place_buffer:
             continue
         us = real_users(p.name)
-        if us and all(u.opcode in SLICING and _operands(u.line, u.opcode)[0] in (p.name, *[
+        sliced = lambda u: u.opcode in SLICING or (  # noqa: E731  (or a nested slicing fusion)
+            u.opcode == "fusion" and u.calls and _root_opcode(comps, u.calls) in SLICING)
+        if us and all(sliced(u) and _operands(u.line, u.opcode)[0] in (p.name, *[
                 b.name for b in instrs if b.opcode == "bitcast"]) for u in us):
             total += min(whole, sum(_shape_bytes(shape_of(u.line)) for u in us))
         else:

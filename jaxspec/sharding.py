@@ -13,11 +13,13 @@ COUNT N (not N*H). Query heads must divide (`check_model` says which sizes fit);
 not divide stay replicated over `model`, as does any mlp / vocab dim the axis does not divide.
 With q/k/v split by heads and wo / w_down contracted over the split dim, a layer needs two
 all-reduces (Megatron). Routed experts (`models/moe.py`, `[E, ...]` leaves) split whole experts
-over `model` (`ShardingRules.experts`): each device runs its own, no expert weight is gathered.
+over `model` (`ShardingRules.experts`): each device runs its own (`models/moe_shards.py`), no
+expert weight is gathered.
 Gated DeltaNet layers (Qwen3.5, Qwen3-Next) split their value heads (`linear_heads`: in_z, in_a,
 in_b, out and the recurrent state) and their mixed q/k/v channels (`linear_channels`: in_qkv, the
-per-channel conv and its state) over `model`; the channel blocks are not head-aligned (q | k | v
-concatenated), so the conv output is regathered as activations ([B, T, C]), never as weights.
+per-channel conv and its state) over `model`; the channels are grouped by key head on load
+(`linear_attention.grouped_channels`), so where `model` divides the key heads each device's
+block holds the q, k and v of its own heads and the conv output is not regathered.
 Drafters are replicated over `model` by default (their batch rows still
 follow `data`); `MeshPlan(shard_drafter=True)` shards a draft model by the target's rules.
 """

@@ -1,5 +1,5 @@
-"""Regenerate tests/data/gguf/qwen3_5*.gguf: tiny random Qwen3.5 (dense) and Qwen3.5-MoE
-checkpoints written by transformers, converted by llama.cpp's own `convert_hf_to_gguf.py` (the
+"""Regenerate tests/data/gguf/qwen3_5*.gguf and qwen3_next.gguf: tiny random Qwen3.5 (dense),
+Qwen3.5-MoE and Qwen3-Next checkpoints written by transformers, converted by llama.cpp's own `convert_hf_to_gguf.py` (the
 copy vendored in the llama-cpp-python sdist), with transformers' logits and greedy tokens beside
 them (`qwen3_5_reference.npz`) for tests/test_qwen3_5_gguf.py.
 
@@ -9,7 +9,8 @@ tokenizer; its tokenizer code reads the Hub's): the tensor names and value chang
 experts stacked) are all its own.
 
     pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/sdist
-    python scripts/qwen3_5_gguf_fixtures.py --sdist /tmp/sdist/llama_cpp_python-0.3.36.tar.gz
+    python scripts/qwen3_5_gguf_fixtures.py --sdist /tmp/sdist/llama_cpp_python-0.3.36.tar.gz \
+        [--only qwen3_next]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
 RUNNER = """
 import sys
 from conversion import qwen
-for cls in (qwen.Qwen3_5TextModel, qwen.Qwen3_5MoeTextModel):
+for cls in (qwen.Qwen3_5TextModel, qwen.Qwen3_5MoeTextModel, qwen.Qwen3NextModel):
     cls.set_vocab = lambda self: None
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
@@ -51,12 +52,18 @@ convert_hf_to_gguf.main()
 """
 
 
-def hf_model(moe: bool, seed: int):
+FAMILIES = {"qwen3_5": 3, "qwen3_5_moe": 7, "qwen3_next": 11}  # name -> torch seed
+
+
+def hf_model(name: str):
     import torch
     import transformers as tr
 
-    torch.manual_seed(seed)
-    if moe:
+    torch.manual_seed(FAMILIES[name])
+    if name == "qwen3_next":  # llama.cpp's `qwen3next`: fused qkvz / ba split by the converter
+        model = tr.Qwen3NextForCausalLM(tr.Qwen3NextConfig(**COMMON, **MOE,
+                                                           intermediate_size=64))
+    elif name == "qwen3_5_moe":
         model = tr.Qwen3_5MoeForCausalLM(tr.Qwen3_5MoeTextConfig(**COMMON, **MOE))
     else:
         model = tr.Qwen3_5ForCausalLM(tr.Qwen3_5TextConfig(**COMMON, intermediate_size=96))
@@ -101,14 +108,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sdist", type=Path, required=True,
                     help="llama-cpp-python 0.3.36 sdist (.tar.gz) or its vendor/llama.cpp dir")
+    ap.add_argument("--only", nargs="+", choices=sorted(FAMILIES), default=sorted(FAMILIES),
+                    help="regenerate these fixtures (the others' references are kept)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    refs = {"prompt": np.asarray(PROMPT, np.int32)}
+    ref_file = OUT / "qwen3_5_reference.npz"
+    refs = dict(np.load(ref_file)) if ref_file.exists() else {}
+    refs["prompt"] = np.asarray(PROMPT, np.int32)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         conv = llama_cpp_dir(args.sdist, tmp / "src")
-        for name, moe in (("qwen3_5", False), ("qwen3_5_moe", True)):
-            model = hf_model(moe, seed=7 if moe else 3)
+        for name in args.only:
+            model = hf_model(name)
             model.save_pretrained(tmp / name)
             for k, v in reference(model).items():
                 refs[f"{name}/{k}"] = v
@@ -116,7 +127,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-c", RUNNER, str(tmp / name), "--outfile", str(out),
                             "--outtype", "f32", "--no-mtp"], cwd=conv, check=True)
             print(f"wrote {out} ({out.stat().st_size} bytes)")
-    np.savez_compressed(OUT / "qwen3_5_reference.npz", **refs)
+    np.savez_compressed(ref_file, **refs)
 
 
 if __name__ == "__main__":

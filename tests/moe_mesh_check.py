@@ -1,13 +1,15 @@
 """Run by tests/test_moe.py in a subprocess with 8 simulated CPU devices (the flag must be set
 before jax starts): tiny Qwen3-MoE (16 experts, top 2), Qwen3.5 (Gated DeltaNet + gated
 attention) and Qwen3.5-MoE on a (1, 2) and a (2, 4) mesh against one device: a prompt forward's
-logits, greedy tokens plain (Qwen3.5) and with n-gram drafts (prompts, one-token steps on the
-experts' gather path, verify windows on the dense one, the linear layers' states kept per window
-entry and committed along the accepted path). Reported per run: the shard shapes of an expert
+logits, greedy tokens plain (Qwen3.5) and with n-gram drafts (the MoE families: prompts, one-token
+steps and verify windows with experts per device, `models/moe_shards.py`; the linear layers'
+states kept per window entry and committed along the accepted path). Reported per run: the shard shapes of an expert
 leaf, a linear layer's value-head leaf (in_z) and its q/k/v channels (in_qkv) as the rules
-table cut them, and `weight_gathers`: all-gathers in the compiled forwards (a one-token step, a
-4-token window) whose result is as large as a sharded weight (an expert, in_qkv, in_z): zero
-means each device computes on its own slice. Prints one JSON object on the last line.
+table cut them, and in the compiled forwards (a one-token step, a 4-token window; traced under
+the mesh, as the decode loop traces them) `weight_gathers`: all-gathers whose result is as large
+as a sharded weight (an expert, in_qkv, in_z), and `regathers`: collectives other than
+all-reduce (activations moved between devices; none where the model axis splits whole key
+heads, the channels being grouped by key head). Prints one JSON object on the last line.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/moe_mesh_check.py
 """
@@ -28,6 +30,7 @@ import numpy as np
 from jaxspec.drafters import NgramDrafter
 from jaxspec.engine.runner import Engine
 from jaxspec.models import base, qwen3_5
+from jaxspec.models.attention_kernels import kernel_mesh
 from jaxspec.models.qwen3_5_moe import Qwen35MoeTarget
 from jaxspec.models.qwen3_moe import MoeConfig, MoeTarget, init_params
 from jaxspec.sharding import MeshPlan, make_mesh
@@ -63,10 +66,11 @@ def generate(m, drafter, plan=None):
     return [r.token_ids for r in eng.generate(PROMPTS, max_new_tokens=12, batch_size=len(PROMPTS))]
 
 
-def prompt_logits(m, params) -> np.ndarray:  # [B, T, V] of the first 9 tokens of each prompt
+def prompt_logits(m, params, mesh=None) -> np.ndarray:  # [B, T, V] of each prompt's first 7
     tokens = jnp.asarray([p[:7] for p in PROMPTS], jnp.int32)
     cache = m.target.init_cache(params, len(PROMPTS), 32)
-    out = jax.jit(m.target.forward)(params, tokens, cache)
+    with kernel_mesh(mesh):  # traced as the decode loop traces: experts per shard
+        out = jax.jit(m.target.forward)(params, tokens, cache)
     return np.asarray(m.target.logits(params, out.hidden))
 
 
@@ -83,7 +87,7 @@ def sharded_leaves(layers) -> dict:
 def main() -> None:
     assert jax.device_count() >= 8, "run with --xla_force_host_platform_device_count=8"
     out = {}
-    runs = {"qwen3_moe": (qwen3_moe(), ("ngram",)), "qwen3_5": (qwen3_5_model(False), ("plain", "ngram")),
+    runs = {"qwen3_moe": (qwen3_moe(), ("ngram",)), "qwen3_5": (qwen3_5_model(False), ("plain",)),
             "qwen3_5_moe": (qwen3_5_model(True), ("ngram",))}
     for name, (m, methods) in runs.items():
         drafters = {"plain": None, "ngram": NgramDrafter(V, 1, 3)}
@@ -94,28 +98,34 @@ def main() -> None:
             params = plan.place_target(m.params, m.target)
             leaves = sharded_leaves(params["layers"])
             row = {"shards": {k: list(v.sharding.shard_shape(v.shape)) for k, v in leaves.items()},
-                   "logits_max_diff": float(np.abs(prompt_logits(m, params) - logits).max()),
-                   "weight_gathers": weight_gathers(m.target, params, leaves)}
+                   "logits_max_diff": float(np.abs(prompt_logits(m, params, plan.mesh)
+                                                   - logits).max()),
+                   **compiled_collectives(m.target, params, leaves, plan.mesh)}
             for method in methods:
                 row[f"equal/{method}"] = one[method] == generate(m, drafters[method], plan)
             out[f"{name}/{data}x{mdl}"] = row
     print(json.dumps(out))
 
 
-def weight_gathers(target, params, leaves: dict) -> list[str]:
-    """Float all-gathers whose result holds at least as many elements as the smallest full
-    weight among `leaves`, in the compiled forward of a one-token step (4 rows: the experts'
-    gather path) and of a 4-token window (their dense path on CPU)."""
+def compiled_collectives(target, params, leaves: dict, mesh) -> dict:
+    """In the compiled forward of a one-token step (4 rows) and of a 4-token window:
+    `weight_gathers`, float all-gathers whose result holds at least as many elements as the
+    smallest full weight among `leaves`; `regathers`, collectives other than all-reduce (an
+    activation moved between devices, e.g. q/k/v channels not aligned with their heads)."""
     least = min(int(np.prod(v.shape[1:] if k == "we_gate" else v.shape)) for k, v in leaves.items())
-    found = []
+    gathers, moves = [], []
     for t in (1, 4):
         cache = target.init_cache(params, len(PROMPTS), 32)
         fwd = jax.jit(lambda p, x, c: target.forward(p, x, c).hidden)
-        hlo = fwd.lower(params, jnp.zeros((len(PROMPTS), t), jnp.int32), cache).compile().as_text()
+        with kernel_mesh(mesh):
+            lowered = fwd.lower(params, jnp.zeros((len(PROMPTS), t), jnp.int32), cache)
+        hlo = lowered.compile().as_text()
         for dims in re.findall(r"= (?:f32|bf16)\[([0-9,]*)\]\{[^}]*\} all-gather\(", hlo):
             if int(np.prod([int(d) for d in dims.split(",") if d])) >= least:
-                found.append(f"t{t}:[{dims}]")
-    return found
+                gathers.append(f"t{t}:[{dims}]")
+        moves += [f"t{t}:{op}" for op in re.findall(
+            r"\} (all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)]
+    return {"weight_gathers": gathers, "regathers": moves}
 
 
 if __name__ == "__main__":

@@ -346,9 +346,10 @@ def test_missing_expert_and_mixed_stack_refused(checkpoints, tmp_path):
 
 def test_experts_sharded_on_meshes_equal_one_device():
     """Qwen3-MoE, Qwen3.5 (hybrid) and Qwen3.5-MoE on (1, 2) and (2, 4) meshes equal one device
-    (prompt logits; greedy tokens plain and with n-gram drafts), with experts, linear-attention
-    value heads and q/k/v channels split by the rules table and no weight all-gathered in a
-    compiled step or window (tests/moe_mesh_check.py)."""
+    (prompt logits; greedy tokens plain and with n-gram drafts), with experts (run per device),
+    linear-attention value heads and q/k/v channels split by the rules table, no weight
+    all-gathered in a compiled step or window, and on (1, 2) no activation moved between
+    devices but the all-reduces (tests/moe_mesh_check.py)."""
     import os
     import subprocess
     import sys
@@ -367,7 +368,9 @@ def test_experts_sharded_on_meshes_equal_one_device():
         assert all(v for k, v in result.items() if k.startswith("equal/")), name
         assert result["logits_max_diff"] < 2e-4, name
         assert result["weight_gathers"] == [], name  # weights stay on their devices
-    assert out["qwen3_5/1x2"]["equal/plain"] and out["qwen3_5/2x4"]["equal/ngram"]
+    for fam in ("qwen3_5", "qwen3_5_moe"):  # model=2 splits the 2 key heads whole
+        assert out[f"{fam}/1x2"]["regathers"] == [], fam  # q/k/v channels stay with their heads
+    assert out["qwen3_5/1x2"]["equal/plain"] and out["qwen3_5_moe/2x4"]["equal/ngram"]
     for fam in ("qwen3_moe", "qwen3_5_moe"):  # 16 experts, 8 / 4 per device
         assert out[f"{fam}/1x2"]["shards"]["we_gate"] == [8, 16, 64]
         assert out[f"{fam}/2x4"]["shards"]["we_gate"] == [4, 16, 64]
@@ -394,3 +397,18 @@ def test_active_weight_bytes_at_real_shapes_match_the_published_counts():
     assert 2.5 < five / one < 3.2
     fields = moe_shapes.active_fields(target, 8, 5)
     assert fields["experts_woken"] == pytest.approx(moe.experts_woken(40, 8, 128), abs=0.01)
+
+
+def test_experts_per_shard_read_a_chips_share_on_a_v5e_mesh():
+    """Qwen3-30B-A3B's MoE block compiled for a v5e 1x4 (experts 32 a chip): on the per-shard
+    path (models/moe_shards.py) each chip moves <= 1.1x its share of the active weights (the
+    router + its share of the experts the tokens wake) for a 5-token window, with one collective (the output's psum) and no expert-sized all-gather. GSPMD's gather path
+    on the same mesh (the broken variant) moves many times its share."""
+    from jaxspec.tools import accel_roofline, moe_shapes
+
+    target = moe_shapes.qwen3_30b_a3b("bfloat16")
+    place = accel_roofline.placement("v5e", (1, 4), target)
+    row = moe_shapes.block_row(place, target, 1, 5)  # 35 of 128 experts woken
+    assert row["ratio"] <= 1.1 and row["collectives"] == 1, row
+    assert row["weight_gathers"] == [] and row["data_dependent_loops"] == 1, row
+    assert moe_shapes.block_row(place, target, 1, 5, path="gather")["ratio"] > 5

@@ -16,10 +16,11 @@ Qwen3-Next (its fused projections split on load) equals transformers; its MTP he
 published (`mtp.*`, no `mtp_num_hidden_layers` in config.json), is read by `method: mtp` with no
 checkpoint, equals the published definition and drafts losslessly.
 
-GGUF, both Qwen3.5 families: tests/data/gguf/ holds tiny checkpoints converted by llama.cpp's own
-convert_hf_to_gguf.py (scripts/qwen3_5_gguf_fixtures.py regenerates them) with transformers'
-logits and greedy tokens; loaded, they match, and a reader that leaves one of the converter's
-changes in place (value heads tiled, A for A_log) fails.
+GGUF, both Qwen3.5 families and Qwen3-Next: tests/data/gguf/ holds tiny checkpoints converted by
+llama.cpp's own convert_hf_to_gguf.py (scripts/qwen3_5_gguf_fixtures.py regenerates them) with
+transformers' logits and greedy tokens; loaded, they match, and a reader that leaves one of the
+converter's changes in place (value heads tiled, A for A_log) or undoes one it did not make
+(Qwen3-Next's value heads untiled) fails.
 """
 
 from __future__ import annotations
@@ -371,11 +372,12 @@ def gguf_logits(loaded, prompt) -> np.ndarray:  # [T, V]
     return np.asarray(loaded.target.logits(loaded.params, out.hidden))[0]
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_gguf_from_llama_cpps_converter_matches_transformers(name, gguf_reference):
-    """A tiny Qwen3.5 / Qwen3.5-MoE converted by llama.cpp's convert_hf_to_gguf.py (value heads
-    regrouped, A stored as -exp(A_log), norms as w + 1, experts stacked) loads to transformers'
-    logits, and the engine's greedy tokens equal transformers' generate."""
+    """A tiny Qwen3.5 / Qwen3.5-MoE / Qwen3-Next converted by llama.cpp's convert_hf_to_gguf.py
+    (value heads regrouped (not for Qwen3-Next), A stored as -exp(A_log), norms as w + 1,
+    experts stacked, Qwen3-Next's qkvz split and ba kept fused) loads to transformers' logits,
+    and the engine's greedy tokens equal transformers' generate."""
     from jaxspec.engine.runner import Engine
 
     loaded = load_model(GGUF_DIR / f"{name}.gguf")
@@ -388,16 +390,22 @@ def test_gguf_from_llama_cpps_converter_matches_transformers(name, gguf_referenc
     assert out.token_ids == [int(t) for t in gguf_reference[f"{name}/greedy"]]
 
 
-@pytest.mark.parametrize("broken", ["value heads left tiled", "A read as A_log"])
+@pytest.mark.parametrize("broken", ["value heads left tiled", "A read as A_log",
+                                    "qwen3next untiled as qwen35"])
 def test_gguf_read_without_undoing_a_converter_change_fails(monkeypatch, gguf_reference, broken):
     from jaxspec.models import qwen3_5_gguf
 
+    name = "qwen3_next" if broken.startswith("qwen3next") else "qwen3_5"
     if broken == "value heads left tiled":
         monkeypatch.setattr(qwen3_5_gguf, "untile", lambda x, axis, *dims: x)
+    elif name == "qwen3_next":  # its value heads were never tiled: undoing a tiling breaks it
+        convert = qwen3_5_gguf.convert
+        monkeypatch.setattr(qwen3_5_gguf, "convert",
+                            lambda flat, cfg, source, tiled=True: convert(flat, cfg, source))
     else:
         undo = qwen3_5_gguf.undo
-        monkeypatch.setattr(qwen3_5_gguf, "undo",
-                            lambda leaf, w, cfg: w if leaf == "A_log" else undo(leaf, w, cfg))
-    loaded = load_model(GGUF_DIR / "qwen3_5.gguf")
-    ref = gguf_reference["qwen3_5/logits"]
+        monkeypatch.setattr(qwen3_5_gguf, "undo", lambda leaf, w, cfg, tiled=True: (
+            w if leaf == "A_log" else undo(leaf, w, cfg, tiled)))
+    loaded = load_model(GGUF_DIR / f"{name}.gguf")
+    ref = gguf_reference[f"{name}/logits"]
     assert np.abs(gguf_logits(loaded, [int(t) for t in gguf_reference["prompt"]]) - ref).max() > 1e-2

@@ -53,6 +53,12 @@ def kernel_mesh(mesh):
         _MESH.reset(token)
 
 
+def trace_mesh():
+    """The mesh `kernel_mesh` set for the program being traced (None: one device); other
+    per-shard blocks (models/moe_shards.py) run under the same mesh."""
+    return _MESH.get()
+
+
 def on_head_shards(fn, args, dims, out_dims):
     """fn(*args) under `jax.shard_map` over the current kernel mesh: each device runs the kernel
     on its own batch rows ("data") and kv heads ("model") with no gather. A Pallas call is a

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.models import blocks
 
@@ -181,16 +182,27 @@ def project(lp: dict, y: jax.Array, dims: Dims, linear):
     return mixed, z, g, beta
 
 
+def grouped_channels(dims: Dims) -> np.ndarray:
+    """int[C]: the stored channel behind each of ours. Checkpoints order the mixed q/k/v
+    channels all q, all k, all v; ours are grouped by key head (its q Dk, its k Dk, then the
+    v of its Hv/Hk value heads), so a mesh axis splitting the channels into whole key-head
+    groups leaves each device the q, k and v of its own heads (no regather per layer)."""
+    hk, dk, rep, dv = dims.key_heads, dims.key_dim, dims.value_heads // dims.key_heads, dims.value_dim
+    kd = hk * dk
+    return np.concatenate([np.r_[h * dk : (h + 1) * dk, kd + h * dk : kd + (h + 1) * dk,
+                                 2 * kd + h * rep * dv : 2 * kd + (h + 1) * rep * dv]
+                           for h in range(hk)])
+
+
 def split_heads(conv_out: jax.Array, dims: Dims):
-    """conv output [B, T, C] -> q, k [B, T, Hv, Dk] (l2-normed, q scaled, key heads repeated
-    over their value heads) and v [B, T, Hv, Dv], float32."""
+    """conv output [B, T, C] (channels grouped by key head, `grouped_channels`) -> q, k
+    [B, T, Hv, Dk] (l2-normed, q scaled, key heads repeated over their value heads) and v
+    [B, T, Hv, Dv], float32."""
     b, t, _ = conv_out.shape
-    kd = dims.key_heads * dims.key_dim
-    x = conv_out.astype(jnp.float32)
-    q = x[..., :kd].reshape(b, t, dims.key_heads, dims.key_dim)
-    k = x[..., kd : 2 * kd].reshape(b, t, dims.key_heads, dims.key_dim)
-    v = x[..., 2 * kd :].reshape(b, t, dims.value_heads, dims.value_dim)
-    rep = dims.value_heads // dims.key_heads
+    dk, rep = dims.key_dim, dims.value_heads // dims.key_heads
+    x = conv_out.astype(jnp.float32).reshape(b, t, dims.key_heads, 2 * dk + rep * dims.value_dim)
+    q, k = x[..., :dk], x[..., dk : 2 * dk]  # [B, T, Hk, Dk]
+    v = x[..., 2 * dk :].reshape(b, t, dims.value_heads, dims.value_dim)
     q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
     q = l2_normalize(q) / (dims.key_dim**0.5)
     return q, l2_normalize(k), v

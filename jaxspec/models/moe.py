@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.errors import JaxspecError
+from jaxspec.models import moe_shards
 
 Params = dict[str, Any]
 
@@ -151,7 +152,11 @@ def run_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
     """x [N, D], routed (weights [N, k], experts int32[N, k]) -> [N, D]: each token the weighted
     sum of its experts' gated outputs (act(gate) * up, then down). "gather" and "grouped" sum
     the slots in router order; "dense" combines by a matrix. `path`: "gather" | "grouped" |
-    "dense" (None: `path_for` the token count)."""
+    "dense" (None: on a mesh whose experts axis splits them, `moe_shards` per device; else
+    `path_for` the token count)."""
+    on_mesh = moe_shards.mesh_axis_for(p["we_gate"].shape[0]) if path is None else None
+    if on_mesh is not None:  # traced on a mesh splitting the experts: each device its own
+        return moe_shards.run_experts_on_shards(p, x, weights, experts, *on_mesh, act=act)
     path = path or path_for(x.shape[0], experts.shape[1], p["we_gate"].shape[0])
     weights = weights.astype(x.dtype)
     if path == "dense":

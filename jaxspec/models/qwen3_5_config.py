@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
@@ -168,9 +169,24 @@ HF_SKIPPED = r"(model\.)?visual\..*|mtp\..*|.*rotary_emb\.inv_freq"  # vision to
 
 
 def convert(flat: dict, cfg: Qwen35Config, source: str) -> dict:
-    """The stored depthwise conv [C, 1, Kc] -> ours [C, Kc]."""
-    return {k: (w[:, 0] if k.endswith(".conv") and w.ndim == 3 and w.shape[1] == 1 else w)
+    """The stored depthwise conv [C, 1, Kc] -> ours [C, Kc]; in_qkv's and the conv's channels
+    from the stored q | k | v order to ours (`grouped_channels`)."""
+    flat = {k: (w[:, 0] if k.endswith(".conv") and w.ndim == 3 and w.shape[1] == 1 else w)
             for k, w in flat.items()}
+    return group_channels(flat, cfg)
+
+
+def group_channels(flat: dict, cfg: Qwen35Config) -> dict:
+    """in_qkv [C, D] and conv [C, Kc] leaves' rows in `la.grouped_channels` order (a lazy leaf,
+    marked `lazy`, is rebuilt as one of its own type, read when first indexed)."""
+    order = la.grouped_channels(cfg.linear_dims)
+    pick = lambda w: np.asarray(w[...] if getattr(w, "lazy", False) else w)[order]  # noqa: E731
+    out = {}
+    for k, w in flat.items():
+        if k.endswith((".in_qkv", ".conv")):
+            w = type(w)(w.shape, lambda w=w: pick(w)) if getattr(w, "lazy", False) else pick(w)
+        out[k] = w
+    return out
 
 
 def check_layout(cfg, layout: str, note: str, source: str, mesh=None) -> tuple[str, str]:

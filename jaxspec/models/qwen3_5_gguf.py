@@ -23,9 +23,11 @@ import numpy as np
 
 from jaxspec import validate
 from jaxspec.errors import JaxspecError
+from jaxspec.models import qwen3_5_config
 from jaxspec.models.qwen3_5_config import Qwen35Config
 
-ARCHITECTURES = {"qwen35": False, "qwen35moe": True}  # GGUF architecture -> has experts
+# GGUF architecture -> has experts (`qwen3next`: Qwen3-Next, read by models/qwen3_next.py)
+ARCHITECTURES = {"qwen35": False, "qwen35moe": True, "qwen3next": True}
 
 # llama.cpp's names (`blk.<i>.` + this) -> our leaves
 GGUF_LAYER_NAMES = {
@@ -45,7 +47,7 @@ OFFSET_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")  # st
 
 
 def config_from_gguf(header, *, dtype: str, source: str) -> Qwen35Config:
-    """`qwen35` / `qwen35moe` metadata, every field checked: layer types from
+    """`qwen35` / `qwen35moe` / `qwen3next` metadata, every field checked: layer types from
     `attention.recurrent_layers`, linear dims from the `ssm.*` keys, the rotary share from
     `rope.dimension_count` over the head dim."""
     arch = str(header.fields["general.architecture"].value)
@@ -105,8 +107,10 @@ def untile(x: np.ndarray, axis: int, key_heads: int, per_key: int, size: int) ->
     return np.moveaxis(x.reshape(key_heads * per_key * size, *rest), 0, axis)
 
 
-def undo(leaf: str, w: np.ndarray, cfg: Qwen35Config) -> np.ndarray:
-    """One tensor as the converter stored it -> our leaf's values."""
+def undo(leaf: str, w: np.ndarray, cfg: Qwen35Config, tiled: bool = True) -> np.ndarray:
+    """One tensor as the converter stored it -> our leaf's values (tiled: value heads in
+    llama.cpp's tiled order, as its Qwen3.5 classes write them; its Qwen3-Next class keeps
+    transformers' grouped order)."""
     if leaf in OFFSET_NORMS:
         return (w.astype(np.float32) - 1.0).astype(w.dtype)
     hk, hv, dk, dv = (cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
@@ -114,7 +118,7 @@ def undo(leaf: str, w: np.ndarray, cfg: Qwen35Config) -> np.ndarray:
     r = hv // hk
     if leaf == "A_log":
         w = np.log(-w.astype(np.float64)).astype(w.dtype)
-    if r == 1 or leaf not in ("in_qkv", "conv", "in_z", "in_a", "in_b", "A_log", "dt_bias",
+    if r == 1 or not tiled or leaf not in ("in_qkv", "conv", "in_z", "in_a", "in_b", "A_log", "dt_bias",
                               "out"):
         return w
     if leaf in ("in_qkv", "conv"):  # only the value channels, after q and k
@@ -127,7 +131,7 @@ def undo(leaf: str, w: np.ndarray, cfg: Qwen35Config) -> np.ndarray:
     return untile(w, 0, hk, r, 1)  # in_a, in_b [Hv, D]; A_log, dt_bias [Hv]
 
 
-def convert(flat: dict, cfg: Qwen35Config, source: str) -> dict:
+def convert(flat: dict, cfg: Qwen35Config, source: str, tiled: bool = True) -> dict:
     """Undo the converter's changes on every leaf (lazy tensors stay lazy: a leaf marked `lazy`,
     the loader's LazyTensor, is rebuilt as one of its own type, so models/ need not import
     loading/)."""
@@ -135,7 +139,7 @@ def convert(flat: dict, cfg: Qwen35Config, source: str) -> dict:
     for key, w in flat.items():
         leaf = key.rsplit(".", 1)[-1]
         if getattr(w, "lazy", False):
-            out[key] = type(w)(w.shape, lambda w=w, leaf=leaf: undo(leaf, w[...], cfg))
+            out[key] = type(w)(w.shape, lambda w=w, leaf=leaf: undo(leaf, w[...], cfg, tiled))
         else:
-            out[key] = undo(leaf, w, cfg)
-    return out
+            out[key] = undo(leaf, w, cfg, tiled)
+    return qwen3_5_config.group_channels(out, cfg)

@@ -14,10 +14,20 @@ top-8, width 512, shared expert 512).
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import re
+import sys
+
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models import moe, qwen3_5, qwen3_5_moe, qwen3_moe
+from jaxspec import hlo, sharding
+from jaxspec.cli_support import run as run_cli
+from jaxspec.errors import JaxspecError
+from jaxspec.models import attention_kernels, moe, qwen3_5, qwen3_5_moe, qwen3_moe
+from jaxspec.tools import accel_roofline, aot, step_model
 from jaxspec.models.decoder import ModelConfig
 
 EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
@@ -86,3 +96,99 @@ def active_fields(target, batch: int, window: int) -> dict:
     active = active_weight_bytes(target, batch * window)
     return {"experts_woken": round(moe.experts_woken(batch * window, dims[1], dims[0]), 2),
             "active_weight_bytes": active, "active_share": round(active / total, 4)}
+
+
+# ---- one MoE block compiled for a mesh of chips: bytes per chip against its share
+
+SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "qwen3.5-35b-a3b": qwen3_5_35b_a3b}
+_UNKNOWN_TRIP_WHILE = re.compile(r"\bwhile\((?![^\n]*known_trip_count)")
+
+
+def block_program(place, target, batch: int, window: int, path: str | None):
+    """(compiled text, layer-0 MoE params as placed): the routed block (+ shared expert) of
+    `target`'s first MoE layer on x [batch*window, D], compiled for `place` (accel_roofline's
+    placement; its mesh set as the trace mesh, as the decode loop traces). path None: the
+    per-shard path on a mesh splitting the experts; "gather" etc.: that path under GSPMD."""
+    params = jax.eval_shape(lambda: target.init_params(jax.random.key(0)))
+    layer = next(i for i, lp in enumerate(params["layers"]) if "router" in lp)
+    if place.mesh is None:
+        shard = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(place.devices[0]), params)
+        tokens = shard["embed"]
+    else:
+        shard = sharding.target_shardings(target, params, place.mesh)
+        rows = "data" if batch % place.mesh.shape["data"] == 0 else None
+        tokens = jax.sharding.NamedSharding(place.mesh, jax.sharding.PartitionSpec(rows))
+    keep = lambda lp: {k: v for k, v in lp.items() if k == "router" or k.startswith(("we_", "ws_"))}  # noqa: E731
+    lp = aot.on(keep(params["layers"][layer]), keep(shard["layers"][layer]))
+    x = jax.ShapeDtypeStruct((batch * window, target.hidden_size), jnp.dtype(target.dtype),
+                             sharding=tokens)
+    top_k = target.cfg.top_k
+    fn = jax.jit(lambda p, x: moe.moe_block(p, x, top_k=top_k, norm_topk=True, path=path))
+    with attention_kernels.kernel_mesh(place.mesh):
+        compiled = aot.compile_for(place.target, fn, lp, x)
+    return compiled.as_text(), lp
+
+
+def block_row(place, target, batch: int, window: int, path: str | None = None) -> dict:
+    """One MoE block's bytes per chip against its share of the active weights. The share: the
+    router whole (replicated) + each split leaf's 1/chips-of-its-axis share, the experts as
+    many as a chip's tokens wake (experts_woken(N / data) / model). The per-shard path's loop
+    over a chip's woken experts has a data-dependent trip count; it is counted at that same
+    expectation (`hlo.device_bytes`' unknown_trip), so the ratio checks that nothing else
+    expert-sized is read or moved; another path's data-dependent loops count once (a floor). weight_gathers: all-gathers as large as one expert."""
+    text, lp = block_program(place, target, batch, window, path)
+    num_experts, top_k = _moe_dims(target)
+    mesh = place.mesh
+    data = mesh.shape["data"] if mesh is not None and batch % mesh.shape["data"] == 0 else 1
+    split = mesh.shape["model"] if mesh is not None else 1
+    woken_per_chip = moe.experts_woken(batch * window // data, top_k, num_experts) / split
+    nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize  # noqa: E731
+    chip = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
+    one_expert = sum(nbytes(lp[k]) for k in EXPERT_LEAVES) / num_experts
+    share = (sum(chip(v) for k, v in lp.items() if k not in EXPERT_LEAVES)
+             + woken_per_chip * one_expert)
+    loops = len(_UNKNOWN_TRIP_WHILE.findall(text))
+    b0, b1 = hlo.device_bytes(text, unknown_trip=0), hlo.device_bytes(text, unknown_trip=1)
+    # the per-shard loop at the woken count; another path's data-dependent loops (sorts) once
+    per_chip = b0 + (b1 - b0) * (woken_per_chip if path is None else 1)
+    least = lp["we_gate"].size // num_experts
+    gathers = [d for d in re.findall(r"= (?:f32|bf16)\[([0-9,]*)\]\{[^}]*\} all-gather(?:-start)?\(",
+                                     text)
+               if math.prod(int(s) for s in d.split(",") if s) >= least]
+    return {"target": place.target.name, "mesh": list(mesh.shape.values()) if mesh else [1, 1],
+            "path": path or "shards", "batch": batch, "window": window,
+            "experts_woken": round(moe.experts_woken(batch * window, top_k, num_experts), 2),
+            "share_bytes": int(share), "bytes_per_chip": int(per_chip),
+            "ratio": round(per_chip / share, 3), "data_dependent_loops": loops,
+            "collectives": step_model.collectives(text), "weight_gathers": gathers}
+
+
+def main(argv=None) -> int:
+    """python -m jaxspec.tools.moe_shapes --target v5e --mesh 1,4 --shape qwen3-30b-a3b
+    [--batch 1,8] [--window 1,5] [--path gather]: one MoE block's bytes per chip (JSON rows)."""
+    p = argparse.ArgumentParser(prog="python -m jaxspec.tools.moe_shapes", description=main.__doc__)
+    p.add_argument("--target", default="v5e")
+    p.add_argument("--mesh", default="1,4", metavar="D,M")
+    p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--window", default="1,5")
+    p.add_argument("--path", default=None, choices=["gather", "grouped", "dense"],
+                   help="a one-device path under GSPMD instead of the per-shard one")
+    args = p.parse_args(argv)
+    aot.target(args.target)
+    try:
+        data, model = (int(v) for v in args.mesh.split(","))
+        batches, windows = ([int(v) for v in s.split(",")] for s in (args.batch, args.window))
+    except ValueError:
+        raise JaxspecError(f"--mesh {args.mesh!r} / --batch / --window: use integers, e.g. "
+                           f"--mesh 1,4 --batch 1,8 --window 1,5") from None
+    target = SHAPES[args.shape]("bfloat16")
+    place = accel_roofline.placement(args.target, (data, model), target)
+    for b in batches:
+        for w in windows:
+            print(json.dumps({"shape": args.shape} | block_row(place, target, b, w, args.path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
