@@ -565,3 +565,52 @@ def test_bench_pools_the_calibration_by_verified_steps():
     assert out["confidence_steps_per_position"] == [10, 1]
     assert out["verify_length_hist"] == [0, 9, 1]
     assert calibration([{"num_steps": 3}]) == {}
+
+
+def test_served_metrics_report_the_calibration(tmp_path):
+    """A scheduled DSpark chain behind the server on loopback: /metrics counts, per request as
+    it ends, the steps by chosen verify length (summing to the request's steps and drafts), and
+    per draft position the steps that verified it, its acceptances (summing to the accepted
+    tokens) and the predicted survival; two requests through one slot: each adds its own."""
+    import httpx
+
+    from loopback import NAME, byte_chat_model, listening
+    from test_server_ops import scrape
+    from jaxspec.engine.runner import Engine
+    from jaxspec.serving import Server
+    from jaxspec.serving.http import make_app
+
+    model = byte_chat_model(tmp_path)
+    drafter, dparams = tiny_head(model.target, "gated", cost_per_draft=0.1,
+                                 variable_length=True)
+    engine = Engine(model, drafter, dparams, num_speculative_tokens=3, max_context=96)
+    server = Server(engine, slots=1, max_context=96, steps_per_call=4, max_queue=4,
+                    model_name=NAME)
+    try:
+        with listening(make_app(server)) as url:
+            for prompt in ([97, 98, 99, 97, 98, 99], [100, 101, 102]):
+                before = scrape(url)
+                body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+                usage = httpx.post(url + "/v1/completions", json=body, timeout=300).json()[
+                    "usage"]["speculative"]
+                after = scrape(url)
+
+                def moved(name, **labels):
+                    key = (name, tuple(sorted((labels | {"method": "dspark"}).items())))
+                    return after.get(key, 0) - before.get(key, 0)
+
+                hist = [moved("jaxspec_spec_verify_length_steps_total", length=str(k))
+                        for k in range(4)]
+                assert sum(hist) == usage["num_steps"] > 0
+                assert sum(k * c for k, c in enumerate(hist)) == usage["num_draft_tokens"]
+                steps = [moved("jaxspec_spec_confidence_steps_total", position=str(i))
+                         for i in range(3)]
+                assert steps == [sum(hist[i + 1:]) for i in range(3)]
+                seen = [moved("jaxspec_spec_confidence_observed_total", position=str(i))
+                        for i in range(3)]
+                assert sum(seen) == usage["num_accepted_tokens"]
+                for i in range(3):
+                    predicted = moved("jaxspec_spec_confidence_predicted_total", position=str(i))
+                    assert 0 <= seen[i] <= steps[i] and 0 <= predicted <= steps[i] + 1e-3
+    finally:
+        server.close()
