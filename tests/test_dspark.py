@@ -360,6 +360,11 @@ def test_scheduled_length_maximises_tokens_per_cost():
     shared = lambda act: hd.scheduled_length(conf, 0.2, jnp.asarray(act), shared=True)  # noqa: E731
     np.testing.assert_array_equal(shared([True, False, True]), [4, 0, 4])
     np.testing.assert_array_equal(shared([False, True, True]), [0, 1, 1])
+    # curves measured at batch 1 and 8: batch 4 prices between them, batch 16 as 8
+    by_batch = ((8, (1.0, 2.0, 3.0)), (1, (1.0, 1.2, 1.4)))
+    np.testing.assert_allclose(hd.curve_at(by_batch, 4), (1.0, 1.2 + 0.8 * 3 / 7,
+                                                          1.4 + 1.6 * 3 / 7))
+    assert hd.curve_at(by_batch, 16) == (1.0, 2.0, 3.0) and hd.curve_at(by_batch, 1)[1] == 1.2
     drafter, _ = tiny_head_spec_only()
     with pytest.raises(JaxspecError, match="lacks: set it to 0"):
         dataclasses.replace(drafter, cost_per_draft=0.3)
@@ -439,6 +444,9 @@ def test_config_builds_the_head_with_its_schedule_and_trees(targets, tmp_path):
     head = f"speculative.dspark.checkpoint={tmp_path / 'gated'}"
     drafter, _ = build_drafter(spec_of(head, "speculative.dspark.cost_per_draft=0.2"), m)
     assert drafter.name == "dspark" and drafter.cost_per_draft == 0.2 and drafter.variable_length
+    curves = "speculative.dspark.step_costs={1: [1, 1.1, 1.2, 1.3, 1.4], 8: [1, 1.5, 2, 2.5, 3]}"
+    drafter, _ = build_drafter(spec_of(head, curves), m)
+    assert drafter.costs_at(8) == (1.0, 1.5, 2.0, 2.5, 3.0) and drafter.scheduled
     tree = ["speculative.tree.kind=static", "speculative.tree.choices=[[0],[1],[0,0]]"]
     assert build_drafter(spec_of(head, *tree), m)[0].tree_nodes == 3
     dynamic = ["speculative.tree.kind=dynamic", "speculative.tree.top_k=2",
@@ -446,6 +454,8 @@ def test_config_builds_the_head_with_its_schedule_and_trees(targets, tmp_path):
     rnn = f"speculative.dspark.checkpoint={tmp_path / 'rnn'}"
     for overrides, message in (
             ((rnn, "speculative.dspark.cost_per_draft=0.2"), "which this DSpark head lacks"),
+            ((head, "speculative.dspark.step_costs={1: [1, 1.1], 8: [1, 2, 3, 4]}"),
+             "holds 2 costs"),
             ((rnn, *tree), "RNN DSpark head drafts chains only"),
             ((head, *dynamic, "speculative.tree.depth=5"), "drafts at most 4 positions")):
         with pytest.raises(JaxspecError, match=message) as err:
