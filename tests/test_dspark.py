@@ -3,17 +3,14 @@
 the speculators layout read and written, bad checkpoints refused in one line, and the loop:
 greedy identical to plain at batch 8, the sampled law exact (a broken q seen failing).
 
-Error measure: max |ours - theirs| / max |theirs| over the compared values.
+Error measure: speculators_ref.rel_err.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import shutil
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -24,30 +21,16 @@ from conftest import import_torch
 from jaxspec.drafters.base import DraftContext
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import dspark as fmt
-from jaxspec.loading import load_model
 from jaxspec.models import base
+from speculators_ref import (assert_same_tensors, edited, import_reference, load_targets,
+                             rel_err, same_params)
 
 torch = import_torch()
 
 
-def _import_reference():
-    """speculators.models.dspark; its package imports two training-data packages (datasets,
-    hs_connectors) that the model code never calls: stand-ins when they are not installed."""
-    class _Absent(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return type(name, (), {})
-
-    for name in ("datasets", "hs_connectors"):
-        try:
-            __import__(name)
-        except ImportError:
-            sys.modules[name] = _Absent(name)
-    return pytest.importorskip("speculators.models.dspark")
 
 
-ref = _import_reference()
+ref = import_reference("dspark")
 ref_core = sys.modules["speculators.models.dspark.core"]
 
 TOL = 1e-4
@@ -56,21 +39,11 @@ MASK = 95
 RANK = 8
 
 
-def rel_err(ours, theirs) -> float:
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 @pytest.fixture(scope="module")
 def targets(tiny_qwen3_dir, tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for name, path in (("qwen3", tiny_qwen3_dir), ("llama", tiny_llama_dir)):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        out[name] = (hf, load_model(path, layout="unrolled"))
-    return out
+    return load_targets(torch, {"qwen3": tiny_qwen3_dir, "llama": tiny_llama_dir})
 
 
 def make_reference(hf, kind, anchor, *, layers=(0, 1), seed=0, **overrides):
@@ -216,19 +189,12 @@ def test_written_head_loads_in_the_reference_and_reads_back(targets, tmp_path):
     assert loaded.config.markov_head_type == "rnn" and loaded.config.markov_rank == RANK
     theirs = {k: v for k, v in model.state_dict().items() if k in loaded.state_dict()
               and "embed" not in k and "lm_head" not in k and "verifier" not in k}
-    for k, v in theirs.items():
-        np.testing.assert_array_equal(loaded.state_dict()[k].numpy(), v.numpy(), err_msg=k)
+    assert_same_tensors(loaded, theirs)
     again, params2 = fmt.read(tmp_path / "b", m.target)
     assert again == drafter
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), dparams, params2))
+    assert same_params(dparams, params2)
 
 
-def edited(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.mark.parametrize("change, message", [
@@ -526,19 +492,14 @@ def test_training_walk_is_the_runtime_walk(greedy_target, trained_dspark):
             continue
         padded, plens = tok[:, :a], jnp.asarray([a], jnp.int32)
         drafts = tok[:, a + 1: a + g]
-        z, conf = _teacher_forced(drafter, dparams, t, greedy_target.params, padded, plens,
-                                  tok[:, : a + 1], drafts)
-        np.testing.assert_allclose(np.asarray(z[0, 1:]), np.asarray(z_train[0, j]),
-                                   rtol=2e-4, atol=2e-4)
-        np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_train[0, j]),
-                                   rtol=2e-4, atol=2e-4)
         own = jnp.argmax(z_own[:, j], -1).astype(jnp.int32)  # [1, G-1] its greedy drafts
-        z, conf = _teacher_forced(drafter, dparams, t, greedy_target.params, padded, plens,
-                                  tok[:, : a + 1], own)
-        np.testing.assert_allclose(np.asarray(z[0, 1:]), np.asarray(z_own[0, j]),
-                                   rtol=2e-4, atol=2e-4)
-        np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_own[0, j]),
-                                   rtol=2e-4, atol=2e-4)
+        for given, z_ref, conf_ref in ((drafts, z_train, conf_train), (own, z_own, conf_own)):
+            z, conf = _teacher_forced(drafter, dparams, t, greedy_target.params, padded, plens,
+                                      tok[:, : a + 1], given)
+            np.testing.assert_allclose(np.asarray(z[0, 1:]), np.asarray(z_ref[0, j]),
+                                       rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_ref[0, j]),
+                                       rtol=2e-4, atol=2e-4)
         checked += int(jnp.any(own[0, :-1] != drafts[0, :-1]))
     assert checked, "no anchor where the own drafts differ from the true tokens"
 
