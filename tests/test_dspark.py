@@ -3,17 +3,14 @@
 the speculators layout read and written, bad checkpoints refused in one line, and the loop:
 greedy identical to plain at batch 8, the sampled law exact (a broken q seen failing).
 
-Error measure: max |ours - theirs| / max |theirs| over the compared values.
+Error measure: speculators_ref.rel_err.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import shutil
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -24,30 +21,16 @@ from conftest import import_torch
 from jaxspec.drafters.base import DraftContext
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import dspark as fmt
-from jaxspec.loading import load_model
 from jaxspec.models import base
+from speculators_ref import (assert_same_tensors, edited, import_reference, load_targets,
+                             rel_err, same_params)
 
 torch = import_torch()
 
 
-def _import_reference():
-    """speculators.models.dspark; its package imports two training-data packages (datasets,
-    hs_connectors) that the model code never calls: stand-ins when they are not installed."""
-    class _Absent(types.ModuleType):
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return type(name, (), {})
-
-    for name in ("datasets", "hs_connectors"):
-        try:
-            __import__(name)
-        except ImportError:
-            sys.modules[name] = _Absent(name)
-    return pytest.importorskip("speculators.models.dspark")
 
 
-ref = _import_reference()
+ref = import_reference("dspark")
 ref_core = sys.modules["speculators.models.dspark.core"]
 
 TOL = 1e-4
@@ -56,21 +39,11 @@ MASK = 95
 RANK = 8
 
 
-def rel_err(ours, theirs) -> float:
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 @pytest.fixture(scope="module")
 def targets(tiny_qwen3_dir, tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for name, path in (("qwen3", tiny_qwen3_dir), ("llama", tiny_llama_dir)):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        out[name] = (hf, load_model(path, layout="unrolled"))
-    return out
+    return load_targets(torch, {"qwen3": tiny_qwen3_dir, "llama": tiny_llama_dir})
 
 
 def make_reference(hf, kind, anchor, *, layers=(0, 1), seed=0, **overrides):
@@ -216,19 +189,12 @@ def test_written_head_loads_in_the_reference_and_reads_back(targets, tmp_path):
     assert loaded.config.markov_head_type == "rnn" and loaded.config.markov_rank == RANK
     theirs = {k: v for k, v in model.state_dict().items() if k in loaded.state_dict()
               and "embed" not in k and "lm_head" not in k and "verifier" not in k}
-    for k, v in theirs.items():
-        np.testing.assert_array_equal(loaded.state_dict()[k].numpy(), v.numpy(), err_msg=k)
+    assert_same_tensors(loaded, theirs)
     again, params2 = fmt.read(tmp_path / "b", m.target)
     assert again == drafter
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), dparams, params2))
+    assert same_params(dparams, params2)
 
 
-def edited(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.mark.parametrize("change, message", [
@@ -360,6 +326,11 @@ def test_scheduled_length_maximises_tokens_per_cost():
     shared = lambda act: hd.scheduled_length(conf, 0.2, jnp.asarray(act), shared=True)  # noqa: E731
     np.testing.assert_array_equal(shared([True, False, True]), [4, 0, 4])
     np.testing.assert_array_equal(shared([False, True, True]), [0, 1, 1])
+    # curves measured at batch 1 and 8: batch 4 prices between them, batch 16 as 8
+    by_batch = ((8, (1.0, 2.0, 3.0)), (1, (1.0, 1.2, 1.4)))
+    np.testing.assert_allclose(hd.curve_at(by_batch, 4), (1.0, 1.2 + 0.8 * 3 / 7,
+                                                          1.4 + 1.6 * 3 / 7))
+    assert hd.curve_at(by_batch, 16) == (1.0, 2.0, 3.0) and hd.curve_at(by_batch, 1)[1] == 1.2
     drafter, _ = tiny_head_spec_only()
     with pytest.raises(JaxspecError, match="lacks: set it to 0"):
         dataclasses.replace(drafter, cost_per_draft=0.3)
@@ -439,6 +410,9 @@ def test_config_builds_the_head_with_its_schedule_and_trees(targets, tmp_path):
     head = f"speculative.dspark.checkpoint={tmp_path / 'gated'}"
     drafter, _ = build_drafter(spec_of(head, "speculative.dspark.cost_per_draft=0.2"), m)
     assert drafter.name == "dspark" and drafter.cost_per_draft == 0.2 and drafter.variable_length
+    curves = "speculative.dspark.step_costs={1: [1, 1.1, 1.2, 1.3, 1.4], 8: [1, 1.5, 2, 2.5, 3]}"
+    drafter, _ = build_drafter(spec_of(head, curves), m)
+    assert drafter.costs_at(8) == (1.0, 1.5, 2.0, 2.5, 3.0) and drafter.scheduled
     tree = ["speculative.tree.kind=static", "speculative.tree.choices=[[0],[1],[0,0]]"]
     assert build_drafter(spec_of(head, *tree), m)[0].tree_nodes == 3
     dynamic = ["speculative.tree.kind=dynamic", "speculative.tree.top_k=2",
@@ -446,6 +420,8 @@ def test_config_builds_the_head_with_its_schedule_and_trees(targets, tmp_path):
     rnn = f"speculative.dspark.checkpoint={tmp_path / 'rnn'}"
     for overrides, message in (
             ((rnn, "speculative.dspark.cost_per_draft=0.2"), "which this DSpark head lacks"),
+            ((head, "speculative.dspark.step_costs={1: [1, 1.1], 8: [1, 2, 3, 4]}"),
+             "holds 2 costs"),
             ((rnn, *tree), "RNN DSpark head drafts chains only"),
             ((head, *dynamic, "speculative.tree.depth=5"), "drafts at most 4 positions")):
         with pytest.raises(JaxspecError, match=message) as err:
@@ -516,19 +492,14 @@ def test_training_walk_is_the_runtime_walk(greedy_target, trained_dspark):
             continue
         padded, plens = tok[:, :a], jnp.asarray([a], jnp.int32)
         drafts = tok[:, a + 1: a + g]
-        z, conf = _teacher_forced(drafter, dparams, t, greedy_target.params, padded, plens,
-                                  tok[:, : a + 1], drafts)
-        np.testing.assert_allclose(np.asarray(z[0, 1:]), np.asarray(z_train[0, j]),
-                                   rtol=2e-4, atol=2e-4)
-        np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_train[0, j]),
-                                   rtol=2e-4, atol=2e-4)
         own = jnp.argmax(z_own[:, j], -1).astype(jnp.int32)  # [1, G-1] its greedy drafts
-        z, conf = _teacher_forced(drafter, dparams, t, greedy_target.params, padded, plens,
-                                  tok[:, : a + 1], own)
-        np.testing.assert_allclose(np.asarray(z[0, 1:]), np.asarray(z_own[0, j]),
-                                   rtol=2e-4, atol=2e-4)
-        np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_own[0, j]),
-                                   rtol=2e-4, atol=2e-4)
+        for given, z_ref, conf_ref in ((drafts, z_train, conf_train), (own, z_own, conf_own)):
+            z, conf = _teacher_forced(drafter, dparams, t, greedy_target.params, padded, plens,
+                                      tok[:, : a + 1], given)
+            np.testing.assert_allclose(np.asarray(z[0, 1:]), np.asarray(z_ref[0, j]),
+                                       rtol=2e-4, atol=2e-4)
+            np.testing.assert_allclose(np.asarray(conf[0, 1:]), np.asarray(conf_ref[0, j]),
+                                       rtol=2e-4, atol=2e-4)
         checked += int(jnp.any(own[0, :-1] != drafts[0, :-1]))
     assert checked, "no anchor where the own drafts differ from the true tokens"
 
@@ -565,3 +536,52 @@ def test_bench_pools_the_calibration_by_verified_steps():
     assert out["confidence_steps_per_position"] == [10, 1]
     assert out["verify_length_hist"] == [0, 9, 1]
     assert calibration([{"num_steps": 3}]) == {}
+
+
+def test_served_metrics_report_the_calibration(tmp_path):
+    """A scheduled DSpark chain behind the server on loopback: /metrics counts, per request as
+    it ends, the steps by chosen verify length (summing to the request's steps and drafts), and
+    per draft position the steps that verified it, its acceptances (summing to the accepted
+    tokens) and the predicted survival; two requests through one slot: each adds its own."""
+    import httpx
+
+    from loopback import NAME, byte_chat_model, listening
+    from test_server_ops import scrape
+    from jaxspec.engine.runner import Engine
+    from jaxspec.serving import Server
+    from jaxspec.serving.http import make_app
+
+    model = byte_chat_model(tmp_path)
+    drafter, dparams = tiny_head(model.target, "gated", cost_per_draft=0.1,
+                                 variable_length=True)
+    engine = Engine(model, drafter, dparams, num_speculative_tokens=3, max_context=96)
+    server = Server(engine, slots=1, max_context=96, steps_per_call=4, max_queue=4,
+                    model_name=NAME)
+    try:
+        with listening(make_app(server)) as url:
+            for prompt in ([97, 98, 99, 97, 98, 99], [100, 101, 102]):
+                before = scrape(url)
+                body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+                usage = httpx.post(url + "/v1/completions", json=body, timeout=300).json()[
+                    "usage"]["speculative"]
+                after = scrape(url)
+
+                def moved(name, **labels):
+                    key = (name, tuple(sorted((labels | {"method": "dspark"}).items())))
+                    return after.get(key, 0) - before.get(key, 0)
+
+                hist = [moved("jaxspec_spec_verify_length_steps_total", length=str(k))
+                        for k in range(4)]
+                assert sum(hist) == usage["num_steps"] > 0
+                assert sum(k * c for k, c in enumerate(hist)) == usage["num_draft_tokens"]
+                steps = [moved("jaxspec_spec_confidence_steps_total", position=str(i))
+                         for i in range(3)]
+                assert steps == [sum(hist[i + 1:]) for i in range(3)]
+                seen = [moved("jaxspec_spec_confidence_observed_total", position=str(i))
+                        for i in range(3)]
+                assert sum(seen) == usage["num_accepted_tokens"]
+                for i in range(3):
+                    predicted = moved("jaxspec_spec_confidence_predicted_total", position=str(i))
+                    assert 0 <= seen[i] <= steps[i] and 0 <= predicted <= steps[i] + 1e-3
+    finally:
+        server.close()

@@ -3,7 +3,7 @@ reference package's own forward (`speculators` 0.9.0, torch) for tiny Qwen3 and 
 the speculators layout read and written; bad checkpoints refused in one line; the loop: greedy
 identical to plain at batch 8, the sampled law exact (a broken q seen failing).
 
-Error measure: max |ours - theirs| / max |theirs| over the compared values.
+Error measure: speculators_ref.rel_err.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
-import shutil
 import sys
 
 import jax
@@ -27,11 +25,11 @@ from jaxspec.errors import JaxspecError
 from jaxspec.formats import peagle as fmt
 from jaxspec.loading import load_model
 from jaxspec.models import base
-from test_dspark import _import_reference  # the stand-ins for speculators' training-only imports
+from speculators_ref import (assert_same_tensors, edited, import_reference, load_targets,
+                             rel_err, same_params)
 
 torch = import_torch()
-_import_reference()
-ref = pytest.importorskip("speculators.models.peagle")
+ref = import_reference("peagle")
 ref_core = sys.modules["speculators.models.peagle.core"]
 
 TOL = 1e-4
@@ -40,21 +38,11 @@ MASK = 95
 LAYERS = [0, 1, 1]
 
 
-def rel_err(ours, theirs) -> float:
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 @pytest.fixture(scope="module")
 def targets(tiny_qwen3_dir, tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    out = {}
-    for name, path in (("qwen3", tiny_qwen3_dir), ("llama", tiny_llama_dir)):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        out[name] = (hf, load_model(path, layout="unrolled"))
-    return out
+    return load_targets(torch, {"qwen3": tiny_qwen3_dir, "llama": tiny_llama_dir})
 
 
 def make_reference(hf, seed=0, layers=LAYERS, **overrides):
@@ -128,14 +116,14 @@ def reference_logits(model, hf, prompt, nxt):
     return seen["logits"][0, n - 1:].numpy()
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2))
-def _parallel_logits(drafter, dparams, target, params, padded, plens, tokens):
+@functools.partial(jax.jit, static_argnums=(0, 2, 7))
+def _pass_logits(drafter, dparams, target, params, padded, plens, tokens, gamma):
     tparams = base.bind(target, params)
-    cache = target.init_cache(params, padded.shape[0], 32)
+    cache = target.init_cache(params, padded.shape[0], 64)
     out = target.forward(params, padded, cache, taps=drafter.hidden_layers)
-    state = drafter.init(dparams, tparams, padded, plens, out.taps, 32)
+    state = drafter.init(dparams, tparams, padded, plens, out.taps, 64)
     ctx = DraftContext(tokens, plens + 1, jnp.ones(plens.shape, bool))
-    return drafter.parallel_logits(dparams, tparams, state, ctx, GAMMA)
+    return drafter.parallel_logits(dparams, tparams, state, ctx, gamma)
 
 
 def jaxspec_logits(drafter, dparams, m):
@@ -146,8 +134,8 @@ def jaxspec_logits(drafter, dparams, m):
         padded[i, : len(row)] = row
         tokens[i, : len(row) + 1] = [*row, nxt]
     plens = jnp.asarray([len(r) for r in PROMPTS], jnp.int32)
-    return np.asarray(_parallel_logits(drafter, dparams, m.target, m.params, jnp.asarray(padded),
-                                       plens, jnp.asarray(tokens)))
+    return np.asarray(_pass_logits(drafter, dparams, m.target, m.params, jnp.asarray(padded),
+                                   plens, jnp.asarray(tokens), GAMMA))
 
 
 @pytest.mark.parametrize("tname", ["qwen3", "llama"])
@@ -188,19 +176,12 @@ def test_written_head_loads_in_the_reference_and_reads_back(tmp_path):
     loaded = ref.PEagleDraftModel.from_pretrained(tmp_path / "b")
     assert loaded.config.mask_token_id == MASK
     theirs = {k: v for k, v in model.state_dict().items() if "verifier" not in k}
-    for k, v in theirs.items():
-        np.testing.assert_array_equal(loaded.state_dict()[k].numpy(), v.numpy(), err_msg=k)
+    assert_same_tensors(loaded, theirs)
     again, params2 = fmt.read(tmp_path / "b", m.cfg)
     assert again == drafter
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), dparams, params2))
+    assert same_params(dparams, params2)
 
 
-def edited(src, dst, **changes):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.mark.parametrize("change, target, message", [
@@ -234,6 +215,15 @@ def test_config_builds_the_head(targets, tmp_path):
                               f"speculative.peagle.checkpoint={tmp_path}"]).speculative
     drafter, _ = build_drafter(spec, m)
     assert drafter.name == "peagle" and drafter.hidden_layers == tuple(LAYERS)
+    static = load_config(None, ["speculative.method=peagle",
+                                f"speculative.peagle.checkpoint={tmp_path}",
+                                "speculative.tree.kind=static",
+                                "speculative.tree.choices=[[0],[1],[0,0]]"]).speculative
+    drafter, _ = build_drafter(static, m)
+    assert drafter.tree_nodes == 3 and drafter.tree_depth == 2
+    with pytest.raises(JaxspecError, match="invalid for a static P-EAGLE tree") as err:
+        dataclasses.replace(drafter, tree_children="without_replacement")
+    assert "\n" not in str(err.value)
 
 
 # ---- the loop: greedy identity, the exact sampled law ---------------------------------------
@@ -275,15 +265,20 @@ def greedy_target():
 DYNAMIC = dict(tree_top_k=2, tree_levels=3, tree_budget=5)
 
 
-@pytest.mark.parametrize("gamma, tree", [(1, False), (4, False), (3, True)])
+STATIC = dict(tree_choices=((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))
+
+
+@pytest.mark.parametrize("gamma, tree", [(1, {}), (4, {}), (3, "dynamic"), (3, "static")])
 def test_greedy_peagle_is_token_identical_at_batch_8(greedy_target, gamma, tree):
-    """Chains and dynamic trees (one pass gives every depth's law) emit plain's tokens."""
+    """Chains, dynamic trees (one pass gives every depth's law) and static trees of ranks emit
+    plain's tokens."""
     from jaxspec.engine.runner import Engine
 
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(1, 63, size=n)] for n in (5, 17, 9, 30, 12, 3, 25, 8)]
     plain = Engine(greedy_target).generate(prompts, max_new_tokens=NEW, batch_size=8)
-    drafter, dparams = tiny_head(greedy_target, **(DYNAMIC if tree else {}))
+    drafter, dparams = tiny_head(greedy_target, **{"dynamic": DYNAMIC, "static": STATIC}.get(
+        tree, {}))
     out = Engine(greedy_target, drafter, dparams, num_speculative_tokens=gamma).generate(
         prompts, max_new_tokens=NEW, batch_size=8)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
@@ -297,20 +292,25 @@ FILTERED = dict(temperature=0.6, top_k=6, top_p=0.95, min_p=0.05)
 LAW_ROWS = 3000
 
 
-@pytest.mark.parametrize("kind", ["chain", "broken", "dynamic"])
+@pytest.mark.parametrize("kind", ["chain", "broken", "dynamic", "static-top_k", "static-sampled"])
 def test_sampled_peagle_has_the_target_law(kind):
     """Sampled output has the target's exact law: each draft is an independent draw from its
-    entry's law, which is reported (chains, and dynamic trees with sampled children); the broken
-    variant reporting entry 0's law for every draft fails at the same settings and sample size."""
+    entry's law, which is reported (chains, dynamic trees with sampled children, static trees of
+    ranks (one-hot q) or of draws); the broken variant reporting entry 0's law for every draft
+    fails at the same settings and sample size."""
     from distribution import FAIL_P, PASS_P, pvalue
     from jaxspec.decode.sampling import SamplingParams
     from tiny import tiny_model
 
     broken = kind == "broken"
-    tree = dict(tree_top_k=2, tree_levels=2, tree_budget=4, tree_children="sampled")
+    trees = {"dynamic": dict(tree_top_k=2, tree_levels=2, tree_budget=4,
+                             tree_children="sampled")}
+    for children in ("top_k", "sampled"):
+        trees[f"static-{children}"] = dict(tree_choices=((0,), (1,), (0, 0)),
+                                           tree_children=children)
     target = tiny_model(seed=5, scale=0.3, vocab=V, layers=2, hidden=32, eos=(-1,))
     drafter, dparams = tiny_head(target, layers=(0, 1, 1), seed=4, scale=1.5,
-                                 report_q_of_first=broken, **(tree if kind == "dynamic" else {}))
+                                 report_q_of_first=broken, **trees.get(kind, {}))
     sp = SamplingParams.make(**FILTERED)
     p, results = pvalue(target, drafter, dparams, sp, PROMPT, rows=LAW_ROWS, gamma=2)
     drafted = sum(r.metrics["num_draft_tokens"] for r in results)
@@ -363,16 +363,6 @@ def trained_peagle(greedy_target, tmp_path_factory):
     result = train(tc, target=greedy_target, data=records, eval_prompts=[],
                    log=lambda *a: None, progress=False)
     return result, records, out_dir
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2, 7))
-def _pass_logits(drafter, dparams, target, params, padded, plens, tokens, gamma):
-    tparams = base.bind(target, params)
-    cache = target.init_cache(params, padded.shape[0], 64)
-    out = target.forward(params, padded, cache, taps=drafter.hidden_layers)
-    state = drafter.init(dparams, tparams, padded, plens, out.taps, 64)
-    ctx = DraftContext(tokens, plens + 1, jnp.ones(plens.shape, bool))
-    return drafter.parallel_logits(dparams, tparams, state, ctx, gamma)
 
 
 def test_training_pass_is_the_drafting_pass(greedy_target, trained_peagle):

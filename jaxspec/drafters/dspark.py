@@ -39,6 +39,7 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import yaml
 
 from jaxspec import kernels
 from jaxspec.decode import sampling, tree
@@ -69,11 +70,14 @@ class DSparkDrafter(DFlashDrafter):
     # or the calibrated curve: a step's cost verifying k = 0..γ drafts, in plain steps (drafting
     # included); used instead of cost_per_draft when given
     step_costs: tuple[float, ...] = ()
+    # or curves measured at several batch sizes ((batch, curve), ...): the program's batch picks
+    # (dspark_heads.curve_at: linear between them), so a wider batch prices its wider window
+    step_costs_by_batch: tuple[tuple[int, tuple[float, ...]], ...] = ()
     share_length: bool = True  # scheduled: one length for the batch (its window is shared)
 
     @property
     def scheduled(self) -> bool:
-        return self.cost_per_draft > 0 or bool(self.step_costs)
+        return self.cost_per_draft > 0 or bool(self.step_costs or self.step_costs_by_batch)
 
     @property
     def traits(self) -> Traits:
@@ -90,9 +94,17 @@ class DSparkDrafter(DFlashDrafter):
         if self.scheduled and not self.heads.confidence:
             raise JaxspecError("speculative.dspark.cost_per_draft schedules verification by the "
                                "confidence head, which this DSpark head lacks: set it to 0")
-        if self.step_costs and len(self.step_costs) < self.max_drafts + 1:
-            raise JaxspecError(f"speculative.dspark.step_costs holds {len(self.step_costs)} "
-                               f"costs: give one per verify length 0..{self.max_drafts}")
+        for curve in (self.step_costs, *(c for _, c in self.step_costs_by_batch)):
+            if curve and len(curve) < self.max_drafts + 1:
+                raise JaxspecError(f"speculative.dspark.step_costs holds {len(curve)} "
+                                   f"costs: give one per verify length 0..{self.max_drafts}")
+
+    def costs_at(self, batch: int):
+        """What the scheduler prices verify lengths with at `batch` rows: the curve (measured
+        at this batch, or between the batches measured) or the per-draft slope."""
+        if self.step_costs_by_batch:
+            return hd.curve_at(self.step_costs_by_batch, batch)
+        return self.step_costs or self.cost_per_draft
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:  # speculators ids are jaxspec taps (layer inputs)
@@ -216,8 +228,7 @@ class DSparkDrafter(DFlashDrafter):
         num = jnp.full((b,), num_tokens, jnp.int32)
         conf = None if conf is None else conf[:, first:]
         if self.scheduled:  # the lengths read only the drafts before each: lossless
-            costs = self.step_costs or self.cost_per_draft
-            num = hd.scheduled_length(conf, costs, ctx.active, self.share_length)
+            num = hd.scheduled_length(conf, self.costs_at(b), ctx.active, self.share_length)
         return Proposal(tokens, jnp.stack(qs, axis=1), num), conf
 
 
@@ -236,8 +247,9 @@ class DSparkOptions(DFlashOptions):
     # of the calibrated step-cost curve at the serving batch); 0: always γ drafts
     cost_per_draft: float = 0.0
     # or the step-cost curve itself: a step's cost verifying k = 0..γ drafts, in plain steps
-    # (drafting included), e.g. measured by calibration.loop_costs at the serving batch; used
-    # instead of cost_per_draft when given. null: the line 1 + cost_per_draft * k
+    # (drafting included), as scripts/dspark_step_costs.py measures it; used instead of
+    # cost_per_draft when given. A mapping {batch size: curve}: curves measured at several
+    # batch sizes, the program's batch picks (linear between). null: 1 + cost_per_draft * k
     step_costs: object = None
     # scheduled: one verify length for the whole batch (sum over rows of expected tokens / the
     # shared window's cost); false: each row its own (the window is still the batch's widest)
@@ -248,31 +260,39 @@ class DSparkOptions(DFlashOptions):
         if not 0.0 <= self.cost_per_draft < 100.0:
             self._fail("cost_per_draft", "use a number in [0, 100); 0 verifies γ drafts always")
         costs = self.step_costs
-        if isinstance(costs, str):  # a command-line override: "[1, 1.2, 1.3]" or "1,1.2,1.3"
+        if isinstance(costs, str):  # a command-line override: "[1, 1.2]", "1,1.2", "{1: [..]}"
             try:
-                costs = [float(x) for x in costs.strip().strip("[]").split(",")]
-            except ValueError:
+                costs = yaml.safe_load(costs if costs.strip()[:1] in "[{" else f"[{costs}]")
+            except yaml.YAMLError:
                 pass
             object.__setattr__(self, "step_costs", costs)
+        curves = list(costs.values()) if isinstance(costs, dict) else [costs]
         if costs is not None and not (
-            isinstance(costs, (list, tuple)) and len(costs) >= 2
-            and all(isinstance(x, (int, float)) and 0 < x < 1e3 for x in costs)
+            all(isinstance(b, int) and b > 0 for b in (costs if isinstance(costs, dict) else [1]))
+            and curves and all(isinstance(c, (list, tuple)) and len(c) >= 2
+                               and all(isinstance(x, (int, float)) and 0 < x < 1e3 for x in c)
+                               for c in curves)
         ):
             self._fail("step_costs", "use a list of positive numbers, a step's cost in plain "
-                       "steps verifying 0, 1, ... γ drafts, or null (1 + cost_per_draft * k)")
+                       "steps verifying 0, 1, ... γ drafts, a mapping {batch size: such a list}, "
+                       "or null (1 + cost_per_draft * k)")
 
 
 def build(options: DSparkOptions, ctx: BuildContext):
     drafter, dparams = trained.load("dspark", options, ctx)
     if kernels.available() and base.uses_cpu_kernels(ctx.target.target, ctx.target.params):
         dparams = net.pack_for_cpu(dparams)  # the backbone as DFlash packs it; the heads as read
-    costs = tuple(float(x) for x in options.step_costs or ())
-    if options.cost_per_draft > 0 or costs:
+    given = options.step_costs
+    by_batch = tuple(sorted((int(b), tuple(float(x) for x in c)) for b, c in given.items())
+                     ) if isinstance(given, dict) else ()
+    costs = () if by_batch else tuple(float(x) for x in given or ())
+    if options.cost_per_draft > 0 or costs or by_batch:
         if ctx.spec.tree.kind != "chain":
             raise JaxspecError("speculative.dspark.cost_per_draft / step_costs schedule chains: "
                                "set speculative.tree.kind=chain or leave them unset")
         drafter = dataclasses.replace(drafter, cost_per_draft=options.cost_per_draft,
-                                      step_costs=costs, share_length=options.share_length,
+                                      step_costs=costs, step_costs_by_batch=by_batch,
+                                      share_length=options.share_length,
                                       variable_length=True)
     if ctx.spec.tree.kind == "static":
         choices = tuple(tuple(p) for p in ctx.spec.tree.choices)

@@ -98,6 +98,19 @@ def step_cost_curve(costs, gamma: int) -> jax.Array:
     return jnp.asarray(tuple(costs)[: gamma + 1], jnp.float32)
 
 
+def curve_at(by_batch, batch: int) -> tuple[float, ...]:
+    """The step-cost curve at `batch` rows from curves measured at some batch sizes
+    (by_batch: ((batch size, (cost of k = 0..γ)), ...)): linear in the batch size between the two
+    nearest, the end curve outside them. The batch is a static shape, so this runs at trace time."""
+    pts = sorted(by_batch)
+    lo = max((p for p in pts if p[0] <= batch), default=pts[0])
+    hi = min((p for p in pts if p[0] >= batch), default=pts[-1])
+    if hi[0] == lo[0]:
+        return tuple(lo[1])
+    t = (batch - lo[0]) / (hi[0] - lo[0])
+    return tuple(a + t * (b - a) for a, b in zip(lo[1], hi[1]))
+
+
 def scheduled_length(conf_logits, costs, active=None, shared: bool = False) -> jax.Array:
     """int32[B]: the verify length per row from the confidence head: conf_logits f32[B, γ] are
     the per-draft acceptance logits, `survival` S_i the chance that draft i is accepted,

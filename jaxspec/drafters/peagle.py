@@ -19,6 +19,9 @@ Dynamic tree (`speculative.tree.kind: dynamic`, EAGLE-2's rule through jaxspec.d
 as DFlash's block trees): the one pass gives each depth's law, which reads no drafted token, so a
 node at depth d proposes its children from depth d+1's law whatever its parent; grow's lossless
 argument (a node's law reads only its ancestors' tokens) holds trivially.
+Static tree (`speculative.tree.kind: static`, paths of ranks as for eagle and dflash): one pass
+over the tree's depth; a node at depth d is the rank-r token of depth d's law (`top_k`, one-hot
+q) or its own draw from that law (`sampled`, reporting it).
 
 dparams: EAGLE-3's plus mask_hidden f32[n·Dt] (n tapped layers).
 """
@@ -31,13 +34,16 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decode import tree
+from jaxspec.decode import sampling, tree
 from jaxspec.drafters import trained
 from jaxspec.drafters.base import DraftContext, Proposal, Traits
 from jaxspec.drafters.draft_vocab import scatter_to_target
 from jaxspec.drafters.eagle3 import Eagle3Drafter
 from jaxspec.drafters.feature_chain import ChainState
 from jaxspec.drafters.registry import BuildContext, register_drafter
+from jaxspec.errors import JaxspecError
+
+STATIC_CHILDREN = ("top_k", "sampled")  # a static tree's nodes: ranks of a law, or draws
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +51,28 @@ class PEagleDrafter(tree.DynamicTreeDrafter, Eagle3Drafter):
     name: str = "peagle"
     mask_token: int = 0  # the embedding the depth > 0 entries read
     report_q_of_first: bool = False  # tests only: a broken variant reporting entry 0's law
+    tree_choices: tuple[tuple[int, ...], ...] | None = None  # static tree; None: none
+
+    def __post_init__(self):
+        if self.tree_choices is None:
+            return
+        if self.tree_top_k:
+            raise JaxspecError("a P-EAGLE tree is static (tree.choices) or dynamic, not both: "
+                               "set speculative.tree.kind")
+        if self.tree_children not in STATIC_CHILDREN:
+            raise JaxspecError(f"speculative.tree.children={self.tree_children!r} is invalid for "
+                               f"a static P-EAGLE tree: use one of {', '.join(STATIC_CHILDREN)}")
+        object.__setattr__(self, "tree_choices", tree.check_choices(self.tree_choices))
+
+    @property
+    def tree_nodes(self) -> int | None:
+        return len(self.tree_choices) if self.tree_choices is not None else super().tree_nodes
+
+    @property
+    def tree_depth(self) -> int | None:
+        if self.tree_choices is not None:
+            return max(map(len, self.tree_choices))
+        return super().tree_depth
 
     @property
     def traits(self) -> Traits:
@@ -76,6 +104,8 @@ class PEagleDrafter(tree.DynamicTreeDrafter, Eagle3Drafter):
                 keys):
         if self.tree_top_k:
             return self._propose_tree(dparams, tparams, state, ctx, sp, keys)
+        if self.tree_choices is not None:
+            return self._propose_static(dparams, tparams, state, ctx, sp, keys)
         b = ctx.lengths.shape[0]
         step_keys = jax.vmap(lambda k: jax.random.split(k, num_tokens))(keys)  # [B, γ]
         h, k, v = self.parallel_pass(dparams, tparams, state, ctx, num_tokens)
@@ -109,6 +139,31 @@ class PEagleDrafter(tree.DynamicTreeDrafter, Eagle3Drafter):
         return Proposal(tokens, q, num, grown.parents), state._replace(k=kc, v=vc)
 
 
+    def _propose_static(self, dparams, tparams, state: ChainState, ctx: DraftContext, sp, keys):
+        """The static tree over one pass of the tree's depth: node i at depth d is the rank-r
+        token of depth d's law (one-hot q) or, sampled, its own draw from that law."""
+        b = ctx.lengths.shape[0]
+        parents, depth, rank = tree.static_layout(self.tree_choices)
+        n = len(parents)
+        h, kc, vc = self.parallel_pass(dparams, tparams, state, ctx, max(depth))
+        logits = self.draft_logits(dparams, tparams, h)  # [B, depth, N]
+        at = jnp.asarray(depth, jnp.int32) - 1  # [Nn] each node's law
+        if self.tree_children == "top_k":  # one top_k per depth: its law reads no parent
+            ranked = jax.lax.top_k(logits, max(rank) + 1)[1]  # [B, depth, R]
+            idx = ranked[:, at, jnp.asarray(rank, jnp.int32)]  # [B, Nn]
+            q = jax.nn.one_hot(idx, logits.shape[-1], dtype=jnp.float32)  # [B, Nn, N]
+        else:
+            q = sampling.logits_to_probs(logits, sp)[:, at]  # [B, Nn, N]
+            node_keys = jax.vmap(lambda k: jax.random.split(k, n))(keys)  # [B, Nn]
+            idx = jax.vmap(sampling.sample_rows, in_axes=(1, 1), out_axes=1)(node_keys, q)
+        ids = self.draft_ids(dparams)
+        if ids is not None:
+            idx, q = ids[idx], scatter_to_target(q, ids, self.target_vocab)
+        par = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
+        proposal = Proposal(idx.astype(jnp.int32), q, jnp.full((b,), n, jnp.int32), par)
+        return proposal, state._replace(k=kc, v=vc)
+
+
 # ---- method "peagle" --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PEagleOptions(trained.Eagle3LayoutOptions):
@@ -123,10 +178,14 @@ def build(options: PEagleOptions, ctx: BuildContext):
     drafter, dparams = trained.load("peagle", options, ctx)
     if ctx.spec.tree.kind == "dynamic":
         drafter = dataclasses.replace(drafter, **tree.dynamic_fields(ctx.spec.tree))
+    if ctx.spec.tree.kind == "static":
+        drafter = dataclasses.replace(
+            drafter, tree_choices=tuple(tuple(p) for p in ctx.spec.tree.choices),
+            tree_children=ctx.spec.tree.children)
     return drafter, dparams
 
 
 register_drafter(
     "peagle", build, train="jaxspec.train.peagle:PEagle", formats=("jaxspec", "peagle"),
-    options=PEagleOptions, tree_kinds=("dynamic",), summary=(
+    options=PEagleOptions, tree_kinds=("static", "dynamic"), summary=(
     "P-EAGLE (speculators 0.9.0): EAGLE-3 drafting every position in one pass"))

@@ -118,6 +118,9 @@ class DeviceRunner:
             fields["adaptive"] = self.state.adaptive
         if self.state.logprobs is not None and logprobs:
             fields["logprobs"] = self.state.logprobs
+        calib = getattr(self.state.drafter_state, "calibration", None)
+        if calib is not None:  # a DSpark chain's confidence record (the served /metrics)
+            fields["drafter_calibration"] = calib
         host = types.SimpleNamespace(**({"adaptive": None, "logprobs": None} | fetch(fields)))
         self.stats.device_calls += 1
         self.stats.decode_s += time.perf_counter() - t0

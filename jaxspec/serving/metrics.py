@@ -6,6 +6,11 @@ finish reason, prompt and returned tokens, time to first token and per output to
 Read from the server at each scrape (`Server.health()`): queue depth, running rows, KV pages
 used / free / cached, device calls and preemptions. Each app has its own registry, so several
 servers in one process (tests) do not share counters.
+
+A drafter with a confidence head (DSpark chains) adds its calibration per draft position: the
+predicted survival summed, the acceptances observed and the steps that verified the position
+(predicted / steps against observed / steps is the calibration), and the steps by verify length
+the scheduler chose (`calibration_lines`).
 """
 
 from __future__ import annotations
@@ -69,10 +74,13 @@ class ServerMetrics:
         self.accepted_length = Histogram(
             "jaxspec_spec_accepted_length", "A request's mean tokens committed per step",
             ["method"], buckets=ACCEPTED_LENGTH_BUCKETS, registry=r)
+        self.calibration = calibration_lines(r)
         r.register(_Live(server))
 
-    def observe(self, finish_reason: str, usage: dict[str, Any]) -> None:
-        """One ended request: its finish reason as returned, its (returned) usage block."""
+    def observe(self, finish_reason: str, usage: dict[str, Any],
+                metrics: dict[str, Any] | None = None) -> None:
+        """One ended request: its finish reason as returned, its (returned) usage block, and
+        the loop's metrics of the request (`Completion.metrics`: the calibration, if any)."""
         self.requests.labels(finish_reason).inc()
         self.prompt_tokens.inc(usage["prompt_tokens"])
         self.generation_tokens.inc(usage["completion_tokens"])
@@ -86,6 +94,43 @@ class ServerMetrics:
         self.accepted.labels(method).inc(spec.get("num_accepted_tokens", 0))
         if spec.get("num_steps", 0):
             self.accepted_length.labels(method).observe(spec.get("mean_accepted_length", 1.0))
+        observe_calibration(self.calibration, method, metrics or {})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def calibration_lines(registry) -> dict[str, Counter]:
+    """The confidence head's counters (labels: method, draft position or verify length)."""
+    pos = ["method", "position"]
+    return {
+        "predicted": Counter("jaxspec_spec_confidence_predicted", "Predicted survival of each "
+                             "verified draft position, summed", pos, registry=registry),
+        "observed": Counter("jaxspec_spec_confidence_observed", "Drafts accepted at each "
+                            "verified draft position", pos, registry=registry),
+        "steps": Counter("jaxspec_spec_confidence_steps", "Steps that verified each draft "
+                         "position", pos, registry=registry),
+        "lengths": Counter("jaxspec_spec_verify_length_steps", "Steps by the number of drafts "
+                           "the confidence scheduler chose to verify", ["method", "length"],
+                           registry=registry),
+    }
+
+
+def observe_calibration(lines: dict[str, Counter], method: str, m: dict[str, Any]) -> None:
+    """One request's calibration record (dspark_heads.calibration_metrics: per-position means
+    over its verified steps, the verify-length histogram) added to the counters."""
+    steps = m.get("confidence_steps_per_position")
+    if not steps:
+        return
+    predicted = m.get("confidence_predicted_per_position") or []
+    observed = m.get("confidence_observed_per_position") or []
+    for i, n in enumerate(steps):
+        if not n:
+            continue
+        label = (method, str(i))
+        lines["steps"].labels(*label).inc(n)
+        lines["predicted"].labels(*label).inc((predicted[i] or 0.0) * n)
+        lines["observed"].labels(*label).inc(round((observed[i] or 0.0) * n))
+    for k, count in enumerate(m.get("verify_length_hist") or []):
+        if count:
+            lines["lengths"].labels(method, str(k)).inc(count)

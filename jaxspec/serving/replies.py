@@ -51,7 +51,7 @@ class Replies:
         usage = done.usage()
         n = returned_tokens(self.server.engine, done, sampling.stop_token_ids)
         usage |= {"completion_tokens": n, "total_tokens": usage["prompt_tokens"] + n}
-        self.metrics.observe(reason, usage)
+        self.metrics.observe(reason, usage, done.metrics)
         return done, reason, usage
 
     def watch(self, stream):
