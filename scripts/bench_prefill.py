@@ -118,6 +118,68 @@ def vllm_row(runner, n: int, ids: list[int], repeats: int) -> dict:
             "vllm_cpu_s": round(min(r.get("cpu_s", 0.0) for r in runs), 2)}
 
 
+def profile_rows(engine, prompts: dict[int, list[int]], repeats: int) -> None:
+    """Where a prefill's time goes (`--profile`), per prompt length, each piece its own compiled
+    program timed in turn in this process: the engine's prefill (TTFT), the projections alone
+    (every layer's `linear` on the padded width's rows, the prompt's weights), and the attention
+    alone (every layer's op on the padded width, in the chunks the prefill runs: chunk i over a
+    cache holding i chunks); the rest (norms, RoPE, cache writes, the chunk loop, the LM head) is
+    what remains. Wall and CPU seconds, one JSON line per length."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec import kernels
+    from jaxspec.decode.prefill import prompt_chunk
+    from jaxspec.engine.prepare import prompt_bucket
+    from jaxspec.models import attention, decoder
+
+    model = engine.model
+    cfg, layers = model.cfg, kernels.for_prompts(model.params)["layers"]
+    n_h, k_h, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    weights = [w for lp in layers for w in jax.tree.leaves(
+        lp, is_leaf=lambda w: isinstance(w, kernels.PackedWeight)) if len(w.shape) == 2]
+
+    @jax.jit
+    def projections(xs):  # xs {in width: [1, P, in]}: every layer's matmuls on the prompt rows
+        return sum(decoder.linear(xs[w.shape[1]], w).sum() for w in weights)
+
+    def attend_all(q, kv, width, chunk):  # the layers' attention over the prefill's chunks
+        cache = jnp.zeros((1, k_h, width, h), jnp.float32)
+        outs = []
+        for start in range(0, width, chunk):
+            rows = slice(start, start + chunk)
+            for _ in range(cfg.num_layers):
+                outs.append(attention.attend(q[:, rows], cache, cache, kv[:, rows], kv[:, rows],
+                                             jnp.full((1,), start, jnp.int32), impl="auto"))
+        return sum(o.sum() for o in outs)
+
+    for n, ids in prompts.items():
+        width = prompt_bucket(n)
+        chunk = prompt_chunk(width) or width
+        x = {i: jax.random.normal(jax.random.key(i), (1, width, i), jnp.float32)
+             for i in {w.shape[1] for w in weights}}
+        q = jax.random.normal(jax.random.key(1), (1, width, n_h, h), jnp.float32)
+        kv = jax.random.normal(jax.random.key(2), (1, width, k_h, h), jnp.float32)
+        attend = jax.jit(lambda q, kv: attend_all(q, kv, width, chunk))
+        pieces = {"prefill": lambda: engine.generate([ids], max_new_tokens=1),
+                  "projections": lambda: projections(x).block_until_ready(),
+                  "attention": lambda: attend(q, kv).block_until_ready()}
+        row = {"tokens": n, "padded_to": width, "chunk": chunk}
+        for name, fn in pieces.items():
+            fn()  # compile
+            walls, cpus = [], []
+            for _ in range(repeats):
+                used, t0 = cpu_seconds(), time.perf_counter()
+                fn()
+                walls.append(time.perf_counter() - t0)
+                cpus.append(cpu_seconds() - used)
+            row[f"{name}_s"], row[f"{name}_cpu_s"] = round(min(walls), 3), round(min(cpus), 3)
+        row["rest_cpu_s"] = round(row["prefill_cpu_s"] - row["projections_cpu_s"]
+                                  - row["attention_cpu_s"], 3)
+        print(json.dumps(row), flush=True)
+
+
 def cpu_seconds() -> float:
     use = resource.getrusage(resource.RUSAGE_SELF)
     return use.ru_utime + use.ru_stime
@@ -133,6 +195,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="torch's GEMM only, no transformers")
     ap.add_argument("--vllm", action="store_true", help="vLLM-CPU's TTFT too (JAXSPEC_VLLM_VENV)")
     ap.add_argument("--vllm-log", help="vLLM's own output goes to this file (default: dropped)")
+    ap.add_argument("--profile", action="store_true",
+                    help="where jaxspec's prefill time goes (projections, attention, the rest)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_only:  # the child process: torch's figures for the prompts on stdin
@@ -150,6 +214,8 @@ def main() -> None:
                for layout in args.layouts}
     model = next(iter(engines.values())).model
     prompts = {n: prompt_ids(model.tokenizer, n) for n in args.lengths}
+    if args.profile:
+        return profile_rows(next(iter(engines.values())), prompts, args.repeats)
     child = subprocess.run([sys.executable, __file__, "--torch-only", *sys.argv[1:]],
                            input=json.dumps(prompts), capture_output=True, text=True, check=True)
     peer = {int(k): v for k, v in json.loads(child.stdout.strip().splitlines()[-1]).items()}
