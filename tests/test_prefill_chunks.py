@@ -4,6 +4,11 @@ leaves (first token, every cache slot, the drafter's state built from the target
 the one-pass prefill's, for rows of different lengths in one batch, on the plain and the packed
 (CPU kernel) layouts; a change in the first chunk reaches the last chunk's cache (the chunks read
 each other). Chunk widths divide the prompt buckets, which pad at most 1.25x.
+
+A sliding-window layer's attention (`blocks.masked_attention`) reads only the window's span of
+the cache and a query chunk's keys up to its causal edge: equal to a dense numpy softmax over
+every visible key, for a static and a traced window (and a traced global one); a span starting
+one slot late fails the same comparison.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from jaxspec.decode import speculate
 from jaxspec.decode.prefill import prompt_chunk
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.engine.prepare import prompt_bucket
+from jaxspec.models import blocks
 
 CHUNK = 16
 LENGTHS = (70, 45)  # padded to 80: five chunks; the shorter row ends inside the third
@@ -66,3 +72,51 @@ def test_long_prompts_pad_little_and_split_into_even_chunks(tokens):
         assert chunk is None  # one pass
     else:
         assert chunk is not None and width % chunk == 0 and 128 <= chunk <= 1024
+
+
+def dense_attention(q, k_cache, v_cache, k_win, v_win, lengths, window):
+    """numpy reference: every committed slot and window entry a query sees, one softmax.
+    q [B, T, N, H]; caches [B, K, S, H]; window k/v [B, T, K, H] -> [B, T, N*H]."""
+    b, t, n, h = q.shape
+    kv = k_win.shape[2]
+    out = np.zeros((b, t, n, h))
+    for r in range(b):
+        keys = np.concatenate([k_cache[r][:, :lengths[r]], k_win[r].transpose(1, 0, 2)], 1)
+        vals = np.concatenate([v_cache[r][:, :lengths[r]], v_win[r].transpose(1, 0, 2)], 1)
+        k_pos = np.concatenate([np.arange(lengths[r]), lengths[r] + np.arange(t)])
+        for i in range(t):
+            seen = (k_pos <= lengths[r] + i) & (k_pos > lengths[r] + i - window)
+            for head in range(n):
+                s = keys[head // (n // kv), seen] @ q[r, i, head] / np.sqrt(h)
+                p = np.exp(s - s.max())
+                out[r, i, head] = p @ vals[head // (n // kv), seen] / p.sum()
+    return out.reshape(b, t, n * h)
+
+
+@pytest.mark.parametrize("variant", ["correct", "span_one_slot_late"])
+def test_sliding_attention_reads_the_window_only_and_equals_dense(variant, monkeypatch):
+    if variant == "span_one_slot_late":
+        start = blocks.window_span_start
+        monkeypatch.setattr(blocks, "window_span_start", lambda n, s, w: start(n, s, w) + 1)
+    rng = np.random.default_rng(0)
+    b, t, n, kv, h, slots, window = 2, 12, 4, 2, 8, 48, 7
+    lengths = np.array([30, 3], np.int32)  # the short row's span clamps to slot 0
+    q, k_win, v_win = (rng.normal(size=(b, t, x, h)).astype(np.float32) for x in (n, kv, kv))
+    k_cache, v_cache = (rng.normal(size=(b, kv, slots, h)).astype(np.float32) for _ in range(2))
+    positions = jnp.asarray(lengths[:, None] + np.arange(t), jnp.int32)
+
+    def ours(win, span=None):
+        return np.asarray(jax.jit(lambda w: blocks.masked_attention(
+            q, k_cache, v_cache, k_win, v_win, jnp.asarray(lengths), positions, scale=h**-0.5,
+            window=w if span else window, chunk=5, window_span=span))(jnp.int32(win)))
+
+    want = dense_attention(q, k_cache, v_cache, k_win, v_win, lengths, window)
+    for got in (ours(window), ours(window, span=window)):  # static, traced within the span
+        error = np.abs(got - want).max()
+        if variant == "correct":
+            assert error < 1e-5
+        else:
+            assert error > 1e-3, f"a span one slot late should miss a key (max error {error})"
+    if variant == "correct":  # a traced window wider than the span: the whole cache
+        wide = dense_attention(q, k_cache, v_cache, k_win, v_win, lengths, 10**6)
+        np.testing.assert_allclose(ours(blocks.NO_WINDOW, span=window), wide, atol=1e-5)

@@ -10,13 +10,15 @@ vLLM venv has no jax); everything it knows comes from its one JSON argument:
 Protocol (stdout carries only these JSON lines; vLLM's own output is sent to stderr):
   -> {"event": "ready", "startup_s", "warmup_s", "vllm_version", "torch_threads"}
   <- {"id": ..., "prompt_token_ids": [...], "max_new_tokens": M, "stop_token_ids": [...]}
-  -> {"event": "result", "id", "token_ids", "ttft_s", "decode_s", "num_steps", "wall_s"}
+  -> {"event": "result", "id", "token_ids", "ttft_s", "decode_s", "num_steps", "wall_s", "cpu_s"}
   <- EOF: exit 0.      On a failure: {"event": "error", "error": "..."} and exit 1.
 
 Timing comes from stepping vLLM's own engine (LLMEngine.step, DELTA outputs): ttft_s is the time
 to the output carrying the first token (prefill), decode_s the time from there to the last one,
 num_steps the outputs after the first (one per target forward: with speculation each carries the
 accepted drafts plus one token, so (tokens - 1) / num_steps is the mean accepted length).
+cpu_s: CPU seconds the runner and its engine processes spent on the request (all threads; on a
+shared machine wall time also measures the neighbours).
 """
 
 import json
@@ -88,6 +90,28 @@ def start(spec: dict):
     return engine, info
 
 
+def tree_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and every live descendant (vLLM's engine core
+    runs in a child process), read from /proc (0.0 where it cannot be read)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, ticks
+    mine, total, grew = {os.getpid()}, 0, True
+    while grew:
+        more = {pid for pid, (ppid, _) in stats.items() if ppid in mine and pid not in mine}
+        mine |= more
+        grew = bool(more)
+    total = sum(stats[pid][1] for pid in mine if pid in stats)
+    return total / tick
+
+
 def generate(engine, req: dict) -> dict:
     """One greedy request through the engine, stepped to completion."""
     from vllm import SamplingParams
@@ -103,6 +127,7 @@ def generate(engine, req: dict) -> dict:
     rid = f"r{time.monotonic_ns()}"
     tokens: list[int] = []
     stamps: list[float] = []  # time of each output that carried tokens
+    cpu0 = tree_cpu_seconds()
     t0 = time.perf_counter()
     engine.add_request(rid, {"prompt_token_ids": list(req["prompt_token_ids"])}, params)
     while engine.has_unfinished_requests():
@@ -112,6 +137,7 @@ def generate(engine, req: dict) -> dict:
                 tokens += list(new)
                 stamps.append(time.perf_counter())
     wall = time.perf_counter() - t0
+    cpu = tree_cpu_seconds() - cpu0
     ttft = stamps[0] - t0 if stamps else wall
     return {
         "id": req.get("id"),
@@ -120,6 +146,7 @@ def generate(engine, req: dict) -> dict:
         "decode_s": stamps[-1] - stamps[0] if stamps else 0.0,
         "num_steps": max(len(stamps) - 1, 0),
         "wall_s": wall,
+        "cpu_s": cpu,
     }
 
 

@@ -164,14 +164,33 @@ def window_part_mask(positions: jax.Array, window_mask: jax.Array | None, window
     return mask & (positions[:, None, :] > positions[:, :, None] - window)
 
 
-def cache_part_mask(positions: jax.Array, lengths: jax.Array, slots: int, window) -> jax.Array:
-    """bool[B, T, S]: cache slot s (holding position s) is visible to window entry t iff it is
-    committed (s < lengths[b]) and within the query's sliding window."""
-    s = jnp.arange(slots, dtype=jnp.int32)
-    valid = s[None, None, :] < lengths[:, None, None]  # [B, 1, S]
+def cache_part_mask(positions: jax.Array, lengths: jax.Array, slots, window) -> jax.Array:
+    """bool[B, T, S]: cache slot s is visible to window entry t iff it is committed
+    (s < lengths[b]) and within the query's sliding window. slots: the cache's slot count (slot s
+    holds position s), or the positions int32[B, S] of a span of slots cut out of it."""
+    if isinstance(slots, int):
+        slots = jnp.arange(slots, dtype=jnp.int32)[None]
+    s = slots[:, None, :]  # [B|1, 1, S]
+    valid = s < lengths[:, None, None]
     if window is None:
-        return jnp.broadcast_to(valid, (*positions.shape, slots))
-    return valid & (s[None, None, :] > positions[:, :, None] - window)
+        return jnp.broadcast_to(valid, (*positions.shape, s.shape[-1]))
+    return valid & (s > positions[:, :, None] - window)
+
+
+def window_span_start(lengths: jax.Array, slots: int, span: int) -> jax.Array:  # int32[B]
+    """First slot of the `span` cache slots before each row's length: queries at positions
+    >= lengths[b] under a sliding window of span + 1 see only committed slots in
+    [lengths[b] - span, lengths[b]), so [start, start + span) holds all they can see (clamped
+    into the cache: a short row's span starts at slot 0 and its slots past the length are masked)."""
+    return jnp.clip(lengths - span, 0, slots - span).astype(jnp.int32)
+
+
+def _cache_span(k_cache, v_cache, lengths, span: int):
+    """Each row's `span` slots before its length: k, v [B, K, span, H] and their slots [B, span]."""
+    start = window_span_start(lengths, k_cache.shape[2], span)
+    cut = jax.vmap(lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, span, axis=1))
+    slot_pos = start[:, None] + jnp.arange(span, dtype=jnp.int32)
+    return cut(k_cache, start), cut(v_cache, start), slot_pos
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -191,41 +210,75 @@ def masked_attention(
     window_mask: jax.Array | None = None,
     softcap: float | None = None,
     chunk: int = ATTENTION_CHUNK,
+    window_span: int | None = None,
 ) -> jax.Array:
     """Attention of a window over a cache's committed slots and the window itself, under an
     optional sliding window and score soft-cap: the XLA path for sliding-window and soft-capped
     layers, any backend.
 
     q: [B, T, N, H]; k_cache, v_cache: [B, K, S, H]; k_win, v_win: [B, T, K, H] (the window's own
-    keys, not yet in the cache); lengths int32[B]; positions int32[B, T] of the window entries;
-    window: int, traced int32 or None; window_mask bool[B, T, T] (None: causal) -> [B, T, N*H].
+    keys, not yet in the cache); lengths int32[B]; positions int32[B, T] of the window entries
+    (>= lengths, as every forward places them); window: int, traced int32 or None; window_mask
+    bool[B, T, T] (None: causal) -> [B, T, N*H]. window_span: a static bound of a traced
+    `window` when it is finite (a stacked layer loop's sliding width; a wider traced window, e.g.
+    NO_WINDOW, reads the whole cache).
 
     The cache part (a fixed [S] reduce) and the window part ([T]) are softmaxed together by a
     shared max, so a row's result does not depend on the window's length beyond its own keys.
-    Long windows (prompts) run in query chunks of `chunk`.
+    A sliding window reads only the `window - 1` cache slots before each row's length (a prompt
+    chunk's cost is O(window), not O(context)); long windows (prompts) run in query chunks of
+    `chunk`, each reading the window keys from its sliding window's start to its causal edge.
     """
+    bound = window if isinstance(window, int) else window_span
+    span = None if bound is None else max(bound - 1, 1)  # the cache slots a window can reach
+    if span is None or span >= k_cache.shape[2]:
+        return _masked_attention_chunks(q, k_cache, v_cache, k_win, v_win, lengths, positions,
+                                        scale, window, window_mask, softcap, chunk, None)
+
+    def near(kc, vc):  # the span of slots the window reaches
+        kc, vc, slot_pos = _cache_span(kc, vc, lengths, span)
+        return _masked_attention_chunks(q, kc, vc, k_win, v_win, lengths, positions, scale,
+                                        window, window_mask, softcap, chunk, slot_pos)
+
+    if isinstance(window, int):
+        return near(k_cache, v_cache)
+    whole = lambda kc, vc: _masked_attention_chunks(  # noqa: E731
+        q, kc, vc, k_win, v_win, lengths, positions, scale, window, window_mask, softcap, chunk,
+        None)
+    return jax.lax.cond(window <= bound, near, whole, k_cache, v_cache)
+
+
+def _masked_attention_chunks(q, k_cache, v_cache, k_win, v_win, lengths, positions, scale, window,
+                             window_mask, softcap, chunk, slot_pos):
+    """masked_attention over the cache slots given (slot_pos int32[B, S'] their positions; None:
+    slot s is position s), long windows in query chunks. A causal chunk of rows [r0, r1) reads
+    window keys [r0 - window + 1, r1) only (a causal window's entry j sits at lengths + j)."""
     b, t, n, h = q.shape
-    if t > chunk:
-        outs = []
-        for start in range(0, t, chunk):
-            rows = slice(start, min(start + chunk, t))
-            mask = window_part_mask(positions, window_mask, window)[:, rows]
-            outs.append(_masked_attention_rows(
-                q[:, rows], k_cache, v_cache, k_win, v_win, lengths, positions[:, rows], mask,
-                scale, window, softcap))
-        return jnp.concatenate(outs, axis=1)
-    mask = window_part_mask(positions, window_mask, window)
-    return _masked_attention_rows(
-        q, k_cache, v_cache, k_win, v_win, lengths, positions, mask, scale, window, softcap)
+    slots = k_cache.shape[2] if slot_pos is None else slot_pos
+    mask = window_part_mask(positions, window_mask, window)  # [B, T, T]
+    if t <= chunk:
+        return _masked_attention_rows(q, k_cache, v_cache, k_win, v_win, lengths, positions, mask,
+                                      scale, window, softcap, slots)
+    outs = []
+    for start in range(0, t, chunk):
+        end = min(start + chunk, t)
+        keys = slice(0, t)
+        if window_mask is None:  # causal: keys past the chunk's last row are never seen
+            first = max(start - window + 1, 0) if isinstance(window, int) else 0
+            keys = slice(first, end)
+        outs.append(_masked_attention_rows(
+            q[:, start:end], k_cache, v_cache, k_win[:, keys], v_win[:, keys], lengths,
+            positions[:, start:end], mask[:, start:end, keys], scale, window, softcap, slots))
+    return jnp.concatenate(outs, axis=1)
 
 
 def _masked_attention_rows(q, k_cache, v_cache, k_win, v_win, lengths, q_pos, win_mask, scale,
-                           window, softcap):
-    """q: [B, C, N, H] (C query rows at q_pos [B, C]); win_mask bool[B, C, Tw] -> [B, C, N*H]."""
+                           window, softcap, slots):
+    """q: [B, C, N, H] (C query rows at q_pos [B, C]); win_mask bool[B, C, Tw]; slots: the cache's
+    slot count or its slots' positions [B, S] (cache_part_mask) -> [B, C, N*H]."""
     b, c, n, h = q.shape
     kv = k_win.shape[2]
     g = n // kv
-    slots = k_cache.shape[2]
     qg = q.reshape(b, c, kv, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * c, h)
     batch = ((0, 1), (0, 1))
     s_cache = jax.lax.dot_general(qg, k_cache.astype(qg.dtype), (((3,), (3,)), batch),

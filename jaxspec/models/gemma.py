@@ -222,7 +222,7 @@ def _stacked_layers(cfg, layers, x, k_all, v_all, positions, tables, write, coll
         attn = blocks.masked_attention(
             q, k_l, v_l, k, v, lengths, positions, scale=cfg.attn_scale,
             window=jnp.where(sliding[i], window, blocks.NO_WINDOW), window_mask=window_mask,
-            softcap=cfg.attn_logit_softcapping,
+            softcap=cfg.attn_logit_softcapping, window_span=cfg.sliding_window,
         )
         x = _out_and_mlp(cfg, lp, x, attn.astype(x.dtype))
         return (x, k_all, v_all), (x if collect else None, None if write else (k, v))

@@ -249,7 +249,7 @@ def stacked_layer(cfg, layers, positions, inv_freq, write, collect, carry, i, wi
         k_l, v_l = (jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False) for c in (k_all, v_all))
         attn = blocks.masked_attention(q, k_l, v_l, k, v, positions[:, 0], positions,
                                        scale=cfg.head_dim**-0.5, window=window,
-                                       window_mask=window_mask)
+                                       window_mask=window_mask, window_span=cfg.sliding_window)
     else:
         attn = attention.attend(
             q, k_all, v_all, k, v, positions[:, 0], layer=i, window_mask=window_mask, impl="auto"
