@@ -365,20 +365,21 @@ def test_fused_layer_pieces_match_the_plain_ones():
     assert np.array_equal(np.asarray(decoder._write_one(cache, new, pos)), np.asarray(scattered))
 
 
-def test_one_token_attention_reads_its_own_row_from_the_written_cache():
-    """window_in_cache (a writing forward's one-token window) on the GPU kernel (Pallas
-    interpreter): the kernel reads lengths + 1 slots, its own k/v among them, and equals the
-    cache + window merge. The same call on a cache whose row was not written differs: the path
-    reads the cache, not the window."""
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_written_window_reads_its_own_rows_from_the_cache(t):
+    """window_in_cache (a writing forward's causal window) on the GPU kernels (Pallas
+    interpreter): one token reads lengths + 1 slots (JAX's kernel), a window of 3 rows up to its
+    own slot (ours, causal=T); both equal the cache + window merge. The same call on a cache
+    whose rows were not written differs: the path reads the cache, not the window."""
     from jaxspec.models import attention
 
     b, kv, g, h, s = 2, 2, 2, 32, 128
     keys = jax.random.split(jax.random.key(4), 5)
-    q = jax.random.normal(keys[0], (b, 1, kv * g, h), jnp.bfloat16)
+    q = jax.random.normal(keys[0], (b, t, kv * g, h), jnp.bfloat16)
     kc, vc = (jax.random.normal(k, (b, kv, s, h), jnp.bfloat16) for k in keys[1:3])
-    kw, vw = (jax.random.normal(k, (b, 1, kv, h), jnp.bfloat16) for k in keys[3:5])
+    kw, vw = (jax.random.normal(k, (b, t, kv, h), jnp.bfloat16) for k in keys[3:5])
     lengths = jnp.array([7, 100], jnp.int32)
-    pos = lengths[:, None]
+    pos = lengths[:, None] + jnp.arange(t)[None]
     kc_w, vc_w = decoder.write_kv(kc, kw, pos), decoder.write_kv(vc, vw, pos)
     run = lambda k, v, written: attention.attend(  # noqa: E731
         q, k, v, kw, vw, lengths, impl="pallas_gpu", interpret=True, window_in_cache=written)

@@ -182,6 +182,7 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
                                 v_win[:, :keys], lengths, layer=layer, window_mask=mc, impl=impl,
                                 dots=dots, chunk=chunk, block=block, interpret=interpret))
         return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
+    causal = window_mask is None
     if window_mask is None:
         window_mask = causal_mask(b, t)
     impl = resolve_impl(impl, cache_dtype=k_cache.dtype)
@@ -194,7 +195,9 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
     slots = k_cache.shape[-2]
     # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
     pallas_fits = slots > 0 and g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, slots)
-    if window_in_cache and t == 1 and pallas_fits and impl in ("pallas_tpu", "pallas_gpu"):
+    if window_in_cache and pallas_fits and (
+            (t == 1 and impl in ("pallas_tpu", "pallas_gpu"))
+            or (causal and impl == "pallas_gpu" and g * t <= attention_kernels.gpu_rows(h))):
         return _attend_written(qg, k_cache, v_cache, lengths, layer, impl, scale, interpret,
                                q.shape, q.dtype)
     # the stacked XLA path takes q as it comes ([B, T, K, G, H], a bitcast of the projection) and
@@ -224,15 +227,28 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
 
 
 def _attend_written(qg, k_cache, v_cache, lengths, layer, impl, scale, interpret, q_shape, dtype):
-    """One query token whose own k/v are already in the cache at slot lengths[b]: the kernel reads
-    slots < lengths + 1 and its (o, l) are the answer, so no window-score fusion and no
-    log-sum-exp merge with a window part run (two kernels a layer on a GPU). -> [B, 1, N*H]."""
+    """A causal window whose own k/v are already in the cache at slots lengths[b]..: the kernel
+    reads them with the cache and its (o, l) are the answer, so no window scores, mask or
+    log-sum-exp merge with a window part run (two kernels a layer at one token on a GPU, six
+    at five). One token: the impl's kernel on slots < lengths + 1; GPU, T tokens: our kernel,
+    row t reading slots < lengths + t + 1 (`attention_kernels.cache_part_pallas_gpu_stacked`,
+    causal=T; a per-layer cache goes in as a stack of one). -> [B, T, N*H]."""
     b, t, n, h = q_shape
-    o_c, _, l_c = attention_kernels.cache_part_on_mesh(
-        functools.partial(_cache_kernel, impl=impl, scale=scale, interpret=interpret),
-        qg, k_cache, v_cache, lengths + 1, layer)
-    o = (o_c / l_c[..., None]).astype(dtype)  # [B, K, G, H]: a query always sees itself
-    return o.reshape(b, t, n * h)
+    kv = qg.shape[1]
+    if t == 1:  # one token: any kernel on lengths + 1 (JAX's GPU kernel: fewer partial sums)
+        part = functools.partial(_cache_kernel, impl=impl, scale=scale, interpret=interpret)
+        o_c, _, l_c = attention_kernels.cache_part_on_mesh(
+            part, qg, k_cache, v_cache, lengths + 1, layer)
+    else:
+        def part(q_, k_, v_, n_, i_):  # per-layer caches: a stack of one at layer 0
+            if i_ is None:
+                k_, v_, i_ = k_[None], v_[None], jnp.int32(0)
+            return attention_kernels.cache_part_pallas_gpu_stacked(
+                q_, k_, v_, n_, i_, scale, interpret, causal=t)
+        o_c, _, l_c = attention_kernels.cache_part_on_mesh(
+            part, qg, k_cache, v_cache, lengths, layer)
+    o = (o_c / l_c[..., None]).astype(dtype)  # [B, K, G*T, H]: a query always sees itself
+    return o.reshape(b, kv, n // kv, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
 def merge_cache_and_window(o_c, m_c, l_c, s_win, vw, q_shape, dtype) -> jax.Array:

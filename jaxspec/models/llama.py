@@ -171,6 +171,8 @@ def _qkv(cfg, lp, x, positions, inv_freq):
             qkv = qkv + jnp.concatenate([lp["bq"], lp["bk"], lp["bv"]])
         n, kv = cfg.num_heads, cfg.num_kv_heads
         qkv = blocks.apply_rope_heads(qkv.reshape(b, t, n + 2 * kv, h), positions, inv_freq, n + kv)
+        if b * t >= 16:  # written once: XLA:GPU otherwise re-sums the projection's split-K
+            qkv = jax.lax.optimization_barrier(qkv)  # partials in each of q, k and v's readers
         return qkv[:, :, :n], qkv[:, :, n : n + kv], qkv[:, :, n + kv :]
     y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     if "wqkv" in lp:  # packed layout: q, k and v projections fused into one weight
