@@ -142,7 +142,7 @@ def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=Non
         one = lambda c, n, p: c.at[p].set(n, mode="drop")  # noqa: E731  c [S, H], n [T, H], p [T]
         scatter = lambda c, n, p: jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(  # noqa: E731
             c, n.astype(c.dtype), p)
-        if new.shape[0] != 1 or (new.shape[1] > 1 and not contiguous):
+        if new.shape[0] != 1 or new.shape[1] == 0 or (new.shape[1] > 1 and not contiguous):
             return scatter(cache_l, new, positions)
         return jax.lax.platform_dependent(cache_l, new, positions, cpu=scatter, default=_write_one)
     b, kv = cache_l.shape[1:3]
