@@ -330,3 +330,62 @@ def test_bf16_logits_are_not_rounded_to_bf16():
     logits = llama.lm_head(params, hidden)
     assert logits.dtype == jnp.float32
     assert np.any(np.asarray(logits) != np.asarray(logits.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_fused_layer_pieces_match_the_plain_ones():
+    """The fused layout's layer pieces against the plain ones they replace: RoPE over the whole
+    q/k/v projection is `apply_rope` bit for bit on q and k and leaves v alone (rotating one head
+    too few, the broken variant, leaves k unrotated); the norm scaled after the projection
+    (`normed_linear`) is rms_norm then the projection; the one-token cache write (one
+    dynamic_update_slice on TPU/GPU) writes what the scatter writes."""
+    from jaxspec.models import blocks
+
+    b, t, n, kv, h = 2, 3, 4, 2, 16
+    keys = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(keys[0], (b, t, n + 2 * kv, h))
+    positions = jnp.array([[3, 4, 5], [90, 91, 92]], jnp.int32)
+    inv_freq = blocks.rope_inv_freq(h, 10000.0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xd = x.astype(dtype)
+        got = blocks.apply_rope_heads(xd, positions, inv_freq, n + kv)
+        want = blocks.apply_rope(xd[:, :, : n + kv], positions, inv_freq)
+        assert np.array_equal(np.asarray(got[:, :, : n + kv]), np.asarray(want))
+        assert np.array_equal(np.asarray(got[:, :, n + kv :]), np.asarray(xd[:, :, n + kv :]))
+        broken = blocks.apply_rope_heads(xd, positions, inv_freq, n + kv - 1)
+        assert not np.array_equal(np.asarray(broken[:, :, : n + kv]), np.asarray(want))
+    d, out = 32, 24
+    xs = jax.random.normal(keys[1], (b, t, d))
+    w, norm_w = jax.random.normal(keys[2], (out, d)), 1 + 0.1 * jax.random.normal(keys[3], (d,))
+    want = decoder.linear(blocks.rms_norm(xs, norm_w, 1e-5), w)
+    np.testing.assert_allclose(fused_layout.normed_linear(xs, norm_w, w, 1e-5), want,
+                               rtol=1e-5, atol=1e-5)
+    cache = jax.random.normal(keys[0], (1, kv, 8, h))
+    new, pos = x[:1, :1, :kv], jnp.array([[5]], jnp.int32)
+    scattered = jax.jit(decoder.write_kv)(cache, new, pos)  # CPU: the scatter
+    assert np.array_equal(np.asarray(decoder._write_one(cache, new, pos)), np.asarray(scattered))
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_written_window_reads_its_own_rows_from_the_cache(t):
+    """window_in_cache (a writing forward's causal window) on the GPU kernels (Pallas
+    interpreter): one token reads lengths + 1 slots (JAX's kernel), a window of 3 rows up to its
+    own slot (ours, causal=T); both equal the cache + window merge. The same call on a cache
+    whose rows were not written differs: the path reads the cache, not the window."""
+    from jaxspec.models import attention
+
+    b, kv, g, h, s = 2, 2, 2, 32, 128
+    keys = jax.random.split(jax.random.key(4), 5)
+    q = jax.random.normal(keys[0], (b, t, kv * g, h), jnp.bfloat16)
+    kc, vc = (jax.random.normal(k, (b, kv, s, h), jnp.bfloat16) for k in keys[1:3])
+    kw, vw = (jax.random.normal(k, (b, t, kv, h), jnp.bfloat16) for k in keys[3:5])
+    lengths = jnp.array([7, 100], jnp.int32)
+    pos = lengths[:, None] + jnp.arange(t)[None]
+    kc_w, vc_w = decoder.write_kv(kc, kw, pos), decoder.write_kv(vc, vw, pos)
+    run = lambda k, v, written: attention.attend(  # noqa: E731
+        q, k, v, kw, vw, lengths, impl="pallas_gpu", interpret=True, window_in_cache=written)
+    want = run(kc_w, vc_w, False)
+    got = run(kc_w, vc_w, True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    stale = run(kc, vc, True)
+    assert np.abs(np.asarray(stale, np.float32) - np.asarray(want, np.float32)).max() > 0.05

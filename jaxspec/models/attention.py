@@ -131,7 +131,7 @@ def kernel_capacity(slots: int, backend: str | None = None) -> int:
 
 def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mask=None,
            impl: str = "auto", chunk: int = PREFILL_CHUNK, block: int | None = CACHE_BLOCK,
-           interpret: bool = False):
+           interpret: bool = False, window_in_cache: bool = False):
     """q: [B, T, N, H]; k_cache, v_cache: [B, K, S, H] (or [L, B, K, S, H] with `layer`, an int32
     scalar); k_win, v_win: [B, T, K, H]; lengths: int32[B]; window_mask: bool[B, T, T] or None
     (causal) -> [B, T, N*H] in q's dtype.
@@ -142,7 +142,7 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
     from the lowered program."""
     run = functools.partial(_attend, q, k_cache, v_cache, k_win, v_win, lengths, layer=layer,
                             window_mask=window_mask, chunk=chunk, block=block,
-                            interpret=interpret)
+                            interpret=interpret, window_in_cache=window_in_cache)
     if impl == "auto" and not os.environ.get(ENV_OVERRIDE):
         dt = k_cache.dtype
         on = lambda backend: functools.partial(  # noqa: E731
@@ -155,9 +155,12 @@ def attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer=None, window_mas
 
 
 def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, impl: str,
-            dots: bool, chunk: int, block: int | None, interpret: bool):
+            dots: bool, chunk: int, block: int | None, interpret: bool,
+            window_in_cache: bool = False):
     """attend on a resolved impl; dots: the stacked XLA path contracts with dots (TPU/GPU: the
-    matrix units) rather than the multiply + reduce fusion XLA:CPU wants."""
+    matrix units) rather than the multiply + reduce fusion XLA:CPU wants. window_in_cache: the
+    window's k/v are already written at lengths.. (a writing forward); a one-token window on a
+    kernel then reads lengths + 1 slots and runs no window part (`_attend_written`)."""
     b, t, n, h = q.shape
     tw = k_win.shape[1]  # window keys (== t, except inside a prefill chunk)
     prefill = _prefill_kernel(impl, q, k_cache, k_win, window_mask)  # a prompt on the kernels
@@ -179,6 +182,7 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
                                 v_win[:, :keys], lengths, layer=layer, window_mask=mc, impl=impl,
                                 dots=dots, chunk=chunk, block=block, interpret=interpret))
         return jnp.concatenate(outs, axis=1)  # [B, T, N*H]
+    causal = window_mask is None
     if window_mask is None:
         window_mask = causal_mask(b, t)
     impl = resolve_impl(impl, cache_dtype=k_cache.dtype)
@@ -191,6 +195,11 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
     slots = k_cache.shape[-2]
     # prefill chunks, and capacities the kernels' block sizes do not divide, keep the XLA path
     pallas_fits = slots > 0 and g * t <= PALLAS_MAX_QUERIES and attention_kernels.takes(impl, slots)
+    if window_in_cache and pallas_fits and (
+            (t == 1 and impl in ("pallas_tpu", "pallas_gpu"))
+            or (causal and impl == "pallas_gpu" and g * t <= attention_kernels.gpu_rows(h))):
+        return _attend_written(qg, k_cache, v_cache, lengths, layer, impl, scale, interpret,
+                               q.shape, q.dtype)
     # the stacked XLA path takes q as it comes ([B, T, K, G, H], a bitcast of the projection) and
     # regroups it inside each fusion that reads it: a dot (or a loop carry) wants qg laid out on
     # its own, which XLA:CPU materialised three times per layer (transpose, re-layout, copy)
@@ -215,6 +224,31 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
         o_c, m_c, l_c = _cache_part_xla(q5 if stacked_xla else qg, k_cache, v_cache, lengths,
                                         layer, scale, block, dots)
     return merge_cache_and_window(o_c, m_c, l_c, s_win, vw, q.shape, q.dtype)
+
+
+def _attend_written(qg, k_cache, v_cache, lengths, layer, impl, scale, interpret, q_shape, dtype):
+    """A causal window whose own k/v are already in the cache at slots lengths[b]..: the kernel
+    reads them with the cache and its (o, l) are the answer, so no window scores, mask or
+    log-sum-exp merge with a window part run (two kernels a layer at one token on a GPU, six
+    at five). One token: the impl's kernel on slots < lengths + 1; GPU, T tokens: our kernel,
+    row t reading slots < lengths + t + 1 (`attention_kernels.cache_part_pallas_gpu_stacked`,
+    causal=T; a per-layer cache goes in as a stack of one). -> [B, T, N*H]."""
+    b, t, n, h = q_shape
+    kv = qg.shape[1]
+    if t == 1:  # one token: any kernel on lengths + 1 (JAX's GPU kernel: fewer partial sums)
+        part = functools.partial(_cache_kernel, impl=impl, scale=scale, interpret=interpret)
+        o_c, _, l_c = attention_kernels.cache_part_on_mesh(
+            part, qg, k_cache, v_cache, lengths + 1, layer)
+    else:
+        def part(q_, k_, v_, n_, i_):  # per-layer caches: a stack of one at layer 0
+            if i_ is None:
+                k_, v_, i_ = k_[None], v_[None], jnp.int32(0)
+            return attention_kernels.cache_part_pallas_gpu_stacked(
+                q_, k_, v_, n_, i_, scale, interpret, causal=t)
+        o_c, _, l_c = attention_kernels.cache_part_on_mesh(
+            part, qg, k_cache, v_cache, lengths, layer)
+    o = (o_c / l_c[..., None]).astype(dtype)  # [B, K, G*T, H]: a query always sees itself
+    return o.reshape(b, kv, n // kv, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
 
 
 def merge_cache_and_window(o_c, m_c, l_c, s_win, vw, q_shape, dtype) -> jax.Array:

@@ -113,6 +113,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+def apply_rope_heads(x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+                     rotated: int) -> jax.Array:
+    """x: [B, T, M, H] -> [B, T, M, H] with heads m < `rotated` rotated as `apply_rope` does
+    (bit for bit: x1 cos + x2 (-sin) is x1 cos - x2 sin) and the rest passed through (cos 1,
+    sin 0). For a fused q/k/v projection `[B, T, N + 2K, H]` (rotated = N + K): one elementwise
+    pass over the whole projection, with no concatenate per q and k, so XLA:GPU fuses it into
+    the projection's epilogue and the k/v cache writes read it, not three fusions of their own."""
+    h = x.shape[-1]
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    cos_full = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+    sin_signed = jnp.concatenate([-sin, sin], axis=-1)[:, :, None, :]
+    on = (jnp.arange(x.shape[2]) < rotated)[None, None, :, None]  # [1, 1, M, 1]
+    cos_full = jnp.where(on, cos_full, 1.0)
+    sin_signed = jnp.where(on, sin_signed, 0.0)
+    x32 = x.astype(jnp.float32)
+    swapped = x32.reshape(*x.shape[:-1], 2, h // 2)[..., ::-1, :].reshape(x.shape)  # [x2, x1]
+    return (x32 * cos_full + swapped * sin_signed).astype(x.dtype)
+
+
 # ------------------------------------------------------------------------------------ MLP, caps
 
 

@@ -119,9 +119,13 @@ def linear(x: jax.Array, w) -> jax.Array:
     return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=None) -> jax.Array:
+def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=None,
+             contiguous: bool = False) -> jax.Array:
     """cache_l: [B, K, S, H] <- new: [B, T, K, H] at positions [B, T] (past the end: dropped).
     With `layer` (an int32 scalar), cache_l is a stack [L, B, K, S, H] and layer `layer` is written.
+
+    contiguous: positions[b] are positions[b, 0] + arange(T) (a writing forward's window): at
+    batch 1 on TPU / GPU the write is one dynamic_update_slice (`_write_one`; one token always).
 
     Per-layer caches: a scatter vmapped over (B, K), each [S, H] block getting its T rows. XLA
     updates it in place, and with the cache sharded over batch and kv heads every device writes its
@@ -136,14 +140,27 @@ def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=Non
         return cache_l.write(new, positions)
     if layer is None:
         one = lambda c, n, p: c.at[p].set(n, mode="drop")  # noqa: E731  c [S, H], n [T, H], p [T]
-        return jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(
-            cache_l, new.astype(cache_l.dtype), positions
-        )
+        scatter = lambda c, n, p: jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(  # noqa: E731
+            c, n.astype(c.dtype), p)
+        if new.shape[0] != 1 or new.shape[1] == 0 or (new.shape[1] > 1 and not contiguous):
+            return scatter(cache_l, new, positions)
+        return jax.lax.platform_dependent(cache_l, new, positions, cpu=scatter, default=_write_one)
     b, kv = cache_l.shape[1:3]
     rows = jnp.arange(b)[:, None, None]  # [B, 1, 1]
     heads = jnp.arange(kv)[None, :, None]  # [1, K, 1]
     updates = jnp.swapaxes(new, 1, 2).astype(cache_l.dtype)  # [B, K, T, H]
     return cache_l.at[layer, rows, heads, positions[:, None, :]].set(updates, mode="drop")
+
+
+def _write_one(cache_l: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """One row's window of T consecutive slots on TPU / GPU: cache_l [1, K, S, H] <- new
+    [1, T, K, H] at slots positions[0, 0] .. + T - 1 as one dynamic_update_slice. The scatter's
+    drop-past-the-end cost XLA:GPU two extra kernels a layer at batch 1 (a read of the old rows
+    and a select) and kept the RoPE out of the write's fusion; a window past the end is shifted
+    back to end at the last slot instead, which the engine's capacity (prompt + max_new + the
+    window) never reaches."""
+    update = jnp.swapaxes(new, 1, 2).astype(cache_l.dtype)  # [1, K, T, H]
+    return jax.lax.dynamic_update_slice(cache_l, update, (0, 0, positions[0, 0], 0))
 
 
 # Decode and verify windows up to the largest γ + 1 (and tree budgets); prompts go through XLA's

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
+from jaxspec.models import blocks
 
 Params = dict[str, Any]
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
@@ -59,6 +61,28 @@ def is_fused(params: Params) -> bool:
     layers = params["layers"]
     return (isinstance(layers, tuple) and "wqkv" in layers[0]
             and not isinstance(layers[0]["wqkv"], kernels.PackedWeight))
+
+
+def is_fused_layer(layer: Params) -> bool:
+    """True for one layer of the fused layout (plain-array "wqkv"; not the CPU's packed panels)."""
+    return "wqkv" in layer and not isinstance(layer["wqkv"], kernels.PackedWeight)
+
+
+def normed_linear(x: jax.Array, norm_w: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """rms_norm(x, norm_w) @ w.T as the fused layout runs it: x [..., D], w [out, D] -> [..., out]
+    in x's dtype. The norm's per-row scale rsqrt(mean(x^2) + eps) multiplies the projection's f32
+    sums instead of x (the same product: the dot is linear), so the norm is one fusion (the sum
+    of squares beside x * norm_w in the projection's dtype) and the scale rides in the
+    projection's epilogue: on a GPU at batch 1 the norm was a reduce kernel and a scale kernel
+    before each projection. Rounding: x * norm_w is rounded to x's dtype where the plain norm
+    rounds x * scale * norm_w (one bf16 rounding either way; exact in float32 up to order).
+    The sum of squares is `blocks.row_sum` (fixed order on the CPU)."""
+    x32 = x.astype(jnp.float32)
+    scale = jax.lax.rsqrt(blocks.row_sum(x32 * x32) / x.shape[-1] + eps)  # [..., 1]
+    xw = (x32 * norm_w.astype(jnp.float32)).astype(x.dtype)
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    out = jax.lax.dot_general(xw, w, dims, preferred_element_type=jnp.float32)  # f32 sums
+    return (out * scale).astype(x.dtype)
 
 
 def layer_axes(layer_axes: Params) -> Params:

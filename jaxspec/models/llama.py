@@ -163,6 +163,17 @@ def _qkv(cfg, lp, x, positions, inv_freq):
     """x: [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H] (normed, biased, rotated)."""
     b, t, _ = x.shape
     h = cfg.head_dim
+    if fused_layout.is_fused_layer(lp) and not cfg.qk_norm:
+        # the fused (accelerator) layout: the norm's scale after the projection, RoPE on q and k
+        # heads in one pass over it (fused_layout.normed_linear, blocks.apply_rope_heads)
+        qkv = fused_layout.normed_linear(x, lp["attn_norm"], lp["wqkv"], cfg.rms_norm_eps)
+        if cfg.attention_bias:
+            qkv = qkv + jnp.concatenate([lp["bq"], lp["bk"], lp["bv"]])
+        n, kv = cfg.num_heads, cfg.num_kv_heads
+        qkv = blocks.apply_rope_heads(qkv.reshape(b, t, n + 2 * kv, h), positions, inv_freq, n + kv)
+        if b * t >= 16:  # written once: XLA:GPU otherwise re-sums the projection's split-K
+            qkv = jax.lax.optimization_barrier(qkv)  # partials in each of q, k and v's readers
+        return qkv[:, :, :n], qkv[:, :, n : n + kv], qkv[:, :, n + kv :]
     y = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     if "wqkv" in lp:  # packed layout: q, k and v projections fused into one weight
         q, k, v = jnp.split(linear(y, lp["wqkv"]), qkv_splits(cfg), axis=-1)
@@ -187,7 +198,11 @@ def _out_and_mlp(cfg, lp, x, attn, mlp=None):
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if mlp is not None:
         return x + mlp(lp, y)
-    if "w_gate_up" in lp:  # packed layout: gate and up fused
+    if mlp is None and fused_layout.is_fused_layer(lp):  # the norm's scale after the projection
+        gate, up = jnp.split(
+            fused_layout.normed_linear(x, lp["mlp_norm"], lp["w_gate_up"], cfg.rms_norm_eps),
+            2, axis=-1)
+    elif "w_gate_up" in lp:  # packed layout: gate and up fused
         gate, up = jnp.split(linear(y, lp["w_gate_up"]), 2, axis=-1)
     else:
         gate, up = linear(y, lp["w_gate"]), linear(y, lp["w_up"])
@@ -209,8 +224,8 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, 
     v = v.astype(v_cache.dtype)
     lengths = positions[:, 0]
     if write:
-        k_cache = write_kv(k_cache, k, positions)
-        v_cache = write_kv(v_cache, v, positions)
+        k_cache = write_kv(k_cache, k, positions, contiguous=True)
+        v_cache = write_kv(v_cache, v, positions, contiguous=True)
     if isinstance(k_cache, paged_layer.PagedLayer):  # a paged pool, read through its table
         attn = paged_layer.attend(q, k_cache, v_cache, k, v, positions, scale=h**-0.5,
                                   window=window, window_mask=window_mask)
@@ -223,7 +238,8 @@ def _layer(cfg, lp, x, k_cache, v_cache, positions, mask, inv_freq, write=True, 
         attn = attn.reshape(b, t, cfg.num_heads * h).astype(q.dtype)
     else:  # the valid cache prefix (blocks up to the longest row) + the window; prompts in chunks
         attn = attention.attend(
-            q, k_cache, v_cache, k, v, lengths, window_mask=window_mask, impl="auto"
+            q, k_cache, v_cache, k, v, lengths, window_mask=window_mask, impl="auto",
+            window_in_cache=write,
         ).astype(q.dtype)
     out = _out_and_mlp(cfg, lp, x, attn, mlp)
     return (out, k_cache, v_cache) if write else (out, k, v)

@@ -24,9 +24,11 @@ from jaxspec.errors import JaxspecError
 
 GPU_TARGETS = Path(__file__).with_name("gpu_targets")
 # libtpu looks for a TPU VM's metadata server unless told it only compiles; the CUDA plugin
-# checks the CUDA libraries' versions unless told not to (none are needed to compile).
+# checks the CUDA libraries' versions unless told not to (none are needed to compile). libtpu's
+# one-process lockfile guards a real chip: compile-only processes may load it side by side.
 COMPILE_ONLY_ENV = {
     "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
     "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
     "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
 }
