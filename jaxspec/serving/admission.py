@@ -54,6 +54,22 @@ def tail_prompt_width(spec, capacity: int) -> int | None:
     return capacity if plain and not tuple(spec.drafter.hidden_layers) else None
 
 
+def prefill_sampling(values: list[tuple]) -> SamplingParams:
+    """The rows' sampling values for a prefill call, mode "any" always (each row greedy or
+    sampled as its values say): a prefill draws one token a row, so an all-greedy program of
+    its own saves next to nothing and would double the prefill programs to hold."""
+    return dataclasses.replace(SamplingParams.rows(values), mode="any")
+
+
+def any_mode(program):
+    """A (jitted function, args, kwargs) prefill program with its SamplingParams' mode "any"
+    (what `prefill_sampling` gives every call)."""
+    fn, args, kwargs = program
+    args = tuple(dataclasses.replace(a, mode="any") if isinstance(a, SamplingParams) else a
+                 for a in args)
+    return fn, args, kwargs
+
+
 def whole_as_tail(paged: bool, prefix_cache: str, chunk: int | None,
                   tail_width: int | None) -> bool:
     """Whether whole prompts run as tails from position 0 (the prefix cache's tail programs,
@@ -223,7 +239,7 @@ class Admission:
             spec = dataclasses.replace(spec, target=tail)
         prompt = np.zeros((1, prompt_width(len(ids), as_tail, self.tail_width)), np.int32)
         prompt[0, : len(ids)] = ids
-        sp = SamplingParams.rows([req.sampling.values])
+        sp = prefill_sampling([req.sampling.values])
         state = self.engine.prefill_rows(
             spec, jnp.asarray(prompt), jnp.asarray([len(ids)], jnp.int32),
             jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.device.key,
@@ -282,9 +298,9 @@ class Admission:
             for rows_ in widths:
                 grammar = None if grammars is None else grammars.rows([None] * rows_)
                 out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
-                            "tokens": tokens, "program": self.engine.prefill_program(
+                            "tokens": tokens, "program": any_mode(self.engine.prefill_program(
                                 spec, rows_, prompt, self.shape.capacity, self._pool_shape(rows_),
-                                penalties=True, grammar=grammar)})
+                                penalties=True, grammar=grammar))})
         return out
 
     def _pool_shape(self, rows_: int):
@@ -380,7 +396,7 @@ class Admission:
                                                    as_tail, self.tail_width)), np.int32)
         for i, r in enumerate(reqs):
             prompt[i, : len(r.prompt_ids)] = r.prompt_ids
-        sp = SamplingParams.rows([r.sampling.values for r in reqs])
+        sp = prefill_sampling([r.sampling.values for r in reqs])
         group = self.engine.prefill_rows(
             spec, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids) for r in reqs], jnp.int32),
             jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.device.key,
