@@ -226,10 +226,13 @@ def server_programs(scheduler, limits) -> list[dict]:
     """Every program the server calls: each decode call shape and the prefill of every
     prompt bucket it admits (whole prompts, tails over shared pages, chunks), each for an
     all-greedy batch and for a batch with a sampled row (`SamplingParams.mode` is static:
-    "greedy" carries no sampling code, "any" decides per row)."""
+    "greedy" carries no sampling code, "any" decides per row; prefills are "any" only:
+    `admission.prefill_sampling`), and the chunk program echo with
+    logprobs scores prompts with (engine/prompt_scores.py)."""
     programs = [*scheduler.decode_programs(),
                 *scheduler.prefill_programs(admitted_lengths(scheduler, limits))]
-    return [*programs, *filter(None, map(_sampled_twin, programs))]
+    scores = {"name": "prompt_scores", "rows": 1, "program": scheduler.engine.score_program()}
+    return [*programs, *filter(None, map(_sampled_twin, programs)), scores]
 
 
 def _sampled_twin(program: dict) -> dict | None:
@@ -240,7 +243,7 @@ def _sampled_twin(program: dict) -> dict | None:
 
     fn, args, kwargs = program["program"]
     at = next((i for i, a in enumerate(args) if isinstance(a, SamplingParams)), None)
-    if at is None:
+    if at is None or args[at].mode == "any":  # none, or one program for both (prefills)
         return None
     args = (*args[:at], dataclasses.replace(args[at], mode="any"), *args[at + 1 :])
     return program | {"program": (fn, args, kwargs), "sampling": "any"}

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from test_serving import CONTEXT, Sink, engine_for, run
 
+from jaxspec.engine.prepare import prompt_bucket
 from jaxspec.serving import Sampling
 from jaxspec.serving.scheduler import Scheduler
 
@@ -173,7 +174,10 @@ def test_tail_programs_grow_with_the_tail_buckets_not_times_the_prompt_buckets(
     rows = sched.prefill_programs(range(1, 100))
     tails = [(r["prompt_bucket"], r["tokens"]) for r in rows if r["name"] == "prefill_tail"]
     tail_buckets = [16, 32, 64, 128]  # bucket(1..99)
-    if one_width:
+    wholes = [r["prompt_bucket"] for r in rows if r["name"] == "prefill"]
+    if one_width:  # and whole prompts run as tails from 0: no program per prompt bucket
         assert tails == [(CONTEXT, t) for t in tail_buckets]
+        assert wholes == []
     else:
         assert tails == [(p, t) for p in tail_buckets for t in tail_buckets if t <= p]
+        assert wholes == sorted({prompt_bucket(n) for n in range(1, 100)})

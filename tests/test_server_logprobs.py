@@ -15,6 +15,7 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
+from compiles import counting_lowerings  # noqa: E402
 from loopback import NAME, openai_client, serving, speculative_byte_engine  # noqa: E402
 from tiny import sequence_logits  # noqa: E402
 
@@ -84,6 +85,28 @@ def test_echo_returns_the_prompt_with_its_tokens_scored(engine, client):
     plain = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=0,
                                       echo=True)  # echo without logprobs: the text only
     assert plain.choices[0].text == out.choices[0].text and plain.choices[0].logprobs is None
+
+
+def test_echo_scores_in_chunks_with_one_program(engine, client):
+    """Issue 57 item 3: echo with logprobs scores a prompt over several chunks of
+    `prompt_scores.SCORE_CHUNK` tokens as one forward does, and after one echo request an echo
+    of another length lowers no program (one chunk program whatever the length, which a server
+    prepares before /ready: it compiled one per prompt bucket after /ready before)."""
+    from jaxspec.engine.prompt_scores import SCORE_CHUNK
+
+    text = "the quick brown fox jumps over the lazy dog " * 2
+    ids = engine.model.tokenizer.encode(text)
+    assert SCORE_CHUNK < len(ids) < CONTEXT - NEW
+    ask = dict(model=NAME, max_tokens=1, temperature=0, logprobs=1)
+    client.completions.create(prompt=text, **ask)  # its prefill and decode programs, warm
+    client.completions.create(prompt="ab", echo=True, **ask)  # the chunk program, warm
+    with counting_lowerings() as lowered:  # another salt: the whole prompt again, no tail
+        out = client.completions.create(prompt=text, echo=True, extra_body={"cache_salt": "b"},
+                                        **ask)
+        assert lowered() == 0, f"{lowered()} programs lowered for an echo of a new length"
+    want = full_log_softmax(engine, ids)
+    got = out.choices[0].logprobs.token_logprobs[1:len(ids)]
+    assert got == pytest.approx([want[t - 1, ids[t]] for t in range(1, len(ids))], abs=1e-5)
 
 
 def test_chat_logprobs_shape(client):

@@ -402,7 +402,8 @@ class Engine(ServingSurface):
         1..n-1, {"logprob", "top": [(id, logprob)] * 20}, raw log_softmax (what `echo` returns)."""
         ids = self.encode(prompt)
         self.check_fits(ids, 1)
-        return prompt_scores.prompt_logprobs(self.model.target, self.model.params, ids)
+        return prompt_scores.prompt_logprobs(self.model.target, self.model.params, ids,
+                                             capacity=self.max_context, call=self._call)
 
     # ---- results (results.Report): what the serving scheduler reuses ------------------------
     def row_metrics(self, state, row: int, num_generated: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxspec import kernels
 from jaxspec.decode import penalties as penalties_lib, speculate
 from jaxspec.decode.sampling import SamplingParams
+from jaxspec.engine import prompt_scores
 from jaxspec.models import base
 
 SERVED_LOGPROBS = 20  # top alternatives a server records when generation.logprobs is unset
@@ -134,6 +135,11 @@ class ServingSurface:
         """(jitted function, args, kwargs) of `write_prompt` for these shapes."""
         tokens = jax.ShapeDtypeStruct((batch, chunk), jnp.int32)
         return _write_prompt, (target, self.model.params, tokens, cache), {}
+
+    def score_program(self):
+        """(jitted function, args, kwargs) of the chunk program that scores a prompt's own tokens
+        (echo with logprobs: `prompt_scores`), for this engine's max_context."""
+        return prompt_scores.score_program(self.model.target, self.model.params, self.max_context)
 
     def decode_rows(self, spec, state, sp, steps: int):
         """Up to `steps` steps of `spec`'s loop over `state` (donated), jitted."""

@@ -54,6 +54,32 @@ def tail_prompt_width(spec, capacity: int) -> int | None:
     return capacity if plain and not tuple(spec.drafter.hidden_layers) else None
 
 
+def prefill_sampling(values: list[tuple]) -> SamplingParams:
+    """The rows' sampling values for a prefill call, mode "any" always (each row greedy or
+    sampled as its values say): a prefill draws one token a row, so an all-greedy program of
+    its own saves next to nothing and would double the prefill programs to hold."""
+    return dataclasses.replace(SamplingParams.rows(values), mode="any")
+
+
+def any_mode(program):
+    """A (jitted function, args, kwargs) prefill program with its SamplingParams' mode "any"
+    (what `prefill_sampling` gives every call)."""
+    fn, args, kwargs = program
+    args = tuple(dataclasses.replace(a, mode="any") if isinstance(a, SamplingParams) else a
+                 for a in args)
+    return fn, args, kwargs
+
+
+def whole_as_tail(paged: bool, prefix_cache: str, chunk: int | None,
+                  tail_width: int | None) -> bool:
+    """Whether whole prompts run as tails from position 0 (the prefix cache's tail programs,
+    one per power-of-two tail bucket) rather than programs of their own per `prompt_bucket`:
+    where tails run over pages with one prompt width (`tail_prompt_width`) and prompts are not
+    chunked. Fewer programs to load and hold resident (a compiled program's code is most of a
+    CPU server's memory), for a tail bucket up to 2x the prompt where its bucket was <= 1.25x."""
+    return paged and prefix_cache == "on" and chunk is None and tail_width is not None
+
+
 class Admission:
     def __init__(self, engine, spec, shape, *, pool, kv, policy, stats, device, ledger,
                  chunk: int | None, budget: int | None, batch_prefill: bool, prefix_cache: str):
@@ -68,6 +94,8 @@ class Admission:
         self.round_left: int | None = None  # the round's budget left
         self.round_tokens = 0  # prompt tokens prefilled this round
         self.tail_width = tail_prompt_width(spec, shape.capacity)  # None: the prompt's bucket
+        # whole prompts run as tails from 0 (`whole_as_tail`): no whole-prompt programs
+        self.whole_as_tail = whole_as_tail(shape.paged, prefix_cache, chunk, self.tail_width)
 
     def free_slots(self) -> list[int]:
         return [s for s in range(self.shape.slots)
@@ -205,12 +233,13 @@ class Admission:
         pages shared from the prefix cache): only the tokens from `done` on run, in a tail of
         a bucketed width (`paged_cache.TailTarget`: nothing below `done` is written)."""
         ids = req.prompt_ids
-        if done:
+        as_tail = bool(done) or self.whole_as_tail
+        if as_tail:
             tail = paged_cache.TailTarget(spec.target, bucket(len(ids) - done))
             spec = dataclasses.replace(spec, target=tail)
-        prompt = np.zeros((1, prompt_width(len(ids), done, self.tail_width)), np.int32)
+        prompt = np.zeros((1, prompt_width(len(ids), as_tail, self.tail_width)), np.int32)
         prompt[0, : len(ids)] = ids
-        sp = SamplingParams.rows([req.sampling.values])
+        sp = prefill_sampling([req.sampling.values])
         state = self.engine.prefill_rows(
             spec, jnp.asarray(prompt), jnp.asarray([len(ids)], jnp.int32),
             jnp.asarray([req.sampling.max_tokens], jnp.int32), sp, self.device.key,
@@ -231,7 +260,8 @@ class Admission:
         out = []
         widths = self.shape.widths if self.batch_prefill else (1,)
         tails = self.shape.paged and (self.prefix_cache == "on" or self.chunk is not None)
-        for prompt in sorted({prompt_bucket(n) for n in prompt_lengths}):  # whole prompts
+        wholes = () if self.whole_as_tail else sorted({prompt_bucket(n) for n in prompt_lengths})
+        for prompt in wholes:  # whole prompts (as tails from 0 where `whole_as_tail`)
             out += self._programs_at(prompt, [("prefill", prompt, self.spec.target)], widths)
         for prompt, most in self._tail_widths(prompt_lengths) if tails else ():
             targets = [("prefill_tail", t, paged_cache.TailTarget(self.spec.target, t))
@@ -268,9 +298,9 @@ class Admission:
             for rows_ in widths:
                 grammar = None if grammars is None else grammars.rows([None] * rows_)
                 out.append({"name": name, "rows": rows_, "prompt_bucket": prompt,
-                            "tokens": tokens, "program": self.engine.prefill_program(
+                            "tokens": tokens, "program": any_mode(self.engine.prefill_program(
                                 spec, rows_, prompt, self.shape.capacity, self._pool_shape(rows_),
-                                penalties=True, grammar=grammar)})
+                                penalties=True, grammar=grammar))})
         return out
 
     def _pool_shape(self, rows_: int):
@@ -328,8 +358,8 @@ class Admission:
         group cut into compiled widths (`batch.split_widths`: no padded rows)."""
         def shape(x):  # the call's program: prompt bucket, tail bucket (0: whole prompts)
             req, _, done = x
-            n = len(req.prompt_ids)
-            return prompt_width(n, done, self.tail_width), bucket(n - done) if done else 0
+            n, as_tail = len(req.prompt_ids), bool(done) or self.whole_as_tail
+            return prompt_width(n, as_tail, self.tail_width), bucket(n - done) if as_tail else 0
 
         for key in sorted({shape(x) for x in ready}):  # no row padded to a longer one's bucket
             group = sorted((x for x in ready if shape(x) == key),
@@ -358,15 +388,15 @@ class Admission:
         slots (`rows.insert_rows`)."""
         t0 = time.perf_counter()
         reqs, slots, dones = zip(*items)
-        spec = self.spec
-        if any(dones):
+        spec, as_tail = self.spec, any(dones) or self.whole_as_tail
+        if as_tail:
             tail = bucket(max(len(r.prompt_ids) - d for r, d in zip(reqs, dones)))
             spec = dataclasses.replace(spec, target=paged_cache.TailTarget(spec.target, tail))
         prompt = np.zeros((len(reqs), prompt_width(max(len(r.prompt_ids) for r in reqs),
-                                                   any(dones), self.tail_width)), np.int32)
+                                                   as_tail, self.tail_width)), np.int32)
         for i, r in enumerate(reqs):
             prompt[i, : len(r.prompt_ids)] = r.prompt_ids
-        sp = SamplingParams.rows([r.sampling.values for r in reqs])
+        sp = prefill_sampling([r.sampling.values for r in reqs])
         group = self.engine.prefill_rows(
             spec, jnp.asarray(prompt), jnp.asarray([len(r.prompt_ids) for r in reqs], jnp.int32),
             jnp.asarray([r.sampling.max_tokens for r in reqs], jnp.int32), sp, self.device.key,
