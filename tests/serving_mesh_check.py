@@ -135,8 +135,10 @@ def run(target, prompts, plan, name, with_solo=True, copies_of=None) -> dict:
 
 
 def main(controls: list[str]) -> dict:
-    """plain and n-gram serving, then each control in turn (n-gram, at the same settings; the
-    view control's copies read in the whole-row programs, where its gathered view is)."""
+    """plain and n-gram serving, then each control in turn (n-gram, at the same settings, one
+    request: what a control must show is the pool's sharding and the copies in the programs
+    decode_programs lists, not outputs; the view control's copies read in the whole-row
+    programs, where its gathered view is)."""
     target = mesh_check.model()
     prompts = [p for p in mesh_check.PROMPTS[: len(NEW)]]
     plan = sharding.MeshPlan(sharding.make_mesh(2, 4))
@@ -145,7 +147,7 @@ def main(controls: list[str]) -> dict:
     for name in controls:
         undo = control(name)
         try:
-            out[f"control_{name}"] = run(target, prompts, plan, "ngram", with_solo=False,
+            out[f"control_{name}"] = run(target, prompts[:1], plan, "ngram", with_solo=False,
                                          copies_of="whole" if name == "view" else None)
         finally:
             undo()

@@ -217,5 +217,5 @@ BONUS_ROWS = 6000  # the wrong bonus gives p = 0.0 (underflow) for both prompts 
 def test_longer_outputs_catch_a_wrong_bonus(eos_target, monkeypatch):
     sp = SamplingParams.make(**SETTINGS["temperature"])
     monkeypatch.setattr(acceptance, "accept_tree", bonus_from_q)  # speculate reads it
-    pvalues, _ = mixed_pvalues(eos_target, sp, BONUS_ROWS)
+    pvalues, _ = mixed_pvalues(eos_target, sp, BONUS_ROWS, rows=BONUS_ROWS)  # one batch
     assert max(pvalues) < FAIL_P, pvalues

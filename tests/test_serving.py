@@ -31,6 +31,9 @@ from tiny import dflash_like, eagle_like, tiny_model
 
 CONTEXT = 128
 NEW = (9, 20, 4, 14, 17)  # mixed output lengths
+# The scheduler shape the tests share where their property allows (slots and pages fix the pool's
+# shape, so each other value is every program traced again): the greedy test's.
+SHARED = dict(slots=3, max_context=CONTEXT, steps_per_call=3)
 
 
 class Sink:
@@ -105,7 +108,7 @@ def test_greedy_rows_equal_solo_runs_whatever_shares_the_batch(target, prompts, 
     sampled = Sampling(temperature=0.9, top_p=0.9, top_k=20, max_tokens=12, seed=5)
     arrivals = [(2 * i, p, Sampling(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, NEW))]
     arrivals.insert(2, (1, prompts[1], sampled))  # a sampled row in the middle of the greedy ones
-    sched = Scheduler(engine, slots=3, max_context=CONTEXT, steps_per_call=3)
+    sched = Scheduler(engine, **SHARED)
     done = run(sched, arrivals)
     greedy = [c for c, a in zip(done, arrivals) if a[2] is not sampled]
     assert [c.token_ids for c in greedy] == solo
@@ -130,7 +133,7 @@ def test_stop_token_ids_cut_the_row(target, prompts):
     full = engine.generate([prompts[3]], max_new_tokens=16)[0].token_ids
     stop = full[6]
     first = full.index(stop)
-    done = run(Scheduler(engine, slots=2, max_context=CONTEXT),
+    done = run(Scheduler(engine, **SHARED),
                [(0, prompts[3], Sampling(max_tokens=16, stop_token_ids=(stop,)))])[0]
     assert done.token_ids == full[: first + 1]
     assert done.finish_reason == "stop"
@@ -174,7 +177,7 @@ def test_no_page_leaks_after_200_requests(target):
 
 
 def test_cancelled_request_frees_its_row_and_pages(target, prompts):
-    sched = Scheduler(engine_for(target, "plain"), slots=2, max_context=CONTEXT, steps_per_call=2)
+    sched = Scheduler(engine_for(target, "plain"), **SHARED)
     sink = Sink()
     req = sched.new_request(prompts[0], Sampling(max_tokens=40), sink)
     sched.enqueue(req)
@@ -263,7 +266,7 @@ def test_chunked_prefill_runs_between_decode_calls_and_keeps_outputs(target, pro
     long = [int(t) % 63 + 1 for t in range(7, 7 + 61)]  # 61 tokens: 4 chunks of 16
     solo = [engine.generate([p], max_new_tokens=n)[0].token_ids
             for p, n in ((prompts[0], 24), (long, 10))]
-    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=2, prefill_chunk=16)
+    sched = Scheduler(engine, **(SHARED | {"steps_per_call": 2}), prefill_chunk=16)
     sinks = [Sink(), Sink()]
     short = sched.new_request(prompts[0], Sampling(max_tokens=24), sinks[0])
     sched.enqueue(short)
@@ -334,11 +337,11 @@ def test_the_static_baseline_is_a_lockstep_batch_with_the_same_outputs(target, p
     """bench_serve's baseline: admitted only into an empty batch, every call over all slots."""
     engine = engine_for(target, "ngram")
     solo = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]
-    sched = Scheduler(engine, slots=2, max_context=CONTEXT, steps_per_call=2, static=True)
+    sched = Scheduler(engine, **SHARED, static=True)
     arrivals = [(i, p, Sampling(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, NEW))]
     done = run(sched, arrivals)
     assert [c.token_ids for c in done] == solo
-    assert {r for r, _ in sched.stats.calls_by_shape} == {2}  # rows that ended kept computing
+    assert {r for r, _ in sched.stats.calls_by_shape} == {3}  # rows that ended kept computing
     assert sched.stats.admitted == len(prompts) and sched.pool.free_pages == sched.pool.num_pages
 
 
