@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import import_torch
+from test_qwen3_5 import randomize
 
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
@@ -54,20 +55,6 @@ def hf_config(**changes):
         "eos_token_id": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                             "partial_rotary_factor": 0.5}} | changes)
-
-
-def _randomize(module, scale: float):
-    torch = import_torch()
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("A_log"):
-                continue
-            if "norm" in name:  # (1 + w) norms around 0, the gated norm's w around 1
-                p.copy_((1.0 if "linear_attn.norm" in name else 0.0) + 0.3 * torch.randn_like(p))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p))
-            else:  # the embedding at 0.3, the rest weaker: greedy output repeats at times
-                p.normal_(0.0, 0.3 if "embed" in name else scale)
 
 
 def _per_expert(prefix: str, state: dict) -> dict:
@@ -100,7 +87,7 @@ def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     cfg = hf_config()
     model = tr.Qwen3_5MoeForCausalLM(cfg)
-    _randomize(model, 0.1)
+    randomize(model, 0.1)
     with torch.no_grad():  # a pull towards repeating the last token: the echoing MTP head
         model.lm_head.weight.add_(0.15 * model.model.embed_tokens.weight)  # drafts get accepted
     model.set_attn_implementation("eager")
@@ -113,7 +100,7 @@ def checkpoint(tmp_path_factory):
             "full_attention"))]),
         "norm": m.Qwen3_5MoeRMSNorm(d, eps=cfg.rms_norm_eps),
     })
-    _randomize(head, 0.3)
+    randomize(head, 0.3)
     path = tmp_path_factory.mktemp("qwen3_5_moe")
     model.eval().save_pretrained(path)
     tensors = load_file(path / "model.safetensors") | _per_expert("mtp.", head.state_dict())
@@ -278,7 +265,7 @@ def qwen3_next(tmp_path_factory):
     base_cfg = hf_config().to_dict()
     cfg = tr.Qwen3NextConfig(**{k: base_cfg[k] for k in keys}, intermediate_size=64)
     model = tr.Qwen3NextForCausalLM(cfg)
-    _randomize(model, 0.3)
+    randomize(model, 0.3)
     with torch.no_grad():  # a pull towards repeating the last token: the echoing MTP head
         model.lm_head.weight.add_(0.15 * model.model.embed_tokens.weight)  # drafts get accepted
     model.set_attn_implementation("eager")
@@ -291,7 +278,7 @@ def qwen3_next(tmp_path_factory):
             "full_attention"))]),
         "norm": m.Qwen3NextRMSNorm(d, eps=cfg.rms_norm_eps),
     })
-    _randomize(head, 0.3)
+    randomize(head, 0.3)
     path = tmp_path_factory.mktemp("qwen3_next")
     model.eval().save_pretrained(path)
     tensors = load_file(path / "model.safetensors") | _per_expert("mtp.", head.state_dict())

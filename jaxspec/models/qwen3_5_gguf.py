@@ -22,24 +22,19 @@ import dataclasses
 import numpy as np
 
 from jaxspec import validate
-from jaxspec.errors import JaxspecError
-from jaxspec.models import qwen3_5_config
+from jaxspec.models import qwen3_5_config, qwen3_moe
 from jaxspec.models.qwen3_5_config import Qwen35Config
 
 # GGUF architecture -> has experts (`qwen3next`: Qwen3-Next, read by models/qwen3_next.py)
 ARCHITECTURES = {"qwen35": False, "qwen35moe": True, "qwen3next": True}
 
-# llama.cpp's names (`blk.<i>.` + this) -> our leaves
-GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "attn_norm", "post_attention_norm.weight": "mlp_norm",
-    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
-    "attn_output.weight": "wo", "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+# llama.cpp's names (`blk.<i>.` + this) -> our leaves: Qwen3-MoE's (but its `ffn_norm`), the
+# post-attention norm, the linear layers' and the shared expert's
+GGUF_LAYER_NAMES = {k: v for k, v in qwen3_moe.GGUF_LAYER_NAMES.items() if k != "ffn_norm.weight"} | {
+    "post_attention_norm.weight": "mlp_norm",
     "attn_qkv.weight": "in_qkv", "attn_gate.weight": "in_z", "ssm_alpha.weight": "in_a",
     "ssm_beta.weight": "in_b", "ssm_conv1d.weight": "conv", "ssm_dt.bias": "dt_bias",
     "ssm_a": "A_log", "ssm_norm.weight": "norm", "ssm_out.weight": "out",
-    "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
-    "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "we_gate",
-    "ffn_up_exps.weight": "we_up", "ffn_down_exps.weight": "we_down",
     "ffn_gate_shexp.weight": "ws_gate", "ffn_up_shexp.weight": "ws_up",
     "ffn_down_shexp.weight": "ws_down", "ffn_gate_inp_shexp.weight": "ws_router",
 }
@@ -51,20 +46,8 @@ def config_from_gguf(header, *, dtype: str, source: str) -> Qwen35Config:
     `attention.recurrent_layers`, linear dims from the `ssm.*` keys, the rotary share from
     `rope.dimension_count` over the head dim."""
     arch = str(header.fields["general.architecture"].value)
-    names = {t.name for t in header.tensors}
-
-    def raw(key):
-        field = header.fields.get(f"{arch}.{key}")
-        if field is None and key == "feed_forward_length" and ARCHITECTURES.get(arch):
-            field = header.fields.get(f"{arch}.expert_feed_forward_length")  # unused by MoE
-        return validate.MISSING if field is None else field.contents()
-
-    f = validate.Fields(raw, source, f"{arch}.")
-    dims = validate.decoder_dims(f, gguf=True)
-    embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
-    if embed is None:
-        raise JaxspecError(f"{source} has no token_embd.weight: the file is incomplete")
-    recurrent = raw("attention.recurrent_layers")
+    f, dims, vocab, names = qwen3_moe.gguf_fields(header, source, bool(ARCHITECTURES.get(arch)))
+    recurrent = f.get_raw("attention.recurrent_layers")
     if not isinstance(recurrent, list) or len(recurrent) != dims["num_layers"]:
         f.fail("attention.recurrent_layers", recurrent,
                f"give one entry per layer ({dims['num_layers']}): a file with MTP layers "
@@ -72,7 +55,7 @@ def config_from_gguf(header, *, dtype: str, source: str) -> Qwen35Config:
     value_heads = f.int("ssm.time_step_rank", lo=1)
     rotary = f.int("rope.dimension_count", lo=2, hi=dims["head_dim"])
     cfg = Qwen35Config(
-        vocab_size=int(embed.shape[0]), **dims,
+        vocab_size=vocab, **dims,
         layer_types=tuple("linear_attention" if r else "full_attention" for r in recurrent),
         linear_key_heads=f.int("ssm.group_count", lo=1), linear_value_heads=value_heads,
         linear_key_dim=f.int("ssm.state_size", lo=1),

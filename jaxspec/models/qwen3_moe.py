@@ -276,26 +276,33 @@ GGUF_LAYER_NAMES = {
 }
 
 
-def qwen3_moe_config_from_gguf(header, *, dtype: str, source: str) -> MoeConfig:
-    """llama.cpp's `qwen3moe` metadata (the k expert weights renormed, as its graph does);
-    a layer is sparse where the file holds its router (`ffn_gate_inp`)."""
+def gguf_fields(header, source: str, experts: bool):
+    """(validate.Fields over `<arch>.` keys, decoder dims, vocabulary rows, tensor names) of a
+    GGUF header; with experts, a missing `feed_forward_length` (no dense layer) reads the
+    expert width."""
     arch = str(header.fields["general.architecture"].value)
-    names = {t.name for t in header.tensors}
 
     def raw(key):
         field = header.fields.get(f"{arch}.{key}")
-        if field is None and key == "feed_forward_length":  # no dense layer: unused
+        if field is None and key == "feed_forward_length" and experts:  # no dense layer: unused
             field = header.fields.get(f"{arch}.expert_feed_forward_length")
         return validate.MISSING if field is None else field.contents()
 
     f = validate.Fields(raw, source, f"{arch}.")
-    dims = validate.decoder_dims(f, gguf=True)
     embed = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     if embed is None:
         raise JaxspecError(f"{source} has no token_embd.weight: the file is incomplete")
+    return (f, validate.decoder_dims(f, gguf=True), int(embed.shape[0]),
+            {t.name for t in header.tensors})
+
+
+def qwen3_moe_config_from_gguf(header, *, dtype: str, source: str) -> MoeConfig:
+    """llama.cpp's `qwen3moe` metadata (the k expert weights renormed, as its graph does);
+    a layer is sparse where the file holds its router (`ffn_gate_inp`)."""
+    f, dims, vocab, names = gguf_fields(header, source, experts=True)
     experts = f.int("expert_count", lo=1, hi=1 << 16)
     return MoeConfig(
-        vocab_size=int(embed.shape[0]), **dims,
+        vocab_size=vocab, **dims,
         rope_theta=f.float("rope.freq_base", 1e6, lo=0.0, lo_open=True),
         rms_norm_eps=f.float("attention.layer_norm_rms_epsilon", 1e-6, lo=0.0, hi=1.0,
                              lo_open=True),
