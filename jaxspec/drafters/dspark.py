@@ -94,10 +94,13 @@ class DSparkDrafter(DFlashDrafter):
         if self.scheduled and not self.heads.confidence:
             raise JaxspecError("speculative.dspark.cost_per_draft schedules verification by the "
                                "confidence head, which this DSpark head lacks: set it to 0")
+
+    def check_costs(self, gamma: int) -> None:
+        """A step-cost curve needs a cost per verify length 0..γ (one line, before compiling)."""
         for curve in (self.step_costs, *(c for _, c in self.step_costs_by_batch)):
-            if curve and len(curve) < self.max_drafts + 1:
+            if curve and len(curve) < gamma + 1:
                 raise JaxspecError(f"speculative.dspark.step_costs holds {len(curve)} "
-                                   f"costs: give one per verify length 0..{self.max_drafts}")
+                                   f"costs: give one per verify length 0..{gamma}")
 
     def costs_at(self, batch: int):
         """What the scheduler prices verify lengths with at `batch` rows: the curve (measured
@@ -228,6 +231,7 @@ class DSparkDrafter(DFlashDrafter):
         num = jnp.full((b,), num_tokens, jnp.int32)
         conf = None if conf is None else conf[:, first:]
         if self.scheduled:  # the lengths read only the drafts before each: lossless
+            self.check_costs(num_tokens)
             num = hd.scheduled_length(conf, self.costs_at(b), ctx.active, self.share_length)
         return Proposal(tokens, jnp.stack(qs, axis=1), num), conf
 
@@ -294,6 +298,7 @@ def build(options: DSparkOptions, ctx: BuildContext):
                                       step_costs=costs, step_costs_by_batch=by_batch,
                                       share_length=options.share_length,
                                       variable_length=True)
+        drafter.check_costs(ctx.spec.num_speculative_tokens)
     if ctx.spec.tree.kind == "static":
         choices = tuple(tuple(p) for p in ctx.spec.tree.choices)
         drafter = dataclasses.replace(drafter, tree_choices=choices,
