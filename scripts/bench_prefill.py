@@ -235,6 +235,7 @@ def main() -> None:
         row = {"tokens": n, "padded_to": prompt_bucket(n)} | peer[n]
         if runner is not None:
             row |= vllm_row(runner, n, ids, args.repeats)
+            print(json.dumps(row), file=sys.stderr, flush=True)  # before jaxspec's turn
         for layout, engine in engines.items():
             ttfts, cpus = [], []
             for _ in range(args.repeats + 1):  # the first call compiles (not in its TTFT)
