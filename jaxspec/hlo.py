@@ -183,8 +183,9 @@ def shape_of(line: str) -> str:
 
 def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) -> int:
     """Bytes a fusion moves: each parameter whole, or only the slices read of it when every use is
-    a (dynamic) slice (or a nested fusion whose root is one: a slice fused into a dot's operand), or nothing when it is the buffer an in-place root updates; the output
-    whole, or only the updated rows for an in-place root."""
+    a (dynamic) slice (or a nested fusion whose root is one: a slice fused into a dot's
+    operand), or nothing when it is the buffer an in-place root updates; the output whole, or
+    only the updated rows for an in-place root."""
     instrs = comps.get(name, [])
     by_name = {i.name: i for i in instrs}
     users: dict[str, list[Instr]] = {}

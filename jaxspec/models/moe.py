@@ -14,7 +14,9 @@ expert a token uses. Three ways to run the chosen experts, picked from static sh
   "dense"    many pairs on CPU: every expert on every token, combined by a matrix zero off the
              top k (XLA:CPU's ragged_dot is slower than that, BENCHMARKS.md).
 
-The three agree to float rounding.
+The three agree to float rounding. Traced on a mesh whose experts axis splits the experts
+(`attention_kernels.kernel_mesh`, as the decode loop traces), `run_experts` runs each device's
+own experts instead (`models/moe_shards.py`: no expert weight leaves its device).
 
 Params of one block (torch `Linear` layout, contracted on the last dim; E experts, F the expert
 width, D the model dim):
