@@ -14,26 +14,27 @@ top-8, width 512, shared expert 512).
 
 from __future__ import annotations
 
+# Imported inside functions: jax and the jaxspec modules that load it, so that
+# `python -m jaxspec.tools.moe_shapes --help` answers without importing jax.
 import argparse
 import json
 import math
 import re
 import sys
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
-
-from jaxspec import hlo, sharding
-from jaxspec.cli_support import run as run_cli
 from jaxspec.errors import JaxspecError
-from jaxspec.models import attention_kernels, moe, qwen3_5, qwen3_5_moe, qwen3_moe
-from jaxspec.tools import accel_roofline, aot, step_model
-from jaxspec.models.decoder import ModelConfig
+
+if TYPE_CHECKING:
+    from jaxspec.models import qwen3_5_moe, qwen3_moe
 
 EXPERT_LEAVES = ("we_gate", "we_up", "we_down")
 
 
 def qwen3_30b_a3b(dtype: str) -> qwen3_moe.MoeTarget:
+    from jaxspec.models import qwen3_moe
+    from jaxspec.models.decoder import ModelConfig
+
     base = ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                        num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True,
                        rope_theta=1e6, max_position_embeddings=40960, dtype=dtype)
@@ -44,6 +45,8 @@ def qwen3_30b_a3b(dtype: str) -> qwen3_moe.MoeTarget:
 
 
 def qwen3_5_35b_a3b(dtype: str) -> qwen3_5_moe.Qwen35MoeTarget:
+    from jaxspec.models import qwen3_5, qwen3_5_moe
+
     cfg = qwen3_5.Qwen35Config(
         vocab_size=248320, hidden_size=2048, intermediate_size=512, num_layers=40,
         num_heads=16, num_kv_heads=2, head_dim=256,
@@ -65,6 +68,9 @@ def _moe_dims(target):
 def weight_bytes(target) -> tuple[float, float, int]:
     """(every weight's bytes, the routed experts' bytes, MoE layer count), from abstract params
     (no weights built)."""
+    import jax
+    import jax.numpy as jnp
+
     params = jax.eval_shape(lambda: target.init_params(jax.random.key(0)))
     nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize  # noqa: E731
     total = sum(nbytes(x) for x in jax.tree.leaves(params))
@@ -76,6 +82,8 @@ def weight_bytes(target) -> tuple[float, float, int]:
 def active_weight_bytes(target, tokens: int) -> float:
     """Weight bytes a step of `tokens` routed tokens reads: the dense part whole, the routed
     experts as many as the tokens wake (`moe.active_weight_bytes`)."""
+    from jaxspec.models import moe
+
     dims = _moe_dims(target)
     total, experts, layers = weight_bytes(target)
     if dims is None or not layers:
@@ -89,6 +97,8 @@ def active_weight_bytes(target, tokens: int) -> float:
 def active_fields(target, batch: int, window: int) -> dict:
     """Extra roofline row fields for an MoE target ({} for a dense one): experts woken per
     layer, the active weight bytes and their share of all weights."""
+    from jaxspec.models import moe
+
     dims = _moe_dims(target)
     if dims is None:
         return {}
@@ -109,6 +119,13 @@ def block_program(place, target, batch: int, window: int, path: str | None):
     `target`'s first MoE layer on x [batch*window, D], compiled for `place` (accel_roofline's
     placement; its mesh set as the trace mesh, as the decode loop traces). path None: the
     per-shard path on a mesh splitting the experts; "gather" etc.: that path under GSPMD."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec import sharding
+    from jaxspec.models import attention_kernels, moe
+    from jaxspec.tools import aot
+
     params = jax.eval_shape(lambda: target.init_params(jax.random.key(0)))
     layer = next(i for i, lp in enumerate(params["layers"]) if "router" in lp)
     if place.mesh is None:
@@ -136,6 +153,12 @@ def block_row(place, target, batch: int, window: int, path: str | None = None) -
     over a chip's woken experts has a data-dependent trip count; it is counted at that same
     expectation (`hlo.device_bytes`' unknown_trip), so the ratio checks that nothing else
     expert-sized is read or moved; another path's data-dependent loops count once (a floor). weight_gathers: all-gathers as large as one expert."""
+    import jax.numpy as jnp
+
+    from jaxspec import hlo
+    from jaxspec.models import moe
+    from jaxspec.tools import step_model
+
     text, lp = block_program(place, target, batch, window, path)
     num_experts, top_k = _moe_dims(target)
     mesh = place.mesh
@@ -175,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--path", default=None, choices=["gather", "grouped", "dense"],
                    help="a one-device path under GSPMD instead of the per-shard one")
     args = p.parse_args(argv)
+    from jaxspec.tools import accel_roofline, aot  # jax loads only once the arguments parse
+
     aot.target(args.target)
     try:
         data, model = (int(v) for v in args.mesh.split(","))
@@ -191,4 +216,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxspec.cli_support import run as run_cli  # the CLI wrapper only when run
+
     sys.exit(run_cli(main))
