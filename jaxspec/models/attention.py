@@ -159,8 +159,8 @@ def _attend(q, k_cache, v_cache, k_win, v_win, lengths, *, layer, window_mask, i
             window_in_cache: bool = False):
     """attend on a resolved impl; dots: the stacked XLA path contracts with dots (TPU/GPU: the
     matrix units) rather than the multiply + reduce fusion XLA:CPU wants. window_in_cache: the
-    window's k/v are already written at lengths.. (a writing forward); a one-token window on a
-    kernel then reads lengths + 1 slots and runs no window part (`_attend_written`)."""
+    window's k/v are already written at lengths.. (a writing forward); a causal window on the
+    kernels then reads them from the cache and runs no window part (`_attend_written`)."""
     b, t, n, h = q.shape
     tw = k_win.shape[1]  # window keys (== t, except inside a prefill chunk)
     prefill = _prefill_kernel(impl, q, k_cache, k_win, window_mask)  # a prompt on the kernels
