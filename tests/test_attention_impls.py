@@ -410,14 +410,15 @@ def test_gpu_tiles_are_sized_to_the_head_dim(h, rows):
     """The GPU decode kernels hold [rows, H] f32 accumulators: rows shrink as H grows (a 256-row
     tile at H = 128 spilled registers at 4 warps), longer windows run in row chunks."""
     from jaxspec.models import attention_kernels as ak
+    from jaxspec.models.gpu_stacked_attention import cache_part_pallas_gpu_stacked
 
     assert ak.gpu_rows(h) == rows and rows * h <= ak.GPU_ACC_ELEMS
     qg = jnp.zeros((1, 1, 256, h), jnp.bfloat16)
     cache = jnp.zeros((1, 1, 256, h), jnp.bfloat16)
     lens = jnp.ones((1,), jnp.int32)
     per_layer = lambda q, c: ak.cache_part_pallas_gpu(q, c, c, lens, 1.0)  # noqa: E731
-    stacked = lambda q, c: ak.cache_part_pallas_gpu_stacked(q, c[None], c[None], lens,  # noqa: E731
-                                                            jnp.int32(0), 1.0)
+    stacked = lambda q, c: cache_part_pallas_gpu_stacked(q, c[None], c[None], lens,  # noqa: E731
+                                                         jnp.int32(0), 1.0)
     for fn in (per_layer, stacked):
         qs = [ops[0] if fn is per_layer else ops[2] for ops in _kernel_operands(fn, qg, cache)]
         assert all(shape[-2] <= rows for shape in qs), qs

@@ -50,7 +50,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxspec.models import attention_kernels
+from jaxspec.models import attention_kernels, gpu_stacked_attention
 
 IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 ENV_OVERRIDE = "JAXSPEC_ATTENTION"  # overrides impl="auto" (e.g. JAXSPEC_ATTENTION=xla)
@@ -231,7 +231,7 @@ def _attend_written(qg, k_cache, v_cache, lengths, layer, impl, scale, interpret
     reads them with the cache and its (o, l) are the answer, so no window scores, mask or
     log-sum-exp merge with a window part run (two kernels a layer at one token on a GPU, six
     at five). One token: the impl's kernel on slots < lengths + 1; GPU, T tokens: our kernel,
-    row t reading slots < lengths + t + 1 (`attention_kernels.cache_part_pallas_gpu_stacked`,
+    row t reading slots < lengths + t + 1 (`gpu_stacked_attention.cache_part_pallas_gpu_stacked`,
     causal=T; a per-layer cache goes in as a stack of one). -> [B, T, N*H]."""
     b, t, n, h = q_shape
     kv = qg.shape[1]
@@ -243,7 +243,7 @@ def _attend_written(qg, k_cache, v_cache, lengths, layer, impl, scale, interpret
         def part(q_, k_, v_, n_, i_):  # per-layer caches: a stack of one at layer 0
             if i_ is None:
                 k_, v_, i_ = k_[None], v_[None], jnp.int32(0)
-            return attention_kernels.cache_part_pallas_gpu_stacked(
+            return gpu_stacked_attention.cache_part_pallas_gpu_stacked(
                 q_, k_, v_, n_, i_, scale, interpret, causal=t)
         o_c, _, l_c = attention_kernels.cache_part_on_mesh(
             part, qg, k_cache, v_cache, lengths, layer)
@@ -277,7 +277,7 @@ def _cache_kernel(qg, k_cache, v_cache, lengths, layer, *, impl, scale, interpre
     if layer is None:
         return attention_kernels.cache_part_pallas_gpu(
             qg, k_cache, v_cache, lengths, scale, interpret)
-    return attention_kernels.cache_part_pallas_gpu_stacked(
+    return gpu_stacked_attention.cache_part_pallas_gpu_stacked(
         qg, k_cache, v_cache, lengths, layer, scale, interpret)
 
 
