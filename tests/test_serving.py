@@ -164,8 +164,7 @@ def test_preemption_under_a_tiny_pool_keeps_every_output(target, prompts):
 
 def test_no_page_leaks_after_200_requests(target):
     engine = engine_for(target, "plain")
-    sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=4, kv_pages=40,
-                      page_size=8)
+    sched = Scheduler(engine, **SHARED)  # 24 pages of 16 slots, each taken again and again
     rng = np.random.default_rng(1)
     arrivals = [(i // 3, [int(t) for t in rng.integers(1, 64, size=int(rng.integers(2, 14)))],
                  Sampling(max_tokens=int(rng.integers(1, 6)))) for i in range(200)]
