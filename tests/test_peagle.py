@@ -268,7 +268,7 @@ DYNAMIC = dict(tree_top_k=2, tree_levels=3, tree_budget=5)
 STATIC = dict(tree_choices=((0,), (1,), (0, 0), (1, 0), (0, 0, 0)))
 
 
-@pytest.mark.parametrize("gamma, tree", [(1, {}), (4, {}), (3, "dynamic"), (3, "static")])
+@pytest.mark.parametrize("gamma, tree", [(1, None), (4, None), (3, "dynamic"), (3, "static")])
 def test_greedy_peagle_is_token_identical_at_batch_8(greedy_target, gamma, tree):
     """Chains, dynamic trees (one pass gives every depth's law) and static trees of ranks emit
     plain's tokens."""
