@@ -72,3 +72,22 @@ def assert_same_tensors(loaded, theirs: dict) -> None:
 
 def same_params(a, b) -> bool:
     return jax.tree.all(jax.tree.map(lambda x, y: bool((x == y).all()), a, b))
+
+
+def training_inputs(model, records, drafter):
+    """(tokens [1, T], a training batch, the frozen tables) for the first distilled row of
+    `records` on `model` (.target, .params): the target's own taps at the drafter's layers, flat
+    soft targets, the full vocabulary as the draft one (`train.methods.frozen_pieces`)."""
+    import jax.numpy as jnp
+
+    from jaxspec.train.methods import frozen_pieces
+
+    t = model.target
+    tok = jnp.asarray(records["tokens"][0, : int(records["lengths"][0])][None], jnp.int32)
+    taps = t.forward(model.params, tok, t.init_cache(model.params, 1, 64),
+                     taps=drafter.hidden_layers).taps
+    batch = {"tokens": tok, "lengths": jnp.asarray([tok.shape[1]]),
+             "hidden": jnp.stack([jnp.asarray(x, jnp.float32) for x in taps]),
+             "topk_ids": jnp.zeros((*tok.shape, 4), jnp.int32),
+             "topk_probs": jnp.full((*tok.shape, 4), 0.25)}
+    return tok, batch, frozen_pieces(model, jnp.arange(t.vocab_size))

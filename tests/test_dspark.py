@@ -23,7 +23,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.formats import dspark as fmt
 from jaxspec.models import base
 from speculators_ref import (assert_same_tensors, edited, import_reference, load_targets,
-                             rel_err, same_params)
+                             rel_err, same_params, training_inputs)
 
 torch = import_torch()
 
@@ -469,18 +469,7 @@ def test_training_walk_is_the_runtime_walk(greedy_target, trained_dspark):
     drafter, dparams = load_drafter_checkpoint("dspark", out_dir, greedy_target)
     assert drafter.heads.markov_type == "gated" and drafter.max_drafts == 3
     m, t = result.method, greedy_target.target
-    row = records["tokens"][0, : int(records["lengths"][0])]
-    tok = jnp.asarray(row[None], jnp.int32)
-    taps = t.forward(greedy_target.params, tok, t.init_cache(greedy_target.params, 1, 64),
-                     taps=drafter.hidden_layers).taps
-    vocab = t.vocab_size
-    batch = {"tokens": tok, "lengths": jnp.asarray([tok.shape[1]]),
-             "hidden": jnp.stack([jnp.asarray(x, jnp.float32) for x in taps]),
-             "topk_ids": jnp.zeros((*tok.shape, 4), jnp.int32),
-             "topk_probs": jnp.full((*tok.shape, 4), 0.25)}
-    frozen = {"embed": t.embedding_table(greedy_target.params).astype(jnp.float32),
-              "head": t.head_table(greedy_target.params).astype(jnp.float32),
-              "t2d": jnp.arange(vocab), "d2t": jnp.arange(vocab)}
+    tok, batch, frozen = training_inputs(greedy_target, records, drafter)
     blocks = m.block_forward(dparams, frozen, batch, t)
     z_train, conf_train = dataclasses.replace(m, own_drafts=0.0).sequential(dparams, blocks)
     z_own, conf_own = dataclasses.replace(m, own_drafts=1.0).sequential(dparams, blocks,

@@ -26,7 +26,7 @@ from jaxspec.formats import peagle as fmt
 from jaxspec.loading import load_model
 from jaxspec.models import base
 from speculators_ref import (assert_same_tensors, edited, import_reference, load_targets,
-                             rel_err, same_params)
+                             rel_err, same_params, training_inputs)
 
 torch = import_torch()
 ref = import_reference("peagle")
@@ -378,18 +378,7 @@ def test_training_pass_is_the_drafting_pass(greedy_target, trained_peagle):
     drafter, dparams = load_drafter_checkpoint("peagle", out_dir, greedy_target)
     assert isinstance(drafter, PEagleDrafter) and drafter.mask_token == 5
     m, t = result.method, greedy_target.target
-    row = records["tokens"][0, : int(records["lengths"][0])]
-    tok = jnp.asarray(row[None], jnp.int32)
-    taps = t.forward(greedy_target.params, tok, t.init_cache(greedy_target.params, 1, 64),
-                     taps=drafter.hidden_layers).taps
-    vocab = t.vocab_size
-    batch = {"tokens": tok, "lengths": jnp.asarray([tok.shape[1]]),
-             "hidden": jnp.stack([jnp.asarray(x, jnp.float32) for x in taps]),
-             "topk_ids": jnp.zeros((*tok.shape, 4), jnp.int32),
-             "topk_probs": jnp.full((*tok.shape, 4), 0.25)}
-    frozen = {"embed": t.embedding_table(greedy_target.params).astype(jnp.float32),
-              "head": t.head_table(greedy_target.params).astype(jnp.float32),
-              "t2d": jnp.arange(vocab), "d2t": jnp.arange(vocab)}
+    tok, batch, frozen = training_inputs(greedy_target, records, drafter)
     depths = m.depth_logits(dparams, frozen, batch, t)
     assert len(depths) == DEPTHS
     order = np.asarray(m.anchor_order(tok))

@@ -76,6 +76,22 @@ def _per_expert(prefix: str, state: dict) -> dict:
     return out
 
 
+def mtp_head(m, family: str, cfg):
+    """The published MTP head's modules from transformers' `m` (classes `<family>RMSNorm` and
+    `<family>DecoderLayer`), before randomizing: norms, fc over [embedding; hidden], one full-
+    attention layer, the final norm."""
+    torch = import_torch()
+    d, norm = cfg.hidden_size, getattr(m, family + "RMSNorm")
+    layer = getattr(m, family + "DecoderLayer")
+    return torch.nn.ModuleDict({
+        "pre_fc_norm_embedding": norm(d, eps=cfg.rms_norm_eps),
+        "pre_fc_norm_hidden": norm(d, eps=cfg.rms_norm_eps),
+        "fc": torch.nn.Linear(2 * d, d, bias=False),
+        "layers": torch.nn.ModuleList([layer(cfg, LAYER_TYPES.index("full_attention"))]),
+        "norm": norm(d, eps=cfg.rms_norm_eps),
+    })
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(model, mtp head, path): the target and, in the same directory, its MTP head."""
@@ -91,15 +107,7 @@ def checkpoint(tmp_path_factory):
     with torch.no_grad():  # a pull towards repeating the last token: the echoing MTP head
         model.lm_head.weight.add_(0.15 * model.model.embed_tokens.weight)  # drafts get accepted
     model.set_attn_implementation("eager")
-    d = cfg.hidden_size
-    head = torch.nn.ModuleDict({
-        "pre_fc_norm_embedding": m.Qwen3_5MoeRMSNorm(d, eps=cfg.rms_norm_eps),
-        "pre_fc_norm_hidden": m.Qwen3_5MoeRMSNorm(d, eps=cfg.rms_norm_eps),
-        "fc": torch.nn.Linear(2 * d, d, bias=False),
-        "layers": torch.nn.ModuleList([m.Qwen3_5MoeDecoderLayer(cfg, LAYER_TYPES.index(
-            "full_attention"))]),
-        "norm": m.Qwen3_5MoeRMSNorm(d, eps=cfg.rms_norm_eps),
-    })
+    head = mtp_head(m, "Qwen3_5Moe", cfg)
     randomize(head, 0.3)
     path = tmp_path_factory.mktemp("qwen3_5_moe")
     model.eval().save_pretrained(path)
@@ -165,18 +173,10 @@ def head(loaded):
 
 
 def test_mtp_head_forward_equals_the_published_definition(checkpoint, loaded, head):
-    from test_qwen3_5_mtp import torch_logits
+    from test_qwen3_5_mtp import assert_head_matches_transformers
 
     model, thead, _ = checkpoint
-    drafter, dparams = head
-    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 16)).astype(np.int32)
-    target, params = loaded.target, loaded.params
-    out = target.forward(params, jnp.asarray(ids), target.init_cache(params, 2, 32),
-                         taps=drafter.hidden_layers)
-    ours = np.asarray(drafter.forward(dparams, base.bind(target, params), jnp.asarray(ids),
-                                      out.taps))[:, 1:]
-    ref = torch_logits(model, thead, ids)
-    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+    assert_head_matches_transformers(*head, loaded, model, thead, VOCAB)
 
 
 def echoing(dparams, scale: float = 0.2):
@@ -269,15 +269,7 @@ def qwen3_next(tmp_path_factory):
     with torch.no_grad():  # a pull towards repeating the last token: the echoing MTP head
         model.lm_head.weight.add_(0.15 * model.model.embed_tokens.weight)  # drafts get accepted
     model.set_attn_implementation("eager")
-    d = cfg.hidden_size
-    head = torch.nn.ModuleDict({
-        "pre_fc_norm_embedding": m.Qwen3NextRMSNorm(d, eps=cfg.rms_norm_eps),
-        "pre_fc_norm_hidden": m.Qwen3NextRMSNorm(d, eps=cfg.rms_norm_eps),
-        "fc": torch.nn.Linear(2 * d, d, bias=False),
-        "layers": torch.nn.ModuleList([m.Qwen3NextDecoderLayer(cfg, LAYER_TYPES.index(
-            "full_attention"))]),
-        "norm": m.Qwen3NextRMSNorm(d, eps=cfg.rms_norm_eps),
-    })
+    head = mtp_head(m, "Qwen3Next", cfg)
     randomize(head, 0.3)
     path = tmp_path_factory.mktemp("qwen3_next")
     model.eval().save_pretrained(path)
@@ -316,22 +308,15 @@ def test_qwen3_next_mtp_head_read_from_the_checkpoint(qwen3_next, prompts):
     `mtp_num_hidden_layers`): `speculative.method: mtp` with no checkpoint reads it; its forward
     equals the published definition on transformers' own layer, and greedy speculation with it
     equals greedy plain (drafts accepted and rejected)."""
-    from test_qwen3_5_mtp import spec, torch_logits
+    from test_qwen3_5_mtp import assert_head_matches_transformers, spec
 
     from jaxspec.build import build_drafter
     from jaxspec.engine.runner import Engine
 
     hf, thead, loaded = qwen3_next
     drafter, dparams = build_drafter(spec(), loaded)
-    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 16)).astype(np.int32)
-    target, params = loaded.target, loaded.params
-    out = target.forward(params, jnp.asarray(ids), target.init_cache(params, 2, 32),
-                         taps=drafter.hidden_layers)
-    ours = np.asarray(drafter.forward(dparams, base.bind(target, params), jnp.asarray(ids),
-                                      out.taps))[:, 1:]
-    ref = torch_logits(hf, thead, ids)
-    np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
-    model = base.Model(target=target, params=params, eos_token_ids=(-1,))
+    assert_head_matches_transformers(drafter, dparams, loaded, hf, thead, VOCAB)
+    model = base.Model(target=loaded.target, params=loaded.params, eos_token_ids=(-1,))
     plain = [r.token_ids for r in Engine(model).generate(prompts, max_new_tokens=NEW,
                                                           batch_size=4)]
     res = Engine(model, drafter, echoing(dparams), num_speculative_tokens=3).generate(

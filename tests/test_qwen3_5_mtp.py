@@ -112,10 +112,10 @@ def torch_logits(model, head, ids) -> np.ndarray:
         return model.lm_head(head["norm"](y)).numpy()
 
 
-def test_head_forward_equals_the_published_definition(checkpoint, loaded, head):
-    model, thead, _ = checkpoint
-    drafter, dparams = head
-    ids = np.random.default_rng(0).integers(3, VOCAB, size=(2, 16)).astype(np.int32)
+def assert_head_matches_transformers(drafter, dparams, loaded, model, thead, vocab: int):
+    """The MTP head's logits for 2 x 16 random ids (ids >= 3, below `vocab`), on the loaded
+    target's taps, equal the published definition's (`torch_logits` on transformers' modules)."""
+    ids = np.random.default_rng(0).integers(3, vocab, size=(2, 16)).astype(np.int32)
     target, params = loaded.target, loaded.params
     out = target.forward(params, jnp.asarray(ids), target.init_cache(params, 2, 32),
                          taps=drafter.hidden_layers)
@@ -123,6 +123,11 @@ def test_head_forward_equals_the_published_definition(checkpoint, loaded, head):
                                       out.taps))[:, 1:]
     ref = torch_logits(model, thead, ids)
     np.testing.assert_allclose(ours, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+
+
+def test_head_forward_equals_the_published_definition(checkpoint, loaded, head):
+    model, thead, _ = checkpoint
+    assert_head_matches_transformers(*head, loaded, model, thead, VOCAB)
 
 
 def torch_chain(model, head, ids, drafts) -> np.ndarray:
