@@ -53,7 +53,7 @@ def test_the_helpers_work_on_the_installed_jax():
     assert jax_compat.compilation_cache_internals() is not None  # xla_cache heals through it
     assert jax_compat.reset_compilation_cache() is True
     assert jax_compat.jaxlib_version() == jax.__version__  # jax and jaxlib move together
-    assert "cpu" in jax_compat.topology_factories() or jax_compat.topology_factories() == set()
+    assert jax_compat.topology_factories() <= {"cpu", "cuda", "rocm", "tpu"}  # the platforms registered so far (test order decides which)
     before = jax.config.jax_enable_compilation_cache
     with jax_compat.compilation_cache_disabled():
         assert jax.config.jax_enable_compilation_cache is False
