@@ -50,7 +50,8 @@ from jaxspec.decode.sampling import SamplingParams
 
 
 def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
-           extras: processors.Carries | None = None, aux: dict | None = None):
+           extras: processors.Carries | None = None, aux: dict | None = None,
+           write: bool = False):
     """Target over the first `width` window entries -> (probs [B, T, V] -- in a greedy program
     (sp.mode "greedy") the argmax tokens int32[B, T] instead (`sampling.greedy_tokens`) --, hidden
     [len(hidden_layers), B, T, D] or None, cache, the window's k/v); outputs padded back to T
@@ -62,12 +63,17 @@ def verify(spec: LoopSpec, tparams, cache, window: tree.Window, sp, width: int,
     With draft nodes the cache is only read and the window's k/v come back for `commit_kv`
     (nodes share positions; which are kept is known only after acceptance). A root-only window
     (plain decoding) always keeps its one entry, so it is written in place (window_kv None):
-    writing it after the forward made XLA copy the whole cache every step."""
+    writing it after the forward made XLA copy the whole cache every step. write: a chain's
+    window, written in place too (`_chain_in_place`): causal, at slots cache.lengths + 0..T-1
+    (a padding entry's own position is its root's: it is written past the chain instead)."""
     t = window.tokens.shape[1]
     hidden_layers = spec.drafter.hidden_layers if spec.drafter is not None else ()
-    in_place = t == 1
+    in_place = t == 1 or write
+    positions = window.positions[:, :width]
+    if write:  # [B, T] contiguous from the root's slot; equal to window.positions on the chain
+        positions = positions[:, :1] + jnp.arange(width, dtype=positions.dtype)[None]
     out = spec.target.forward(
-        tparams, window.tokens[:, :width], cache, positions=window.positions[:, :width],
+        tparams, window.tokens[:, :width], cache, positions=positions,
         window_mask=None if in_place else window.mask[:, :width, :width],
         write_cache=in_place, taps=hidden_layers,
     )
@@ -267,23 +273,39 @@ def drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) 
         if extras:  # e.g. the grammar's: each node under its path's state (constrain/draft.py)
             proposal, extras = processors.propose(extras, proposal, k_draft, active)
     num_nodes = jnp.where(active, proposal.num_proposed, 0)
-    window_step = lambda: _window_step(
-        spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes, extras
-    )
+    window_step = lambda in_place=False: _window_step(
+        spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes, extras,
+        in_place)
     if ctl is not None and (spec.drafter.variable_length or not traits(spec.drafter).commit_plain):
         # nothing to verify (no match, or c* = 0 for a drafter without commit_plain): plain step
         # the root's features are read by a plain run's catch-up only, never after this branch
         plain = lambda: _one_token_step(spec, tparams, dparams, state, sp, k_accept, dstate,
                                         extras=extras)._replace(root_hidden=None)
         return jax.lax.cond(jnp.max(num_nodes) == 0, plain, window_step)
-    return window_step()
+    return window_step(in_place=True)
+
+
+def _writes_chains(spec: LoopSpec) -> bool:
+    """Whether a chain's verify window is written in place (`LoopSpec.write_chains`)."""
+    return jax.default_backend() != "cpu" if spec.write_chains is None else spec.write_chains
+
+
+def _chain_in_place(spec, tparams, cache, window: tree.Window, sp, extras, aux):
+    """`verify` of a chain's whole window, its k/v written into slots cache.lengths + 0..N
+    (window_kv None): the accepted path of a chain is a prefix of the window, already in its
+    slots, and the rest lies past the row's new length (masked, overwritten later), so no
+    compaction follows and the attention reads the window from the cache as decode does."""
+    return verify(spec, tparams, cache, window, sp, window.tokens.shape[1], extras, aux,
+                  write=True)
 
 
 def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, num_nodes,
-                 extras):
+                 extras, in_place=False):
     """Draft -> window -> verify -> accept -> commit: verify the proposal's window (each
     entry's logits through the processors on, `extras`), accept a path, emit it, commit the
-    processors and the drafter; the kept k/v are compacted after the step (`_advance`)."""
+    processors and the drafter; the kept k/v are compacted after the step (`_advance`).
+    in_place (outside any lax.cond only): a chain's window is written into the cache by the
+    verify itself (`_chain_in_place`, where `_writes_chains`), nothing compacted after."""
     b = state.lengths.shape[0]
     parents = proposal.parents
     if parents is None:
@@ -292,9 +314,13 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
         _last_token(state), state.cache.lengths, proposal.tokens, parents, num_nodes
     )
     aux = processors.prepare(extras, proposal.tokens, parents)
-    p, hidden, cache, window_kv, reads = _verify_any_width(
-        spec, tparams, state.cache, window, sp, num_nodes, extras, aux
-    )
+    if in_place and proposal.parents is None and _writes_chains(spec):  # a chain, written
+        p, hidden, cache, window_kv, reads = _chain_in_place(
+            spec, tparams, state.cache, window, sp, extras, aux)
+    else:
+        p, hidden, cache, window_kv, reads = _verify_any_width(
+            spec, tparams, state.cache, window, sp, num_nodes, extras, aux
+        )
     if sp.mode == "greedy":  # p: the target's argmax tokens
         path, num_acc, next_token = acceptance.accept_tree_greedy(
             proposal.tokens, parents, p, num_nodes, spec.depth + 1)

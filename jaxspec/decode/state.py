@@ -59,6 +59,10 @@ class LoopSpec:
     # recorded, the program carries no logprob code), under `logprobs_mode` (decode/logprobs.py)
     logprobs: int | None = None
     logprobs_mode: str = "raw"
+    # A chain's verify window written into the cache in place (decode/speculate.py
+    # `_chain_in_place`; trees stay read-only): None = on TPU / GPU, not on XLA:CPU (whose
+    # width switch would copy a cache written inside it). The AOT tools set it for their target.
+    write_chains: bool | None = None
 
     @property
     def num_nodes(self) -> int:  # N: window entries after the root

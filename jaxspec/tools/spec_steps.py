@@ -92,12 +92,13 @@ def drafter_for(model: base.Target, method: str, gamma: int):
     raise JaxspecError(f"unknown --method {method!r}: use one of {', '.join(METHODS)}")
 
 
-def loop_spec(model: base.Target, drafter, gamma: int) -> LoopSpec:
-    """The LoopSpec an engine builds for this drafter (engine/runner.py), no mesh, greedy."""
+def loop_spec(model: base.Target, drafter, gamma: int, write_chains: bool = True) -> LoopSpec:
+    """The LoopSpec an engine builds for this drafter (engine/runner.py) on the accelerator (a
+    chain's window written in place: `LoopSpec.write_chains`), no mesh, greedy."""
     windows = (1, 2, *(traits(drafter).verify_windows if drafter is not None else ()))
     return LoopSpec(target=model, drafter=drafter,
                     num_speculative_tokens=gamma if drafter is not None else 0,
-                    eos_ids=(0,), windows=windows)
+                    eos_ids=(0,), windows=windows, write_chains=write_chains)
 
 
 def body_bytes(text: str, unknown_trip: int = 1) -> int:
@@ -118,12 +119,14 @@ def _vocab_sizes(model: base.Target, dparams) -> set[int]:
 
 
 def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, batch: int,
-                 capacity: int, valid: int, temperature: float = 0.0) -> dict:
+                 capacity: int, valid: int, temperature: float = 0.0,
+                 write_chains: bool = True) -> dict:
     """The loop's step for `method` compiled for placement `p` (accel_roofline.Placement), read:
     greedy (a greedy program) unless `temperature` > 0 (a sampled one). vocab_scans: kernels
-    that scan a vocabulary to draw (step_model.vocabulary_scans; greedy: none)."""
+    that scan a vocabulary to draw (step_model.vocabulary_scans; greedy: none). write_chains
+    False: a chain's window read-only and compacted after (the program before session 30)."""
     drafter, dparams = drafter_for(model, method, gamma)
-    spec = loop_spec(model, drafter, gamma)
+    spec = loop_spec(model, drafter, gamma, write_chains)
     params = step_programs.abstract_params(model, layout)
     sp = SamplingParams.make(temperature)
     prompt = min(valid, capacity // 2)
