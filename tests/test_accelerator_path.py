@@ -389,3 +389,43 @@ def test_a_written_window_reads_its_own_rows_from_the_cache(t):
                                rtol=2e-2, atol=2e-2)
     stale = run(kc, vc, True)
     assert np.abs(np.asarray(stale, np.float32) - np.asarray(want, np.float32)).max() > 0.05
+
+
+def _chain_run(model, write_chains: bool, temperature: float, gamma: int = 4, new: int = 24):
+    """n-gram (a variable-length chain: rows with fewer drafts than γ pad their window) through
+    the decode loop with its chain windows written in place or read-only -> (tokens, each row's
+    valid k/v prefix of the final cache)."""
+    from tiny import motif_prompts
+
+    drafter = NgramDrafter(model.cfg.vocab_size, 1, 3) if gamma else None
+    spec = speculate.LoopSpec(target=model.target, drafter=drafter, num_speculative_tokens=gamma,
+                              eos_ids=(), write_chains=write_chains)
+    prompts = motif_prompts((21, 13, 17))
+    b, p = len(prompts), max(map(len, prompts))
+    tokens = jnp.asarray([row + [0] * (p - len(row)) for row in prompts], jnp.int32)
+    lengths = jnp.asarray([len(row) for row in prompts], jnp.int32)
+    sp = SamplingParams.make(temperature)
+    args = (jnp.full((b,), new, jnp.int32), sp, jax.random.key(3), jnp.arange(b, dtype=jnp.int32))
+    state = speculate.prefill_jit(spec, model.params, None, tokens, lengths, *args,
+                                  capacity=p + new + gamma + 8)
+    state = speculate.decode_jit(spec, model.params, None, state, sp, jnp.int32(64))
+    valid = [int(n) for n in state.cache.lengths]
+    kv = [np.asarray(c)[:, r, :, :n] for c in (state.cache.k, state.cache.v)
+          for r, n in enumerate(valid)]  # [L, K, n, H] per row
+    return np.asarray(state.tokens), kv
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_chain_window_written_in_place_is_the_read_only_window(temperature):
+    """`LoopSpec.write_chains` (TPU/GPU's default; forced here on XLA:CPU): the verify writes a
+    chain's window into the cache and nothing is compacted after. Greedy and sampled, its tokens
+    and every row's valid cache equal the read-only window's (the accepted prefix is already in
+    its slots; the rest is past the row's length), and greedy equals plain decoding."""
+    model = _model("unrolled")
+    got, got_kv = _chain_run(model, True, temperature)
+    want, want_kv = _chain_run(model, False, temperature)
+    np.testing.assert_array_equal(got, want)
+    for g, w in zip(got_kv, want_kv):
+        np.testing.assert_array_equal(g, w)
+    if temperature == 0.0:
+        np.testing.assert_array_equal(got, _chain_run(model, False, 0.0, gamma=0)[0])

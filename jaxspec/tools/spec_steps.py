@@ -21,13 +21,13 @@ import re
 import jax
 import jax.numpy as jnp
 
-from jaxspec import hlo
+from jaxspec import hlo, sharding
 from jaxspec.decode import speculate
 from jaxspec.decode.sampling import SamplingParams
 from jaxspec.decode.state import LoopSpec, traits
 from jaxspec.errors import JaxspecError
 from jaxspec.models import attention_kernels, base
-from jaxspec.tools import aot, step_model, step_programs
+from jaxspec.tools import accel_roofline, aot, step_model, step_programs
 
 METHODS = ("plain", "ngram", "ngram_tree", "eagle3", "dflash")
 DEFAULT_GAMMA = {"ngram": 4, "ngram_tree": 4, "eagle3": 3, "dflash": 4}
@@ -92,13 +92,30 @@ def drafter_for(model: base.Target, method: str, gamma: int):
     raise JaxspecError(f"unknown --method {method!r}: use one of {', '.join(METHODS)}")
 
 
-def loop_spec(model: base.Target, drafter, gamma: int, write_chains: bool = True) -> LoopSpec:
+def loop_spec(model: base.Target, drafter, gamma: int, write_chains: bool = True,
+              mesh=None) -> LoopSpec:
     """The LoopSpec an engine builds for this drafter (engine/runner.py) on the accelerator (a
-    chain's window written in place: `LoopSpec.write_chains`), no mesh, greedy."""
+    chain's window written in place: `LoopSpec.write_chains`), on `mesh` (a jax Mesh or None:
+    the engine's MeshPlan of it, drafter replicated), greedy."""
     windows = (1, 2, *(traits(drafter).verify_windows if drafter is not None else ()))
     return LoopSpec(target=model, drafter=drafter,
                     num_speculative_tokens=gamma if drafter is not None else 0,
-                    eos_ids=(0,), windows=windows, write_chains=write_chains)
+                    eos_ids=(0,), windows=windows, write_chains=write_chains,
+                    mesh=None if mesh is None else sharding.MeshPlan(mesh))
+
+
+def _placed(p, model: base.Target, params, dparams, state, small):
+    """The loop's inputs on the placement's chips: one chip, or on its mesh as the engine puts
+    them (params by the rules, the drafter's replicated, the state by `state_shardings`)."""
+    if p.mesh is None:
+        one = jax.sharding.SingleDeviceSharding(p.devices[0])
+        return [None if t is None else aot.on(t, one) for t in (params, dparams, state, small)]
+    sharding.check_batch(state.lengths.shape[0], p.mesh)
+    rep = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
+    return [aot.on(params, sharding.target_shardings(model, params, p.mesh)),
+            None if dparams is None else aot.on(dparams, rep),
+            aot.on(state, sharding.state_shardings(state, state.lengths.shape[0], p.mesh)),
+            aot.on(small, rep)]
 
 
 def body_bytes(text: str, unknown_trip: int = 1) -> int:
@@ -126,7 +143,7 @@ def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, ba
     that scan a vocabulary to draw (step_model.vocabulary_scans; greedy: none). write_chains
     False: a chain's window read-only and compacted after (the program before session 30)."""
     drafter, dparams = drafter_for(model, method, gamma)
-    spec = loop_spec(model, drafter, gamma, write_chains)
+    spec = loop_spec(model, drafter, gamma, write_chains, p.mesh)
     params = step_programs.abstract_params(model, layout)
     sp = SamplingParams.make(temperature)
     prompt = min(valid, capacity // 2)
@@ -134,25 +151,28 @@ def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, ba
             jnp.full((batch,), prompt, jnp.int32), jnp.full((batch,), 64, jnp.int32), sp,
             jax.random.key(0), jnp.arange(batch, dtype=jnp.int32))
     state = jax.eval_shape(lambda *a: speculate.prefill(spec, *a, capacity=capacity), *args)
-    put = lambda tree: None if tree is None else aot.on(  # noqa: E731
-        tree, jax.sharding.SingleDeviceSharding(p.devices[0]))
+    placed = _placed(p, model, params, dparams, state, (sp, jnp.int32(1)))
     with attention_kernels.kernel_mesh(p.mesh):
-        compiled = aot.compile_for(p.target, speculate.decode_jit, spec, put(params),
-                                   put(dparams), put(state), put(sp), put(jnp.int32(1)))
+        compiled = aot.compile_for(p.target, speculate.decode_jit, spec, *placed[:3],
+                                   *placed[3])
     text = compiled.as_text()
     kernels, syncs = step_model.loop_step(text)
     if p.target.platform == "tpu":
         kernels, syncs = None, 0
-    moved = body_bytes(text)
+    moved = body_bytes(text)  # per chip
     window = spec.num_nodes + 1
     cache = step_programs.abstract_cache(model, params, batch, capacity)
     nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
-    need = step_programs.min_bytes(model, params, cache, batch, window, valid, window)
+    # per chip: the target's minimum times one chip's share of params + cache, the (replicated)
+    # drafter's params whole
+    share = 1.0 if p.mesh is None else accel_roofline._chip_share(placed[0], placed[2].cache)
+    need = step_programs.min_bytes(model, params, cache, batch, window, valid, window) * share
     need += nbytes(dparams) if dparams is not None else 0
     return {
         "target": p.target.name, "program": "step", "method": method, "batch": batch,
         "gamma": gamma if drafter is not None else 0, "window": window, "layout": layout,
-        "capacity": capacity, "valid": valid, "min_bytes": int(need), "bytes_moved": moved,
+        "capacity": capacity, "valid": valid, "chips": p.chips, "min_bytes": int(need),
+        "bytes_moved": moved,
         "bytes_ratio": round(moved / need, 3), "kernels": kernels, "host_syncs": syncs,
         "vocab_scans": len(step_model.vocabulary_scans(text, _vocab_sizes(model, dparams))),
         "attention": hlo.compiled_attention(text),
@@ -166,8 +186,6 @@ def rows(p, model: base.Target, layout: str, methods, batches, capacity: int, fi
          gamma: int | None = None) -> list[dict]:
     """The plain step and each method's at each batch, with `vs_plain` (predicted step over the
     plain step's at the same batch)."""
-    if p.mesh is not None:
-        raise JaxspecError("--method: the loop's step is compiled on one chip here; drop --mesh")
     out = []
     for b in batches:
         plain = measure_step(p, model, layout, "plain", 0, b, capacity, int(capacity * fill))
