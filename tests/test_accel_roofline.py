@@ -181,7 +181,7 @@ def test_missing_wheels_name_the_install_command(tmp_path):
 
 
 @functools.cache
-def _loop_step(method: str, temperature: float = 0.0) -> dict:
+def _loop_step(method: str, temperature: float = 0.0, write_chains: bool = True) -> dict:
     """The decode loop's step compiled for an H200 (jaxspec.tools.spec_steps: the program
     speculate.decode_jit runs) on a tiny 4-layer bf16 model whose 5000-token vocabulary is no
     other dim of the program."""
@@ -196,7 +196,8 @@ def _loop_step(method: str, temperature: float = 0.0) -> dict:
     model = llama.LlamaTarget(cfg)
     place = accel_roofline.placement("h200", None, model)
     gamma = spec_steps.DEFAULT_GAMMA.get(method, 0)
-    return spec_steps.measure_step(place, model, "fused", method, gamma, 1, 256, 128, temperature)
+    return spec_steps.measure_step(place, model, "fused", method, gamma, 1, 256, 128, temperature,
+                                   write_chains)
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
@@ -211,6 +212,16 @@ def test_speculative_step_on_gpu_has_no_host_sync(method):
     assert r["host_syncs"] == 0 and r["kernels"] > 0 and r["attention"] == "pallas_gpu", r
     assert r["window"] == spec_steps.DEFAULT_GAMMA[method] + 1, r
     assert r["vocab_scans"] == 0, r
+
+
+def test_a_chain_window_is_written_by_the_verify_on_gpu():
+    """n-gram's chain window on an H200: the verify writes its k/v into the cache in place
+    (`LoopSpec.write_chains`), as decode writes its token. The read-only window compacted after
+    (the broken control, the program before) runs at least 4 kernels a layer more: each layer's
+    window k/v out, the compaction's scatters into both caches."""
+    written, read_only = _loop_step("ngram"), _loop_step("ngram", write_chains=False)
+    assert written["host_syncs"] == 0 and written["attention"] == "pallas_gpu", written
+    assert written["kernels"] + 4 * 4 <= read_only["kernels"], (written, read_only)
 
 
 def test_greedy_decoding_picks_the_argmax_and_sampling_still_draws():

@@ -420,12 +420,16 @@ def test_a_chain_window_written_in_place_is_the_read_only_window(temperature):
     """`LoopSpec.write_chains` (TPU/GPU's default; forced here on XLA:CPU): the verify writes a
     chain's window into the cache and nothing is compacted after. Greedy and sampled, its tokens
     and every row's valid cache equal the read-only window's (the accepted prefix is already in
-    its slots; the rest is past the row's length), and greedy equals plain decoding."""
+    its slots; the rest is past the row's length), and greedy equals plain decoding. The cache
+    agrees to float rounding: on XLA:CPU the read-only window runs the narrowest width that
+    holds the drafts (a switch), the written one the widest (as on GPU), so the dots differ in
+    shape; a row written one slot off differs by O(1)."""
     model = _model("unrolled")
     got, got_kv = _chain_run(model, True, temperature)
     want, want_kv = _chain_run(model, False, temperature)
     np.testing.assert_array_equal(got, want)
     for g, w in zip(got_kv, want_kv):
-        np.testing.assert_array_equal(g, w)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
     if temperature == 0.0:
-        np.testing.assert_array_equal(got, _chain_run(model, False, 0.0, gamma=0)[0])
+        plain = _chain_run(model, False, 0.0, gamma=0)[0]  # its buffer has no γ columns
+        np.testing.assert_array_equal(got[:, :plain.shape[1]], plain)
