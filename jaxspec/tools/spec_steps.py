@@ -2,7 +2,9 @@
 speculative method (`python -m jaxspec.tools.roofline --target T --method ngram,eagle3,dflash`):
 the exact program `speculate.decode_jit` runs (draft, verify, accept on the device, commit),
 read per step from its generation loop's body: kernels, host syncs, bytes moved, predicted
-milliseconds, and the ratio to the plain loop's step compiled the same way.
+milliseconds, and the ratio to the plain loop's step compiled the same way. On a placement's
+mesh the inputs are placed as the engine places them (target by the rules, the drafter
+replicated) and the bytes are one chip's.
 
 Drafters come with abstract params of a deployed head's shapes, in the target's dtype (nothing
 is trained or run): n-gram prompt lookup (chain of γ, and a static tree), an EAGLE-3 head (one
