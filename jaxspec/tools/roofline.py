@@ -317,7 +317,7 @@ def main(argv=None) -> int:
                    "whole does not fit the chips)")
     p.add_argument("--method", metavar="M,..", help="with --target: the decode loop's step for "
                    "these methods beside plain's (ngram, ngram_tree, eagle3, dflash), at each "
-                   "--batch, instead of the decode/verify programs")
+                   "--batch (on --mesh: per chip), instead of the decode/verify programs")
     p.add_argument("--gamma", type=int, metavar="N", help="with --method: drafts per step "
                    "(default: n-gram 4, EAGLE-3 3, DFlash 4)")
     p.add_argument("--kernels", action="store_true", help="with --target: list each program's "

@@ -187,22 +187,22 @@ def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, ba
 def rows(p, model: base.Target, layout: str, methods, batches, capacity: int, fill: float,
          gamma: int | None = None) -> list[dict]:
     """The plain step and each method's at each batch, with `vs_plain` (predicted step over the
-    plain step's at the same batch)."""
+    plain step's at the same batch). A program the target's compiler refuses (e.g. over the
+    chip's memory) is a row with its one-line `error`; the other rows still come."""
     out = []
     for b in batches:
-        plain = measure_step(p, model, layout, "plain", 0, b, capacity, int(capacity * fill))
-        out.append(plain | {"vs_plain": 1.0})
-        for m in methods:
-            if m == "plain":
-                continue
+        plain = None
+        for m in ["plain", *(m for m in methods if m != "plain")]:
             try:
-                r = measure_step(p, model, layout, m, gamma or DEFAULT_GAMMA[m], b, capacity,
-                                 int(capacity * fill))
-            except jax.errors.JaxRuntimeError as e:  # the target's compiler refused this program
+                r = measure_step(p, model, layout, m, 0 if m == "plain" else
+                                 gamma or DEFAULT_GAMMA[m], b, capacity, int(capacity * fill))
+            except (jax.errors.JaxRuntimeError, JaxspecError) as e:  # the compiler refused it
                 out.append({"target": p.target.name, "program": "step", "method": m, "batch": b,
-                            "error": str(e).split("\n")[0][:200]})
+                            "error": str(e).split("\n")[0][:240]})
                 continue
-            out.append(r | {"vs_plain": round(r["predicted_ms"] / plain["predicted_ms"], 3)})
+            plain = r if m == "plain" else plain
+            vs = None if plain is None else round(r["predicted_ms"] / plain["predicted_ms"], 3)
+            out.append(r | {"vs_plain": vs})
     return out
 
 
@@ -213,7 +213,7 @@ def format_rows(out: list[dict]) -> str:
     lines = [f"| {r['target']} | {r['method']} | {r['batch']} | {r['gamma']} | {r['window']} | "
              f"{r['bytes_moved'] / 1e9:.2f} GB | {r['bytes_ratio']:.2f} | {r['kernels'] or '-'} | "
              f"{r['host_syncs']} | {r['attention']} | {r['floor_ms']:.2f} | "
-             f"{r['predicted_ms']:.2f} | {r['vs_plain']:.2f} |" if "error" not in r else
+             f"{r['predicted_ms']:.2f} | {r['vs_plain'] or '-'} |" if "error" not in r else
              f"| {r['target']} | {r['method']} | {r['batch']} | compile failed: {r['error']} |"
              for r in out]
     return "\n".join([head, *lines])
