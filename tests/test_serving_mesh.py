@@ -1,7 +1,7 @@
 """Serving on a (2, 4) mesh of 8 simulated CPU devices (a subprocess: tests/serving_mesh_check.py,
 the device count is fixed before jax starts): the scheduler runs unchanged with its page pool
 sharded over kv heads (one of the tiny model's 4 kv heads per device, rows over "data"), greedy
-output equals one-device solo runs for plain decoding and n-gram speculation, and no decode
+output equals one-device runs for plain decoding and n-gram speculation, and no decode
 program the scheduler compiles copies, zero-fills or gathers a buffer as large as a device's
 pool shard or its rows' contiguous view (read in the optimised HLO with the codegen the
 one-device HLO checks use). The controls, run in the same subprocess after the real thing and undone after, fail them:
