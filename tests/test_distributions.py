@@ -24,7 +24,6 @@ from jaxspec.drafters.prompt_lookup_first import LookupFirst
 from jaxspec.drafters.prompt_lookup import NgramDrafter
 from jaxspec.models import llama
 from jaxspec.decode.sampling import SamplingParams
-from jaxspec.engine.runner import Engine
 from jaxspec.train import methods
 from tiny import tiny_model
 
@@ -169,25 +168,11 @@ def eos_target():
     return target, ModelDrafter(model=llama.LlamaTarget(target.cfg), target_vocab=EOS_V), draft
 
 
-@pytest.fixture(scope="module")
-def eos_engine(eos_target):
-    """One engine for every setting below: the settings are arrays of one sampled program, so
-    the settings that share a batch size share its programs (traced once, not per setting)."""
+def mixed_pvalues(eos_target, sp, batch_size, rows=24000):
+    """Rows alternate two prompts of different lengths, `batch_size` rows per jitted batch."""
     target, drafter, dparams = eos_target
-    return Engine(target, drafter, dparams, num_speculative_tokens=2)
-
-
-def mixed_pvalues(eos_target, sp, batch_size, rows=24000, engine=None):
-    """Rows alternate two prompts of different lengths, `batch_size` rows per jitted batch (on
-    `engine`, else a new one: a broken variant's programs must be traced afresh)."""
-    target, drafter, dparams = eos_target
-    if engine is None:
-        results = sample_rows(target, drafter, dparams, sp, MIXED, rows=rows,
-                              num_tokens=LONG_TOKENS, gamma=2, seed=11, batch_size=batch_size)
-    else:
-        batch = [MIXED[i % len(MIXED)] for i in range(rows)]
-        results = engine.generate(batch, max_new_tokens=LONG_TOKENS, sampling=sp, seed=11,
-                                  batch_size=batch_size)
+    results = sample_rows(target, drafter, dparams, sp, MIXED, rows=rows, num_tokens=LONG_TOKENS,
+                          gamma=2, seed=11, batch_size=batch_size)
     out = []
     for i, prompt in enumerate(MIXED):
         ids = [r.token_ids for r in results[i :: len(MIXED)]]
@@ -197,17 +182,17 @@ def mixed_pvalues(eos_target, sp, batch_size, rows=24000, engine=None):
 
 
 # (setting, rows, rows per batch): the plain temperature law at the most rows; each filter at
-# 12000 rows; every setting over several batches, of two sizes (each size's programs are traced
-# once for all its settings: five sizes traced five program pairs for the same property).
+# 12000 rows; every setting over several batches, of two sizes (the settings are arrays of one
+# sampled program: a size's programs serve all its settings; five sizes traced five program pairs
+# for the same property).
 @pytest.mark.parametrize("setting,rows,batch_size", [("temperature", 24000, 6000),
                                                      ("top_k", 12000, 4000),
                                                      ("top_p", 12000, 6000),
                                                      ("min_p", 12000, 4000),
                                                      ("filtered", 12000, 6000)])
-def test_longer_outputs_with_eos_have_the_target_law(eos_target, eos_engine, setting, rows,
-                                                     batch_size):
+def test_longer_outputs_with_eos_have_the_target_law(eos_target, setting, rows, batch_size):
     sp = SamplingParams.make(**SETTINGS[setting])
-    pvalues, results = mixed_pvalues(eos_target, sp, batch_size, rows, engine=eos_engine)
+    pvalues, results = mixed_pvalues(eos_target, sp, batch_size, rows)
     lengths = [len(r.token_ids) for r in results]
     assert min(lengths) < LONG_TOKENS == max(lengths)  # some rows stopped at EOS, some ran on
     full_steps = sum(r.metrics["num_accepted_tokens"] == 2 for r in results)
