@@ -39,9 +39,11 @@ if [ "$have" = "$key test" ] || [ "$have" = "$key $job" ]; then
   exit 0
 fi
 
+fresh=0  # a .venv created just now holds nothing to look up (each `pip show` is ~1.3 s)
 if [ ! -x .venv/bin/python ]; then
   step "creating .venv (python3 -m venv)"
   long "creating .venv" python3 -m venv .venv
+  fresh=1
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
@@ -49,7 +51,7 @@ rm -f "$stamp"  # written back only once every step below succeeded
 
 # An older checkout installed this package as "jaxspec", which is PyPI's name for another
 # project; either way a distribution of that name in this .venv is not ours.
-if python -m pip show jaxspec >/dev/null 2>&1; then
+if [ "$fresh" = 0 ] && python -m pip show jaxspec >/dev/null 2>&1; then
   step "removing the distribution named 'jaxspec' (now jaxspec-decoding)"
   python -m pip uninstall --yes --quiet jaxspec
 fi
@@ -71,7 +73,7 @@ fi
 # dependencies (they would move torch/transformers); loguru is the one its model loading imports.
 # tests/test_dspark.py stands in for the training-data packages (datasets, hs_connectors) that
 # its package imports and the model code never calls.
-if [ "$job" = test ] && ! python -m pip show speculators >/dev/null 2>&1; then
+if [ "$job" = test ] && { [ "$fresh" = 1 ] || ! python -m pip show speculators >/dev/null 2>&1; }; then
   step "installing the DSpark reference (speculators==0.9.0, loguru, --no-deps)"
   long "installing the DSpark reference" python -m pip install --no-deps speculators==0.9.0 loguru==0.7.3
 fi
@@ -100,16 +102,28 @@ fi
 if [ "$job" = test ]; then
   # The accelerator compilers for deviceless compiles (python -m jaxspec.tools.roofline --target,
   # tests/test_accel_roofline.py): XLA:GPU's plugin (--no-deps: no CUDA libraries are needed to
-  # compile) and libtpu, matching the installed jax, into .venv/aot -- outside site-packages, so
-  # this venv's jax never discovers them at startup (jaxspec.tools.aot adds the folder when asked).
-  jax_version="$(python -c 'import jax; print(jax.__version__)')"
+  # compile) and libtpu, matching the installed jax, outside site-packages, so this venv's jax
+  # never discovers them at startup (jaxspec.tools.aot adds .venv/aot when asked). They are
+  # installed once per jax version into a kept folder (~/.cache/jaxspec/aot-VERSION, like the
+  # suite's XLA cache) that .venv/aot links to: a fresh clone's setup (CI) skips unpacking 1.2 GB.
+  jax_version="$(python -c 'from importlib.metadata import version; print(version("jax"))')"  # no jax import
   if [ "$(cat .venv/aot/.jax-version 2>/dev/null)" != "$jax_version" ]; then
-    step "installing the deviceless GPU/TPU compilers for jax $jax_version into .venv/aot (~1.2 GB)"
-    rm -rf .venv/aot
-    long "installing the deviceless compilers" python -m pip install --no-deps --target .venv/aot "jax-cuda12-plugin==$jax_version" \
-      "jax-cuda12-pjrt==$jax_version" "$(python -c 'from importlib.metadata import requires; print(next(r.split(";")[0].strip()
+    kept="${XDG_CACHE_HOME:-$HOME/.cache}/jaxspec/aot-$jax_version"
+    if [ "$(cat "$kept/.jax-version" 2>/dev/null)" != "$jax_version" ]; then
+      step "installing the deviceless GPU/TPU compilers for jax $jax_version into $kept (~1.2 GB)"
+      mkdir -p "$(dirname "$kept")"
+      rm -rf "$kept"
+      partial="$(mktemp -d "$kept.partial-XXXXXX")"  # moved into place whole, or not at all
+      chmod 755 "$partial"
+      long "installing the deviceless compilers" python -m pip install --no-deps --target "$partial" "jax-cuda12-plugin==$jax_version" \
+        "jax-cuda12-pjrt==$jax_version" "$(python -c 'from importlib.metadata import requires; print(next(r.split(";")[0].strip()
 for r in requires("jax") if r.startswith("libtpu")))')"
-    echo "$jax_version" > .venv/aot/.jax-version
+      echo "$jax_version" > "$partial/.jax-version"
+      mv -T "$partial" "$kept" 2>/dev/null || rm -rf "$partial"  # another setup got there first
+    fi
+    step "linking .venv/aot to the deviceless compilers in $kept"
+    rm -rf .venv/aot
+    ln -s "$kept" .venv/aot
   fi
 fi
 echo "$key $job" > "$stamp"

@@ -106,7 +106,10 @@ fi
 workers="${JAXSPEC_TEST_WORKERS:-$(python -c 'import os; print(min(2, len(os.sched_getaffinity(0))))')}"
 run() {
   if [ "$workers" -gt 1 ] && [ "$named" -eq 0 ]; then
-    python -m pytest -n "$workers" --dist loadfile "$@"
+    # --no-loadscope-reorder: xdist (>= 3.6) otherwise hands out files by their number of tests,
+    # not in collection order, and tests/suite_plan.py's LONGEST_FIRST (the order conftest.py
+    # collects in) would not reach the workers: files of few, long tests came last.
+    python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
   else
     python -m pytest "$@"
   fi

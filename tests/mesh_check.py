@@ -409,6 +409,8 @@ def smollm2() -> dict:
 
 
 def parity() -> dict:
+    """{"same": {"method (mesh)": tokens equal one device's}, "one_device": {"plain" and
+    "ngram": one device's tokens}} (the two-process test's reference: not computed twice)."""
     target = model()
     out = {}
     singles = {}
@@ -419,7 +421,7 @@ def parity() -> dict:
         for shape in MESHES[name]:
             plan = MeshPlan(make_mesh(*shape), shard_drafter=shard)
             out[f"{name} {shape}"] = generate(target, drafter, dparams, plan) == singles[base]
-    return out
+    return {"same": out, "one_device": {name: singles[name] for name in ("plain", "ngram")}}
 
 
 # Bad meshes on the command line: (the arguments after `--prompt hi`, a fragment of the one

@@ -1,6 +1,6 @@
 """Run by tests/test_serving_mesh.py in a subprocess with 8 simulated CPU devices (the flag must
 be set before jax starts): the serving scheduler on a (2, 4) mesh with its page pool sharded over
-kv heads, against solo one-device runs; the pool's shardings after serving; pool-sized copies in
+kv heads, against one-device runs; the pool's shardings after serving; pool-sized copies in
 the optimised HLO of every decode program the scheduler compiles. Prints one JSON object.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/serving_mesh_check.py [view] [replicated]
@@ -127,9 +127,12 @@ def run(target, prompts, plan, name, with_solo=True, copies_of=None) -> dict:
     out = {"kv_layout": sched.kv_layout, "pool_spec": str(tuple(pool.sharding.spec)),
            "pool_shard": list(pool.addressable_shards[0].data.shape),
            "copies": pool_copies(sched, copies_of) if copies_of else None}
-    if with_solo:
-        solo = Engine(*args, num_speculative_tokens=gamma, max_context=CONTEXT)
-        want = [solo.generate([p], max_new_tokens=n)[0].token_ids for p, n in zip(prompts, NEW)]
+    if with_solo:  # one device, the prompts in one batch (a greedy row's tokens are its own
+        # whatever shares its batch: test_speculative, test_serving), each cut to its request's
+        # length: one program pair, not one per prompt bucket and length bucket
+        one = Engine(*args, num_speculative_tokens=gamma, max_context=CONTEXT)
+        rows = one.generate(prompts, max_new_tokens=max(NEW), batch_size=len(prompts))
+        want = [r.token_ids[:n] for r, n in zip(rows, NEW)]
         out["same"] = got == want
     return out
 

@@ -182,11 +182,13 @@ def mixed_pvalues(eos_target, sp, batch_size, rows=24000):
 
 
 # (setting, rows, rows per batch): the plain temperature law at the most rows; each filter at
-# 12000 rows over batches of different sizes.
-@pytest.mark.parametrize("setting,rows,batch_size", [("temperature", 24000, 24000),
+# 12000 rows; every setting over several batches, of two sizes (the settings are arrays of one
+# sampled program: a size's programs serve all its settings; five sizes traced five program pairs
+# for the same property).
+@pytest.mark.parametrize("setting,rows,batch_size", [("temperature", 24000, 6000),
                                                      ("top_k", 12000, 4000),
-                                                     ("top_p", 12000, 3000),
-                                                     ("min_p", 12000, 12000),
+                                                     ("top_p", 12000, 6000),
+                                                     ("min_p", 12000, 4000),
                                                      ("filtered", 12000, 6000)])
 def test_longer_outputs_with_eos_have_the_target_law(eos_target, setting, rows, batch_size):
     sp = SamplingParams.make(**SETTINGS[setting])

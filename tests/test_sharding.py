@@ -61,7 +61,7 @@ def test_meshes_give_the_tokens_of_one_device_for_every_method(mesh_checks):
     """Against one device, greedy, 8 mixed prompts: plain, ngram, a draft model and EAGLE on
     (2, 4), the draft model and EAGLE also sharded by the target's rules there; plain on (1, 8)
     and (8, 1), EAGLE on (1, 8), ngram on (8, 1) (mesh_check.MESHES)."""
-    out = check(mesh_checks, "parity")
+    out = check(mesh_checks, "parity")["same"]
     assert len(out) == sum(len(m) for m in mesh_check_meshes().values()), out
     assert all(out.values()), {k: v for k, v in out.items() if not v}
 
@@ -197,13 +197,11 @@ def _run_two_processes(env) -> list[str]:
     raise AssertionError("the coordinator's port was taken 3 times in a row")
 
 
-def test_two_processes_form_one_mesh_and_match_one_process():
+def test_two_processes_form_one_mesh_and_match_one_process(mesh_checks):
     """Two CPU processes on the loopback address, 4 simulated devices each, joined through
     jax.distributed into one (2, 4) mesh: each hands over its own 4 rows of the batch, the rows
-    are gathered, only process 0 prints, and the tokens equal a one-process, one-device run."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    import mesh_check
-
+    are gathered, only process 0 prints, and the tokens equal a one-process, one-device run (the
+    one mesh_check's parity mode compares its meshes with: mesh_check.generate, one device)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
         "--xla_force_host_platform_device_count=8", ""
@@ -212,9 +210,10 @@ def test_two_processes_form_one_mesh_and_match_one_process():
     first, second = outs
     assert first["local_rows"] == [0] and second["local_rows"] == [4]  # process-local rows
     assert set(second) == {"local_rows"}  # process 1 printed no results
-    target = mesh_check.model()
-    for name, drafter, dparams, _ in mesh_check.drafters(target)[:2]:
-        assert first[name] == mesh_check.generate(target, drafter, dparams), name
+    one_device = check(mesh_checks, "parity")["one_device"]
+    assert set(one_device) == {"plain", "ngram"}, one_device
+    for name, tokens in one_device.items():
+        assert first[name] == tokens, name
 
 
 def test_smollm2_loads_onto_a_mesh_by_whole_kv_heads_and_keeps_its_tokens(mesh_checks):
