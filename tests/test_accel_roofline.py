@@ -224,6 +224,25 @@ def test_a_chain_window_is_written_by_the_verify_on_gpu():
     assert written["kernels"] + 4 * 4 <= read_only["kernels"], (written, read_only)
 
 
+def test_the_loop_step_compiles_on_a_v5e_mesh():
+    """`--method` on `--mesh`: n-gram's loop step placed as the engine places it on a v5e 1x2
+    (params by the rules, the state by rows and kv heads): two chips, the paged TPU kernel per
+    shard, collectives for the model axis, no host sync."""
+    import dataclasses
+
+    from tiny import tiny_config
+
+    from jaxspec.models import llama
+    from jaxspec.tools import spec_steps
+
+    model = llama.LlamaTarget(dataclasses.replace(tiny_config(layers=2, vocab=5000),
+                                                  dtype="bfloat16"))
+    place = accel_roofline.placement("v5e", (1, 2), model)
+    r = spec_steps.measure_step(place, model, "unrolled", "ngram", 4, 2, 256, 128)
+    assert r["chips"] == 2 and r["attention"] == "pallas_tpu" and r["host_syncs"] == 0, r
+    assert r["collectives"] >= 2 * 2, r  # two all-reduces a layer at least
+
+
 def test_greedy_decoding_picks_the_argmax_and_sampling_still_draws():
     """Plain decoding's compiled step: greedy takes the argmax (no vocabulary scan, fewer kernels);
     the sampled step (the control: the detector sees its inverse-CDF draw) scans."""

@@ -46,6 +46,8 @@ from jaxspec.decode.drafter import CommitContext, DraftContext, Proposal, traits
 from jaxspec.decode.prefill import prefill, score_logits  # noqa: F401 (re-exported)
 from jaxspec.decode.state import DecodeState, LoopSpec, place  # noqa: F401 (re-exported)
 from jaxspec.models import attention_kernels, base
+from jaxspec.models.cache import KVCache
+from jaxspec.models.paged_attention import PagedKVCache
 from jaxspec.decode.sampling import SamplingParams
 
 
@@ -285,8 +287,12 @@ def drafted_step(spec, tparams, dparams, state, sp, k_draft, k_accept, lengths) 
     return window_step(in_place=True)
 
 
-def _writes_chains(spec: LoopSpec) -> bool:
-    """Whether a chain's verify window is written in place (`LoopSpec.write_chains`)."""
+def _writes_chains(spec: LoopSpec, cache) -> bool:
+    """Whether a chain's verify window is written in place (`LoopSpec.write_chains`): only into
+    a KV cache (contiguous or paged), where entries past a row's length are masked; a hybrid
+    model's recurrent state would advance over the rejected entries too."""
+    if not isinstance(cache, (KVCache, PagedKVCache)):
+        return False
     return jax.default_backend() != "cpu" if spec.write_chains is None else spec.write_chains
 
 
@@ -314,7 +320,7 @@ def _window_step(spec, tparams, dparams, state, sp, k_accept, proposal, dstate, 
         _last_token(state), state.cache.lengths, proposal.tokens, parents, num_nodes
     )
     aux = processors.prepare(extras, proposal.tokens, parents)
-    if in_place and proposal.parents is None and _writes_chains(spec):  # a chain, written
+    if in_place and proposal.parents is None and _writes_chains(spec, state.cache):  # a chain
         p, hidden, cache, window_kv, reads = _chain_in_place(
             spec, tparams, state.cache, window, sp, extras, aux)
     else:

@@ -398,10 +398,12 @@ def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False)
             name="jaxspec_decode",
         )(q, k, v, start, length)
 
-    start = jnp.zeros((b, kv), jnp.int32)
-    lens = jnp.broadcast_to(lengths[:, None], (b, kv)).astype(jnp.int32)
-    o, l, m = jax.vmap(jax.vmap(one))(qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype),
-                                      start, lens)  # [B, K, splits, GT(, H)]
+    # start and length enter unbatched over kv heads (start: one constant): broadcast to [B, K]
+    # they were two more kernels a layer on XLA:GPU (one per operand, never shared by layers)
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+    o, l, m = jax.vmap(per_head, in_axes=(0, 0, 0, None, 0))(
+        qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype), jnp.int32(0),
+        lengths.astype(jnp.int32))  # [B, K, splits, GT(, H)]
     return _merge_splits(o, m, l, axis=2)
 
 

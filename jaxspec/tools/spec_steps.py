@@ -177,7 +177,7 @@ def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, ba
         "bytes_moved": moved,
         "bytes_ratio": round(moved / need, 3), "kernels": kernels, "host_syncs": syncs,
         "vocab_scans": len(step_model.vocabulary_scans(text, _vocab_sizes(model, dparams))),
-        "attention": hlo.compiled_attention(text),
+        "attention": hlo.compiled_attention(text), "collectives": step_model.collectives(text),
         "floor_ms": round(step_model.floor_ms(need, p.target.bandwidth), 4),
         "predicted_ms": round(step_model.predicted_ms(
             moved, p.target.bandwidth, kernels or 1, syncs), 4),
