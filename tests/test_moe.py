@@ -346,7 +346,8 @@ def test_missing_expert_and_mixed_stack_refused(checkpoints, tmp_path):
 
 def test_experts_sharded_on_meshes_equal_one_device():
     """Qwen3-MoE, Qwen3.5 (hybrid) and Qwen3.5-MoE on (1, 2) and (2, 4) meshes equal one device
-    (prompt logits; greedy tokens plain and with n-gram drafts), with experts (run per device),
+    (prompt logits; greedy tokens plain and with n-gram drafts; Qwen3-MoE's (2, 4) with the
+    rules table's experts over "data", placed and combined there), with experts (run per device),
     linear-attention value heads and q/k/v channels split by the rules table, no weight
     all-gathered in a compiled step or window, and on (1, 2) no activation moved between
     devices but the all-reduces (tests/moe_mesh_check.py)."""
@@ -363,7 +364,7 @@ def test_experts_sharded_on_meshes_equal_one_device():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out) == {f"{m}/{d}" for m in ("qwen3_moe", "qwen3_5", "qwen3_5_moe")
-                        for d in ("1x2", "2x4")}
+                        for d in ("1x2", "2x4e" if m == "qwen3_moe" else "2x4")}
     for name, result in out.items():
         assert all(v for k, v in result.items() if k.startswith("equal/")), name
         assert result["logits_max_diff"] < 2e-4, name
@@ -373,7 +374,16 @@ def test_experts_sharded_on_meshes_equal_one_device():
     assert out["qwen3_5/1x2"]["equal/plain"] and out["qwen3_5_moe/2x4"]["equal/ngram"]
     for fam in ("qwen3_moe", "qwen3_5_moe"):  # 16 experts, 8 / 4 per device
         assert out[f"{fam}/1x2"]["shards"]["we_gate"] == [8, 16, 64]
-        assert out[f"{fam}/2x4"]["shards"]["we_gate"] == [4, 16, 64]
+        assert out[f"{fam}/1x2"]["expert_collectives"] == ["all-reduce:model"], fam
+    assert out["qwen3_5_moe/2x4"]["shards"]["we_gate"] == [4, 16, 64]
+    assert out["qwen3_5_moe/2x4"]["expert_collectives"] == ["all-reduce:model"]
+    # the rules table puts Qwen3-MoE's experts over "data" on (2, 4): 8 a device, combined over
+    # "data" (the batch's axis too: a reduce-scatter back to the rows' devices where 4 rows
+    # split), never over "model" (the table ignored: experts split and combined over "model")
+    moe_data = out["qwen3_moe/2x4e"]
+    assert moe_data["shards"]["we_gate"] == [8, 16, 64], moe_data
+    assert moe_data["expert_collectives"] == ["reduce-scatter:data"], moe_data
+    assert not [r for r in moe_data["regathers"] if "collective-permute" in r], moe_data
     for fam in ("qwen3_5", "qwen3_5_moe"):  # 4 value heads of 8 (in_z 32 rows), 64 channels
         assert out[f"{fam}/1x2"]["shards"]["in_z"] == [16, 64]
         assert out[f"{fam}/2x4"]["shards"]["in_z"] == [8, 64]
