@@ -155,10 +155,11 @@ def compiled_collectives(target, params, leaves: dict, plan) -> dict:
 def axis_groups(mesh) -> dict:
     """{frozenset of device-id groups: axis name} for each mesh axis (and "all")."""
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    out = {frozenset(map(frozenset, ids.reshape(1, -1).tolist())): "all"}
+    out = {}
     for i, name in enumerate(mesh.axis_names):
         groups = np.moveaxis(ids, i, -1).reshape(-1, ids.shape[i])
         out.setdefault(frozenset(map(frozenset, groups.tolist())), name)
+    out.setdefault(frozenset(map(frozenset, ids.reshape(1, -1).tolist())), "all")
     return out
 
 
