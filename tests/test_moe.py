@@ -26,7 +26,7 @@ import pytest
 from conftest import import_torch
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
-from jaxspec.models import moe
+from jaxspec.models import moe, moe_shards
 
 VOCAB = 96
 PROMPT = 20
@@ -247,6 +247,14 @@ def test_expert_paths_equal_a_dense_reference():
             got = moe.moe_block(p, x, top_k=k, norm_topk=True, path=path)
             np.testing.assert_allclose(got, dense, atol=1e-5, err_msg=f"{path}, {n} tokens")
         assert moe.path_for(n, k, e) == ("gather" if n * k < e else "dense")  # on CPU
+    # the TPU prompt path: the Pallas grouped matmul (run interpreted here) on each half of the
+    # experts, as two devices would, sums to the reference
+    w, picked = moe.route(p["router"], x, k, True)
+    halves = [{name: p[name][first:first + e // 2] for name in moe_shards.EXPERT_LEAVES}
+              for first in (0, e // 2)]
+    kernel = sum(moe_shards.experts_local(h, x, w, picked, first, platform="interpret")
+                 for h, first in zip(halves, (0, e // 2)))
+    np.testing.assert_allclose(kernel, dense, atol=1e-5)
     assert moe.experts_woken(1, k, e) == pytest.approx(k)
     assert k < moe.experts_woken(5, k, e) < e
 
@@ -388,6 +396,26 @@ def test_experts_sharded_on_meshes_equal_one_device():
         assert out[f"{fam}/1x2"]["shards"]["in_z"] == [16, 64]
         assert out[f"{fam}/2x4"]["shards"]["in_z"] == [8, 64]
         assert out[f"{fam}/2x4"]["shards"]["in_qkv"] == [16, 64]
+
+
+def test_a_loop_states_its_expected_trips_to_the_byte_count():
+    """A data-dependent loop in `hlo.expected_trips_scope(2.5)` (the woken-experts loop's) is
+    counted 2.5 times by `hlo.device_bytes`, whatever its unknown_trip; the same loop unnamed
+    is counted at unknown_trip."""
+    from jaxspec import hlo
+
+    scope = hlo.expected_trips_scope(2.5)
+
+    def summed(w, n):  # w [8, 256], n: a traced trip count
+        body = lambda i, acc: 1.5 * acc + jax.lax.dynamic_index_in_dim(w, i, keepdims=False)  # noqa: E731
+        with jax.named_scope(scope):
+            return jax.lax.fori_loop(0, n, body, jnp.zeros(w.shape[1:], w.dtype))
+
+    named = jax.jit(summed).lower(jnp.ones((8, 256)), jnp.int32(3)).compile().as_text()
+    assert scope in named
+    plain = named.replace(scope, "plain")  # the same program, its loop unnamed
+    assert hlo.device_bytes(named, unknown_trip=7) == hlo.device_bytes(plain, unknown_trip=2.5)
+    assert hlo.device_bytes(named, unknown_trip=7) < hlo.device_bytes(plain, unknown_trip=7)
 
 
 def test_active_weight_bytes_at_real_shapes_match_the_published_counts():
