@@ -155,7 +155,7 @@ def run_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
     """x [N, D], routed (weights [N, k], experts int32[N, k]) -> [N, D]: each token the weighted
     sum of its experts' gated outputs (act(gate) * up, then down). "gather" and "grouped" sum
     the slots in router order; "dense" combines by a matrix. `path`: "gather" | "grouped" |
-    "dense" (None: on a mesh whose experts axis splits them, `moe_shards` per device; else
+    "dense" | "looped" (None: on a mesh whose experts axis splits them, `moe_shards` per device; else
     `path_for` the token count)."""
     on_mesh = moe_shards.mesh_axis_for(p["we_gate"].shape[0]) if path is None else None
     if on_mesh is not None:  # traced on a mesh splitting the experts: each device its own
@@ -164,6 +164,8 @@ def run_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
                                                 act=act)
     path = path or path_for(x.shape[0], experts.shape[1], p["we_gate"].shape[0])
     weights = weights.astype(x.dtype)
+    if path == "looped":  # each woken expert read once, in place (moe_shards, one device)
+        return moe_shards.experts_looped(p, x, weights, experts, 0, act)
     if path == "dense":
         return experts_dense(p, x, weights, experts, act)
     run = experts_gather if path == "gather" else experts_grouped

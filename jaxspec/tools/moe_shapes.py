@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--batch", default="1,8")
     p.add_argument("--window", default="1,5")
-    p.add_argument("--path", default=None, choices=["gather", "grouped", "dense"],
+    p.add_argument("--path", default=None, choices=["gather", "grouped", "dense", "looped"],
                    help="a one-device path under GSPMD instead of the per-shard one")
     p.add_argument("--whole", action="store_true", help="the whole forward (decode and verify "
                    "steps, accel_roofline's rows) against the active weights, not one block")
