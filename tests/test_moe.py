@@ -225,7 +225,7 @@ def test_broken_routing_fails(checkpoints, prompt_ids, monkeypatch, variant):
 
 
 def test_expert_paths_equal_a_dense_reference():
-    """gather and grouped equal every expert run on every token, weighted by a one-hot
+    """gather, grouped and looped equal every expert run on every token, weighted by a one-hot
     combine matrix (an independent reference), for token counts on both sides of N*k = E."""
     e, f, d, k = 8, 16, 32, 3
     keys = jax.random.split(jax.random.key(0), 5)
@@ -243,7 +243,7 @@ def test_expert_paths_equal_a_dense_reference():
         every = jnp.einsum("efd,nd->nef", p["we_gate"], x)
         h = jax.nn.silu(every) * jnp.einsum("efd,nd->nef", p["we_up"], x)
         dense = jnp.einsum("ne,nef,edf->nd", combine, h, p["we_down"])
-        for path in ("gather", "grouped", "dense"):
+        for path in ("gather", "grouped", "dense", "looped"):
             got = moe.moe_block(p, x, top_k=k, norm_topk=True, path=path)
             np.testing.assert_allclose(got, dense, atol=1e-5, err_msg=f"{path}, {n} tokens")
         assert moe.path_for(n, k, e) == ("gather" if n * k < e else "dense")  # on CPU
