@@ -233,6 +233,15 @@ def _fusion_bytes(comps, name: str, operand_bytes: list[int], out_bytes: int) ->
     return total
 
 
+def expected_trips_scope(trips: float) -> str:
+    """A name scope (`jax.named_scope`) for a data-dependent loop expected to run `trips` times
+    on average: `device_bytes` counts the loop at that figure, not at its `unknown_trip`."""
+    return f"expected_trips_{trips:.4f}"
+
+
+_STATED_TRIPS = re.compile(r'op_name="[^"]*expected_trips_([0-9.]+)[^"]*/while"')
+
+
 def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_trip: int = 1) -> int:
     """Bytes an accelerator moves for one run of the module: like XLA's cost analysis, but in-place
     updates count their rows, fused slices their slice, and while bodies their known trip count.
@@ -241,7 +250,8 @@ def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_tri
     (the dot reads the slice from the stack itself), as compilers that fuse a slice into a dot's
     operand do; XLA:CPU copies it out first (the stacked layout's per-layer weights).
     unknown_trip: how many times a while loop without a known trip count runs (data-dependent,
-    e.g. the attention's loop over valid cache blocks)."""
+    e.g. the attention's loop over valid cache blocks), unless the loop states its expected
+    count in its name scope (`expected_trips_scope`: the MoE loop over woken experts)."""
     comps = parse(text)
     entry = next((m.group(2) for line in text.splitlines() if (m := _COMP.match(line)) and m.group(1)),
                  None)
@@ -266,7 +276,8 @@ def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_tri
             if op == "while":
                 trip = _TRIP.search(ins.line)
                 body = _BODY.search(ins.line)
-                n = int(trip.group(1)) if trip else unknown_trip
+                stated = _STATED_TRIPS.search(ins.line)
+                n = int(trip.group(1)) if trip else float(stated.group(1)) if stated else unknown_trip
                 total += n * (comp_bytes(body.group(1)) if body else 0)
                 continue
             if op == "conditional":
@@ -295,7 +306,7 @@ def device_bytes(text: str, *, slices_fused_into_dots: bool = False, unknown_tri
                 total += sum(operands) + out
         return total
 
-    return comp_bytes(entry) if entry else 0
+    return round(comp_bytes(entry)) if entry else 0
 
 
 # custom-call targets of the attention implementations, as they appear in a lowered (StableHLO)

@@ -13,8 +13,9 @@ COUNT N (not N*H). Query heads must divide (`check_model` says which sizes fit);
 not divide stay replicated over `model`, as does any mlp / vocab dim the axis does not divide.
 With q/k/v split by heads and wo / w_down contracted over the split dim, a layer needs two
 all-reduces (Megatron). Routed experts (`models/moe.py`, `[E, ...]` leaves) split whole experts
-over `model` (`ShardingRules.experts`): each device runs its own (`models/moe_shards.py`), no
-expert weight is gathered.
+over the axis `ShardingRules.experts` names (`model` by default; `data` too: the block then
+gathers its tokens over `data` and reduce-scatters them back): each device runs its own
+(`models/moe_shards.py`, placed by the same rules at trace time), no expert weight is gathered.
 Gated DeltaNet layers (Qwen3.5, Qwen3-Next) split their value heads (`linear_heads`: in_z, in_a,
 in_b, out and the recurrent state) and their mixed q/k/v channels (`linear_channels`: in_qkv, the
 per-channel conv and its state) over `model`; the channels are grouped by key head on load

@@ -15,6 +15,9 @@ block alone per expert path (gather, grouped = ragged_dot, dense) at each token 
 the real shapes (Qwen3-30B-A3B, Qwen3.5-35B-A3B; bfloat16, `tools.moe_shapes`) the weight bytes
 a step reads (the experts its tokens wake) and that time at each chip's HBM bandwidth, and a
 window's predicted cost in plain steps (`moe.window_cost_ratio`; weights only, no KV).
+After each cost table (the measured one when --widths is 1,2,..,n): the γ adaptive length
+chooses on that curve for rows accepting each draft with probability 0.5 / 0.7 / 0.9, and
+the predicted speedup over plain (`controller.best_gain`).
 """
 
 from __future__ import annotations
@@ -82,6 +85,52 @@ def predict(chips: list[str], batches=(1, 8), windows=(1, 2, 4, 5, 8)) -> None:
                           f"{active / 1e9:.2f} | {1e3 * active / bw:.2f} | {ratio:.2f} |")
 
 
+ALPHAS = (0.5, 0.7, 0.9)
+
+
+def chosen_gamma(costs: list[float], alpha: float) -> tuple[int, float]:
+    """(γ, speedup) the adaptive controller settles on for rows accepting each draft with
+    probability alpha: the cap whose expected tokens per step over its cost (in plain steps,
+    costs[γ]: a window of γ + 1) is highest (`controller.best_gain`'s argmax; 0 = plain)."""
+    best, gain, run, expected = 0, 1.0, 1.0, 1.0
+    for g in range(1, len(costs)):
+        run *= alpha
+        expected += run
+        if expected / costs[g] > gain:
+            best, gain = g, expected / costs[g]
+    return best, gain
+
+
+def adaptive_table(curves: dict, gamma_max: int) -> None:
+    """What adaptive length chooses on each cost curve ({label: [cost of a window of 1 ..
+    gamma_max + 1 in plain steps]}): γ and the predicted speedup per acceptance rate."""
+    print(f"| curve (windows 1..{gamma_max + 1}, plain steps) | "
+          + " | ".join(f"α {a}: γ (speedup)" for a in ALPHAS) + " |")
+    print("|---|" + "---:|" * len(ALPHAS))
+    for label, costs in curves.items():
+        cells = [f"{g} ({s:.2f}x)" for g, s in (chosen_gamma(costs, a) for a in ALPHAS)]
+        print(f"| {label}: {' '.join(f'{c:.2f}' for c in costs)} | {' | '.join(cells)} |")
+
+
+def predicted_curves(chips: list[str], batches=(1, 8), gamma_max: int = 7) -> dict:
+    """At the real shapes, a window's predicted cost in plain steps (`moe.window_cost_ratio`:
+    the experts it wakes, weights only) for windows 1 .. gamma_max + 1."""
+    from jaxspec.tools import moe_shapes
+
+    out = {}
+    for make in (moe_shapes.qwen3_30b_a3b, moe_shapes.qwen3_5_35b_a3b):
+        target = make("bfloat16")
+        _, experts, _ = moe_shapes.weight_bytes(target)
+        cfg = target.cfg
+        for b in batches:
+            share = experts * moe.experts_woken(b, cfg.top_k, cfg.num_experts) / (
+                cfg.num_experts * moe_shapes.active_weight_bytes(target, b))
+            out[f"{target.name} batch {b} ({'/'.join(chips)}, bandwidth-bound)"] = [
+                moe.window_cost_ratio(w, b, cfg.top_k, cfg.num_experts, share)
+                for w in range(1, gamma_max + 2)]
+    return out
+
+
 def path_table(token_counts: list[int]) -> None:
     keys = jax.random.split(jax.random.key(0), 5)
     d = DIMS["hidden_size"]
@@ -117,6 +166,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.predict:
         predict(args.predict.split(","))
+        print()
+        adaptive_table(predicted_curves(args.predict.split(",")), 7)
         return 0
     if args.paths:
         path_table([int(n) for n in args.paths.split(",")])
@@ -124,9 +175,12 @@ def main(argv=None) -> int:
     widths = [int(w) for w in args.widths.split(",")]
     print(f"| model | batch | plain step (ms) | {' | '.join(f'window {w}' for w in widths[1:])} |")
     print("|---|---:|---:|" + "---:|" * (len(widths) - 1))
+    curves = {}
     for name, m in models().items():
         for b in (int(x) for x in args.batches.split(",")):
             secs = calibration.measure_verify(m, b, widths)
+            if widths == list(range(1, len(widths) + 1)):  # a full curve: adaptive's input
+                curves[f"{name} batch {b} (CPU)"] = [s / secs[0] for s in secs]
             cells = []
             for w, s in zip(widths[1:], secs[1:]):
                 cell = f"{s / secs[0]:.2f}"
@@ -135,6 +189,9 @@ def main(argv=None) -> int:
                     cell += f" ({path}, {moe.experts_woken(b * w, K, E):.0f} experts)"
                 cells.append(cell)
             print(f"| {name} | {b} | {1e3 * secs[0]:.2f} | {' | '.join(cells)} |")
+    if curves:
+        print()
+        adaptive_table(curves, len(widths) - 1)
     return 0
 
 

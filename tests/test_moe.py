@@ -26,7 +26,7 @@ import pytest
 from conftest import import_torch
 from jaxspec.errors import JaxspecError
 from jaxspec.loading import load_model
-from jaxspec.models import moe
+from jaxspec.models import moe, moe_shards
 
 VOCAB = 96
 PROMPT = 20
@@ -225,7 +225,7 @@ def test_broken_routing_fails(checkpoints, prompt_ids, monkeypatch, variant):
 
 
 def test_expert_paths_equal_a_dense_reference():
-    """gather and grouped equal every expert run on every token, weighted by a one-hot
+    """gather, grouped and looped equal every expert run on every token, weighted by a one-hot
     combine matrix (an independent reference), for token counts on both sides of N*k = E."""
     e, f, d, k = 8, 16, 32, 3
     keys = jax.random.split(jax.random.key(0), 5)
@@ -243,10 +243,18 @@ def test_expert_paths_equal_a_dense_reference():
         every = jnp.einsum("efd,nd->nef", p["we_gate"], x)
         h = jax.nn.silu(every) * jnp.einsum("efd,nd->nef", p["we_up"], x)
         dense = jnp.einsum("ne,nef,edf->nd", combine, h, p["we_down"])
-        for path in ("gather", "grouped", "dense"):
+        for path in ("gather", "grouped", "dense", "looped"):
             got = moe.moe_block(p, x, top_k=k, norm_topk=True, path=path)
             np.testing.assert_allclose(got, dense, atol=1e-5, err_msg=f"{path}, {n} tokens")
         assert moe.path_for(n, k, e) == ("gather" if n * k < e else "dense")  # on CPU
+    # the TPU prompt path: the Pallas grouped matmul (run interpreted here) on each half of the
+    # experts, as two devices would, sums to the reference
+    w, picked = moe.route(p["router"], x, k, True)
+    halves = [{name: p[name][first:first + e // 2] for name in moe_shards.EXPERT_LEAVES}
+              for first in (0, e // 2)]
+    kernel = sum(moe_shards.experts_local(h, x, w, picked, first, platform="interpret")
+                 for h, first in zip(halves, (0, e // 2)))
+    np.testing.assert_allclose(kernel, dense, atol=1e-5)
     assert moe.experts_woken(1, k, e) == pytest.approx(k)
     assert k < moe.experts_woken(5, k, e) < e
 
@@ -346,7 +354,8 @@ def test_missing_expert_and_mixed_stack_refused(checkpoints, tmp_path):
 
 def test_experts_sharded_on_meshes_equal_one_device():
     """Qwen3-MoE, Qwen3.5 (hybrid) and Qwen3.5-MoE on (1, 2) and (2, 4) meshes equal one device
-    (prompt logits; greedy tokens plain and with n-gram drafts), with experts (run per device),
+    (prompt logits; greedy tokens plain and with n-gram drafts; Qwen3-MoE's (2, 4) with the
+    rules table's experts over "data", placed and combined there), with experts (run per device),
     linear-attention value heads and q/k/v channels split by the rules table, no weight
     all-gathered in a compiled step or window, and on (1, 2) no activation moved between
     devices but the all-reduces (tests/moe_mesh_check.py)."""
@@ -363,7 +372,7 @@ def test_experts_sharded_on_meshes_equal_one_device():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out) == {f"{m}/{d}" for m in ("qwen3_moe", "qwen3_5", "qwen3_5_moe")
-                        for d in ("1x2", "2x4")}
+                        for d in ("1x2", "2x4e" if m == "qwen3_moe" else "2x4")}
     for name, result in out.items():
         assert all(v for k, v in result.items() if k.startswith("equal/")), name
         assert result["logits_max_diff"] < 2e-4, name
@@ -373,11 +382,40 @@ def test_experts_sharded_on_meshes_equal_one_device():
     assert out["qwen3_5/1x2"]["equal/plain"] and out["qwen3_5_moe/2x4"]["equal/ngram"]
     for fam in ("qwen3_moe", "qwen3_5_moe"):  # 16 experts, 8 / 4 per device
         assert out[f"{fam}/1x2"]["shards"]["we_gate"] == [8, 16, 64]
-        assert out[f"{fam}/2x4"]["shards"]["we_gate"] == [4, 16, 64]
+        assert out[f"{fam}/1x2"]["expert_collectives"] == ["all-reduce:model"], fam
+    assert out["qwen3_5_moe/2x4"]["shards"]["we_gate"] == [4, 16, 64]
+    assert out["qwen3_5_moe/2x4"]["expert_collectives"] == ["all-reduce:model"]
+    # the rules table puts Qwen3-MoE's experts over "data" on (2, 4): 8 a device, combined over
+    # "data" (the batch's axis too: a reduce-scatter back to the rows' devices where 4 rows
+    # split), never over "model" (the table ignored: experts split and combined over "model")
+    moe_data = out["qwen3_moe/2x4e"]
+    assert moe_data["shards"]["we_gate"] == [8, 16, 64], moe_data
+    assert moe_data["expert_collectives"] == ["reduce-scatter:data"], moe_data
+    assert not [r for r in moe_data["regathers"] if "collective-permute" in r], moe_data
     for fam in ("qwen3_5", "qwen3_5_moe"):  # 4 value heads of 8 (in_z 32 rows), 64 channels
         assert out[f"{fam}/1x2"]["shards"]["in_z"] == [16, 64]
         assert out[f"{fam}/2x4"]["shards"]["in_z"] == [8, 64]
         assert out[f"{fam}/2x4"]["shards"]["in_qkv"] == [16, 64]
+
+
+def test_a_loop_states_its_expected_trips_to_the_byte_count():
+    """A data-dependent loop in `hlo.expected_trips_scope(2.5)` (the woken-experts loop's) is
+    counted 2.5 times by `hlo.device_bytes`, whatever its unknown_trip; the same loop unnamed
+    is counted at unknown_trip."""
+    from jaxspec import hlo
+
+    scope = hlo.expected_trips_scope(2.5)
+
+    def summed(w, n):  # w [8, 256], n: a traced trip count
+        body = lambda i, acc: 1.5 * acc + jax.lax.dynamic_index_in_dim(w, i, keepdims=False)  # noqa: E731
+        with jax.named_scope(scope):
+            return jax.lax.fori_loop(0, n, body, jnp.zeros(w.shape[1:], w.dtype))
+
+    named = jax.jit(summed).lower(jnp.ones((8, 256)), jnp.int32(3)).compile().as_text()
+    assert scope in named
+    plain = named.replace(scope, "plain")  # the same program, its loop unnamed
+    assert hlo.device_bytes(named, unknown_trip=7) == hlo.device_bytes(plain, unknown_trip=2.5)
+    assert hlo.device_bytes(named, unknown_trip=7) < hlo.device_bytes(plain, unknown_trip=7)
 
 
 def test_active_weight_bytes_at_real_shapes_match_the_published_counts():

@@ -45,7 +45,7 @@ from jaxspec.decode.adaptive.loop import controller, plan_step
 from jaxspec.decode.drafter import CommitContext, DraftContext, Proposal, traits
 from jaxspec.decode.prefill import prefill, score_logits  # noqa: F401 (re-exported)
 from jaxspec.decode.state import DecodeState, LoopSpec, place  # noqa: F401 (re-exported)
-from jaxspec.models import attention_kernels, base
+from jaxspec.models import attention_kernels, base, moe_shards
 from jaxspec.models.cache import KVCache
 from jaxspec.models.paged_attention import PagedKVCache
 from jaxspec.decode.sampling import SamplingParams
@@ -433,7 +433,9 @@ def _on_kernel_mesh(fn):
 
     @functools.wraps(fn)
     def traced(spec, *args, **kwargs):
-        with attention_kernels.kernel_mesh(None if spec.mesh is None else spec.mesh.mesh):
+        plan = spec.mesh
+        with attention_kernels.kernel_mesh(None if plan is None else plan.mesh), \
+                moe_shards.expert_placement(None if plan is None else plan.rules):
             return fn(spec, *args, **kwargs)
 
     return traced

@@ -14,9 +14,10 @@ expert a token uses. Three ways to run the chosen experts, picked from static sh
   "dense"    many pairs on CPU: every expert on every token, combined by a matrix zero off the
              top k (XLA:CPU's ragged_dot is slower than that, BENCHMARKS.md).
 
-The three agree to float rounding. Traced on a mesh whose experts axis splits the experts
-(`attention_kernels.kernel_mesh`, as the decode loop traces), `run_experts` runs each device's
-own experts instead (`models/moe_shards.py`: no expert weight leaves its device).
+The three agree to float rounding. Traced on a mesh whose experts axis (the rules table's,
+`moe_shards.expert_placement`) splits the experts (`attention_kernels.kernel_mesh`, as the decode
+loop traces), `run_experts` runs each device's own experts instead (`models/moe_shards.py`: no
+expert weight leaves its device).
 
 Params of one block (torch `Linear` layout, contracted on the last dim; E experts, F the expert
 width, D the model dim):
@@ -119,10 +120,10 @@ def experts_grouped(p: Params, x: jax.Array, experts: jax.Array, act=jax.nn.silu
     order = jnp.argsort(flat, stable=True)
     rows = x[order // k]  # [N*k, D], sorted by expert
     sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
-    w = lambda name: jnp.swapaxes(p[name], 1, 2).astype(x.dtype)  # noqa: E731  [E, in, out]
-    h = act(jax.lax.ragged_dot(rows, w("we_gate"), sizes)) * jax.lax.ragged_dot(
-        rows, w("we_up"), sizes)  # [N*k, F]
-    out = jax.lax.ragged_dot(h, w("we_down"), sizes)  # [N*k, D]
+    platform = jax.default_backend()
+    g = lambda r, name: moe_shards.grouped(r, p[name], sizes, platform)  # noqa: E731
+    h = act(g(rows, "we_gate")) * g(rows, "we_up")  # [N*k, F], weights read in their layout
+    out = g(h, "we_down")  # [N*k, D]
     unsorted = jnp.zeros_like(out).at[order].set(out)
     return unsorted.reshape(n, k, -1)
 
@@ -154,13 +155,17 @@ def run_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
     """x [N, D], routed (weights [N, k], experts int32[N, k]) -> [N, D]: each token the weighted
     sum of its experts' gated outputs (act(gate) * up, then down). "gather" and "grouped" sum
     the slots in router order; "dense" combines by a matrix. `path`: "gather" | "grouped" |
-    "dense" (None: on a mesh whose experts axis splits them, `moe_shards` per device; else
+    "dense" | "looped" (None: on a mesh whose experts axis splits them, `moe_shards` per device; else
     `path_for` the token count)."""
     on_mesh = moe_shards.mesh_axis_for(p["we_gate"].shape[0]) if path is None else None
     if on_mesh is not None:  # traced on a mesh splitting the experts: each device its own
-        return moe_shards.run_experts_on_shards(p, x, weights, experts, *on_mesh, act=act)
+        mesh, axis, tokens = on_mesh
+        return moe_shards.run_experts_on_shards(p, x, weights, experts, mesh, axis, tokens,
+                                                act=act)
     path = path or path_for(x.shape[0], experts.shape[1], p["we_gate"].shape[0])
     weights = weights.astype(x.dtype)
+    if path == "looped":  # each woken expert read once, in place (moe_shards, one device)
+        return moe_shards.experts_looped(p, x, weights, experts, 0, act)
     if path == "dense":
         return experts_dense(p, x, weights, experts, act)
     run = experts_gather if path == "gather" else experts_grouped

@@ -114,16 +114,17 @@ SHAPES = {"qwen3-30b-a3b": qwen3_30b_a3b, "qwen3.5-35b-a3b": qwen3_5_35b_a3b}
 _UNKNOWN_TRIP_WHILE = re.compile(r"\bwhile\((?![^\n]*known_trip_count)")
 
 
-def block_program(place, target, batch: int, window: int, path: str | None):
+def block_program(place, target, batch: int, window: int, path: str | None, rules=None):
     """(compiled text, layer-0 MoE params as placed): the routed block (+ shared expert) of
     `target`'s first MoE layer on x [batch*window, D], compiled for `place` (accel_roofline's
     placement; its mesh set as the trace mesh, as the decode loop traces). path None: the
-    per-shard path on a mesh splitting the experts; "gather" etc.: that path under GSPMD."""
+    per-shard path on a mesh splitting the experts; "gather" etc.: that path under GSPMD.
+    rules: the `sharding.ShardingRules` placing params, tokens and experts (None: defaults)."""
     import jax
     import jax.numpy as jnp
 
     from jaxspec import sharding
-    from jaxspec.models import attention_kernels, moe
+    from jaxspec.models import attention_kernels, moe, moe_shards
     from jaxspec.tools import aot
 
     params = jax.eval_shape(lambda: target.init_params(jax.random.key(0)))
@@ -132,8 +133,9 @@ def block_program(place, target, batch: int, window: int, path: str | None):
         shard = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(place.devices[0]), params)
         tokens = shard["embed"]
     else:
-        shard = sharding.target_shardings(target, params, place.mesh)
-        rows = "data" if batch % place.mesh.shape["data"] == 0 else None
+        rules = rules or sharding.ShardingRules()
+        shard = sharding.target_shardings(target, params, place.mesh, rules)
+        rows = rules.batch if batch % place.mesh.shape[rules.batch] == 0 else None
         tokens = jax.sharding.NamedSharding(place.mesh, jax.sharding.PartitionSpec(rows))
     keep = lambda lp: {k: v for k, v in lp.items() if k == "router" or k.startswith(("we_", "ws_"))}  # noqa: E731
     lp = aot.on(keep(params["layers"][layer]), keep(shard["layers"][layer]))
@@ -141,29 +143,34 @@ def block_program(place, target, batch: int, window: int, path: str | None):
                              sharding=tokens)
     top_k = target.cfg.top_k
     fn = jax.jit(lambda p, x: moe.moe_block(p, x, top_k=top_k, norm_topk=True, path=path))
-    with attention_kernels.kernel_mesh(place.mesh):
+    with attention_kernels.kernel_mesh(place.mesh), moe_shards.expert_placement(rules):
         compiled = aot.compile_for(place.target, fn, lp, x)
     return compiled.as_text(), lp
 
 
-def block_row(place, target, batch: int, window: int, path: str | None = None) -> dict:
+def block_row(place, target, batch: int, window: int, path: str | None = None,
+              experts_axis: str = "model") -> dict:
     """One MoE block's bytes per chip against its share of the active weights. The share: the
     router whole (replicated) + each split leaf's 1/chips-of-its-axis share, the experts as
-    many as a chip's tokens wake (experts_woken(N / data) / model). The per-shard path's loop
-    over a chip's woken experts has a data-dependent trip count; it is counted at that same
-    expectation (`hlo.device_bytes`' unknown_trip), so the ratio checks that nothing else
-    expert-sized is read or moved; another path's data-dependent loops count once (a floor). weight_gathers: all-gathers as large as one expert."""
+    many as a chip's tokens wake (experts_woken(N / data) / the experts axis; all N where the
+    experts split over "data"). The per-shard path's loop over a chip's woken experts has a
+    data-dependent trip count; it states that same expectation in its name scope, which
+    `hlo.device_bytes` counts, so the ratio checks that nothing else expert-sized is read or
+    moved; another path's data-dependent loops count once (a floor). weight_gathers:
+    all-gathers as large as one expert."""
     import jax.numpy as jnp
 
-    from jaxspec import hlo
+    from jaxspec import hlo, sharding
     from jaxspec.models import moe
     from jaxspec.tools import step_model
 
-    text, lp = block_program(place, target, batch, window, path)
+    rules = sharding.ShardingRules(experts=experts_axis)
+    text, lp = block_program(place, target, batch, window, path, rules)
     num_experts, top_k = _moe_dims(target)
     mesh = place.mesh
-    data = mesh.shape["data"] if mesh is not None and batch % mesh.shape["data"] == 0 else 1
-    split = mesh.shape["model"] if mesh is not None else 1
+    split = mesh.shape[experts_axis] if mesh is not None else 1
+    rows = mesh is not None and experts_axis != "data" and batch % mesh.shape["data"] == 0
+    data = mesh.shape["data"] if rows else 1  # experts over "data": every chip all tokens
     woken_per_chip = moe.experts_woken(batch * window // data, top_k, num_experts) / split
     nbytes = lambda x: x.size * jnp.dtype(x.dtype).itemsize  # noqa: E731
     chip = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
@@ -171,32 +178,81 @@ def block_row(place, target, batch: int, window: int, path: str | None = None) -
     share = (sum(chip(v) for k, v in lp.items() if k not in EXPERT_LEAVES)
              + woken_per_chip * one_expert)
     loops = len(_UNKNOWN_TRIP_WHILE.findall(text))
-    b0, b1 = hlo.device_bytes(text, unknown_trip=0), hlo.device_bytes(text, unknown_trip=1)
-    # the per-shard loop at the woken count; another path's data-dependent loops (sorts) once
-    per_chip = b0 + (b1 - b0) * (woken_per_chip if path is None else 1)
+    # the per-shard loop at the woken count it states; other data-dependent loops (sorts) once
+    per_chip = hlo.device_bytes(text, unknown_trip=1)
     least = lp["we_gate"].size // num_experts
     gathers = [d for d in re.findall(r"= (?:f32|bf16)\[([0-9,]*)\]\{[^}]*\} all-gather(?:-start)?\(",
                                      text)
                if math.prod(int(s) for s in d.split(",") if s) >= least]
     return {"target": place.target.name, "mesh": list(mesh.shape.values()) if mesh else [1, 1],
-            "path": path or "shards", "batch": batch, "window": window,
+            "path": path or "shards", "experts_axis": experts_axis, "batch": batch,
+            "window": window,
             "experts_woken": round(moe.experts_woken(batch * window, top_k, num_experts), 2),
             "share_bytes": int(share), "bytes_per_chip": int(per_chip),
             "ratio": round(per_chip / share, 3), "data_dependent_loops": loops,
             "collectives": step_model.collectives(text), "weight_gathers": gathers}
 
 
+# ---- whole-model steps (accel_roofline's rows) against the active weights
+
+
+def chip_active_fields(place, target, row: dict, experts_axis: str = "model") -> dict:
+    """Fields that put an accelerator row (`accel_roofline.measure`: bytes_moved and
+    shard_bytes per chip, min_bytes the model's) against the *active* weights: the experts a
+    step's tokens wake, not all of them. active_min_bytes: min_bytes less the unwoken experts;
+    active_shard_bytes: shard_bytes less the unwoken share of the experts this chip holds (its
+    tokens: N / data where the batch and the experts split over different axes, else all N);
+    active_ratio: bytes_moved over that, the figure that is 1.0 at the floor."""
+    from jaxspec.models import moe
+
+    dims = _moe_dims(target)
+    if dims is None:
+        return {}
+    num_experts, top_k = dims
+    _, experts, _ = weight_bytes(target)
+    tokens = row["batch"] * row["window"]
+    mesh = place.mesh
+    split = mesh.shape[experts_axis] if mesh is not None else 1
+    data = mesh.shape["data"] if mesh is not None and experts_axis != "data" else 1
+    chip_tokens = tokens // data if tokens % data == 0 else tokens
+    unwoken = lambda n: 1.0 - moe.experts_woken(n, top_k, num_experts) / num_experts  # noqa: E731
+    active_min = row["min_bytes"] - experts * unwoken(tokens)
+    active_shard = row["shard_bytes"] - experts / split * unwoken(chip_tokens)
+    return {"experts_woken": round(moe.experts_woken(tokens, top_k, num_experts), 2),
+            "active_min_bytes": int(active_min), "active_shard_bytes": int(active_shard),
+            "active_ratio": round(row["bytes_moved"] / active_shard, 3),
+            "active_floor_ms": round(1e3 * active_shard / place.target.bandwidth, 4)}
+
+
+def whole_rows(place, target, batches, windows, capacity: int = 2048, fill: float = 0.5,
+               layout: str = "unrolled") -> list[dict]:
+    """accel_roofline's whole-forward rows (decode, verify windows) with `chip_active_fields`:
+    the per-shard MoE loop counted at the experts its chip's tokens wake (the trip count it
+    states, `hlo.expected_trips_scope`), the attention's loop at its own."""
+    from jaxspec.tools import accel_roofline
+
+    return [row | chip_active_fields(place, target, row)
+            for row in accel_roofline.rows(place, target, layout, batches, windows, capacity, fill)]
+
+
 def main(argv=None) -> int:
     """python -m jaxspec.tools.moe_shapes --target v5e --mesh 1,4 --shape qwen3-30b-a3b
-    [--batch 1,8] [--window 1,5] [--path gather]: one MoE block's bytes per chip (JSON rows)."""
+    [--batch 1,8] [--window 1,5] [--path gather] [--experts-axis data]: one MoE block's bytes
+    per chip (JSON rows); --whole [--layers N]: whole decode / verify steps against the active
+    weights."""
     p = argparse.ArgumentParser(prog="python -m jaxspec.tools.moe_shapes", description=main.__doc__)
     p.add_argument("--target", default="v5e")
     p.add_argument("--mesh", default="1,4", metavar="D,M")
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--batch", default="1,8")
     p.add_argument("--window", default="1,5")
-    p.add_argument("--path", default=None, choices=["gather", "grouped", "dense"],
+    p.add_argument("--path", default=None, choices=["gather", "grouped", "dense", "looped"],
                    help="a one-device path under GSPMD instead of the per-shard one")
+    p.add_argument("--whole", action="store_true", help="the whole forward (decode and verify "
+                   "steps, accel_roofline's rows) against the active weights, not one block")
+    p.add_argument("--layers", type=int, metavar="N", help="with --whole: the first N layers")
+    p.add_argument("--experts-axis", default="model", choices=["model", "data"],
+                   help="the rules table's mesh axis for the experts (ShardingRules.experts)")
     args = p.parse_args(argv)
     from jaxspec.tools import accel_roofline, aot  # jax loads only once the arguments parse
 
@@ -208,10 +264,21 @@ def main(argv=None) -> int:
         raise JaxspecError(f"--mesh {args.mesh!r} / --batch / --window: use integers, e.g. "
                            f"--mesh 1,4 --batch 1,8 --window 1,5") from None
     target = SHAPES[args.shape]("bfloat16")
+    if args.whole:
+        target = target.prefix(args.layers) if args.layers else target
+        place = accel_roofline.placement(args.target, None if data * model == 1
+                                         else (data, model), target)
+        keep = ("target", "program", "batch", "window", "chips", "bytes_moved", "shard_bytes",
+                "shard_ratio", "collectives", "predicted_ms")
+        for row in whole_rows(place, target, batches, windows):
+            print(json.dumps({"shape": args.shape} | {k: row[k] for k in keep if k in row}
+                             | chip_active_fields(place, target, row)))
+        return 0
     place = accel_roofline.placement(args.target, (data, model), target)
     for b in batches:
         for w in windows:
-            print(json.dumps({"shape": args.shape} | block_row(place, target, b, w, args.path)))
+            print(json.dumps({"shape": args.shape} | block_row(place, target, b, w, args.path,
+                                                                  args.experts_axis)))
     return 0
 
 
