@@ -60,7 +60,9 @@ def serving_engine(config):
     # the batch a mesh's data axis must divide is the server's slots
     config = dataclasses.replace(config, generation=dataclasses.replace(
         config.generation, max_context=s.max_context, batch_size=s.slots))
-    options = {"config": s, "seed": config.sampling.seed}  # the section passed down whole
+    # the section passed down whole; one page-table width (`batch.table_widths`): every
+    # program is held resident, so few of them
+    options = {"config": s, "seed": config.sampling.seed, "tables": "one"}
     return build_engine(config), options
 
 

@@ -181,3 +181,22 @@ def test_tail_programs_grow_with_the_tail_buckets_not_times_the_prompt_buckets(
     else:
         assert tails == [(p, t) for p in tail_buckets for t in tail_buckets if t <= p]
         assert wholes == sorted({prompt_bucket(n) for n in range(1, 100)})
+
+
+def test_a_whole_prompt_past_128_tokens_runs_as_a_tail_of_three_quarters_its_octave(tiny_target):
+    """With the prefix cache on, a whole prompt runs as a tail from 0 (`whole_as_tail`): past
+    128 tokens its tail bucket has a step at 3/4 of each octave (`tail_bucket`: 140 -> 192, not
+    256), listed for the warm-up, and the greedy output still equals a solo run."""
+    from jaxspec.serving.admission import tail_bucket
+
+    assert [tail_bucket(n) for n in (100, 129, 192, 193, 264, 400, 700)] == [
+        128, 192, 192, 256, 384, 512, 768]
+    engine = engine_for(tiny_target, "plain", context=256)
+    sched = Scheduler(engine, slots=1, max_context=256, steps_per_call=4)
+    tails = [r["tokens"] for r in sched.prefill_programs(range(1, 200))
+             if r["name"] == "prefill_tail"]
+    assert tails == [16, 32, 64, 128, 192, 256]
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, 64, size=140)]
+    solo = engine.generate([prompt], max_new_tokens=6)[0].token_ids
+    assert [c.token_ids for c in run(sched, [(0, prompt, Sampling(max_tokens=6))])] == [solo]
+    assert sched.stats.prefill_calls == 1

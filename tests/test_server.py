@@ -48,7 +48,7 @@ def solo(engine):
 @pytest.fixture(scope="module")
 def served(engine):
     server = Server(engine, slots=3, max_context=CONTEXT, steps_per_call=4, max_queue=3,
-                    model_name=NAME)
+                    model_name=NAME, tables="one")  # one page-table width, as jaxspec.serve
     with listening(make_app(server)) as url:
         yield server, url
     server.close()
@@ -563,6 +563,25 @@ def test_fuzzed_requests_never_break_the_server(served, client, solo):
     h = idle(server)
     assert h["status"] == "ok" and h["free_pages"] == h["kv_pages"] and h["failed"] == failed
     print(f"fuzzed: {seen}")
+
+
+def test_the_server_holds_one_decode_program_per_row_width(served, engine):
+    """The warm-up's list (`serve.server_programs`): a decode program per row width, each with
+    the full page table and sampling mode "any" (no all-greedy twin; the greedy tests above run
+    through it); the control: a scheduler of page-table octaves lists one per octave too."""
+    from jaxspec.serve import server_programs
+    from jaxspec.serving.gate import Limits
+    from jaxspec.serving.scheduler import Scheduler
+
+    sched = served[0].scheduler
+    decode = [r for r in server_programs(sched, Limits()) if r["name"] == "decode"]
+    assert [r["rows"] for r in decode] == list(sched.widths) == [1, 2, 3]
+    assert {r["table_pages"] for r in decode} == {sched.max_pages}
+    assert {r["program"][1][4].mode for r in decode} == {"any"} and not any(
+        "sampling" in r for r in decode)
+    octaves = Scheduler(engine, slots=3, max_context=CONTEXT, steps_per_call=4)
+    decode = [r for r in server_programs(octaves, Limits()) if r["name"] == "decode"]
+    assert len(decode) == len(octaves.widths) * len(octaves.table_widths) > 3
 
 
 def test_cache_salt_keeps_prefix_hits_within_a_tenant(served):

@@ -40,6 +40,20 @@ def prompt_width(n: int, done: int, tail_width: int | None = None) -> int:
     return tail_width if tail_width is not None else bucket(n)
 
 
+FINE_TAILS_FROM = 128  # tails longer than this also get a bucket at 3/4 of each octave
+
+
+def tail_bucket(n: int) -> int:
+    """The width a tail of n tokens is padded to (the tokens its prefill runs): the power-of-two
+    `bucket`, and past FINE_TAILS_FROM also 3/4 of it (264 -> 384, not 512), so a whole prompt
+    run as a tail (`whole_as_tail`) is padded at most 1.5x there, for three more programs up to
+    1024 (a 264-token prompt's time to first token: 1.55x the exact bucket's at 512, see
+    docs/history/BENCHMARKS-session-30.md)."""
+    b = bucket(n)
+    three_quarters = b // 4 * 3
+    return three_quarters if b > FINE_TAILS_FROM and n <= three_quarters else b
+
+
 def tail_prompt_width(spec, capacity: int) -> int | None:
     """The one prompt width every tail's prefill takes (`capacity`), where nothing in it runs a
     model over the whole prompt array: no drafter, or one that drafts from tokens with neither
@@ -235,7 +249,7 @@ class Admission:
         ids = req.prompt_ids
         as_tail = bool(done) or self.whole_as_tail
         if as_tail:
-            tail = paged_cache.TailTarget(spec.target, bucket(len(ids) - done))
+            tail = paged_cache.TailTarget(spec.target, tail_bucket(len(ids) - done))
             spec = dataclasses.replace(spec, target=tail)
         prompt = np.zeros((1, prompt_width(len(ids), as_tail, self.tail_width)), np.int32)
         prompt[0, : len(ids)] = ids
@@ -265,7 +279,7 @@ class Admission:
             out += self._programs_at(prompt, [("prefill", prompt, self.spec.target)], widths)
         for prompt, most in self._tail_widths(prompt_lengths) if tails else ():
             targets = [("prefill_tail", t, paged_cache.TailTarget(self.spec.target, t))
-                       for t in sorted({bucket(n) for n in range(1, most + 1)})]
+                       for t in sorted({tail_bucket(n) for n in range(1, most + 1)})]
             out += self._programs_at(prompt, targets, widths)  # every tail bucket up to `most`
         if self.chunk is not None:
             for rows_ in widths:
@@ -359,7 +373,7 @@ class Admission:
         def shape(x):  # the call's program: prompt bucket, tail bucket (0: whole prompts)
             req, _, done = x
             n, as_tail = len(req.prompt_ids), bool(done) or self.whole_as_tail
-            return prompt_width(n, as_tail, self.tail_width), bucket(n - done) if as_tail else 0
+            return prompt_width(n, as_tail, self.tail_width), tail_bucket(n - done) if as_tail else 0
 
         for key in sorted({shape(x) for x in ready}):  # no row padded to a longer one's bucket
             group = sorted((x for x in ready if shape(x) == key),
@@ -390,7 +404,7 @@ class Admission:
         reqs, slots, dones = zip(*items)
         spec, as_tail = self.spec, any(dones) or self.whole_as_tail
         if as_tail:
-            tail = bucket(max(len(r.prompt_ids) - d for r, d in zip(reqs, dones)))
+            tail = tail_bucket(max(len(r.prompt_ids) - d for r, d in zip(reqs, dones)))
             spec = dataclasses.replace(spec, target=paged_cache.TailTarget(spec.target, tail))
         prompt = np.zeros((len(reqs), prompt_width(max(len(r.prompt_ids) for r in reqs),
                                                    as_tail, self.tail_width)), np.int32)

@@ -18,6 +18,17 @@ def program_widths(most: int, least: int = 1) -> tuple[int, ...]:
     return (*out, most)
 
 
+def table_widths(per_row: int, tables: str = "octaves") -> tuple[int, ...]:
+    """The page-table widths decode calls are compiled for: "octaves" (powers of two from
+    MIN_TABLE_PAGES up to `per_row`) or "one" (`per_row` alone). One table costs a short row
+    nothing measurable on CPU (the attention reads the whole table's pages: SmolLM2, 4 rows
+    at 1/16 of the table, within the noise of the octaves) and is what TPU/GPU paged kernels
+    bound by each row's length anyway; it divides the decode programs by the octaves' count."""
+    if tables not in ("octaves", "one"):
+        raise ValueError(f"tables={tables!r}: use 'octaves' or 'one'")
+    return program_widths(per_row, MIN_TABLE_PAGES) if tables == "octaves" else (per_row,)
+
+
 def call_width(widths: tuple[int, ...], live: int) -> int:
     """The narrowest compiled width holding `live` rows."""
     return next(w for w in widths if w >= live)

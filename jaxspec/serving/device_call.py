@@ -47,6 +47,9 @@ class Shape:
     max_pages: int  # page-table entries per row
     paged: bool  # a page pool (else a contiguous per-slot cache)
     static: bool  # the static-batching baseline: every call over all slots
+    # decode calls always in sampling mode "any" (a temperature-0 row takes its argmax inside
+    # it): one program a shape, not an all-greedy twin beside it (False: the twin, A/B only)
+    one_mode: bool = True
 
 
 class DeviceRunner:
@@ -80,7 +83,7 @@ class DeviceRunner:
         out, s = [], self.shape
         for width in s.widths if s.paged else (s.slots,):
             shape = jax.eval_shape(lambda w=width: self.row_state_shape(w))
-            sp = SamplingParams.rows([GREEDY] * width)
+            sp = self.call_sampling([GREEDY] * width)
             shape = self.with_costs(shape, width)
             for cols in s.table_widths if s.paged else (None,):
                 if cols is not None:
@@ -90,6 +93,12 @@ class DeviceRunner:
                 out.append({"name": "decode", "rows": width, "table_pages": cols,
                             "program": self.engine.decode_program(self.spec, shape, sp, s.steps)})
         return out
+
+    def call_sampling(self, values) -> SamplingParams:
+        """A decode call's per-row sampling values; mode "any" whatever the rows ask where the
+        shape has one mode (`Shape.one_mode`)."""
+        sp = SamplingParams.rows(values)
+        return dataclasses.replace(sp, mode="any") if self.shape.one_mode else sp
 
     def with_costs(self, state, width: int):
         """`state` with the controller's cost table for a `width`-row call (adaptive only)."""
@@ -110,7 +119,7 @@ class DeviceRunner:
         width = call_width(s.widths, len(live)) if s.paged and not s.static else s.slots
         spare = [i for i in range(s.slots) if i not in active]  # done rows: padding
         order = live + spare[: width - len(live)]
-        sp = SamplingParams.rows([self.sp_rows[i] for i in order])
+        sp = self.call_sampling([self.sp_rows[i] for i in order])
         whole = order == list(range(s.slots))
         self._call_rows(order, whole, active, live, sp)
         fields = {n: getattr(self.state, n) for n in HOST_FIELDS}

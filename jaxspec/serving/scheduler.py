@@ -37,7 +37,7 @@ from jaxspec.errors import JaxspecError
 from jaxspec.serving import grammars, paged_cache, paged_hybrid, prefix
 from jaxspec.serving import policy as policy_lib
 from jaxspec.serving.admission import Admission
-from jaxspec.serving.batch import MIN_TABLE_PAGES, program_widths
+from jaxspec.serving.batch import MIN_TABLE_PAGES, program_widths, table_widths
 from jaxspec.serving.device_call import DeviceRunner, Shape
 from jaxspec.serving.kv_manager import KVManager
 from jaxspec.serving.ledger import Ledger
@@ -87,7 +87,8 @@ def check_settings(engine, c: ServingConfig) -> None:
 
 class Scheduler:
     def __init__(self, engine, config: ServingConfig | None = None, *, seed: int = 0,
-                 static: bool = False, paged: bool = True, **settings):
+                 static: bool = False, paged: bool = True, tables: str = "octaves",
+                 **settings):
         """config: the `serving` section (slots, max_context, steps_per_call, max_queue,
         kv_pages, page_size, prefill_chunk, prefix_cache, policy, batch_prefill,
         max_batched_tokens, structured: each described there); keyword `settings` replace its
@@ -95,7 +96,11 @@ class Scheduler:
         static: the static-batching baseline (bench_serve): requests are admitted only into
         an empty batch, which then runs until its last row ends, every call over all slots
         (a lockstep batch, as `Engine.generate` runs: rows that ended keep computing).
-        paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B)."""
+        paged=False: the contiguous per-slot cache with the same page bookkeeping (A/B).
+        tables: the page-table widths decode calls are compiled for: "octaves" (powers of two
+        from MIN_TABLE_PAGES: a call's table is as wide as its longest row needs) or "one"
+        (every call the full table: one decode program per row width, what a server holding
+        every program resident takes; `batch.table_widths`)."""
         self.config = c = serving_config(config, **settings)
         check_settings(engine, c)
         self.engine, self.static = engine, static
@@ -109,7 +114,7 @@ class Scheduler:
         # widths (each its own compiled program), and its page table is as wide as the longest
         # live row needs (`table_widths`): a step's cost follows the load
         self.widths = program_widths(c.slots)
-        self.table_widths = program_widths(per_row, MIN_TABLE_PAGES)
+        self.table_widths = table_widths(per_row, tables)
         self.paged = paged and paged_cache.pageable(engine.cache_shape(engine.target, 1, 8))
         spec = engine.serving_spec()
         taps = tuple(spec.drafter.hidden_layers) if spec.drafter is not None else ()

@@ -121,7 +121,7 @@ def serving_scheduler(engine, config):
     engine built with serving.max_context): its programs are the server's."""
     from jaxspec.serving.scheduler import Scheduler
 
-    return Scheduler(engine, config.serving)
+    return Scheduler(engine, config.serving, tables="one")  # as jaxspec.serve.serving_engine
 
 
 def serving_programs(engine, config, platform: str, prompt_lengths) -> list[dict[str, Any]]:
