@@ -282,7 +282,8 @@ def test_greedy_dspark_is_token_identical_at_batch_8(greedy_target, mixed_prompt
     from jaxspec.engine.runner import Engine
 
     drafter, dparams = tiny_head(greedy_target.target, kind, anchor=anchor, layers=(0, 2),
-                                 cost_per_draft=cost, variable_length=cost > 0, **shape)
+                                 cost_per_draft=cost, variable_length=cost > 0,
+                                 online_calibration=2.0 if cost > 0 else 0.0, **shape)
     engine = Engine(greedy_target, drafter, dparams, num_speculative_tokens=3)
     out = engine.generate(mixed_prompts, max_new_tokens=NEW, batch_size=8)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
@@ -331,6 +332,22 @@ def test_scheduled_length_maximises_tokens_per_cost():
     np.testing.assert_allclose(hd.curve_at(by_batch, 4), (1.0, 1.2 + 0.8 * 3 / 7,
                                                           1.4 + 1.6 * 3 / 7))
     assert hd.curve_at(by_batch, 16) == (1.0, 2.0, 3.0) and hd.curve_at(by_batch, 1)[1] == 1.2
+    # online correction: no evidence leaves the head's survival; a batch that accepted half of
+    # what it predicted at position 0 and a third at position 1 scales them (prior 2 each
+    # side: (5 + 2) / (12 + 2), (2 + 2) / (10 + 2)); kept in [0, 1] and non-increasing
+    c = hd.init_calibration(2, 3)
+    s = jnp.asarray([[0.9, 0.6, 0.3], [0.8, 0.8, 0.1]])
+    np.testing.assert_allclose(hd.corrected_survival(c, s, 2.0), [[0.9, 0.6, 0.3],
+                                                                   [0.8, 0.8, 0.1]])
+    c = c._replace(predicted=jnp.asarray([[6.0, 5.0, 0.0], [6.0, 5.0, 0.0]]),
+                   observed=jnp.asarray([[3.0, 1.0, 0.0], [2.0, 1.0, 0.0]]))
+    np.testing.assert_allclose(hd.corrected_survival(c, s, 2.0), [
+        [0.45, 0.2, 0.2], [0.4, 0.8 / 3, 0.1]], rtol=1e-5)
+    # an overconfident head's correction shortens the schedule (row 2 above: 2 -> 0 at c 0.2)
+    few = hd.corrected_survival(c._replace(predicted=jnp.full((2, 4), 9.0),
+                                           observed=jnp.full((2, 4), 1.0)),
+                                hd.survival(conf), 2.0)
+    assert int(hd.scheduled_length(conf, 0.2, s=few)[2]) < 2
     drafter, _ = tiny_head_spec_only()
     with pytest.raises(JaxspecError, match="lacks: set it to 0"):
         dataclasses.replace(drafter, cost_per_draft=0.3)
@@ -542,7 +559,7 @@ def test_served_metrics_report_the_calibration(tmp_path):
 
     model = byte_chat_model(tmp_path)
     drafter, dparams = tiny_head(model.target, "gated", cost_per_draft=0.1,
-                                 variable_length=True)
+                                 variable_length=True, online_calibration=2.0)
     engine = Engine(model, drafter, dparams, num_speculative_tokens=3, max_context=96)
     server = Server(engine, slots=1, max_context=96, steps_per_call=4, max_queue=4,
                     model_name=NAME)
@@ -572,5 +589,7 @@ def test_served_metrics_report_the_calibration(tmp_path):
                 for i in range(3):
                     predicted = moved("jaxspec_spec_confidence_predicted_total", position=str(i))
                     assert 0 <= seen[i] <= steps[i] and 0 <= predicted <= steps[i] + 1e-3
+                    used = moved("jaxspec_spec_confidence_used_total", position=str(i))
+                    assert 0 <= used <= steps[i] + 1e-3
     finally:
         server.close()

@@ -50,7 +50,8 @@ def record(result, wall_s: float) -> dict[str, Any]:
 
 # a DSpark chain's confidence head against verification (dspark_heads.calibration_metrics)
 CALIBRATION = ("confidence_predicted_per_position", "confidence_observed_per_position",
-               "confidence_steps_per_position", "verify_length_hist")
+               "confidence_steps_per_position", "verify_length_hist",
+               "confidence_used_per_position")
 
 
 def calibration(rows: list[dict]) -> dict[str, Any]:
@@ -65,12 +66,14 @@ def calibration(rows: list[dict]) -> dict[str, Any]:
     def pooled(key):
         tot = [0.0] * len(n)
         for r in rows:
-            for i, (x, k) in enumerate(zip(r[key], r["confidence_steps_per_position"])):
+            for i, (x, k) in enumerate(zip(r.get(key) or [], r["confidence_steps_per_position"])):
                 tot[i] += (x or 0.0) * k
         return [round(t / k, 4) if k else None for t, k in zip(tot, n)]
 
     return {"confidence_predicted_per_position": pooled("confidence_predicted_per_position"),
             "confidence_observed_per_position": pooled("confidence_observed_per_position"),
+            # the survival the scheduler priced with (the online-corrected confidence)
+            "confidence_used_per_position": pooled("confidence_used_per_position"),
             "confidence_steps_per_position": n,
             "verify_length_hist": [sum(c) for c in zip(*(r["verify_length_hist"] for r in rows))]}
 

@@ -74,6 +74,9 @@ class DSparkDrafter(DFlashDrafter):
     # (dspark_heads.curve_at: linear between them), so a wider batch prices its wider window
     step_costs_by_batch: tuple[tuple[int, tuple[float, ...]], ...] = ()
     share_length: bool = True  # scheduled: one length for the batch (its window is shared)
+    # scheduled: the survival corrected by the acceptance verification found so far
+    # (dspark_heads.corrected_survival, this many pseudo-acceptances of prior); 0: the head's own
+    online_calibration: float = 0.0
 
     @property
     def scheduled(self) -> bool:
@@ -196,10 +199,17 @@ class DSparkDrafter(DFlashDrafter):
     def propose(self, dparams, tparams, state: DSparkState, ctx: DraftContext, num_tokens, sp,
                 keys):
         proposal, conf = self._propose(dparams, tparams, state.dflash, ctx, num_tokens, sp, keys)
-        calib = state.calibration
+        calib, used = state.calibration, None
+        if self.scheduled:  # the lengths read only the drafts before each: lossless
+            self.check_costs(num_tokens)
+            if calib is not None and self.online_calibration > 0:
+                used = hd.corrected_survival(calib, hd.survival(conf), self.online_calibration)
+            num = hd.scheduled_length(conf, self.costs_at(ctx.lengths.shape[0]), ctx.active,
+                                      self.share_length, s=used)
+            proposal = proposal._replace(num_proposed=num)
         if calib is not None and conf is not None:
             num = jnp.where(ctx.active, proposal.num_proposed, -1)
-            calib = hd.propose_calibration(calib, conf, num)
+            calib = hd.propose_calibration(calib, conf, num, used)
         return proposal, state._replace(calibration=calib)
 
     def _propose(self, dparams, tparams, state: DFlashState, ctx: DraftContext, num_tokens, sp,
@@ -225,14 +235,13 @@ class DSparkDrafter(DFlashDrafter):
                 qs.append(sampling.logits_to_probs(base[:, first + i], sp))
             else:
                 qs.append(q)
+            if sp.mode == "greedy":  # the argmax itself: no vocabulary-sized prefix sum per row
+                return sampling.greedy_tokens(z)
             return sampling.sample_rows(step_keys[:, i], q)
 
         _, conf, tokens = self.walk(dparams, h, base, self._anchor(ctx), pick)
         num = jnp.full((b,), num_tokens, jnp.int32)
         conf = None if conf is None else conf[:, first:]
-        if self.scheduled:  # the lengths read only the drafts before each: lossless
-            self.check_costs(num_tokens)
-            num = hd.scheduled_length(conf, self.costs_at(b), ctx.active, self.share_length)
         return Proposal(tokens, jnp.stack(qs, axis=1), num), conf
 
 
@@ -258,9 +267,16 @@ class DSparkOptions(DFlashOptions):
     # scheduled: one verify length for the whole batch (sum over rows of expected tokens / the
     # shared window's cost); false: each row its own (the window is still the batch's widest)
     share_length: bool = True
+    # scheduled: the confidence corrected online by the acceptance verification found so far
+    # in the batch (per draft position, observed over predicted with this many
+    # pseudo-acceptances on each side: a head trained on one domain is overconfident off it);
+    # 0: the head's own confidence
+    online_calibration: float = 2.0
 
     def _validate(self):
         super()._validate()
+        if not 0.0 <= self.online_calibration < 1e6:
+            self._fail("online_calibration", "use a pseudo-count >= 0 (0: no correction)")
         if not 0.0 <= self.cost_per_draft < 100.0:
             self._fail("cost_per_draft", "use a number in [0, 100); 0 verifies γ drafts always")
         costs = self.step_costs
@@ -297,6 +313,7 @@ def build(options: DSparkOptions, ctx: BuildContext):
         drafter = dataclasses.replace(drafter, cost_per_draft=options.cost_per_draft,
                                       step_costs=costs, step_costs_by_batch=by_batch,
                                       share_length=options.share_length,
+                                      online_calibration=options.online_calibration,
                                       variable_length=True)
         drafter.check_costs(ctx.spec.num_speculative_tokens)
     if ctx.spec.tree.kind == "static":

@@ -111,15 +111,17 @@ def curve_at(by_batch, batch: int) -> tuple[float, ...]:
     return tuple(a + t * (b - a) for a, b in zip(lo[1], hi[1]))
 
 
-def scheduled_length(conf_logits, costs, active=None, shared: bool = False) -> jax.Array:
+def scheduled_length(conf_logits, costs, active=None, shared: bool = False,
+                     s=None) -> jax.Array:
     """int32[B]: the verify length per row from the confidence head: conf_logits f32[B, γ] are
-    the per-draft acceptance logits, `survival` S_i the chance that draft i is accepted,
-    E(k) = 1 + sum_{i<k} S_i the expected tokens of a step verifying k drafts, and cost(k) its
-    cost in plain steps (`step_cost_curve`); k = argmax_k E(k) / cost(k) over 0..γ (ties: the
-    shorter). shared: one k for the batch, argmax_k sum_rows E(k) / cost(k) over the active
-    rows (bool[B]) -- a lockstep batch verifies its widest row's window, so a row cut below it
-    saves nothing and loses what it would have accepted."""
-    s = survival(conf_logits)
+    the per-draft acceptance logits, `survival` S_i the chance that draft i is accepted (or `s`
+    f32[B, γ] given: the survival after `corrected_survival`), E(k) = 1 + sum_{i<k} S_i the
+    expected tokens of a step verifying k drafts, and cost(k) its cost in plain steps
+    (`step_cost_curve`); k = argmax_k E(k) / cost(k) over 0..γ (ties: the shorter). shared: one
+    k for the batch, argmax_k sum_rows E(k) / cost(k) over the active rows (bool[B]) -- a
+    lockstep batch verifies its widest row's window, so a row cut below it saves nothing and
+    loses what it would have accepted."""
+    s = survival(conf_logits) if s is None else s
     expected = 1.0 + jnp.concatenate([jnp.zeros_like(s[:, :1]), jnp.cumsum(s, axis=-1)],
                                      axis=-1)  # [B, γ+1]
     cost = step_cost_curve(costs, s.shape[-1])  # [γ+1]
@@ -129,6 +131,20 @@ def scheduled_length(conf_logits, costs, active=None, shared: bool = False) -> j
     total = jnp.sum(jnp.where(live[:, None], expected, 0.0), axis=0)  # [γ+1]
     k = jnp.argmax(total / cost).astype(jnp.int32)
     return jnp.where(live, k, 0)
+
+
+def corrected_survival(c: "Calibration", s, prior: float) -> jax.Array:
+    """f32[B, g]: the head's survival s f32[B, g] scaled, per draft position, by what
+    verification found so far in this batch: r_i = (observed_i + prior) / (predicted_i + prior),
+    the sums over every row's verified steps (`Calibration`), `prior` pseudo-acceptances on each
+    side (no evidence: r = 1). Clipped to [0, 1] and kept non-increasing along the block. Why:
+    the head is trained on one domain and overconfident off it (a survival of 0.43 where 0.17 is
+    seen); the correction reads only finished steps, so the stopping rule stays lossless."""
+    g = s.shape[1]
+    obs = jnp.sum(c.observed[:, :g], axis=0)
+    pred = jnp.sum(c.predicted[:, :g], axis=0)  # [g]
+    ratio = (obs + prior) / (pred + prior)
+    return jax.lax.cummin(jnp.clip(s * ratio[None], 0.0, 1.0), axis=1)
 
 
 class Calibration(NamedTuple):
@@ -143,6 +159,8 @@ class Calibration(NamedTuple):
     observed: jax.Array  # f32[B, γ]
     verified: jax.Array  # int32[B, γ]
     lengths: jax.Array  # int32[B, γ+1]
+    pending_used: jax.Array = None  # f32[B, γ] the survival the scheduler used (corrected)
+    used: jax.Array = None  # f32[B, γ] it, summed over the verified steps
 
     def row_metrics(self, row: int) -> dict:  # a fetched record (numpy leaves)
         return calibration_metrics(self, row)
@@ -151,15 +169,19 @@ class Calibration(NamedTuple):
 def init_calibration(batch: int, gamma: int) -> Calibration:
     zf, zi = jnp.zeros((batch, gamma), jnp.float32), jnp.zeros((batch, gamma), jnp.int32)
     return Calibration(zf, jnp.full((batch,), -1, jnp.int32), zf, zf, zi,
-                       jnp.zeros((batch, gamma + 1), jnp.int32))
+                       jnp.zeros((batch, gamma + 1), jnp.int32), zf, zf)
 
 
-def propose_calibration(c: Calibration, conf_logits, num) -> Calibration:
+def propose_calibration(c: Calibration, conf_logits, num, used=None) -> Calibration:
     """The pending step: conf_logits f32[B, g] (g <= γ drafts), num int32[B] verified (-1: a
-    row not drafting, which commit leaves out)."""
+    row not drafting, which commit leaves out); used f32[B, g] the survival the scheduler
+    priced them with (None: the head's own)."""
     s = survival(conf_logits)
     pending = jnp.zeros_like(c.pending).at[:, : s.shape[1]].set(s)
-    return c._replace(pending=pending, pending_num=num.astype(jnp.int32))
+    used = s if used is None else used
+    pending_used = jnp.zeros_like(c.pending).at[:, : used.shape[1]].set(used)
+    return c._replace(pending=pending, pending_num=num.astype(jnp.int32),
+                      pending_used=pending_used)
 
 
 def commit_calibration(c: Calibration, num_accepted) -> Calibration:
@@ -170,6 +192,7 @@ def commit_calibration(c: Calibration, num_accepted) -> Calibration:
     lengths = c.lengths + jax.nn.one_hot(c.pending_num, c.lengths.shape[1], dtype=jnp.int32)
     return c._replace(
         predicted=c.predicted + jnp.where(seen, c.pending, 0.0),
+        used=c.used + jnp.where(seen, c.pending_used, 0.0),
         observed=c.observed + hit.astype(jnp.float32),
         verified=c.verified + seen.astype(jnp.int32),
         lengths=lengths, pending_num=jnp.full_like(c.pending_num, -1))
@@ -181,6 +204,7 @@ def calibration_metrics(c: Calibration, row: int) -> dict:
     n = [int(x) for x in c.verified[row]]
     mean = lambda xs: [round(float(x) / k, 4) if k else None for x, k in zip(xs, n)]  # noqa: E731
     return {"confidence_predicted_per_position": mean(c.predicted[row]),
+            "confidence_used_per_position": mean(c.used[row]),
             "confidence_observed_per_position": mean(c.observed[row]),
             "confidence_steps_per_position": n,
             "verify_length_hist": [int(x) for x in c.lengths[row]]}

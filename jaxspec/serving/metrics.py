@@ -8,7 +8,8 @@ used / free / cached, device calls and preemptions. Each app has its own registr
 servers in one process (tests) do not share counters.
 
 A drafter with a confidence head (DSpark chains) adds its calibration per draft position: the
-predicted survival summed, the acceptances observed and the steps that verified the position
+predicted survival summed (and the survival the scheduler used, after its online correction),
+the acceptances observed and the steps that verified the position
 (predicted / steps against observed / steps is the calibration), and the steps by verify length
 the scheduler chose (`calibration_lines`).
 """
@@ -106,6 +107,9 @@ def calibration_lines(registry) -> dict[str, Counter]:
     return {
         "predicted": Counter("jaxspec_spec_confidence_predicted", "Predicted survival of each "
                              "verified draft position, summed", pos, registry=registry),
+        "used": Counter("jaxspec_spec_confidence_used", "Survival the scheduler priced each "
+                        "verified draft position with (after the online correction), summed",
+                        pos, registry=registry),
         "observed": Counter("jaxspec_spec_confidence_observed", "Drafts accepted at each "
                             "verified draft position", pos, registry=registry),
         "steps": Counter("jaxspec_spec_confidence_steps", "Steps that verified each draft "
@@ -130,6 +134,9 @@ def observe_calibration(lines: dict[str, Counter], method: str, m: dict[str, Any
         label = (method, str(i))
         lines["steps"].labels(*label).inc(n)
         lines["predicted"].labels(*label).inc((predicted[i] or 0.0) * n)
+        used = m.get("confidence_used_per_position") or []
+        if i < len(used):
+            lines["used"].labels(*label).inc((used[i] or 0.0) * n)
         lines["observed"].labels(*label).inc(round((observed[i] or 0.0) * n))
     for k, count in enumerate(m.get("verify_length_hist") or []):
         if count:
