@@ -43,7 +43,7 @@ def run(engine, ids, new: int) -> dict:
     out = {"decode_tok_s": round(r.decode_tokens_per_s, 2), "ttft_s": round(
         r.time_to_first_token_s, 2), "wall_s": round(time.perf_counter() - t0, 1)}
     for k in ("adaptive_gamma_mean", "adaptive_plain_fraction", "adaptive_reasons",
-              "adaptive_switched_off", "acceptance_rate"):
+              "adaptive_switched_off", "adaptive_host_reason", "acceptance_rate"):
         if k in m:
             out[k] = round(m[k], 3) if isinstance(m[k], float) else m[k]
     return out | {"tokens": r.token_ids}
@@ -59,6 +59,10 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="new tokens per request")
     ap.add_argument("--max-context", type=int, default=8192, help="KV slots per row, every engine")
     ap.add_argument("--adaptive", action="store_true", help="adaptive speculation, calibrated")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="requests per (length, method), each after its own plain run: with "
+                         "--adaptive the later ones show what the acceptance seen at that length "
+                         "decided (the host's per-context switch)")
     args = ap.parse_args()
 
     from jaxspec.build import build_engine
@@ -80,14 +84,15 @@ def main() -> None:
     for n in args.lengths:
         ids = prompt_ids(model.tokenizer, n)
         for method, engine in engines.items():
-            # plain right before each method: a pair meets the same neighbours on a shared box
-            base = run(plain, ids, args.new)
-            print(json.dumps({"context": n, "method": "plain"} | base | {"tokens": None}),
-                  flush=True)
-            row = run(engine, ids, args.new)
-            row["greedy_identical"] = row.pop("tokens") == base["tokens"]
-            row["speedup"] = round(row["decode_tok_s"] / base["decode_tok_s"], 3)
-            print(json.dumps({"context": n, "method": method} | row), flush=True)
+            for r in range(args.rounds):
+                # plain right before each method: a pair meets the same neighbours on a shared box
+                base = run(plain, ids, args.new)
+                print(json.dumps({"context": n, "method": "plain", "round": r} | base
+                                 | {"tokens": None}), flush=True)
+                row = run(engine, ids, args.new)
+                row["greedy_identical"] = row.pop("tokens") == base["tokens"]
+                row["speedup"] = round(row["decode_tok_s"] / base["decode_tok_s"], 3)
+                print(json.dumps({"context": n, "method": method, "round": r} | row), flush=True)
 
 
 if __name__ == "__main__":
