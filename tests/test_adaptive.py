@@ -140,7 +140,7 @@ def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_s
                    explore=0.0)  # plain until a probe
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
     assert engine.spec_for(1) is engine.spec  # at 0.8 one node pays: 1.8 / 1.7 (a lockstep
-    engine.spec_for = lambda batch: engine.spec  # batch starts from the prior: plain) -- no
+    engine.spec_for = lambda *_: engine.spec  # batch starts from the prior: plain) -- no
     # host switch-off here
     results = engine.generate(prompts[:4], max_new_tokens=20, batch_size=batch_size)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
@@ -186,7 +186,7 @@ def test_prompt_lookup_rows_are_priced_at_their_match(target):
                         num_speculative_tokens=3,
                         adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0,
                                          explore=0.0))  # the estimates' own price
-        engine.spec_for = lambda batch: engine.spec  # the adaptive program whatever the costs
+        engine.spec_for = lambda *_: engine.spec  # the adaptive program whatever the costs
         state = engine.prefill([[1, 2]] * 2, 32, SamplingParams.make(), 0, [0, 1], 2)
         motif, distinct = [5, 6, 7, 8] * 4, list(range(10, 26))
         rows = [motif if r < motif_rows else distinct for r in range(2)]
@@ -465,7 +465,7 @@ def test_lockstep_hand_off_is_plain_decoding(target, prompts, batch_size):
     opts = Options(step_costs=[1.1, 1.3, 1.5, 1.7], draft_cost=0.0, handoff_after=2,
                    prior_weight=1.0, probe_every=4)
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
-    engine.spec_for = lambda batch: engine.spec  # the adaptive program at every size
+    engine.spec_for = lambda *_: engine.spec  # the adaptive program at every size
     results = engine.generate(prompts[:4], max_new_tokens=24, batch_size=batch_size)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     handoff = [r.metrics["adaptive_handoff_step"] for r in results]
