@@ -15,6 +15,7 @@ checked against plain's. A JSON line per (length, method).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -43,7 +44,7 @@ def run(engine, ids, new: int) -> dict:
     out = {"decode_tok_s": round(r.decode_tokens_per_s, 2), "ttft_s": round(
         r.time_to_first_token_s, 2), "wall_s": round(time.perf_counter() - t0, 1)}
     for k in ("adaptive_gamma_mean", "adaptive_plain_fraction", "adaptive_reasons",
-              "adaptive_switched_off", "acceptance_rate"):
+              "adaptive_switched_off", "adaptive_host_reason", "acceptance_rate"):
         if k in m:
             out[k] = round(m[k], 3) if isinstance(m[k], float) else m[k]
     return out | {"tokens": r.token_ids}
@@ -59,6 +60,17 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="new tokens per request")
     ap.add_argument("--max-context", type=int, default=8192, help="KV slots per row, every engine")
     ap.add_argument("--adaptive", action="store_true", help="adaptive speculation, calibrated")
+    ap.add_argument("--step-costs", type=json.loads, default=None, metavar="JSON",
+                    help='with --adaptive: the loop\'s step-cost curves given, not measured, '
+                         'e.g. \'{"1024": [1.2, 2.4, 2.4, 3.1], "8000": [1.0, 1.3, 1.4, 1.5]}\' '
+                         '(k = 0..γ nodes, in plain steps; a calibration cache file\'s ratios)')
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dotted config override for every config, e.g. "
+                         "speculative.num_speculative_tokens=3 (repeatable)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="requests per (length, method), after one plain run: with --adaptive "
+                         "the later ones show what the acceptance seen at that length decided "
+                         "(the host's per-context switch)")
     args = ap.parse_args()
 
     from jaxspec.build import build_engine
@@ -75,7 +87,13 @@ def main() -> None:
         if args.adaptive:
             overrides += ["speculative.adaptive.enabled=true",
                           f"speculative.adaptive.context_lengths=[{','.join(map(str, fills))}]"]
-        config = load_config(path, overrides)
+        config = load_config(path, overrides + args.override)
+        if args.adaptive and args.step_costs:  # given curves: the drafting is in them
+            costs = {int(f): [float(c) for c in curve] for f, curve in args.step_costs.items()}
+            sp = config.speculative
+            adaptive = dataclasses.replace(sp.adaptive, step_costs=costs, draft_cost=0.0)
+            config = dataclasses.replace(config, speculative=dataclasses.replace(
+                sp, adaptive=adaptive))
         engines[config.speculative.method] = build_engine(config, target=model)
     for n in args.lengths:
         ids = prompt_ids(model.tokenizer, n)
@@ -84,10 +102,11 @@ def main() -> None:
             base = run(plain, ids, args.new)
             print(json.dumps({"context": n, "method": "plain"} | base | {"tokens": None}),
                   flush=True)
-            row = run(engine, ids, args.new)
-            row["greedy_identical"] = row.pop("tokens") == base["tokens"]
-            row["speedup"] = round(row["decode_tok_s"] / base["decode_tok_s"], 3)
-            print(json.dumps({"context": n, "method": method} | row), flush=True)
+            for r in range(args.rounds):
+                row = run(engine, ids, args.new)
+                row["greedy_identical"] = row.pop("tokens") == base["tokens"]
+                row["speedup"] = round(row["decode_tok_s"] / base["decode_tok_s"], 3)
+                print(json.dumps({"context": n, "method": method, "round": r} | row), flush=True)
 
 
 if __name__ == "__main__":

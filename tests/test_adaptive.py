@@ -5,6 +5,7 @@ draw failing it), one program for every length, the calibration cache, the switc
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +140,7 @@ def test_in_loop_plain_steps_are_plain_decoding(target, prompts, method, batch_s
                    explore=0.0)  # plain until a probe
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
     assert engine.spec_for(1) is engine.spec  # at 0.8 one node pays: 1.8 / 1.7 (a lockstep
-    engine.spec_for = lambda batch: engine.spec  # batch starts from the prior: plain) -- no
+    engine.spec_for = lambda *_: engine.spec  # batch starts from the prior: plain) -- no
     # host switch-off here
     results = engine.generate(prompts[:4], max_new_tokens=20, batch_size=batch_size)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
@@ -185,7 +186,7 @@ def test_prompt_lookup_rows_are_priced_at_their_match(target):
                         num_speculative_tokens=3,
                         adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0,
                                          explore=0.0))  # the estimates' own price
-        engine.spec_for = lambda batch: engine.spec  # the adaptive program whatever the costs
+        engine.spec_for = lambda *_: engine.spec  # the adaptive program whatever the costs
         state = engine.prefill([[1, 2]] * 2, 32, SamplingParams.make(), 0, [0, 1], 2)
         motif, distinct = [5, 6, 7, 8] * 4, list(range(10, 26))
         rows = [motif if r < motif_rows else distinct for r in range(2)]
@@ -464,7 +465,7 @@ def test_lockstep_hand_off_is_plain_decoding(target, prompts, batch_size):
     opts = Options(step_costs=[1.1, 1.3, 1.5, 1.7], draft_cost=0.0, handoff_after=2,
                    prior_weight=1.0, probe_every=4)
     engine = Engine(target, drafter, dparams, num_speculative_tokens=3, adaptive=opts)
-    engine.spec_for = lambda batch: engine.spec  # the adaptive program at every size
+    engine.spec_for = lambda *_: engine.spec  # the adaptive program at every size
     results = engine.generate(prompts[:4], max_new_tokens=24, batch_size=batch_size)
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     handoff = [r.metrics["adaptive_handoff_step"] for r in results]
@@ -702,13 +703,16 @@ def test_each_row_says_why_it_verifies_what_it_does():
 
 def test_speculation_switches_off_at_a_long_context(target):
     """A drafter that pays at a short context but not at a long one (verify cost per fill, as
-    calibration measures it: attention over the context grows with it): the same repetitive
-    text drafts after a 24-token prompt (from the prior's first step on) and runs plain steps only
-    after a 400-token one (the metrics show it), greedy output identical to plain decoding's."""
+    calibration measures it: attention over the context grows with it): at batch 1 the request's
+    own length decides, so the same repetitive text speculates after a 24-token prompt and runs
+    the plain program after a 400-token one, each result saying why (`adaptive_host_reason`),
+    greedy output identical to plain decoding's. A decision that ignored the context (any
+    fill's curve, or the shortest) would speculate at both lengths and fail here."""
     costs = {64: [1.0, 1.05, 1.1, 1.15], 384: [1.0, 2.2, 3.4, 4.6]}  # no window pays at 384
     engine = Engine(target, NgramDrafter(64, min_ngram=1, max_ngram=3), None,
                     num_speculative_tokens=3,
                     adaptive=Options(step_costs=costs, draft_cost=0.0, probe_every=0, explore=0.0))
+    assert engine.spec_for(1, [24]) is engine.spec and engine.spec_for(1, [400]) is engine.plain_spec
     motif = [5, 9, 13, 17, 21, 25]
     short, long = (motif * 70)[:24], (motif * 70)[:400]
     plain = Engine(target).generate([short, long], max_new_tokens=16)
@@ -716,10 +720,46 @@ def test_speculation_switches_off_at_a_long_context(target):
     assert [r.token_ids for r in got] == [r.token_ids for r in plain]
     at_short, at_long = (r.metrics for r in got)
     assert at_short["num_draft_tokens"] > 0 and sum(at_short["adaptive_gamma_hist"][1:]) > 0
+    assert not at_short["adaptive_switched_off"] and at_short["adaptive_host_reason"] == "pays"
+    assert at_short["adaptive_reasons"].get("drafts", 0) > 0
+    assert at_long["adaptive_switched_off"] and at_long["adaptive_host_reason"] == "context"
     assert at_long["adaptive_plain_fraction"] == 1.0 and at_long["num_draft_tokens"] == 0
-    why_long, why_short = at_long["adaptive_reasons"], at_short["adaptive_reasons"]
-    assert why_long["context"] > 0 and set(why_long) <= {"context", "room"}  # room: no match
-    assert sum(why_long.values()) == at_long["num_steps"] and why_short.get("drafts", 0) > 0
+
+
+def test_batch_one_learns_acceptance_per_context(target):
+    """A trained drafter whose acceptance falls with the context (a head trained short): the
+    acceptance requests saw at about this length decides the next one there (the curve pays at
+    both lengths at 0.8), so the long bucket goes plain ("acceptance" where it would not pay
+    even at the shortest context, "context" where it would), the short one keeps speculating,
+    a long bucket not yet seen reads the nearest shorter one's, and every REPROBE_BATCHES-th
+    request of a bucket kept plain re-measures."""
+    from jaxspec.decode.adaptive.host import REPROBE_BATCHES
+
+    drafter, _ = eagle_like(target)
+    costs = {64: [1.0, 1.1, 1.2, 1.3], 1024: [1.0, 1.3, 1.6, 1.9]}
+    engine = Engine(target, drafter, None, num_speculative_tokens=3,
+                    adaptive=Options(step_costs=costs, draft_cost=0.0))
+    h = engine.policy
+    assert h.decide(1, [60]) == (True, "pays") and h.decide(1, [1000]) == (True, "pays")
+
+    def seen(context, hits, reached):  # what a finished request at that length leaves
+        st = types.SimpleNamespace(reached=np.asarray([reached]), hits=np.asarray([hits]),
+                                   window_hist=np.asarray([0, 10, 0, 0]), spent=13.0)
+        h.record(st, rows=1, batch=1, tokens=[12], contexts=[context])
+
+    seen(60, [6, 3, 1], [10, 6, 3])  # ~0.6 at the short context: pays there and at 1000
+    assert h.decide(1, [1000]) == (True, "pays")  # unseen: the nearest shorter bucket's
+    seen(1000, [1, 0, 0], [30, 1, 0])  # ~0.08 at the long one
+    assert h.decide(1, [900]) == (False, "acceptance") and h.decide(1, [60]) == (True, "pays")
+    seen(1000, [4, 1, 0], [10, 4, 1])  # 0.25-0.35: would pay at the short context's curve
+    assert h.decide(1, [900]) == (False, "context")
+    assert engine.spec_for(1, [900]) is engine.plain_spec and engine.spec_for(1, [60]) is engine.spec
+    picks = []
+    for _ in range(REPROBE_BATCHES):
+        picks.append(h.decide(1, [900]))
+        if not picks[-1][0]:
+            h.record(None, rows=1, batch=1, tokens=[12], contexts=[900])
+    assert picks == [(False, "context")] * (REPROBE_BATCHES - 1) + [(True, "reprobe")]
 
 
 def cache_file_differs(a, b) -> bool:

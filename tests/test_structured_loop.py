@@ -317,6 +317,6 @@ def test_adaptive_speculation_under_the_constraint_equals_plain(target, prompts,
     d, dparams = drafter("suffix", target, prompts, plain)
     engine = Engine(target, d, dparams, num_speculative_tokens=4, adaptive=AdaptiveConfig(
         enabled=True, step_costs=[1.0, 1.2, 1.4, 1.6, 1.8], draft_cost=0.0, probe_every=2))
-    engine.spec_for = lambda batch: engine.spec  # the adaptive program whatever the costs
+    engine.spec_for = lambda *_: engine.spec  # the adaptive program whatever the costs
     out = engine.generate(prompts, max_new_tokens=NEW, constraint=Constraint(json_schema=SCHEMA))
     assert [r.token_ids for r in out] == plain

@@ -163,13 +163,21 @@ class Engine(ServingSurface):
 
     step_costs = calibrate  # {fill: [γ+1]} at this batch size
 
-    def spec_for(self, batch: int) -> speculate.LoopSpec:
+    def spec_for(self, batch: int, contexts: Sequence[int] | None = None) -> speculate.LoopSpec:
         """The program a batch of this size runs: the adaptive one, or the plain one where the
-        host policy says speculation does not pay (`AdaptiveHost.runs_adaptive`); reads the
+        host policy says speculation does not pay (`AdaptiveHost.runs_adaptive`; contexts: the
+        rows' prompt lengths, so at batch 1 the request's own length decides); reads the
         curves `calibrate` set, never measures."""
-        if self.policy is None or self.policy.runs_adaptive(batch):
+        if self.policy is None or self.policy.runs_adaptive(batch, contexts):
             return self.spec
         return self.plain_spec
+
+    def state_spec(self, state) -> speculate.LoopSpec:
+        """The program a prefilled state continues in: the one its prefill ran (an adaptive
+        engine's state without controller state came from the plain program)."""
+        if self.policy is not None and state.adaptive is None:
+            return self.plain_spec
+        return self.spec
 
     def realized_gain(self, batch: int) -> float:
         return self.policy.realized_gain(batch)
@@ -191,7 +199,8 @@ class Engine(ServingSurface):
         else:
             put = jnp.asarray
         b = packed.prompt.shape[0]
-        args = (self.spec_for(b), self.model.params, self.drafter_params, put(packed.prompt),
+        contexts = [len(ids) for ids in batch_ids]
+        args = (self.spec_for(b, contexts), self.model.params, self.drafter_params, put(packed.prompt),
                 put(packed.lengths), put(packed.max_new), sp, key, put(packed.row_ids))
         return args, packed.capacity
 
@@ -225,7 +234,7 @@ class Engine(ServingSurface):
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size)
         pen = self.penalties(penalties, args[3].shape[0])
         return self.with_adaptive(speculate.prefill_jit(*args, capacity=capacity, penalties=pen,
-                                                        grammar=grammar))
+                                                        grammar=grammar), args[0])
 
     def grammar_for(self, constraints, rows: int):
         """Per row a constrain.Constraint or None -> the batch's device Grammar (None: no row
@@ -238,7 +247,7 @@ class Engine(ServingSurface):
         return self._grammar_compiler.batch(list(constraints), rows)
 
     def _decode_args(self, state, sp, max_steps: int):
-        spec = self.spec_for(state.lengths.shape[0])
+        spec = self.state_spec(state)
         steps = jnp.int32(max_steps)
         if self.plan is not None:
             sp, steps = self.plan.put_replicated((sp, steps))
@@ -297,7 +306,7 @@ class Engine(ServingSurface):
         exclude compilation. Returns the seconds spent; 0.0 when this shape was already warm."""
         b = max(batch_size, len(batch_ids))
         self.calibrate(b)  # the explicit, announced step before anything of this size runs
-        plain = self.spec_for(b) is self.plain_spec
+        plain = self.spec_for(b, [len(ids) for ids in batch_ids]) is self.plain_spec
         longest = max(len(ids) for ids in batch_ids)
         decode_key = (b, bucket(longest), bucket(max_new_tokens), sp.mode, plain,
                       penalties is not None, constrain_host.shape_key(grammar))
@@ -308,7 +317,7 @@ class Engine(ServingSurface):
         check_cache_fits(self.model.target, self.model.params, b, capacity)  # before any buffer of that size exists
         preparing = progress.start(f"decode programs ({self.method}, batch {b}; prefill and decode)")
         args, capacity = self._prefill_args(batch_ids, max_new_tokens, sp, 0, list(range(len(batch_ids))), b)
-        decode_args = lambda state: self._decode_args(self.with_adaptive(state), sp, 1)
+        decode_args = lambda state: self._decode_args(self.with_adaptive(state, args[0]), sp, 1)
         with cache_watch.watch(cache_watch.announcer(preparing, expected=2)) as answers:
             seconds = self.programs.compile(key, args, capacity, decode_args, self.plan is not None,
                                             penalties=self.penalties(penalties, b), grammar=grammar,
@@ -325,6 +334,9 @@ class Engine(ServingSurface):
                    penalties=None, grammar=None):
         compile_s = self._ensure_compiled(batch_ids, max_new_tokens, sp, batch_size, penalties,
                                           grammar)
+        contexts = [len(ids) for ids in batch_ids]  # what the host policy decides by
+        why = None if self.policy is None else self.policy.decide(
+            max(batch_size, len(batch_ids)), contexts)[1]
         t0 = time.perf_counter()
         state = self.prefill(batch_ids, max_new_tokens, sp, seed, row_ids, batch_size, penalties,
                              grammar)
@@ -337,7 +349,10 @@ class Engine(ServingSurface):
         results = self.report.results(prompts, batch_ids, state, t1 - t0, t2 - t1, self.compiled_attention)
         if self.policy is not None:
             tokens = [r.num_generated_tokens - 1 for r in results]  # decode steps' tokens
-            self.policy.record(state.adaptive, len(batch_ids), state.lengths.shape[0], tokens)
+            self.policy.record(state.adaptive, len(batch_ids), state.lengths.shape[0], tokens,
+                               contexts)
+            for r in results:  # why this batch ran the program it did (host.HOST_REASONS)
+                r.metrics["adaptive_host_reason"] = why
         for r in results:
             r.metrics["compile_s"] = compile_s  # excluded from the timings above
         self._observe(batch_ids, results)

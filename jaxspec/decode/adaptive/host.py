@@ -27,6 +27,12 @@ from jaxspec.decode.drafter import traits
 from jaxspec.errors import JaxspecError
 
 REPROBE_BATCHES = 8  # a switched-off size re-measures acceptance every 8th batch
+# why a batch runs the program it does (`AdaptiveHost.decide`, the metric adaptive_host_reason):
+# pays        speculation can pay (at this context, at the acceptance seen there)
+# reprobe     it would not, but every REPROBE_BATCHES-th batch re-measures acceptance
+# acceptance  plain: at the acceptance seen, no window pays even at the shortest context
+# context     plain: that acceptance would pay at the shortest calibrated context, not this one
+HOST_REASONS = ("pays", "reprobe", "acceptance", "context")
 
 
 class AdaptiveHost:
@@ -43,6 +49,11 @@ class AdaptiveHost:
         # batch size -> (window_hist, decode tokens per row, spent) of the last adaptive batch of
         # that size; "any": of the last adaptive batch of any size
         self.last_runs: dict[int | str, tuple[list[int], list[int], float]] = {}
+        # batch 1, per context bucket (the calibrated fill nearest a request's prompt length):
+        # decayed (hits, reached) per draft position, and requests run plain since the last
+        # adaptive one there
+        self.by_context: dict[float, tuple[list[float], list[float]]] = {}
+        self.off_by_bucket: dict[float, int] = {}
 
     @property
     def fills(self) -> tuple[int, ...] | None:
@@ -134,26 +145,79 @@ class AdaptiveHost:
             draft = {f: [k * float(s.draft_cost) for k in range(g + 1)] for f in verify}
         return {f: [v + d for v, d in zip(curve, draft[f])] for f, curve in verify.items()}
 
-    def runs_adaptive(self, batch: int) -> bool:
-        """Whether a batch of this size runs the adaptive program (else the plain one).
+    def runs_adaptive(self, batch: int, contexts=None) -> bool:
+        """Whether a batch of this size runs the adaptive program (else the plain one); contexts:
+        the rows' committed tokens at the start (their prompt lengths), None: unknown
+        (`decide`)."""
+        return self.decide(batch, contexts)[0]
 
-        Up to controller.PER_REQUEST_MAX_BATCH rows (batch 1: the row is the request) only this
-        size's cost curve decides, at `switch_off_acceptance`: whether speculation can pay on
-        this machine at all; each request then finds its own way in the loop. Larger batches
-        step in lockstep over rows of different requests, so earlier batches decide too: the
-        cost curve at the acceptance they measured (`observed_acceptance`; before any: `prior`,
-        where the loop's estimates start), and the last adaptive batch of this size must have
-        beaten plain by the cost model (`realized_gain`). Every REPROBE_BATCHES-th batch that
-        would run plain runs adaptive instead, so the estimate can recover."""
-        curves = self.curves(batch).values()  # per context: the loop reads the one it is at
+    def decide(self, batch: int, contexts=None) -> tuple[bool, str]:
+        """(runs adaptive, why: one of HOST_REASONS).
+
+        Up to controller.PER_REQUEST_MAX_BATCH rows (batch 1: the row is the request) with its
+        context known, the request's own length decides (`per_context`): this size's cost curve
+        read at that length, at the acceptance earlier requests of about that length saw. Without
+        a context only the curves decide, at `switch_off_acceptance`: whether speculation can pay
+        at any context. Larger batches step in lockstep over rows of different requests, so
+        earlier batches decide too: the cost curve at the acceptance they measured
+        (`observed_acceptance`; before any: `prior`, where the loop's estimates start), and the
+        last adaptive batch of this size must have beaten plain by the cost model
+        (`realized_gain`). Every REPROBE_BATCHES-th batch that would run plain runs adaptive
+        instead (per context bucket where the context decides), so the estimate can recover."""
+        curves = self.curves(batch)  # per context: the loop reads the one it is at
         s = self.settings
+        if batch <= controller.PER_REQUEST_MAX_BATCH and contexts:
+            return self.per_context(batch, max(int(n) for n in contexts))
         if batch <= controller.PER_REQUEST_MAX_BATCH:
-            pays = max(controller.best_gain(c, s.switch_off_acceptance) for c in curves) > 1.0
+            pays = max(controller.best_gain(c, s.switch_off_acceptance)
+                       for c in curves.values()) > 1.0
         else:
             acc = self.observed_acceptance or s.prior
-            pays = max(controller.best_gain(c, acc) for c in curves) > 1.0
+            pays = max(controller.best_gain(c, acc) for c in curves.values()) > 1.0
             pays = pays and self.realized_gain(batch) > 1.0
-        return pays or (self.off_batches + 1) % REPROBE_BATCHES == 0
+        if pays:
+            return True, "pays"
+        if (self.off_batches + 1) % REPROBE_BATCHES == 0:
+            return True, "reprobe"
+        return False, "acceptance"
+
+    def per_context(self, batch: int, context: int) -> tuple[bool, str]:
+        """A request of `context` committed tokens: its curve (linear between the calibrated
+        fills, clamped outside) at the acceptance seen near this length (`acceptance_at`).
+        "context" where the same acceptance would pay at the shortest calibrated context, else
+        "acceptance"; a bucket kept plain re-probes every REPROBE_BATCHES-th request."""
+        curves = self.curves(batch)
+        fills, rows = controller.cost_table(curves)
+        curve = [float(np.interp(context, fills, col)) for col in zip(*rows)]
+        acc = self.acceptance_at(batch, context)
+        if controller.best_gain(curve, acc) > 1.0:
+            return True, "pays"
+        bucket = self.bucket(batch, context)
+        if (self.off_by_bucket.get(bucket, 0) + 1) % REPROBE_BATCHES == 0:
+            return True, "reprobe"
+        return False, "context" if controller.best_gain(rows[0], acc) > 1.0 else "acceptance"
+
+    def bucket(self, batch: int, context: int) -> float:
+        """The calibrated fill nearest `context` (log scale): where its acceptance is kept."""
+        fills = [max(float(f), 1.0) for f in controller.cost_table(self.curves(batch))[0]]
+        return min(fills, key=lambda f: abs(np.log(f) - np.log(max(context, 1))))
+
+    def acceptance_at(self, batch: int, context: int) -> list[float] | float:
+        """Per-position acceptance seen at the bucket nearest `context` (a decayed count of hits
+        over reached positions, `switch_off_acceptance` worth `prior_weight` observations);
+        unseen there: the nearest shorter bucket's (a drafter reads a longer context no
+        better), else `switch_off_acceptance` (whether it could pay at all). Prompt lookup: always
+        `switch_off_acceptance`: its acceptance is whether a prompt repeats itself, not its
+        length, and its loop costs little where nothing matches."""
+        s = self.settings
+        if traits(self.drafter).drafts_from_tokens:
+            return s.switch_off_acceptance
+        seen = [f for f in self.by_context if f <= self.bucket(batch, context)]
+        if not seen:
+            return s.switch_off_acceptance
+        hits, reached = self.by_context[max(seen)]
+        w = s.prior_weight
+        return [(h + w * s.switch_off_acceptance) / (r + w) for h, r in zip(hits, reached)]
 
     def realized_gain(self, batch: int) -> float:
         """The speedup over plain, by this size's cost model, of the steps the last adaptive batch
@@ -169,15 +233,26 @@ class AdaptiveHost:
         curve = next(iter(self.curves(batch).values()))
         return controller.realized_gain(curve, run[0], run[1])
 
-    def record(self, astate, rows: int, batch: int, tokens: list[int]) -> None:
+    def record(self, astate, rows: int, batch: int, tokens: list[int], contexts=None) -> None:
         """After a batch of `batch` rows, `rows` of them real: its fetched AdaptiveState (None:
-        it ran the plain program) and each real row's decode tokens."""
+        it ran the plain program), each real row's decode tokens, and (batch 1) the rows'
+        contexts as `decide` was given them: the acceptance seen at that length."""
+        per_request = batch <= controller.PER_REQUEST_MAX_BATCH and contexts
+        if per_request:
+            bucket = self.bucket(batch, max(int(n) for n in contexts))
         if astate is None:
             self.off_batches += 1
+            if per_request:
+                self.off_by_bucket[bucket] = self.off_by_bucket.get(bucket, 0) + 1
             return
         self.off_batches = 0  # a re-probe starts the count again
         reached = np.asarray(astate.reached[:rows]).sum(axis=0)
         hits = np.asarray(astate.hits[:rows]).sum(axis=0)
+        if per_request:  # older requests weigh half as much as each newer one
+            self.off_by_bucket[bucket] = 0
+            old_h, old_r = self.by_context.get(bucket, ([0.0] * len(hits), [0.0] * len(hits)))
+            self.by_context[bucket] = ([0.5 * o + float(h) for o, h in zip(old_h, hits)],
+                                       [0.5 * o + float(r) for o, r in zip(old_r, reached)])
         prev = self.observed_acceptance or [self.settings.switch_off_acceptance] * len(hits)
         self.observed_acceptance = [  # averaged with earlier batches: one prompt without a
             0.5 * (p + h / r) if r else p for h, r, p in zip(hits, reached, prev)
