@@ -60,7 +60,7 @@ class LoopSpec:
     logprobs: int | None = None
     logprobs_mode: str = "raw"
     # A chain's verify window written into the cache in place (decode/speculate.py
-    # `_chain_in_place`; trees stay read-only): None = where this host's backend is a TPU / GPU,
+    # `verify.chain_in_place`; trees stay read-only): None = where this host's backend is a TPU / GPU,
     # not on XLA:CPU (whose width switch would copy a cache written inside it). A program
     # exported for a device from a CPU host sets it (as jaxspec.tools.spec_steps does).
     write_chains: bool | None = None
