@@ -8,8 +8,8 @@ converter's `rope_freqs` tensor), values equal to keys on global layers (no `att
 two layers sharing k/v, per-layer input embeddings, a double-wide MLP on the sharing layers, the
 MoE block, final soft-cap. Its logits equal transformers' and the engine's greedy tokens equal
 transformers' generate; readers that drop one of the converter's conventions (norms read with
-Gemma 3's +1 offset, the rope_freqs share ignored) fail; files jaxspec cannot read are refused in
-one line naming what it reads.
+Gemma 3's +1 offset, the rope_freqs share ignored) fail; llama.cpp's `gemma4` tokenizer metadata
+builds the tokenizer; files jaxspec cannot read are refused in one line naming what it reads.
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def test_gguf_read_without_a_converter_convention_fails(monkeypatch, reference, 
     assert np.abs(prompt_logits(loaded, [int(t) for t in reference["prompt"]]) - ref).max() > 1e-2
 
 
-def rewrite(path: Path, *, fields: dict | None = None, tensors=lambda name, x: x):
-    """A copy of the fixture with metadata values replaced and tensors changed (None: dropped)."""
+def rewrite(path: Path, *, fields: dict | None = None, tensors=lambda name, x: x, add=None):
+    """A copy of the fixture with metadata values replaced, tensors changed (None: dropped) and
+    `add(writer)` writing more metadata."""
     import gguf
 
     src = gguf.GGUFReader(GGUF)
@@ -82,6 +83,8 @@ def rewrite(path: Path, *, fields: dict | None = None, tensors=lambda name, x: x
         value = (fields or {}).get(key, field.contents())
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, value, field.types[0], sub_type=sub)
+    if add is not None:
+        add(w)
     for t in src.tensors:
         x = tensors(t.name, np.array(t.data))
         if x is not None:
@@ -111,3 +114,25 @@ def test_unreadable_gguf_is_refused_in_one_line(tmp_path, case, what):
         load_model(path)
     msg = str(e.value)
     assert what in msg and "Gemma 4 GGUF in jaxspec reads" in msg and "\n" not in msg
+
+
+def test_gemma4_tokenizer_metadata_builds_the_tokenizer(tmp_path):
+    """llama.cpp writes Gemma 4's vocabulary as tokenizer model `gemma4` (the fixture has none:
+    a 96-token one is added here); the loaded model's tokenizer round-trips text and its EOS is
+    the file's."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *"\u2581abcdefghijklmnopqrstuvwxyz",
+              "\u2581the", "\u2581a", "he", "th", "in"]
+    tokens += [f"<0x{i:02X}>" for i in range(96 - len(tokens))]
+
+    def add(w):
+        w.add_tokenizer_model("gemma4")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0] * 4 + [-float(i) for i in range(92)])
+        w.add_token_types([3, 3, 3, 2] + [6 if t.startswith("<0x") else 1 for t in tokens[4:]])
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+
+    loaded = load_model(rewrite(tmp_path / "tok.gguf", add=add))
+    ids = loaded.tokenizer.encode("the heat", add_special_tokens=False)
+    assert loaded.tokenizer.decode(ids) == "the heat" and max(ids) < 96
+    assert tuple(loaded.eos_token_ids) == (1,)
