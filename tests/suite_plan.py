@@ -71,6 +71,7 @@ LONGEST_FIRST: tuple[str, ...] = (
     "test_serving_programs.py",
     "test_cli_inputs.py",
     "test_paged_cache.py",
+    "test_gemma4_gguf.py",
     "test_ngram_ceiling.py",
     "test_accel_roofline.py",
     "test_roofline.py",

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.errors import JaxspecError
-from jaxspec.models import base, blocks, gemma4_config, moe, paged_layer, registry
+from jaxspec.models import base, blocks, gemma4_config, gemma4_gguf, moe, paged_layer, registry
 from jaxspec.models.cache import CACHE_AXES, KVCache
 from jaxspec.models.decoder import ForwardOutput, linear, query_positions, write_kv, write_window
 from jaxspec.models.gemma4_config import Gemma4Config, gemma4_config_from_hf
@@ -283,12 +283,22 @@ def check_layout(cfg, layout: str, note: str, source: str, mesh=None) -> tuple[s
                        f"differ in head dims): load with layout 'unrolled' or 'auto'")
 
 
+def _target_from_gguf(header, *, dtype: str, source: str) -> Gemma4Target:
+    return Gemma4Target(gemma4_gguf.config_from_gguf(header, dtype=dtype, source=source))
+
+
 registry.register_family(registry.Family(
-    "gemma4", ("gemma4", "gemma4_text"), (), _target_from_hf,
+    "gemma4", ("gemma4", "gemma4_text"), ("gemma4",), _target_from_hf, _target_from_gguf,
     hf=registry.HfLayout(
         config=gemma4_config.gemma4_config_from_hf, tensor_name=gemma4_config.our_name,
         param_shapes=param_shapes, target=lambda cfg, arch: Gemma4Target(cfg),
         skip=r"(model\.)?(vision_tower|audio_tower|embed_vision|embed_audio)\..*"
              r"|.*rotary_emb\..*",
         convert=lambda flat, cfg, source: gemma4_config.split_fused(flat, cfg),
+        layout=check_layout, architecture=lambda cfg: "gemma4"),
+    gguf=registry.FileLayout(  # module functions looked up per call (tests patch them)
+        config=lambda header, **kw: gemma4_gguf.config_from_gguf(header, **kw),
+        tensor_name=gemma4_gguf.tensor_name, param_shapes=param_shapes,
+        target=lambda cfg, arch: Gemma4Target(cfg),
+        convert=lambda flat, cfg, source: gemma4_gguf.convert(flat, cfg, source),
         layout=check_layout, architecture=lambda cfg: "gemma4")))

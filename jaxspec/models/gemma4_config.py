@@ -100,12 +100,7 @@ def gemma4_config_from_hf(hf: dict, *, dtype: str, source: str) -> Gemma4Config:
         heads.append((kv, h))
     shared = f.int("num_kv_shared_layers", 0, lo=0, hi=n - 1)
     first = n - shared
-    kv_source = list(range(first))
-    for i in range(first, n):
-        same = [j for j in range(first) if sliding[j] == sliding[i]]
-        if not same:
-            refuse(f"layer {i} sharing k/v with no earlier layer of its type")
-        kv_source.append(same[-1])
+    kv_source = kv_sources(sliding, shared, refuse)
     k_eq_v = tuple(f.bool("attention_k_eq_v", False) and not s for s in sliding)
     double = f.bool("use_double_wide_mlp", False)
     width = f.int("intermediate_size", lo=1, hi=validate.MAX_DIM)
@@ -127,7 +122,7 @@ def gemma4_config_from_hf(hf: dict, *, dtype: str, source: str) -> Gemma4Config:
     return Gemma4Config(
         vocab_size=vocab, hidden_size=f.int("hidden_size", lo=1, hi=validate.MAX_DIM),
         num_layers=n, num_heads=heads_n, sliding=sliding, heads=tuple(heads),
-        kv_source=tuple(kv_source), k_eq_v=k_eq_v,
+        kv_source=kv_source, k_eq_v=k_eq_v,
         mlp_width=tuple(width * (2 if double and i >= first else 1) for i in range(n)),
         sliding_window=f.int("sliding_window", lo=1),
         rope_local_theta=local.float("rope_theta", 10000.0, lo=0.0, lo_open=True),
@@ -142,6 +137,19 @@ def gemma4_config_from_hf(hf: dict, *, dtype: str, source: str) -> Gemma4Config:
         max_position_embeddings=f.int("max_position_embeddings", 8192, lo=1, hi=(1 << 31) - 1),
         dtype=dtype,
     )
+
+
+def kv_sources(sliding: tuple[bool, ...], shared: int, refuse) -> tuple[int, ...]:
+    """Per layer, the layer whose k/v it attends: itself, or for the last `shared` layers the
+    last earlier layer of the same type (`refuse(what)` raises where there is none)."""
+    first = len(sliding) - shared
+    out = list(range(first))
+    for i in range(first, len(sliding)):
+        same = [j for j in range(first) if sliding[j] == sliding[i]]
+        if not same:
+            refuse(f"layer {i} sharing k/v with no earlier layer of its type")
+        out.append(same[-1])
+    return tuple(out)
 
 
 # HF names (after `model.` or `model.language_model.`) -> ours
