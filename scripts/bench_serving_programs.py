@@ -28,7 +28,8 @@ import time
 from jaxspec.build import build_engine
 from jaxspec.config import load_config
 from jaxspec.decode.sampling_settings import Sampling
-from jaxspec.engine.prepare import bucket, prompt_bucket
+from jaxspec.engine.prepare import prompt_bucket
+from jaxspec.serving.admission import tail_bucket
 from jaxspec.serving.batch import program_widths
 from jaxspec.serving.scheduler import Scheduler
 
@@ -103,7 +104,7 @@ def main_ttft(engine, rounds: int, lengths=(136, 264, 400)) -> None:
                 if r:
                     times[on].append(t)
         on, off = (statistics.median(times[k]) for k in (True, False))
-        print(f"| {n} | tail {bucket(n)} | whole {prompt_bucket(n)} | {on:.3f} | {off:.3f} | "
+        print(f"| {n} | tail {tail_bucket(n)} | whole {prompt_bucket(n)} | {on:.3f} | {off:.3f} | "
               f"{on / off:.3f} |", flush=True)
 
 
@@ -114,11 +115,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--ttft", action="store_true")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[136, 264, 400], help="--ttft's")
     a = ap.parse_args()
     rounds, new = (1, 8) if a.smoke else (a.rounds, a.new)
     engine = build_engine(load_config("configs/smollm2-135m.yaml", []))
     if a.ttft:
-        return main_ttft(engine, rounds)
+        return main_ttft(engine, rounds, a.lengths)
     prompts = {"short": STORY, "middle": STORY * 8, "long": STORY * 18}
     vs = variants(1024 // 16)
     for label, prompt in prompts.items():

@@ -67,7 +67,11 @@ def soak(url: str, seconds: float) -> collections.Counter:
     def client(k: int) -> None:
         i = k
         while time.time() < stop:
-            codes[post(url, *mixed(i))] += 1
+            try:
+                codes[post(url, *mixed(i))] += 1
+            except OSError as e:  # the server went away: counted, the soak ends
+                codes[type(e).__name__] += 1
+                return
             i += 2
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
@@ -115,7 +119,10 @@ def main() -> None:
                   f"{h.get('program_calls_unprepared')}; load {os.getloadavg()[0]:.1f}")
     finally:
         proc.send_signal(signal.SIGTERM)
-        print(f"exit {proc.wait(timeout=300)}")
+        code = proc.wait(timeout=300)
+        print(f"exit {code}")
+        if code:
+            print("".join(ln for _, ln in lines[-80:]))
 
 
 if __name__ == "__main__":
