@@ -163,8 +163,6 @@ class Admission:
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.stats.prefix_cached_tokens += cached
         chunked = self.chunk is not None and len(req.prompt_ids) - cached > self.chunk
-        if chunked and self.device.state is None:  # a first prompt that is long: chunks too
-            self._start_state(req, slot)
         if chunked and self.device.state is not None:
             self.prefilling[slot] = [req, cached]  # a chunk per round (`prefill_chunks`)
         elif self.batch_prefill:
@@ -174,18 +172,6 @@ class Admission:
         else:
             self._prefill_into(req, slot, cached)
         return left
-
-    def _start_state(self, req: Request, slot: int) -> None:
-        """The batch state, built from a row's prefill, before the first prompt of all goes in
-        chunks (a 32k prompt in one pass would hold every position's activations): a one-token
-        prefill of its first token into `slot`'s pages, spliced in and released at once; the
-        prompt's first chunk writes over it."""
-        first = dataclasses.replace(req, prompt_ids=req.prompt_ids[:1])
-        try:
-            self.device.splice_row(self._row_state(self.spec, first, slot), slot)
-            self.device.free_row(slot)
-        except Exception:  # noqa: BLE001 -- the request goes whole then, its failure confined
-            self.device.state = None
 
     def prefill_chunks(self) -> bool:
         """One chunk of every prefilling request's prompt written into its pages; the last

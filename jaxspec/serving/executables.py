@@ -25,6 +25,7 @@ from pathlib import Path
 
 import jax
 
+from jaxspec import jax_compat
 from jaxspec.options import as_dict
 
 STATIC_KWARGS = ("capacity",)  # the serving programs' static keyword arguments
@@ -70,21 +71,15 @@ def fingerprint(config) -> str:
 
 @contextlib.contextmanager
 def _xla_cache_unread():
-    """On CPU, a compile that does not read XLA's persistent cache: an executable it gives
+    """On CPU, a compile with XLA's persistent cache off (`jax_compat`): an executable it gives
     back serializes without some of its kernels, and the store's copy of it fails when it runs
     ("Function copy_bitcast_fusion.299 not found": seen on the SmolLM2 server restarted after a
     source change, which re-keys the store while the XLA cache still holds the programs)."""
-    from jax._src import compiler  # jax's own hook; absent: nothing to avoid
-
-    real = getattr(compiler, "_cache_read", None)
-    if real is None or jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu":
         yield
         return
-    compiler._cache_read = lambda *args, **kwargs: (None, None)
-    try:
+    with jax_compat.compilation_cache_disabled():
         yield
-    finally:
-        compiler._cache_read = real
 
 
 class Table:
