@@ -61,6 +61,11 @@ def mixed(i: int) -> tuple[str, dict]:
     return path, {"temperature": 0} | body
 
 
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=60) as r:
+        return json.loads(r.read())
+
+
 def soak(url: str, seconds: float) -> collections.Counter:
     codes, stop = collections.Counter(), time.time() + seconds
 
@@ -111,10 +116,12 @@ def main() -> None:
     try:
         if a.soak_s > 0:
             codes = soak(url, a.soak_s)
-            with urllib.request.urlopen(url + "/health", timeout=60) as r:
-                h = json.loads(r.read())
+            at_end, h = rss(proc.pid), health(url)
+            while h["heap_released_at_call"] != h["device_calls"]:  # idle: freed heap returned
+                time.sleep(0.2)
+                h = health(url)
             print(f"soak {a.soak_s:.0f} s: {sum(codes.values())} requests {dict(codes)}; RSS "
-                  f"{rss(proc.pid):.2f} GB; pages free {h['free_pages']}/{h['kv_pages']}; calls "
+                  f"{at_end:.2f} GB at its end, {rss(proc.pid):.2f} GB idle; pages free {h['free_pages']}/{h['kv_pages']}; calls "
                   f"prepared {h.get('program_calls_prepared')} unprepared "
                   f"{h.get('program_calls_unprepared')}; load {os.getloadavg()[0]:.1f}")
     finally:

@@ -18,11 +18,12 @@ import threading
 from collections.abc import Sequence
 
 from jaxspec.errors import JaxspecError
-from jaxspec.serving import lockstep
+from jaxspec.serving import lockstep, memory
 from jaxspec.serving.requests import Completion, EngineStopped, QueueFull, Sampling
 from jaxspec.serving.scheduler import Scheduler
 
 _END = object()
+IDLE_RELEASE_S = 1.0  # seconds idle after serving before the freed heap is handed back
 
 
 def _one_line(error: BaseException) -> str:
@@ -154,6 +155,7 @@ class Server:
         self._failure: BaseException | None = None
         self.died = threading.Event()  # set when the serving loop stopped on an exception
         self._unfinished: set = set()  # streams submitted and not ended (under the lock)
+        self._released_at_call = 0  # device calls run when the idle loop last freed the heap
         self._thread = threading.Thread(target=self._loop, name="jaxspec-serving", daemon=True)
         self._thread.start()
 
@@ -228,7 +230,8 @@ class Server:
                 "slots": s.slots, "free_pages": s.pool.free_pages, "kv_pages": s.pool.num_pages,
                 "cached_pages": s.pool.cached_pages, "prefix_cache": s.prefix_cache,
                 "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions,
-                "in_flight": len(self._unfinished), "failed": s.stats.failed} | self._programs()
+                "in_flight": len(self._unfinished), "failed": s.stats.failed,
+                "heap_released_at_call": self._released_at_call} | self._programs()
 
     def _programs(self) -> dict:
         """Calls run through the server's prepared executables, and through the jit (a shape
@@ -244,15 +247,22 @@ class Server:
             while self._lockstep:
                 if not self._lockstep_round():
                     break
+            served = False  # a call ran since the heap was last released
             while not self._lockstep:
                 with self._lock:
-                    self._lock.wait_for(lambda: self._closed or self._inbox or s.busy)
+                    woke = self._lock.wait_for(lambda: self._closed or self._inbox or s.busy,
+                                               timeout=IDLE_RELEASE_S if served else None)
                     if self._closed:
                         break
                     for req in self._inbox:
                         s.queue.append(req)  # counted against max_queue at submit
                     self._inbox.clear()
+                if not woke:  # idle since the last call: its freed heap goes back to the system
+                    memory.release_free_heap()
+                    served, self._released_at_call = False, s.stats.device_calls
+                    continue
                 s.run_once()  # outside the lock: submit and cancel never wait for the device
+                served = True
         except BaseException as e:  # noqa: BLE001 -- every waiting stream learns why
             self._failure = e
             _log_failure(e)
