@@ -433,3 +433,51 @@ def test_a_chain_window_written_in_place_is_the_read_only_window(temperature):
     if temperature == 0.0:
         plain = _chain_run(model, False, 0.0, gamma=0)[0]  # its buffer has no γ columns
         np.testing.assert_array_equal(got[:, :plain.shape[1]], plain)
+
+
+def test_gpu_gemv_kernels_match_the_xla_projections():
+    """The one-token Pallas GEMVs of the fused layout on a GPU (models/gemv_gpu.py, run here by
+    Pallas's interpreter) against the XLA path they replace: the normed q/k/v projection, gate/up
+    with SiLU * up, and a projection with its residual add. float32 to rounding; bfloat16 equal
+    but for one bf16 step (the activation rounds once, not per op). A model dim of 576 (SmolLM2)
+    takes 64-column loop trips. Gate and up swapped (the broken variant) is far off."""
+    from jaxspec.models import gemv_gpu
+
+    d, o, f = 576, 96, 128
+    keys = jax.random.split(jax.random.key(5), 5)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2 ** -6)):
+        x = jax.random.normal(keys[0], (1, 1, d), dtype)
+        nw = (1 + 0.1 * jax.random.normal(keys[1], (d,))).astype(dtype)
+        w = (0.05 * jax.random.normal(keys[2], (o, d))).astype(dtype)
+        w_gu = (0.05 * jax.random.normal(keys[3], (2 * f, d))).astype(dtype)
+        res = jax.random.normal(keys[4], (1, 1, o), dtype)
+        gate, up = jnp.split(fused_layout.normed_linear(x, nw, w_gu, 1e-5), 2, axis=-1)
+        pairs = [(gemv_gpu.normed_gemv(x, nw, w, 1e-5, interpret=True),
+                  fused_layout.normed_linear(x, nw, w, 1e-5)),
+                 (gemv_gpu.gated_normed_gemv(x, nw, w_gu, 1e-5, interpret=True),
+                  jax.nn.silu(gate) * up),
+                 (gemv_gpu.residual_gemv(x, w, res, interpret=True), res + decoder.linear(x, w))]
+        for got, want in pairs:
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                       rtol=tol, atol=tol)
+    swapped = jnp.concatenate([w_gu[f:], w_gu[:f]])
+    broken = gemv_gpu.gated_normed_gemv(x, nw, swapped, 1e-5, interpret=True)
+    assert np.abs(np.asarray(broken, np.float32) - np.asarray(pairs[1][1], np.float32)).max() > 0.1
+
+
+def test_gpu_decode_merge_kernel_is_the_xla_merge():
+    """One query token's GPU attention with the slot splits merged by one Triton program per
+    (row, kv head) (`decode_out_pallas_gpu`, interpreted) == the decode kernel's parts merged and
+    normalised by XLA; rows of 5 and 300 valid slots (empty splits weigh nothing)."""
+    from jaxspec.models import attention_kernels as ak
+
+    b, kv, g, h, s = 2, 2, 4, 64, 512
+    keys = jax.random.split(jax.random.key(6), 3)
+    qg = jax.random.normal(keys[0], (b, kv, g, h), jnp.bfloat16)
+    kc, vc = (jax.random.normal(k, (b, kv, s, h), jnp.bfloat16) for k in keys[1:])
+    lengths = jnp.array([5, 300], jnp.int32)
+    assert ak.gpu_out_takes(qg, kc)
+    got = ak.decode_out_pallas_gpu(qg, kc, vc, lengths, h**-0.5, jnp.float32, interpret=True)
+    o, _, l = ak.cache_part_pallas_gpu(qg, kc, vc, lengths, h**-0.5, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(o / l[..., None]), rtol=1e-5, atol=1e-5)

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 ENV_SWITCH = "JAXSPEC_GPU_GEMV"  # "0": the XLA path on GPU too (A/B measurements)
 BLOCK_ROWS = 16  # output rows per program: 6144 q/k/v rows of an 8B layer -> 384 programs
-BLOCK_K = 256  # model-dim columns per loop trip ([16, 256] bf16 = 8 KB a trip per program)
+BLOCK_K = 256  # model-dim columns per loop trip ([16, 256] bf16 = 8 KB a trip per program), or
+# the largest power of two under it dividing the model dim (SmolLM2's 576: 64)
 WARPS = 4
 
 
@@ -45,7 +46,12 @@ def takes(x: jax.Array, w: jax.Array) -> bool:
     blocks."""
     rows, d = w.shape[-2:]
     return (enabled() and x.size == x.shape[-1] and rows % BLOCK_ROWS == 0
-            and d % BLOCK_K == 0 and x.dtype in (jnp.bfloat16, jnp.float32))
+            and block_k(d) > 0 and x.dtype in (jnp.bfloat16, jnp.float32))
+
+
+def block_k(d: int) -> int:
+    """Columns a loop trip reads: a power of two (Triton's blocks) dividing d; 0 if none >= 16."""
+    return next((k for k in (BLOCK_K, 128, 64, 32, 16) if d % k == 0), 0)
 
 
 def on_gpu(kernel_fn, xla_fn):
@@ -53,40 +59,47 @@ def on_gpu(kernel_fn, xla_fn):
     return jax.lax.platform_dependent(cuda=kernel_fn, rocm=kernel_fn, default=xla_fn)
 
 
-def _dot_rows(x_ref, nw_ref, w_ref, d: int, half=None):
-    """f32 sums of w's block rows against x (times nw): w_ref's block [R, D], or its `half`
-    ([2, R, D] -> [R]: Triton slices refs, not loaded values)."""
+def _dot_rows(x_ref, nw_ref, w_ref, d: int, halves: int = 0):
+    """(f32 sums of w's block rows against x (times nw), sum of x^2) in one pass over the model
+    dim: w_ref's block [R, D] -> ([R], ()), or with halves=2 its [2, R, D] -> ([R], [R], ())
+    (Triton slices refs, not loaded values; every load a power of two long)."""
     from jax.experimental import pallas as pl
 
-    def trip(j, acc):
-        cols = pl.ds(j * BLOCK_K, BLOCK_K)
-        xk = x_ref[cols]
+    bk = block_k(d)
+
+    def trip(j, carry):
+        cols = pl.ds(j * bk, bk)
+        xk = x_ref[cols].astype(jnp.float32)
+        ssq = carry[-1] + jnp.sum(xk * xk)
         if nw_ref is not None:  # x * norm_w rounded to x's dtype, as fused_layout.normed_linear
-            xk = (xk.astype(jnp.float32) * nw_ref[cols].astype(jnp.float32)).astype(x_ref.dtype)
-        w = (w_ref[:, cols] if half is None else w_ref[half, :, cols]).astype(jnp.float32)
-        return acc + jnp.sum(w * xk.astype(jnp.float32)[None, :], axis=1)
+            xk = (xk * nw_ref[cols].astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
+        ws = [w_ref[:, cols]] if not halves else [w_ref[h, :, cols] for h in range(halves)]
+        sums = [acc + jnp.sum(w.astype(jnp.float32) * xk[None, :], axis=1)
+                for acc, w in zip(carry[:-1], ws)]
+        return (*sums, ssq)
 
-    return jax.lax.fori_loop(0, d // BLOCK_K, trip, jnp.zeros((BLOCK_ROWS,), jnp.float32))
+    zeros = jnp.zeros((BLOCK_ROWS,), jnp.float32)
+    return jax.lax.fori_loop(0, d // bk, trip, (zeros,) * max(1, halves) + (jnp.float32(0),))
 
 
-def _norm_scale(x_ref, d: int, eps: float):
-    x = x_ref[...].astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.sum(x * x) / d + eps)
+def _scale(ssq, d: int, eps: float):
+    return jax.lax.rsqrt(ssq / d + eps)
 
 
 def _normed_kernel(x_ref, nw_ref, w_ref, o_ref, *, d, eps):
-    o_ref[...] = (_dot_rows(x_ref, nw_ref, w_ref, d) * _norm_scale(x_ref, d, eps)).astype(o_ref.dtype)
+    acc, ssq = _dot_rows(x_ref, nw_ref, w_ref, d)
+    o_ref[...] = (acc * _scale(ssq, d, eps)).astype(o_ref.dtype)
 
 
 def _gated_kernel(x_ref, nw_ref, w_ref, o_ref, *, d, eps):
-    scale = _norm_scale(x_ref, d, eps)
-    gate, up = ((_dot_rows(x_ref, nw_ref, w_ref, d, h) * scale).astype(o_ref.dtype)
-                .astype(jnp.float32) for h in (0, 1))
+    gate, up, ssq = _dot_rows(x_ref, nw_ref, w_ref, d, halves=2)
+    gate, up = ((v * _scale(ssq, d, eps)).astype(o_ref.dtype).astype(jnp.float32)
+                for v in (gate, up))
     o_ref[...] = (gate * jax.nn.sigmoid(gate) * up).astype(o_ref.dtype)
 
 
 def _residual_kernel(x_ref, w_ref, r_ref, o_ref, *, d):
-    y = _dot_rows(x_ref, None, w_ref, d).astype(o_ref.dtype)
+    y = _dot_rows(x_ref, None, w_ref, d)[0].astype(o_ref.dtype)
     o_ref[...] = (r_ref[...].astype(jnp.float32) + y.astype(jnp.float32)).astype(o_ref.dtype)
 
 
