@@ -34,6 +34,7 @@ ENV_SWITCH = "JAXSPEC_GPU_GEMV"  # "0": the XLA path on GPU too (A/B measurement
 BLOCK_ROWS = 16  # output rows per program: 6144 q/k/v rows of an 8B layer -> 384 programs
 BLOCK_K = 256  # model-dim columns per loop trip ([16, 256] bf16 = 8 KB a trip per program), or
 # the largest power of two under it dividing the model dim (SmolLM2's 576: 64)
+TOKENS = 16  # token rows (batch x window) one kernel takes: Triton's smallest dot
 WARPS = 4
 
 
@@ -42,10 +43,10 @@ def enabled() -> bool:
 
 
 def takes(x: jax.Array, w: jax.Array) -> bool:
-    """True where the kernels run this projection: one token, a row count and model dim in whole
-    blocks."""
+    """True where the kernels run this projection: at most TOKENS rows (batch x window), a weight
+    row count and model dim in whole blocks."""
     rows, d = w.shape[-2:]
-    return (enabled() and x.size == x.shape[-1] and rows % BLOCK_ROWS == 0
+    return (enabled() and x.size // x.shape[-1] <= TOKENS and rows % BLOCK_ROWS == 0
             and block_k(d) > 0 and x.dtype in (jnp.bfloat16, jnp.float32))
 
 
@@ -60,30 +61,36 @@ def on_gpu(kernel_fn, xla_fn):
 
 
 def _dot_rows(x_ref, nw_ref, w_ref, d: int, halves: int = 0):
-    """(f32 sums of w's block rows against x (times nw), sum of x^2) in one pass over the model
-    dim: w_ref's block [R, D] -> ([R], ()), or with halves=2 its [2, R, D] -> ([R], [R], ())
-    (Triton slices refs, not loaded values; every load a power of two long)."""
+    """(f32 sums of each token row of x (times nw) against w's block rows [TOKENS, R], each
+    token's sum of x^2 [TOKENS]) in one pass over the model dim: w_ref's block [R, D], or with
+    halves=2 its [2, R, D] -> two sums (Triton slices refs, not loaded values). The sums are
+    Triton dots (f32 accumulation) whatever the token count, so one token and a window round
+    alike; token rows past x's are padding, never stored."""
     from jax.experimental import pallas as pl
 
     bk = block_k(d)
+    exact = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
 
     def trip(j, carry):
         cols = pl.ds(j * bk, bk)
-        xk = x_ref[cols].astype(jnp.float32)
-        ssq = carry[-1] + jnp.sum(xk * xk)
+        x32 = x_ref[:, cols].astype(jnp.float32)  # [TOKENS, bk]
+        ssq = carry[-1] + jnp.sum(x32 * x32, axis=1)
         if nw_ref is not None:  # x * norm_w rounded to x's dtype, as fused_layout.normed_linear
-            xk = (xk * nw_ref[cols].astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
+            x32 = x32 * nw_ref[cols].astype(jnp.float32)[None, :]
+        xk = x32.astype(x_ref.dtype)
         ws = [w_ref[:, cols]] if not halves else [w_ref[h, :, cols] for h in range(halves)]
-        sums = [acc + jnp.sum(w.astype(jnp.float32) * xk[None, :], axis=1)
+        sums = [acc + jax.lax.dot_general(xk, w, (((1,), (1,)), ((), ())), precision=exact,
+                                          preferred_element_type=jnp.float32)
                 for acc, w in zip(carry[:-1], ws)]
         return (*sums, ssq)
 
-    zeros = jnp.zeros((BLOCK_ROWS,), jnp.float32)
-    return jax.lax.fori_loop(0, d // bk, trip, (zeros,) * max(1, halves) + (jnp.float32(0),))
+    zeros = jnp.zeros((TOKENS, BLOCK_ROWS), jnp.float32)
+    return jax.lax.fori_loop(0, d // bk, trip,
+                             (zeros,) * max(1, halves) + (jnp.zeros((TOKENS,), jnp.float32),))
 
 
 def _scale(ssq, d: int, eps: float):
-    return jax.lax.rsqrt(ssq / d + eps)
+    return jax.lax.rsqrt(ssq / d + eps)[:, None]  # [TOKENS, 1]
 
 
 def _normed_kernel(x_ref, nw_ref, w_ref, o_ref, *, d, eps):
@@ -107,10 +114,11 @@ def _call(kernel, args, specs, rows: int, out_dtype, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    m = args[0].shape[0]  # token rows (<= TOKENS: one block, the rest masked)
     return pl.pallas_call(
         kernel, grid=(rows // BLOCK_ROWS,), in_specs=specs,
-        out_specs=pl.BlockSpec((BLOCK_ROWS,), lambda i: (i,)),
-        out_shape=jax.ShapeDtypeStruct((rows,), out_dtype),
+        out_specs=pl.BlockSpec((TOKENS, BLOCK_ROWS), lambda i: (0, i)),
+        out_shape=jax.ShapeDtypeStruct((m, rows), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=2),
         interpret=interpret, name="jaxspec_gemv")(*args)
 
@@ -121,16 +129,21 @@ def _blocks(shape, index_map):
     return pl.BlockSpec(shape, index_map)
 
 
-def _whole(n: int):
-    return _blocks((n,), lambda i: (0,))
+def _tokens(d: int):
+    return _blocks((TOKENS, d), lambda i: (0, 0))
+
+
+def _vector(d: int):
+    return _blocks((d,), lambda i: (0,))
 
 
 def normed_gemv(x, norm_w, w, eps: float, interpret: bool = False):
-    """x [..., D] (one token), norm_w [D], w [O, D] -> rms_norm(x) @ w.T [..., O] in x's dtype."""
+    """x [..., D] (<= TOKENS rows), norm_w [D], w [O, D] -> rms_norm(x) @ w.T [..., O] in x's
+    dtype."""
     o, d = w.shape
     kernel = functools.partial(_normed_kernel, d=d, eps=eps)
-    specs = [_whole(d), _whole(d), _blocks((BLOCK_ROWS, d), lambda i: (i, 0))]
-    out = _call(kernel, (x.reshape(d), norm_w, w), specs, o, x.dtype, interpret)
+    specs = [_tokens(d), _vector(d), _blocks((BLOCK_ROWS, d), lambda i: (i, 0))]
+    out = _call(kernel, (x.reshape(-1, d), norm_w, w), specs, o, x.dtype, interpret)
     return out.reshape(*x.shape[:-1], o)
 
 
@@ -139,18 +152,18 @@ def gated_normed_gemv(x, norm_w, w_gate_up, eps: float, interpret: bool = False)
     f2, d = w_gate_up.shape
     f = f2 // 2
     kernel = functools.partial(_gated_kernel, d=d, eps=eps)
-    specs = [_whole(d), _whole(d), _blocks((2, BLOCK_ROWS, d), lambda i: (0, i, 0))]
-    out = _call(kernel, (x.reshape(d), norm_w, w_gate_up.reshape(2, f, d)), specs, f, x.dtype,
-                interpret)
+    specs = [_tokens(d), _vector(d), _blocks((2, BLOCK_ROWS, d), lambda i: (0, i, 0))]
+    out = _call(kernel, (x.reshape(-1, d), norm_w, w_gate_up.reshape(2, f, d)), specs, f,
+                x.dtype, interpret)
     return out.reshape(*x.shape[:-1], f)
 
 
 def residual_gemv(x, w, res, interpret: bool = False):
-    """x [..., D] (one token), w [O, D], res [..., O] -> res + x @ w.T in res's dtype."""
+    """x [..., D] (<= TOKENS rows), w [O, D], res [..., O] -> res + x @ w.T in res's dtype."""
     o, d = w.shape
     kernel = functools.partial(_residual_kernel, d=d)
-    specs = [_whole(d), _blocks((BLOCK_ROWS, d), lambda i: (i, 0)),
-             _blocks((BLOCK_ROWS,), lambda i: (i,))]
-    out = _call(kernel, (x.reshape(d), w, res.reshape(o)), specs, o, res.dtype, interpret)
+    specs = [_tokens(d), _blocks((BLOCK_ROWS, d), lambda i: (i, 0)),
+             _blocks((TOKENS, BLOCK_ROWS), lambda i: (0, i))]
+    out = _call(kernel, (x.reshape(-1, d), w, res.reshape(-1, o)), specs, o, res.dtype,
+                interpret)
     return out.reshape(res.shape)
-
