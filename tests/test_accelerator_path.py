@@ -436,21 +436,23 @@ def test_a_chain_window_written_in_place_is_the_read_only_window(temperature):
 
 
 def test_gpu_gemv_kernels_match_the_xla_projections():
-    """The one-token Pallas GEMVs of the fused layout on a GPU (models/gemv_gpu.py, run here by
-    Pallas's interpreter) against the XLA path they replace: the normed q/k/v projection, gate/up
-    with SiLU * up, and a projection with its residual add. float32 to rounding; bfloat16 equal
-    but for one bf16 step (the activation rounds once, not per op). A model dim of 576 (SmolLM2)
-    takes 64-column loop trips. Gate and up swapped (the broken variant) is far off."""
+    """The small-batch Pallas GEMVs of the fused layout on a GPU (models/gemv_gpu.py, run here by
+    Pallas's interpreter) against the XLA path they replace, at one token and a window of 5: the
+    normed q/k/v projection, gate/up with SiLU * up, and a projection with its residual add.
+    float32 to rounding; bfloat16 equal but for a bf16 step or two (the activation rounds once,
+    not per op). A model dim of 576 (SmolLM2) takes 64-column loop trips. Gate and up swapped
+    (the broken variant) is far off."""
     from jaxspec.models import gemv_gpu
 
     d, o, f = 576, 96, 128
     keys = jax.random.split(jax.random.key(5), 5)
-    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2 ** -6)):
-        x = jax.random.normal(keys[0], (1, 1, d), dtype)
+    for dtype, tol, t in ((jnp.float32, 1e-5, 1), (jnp.bfloat16, 2 ** -6, 1),
+                          (jnp.float32, 1e-5, 5), (jnp.bfloat16, 2 ** -5, 5)):
+        x = jax.random.normal(keys[0], (1, t, d), dtype)
         nw = (1 + 0.1 * jax.random.normal(keys[1], (d,))).astype(dtype)
         w = (0.05 * jax.random.normal(keys[2], (o, d))).astype(dtype)
         w_gu = (0.05 * jax.random.normal(keys[3], (2 * f, d))).astype(dtype)
-        res = jax.random.normal(keys[4], (1, 1, o), dtype)
+        res = jax.random.normal(keys[4], (1, t, o), dtype)
         gate, up = jnp.split(fused_layout.normed_linear(x, nw, w_gu, 1e-5), 2, axis=-1)
         pairs = [(gemv_gpu.normed_gemv(x, nw, w, 1e-5, interpret=True),
                   fused_layout.normed_linear(x, nw, w, 1e-5)),
@@ -461,6 +463,10 @@ def test_gpu_gemv_kernels_match_the_xla_projections():
             assert got.shape == want.shape and got.dtype == want.dtype
             np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                        rtol=tol, atol=tol)
+    # one token and a window's first token round alike (the same dot in the same block): bf16
+    one = gemv_gpu.normed_gemv(x[:, :1], nw, w, 1e-5, interpret=True)
+    window = gemv_gpu.normed_gemv(x, nw, w, 1e-5, interpret=True)
+    assert np.array_equal(np.asarray(one, np.float32), np.asarray(window[:, :1], np.float32))
     swapped = jnp.concatenate([w_gu[f:], w_gu[:f]])
     broken = gemv_gpu.gated_normed_gemv(x, nw, swapped, 1e-5, interpret=True)
     assert np.abs(np.asarray(broken, np.float32) - np.asarray(pairs[1][1], np.float32)).max() > 0.1
