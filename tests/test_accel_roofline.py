@@ -268,6 +268,31 @@ def test_the_loop_step_compiles_on_a_v5e_mesh():
     assert r["collectives"] >= 2 * 2, r  # two all-reduces a layer at least
 
 
+def test_a_batch_window_on_tpu_is_written_without_relaying_the_cache(monkeypatch):
+    """v5e, Llama-3.2-1B's layer shapes (2 layers), batch 8: the loop's k/v writes go row by row
+    in place (`decoder._write_rows`). The vmapped scatter (the control, the program before) made
+    XLA:TPU lay the written caches out for the scatter and copy each layer's k and v caches to
+    the kernel's layout every step: at least one more read of every cache."""
+    import jax
+
+    from jaxspec.models import decoder, llama
+    from jaxspec.tools import spec_steps
+
+    dims = roofline.MODEL_SHAPES["llama3-1b"] | {"num_layers": 2}
+    model = llama.LlamaTarget(llama.ModelConfig(**dims, dtype="bfloat16"))
+    place = accel_roofline.placement("v5e", None, model)
+    good = spec_steps.measure_step(place, model, "unrolled", "plain", 0, 8, 1024, 512)
+    one = lambda c, n, p: c.at[p].set(n, mode="drop")  # noqa: E731
+    monkeypatch.setattr(decoder, "_write_rows", lambda c, n, p: jax.vmap(
+        jax.vmap(one, in_axes=(0, 1, None)))(c, n.astype(c.dtype), p))
+    jax.clear_caches()  # the loop's trace is cached by its static arguments: trace the control
+    bad = spec_steps.measure_step(place, model, "unrolled", "plain", 0, 8, 1024, 512)
+    cfg = model.cfg
+    caches = 2 * cfg.num_layers * 8 * cfg.num_kv_heads * 1024 * cfg.head_dim * 2  # k, v (bf16)
+    assert good["attention"] == "pallas_tpu" and good["bytes_ratio"] <= 1.1, good
+    assert good["bytes_moved"] + 0.9 * caches <= bad["bytes_moved"], (good, bad)
+
+
 def test_greedy_decoding_picks_the_argmax_and_sampling_still_draws():
     """Plain decoding's compiled step: greedy takes the argmax (no vocabulary scan, fewer kernels);
     the sampled step (the control: the detector sees its inverse-CDF draw) scans."""

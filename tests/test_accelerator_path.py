@@ -363,6 +363,12 @@ def test_fused_layer_pieces_match_the_plain_ones():
     new, pos = x[:1, :1, :kv], jnp.array([[5]], jnp.int32)
     scattered = jax.jit(decoder.write_kv)(cache, new, pos)  # CPU: the scatter
     assert np.array_equal(np.asarray(decoder._write_one(cache, new, pos)), np.asarray(scattered))
+    # TPU at batch > 1: each row's window by its own dynamic_update_slice, as the scatter writes
+    cache = jax.random.normal(keys[0], (3, kv, 8, h))
+    new, pos = x[:1, :2, :kv].repeat(3, axis=0) * jnp.arange(1, 4)[:, None, None, None], \
+        jnp.array([[0, 1], [5, 6], [3, 4]], jnp.int32)
+    scattered = jax.jit(decoder.write_kv)(cache, new, pos)
+    assert np.array_equal(np.asarray(decoder._write_rows(cache, new, pos)), np.asarray(scattered))
 
 
 @pytest.mark.parametrize("t", [1, 3])
