@@ -1,25 +1,26 @@
-"""One-token projections of the fused layout as Pallas (Triton) GEMV kernels on a GPU, each with
-the elementwise work around it folded in, so a decode layer at batch 1 launches fewer kernels.
+"""Small-batch projections of the fused layout as Pallas (Triton) GEMV kernels on a GPU, each
+with the elementwise work around it folded in, so a decode layer at batch 1 launches fewer kernels.
 
 XLA:GPU runs a one-token projection as a split-K GEMM fusion (partial sums in f32, summed by the
 next kernel) and keeps the RMS norm before it, the SiLU * up between gate/up and down, and each
 residual add as kernels of their own: 15 kernels a layer, and a one-token step is launch bound on
-an H100/H200. Here one Triton program reads a block of a weight's output rows whole (the dot
-product over the model dim in a loop of `BLOCK_K` columns, f32 sums) and
+an H100/H200. Here one Triton program reads a block of BLOCK_ROWS output rows of a weight whole
+(a loop over the model dim, `block_k` columns a trip) against up to TOKENS token rows (a Triton
+dot, f32 sums; token rows past x's are masked padding), and
 
-  normed_gemv         rms_norm(x) @ w.T: the norm's scale (the sum of squares of x, recomputed
-                      by each program from the one row) multiplies the f32 sums, as
-                      `fused_layout.normed_linear` does: the q/k/v projection;
+  normed_gemv         rms_norm(x) @ w.T: each token's norm scale (its sum of squares, taken in
+                      the same loop) multiplies the f32 sums, as `fused_layout.normed_linear`
+                      does: the q/k/v projection;
   gated_normed_gemv   silu(gate) * up of rms_norm(x) @ w_gate_up.T: each program reads the same
                       output rows of both halves, so the MLP's activation never leaves the chip;
   residual_gemv       res + x @ w.T: the attention output and down projections with their
                       residual adds.
 
-Used only where a program is lowered for CUDA (`lax.platform_dependent`), at one token (batch x
-window == 1), bfloat16 or float32 weights; every other case (and JAXSPEC_GPU_GEMV=0) runs the
-XLA path, which these match up to the sums' order (tests run both on the CPU in Pallas interpret
-mode). Rounding: as the XLA path, f32 sums rounded once to x's dtype, then the elementwise op in
-x's dtype.
+Used only where a program is lowered for CUDA (`lax.platform_dependent`), at batch x window <=
+TOKENS, bfloat16 or float32 weights; every other case (and JAXSPEC_GPU_GEMV=0) runs the XLA path,
+which these match up to the sums' order (tests run both on the CPU in Pallas interpret mode).
+Rounding: as the XLA path, f32 sums rounded once to x's dtype, then the elementwise op; a decode
+step and a verify window run the same dot, so their projections round alike.
 """
 
 from __future__ import annotations
