@@ -334,18 +334,24 @@ def custom_calls(text: str) -> dict[str, int]:
     return counts
 
 
+def _attention_calls(text: str) -> dict[str, int]:
+    """custom_calls of the attention kernels: Triton calls named "jaxspec_gemv" are the fused
+    layout's projections on a GPU (models/gemv_gpu.py), not attention."""
+    return custom_calls("\n".join(ln for ln in text.splitlines() if "jaxspec_gemv" not in ln))
+
+
 def compiled_attention(text: str) -> str:
     """The attention implementation a program holds, read from its custom calls: "pallas_tpu",
     "pallas_gpu", "cpu kernels", or "xla" when it calls none of them (the XLA path). A program
     with several (e.g. kernels for some layers only) names them joined by "+"."""
-    found = {ATTENTION_TARGETS[t] for t in custom_calls(text) if t in ATTENTION_TARGETS}
+    found = {ATTENTION_TARGETS[t] for t in _attention_calls(text) if t in ATTENTION_TARGETS}
     return "+".join(sorted(found)) or "xla"
 
 
 def attention_kernel_calls(text: str) -> int:
     """How many attention-kernel custom calls a program holds (each layer's in an unrolled
     program; a scan's body once)."""
-    return sum(n for t, n in custom_calls(text).items() if t in ATTENTION_TARGETS)
+    return sum(n for t, n in _attention_calls(text).items() if t in ATTENTION_TARGETS)
 
 
 _TENSOR = re.compile(r"tensor<([\dx]+)x(?:bf16|f16|f32)>")  # float operands: q, k, v, caches

@@ -134,6 +134,13 @@ mark "$out/roofline.md"
 if [ "${#shapes[@]}" -gt 0 ]; then
   part shapes "${budget[4]}" "$py" scripts/bench_device_shapes.py "$out/shapes" "${shapes[@]}" || true
 fi
+# 1c. GPU: the 8B plain step with XLA's projections instead of the Triton GEMVs (A/B of
+#     models/gemv_gpu.py, which only the compiled-program model has priced so far)
+if [ "${#shapes[@]}" -gt 0 ] && [ "$smoke" != 1 ]; then
+  JAXSPEC_GPU_GEMV=0 part gemv-off 60 "$py" scripts/bench_device_shapes.py "$out/shapes-gemv-off" \
+    --shapes llama-3.1-8b --batches 1 --widths 1,5 --layouts fused --methods plain \
+    --loop-batches 1 --new-tokens 48 --budget-s 40 || true
+fi
 # 2. the attention op: this backend's Pallas kernels vs XLA on per-layer and stacked caches, each
 #    row with the implementation its compiled program holds; then prefill (the flash kernels)
 part attention "${budget[1]}" "$py" scripts/bench_attention.py "${attn[@]}" > "$out/attention.md" || true

@@ -363,6 +363,12 @@ def test_fused_layer_pieces_match_the_plain_ones():
     new, pos = x[:1, :1, :kv], jnp.array([[5]], jnp.int32)
     scattered = jax.jit(decoder.write_kv)(cache, new, pos)  # CPU: the scatter
     assert np.array_equal(np.asarray(decoder._write_one(cache, new, pos)), np.asarray(scattered))
+    # TPU at batch > 1: each row's window by its own dynamic_update_slice, as the scatter writes
+    cache = jax.random.normal(keys[0], (3, kv, 8, h))
+    new, pos = x[:1, :2, :kv].repeat(3, axis=0) * jnp.arange(1, 4)[:, None, None, None], \
+        jnp.array([[0, 1], [5, 6], [3, 4]], jnp.int32)
+    scattered = jax.jit(decoder.write_kv)(cache, new, pos)
+    assert np.array_equal(np.asarray(decoder._write_rows(cache, new, pos)), np.asarray(scattered))
 
 
 @pytest.mark.parametrize("t", [1, 3])
@@ -433,3 +439,57 @@ def test_a_chain_window_written_in_place_is_the_read_only_window(temperature):
     if temperature == 0.0:
         plain = _chain_run(model, False, 0.0, gamma=0)[0]  # its buffer has no γ columns
         np.testing.assert_array_equal(got[:, :plain.shape[1]], plain)
+
+
+def test_gpu_gemv_kernels_match_the_xla_projections():
+    """The small-batch Pallas GEMVs of the fused layout on a GPU (models/gemv_gpu.py, run here by
+    Pallas's interpreter) against the XLA path they replace, at one token and a window of 5: the
+    normed q/k/v projection, gate/up with SiLU * up, and a projection with its residual add.
+    float32 to rounding; bfloat16 equal but for a bf16 step or two (the activation rounds once,
+    not per op). A model dim of 576 (SmolLM2) takes 64-column loop trips. Gate and up swapped
+    (the broken variant) is far off."""
+    from jaxspec.models import gemv_gpu
+
+    d, o, f = 576, 96, 128
+    keys = jax.random.split(jax.random.key(5), 5)
+    for dtype, tol, t in ((jnp.float32, 1e-5, 1), (jnp.bfloat16, 2 ** -6, 1),
+                          (jnp.float32, 1e-5, 5), (jnp.bfloat16, 2 ** -5, 5)):
+        x = jax.random.normal(keys[0], (1, t, d), dtype)
+        nw = (1 + 0.1 * jax.random.normal(keys[1], (d,))).astype(dtype)
+        w = (0.05 * jax.random.normal(keys[2], (o, d))).astype(dtype)
+        w_gu = (0.05 * jax.random.normal(keys[3], (2 * f, d))).astype(dtype)
+        res = jax.random.normal(keys[4], (1, t, o), dtype)
+        gate, up = jnp.split(fused_layout.normed_linear(x, nw, w_gu, 1e-5), 2, axis=-1)
+        pairs = [(gemv_gpu.normed_gemv(x, nw, w, 1e-5, interpret=True),
+                  fused_layout.normed_linear(x, nw, w, 1e-5)),
+                 (gemv_gpu.gated_normed_gemv(x, nw, w_gu, 1e-5, interpret=True),
+                  jax.nn.silu(gate) * up),
+                 (gemv_gpu.residual_gemv(x, w, res, interpret=True), res + decoder.linear(x, w))]
+        for got, want in pairs:
+            assert got.shape == want.shape and got.dtype == want.dtype
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                       rtol=tol, atol=tol)
+    # one token and a window's first token round alike (the same dot in the same block): bf16
+    one = gemv_gpu.normed_gemv(x[:, :1], nw, w, 1e-5, interpret=True)
+    window = gemv_gpu.normed_gemv(x, nw, w, 1e-5, interpret=True)
+    assert np.array_equal(np.asarray(one, np.float32), np.asarray(window[:, :1], np.float32))
+    swapped = jnp.concatenate([w_gu[f:], w_gu[:f]])
+    broken = gemv_gpu.gated_normed_gemv(x, nw, swapped, 1e-5, interpret=True)
+    assert np.abs(np.asarray(broken, np.float32) - np.asarray(pairs[1][1], np.float32)).max() > 0.1
+
+
+def test_gpu_decode_merge_kernel_is_the_xla_merge():
+    """One query token's GPU attention with the slot splits merged by one Triton program per
+    (row, kv head) (`decode_out_pallas_gpu`, interpreted) == the decode kernel's parts merged and
+    normalised by XLA; rows of 5 and 300 valid slots (empty splits weigh nothing)."""
+    from jaxspec.models import attention_kernels as ak
+
+    b, kv, g, h, s = 2, 2, 4, 64, 512
+    keys = jax.random.split(jax.random.key(6), 3)
+    qg = jax.random.normal(keys[0], (b, kv, g, h), jnp.bfloat16)
+    kc, vc = (jax.random.normal(k, (b, kv, s, h), jnp.bfloat16) for k in keys[1:])
+    lengths = jnp.array([5, 300], jnp.int32)
+    assert ak.gpu_out_takes(qg, kc)
+    got = ak.decode_out_pallas_gpu(qg, kc, vc, lengths, h**-0.5, jnp.float32, interpret=True)
+    o, _, l = ak.cache_part_pallas_gpu(qg, kc, vc, lengths, h**-0.5, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(o / l[..., None]), rtol=1e-5, atol=1e-5)

@@ -235,6 +235,14 @@ def _attend_written(qg, k_cache, v_cache, lengths, layer, impl, scale, interpret
     causal=T; a per-layer cache goes in as a stack of one). -> [B, T, N*H]."""
     b, t, n, h = q_shape
     kv = qg.shape[1]
+    if (t == 1 and impl == "pallas_gpu" and layer is None
+            and attention_kernels.gpu_out_takes(qg, k_cache)):  # the splits merged in one kernel
+        run = lambda q_, k_, v_, n_: (attention_kernels.decode_out_pallas_gpu(  # noqa: E731
+            q_, k_, v_, n_, scale, dtype, interpret),)
+        (o,) = attention_kernels.on_head_shards(
+            run, [qg, k_cache, v_cache, lengths + 1], [(0, 1), (0, 1), (0, 1), (0, None)],
+            [(4, 0, 1)])
+        return o.reshape(b, kv, n // kv, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n * h)
     if t == 1:  # one token: any kernel on lengths + 1 (JAX's GPU kernel: fewer partial sums)
         part = functools.partial(_cache_kernel, impl=impl, scale=scale, interpret=interpret)
         o_c, _, l_c = attention_kernels.cache_part_on_mesh(

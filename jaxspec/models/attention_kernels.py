@@ -355,15 +355,22 @@ def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False)
     unnormalised output in q's dtype and merges the splits there (bfloat16 for a bf16 cache), so
     this launches the same kernel with f32 outputs and merges in f32. More query rows than
     `gpu_rows(H)` run in row chunks."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plgpu
-    from jax.experimental.pallas.ops.gpu import decode_attention as da
-
     b, kv, gt, h = qg.shape
     if gt > gpu_rows(h):
         def part(x):
             return cache_part_pallas_gpu(x, k_cache, v_cache, lengths, scale, interpret)
         return cache_part_in_row_chunks(part, qg, rows=gpu_rows(h))
+    o, l, m = _gpu_split_parts(qg, k_cache, v_cache, lengths, scale, interpret)
+    return _merge_splits(o, m, l, axis=2)
+
+
+def _gpu_split_parts(qg, k_cache, v_cache, lengths, scale, interpret):
+    """The decode kernel's per-split (o [B, K, splits, GT, H], l, m [B, K, splits, GT]) in f32."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas.ops.gpu import decode_attention as da
+
+    b, kv, gt, h = qg.shape
     slots = k_cache.shape[2]
     block_k = min(128, slots)
     splits = max(1, slots // block_k) if slots % block_k == 0 else 1
@@ -401,10 +408,47 @@ def cache_part_pallas_gpu(qg, k_cache, v_cache, lengths, scale, interpret=False)
     # start and length enter unbatched over kv heads (start: one constant): broadcast to [B, K]
     # they were two more kernels a layer on XLA:GPU (one per operand, never shared by layers)
     per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))
-    o, l, m = jax.vmap(per_head, in_axes=(0, 0, 0, None, 0))(
+    return jax.vmap(per_head, in_axes=(0, 0, 0, None, 0))(
         qg, k_cache.astype(qg.dtype), v_cache.astype(qg.dtype), jnp.int32(0),
         lengths.astype(jnp.int32))  # [B, K, splits, GT(, H)]
-    return _merge_splits(o, m, l, axis=2)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def gpu_out_takes(qg, k_cache) -> bool:
+    """Whether `decode_out_pallas_gpu` takes these shapes (Triton's blocks: powers of two)."""
+    _, _, gt, h = qg.shape
+    return gt <= gpu_rows(h) and _pow2(gt) and _pow2(h) and _pow2(k_cache.shape[2])
+
+
+def decode_out_pallas_gpu(qg, k_cache, v_cache, lengths, scale, dtype, interpret=False):
+    """One query token's attention output [B, K, GT, H] in `dtype` (slots < lengths): the decode
+    kernel's splits merged and normalised by one more Triton program per (row, kv head), where
+    XLA:GPU ran that as two kernels (the splits' max, then the weighted sums and the division)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    o, l, m = _gpu_split_parts(qg, k_cache, v_cache, lengths, scale, interpret)
+    b, kv, splits, gt, h = o.shape
+
+    def kernel(o_ref, m_ref, l_ref, out_ref):  # o [S, GT, H], m and l [S, GT] -> [GT, H]
+        m = m_ref[...]
+        a = jnp.exp(m - jnp.max(m, axis=0)[None, :])  # each split's weight (the max's is 1)
+        den = jnp.sum(a * l_ref[...], axis=0)
+        out = jnp.sum(a[:, :, None] * o_ref[...], axis=0)
+        out_ref[...] = (out / den[:, None]).astype(out_ref.dtype)
+
+    rows = pl.BlockSpec((None, None, splits, gt), lambda i, j: (i, j, 0, 0))
+    return pl.pallas_call(
+        kernel, grid=(b, kv),
+        in_specs=[pl.BlockSpec((None, None, splits, gt, h), lambda i, j: (i, j, 0, 0, 0)),
+                  rows, rows],
+        out_specs=pl.BlockSpec((None, None, gt, h), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, kv, gt, h), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=GPU_WARPS, num_stages=1),
+        interpret=interpret, name="jaxspec_decode_merge")(o, m, l)
 
 
 def _merge_splits(o, m, l, axis):

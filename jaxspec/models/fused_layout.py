@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import kernels
-from jaxspec.models import blocks
+from jaxspec.models import blocks, gemv_gpu
 
 Params = dict[str, Any]
 FUSED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
@@ -83,6 +83,39 @@ def normed_linear(x: jax.Array, norm_w: jax.Array, w: jax.Array, eps: float) -> 
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     out = jax.lax.dot_general(xw, w, dims, preferred_element_type=jnp.float32)  # f32 sums
     return (out * scale).astype(x.dtype)
+
+
+def _one_token(kernel, xla, x, w):
+    """kernel() where a GPU runs this one-token projection (models/gemv_gpu.py), else xla()."""
+    return gemv_gpu.on_gpu(kernel, xla) if gemv_gpu.takes(x, w) else xla()
+
+
+def normed_projection(x: jax.Array, norm_w: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """`normed_linear`; one token on a GPU: one Pallas kernel with the norm inside."""
+    return _one_token(lambda: gemv_gpu.normed_gemv(x, norm_w, w, eps),
+                      lambda: normed_linear(x, norm_w, w, eps), x, w)
+
+
+def gated_mlp_input(x: jax.Array, norm_w: jax.Array, w_gate_up: jax.Array, eps: float) -> jax.Array:
+    """silu(gate) * up of rms_norm(x) @ w_gate_up.T: x [..., D] -> [..., F] (the down
+    projection's input); one token on a GPU: one kernel (norm, both halves, SiLU * up)."""
+    def xla():
+        gate, up = jnp.split(normed_linear(x, norm_w, w_gate_up, eps), 2, axis=-1)
+        return jax.nn.silu(gate) * up
+
+    return _one_token(lambda: gemv_gpu.gated_normed_gemv(x, norm_w, w_gate_up, eps), xla,
+                      x, w_gate_up)
+
+
+def residual_projection(x: jax.Array, w: jax.Array, res: jax.Array) -> jax.Array:
+    """res + x @ w.T (the attention output and down projections); one token on a GPU: one
+    kernel with the add inside."""
+    def xla():
+        dims = (((x.ndim - 1,), (1,)), ((), ()))
+        y = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        return res + y.astype(x.dtype)
+
+    return _one_token(lambda: gemv_gpu.residual_gemv(x, w, res), xla, x, w)
 
 
 def layer_axes(layer_axes: Params) -> Params:

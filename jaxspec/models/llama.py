@@ -166,7 +166,7 @@ def _qkv(cfg, lp, x, positions, inv_freq):
     if fused_layout.is_fused_layer(lp) and not cfg.qk_norm:
         # the fused (accelerator) layout: the norm's scale after the projection, RoPE on q and k
         # heads in one pass over it (fused_layout.normed_linear, blocks.apply_rope_heads)
-        qkv = fused_layout.normed_linear(x, lp["attn_norm"], lp["wqkv"], cfg.rms_norm_eps)
+        qkv = fused_layout.normed_projection(x, lp["attn_norm"], lp["wqkv"], cfg.rms_norm_eps)
         if cfg.attention_bias:
             qkv = qkv + jnp.concatenate([lp["bq"], lp["bk"], lp["bv"]])
         n, kv = cfg.num_heads, cfg.num_kv_heads
@@ -194,15 +194,15 @@ def _out_and_mlp(cfg, lp, x, attn, mlp=None):
     """Attention output projection + residual, then the MLP block + residual. attn: [B, T, N*H].
     `mlp(lp, y)`: a family's own MLP block on the normed y [B, T, D] (None: the gated MLP; an
     MoE family passes its routed experts, `models/qwen3_moe.py`)."""
+    if mlp is None and fused_layout.is_fused_layer(lp):  # the norm's scale after the projection
+        x = fused_layout.residual_projection(attn, lp["wo"], x)  # one kernel each on a GPU at
+        y = fused_layout.gated_mlp_input(x, lp["mlp_norm"], lp["w_gate_up"], cfg.rms_norm_eps)
+        return fused_layout.residual_projection(y, lp["w_down"], x)  # one token (gemv_gpu)
     x = x + linear(attn, lp["wo"])
     y = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if mlp is not None:
         return x + mlp(lp, y)
-    if mlp is None and fused_layout.is_fused_layer(lp):  # the norm's scale after the projection
-        gate, up = jnp.split(
-            fused_layout.normed_linear(x, lp["mlp_norm"], lp["w_gate_up"], cfg.rms_norm_eps),
-            2, axis=-1)
-    elif "w_gate_up" in lp:  # packed layout: gate and up fused
+    if "w_gate_up" in lp:  # packed layout: gate and up fused
         gate, up = jnp.split(linear(y, lp["w_gate_up"]), 2, axis=-1)
     else:
         gate, up = linear(y, lp["w_gate"]), linear(y, lp["w_up"])
