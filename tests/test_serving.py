@@ -325,7 +325,11 @@ def test_compiled_ahead_no_call_compiles_while_serving(target, prompts, caplog, 
     import jax
 
     engine = adaptive_engine(target, "ngram") if adaptive else engine_for(target, "ngram")
-    sched = Scheduler(engine, slots=4, max_context=CONTEXT, steps_per_call=2, page_size=4)
+    # the plain engine's scheduler is test_a_call_runs_over_the_live_rows_and_their_pages_only's
+    # (its programs already traced); the adaptive engine's programs are its own, so two slots:
+    # widths 1 (speculating, by its cost curve) and 2 (plain), each at every table width
+    slots = 2 if adaptive else 4
+    sched = Scheduler(engine, slots=slots, max_context=CONTEXT, steps_per_call=2, page_size=4)
     assert sched.compile_programs() == len(sched.widths) * len(sched.table_widths)
     arrivals = [(i // 2, p, Sampling(max_tokens=n)) for i, (p, n) in enumerate(zip(prompts, NEW))]
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
