@@ -216,7 +216,9 @@ LAW_PROMPT = [1, 2, 3, 1, 2]
 # which users run, passes. test_per_row_params_match_scalar_params covers top-p's per-row values.
 LAW = dict(temperature=0.7, top_k=6, min_p=0.05)
 # 600 rows: the broken variant below gives p ~ 1e-100 (2000 rows: 0.0, 300: 8e-52), far under
-# FAIL_P; the correct one 0.47 (measured, session 31)
+# FAIL_P; the correct one 0.47 (measured, session 31). What this law adds is the scheduler's
+# routing of each row's settings and seed; the rule's law at finer power is test_distributions'
+# (12000 rows).
 LAW_ROWS = 600
 
 
