@@ -86,7 +86,9 @@ is_production() {
   return 1
 }
 # Split the arguments: paths (what to run) and pytest options (passed to both parts).
-fast=() slow=() opts=(-rs --durations=30) named=0
+# -p no:langsmith_plugin: langchain's tracing plugin (installed with the test clients) costs
+# ~1 s of imports in every pytest process and no test uses it.
+fast=() slow=() opts=(-rs --durations=30 -p no:langsmith_plugin) named=0
 [ "$quick" -eq 1 ] && opts+=(-m quick)
 for arg in "$@"; do
   if [ -e "${arg%%::*}" ]; then

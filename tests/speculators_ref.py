@@ -17,6 +17,27 @@ import numpy as np
 import pytest
 
 
+class Lazy:
+    """A reference module imported on its first attribute read, by a test rather than at
+    collection (every xdist worker collects every module: speculators' and dflash's imports,
+    ~3 s each, were paid by the worker that runs none of their tests too)."""
+
+    def __init__(self, load):
+        object.__setattr__(self, "_load", load)
+        object.__setattr__(self, "_module", None)
+
+    def _get(self):
+        if self._module is None:
+            object.__setattr__(self, "_module", self._load())
+        return self._module
+
+    def __getattr__(self, name):
+        return getattr(self._get(), name)
+
+    def __setattr__(self, name, value):  # a test swapping a reference function sets it there
+        setattr(self._get(), name, value)
+
+
 def import_reference(module: str):
     """speculators.models.<module> (0.9.0); its package imports two training-data packages
     (datasets, hs_connectors) that the model code never calls: stand-ins when they are not

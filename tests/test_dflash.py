@@ -21,9 +21,10 @@ from jaxspec.errors import JaxspecError
 from jaxspec.formats import dflash as fmt
 from jaxspec.loading import load_model
 from jaxspec.models import base
+from speculators_ref import Lazy
 
 torch = import_torch()
-dflash_ref = pytest.importorskip("dflash.model")
+dflash_ref = Lazy(lambda: pytest.importorskip("dflash.model"))
 
 TOL = 1e-4
 BLOCK = 5

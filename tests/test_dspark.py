@@ -22,7 +22,7 @@ from jaxspec.drafters.base import DraftContext
 from jaxspec.errors import JaxspecError
 from jaxspec.formats import dspark as fmt
 from jaxspec.models import base
-from speculators_ref import (assert_same_tensors, edited, import_reference, load_targets,
+from speculators_ref import (Lazy, assert_same_tensors, edited, import_reference, load_targets,
                              rel_err, same_params, training_inputs)
 
 torch = import_torch()
@@ -30,8 +30,8 @@ torch = import_torch()
 
 
 
-ref = import_reference("dspark")
-ref_core = sys.modules["speculators.models.dspark.core"]
+ref = Lazy(lambda: import_reference("dspark"))
+ref_core = Lazy(lambda: (ref._get(), sys.modules["speculators.models.dspark.core"])[1])
 
 TOL = 1e-4
 BLOCK = 4

@@ -25,12 +25,12 @@ from jaxspec.errors import JaxspecError
 from jaxspec.formats import peagle as fmt
 from jaxspec.loading import load_model
 from jaxspec.models import base
-from speculators_ref import (assert_same_tensors, edited, import_reference, load_targets,
+from speculators_ref import (Lazy, assert_same_tensors, edited, import_reference, load_targets,
                              rel_err, same_params, training_inputs)
 
 torch = import_torch()
-ref = import_reference("peagle")
-ref_core = sys.modules["speculators.models.peagle.core"]
+ref = Lazy(lambda: import_reference("peagle"))
+ref_core = Lazy(lambda: (ref._get(), sys.modules["speculators.models.peagle.core"])[1])
 
 TOL = 1e-4
 GAMMA = 4

@@ -15,8 +15,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("openai")
-langchain_openai = pytest.importorskip("langchain_openai")
-litellm = pytest.importorskip("litellm")
+# langchain-openai and litellm are imported by their tests, not here: at collection every xdist
+# worker paid their ~3 s of imports, the one that does not run this module included
 
 from loopback import NAME, openai_client, serving, speculative_byte_engine  # noqa: E402
 
@@ -45,6 +45,7 @@ def reference(url):
 
 
 def test_langchain_chat_openai_invokes_and_streams(url, reference):
+    langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(base_url=url + "/v1", api_key="none", model=NAME,
                                       temperature=0, max_tokens=NEW, max_retries=0)
     message = llm.invoke(QUESTION)
@@ -57,6 +58,7 @@ def test_langchain_chat_openai_invokes_and_streams(url, reference):
 
 
 def test_litellm_completion_whole_streamed_and_n(url, reference):
+    litellm = pytest.importorskip("litellm")
     ask = dict(model=f"openai/{NAME}", api_base=url + "/v1", api_key="none",
                messages=[{"role": "user", "content": QUESTION}], max_tokens=NEW, temperature=0)
     out = litellm.completion(logprobs=True, top_logprobs=2, **ask)
