@@ -95,6 +95,10 @@ def main() -> None:
             config = dataclasses.replace(config, speculative=dataclasses.replace(
                 sp, adaptive=adaptive))
         engines[config.speculative.method] = build_engine(config, target=model)
+    for method, engine in engines.items() if args.adaptive else ():  # the curves it decides by
+        curves = engine.calibrate(1)  # {fill: [k = 0..γ]} in plain steps, measured or given
+        print(json.dumps({"method": method, "step_costs": {
+            str(f): [round(c, 3) for c in curve] for f, curve in curves.items()}}), flush=True)
     for n in args.lengths:
         ids = prompt_ids(model.tokenizer, n)
         for method, engine in engines.items():

@@ -177,12 +177,16 @@ def perturbed_draft(model):
 def test_a_prefix_hit_gives_the_tokens_of_a_miss(model, plain, variant):
     """The first request misses and names its pages; the next three hit its 3 shared pages
     (24 tokens each) and start their linear state from the last one's snapshot. chunked: the
-    prompts also go in chunks of two pages (each chunk resumes from the previous snapshot)."""
+    prompts also go in chunks of two pages (each chunk resumes from the previous snapshot),
+    the first request's too: the second arrives (round 1) when only its first chunk's 2 pages
+    are written, so it shares those 16 tokens (resuming from page 1's snapshot) and computes
+    the third shared page itself; the last two share all 3."""
     drafter, dparams = perturbed_draft(model) if variant == "draft_model" else (None, None)
     sched, done = serve_rows(model, drafter, dparams, 2 * PAGE if variant == "chunked" else None)
     assert sched.prefix_cache == "on" and sched.kv_layout == "paged"
     assert [c.token_ids for c in done] == plain
-    assert sched.stats.prefix_cached_tokens == 3 * 3 * PAGE
+    second = 2 * PAGE if variant == "chunked" else 3 * PAGE
+    assert [c.metrics["prefix_cached_tokens"] for c in done] == [0, second] + [3 * PAGE] * 2
     if variant == "draft_model":  # drafts both accepted and rejected
         acc = [c.metrics["num_accepted_tokens"] for c in done]
         drafted = sum(c.metrics["num_draft_tokens"] for c in done)

@@ -283,6 +283,13 @@ def test_chunked_prefill_runs_between_decode_calls_and_keeps_outputs(target, pro
     assert streamed >= 3  # 3 chunks of 16 before the last, each beside a decode call
     assert [s.done.token_ids for s in sinks] == solo
     assert sched.pool.free_pages == sched.pool.num_pages
+    fresh, sink = Scheduler(engine, **SHARED, prefill_chunk=16), Sink()  # a long FIRST prompt:
+    fresh.enqueue(fresh.new_request(long, Sampling(max_tokens=10), sink))  # no batch state yet
+    while fresh.busy:
+        fresh.run_once()
+    # in chunks too (a 32k prompt in one pass would hold every position's activations)
+    assert fresh.stats.prefill_chunks == 3 and fresh.stats.max_prefill_call_tokens == 16
+    assert sink.done.token_ids == solo[1] and fresh.pool.free_pages == fresh.pool.num_pages
 
 
 def test_a_call_runs_over_the_live_rows_and_their_pages_only(target, prompts):

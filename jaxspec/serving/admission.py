@@ -139,7 +139,7 @@ class Admission:
                 continue
             if left is not None and self._waits_for_budget(req, left):
                 break
-            cached = self.kv.take(req, free[0], written=self.device.state is not None)
+            cached = self.kv.take(req, free[0], written=self.device.pool_written)
             if cached is None:
                 break  # the pool is short: wait for a row to end
             left = self._admit_one(req, free.pop(0), cached, ready, left)
@@ -151,7 +151,7 @@ class Admission:
     def _waits_for_budget(self, req, left: int) -> bool:
         """Under a budget: `req` waits for a round it fits (or goes alone, first of a round)."""
         rest = len(req.prompt_ids) - self._cached_estimate(req)
-        chunks = self.chunk is not None and self.device.state is not None and rest > self.chunk
+        chunks = self.chunk is not None and rest > self.chunk
         return not chunks and rest > left and left < self.budget
 
     def _admit_one(self, req, slot: int, cached: int, ready: list, left):
@@ -163,8 +163,8 @@ class Admission:
         self.stats.prompt_tokens += len(req.prompt_ids)
         self.stats.prefix_cached_tokens += cached
         chunked = self.chunk is not None and len(req.prompt_ids) - cached > self.chunk
-        if chunked and self.device.state is not None:
-            self.prefilling[slot] = [req, cached]  # a chunk per round (`prefill_chunks`)
+        if chunked:  # a chunk per round (`prefill_chunks`), the first request's too: its chunks
+            self.prefilling[slot] = [req, cached]  # go into the pool before the batch state
         elif self.batch_prefill:
             ready.append((req, slot, cached))
             if left is not None:
@@ -193,7 +193,7 @@ class Admission:
                 entry[1] = done + self.chunk
                 self.kv.written(slot, req.prompt_ids[: entry[1]], req.cache_salt)  # shareable
                 self.stats.prefill_s += time.perf_counter() - t0
-                self.stats.prefill_calls += 1
+                self._count_call(self.chunk, chunks=1)
             else:
                 del self.prefilling[slot]
                 self._prefill_into(req, slot, done)
@@ -213,15 +213,16 @@ class Admission:
         only they fail. Re-raised when the pool went with the failed call (donated and
         deleted): then the engine cannot go on."""
         state = self.device.state
-        pool = state.cache if self.shape.paged and state is not None else None
+        pool = ((state.cache.k, state.cache.v) if state is not None else self.device.early_pool
+                ) if self.shape.paged else None
         failed: list[BaseException] = []
         try:
             yield failed
         except Exception as e:  # noqa: BLE001 -- confined below, or re-raised
-            if pool is not None and any(x.is_deleted() for x in jax.tree.leaves((pool.k, pool.v))):
+            if pool is not None and any(x.is_deleted() for x in jax.tree.leaves(pool)):
                 raise
             if pool is not None:
-                self.device.set_cache(k=pool.k, v=pool.v)
+                self.device.set_cache(k=pool[0], v=pool[1])
             for r, slot in zip(reqs, slots):
                 if self.ledger.active.get(slot) is r:  # spliced in before the failure: out again
                     self.ledger.release(r)
@@ -237,7 +238,13 @@ class Admission:
         self.device.splice_row(row, slot)
         self.ledger.activate(req, slot)
         self.stats.prefill_s += time.perf_counter() - t0
+        self._count_call(len(req.prompt_ids) - done)
+
+    def _count_call(self, tokens: int, chunks: int = 0) -> None:
+        """A prefill call that ran `tokens` prompt tokens (`chunks` of them chunk writes)."""
         self.stats.prefill_calls += 1
+        self.stats.prefill_chunks += chunks
+        self.stats.max_prefill_call_tokens = max(self.stats.max_prefill_call_tokens, tokens)
 
     def _live(self) -> set[int]:
         return set(self.ledger.active) | set(self.prefilling)
@@ -346,7 +353,7 @@ class Admission:
 
     def _cached_estimate(self, req: Request) -> int:
         """Prompt tokens of `req` the prefix cache would give it now (`KVManager.take`'s)."""
-        if not self.kv.sharing or self.device.state is None:
+        if not self.kv.sharing or not self.device.pool_written:
             return 0
         return len(self.pool.cached_prefix(req.prompt_ids, req.cache_salt)) * self.pool.page_size
 
@@ -426,7 +433,7 @@ class Admission:
         for r, slot in zip(reqs, slots):
             self.ledger.activate(r, slot)
         self.stats.prefill_s += time.perf_counter() - t0
-        self.stats.prefill_calls += 1
+        self._count_call(sum(len(r.prompt_ids) - d for r, d in zip(reqs, dones)))
 
     def _prefill_chunks_batched(self) -> bool:
         """`_prefill_chunks` with every prefilling row's next chunk in one write per compiled
@@ -449,7 +456,7 @@ class Admission:
                 self.kv.written(slot, entry[0].prompt_ids[: entry[1]],  # shareable already
                                 entry[0].cache_salt)
             self.stats.prefill_s += time.perf_counter() - t0
-            self.stats.prefill_calls += 1
+            self._count_call(self.chunk * len(part), chunks=len(part))
         for _, slot, _ in last:
             del self.prefilling[slot]
         self._prefill_batched(last)

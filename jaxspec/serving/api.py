@@ -231,7 +231,9 @@ class Server:
                 "cached_pages": s.pool.cached_pages, "prefix_cache": s.prefix_cache,
                 "device_calls": s.stats.device_calls, "preemptions": s.stats.preemptions,
                 "in_flight": len(self._unfinished), "failed": s.stats.failed,
-                "heap_released_at_call": self._released_at_call} | self._programs()
+                "heap_released_at_call": self._released_at_call,
+                "prefill_chunks": s.stats.prefill_chunks,
+                "max_prefill_call_tokens": s.stats.max_prefill_call_tokens} | self._programs()
 
     def _programs(self) -> dict:
         """Calls run through the server's prepared executables, and through the jit (a shape

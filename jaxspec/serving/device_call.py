@@ -58,6 +58,9 @@ class DeviceRunner:
         self.pool, self.stats, self.grammars = pool, stats, grammars
         self.key = jax.random.key(seed)
         self.state = None  # built at the first admission
+        # the page pool before the batch state exists: a first long prompt's chunks written
+        # into it (`take_pool_rows` / `set_cache`), the state built around it at its splice
+        self.early_pool: tuple | None = None  # (k, v)
         self.sp_rows: list[tuple] = [GREEDY] * shape.slots  # each slot's sampling values
         self.axes = rows.batch_axes(self.row_state_shape)
 
@@ -164,6 +167,9 @@ class DeviceRunner:
 
     # ---- rows in and out ----------------------------------------------------------------------
     def set_cache(self, **fields) -> None:
+        if self.state is None:  # a chunk written before any row: the pool kept for the next
+            self.early_pool = (fields["k"], fields["v"])
+            return
         self.state = dataclasses.replace(
             self.state, cache=dataclasses.replace(self.state.cache, **fields))
 
@@ -209,7 +215,9 @@ class DeviceRunner:
             if start < self.pool.frozen(slot):
                 raise RuntimeError(f"a prefill of row {slot} from {start} would write into its "
                                    f"shared pages (below {self.pool.frozen(slot)})")
-        if self.state is None:
+        if self.state is None and self.early_pool is not None:  # earlier chunks' pool
+            (k, v), self.early_pool = self.early_pool, None
+        elif self.state is None:
             empty = self.engine.empty_cache(self.spec.target, 1, self.shape.capacity)
             k, v = empty.k, empty.v
         else:
@@ -223,6 +231,12 @@ class DeviceRunner:
         """Whether the page pool went with a failed call (donated and deleted)."""
         return any(x.is_deleted() for x in jax.tree.leaves((self.state.cache.k,
                                                              self.state.cache.v)))
+
+    @property
+    def pool_written(self) -> bool:
+        """Whether a page pool holds written prompts (the batch state's, or the one a first
+        prompt's chunks went into before it): where prefix hits can come from."""
+        return self.state is not None or self.early_pool is not None
 
     def grammar_rows(self, regexes, slots, live):
         """The Grammar a prefill of rows `slots` takes (None: structured output off); a

@@ -16,6 +16,8 @@ class Stats:
     decode_s: float = 0.0
     prefill_s: float = 0.0
     prefill_calls: int = 0  # device calls that prefilled (whole prompts, tails, chunks)
+    prefill_chunks: int = 0  # prompt chunks written before their prompt's last piece
+    max_prefill_call_tokens: int = 0  # the most prompt tokens one prefill call ran (no padding)
     admitted: int = 0
     finished: int = 0
     preemptions: int = 0
