@@ -363,13 +363,30 @@ class MeshPlan:
             want = target_shardings(model, dparams, self.mesh, self.rules)
             return jax.tree.map(_put_if_needed, dparams, want)
         if self.shard_drafter and cfg is not None and isinstance(dparams, dict):
-            if "layer" in dparams:  # EAGLE: its decoder layer by the same rules, the rest replicated
-                check_model(cfg, self.mesh)
-                want = param_shardings(cfg, self.mesh, self.rules)["layers"][0]
-                layer = {k: _put_if_needed(w, want[k]) for k, w in dparams["layer"].items()}
-                rest = {k: v for k, v in dparams.items() if k != "layer"}
-                return jax.tree.map(lambda x: _put_if_needed(x, rep), rest) | {"layer": layer}
+            if "layer" in dparams:  # EAGLE: its decoder layer (and LM head) by the same rules
+                return jax.tree.map(_put_if_needed, dparams, self.head_shardings(dparams, cfg))
         return jax.tree.map(lambda x: _put_if_needed(x, rep), dparams)
+
+    def head_shardings(self, dparams, cfg: llama.ModelConfig):
+        """An EAGLE-style head's NamedShardings (arrays or ShapeDtypeStructs) under
+        shard_drafter: its decoder layer's projections by the Llama layer's axes, its own LM head
+        [Nd, H] by vocabulary rows like the target's; norms, fc, d2t replicated. Each chip then
+        reads its share of the head, not the whole head."""
+        check_model(cfg, self.mesh)
+        rep = NamedSharding(self.mesh, P())
+        layer_axes = llama.param_axes(cfg)["layers"][0]
+        counts = head_counts(cfg)
+
+        def by(axes, x):
+            spec = _fitted_spec(self.rules, axes, x.shape, self.mesh, counts)
+            return NamedSharding(self.mesh, spec)
+
+        out = jax.tree.map(lambda _: rep, dparams)
+        out["layer"] = {k: by(layer_axes[k], w) if k in layer_axes and k != "attn_norm" else rep
+                        for k, w in dparams["layer"].items()}
+        if "lm_head" in dparams:
+            out["lm_head"] = by(("vocab", "embed"), dparams["lm_head"])
+        return out
 
 
 def fetch(tree):

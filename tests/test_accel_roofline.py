@@ -268,6 +268,22 @@ def test_the_loop_step_compiles_on_a_v5e_mesh():
     assert r["collectives"] >= 2 * 2, r  # two all-reduces a layer at least
 
 
+def test_an_eagle3_head_on_a_model_mesh_is_read_by_shards():
+    """EAGLE-3's loop step on a v5e 1x2 (Llama-3.2-1B's shapes, 4 layers: taps 2, 2, 1), the
+    head placed as `MeshPlan(shard_drafter=True)` places it (its layer and LM head by the
+    target's rules): a chip moves <= 1.2x its share of target + head + KV (0.742 GB, 1.11x).
+    The head replicated (the control, the tool's program before: `_plan` -> MeshPlan(mesh))
+    moves 1.017 GB, 1.27x its share even with the whole head counted once in it: each chip
+    reads the whole layer and LM head 3 times a step."""
+    from jaxspec.tools import spec_steps
+
+    model = roofline.shape_target("llama3-1b", "bfloat16").prefix(4)
+    place = accel_roofline.placement("v5e", (1, 2), model)
+    r = spec_steps.measure_step(place, model, "unrolled", "eagle3", 3, 2, 256, 128)
+    assert r["chips"] == 2 and r["host_syncs"] == 0 and r["attention"] == "pallas_tpu", r
+    assert r["bytes_moved"] <= 1.2 * r["min_bytes"], r
+
+
 def test_a_batch_window_on_tpu_is_written_without_relaying_the_cache(monkeypatch):
     """v5e, Llama-3.2-1B's layer shapes (2 layers), batch 8: the loop's k/v writes go row by row
     in place (`decoder._write_rows`). The vmapped scatter (the control, the program before) made

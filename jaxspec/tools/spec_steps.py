@@ -3,8 +3,9 @@ speculative method (`python -m jaxspec.tools.roofline --target T --method ngram,
 the exact program `speculate.decode_jit` runs (draft, verify, accept on the device, commit),
 read per step from its generation loop's body: kernels, host syncs, bytes moved, predicted
 milliseconds, and the ratio to the plain loop's step compiled the same way. On a placement's
-mesh the inputs are placed as the engine places them (target by the rules, the drafter
-replicated) and the bytes are one chip's.
+mesh the inputs are placed as the engine places them (target by the rules; an EAGLE-style
+head as `MeshPlan(shard_drafter=True)` shards it, other drafters replicated) and the bytes are
+one chip's.
 
 Drafters come with abstract params of a deployed head's shapes, in the target's dtype (nothing
 is trained or run): n-gram prompt lookup (chain of γ, and a static tree), an EAGLE-3 head (one
@@ -94,28 +95,42 @@ def drafter_for(model: base.Target, method: str, gamma: int):
     raise JaxspecError(f"unknown --method {method!r}: use one of {', '.join(METHODS)}")
 
 
+def _plan(mesh, drafter) -> sharding.MeshPlan | None:
+    """The engine's MeshPlan of `mesh` (None: one chip): an EAGLE-style head (a decoder layer
+    of the target's shape, `traits.model_cfg`) sharded by the target's rules (shard_drafter:
+    each chip reads its share of the head), any other drafter replicated."""
+    if mesh is None:
+        return None
+    own_layer = drafter is not None and traits(drafter).model_cfg is not None
+    return sharding.MeshPlan(mesh, shard_drafter=own_layer)
+
+
 def loop_spec(model: base.Target, drafter, gamma: int, write_chains: bool = True,
               mesh=None) -> LoopSpec:
     """The LoopSpec an engine builds for this drafter (engine/runner.py) on the accelerator (a
     chain's window written in place: `LoopSpec.write_chains`), on `mesh` (a jax Mesh or None:
-    the engine's MeshPlan of it, drafter replicated), greedy."""
+    the engine's MeshPlan of it, `_plan`), greedy."""
     windows = (1, 2, *(traits(drafter).verify_windows if drafter is not None else ()))
     return LoopSpec(target=model, drafter=drafter,
                     num_speculative_tokens=gamma if drafter is not None else 0,
                     eos_ids=(0,), windows=windows, write_chains=write_chains,
-                    mesh=None if mesh is None else sharding.MeshPlan(mesh))
+                    mesh=_plan(mesh, drafter))
 
 
-def _placed(p, model: base.Target, params, dparams, state, small):
+def _placed(p, model: base.Target, drafter, params, dparams, state, small):
     """The loop's inputs on the placement's chips: one chip, or on its mesh as the engine puts
-    them (params by the rules, the drafter's replicated, the state by `state_shardings`)."""
+    them (params by the rules, the drafter's by `_plan`, the state by `state_shardings`)."""
     if p.mesh is None:
         one = jax.sharding.SingleDeviceSharding(p.devices[0])
         return [None if t is None else aot.on(t, one) for t in (params, dparams, state, small)]
     sharding.check_batch(state.lengths.shape[0], p.mesh)
     rep = jax.sharding.NamedSharding(p.mesh, jax.sharding.PartitionSpec())
+    plan = _plan(p.mesh, drafter)
+    own = None if drafter is None else traits(drafter).model_cfg
+    heads = (plan.head_shardings(dparams, own) if plan.shard_drafter and isinstance(dparams, dict)
+             and "layer" in dparams else rep)
     return [aot.on(params, sharding.target_shardings(model, params, p.mesh)),
-            None if dparams is None else aot.on(dparams, rep),
+            None if dparams is None else aot.on(dparams, heads),
             aot.on(state, sharding.state_shardings(state, state.lengths.shape[0], p.mesh)),
             aot.on(small, rep)]
 
@@ -153,7 +168,7 @@ def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, ba
             jnp.full((batch,), prompt, jnp.int32), jnp.full((batch,), 64, jnp.int32), sp,
             jax.random.key(0), jnp.arange(batch, dtype=jnp.int32))
     state = jax.eval_shape(lambda *a: speculate.prefill(spec, *a, capacity=capacity), *args)
-    placed = _placed(p, model, params, dparams, state, (sp, jnp.int32(1)))
+    placed = _placed(p, model, drafter, params, dparams, state, (sp, jnp.int32(1)))
     with attention_kernels.kernel_mesh(p.mesh):
         compiled = aot.compile_for(p.target, speculate.decode_jit, spec, *placed[:3],
                                    *placed[3])
@@ -165,11 +180,12 @@ def measure_step(p, model: base.Target, layout: str, method: str, gamma: int, ba
     window = spec.num_nodes + 1
     cache = step_programs.abstract_cache(model, params, batch, capacity)
     nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(t))  # noqa: E731
-    # per chip: the target's minimum times one chip's share of params + cache, the (replicated)
-    # drafter's params whole
+    # per chip: the target's minimum times one chip's share of params + cache, the drafter's
+    # params by its placement (replicated: whole)
     share = 1.0 if p.mesh is None else accel_roofline._chip_share(placed[0], placed[2].cache)
     need = step_programs.min_bytes(model, params, cache, batch, window, valid, window) * share
-    need += nbytes(dparams) if dparams is not None else 0
+    if dparams is not None:
+        need += nbytes(dparams) * (1.0 if p.mesh is None else accel_roofline._chip_share(placed[1]))
     return {
         "target": p.target.name, "program": "step", "method": method, "batch": batch,
         "gamma": gamma if drafter is not None else 0, "window": window, "layout": layout,
