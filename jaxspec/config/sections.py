@@ -234,7 +234,7 @@ class MeshConfig(Section):
     SECTION: ClassVar[str] = "mesh"
     data: int = 1  # devices the batch is split over
     model: int = 1  # devices heads, MLP and vocabulary are split over (divides the head count)
-    shard_drafter: bool = False  # true: a draft model follows the target's rules (default replicated)
+    shard_drafter: bool = False  # true: a draft model or EAGLE-style head follows the target's rules (default replicated)
 
     def _validate(self):
         for key in ("data", "model"):
