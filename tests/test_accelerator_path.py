@@ -478,6 +478,19 @@ def test_gpu_gemv_kernels_match_the_xla_projections():
     assert np.abs(np.asarray(broken, np.float32) - np.asarray(pairs[1][1], np.float32)).max() > 0.1
 
 
+def test_the_gemv_switch_takes_0_or_1_and_refuses_the_rest(monkeypatch):
+    """JAXSPEC_GPU_GEMV (the device A/B switch): 0 and 1 are honoured, anything else is a
+    one-line error naming both, not read as on."""
+    from jaxspec.models import gemv_gpu
+
+    for value, on in (("0", False), ("1", True)):
+        monkeypatch.setenv(gemv_gpu.ENV_SWITCH, value)
+        assert gemv_gpu.enabled() is on
+    monkeypatch.setenv(gemv_gpu.ENV_SWITCH, "false")
+    with pytest.raises(ValueError, match=r"set it to 0 .* or 1"):
+        gemv_gpu.enabled()
+
+
 def test_gpu_decode_merge_kernel_is_the_xla_merge():
     """One query token's GPU attention with the slot splits merged by one Triton program per
     (row, kv head) (`decode_out_pallas_gpu`, interpreted) == the decode kernel's parts merged and

@@ -40,7 +40,12 @@ WARPS = 4
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    """JAXSPEC_GPU_GEMV: "1" (default) the kernels, "0" the XLA path; anything else refused."""
+    value = os.environ.get(ENV_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH}={value!r}: set it to 0 (XLA's projections) or 1 (the "
+                         "GPU kernels, the default)")
+    return value == "1"
 
 
 def takes(x: jax.Array, w: jax.Array) -> bool:
