@@ -371,6 +371,21 @@ def test_fused_layer_pieces_match_the_plain_ones():
     assert np.array_equal(np.asarray(decoder._write_rows(cache, new, pos)), np.asarray(scattered))
 
 
+def test_a_window_write_traces_flat_in_the_batch():
+    """A contiguous window write at batch 600 traces no more than at batch 8: the TPU branch's
+    one write a row (which platform_dependent traces on every platform, CPU included) stops at
+    decoder.ROW_WRITES_MAX rows. Unbounded, batch 600 traced 600 writes a layer."""
+    def traced_lines(batch):
+        cache, new = jnp.zeros((batch, 2, 16, 8)), jnp.ones((batch, 3, 2, 8))
+        pos = jnp.tile(jnp.arange(3, dtype=jnp.int32)[None], (batch, 1))
+        fn = lambda c, n, p: decoder.write_kv(c, n, p, contiguous=True)  # noqa: E731
+        return len(str(jax.make_jaxpr(fn)(cache, new, pos)).splitlines())
+
+    small, large = traced_lines(8), traced_lines(600)
+    assert large <= small, (small, large)
+    assert traced_lines(decoder.ROW_WRITES_MAX) > small  # the TPU branch is traced below it
+
+
 @pytest.mark.parametrize("t", [1, 3])
 def test_a_written_window_reads_its_own_rows_from_the_cache(t):
     """window_in_cache (a writing forward's causal window) on the GPU kernels (Pallas

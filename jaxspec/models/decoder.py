@@ -142,7 +142,8 @@ def write_kv(cache_l: jax.Array, new: jax.Array, positions: jax.Array, layer=Non
         one = lambda c, n, p: c.at[p].set(n, mode="drop")  # noqa: E731  c [S, H], n [T, H], p [T]
         scatter = lambda c, n, p: jax.vmap(jax.vmap(one, in_axes=(0, 1, None)))(  # noqa: E731
             c, n.astype(c.dtype), p)
-        if contiguous and new.shape[0] > 1 and new.shape[1] > 0 and not _rows_sharded():
+        if (contiguous and 1 < new.shape[0] <= ROW_WRITES_MAX and new.shape[1] > 0
+                and not _rows_sharded()):
             return jax.lax.platform_dependent(cache_l, new, positions, tpu=_write_rows,
                                               default=scatter)  # TPU: row by row, in place
         if new.shape[0] != 1 or new.shape[1] == 0 or (new.shape[1] > 1 and not contiguous):
@@ -173,6 +174,12 @@ def _rows_sharded() -> bool:
 
     mesh = attention_kernels.trace_mesh()
     return mesh is not None and dict(mesh.shape).get("data", 1) > 1
+
+
+# Batch rows a TPU window write takes one by one (`_write_rows`, unrolled): platform_dependent
+# traces that branch on every platform, so CPU programs pay its tracing too (B writes a layer);
+# past this the scatter. A fori_loop over the rows fails XLA:TPU's partitioner on a model mesh.
+ROW_WRITES_MAX = 64
 
 
 def _write_rows(cache_l: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
